@@ -1,0 +1,61 @@
+"""nnlite: a small neural-network library on JAX.
+
+Parameters live in ``ParamsDict`` pytrees; layers are frozen dataclasses of
+hyperparameters with ``init(key)`` and ``__call__(params, x)``.
+"""
+
+from ._layers import FFN as FFN
+from ._layers import Activation as Activation
+from ._layers import Linear as Linear
+from ._layers import Sequential as Sequential
+from ._layers import SoftmaxHead as SoftmaxHead
+from ._losses import REDUCTIONS as REDUCTIONS
+from ._losses import mse as mse
+from ._losses import nll as nll
+from ._losses import reduce as reduce
+from ._losses import softmax_cross_entropy as softmax_cross_entropy
+from ._module import Module as Module
+from ._nn import ACTIVATIONS as ACTIVATIONS
+from ._nn import INITIALIZERS as INITIALIZERS
+from ._nn import gelu as gelu
+from ._nn import get_activation as get_activation
+from ._nn import get_initializer as get_initializer
+from ._nn import identity as identity
+from ._nn import relu as relu
+from ._nn import sigmoid as sigmoid
+from ._nn import softplus as softplus
+from ._nn import tanh as tanh
+from ._params import ParamsDict as ParamsDict
+from ._params import PathKey as PathKey
+from ._params import format_path as format_path
+from ._params import leaf_str as leaf_str
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTIVATIONS",
+    "FFN",
+    "INITIALIZERS",
+    "REDUCTIONS",
+    "Activation",
+    "Linear",
+    "Module",
+    "ParamsDict",
+    "PathKey",
+    "Sequential",
+    "SoftmaxHead",
+    "format_path",
+    "gelu",
+    "get_activation",
+    "get_initializer",
+    "identity",
+    "leaf_str",
+    "mse",
+    "nll",
+    "reduce",
+    "relu",
+    "sigmoid",
+    "softmax_cross_entropy",
+    "softplus",
+    "tanh",
+]

@@ -1,0 +1,232 @@
+"""Layers: Linear, FFN, SoftmaxHead, Activation, Sequential."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ._module import Module
+from ._nn import get_activation, get_initializer
+from ._params import ParamsDict
+
+__all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead"]
+
+
+class Linear(Module):
+    """``y = x @ W + b`` with ``W: [in_features, out_features]``.
+
+    Args:
+        in_features: size of the input's last axis.
+        out_features: size of the output's last axis.
+        use_bias: whether to add ``b: [out_features]``.
+        w_init, b_init: initializer names (see ``nnlite.INITIALIZERS``).
+        dtype: parameter dtype.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> layer = Linear(5, 7)
+        >>> p = layer.init(jax.random.key(0))
+        >>> p.print()
+        /W: f32[5,7]
+        /b: f32[7]
+        >>> layer(p, jnp.ones((3, 5))).shape
+        (3, 7)
+    """
+
+    in_features: int
+    out_features: int
+    use_bias: bool = True
+    w_init: str = "lecun_normal"
+    b_init: str = "zeros"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("in_features", "out_features"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Linear: {name} must be a positive int, got {v!r}")
+        get_initializer(self.w_init)
+        get_initializer(self.b_init)
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        p = ParamsDict()
+        p.W = get_initializer(self.w_init)(key, (self.in_features, self.out_features), self.dtype)
+        if self.use_bias:
+            p.b = get_initializer(self.b_init)(key, (self.out_features,), self.dtype)
+        return p
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        self.check_input(x, self.in_features)
+        y = x @ params.W
+        return y + params.b if self.use_bias else y
+
+
+class Activation(Module):
+    """An activation function as a parameter-free module (for ``Sequential``)."""
+
+    name: str = "relu"
+
+    def __post_init__(self):
+        super().__post_init__()
+        get_activation(self.name)
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        return ParamsDict()
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        return get_activation(self.name)(x)
+
+
+class FFN(Module):
+    """Multi-layer perceptron: Linear layers with ``activation`` between them.
+
+    ``FFN(64, (32, 16), 10)`` is ``Linear(64,32) -> act -> Linear(32,16) -> act -> Linear(16,10)``.
+    Its parameters are ``/layers[i]/W`` and ``/layers[i]/b``.
+
+    Args:
+        in_features: input size.
+        hidden_sizes: sizes of the hidden layers (may be empty: then one Linear).
+        out_features: output size.
+        activation: name of the activation between layers (see ``nnlite.ACTIVATIONS``).
+        activate_final: also apply the activation after the last layer.
+        w_init: initializer of every weight; ``None`` picks ``he_normal`` for relu-like
+            activations and ``lecun_normal`` otherwise.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> ffn = FFN(4, (8,), 2)
+        >>> p = ffn.init(jax.random.key(0))
+        >>> p.print()
+        /layers[0]/W: f32[4,8]
+        /layers[0]/b: f32[8]
+        /layers[1]/W: f32[8,2]
+        /layers[1]/b: f32[2]
+        >>> ffn(p, jnp.ones((3, 4))).shape
+        (3, 2)
+    """
+
+    in_features: int
+    hidden_sizes: tuple[int, ...]
+    out_features: int
+    activation: str = "relu"
+    activate_final: bool = False
+    w_init: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.hidden_sizes, int):
+            object.__setattr__(self, "hidden_sizes", (self.hidden_sizes,))
+        get_activation(self.activation)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.in_features, *self.hidden_sizes, self.out_features)
+
+    @property
+    def layers(self) -> tuple[Linear, ...]:
+        w_init = self.w_init or ("he_normal" if self.activation in ("relu", "gelu") else "lecun_normal")
+        s = self.sizes
+        return tuple(Linear(a, b, w_init=w_init, dtype=self.dtype) for a, b in zip(s[:-1], s[1:]))
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        layers = self.layers
+        keys = jax.random.split(key, len(layers))
+        return ParamsDict(layers=[layer.init(k) for layer, k in zip(layers, keys)])
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        self.check_input(x, self.in_features)
+        act = get_activation(self.activation)
+        layers = self.layers
+        for i, (layer, p) in enumerate(zip(layers, params.layers)):
+            x = layer(p, x)
+            if i < len(layers) - 1 or self.activate_final:
+                x = act(x)
+        return x
+
+
+_HEAD_OUTPUTS: dict[str, Callable] = {
+    "log_softmax": lambda z: jax.nn.log_softmax(z, axis=-1),
+    "softmax": lambda z: jax.nn.softmax(z, axis=-1),
+    "logits": lambda z: z,
+}
+
+
+class SoftmaxHead(Module):
+    """Classification head: a Linear layer to ``num_classes`` logits, then (log-)softmax.
+
+    Args:
+        in_features: input size.
+        num_classes: number of classes.
+        output: ``"log_softmax"`` (default), ``"softmax"`` or ``"logits"``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> head = SoftmaxHead(4, 3, output="softmax")
+        >>> p = head.init(jax.random.key(0))
+        >>> float(head(p, jnp.ones((2, 4))).sum())
+        2.0
+    """
+
+    in_features: int
+    num_classes: int
+    output: str = "log_softmax"
+    w_init: str = "lecun_normal"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.output not in _HEAD_OUTPUTS:
+            raise ValueError(f"SoftmaxHead: unknown output {self.output!r}; valid: {', '.join(_HEAD_OUTPUTS)}")
+
+    @property
+    def linear(self) -> Linear:
+        return Linear(self.in_features, self.num_classes, w_init=self.w_init, dtype=self.dtype)
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        return self.linear.init(key)
+
+    def logits(self, params: ParamsDict, x: jax.Array) -> jax.Array:
+        """The pre-softmax scores, ``[..., num_classes]``."""
+        self.check_input(x, self.in_features)
+        return self.linear(params, x)
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        return _HEAD_OUTPUTS[self.output](self.logits(params, x))
+
+
+class Sequential(Module):
+    """Apply ``layers`` in order; parameters are ``/layers[i]/...``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> net = Sequential((Linear(4, 8), Activation("tanh"), SoftmaxHead(8, 3)))
+        >>> p = net.init(jax.random.key(0))
+        >>> net(p, jnp.ones((2, 4))).shape
+        (2, 3)
+    """
+
+    layers: tuple[Module, ...]
+
+    def __post_init__(self):
+        super().__post_init__()
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, Module):
+                raise TypeError(f"Sequential: layers[{i}] must be an nnlite Module, got {type(layer).__name__}")
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        keys = jax.random.split(key, max(len(self.layers), 1))
+        return ParamsDict(layers=[layer.init(k) for layer, k in zip(self.layers, keys)])
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        if len(params.layers) != len(self.layers):
+            raise ValueError(
+                f"Sequential: params have {len(params.layers)} layers, the module has {len(self.layers)}"
+            )
+        keys = [None] * len(self.layers) if key is None else list(jax.random.split(key, len(self.layers)))
+        for layer, p, k in zip(self.layers, params.layers, keys):
+            x = layer(p, x, key=k)
+        return x

@@ -1,0 +1,97 @@
+"""Losses: per-example values, with an explicit ``reduction``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["REDUCTIONS", "mse", "nll", "reduce", "softmax_cross_entropy"]
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+def reduce(values: jax.Array, reduction: str) -> jax.Array:
+    """Apply ``reduction`` ("none" keeps per-example values, "mean", "sum")."""
+    if reduction == "none":
+        return values
+    if reduction == "mean":
+        return jnp.mean(values)
+    if reduction == "sum":
+        return jnp.sum(values)
+    raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
+
+
+def _check_labels(fn: str, scores: jax.Array, labels: jax.Array) -> None:
+    if scores.ndim < 1:
+        raise ValueError(f"{fn}: expected scores with a class axis, got shape {scores.shape}")
+    if labels.shape != scores.shape[:-1]:
+        raise ValueError(
+            f"{fn}: expected labels of shape {scores.shape[:-1]} (scores shape {scores.shape} "
+            f"minus the class axis), got {labels.shape}"
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{fn}: labels must be integers (class indices), got dtype {labels.dtype}")
+
+
+def nll(log_probs: jax.Array, labels: jax.Array, *, reduction: str = "none") -> jax.Array:
+    """Negative log-likelihood ``-log_probs[..., labels]``.
+
+    Args:
+        log_probs: ``[..., num_classes]`` log-probabilities.
+        labels: ``[...]`` integer class indices.
+        reduction: "none" (per example, default), "mean" or "sum".
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> nll(jnp.log(jnp.array([[0.25, 0.75]])), jnp.array([1]))
+        Array([0.2876821], dtype=float32)
+    """
+    log_probs, labels = jnp.asarray(log_probs), jnp.asarray(labels)
+    _check_labels("nll", log_probs, labels)
+    picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+    return reduce(-picked, reduction)
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, reduction: str = "none") -> jax.Array:
+    """Cross-entropy of ``softmax(logits)`` against integer ``labels``.
+
+    Computed as ``logsumexp(logits) - logits[label]`` with the max subtracted first, so
+    logits of magnitude 1e4 give exact, finite values.
+
+    Args:
+        logits: ``[..., num_classes]`` unnormalised scores.
+        labels: ``[...]`` integer class indices.
+        reduction: "none" (per example, default), "mean" or "sum".
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> softmax_cross_entropy(jnp.array([[0.0, 0.0]]), jnp.array([0]))
+        Array([0.6931472], dtype=float32)
+    """
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)
+    _check_labels("softmax_cross_entropy", logits, labels)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    shifted = logits - m
+    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    picked = jnp.take_along_axis(shifted, labels[..., None], axis=-1)[..., 0]
+    return reduce(lse - picked, reduction)
+
+
+def mse(predictions: jax.Array, targets: jax.Array, *, reduction: str = "none") -> jax.Array:
+    """Mean squared error per example: the mean over all but the leading axis.
+
+    Args:
+        predictions, targets: arrays of the same shape ``[batch, ...]`` (or ``[batch]``).
+        reduction: "none" (per example, default), "mean" or "sum".
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> mse(jnp.array([1.0, 3.0]), jnp.array([0.0, 1.0]))
+        Array([1., 4.], dtype=float32)
+    """
+    predictions, targets = jnp.asarray(predictions), jnp.asarray(targets)
+    if predictions.shape != targets.shape:
+        raise ValueError(f"mse: predictions shape {predictions.shape} != targets shape {targets.shape}")
+    sq = jnp.square(predictions - targets)
+    per_example = sq.reshape(sq.shape[0], -1).mean(axis=1) if sq.ndim > 1 else sq
+    return reduce(per_example, reduction)

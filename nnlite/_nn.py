@@ -1,0 +1,85 @@
+"""Initializers and activations by name, so hyperparameters stay hashable strings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ACTIVATIONS", "INITIALIZERS", "get_activation", "get_initializer"]
+
+_inits = jax.nn.initializers
+
+# Named as in the literature; each maps (key, shape, dtype) -> array. Fan-in/fan-out are
+# read from a (in_features, out_features) weight shape.
+INITIALIZERS: dict[str, Callable] = {
+    "zeros": _inits.zeros,
+    "ones": _inits.ones,
+    "normal": _inits.normal(stddev=1.0),
+    "lecun_normal": _inits.lecun_normal(),
+    "lecun_uniform": _inits.lecun_uniform(),
+    "glorot_normal": _inits.glorot_normal(),
+    "glorot_uniform": _inits.glorot_uniform(),
+    "he_normal": _inits.he_normal(),
+    "he_uniform": _inits.he_uniform(),
+}
+
+
+def relu(x):
+    """max(x, 0)."""
+    return jax.nn.relu(x)
+
+
+def gelu(x):
+    """GELU, tanh approximation (as in GPT-2)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def tanh(x):
+    """Hyperbolic tangent."""
+    return jnp.tanh(x)
+
+
+def sigmoid(x):
+    """Logistic sigmoid."""
+    return jax.nn.sigmoid(x)
+
+
+def softplus(x):
+    """log(1 + exp(x))."""
+    return jax.nn.softplus(x)
+
+
+def identity(x):
+    """x."""
+    return x
+
+
+ACTIVATIONS: dict[str, Callable] = {
+    "relu": relu,
+    "gelu": gelu,
+    "tanh": tanh,
+    "sigmoid": sigmoid,
+    "softplus": softplus,
+    "identity": identity,
+}
+
+
+def _lookup(table: dict, kind: str, name: str | Callable) -> Callable:
+    if callable(name):
+        return name
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(table)}") from None
+
+
+def get_activation(name: str | Callable) -> Callable:
+    """The activation function called ``name`` (or ``name`` itself if callable)."""
+    return _lookup(ACTIVATIONS, "activation", name)
+
+
+def get_initializer(name: str | Callable) -> Callable:
+    """The initializer called ``name`` (or ``name`` itself if callable)."""
+    return _lookup(INITIALIZERS, "initializer", name)

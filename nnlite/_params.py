@@ -1,0 +1,418 @@
+"""ParamsDict: a nested, attribute-access parameter container that JAX sees as a pytree."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["ParamsDict", "PathKey", "format_path", "leaf_str"]
+
+
+class PathKey:
+    """Key-path entry of a ParamsDict field; prints as ``/name`` so paths read ``/layer/W``.
+
+    ``jax.tree_util.keystr(path)`` of a ParamsDict leaf is therefore the same string that
+    ``ParamsDict.print`` shows, e.g. ``/layers[1]/b``.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self) -> str:
+        return "/" + self.name
+
+    def __repr__(self) -> str:
+        return f"PathKey({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PathKey) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("PathKey", self.name))
+
+
+class _Aux:
+    """Treedef auxiliary data: sorted field names (the identity) plus insertion order.
+
+    Equality and hashing use only the sorted names and the static (string) fields, so two
+    ParamsDicts with the same fields have equal treedefs whatever order they were built in;
+    the insertion order rides along so that unflattening preserves how the tree prints.
+    """
+
+    __slots__ = ("keys", "order", "static", "_hash")
+
+    def __init__(self, keys: tuple[str, ...], order: tuple[str, ...], static: tuple):
+        self.keys = keys  # dynamic (pytree child) fields, sorted
+        self.order = order  # every field, insertion order
+        self.static = static  # ((name, value), ...) for string fields, sorted
+        self._hash = hash((keys, static))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Aux)
+            and self._hash == other._hash
+            and self.keys == other.keys
+            and self.static == other.static
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"ParamsDictKeys{self.keys}"
+
+
+_SEGMENT = re.compile(r"/([^/\[\]]+)|\[(\d+)\]")
+
+
+class ParamsDict:
+    """Nested parameter container with attribute and item access.
+
+    Values are arrays, Python scalars, strings (kept static: they are not pytree leaves, so
+    ``jit`` accepts a ParamsDict holding them), nested ParamsDicts, and lists or tuples of
+    ParamsDicts. Iteration order, printing and ``items()`` follow insertion order; the pytree
+    flattening sorts field names, so treedefs do not depend on insertion order.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> p = ParamsDict()
+        >>> p.a = 4
+        >>> p.layer = ParamsDict(W=jnp.zeros((5, 7)), b=jnp.zeros(7))
+        >>> p.print()
+        /a: 4
+        /layer/W: f32[5,7]
+        /layer/b: f32[7]
+        >>> p["layer"].W.shape
+        (5, 7)
+    """
+
+    __slots__ = ("_data", "_aux")
+
+    def __init__(self, *args: Mapping[str, Any], **kwargs: Any):
+        object.__setattr__(self, "_data", {})
+        object.__setattr__(self, "_aux", None)
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    # -- mapping protocol -------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        data = object.__getattribute__(self, "_data")
+        try:
+            return data[name]
+        except KeyError:
+            if name.startswith("__"):  # copy/pickle probes: plain AttributeError
+                raise AttributeError(name) from None
+            raise AttributeError(
+                f"ParamsDict has no key {name!r}; keys are: {', '.join(data) or '(none)'}"
+            ) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        del self[name]
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self._data[name]
+        except KeyError:
+            raise KeyError(
+                f"ParamsDict has no key {name!r}; keys are: {', '.join(self._data) or '(none)'}"
+            ) from None
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if not isinstance(name, str) or not name or "/" in name or "[" in name:
+            raise KeyError(f"ParamsDict keys must be non-empty strings without '/' or '[', got {name!r}")
+        if isinstance(value, Mapping) and not isinstance(value, ParamsDict):
+            value = ParamsDict(value)
+        self._data[name] = value
+        object.__setattr__(self, "_aux", None)
+
+    def __delitem__(self, name: str) -> None:
+        del self._data[name]
+        object.__setattr__(self, "_aux", None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __dir__(self):
+        return [*super().__dir__(), *self._data]
+
+    def keys(self):
+        return self._data.keys()
+
+    def values(self):
+        return self._data.values()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._data.get(name, default)
+
+    def __eq__(self, other: object) -> bool:
+        """Structural equality; arrays compare with ``np.array_equal``."""
+        if not isinstance(other, ParamsDict) or set(self._data) != set(other._data):
+            return False
+        return all(_leaf_equal(self._data[k], other._data[k]) for k in self._data)
+
+    __hash__ = None  # mutable container
+
+    def __repr__(self) -> str:
+        lines = [f"  {path}: {leaf_str(leaf)}" for path, leaf in self.items()]
+        return "ParamsDict(\n" + "\n".join(lines) + "\n)" if lines else "ParamsDict()"
+
+    # -- pytree -----------------------------------------------------------------------------
+    def _get_aux(self) -> _Aux:
+        aux = self._aux
+        if aux is None:
+            data = self._data
+            static = tuple(sorted((k, v) for k, v in data.items() if isinstance(v, str)))
+            keys = tuple(sorted(k for k, v in data.items() if not isinstance(v, str)))
+            aux = _Aux(keys, tuple(data), static)
+            object.__setattr__(self, "_aux", aux)
+        return aux
+
+    def _tree_flatten(self):
+        aux = self._aux or self._get_aux()
+        data = self._data
+        return [data[k] for k in aux.keys], aux
+
+    def _tree_flatten_with_keys(self):
+        aux = self._aux or self._get_aux()
+        data = self._data
+        return [(PathKey(k), data[k]) for k in aux.keys], aux
+
+    @classmethod
+    def _tree_unflatten(cls, aux: _Aux, children) -> ParamsDict:
+        new = object.__new__(cls)
+        values = dict(zip(aux.keys, children))
+        values.update(aux.static)
+        object.__setattr__(new, "_data", {k: values[k] for k in aux.order})
+        object.__setattr__(new, "_aux", aux)
+        return new
+
+    # -- seed API: print, items, JSON -------------------------------------------------------
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """Yield ``(path, leaf)`` pairs in insertion order, paths like ``/layers[1]/b``."""
+        yield from _walk(self, "")
+
+    def print(self, file=None) -> None:
+        """Print one line per leaf: ``/a: 4``, ``/layer/W: f32[5,7]``."""
+        for path, leaf in self.items():
+            print(f"{path}: {leaf_str(leaf)}", file=file)
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """JSON of the non-array part (scalars, strings, structure); arrays are left out."""
+        return json.dumps(_jsonable(self), indent=indent)
+
+    # -- summary and flat conversion --------------------------------------------------------
+    def summary(self) -> str:
+        """A table of every array leaf: path, shape, dtype, count, bytes, then totals.
+
+        An array reachable from several paths is counted once in the totals.
+        """
+        rows, seen, total_n, total_b = [], set(), 0, 0
+        for path, leaf in self.items():
+            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+                continue
+            n = int(np.prod(leaf.shape, dtype=np.int64))
+            b = n * np.dtype(leaf.dtype).itemsize if _is_numeric(leaf.dtype) else 0
+            rows.append((path, str(tuple(leaf.shape)), _dtype_str(leaf.dtype), n, b))
+            if id(leaf) not in seen:
+                seen.add(id(leaf))
+                total_n += n
+                total_b += b
+        w = max([len(r[0]) for r in rows] + [4])
+        lines = [f"{'path':<{w}}  {'shape':<14} {'dtype':<6} {'params':>12} {'bytes':>12}"]
+        lines += [f"{p:<{w}}  {s:<14} {d:<6} {n:>12,} {b:>12,}" for p, s, d, n, b in rows]
+        lines.append(f"{'total':<{w}}  {'':<14} {'':<6} {total_n:>12,} {total_b:>12,}")
+        return "\n".join(lines)
+
+    def num_params(self) -> int:
+        """Number of scalars in the array leaves (each distinct array counted once)."""
+        seen = {}
+        for _, leaf in self.items():
+            if hasattr(leaf, "shape"):
+                seen[id(leaf)] = int(np.prod(leaf.shape, dtype=np.int64))
+        return sum(seen.values())
+
+    def to_flat(self) -> dict[str, Any]:
+        """The flat ``{path: leaf}`` dict, e.g. ``{"/layer/W": W}`` (the checkpoint form)."""
+        return dict(self.items())
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, Any]) -> ParamsDict:
+        """Rebuild a ParamsDict from ``to_flat`` output; ``[i]`` segments become lists."""
+        root: dict = {}
+        for path, leaf in flat.items():
+            segs = _parse_path(path)
+            node: Any = root
+            for seg, nxt in zip(segs[:-1], segs[1:]):
+                container = [] if isinstance(nxt, int) else {}
+                node = _child(node, seg, container, path)
+            _assign(node, segs[-1], leaf, path)
+        return _build(root)
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _walk(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, ParamsDict):
+        for k, v in node._data.items():
+            yield from _walk(v, f"{prefix}/{k}")
+    elif isinstance(node, (list, tuple)) and not _is_namedtuple(node):
+        for i, v in enumerate(node):
+            yield from _walk(v, f"{prefix}[{i}]")
+    else:
+        yield prefix, node
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _is_numeric(dtype) -> bool:
+    try:
+        return np.dtype(dtype).kind in "biufc" or "bfloat16" in str(dtype)
+    except TypeError:
+        return False
+
+
+_KIND = {"f": "f", "i": "i", "u": "u", "c": "c"}
+
+
+def _dtype_str(dtype) -> str:
+    """Short dtype names as JAX prints them: f32, bf16, i32, u8, bool."""
+    name = str(dtype)
+    if name == "bool":
+        return "bool"
+    if name == "bfloat16":
+        return "bf16"
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        return name
+    kind = _KIND.get(dt.kind)
+    return f"{kind}{dt.itemsize * 8}" if kind else name
+
+
+def leaf_str(leaf: Any) -> str:
+    """How a leaf prints: arrays as ``f32[5,7]``, everything else as ``repr`` (``4``, ``'relu'``)."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return f"{_dtype_str(leaf.dtype)}[{','.join(str(d) for d in leaf.shape)}]"
+    return repr(leaf)
+
+
+def format_path(path) -> str:
+    """Format a JAX key path (from ``tree_flatten_with_path``) as ``/layer/W``."""
+    out = []
+    for k in path:
+        if isinstance(k, PathKey):
+            out.append(f"/{k.name}")
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(f"[{k.idx}]")
+        elif isinstance(k, jax.tree_util.DictKey):
+            out.append(f"/{k.key}")
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(f"/{k.name}")
+        else:
+            out.append(f"/{k}")
+    return "".join(out)
+
+
+def _leaf_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, ParamsDict) or isinstance(b, ParamsDict):
+        return a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_leaf_equal(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") or hasattr(b, "shape"):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    return a == b
+
+
+def _jsonable(node: Any) -> Any:
+    if isinstance(node, ParamsDict):
+        out = {}
+        for k, v in node._data.items():
+            j = _jsonable(v)
+            if j is not _OMIT:
+                out[k] = j
+        return out
+    if isinstance(node, (list, tuple)):
+        return [j for j in map(_jsonable, node) if j is not _OMIT]
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, np.generic):
+        return node.item()
+    return _OMIT
+
+
+_OMIT = object()
+
+
+def _parse_path(path: str) -> list[str | int]:
+    segs: list[str | int] = []
+    pos = 0
+    for m in _SEGMENT.finditer(path):
+        if m.start() != pos:
+            break
+        segs.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+        pos = m.end()
+    if pos != len(path) or not segs:
+        raise ValueError(f"bad ParamsDict path {path!r}: expected segments like '/layer/W' or '/layers[1]/b'")
+    return segs
+
+
+def _child(node: Any, seg: str | int, container: Any, path: str) -> Any:
+    if isinstance(seg, int):
+        if not isinstance(node, list):
+            raise ValueError(f"path {path!r}: index [{seg}] applied to a non-list node")
+        while len(node) <= seg:
+            node.append(None)
+        if node[seg] is None:
+            node[seg] = container
+        return node[seg]
+    if not isinstance(node, dict):
+        raise ValueError(f"path {path!r}: key /{seg} applied to a list node")
+    return node.setdefault(seg, container)
+
+
+def _assign(node: Any, seg: str | int, leaf: Any, path: str) -> None:
+    if isinstance(seg, int):
+        if not isinstance(node, list):
+            raise ValueError(f"path {path!r}: index [{seg}] applied to a non-list node")
+        while len(node) <= seg:
+            node.append(None)
+        node[seg] = leaf
+    else:
+        if not isinstance(node, dict):
+            raise ValueError(f"path {path!r}: key /{seg} applied to a list node")
+        node[seg] = leaf
+
+
+def _build(node: Any) -> Any:
+    if isinstance(node, dict):
+        return ParamsDict({k: _build(v) for k, v in node.items()})
+    if isinstance(node, list):
+        if any(v is None for v in node):
+            raise ValueError("flat dict has a gap in a list index")
+        return [_build(v) for v in node]
+    return node
+
+
+jax.tree_util.register_pytree_with_keys(
+    ParamsDict,
+    ParamsDict._tree_flatten_with_keys,
+    ParamsDict._tree_unflatten,
+    ParamsDict._tree_flatten,
+)
