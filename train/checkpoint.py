@@ -1,0 +1,129 @@
+"""Checkpoints: safetensors files, written atomically, restored into a template.
+
+Keys are ``params<path>`` and ``opt_state<path>`` with nnlite's paths (``params/ffn/layers[0]/W``,
+``opt_state[0]/mu/head/b``); metadata (step, data position, RNG, config, format version) is
+stored as strings. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+import nnlite as nl
+
+from .config import ConfigError
+
+FORMAT_VERSION = "1"
+_NAME = re.compile(r"^ckpt_(\d{8})\.safetensors$")
+_TMP_SUFFIX = ".tmp"
+
+
+def flatten_with_paths(prefix: str, tree: Any) -> dict[str, Any]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {prefix + nl.format_path(path): leaf for path, leaf in leaves}
+
+
+def save(
+    ckpt_dir: Path, step: int, params: Any, opt_state: Any, metadata: dict[str, Any], keep: int
+) -> Path:
+    """Write ``ckpt_<step>.safetensors`` atomically (temp file, fsync, rename), keep the newest ``keep``."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {**flatten_with_paths("params", params), **flatten_with_paths("opt_state", opt_state)}
+    tensors = {k: np.array(v, order="C") for k, v in tensors.items()}  # keeps 0-d shapes
+    meta = {"format_version": FORMAT_VERSION, "step": str(step)}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+    data = safetensors.numpy.save(tensors, metadata=meta)
+    final = ckpt_dir / f"ckpt_{step:08d}.safetensors"
+    tmp = final.with_name(final.name + _TMP_SUFFIX)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_dir)
+    for old in list_checkpoints(ckpt_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary files are not checkpoints)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if _NAME.match(p.name)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def clean_temporary(ckpt_dir: Path) -> list[Path]:
+    """Remove temporary files left by an interrupted write; return what was removed."""
+    if not ckpt_dir.is_dir():
+        return []
+    removed = [p for p in ckpt_dir.iterdir() if p.name.endswith(_TMP_SUFFIX)]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ConfigError(f"checkpoint {path}: not a readable safetensors file ({e})") from None
+
+
+def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, Any, dict[str, str]]:
+    """Load ``path`` into the structure of the templates; a mismatch names the first differing path."""
+    meta = read_metadata(path)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(
+            f"checkpoint {path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION!r}"
+        )
+    try:
+        tensors = safetensors.numpy.load_file(str(path))
+    except Exception as e:
+        raise ConfigError(f"checkpoint {path}: cannot read tensors ({e})") from None
+
+    def fill(prefix: str, template: Any) -> Any:
+        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(template)
+        out = []
+        for p, leaf in leaves_with_path:
+            key = prefix + nl.format_path(p)
+            if key not in tensors:
+                raise ConfigError(
+                    f"checkpoint {path}: missing {key!r} that the model/optimizer expects"
+                )
+            value = tensors.pop(key)
+            want_shape, want_dtype = np.shape(leaf), np.asarray(leaf).dtype
+            if value.shape != want_shape or value.dtype != want_dtype:
+                raise ConfigError(
+                    f"checkpoint {path}: {key!r} is {value.dtype}{list(value.shape)}, the model/optimizer "
+                    f"expects {want_dtype}{list(want_shape)}"
+                )
+            out.append(value)
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    params = fill("params", params_template)
+    opt_state = fill("opt_state", opt_template)
+    if tensors:
+        raise ConfigError(
+            f"checkpoint {path}: unexpected entry {sorted(tensors)[0]!r} not in the model/optimizer"
+        )
+    return params, opt_state, meta

@@ -1,0 +1,283 @@
+"""Run configuration: YAML validated into frozen dataclasses.
+
+Every field has a typed default with a comment; unknown keys, wrong types and bad choices
+raise ``ConfigError`` with one line naming the key, the file and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input (config, CLI, data, checkpoint): the CLI prints it and exits 2."""
+
+
+def choice(default: Any, choices: tuple) -> Any:
+    """A dataclass field whose value must be one of ``choices``."""
+    return field(default=default, metadata={"choices": choices})
+
+
+MODEL_NAMES = ("mlp", "linreg")  # kept in sync with models.MODELS by a test
+DATA_NAMES = ("digits", "mnist1d", "linreg", "npz")
+GRAD_MODES = ("autodiff",)
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
+SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
+STRATEGIES = ("none", "pmap", "shard_map")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = choice("mlp", MODEL_NAMES)  # which entry of models.MODELS to build
+    hidden_sizes: tuple[int, ...] = (64,)  # mlp: width of each hidden layer
+    activation: str = choice("relu", ("relu", "gelu", "tanh", "sigmoid", "softplus"))  # mlp
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = choice("digits", DATA_NAMES)  # data set (see train/data.py)
+    path: str | None = None  # npz: file with arrays x, y and optional x_test, y_test
+    test_fraction: float = 0.2  # digits/npz without x_test: held-out share, stratified
+    split_seed: int = 0  # seed of the fixed train/test split
+    num_samples: int = 5000  # mnist1d: total examples generated (80% train)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    grad: str = choice("autodiff", GRAD_MODES)  # how gradients are computed
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = choice("adam", OPTIMIZERS)  # optax optimizer
+    learning_rate: float = 1e-3  # peak learning rate
+    schedule: str = choice("constant", SCHEDULES)  # learning-rate schedule over train.steps
+    warmup_steps: int = 0  # warmup_cosine: linear warmup length
+    end_lr_fraction: float = 0.0  # cosine/warmup_cosine: final lr as a fraction of peak
+    decay_rate: float = 0.1  # exponential: lr multiplier reached after train.steps
+    momentum: float = 0.9  # name=momentum: the momentum coefficient
+    weight_decay: float = 0.0  # decoupled for adamw/lion; added to the gradient otherwise
+    clip_norm: float | None = None  # clip gradients to this global norm first
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 128  # global batch (split over devices)
+    steps: int = 1000  # optimizer steps in total
+    eval_every: int = 200  # evaluate on the test set every N steps (and at the end)
+    log_every: int = 50  # write train metrics every N steps
+    steps_per_call: int = 1  # optimizer steps per compiled call (lax.scan) when > 1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    strategy: str = choice("none", STRATEGIES)  # data parallelism
+    devices: int | str = "all"  # "all" local devices or a count
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # write a checkpoint every N steps (0: only at the end)
+    keep: int = 3  # keep the newest N checkpoints
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    dir: str = "runs"  # run directories are <dir>/<name>/
+    progress: bool = True  # show a tqdm progress bar
+    plot: bool = True  # draw curves.png at the end
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "run"  # run name: the run directory is log.dir/name
+    seed: int = 0  # seeds parameter init and the data order
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    loss: LossConfig = LossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+
+# -- conversion and validation -------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (lists -> tuples)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        elem = typing.get_args(tp)[0]
+        return tuple(_coerce(v, elem, where) for v in value)
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    where_section = prefix.rstrip(".") or "the top level"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {where_section} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(
+                f"{source}: unknown key '{prefix}{key}'; valid keys in {where_section}: "
+                f"{', '.join(fields)}"
+            )
+        tp = hints[key]
+        where = f"{source}: {prefix}{key}"
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.", source)
+            continue
+        value = _coerce(value, tp, where)
+        choices = fields[key].metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _check(cfg: Config, source: str) -> None:
+    """Cross-field rules that types alone cannot express."""
+    positive = {
+        "train.batch_size": cfg.train.batch_size,
+        "train.steps": cfg.train.steps,
+        "train.eval_every": cfg.train.eval_every,
+        "train.log_every": cfg.train.log_every,
+        "train.steps_per_call": cfg.train.steps_per_call,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "data.num_samples": cfg.data.num_samples,
+    }
+    for key, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"{source}: {key} must be >= 1, got {v}")
+    if cfg.checkpoint.every < 0:
+        raise ConfigError(f"{source}: checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
+    if not 0.0 < cfg.data.test_fraction < 1.0:
+        raise ConfigError(
+            f"{source}: data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}"
+        )
+    if cfg.optimizer.learning_rate <= 0:
+        raise ConfigError(
+            f"{source}: optimizer.learning_rate must be > 0, got {cfg.optimizer.learning_rate}"
+        )
+    if cfg.model.name == "mlp" and (not cfg.model.hidden_sizes or min(cfg.model.hidden_sizes) < 1):
+        raise ConfigError(
+            f"{source}: model.hidden_sizes must be a non-empty list of positive ints, got "
+            f"{list(cfg.model.hidden_sizes)}"
+        )
+    d = cfg.parallel.devices
+    if isinstance(d, str) and d != "all" or isinstance(d, int) and d < 1:
+        raise ConfigError(f"{source}: parallel.devices must be 'all' or a positive int, got {d!r}")
+    if cfg.data.name == "npz" and not cfg.data.path:
+        raise ConfigError(f"{source}: data.path is required when data.name is npz")
+    if cfg.optimizer.schedule == "warmup_cosine" and cfg.optimizer.warmup_steps >= cfg.train.steps:
+        raise ConfigError(
+            f"{source}: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below "
+            f"train.steps ({cfg.train.steps})"
+        )
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"train.steps=10"`` -> (["train", "steps"], 10), the value parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    key, _, raw = text.partition("=")
+    if not key.strip():
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read ``path`` (YAML), apply ``--set`` overrides, validate, return a ``Config``."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {source}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            child = node.get(k)
+            if child is None:
+                child = node[k] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: '{k}' is not a section")
+            node = child
+        node[keys[-1]] = value
+    cfg = _build(Config, raw, "", source)
+    _check(cfg, source)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain YAML/JSON-able data (tuples become lists)."""
+
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

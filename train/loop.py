@@ -1,0 +1,318 @@
+"""The training loop: build everything from the config, train, evaluate, checkpoint, log."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import models
+
+from . import checkpoint as ckpt
+from .config import Config, ConfigError, dump_yaml, to_dict
+from .data import BatchIndices, Dataset, load_dataset
+from .optim import build_optimizer
+from .step import build_eval, build_stepper, mean_loss_fn
+
+# Keys in metrics.jsonl that measure time; everything else is deterministic.
+TIMING_KEYS = ("time", "examples_per_s")
+# Config sections that must match a checkpoint being resumed (train.steps may grow).
+RESUME_MUST_MATCH = ("seed", "model", "data", "loss", "optimizer")
+
+
+@dataclass
+class Run:
+    """What the loop built from the config (also handy in tests and benchmarks)."""
+
+    cfg: Config
+    data: Dataset
+    model: object
+    optimizer: object
+    devices: list
+    run_dir: Path
+    params: object = None  # final params (host numpy leaves in a ParamsDict)
+    opt_state: object = None
+    step: int = 0
+    summary: dict = field(default_factory=dict)
+
+
+def select_devices(cfg: Config) -> list:
+    local = jax.local_devices()
+    if cfg.parallel.strategy == "none":
+        return local[:1]
+    want = len(local) if cfg.parallel.devices == "all" else cfg.parallel.devices
+    if want > len(local):
+        raise ConfigError(f"parallel.devices={want} but only {len(local)} local devices exist")
+    n = want
+    if cfg.train.batch_size % n:
+        lo = cfg.train.batch_size // n * n
+        options = [b for b in (lo, lo + n) if b > 0]
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} does not split across {n} devices; "
+            f"use a multiple of {n}, e.g. {' or '.join(map(str, options))}"
+        )
+    return local[:n]
+
+
+def build(cfg: Config) -> Run:
+    """Data, model, optimizer and devices for ``cfg``; raises ConfigError on bad input."""
+    devices = select_devices(cfg)
+    data = load_dataset(cfg.data)
+    model = models.MODELS[cfg.model.name](cfg.model, data)
+    if model.task != data.task:
+        raise ConfigError(
+            f"model.name={cfg.model.name} is a {model.task} model but data.name={cfg.data.name} "
+            f"is a {data.task} data set"
+        )
+    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+    run_dir = Path(cfg.log.dir) / cfg.name
+    return Run(cfg, data, model, optimizer, devices, run_dir)
+
+
+def _metadata(cfg: Config, step: int, sampler: BatchIndices) -> dict:
+    return {
+        "data_position": sampler.position(step),
+        "rng": {"init_seed": cfg.seed, "data_order": f"numpy default_rng([{cfg.seed}, epoch])"},
+        "config": to_dict(cfg),
+    }
+
+
+def _check_resumable(cfg: Config, meta: dict, path: Path) -> None:
+    try:
+        saved = json.loads(meta.get("config", "{}"))
+    except json.JSONDecodeError:
+        raise ConfigError(f"checkpoint {path}: its config metadata is not valid JSON") from None
+    now = to_dict(cfg)
+    for section in RESUME_MUST_MATCH:
+        was, is_ = saved.get(section), now[section]
+        if was == is_:
+            continue
+        key, was_v, is_v = section, was, is_
+        if isinstance(was, dict):
+            key = next(f"{section}.{k}" for k in is_ if was.get(k) != is_[k])
+            was_v, is_v = was.get(key.split(".")[1]), is_[key.split(".")[1]]
+        raise ConfigError(
+            f"checkpoint {path} was written with {key}={was_v!r} but the config has {key}={is_v!r}; "
+            "use --fresh to start over, or another run name"
+        )
+
+
+def _rewrite_metrics(path: Path, upto_step: int) -> None:
+    """Drop metrics logged after ``upto_step`` (they will be logged again)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln)["step"] <= upto_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    os.replace(tmp, path)
+
+
+def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
+    """Train per ``cfg``. ``resume``: "auto" (latest checkpoint if any), "require", "fresh"."""
+    r = build(cfg)
+    ckpt_dir = r.run_dir / "checkpoints"
+    metrics_path = r.run_dir / "metrics.jsonl"
+    strategy = cfg.parallel.strategy
+
+    key = jax.random.key(cfg.seed)
+    params0 = r.model.init(key)
+    opt0 = r.optimizer.init(params0)
+    p_leaves, p_def = jax.tree.flatten(params0)
+    o_leaves, o_def = jax.tree.flatten(opt0)
+    sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
+
+    # Decide where to start before writing anything: a bad checkpoint must not cost files.
+    start = 0
+    existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
+    if resume == "require" and not existing:
+        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+    if existing:
+        path = existing[-1]
+        params_h, opt_h, meta = ckpt.restore(path, params0, opt0)
+        _check_resumable(cfg, meta, path)
+        start = int(meta["step"])
+        if start > cfg.train.steps:
+            raise ConfigError(
+                f"checkpoint {path} is at step {start}, past train.steps={cfg.train.steps}"
+            )
+        p_leaves, o_leaves = jax.tree.leaves(params_h), jax.tree.leaves(opt_h)
+
+    if resume == "fresh" and r.run_dir.exists():
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        metrics_path.unlink(missing_ok=True)
+    r.run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.clean_temporary(ckpt_dir)
+    (r.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    _rewrite_metrics(metrics_path, start)
+
+    n_params = params0.num_params()
+    echo(
+        f"nnlite train: {cfg.name}  devices: {len(r.devices)} x {r.devices[0].platform} ({strategy})  "
+        f"model: {cfg.model.name} ({n_params:,} params)  data: {r.data.name} "
+        f"({len(r.data.x)} train / {len(r.data.x_test)} test)  run dir: {r.run_dir}"
+        + (f"  resuming at step {start}" if start else "")
+    )
+
+    loss_fn = mean_loss_fn(r.model)
+    stepper = build_stepper(loss_fn, r.optimizer, p_def, o_def, strategy, r.devices)
+    evaluate = build_eval(loss_fn)
+    X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
+    eval_dev = r.devices[0]
+    X_test, Y_test = (
+        jax.device_put(r.data.x_test, eval_dev),
+        jax.device_put(r.data.y_test, eval_dev),
+    )
+    p_leaves, o_leaves = stepper.put_state(p_leaves), stepper.put_state(o_leaves)
+
+    tc = cfg.train
+    every = [tc.eval_every, tc.log_every] + ([cfg.checkpoint.every] if cfg.checkpoint.every else [])
+    bar = _progress(cfg, start)
+    log_file = open(metrics_path, "a")  # noqa: SIM115 - closed in finally
+    t_start = t_window = time.perf_counter()
+    step, window_start, last_eval = start, start, {}
+    try:
+        while step < tc.steps:
+            # Advance K steps, stopping at the next log/eval/checkpoint/end boundary.
+            k = tc.steps_per_call - step % tc.steps_per_call
+            nxt = min([tc.steps] + [(step // e + 1) * e for e in every])
+            k = min(k, nxt - step)
+            idx = stepper.put_indices(sampler.batches(step, k))
+            p_leaves, o_leaves, metrics = stepper.run(p_leaves, o_leaves, X, Y, idx)
+            step += k
+            if step % tc.log_every == 0 or step == tc.steps:
+                m = {name: float(np.asarray(v).reshape(-1)[-1]) for name, v in metrics.items()}
+                now = time.perf_counter()
+                rate = (step - window_start) * tc.batch_size / max(now - t_window, 1e-9)
+                t_window, window_start = now, step
+                _write(
+                    log_file,
+                    {
+                        "step": step,
+                        "split": "train",
+                        **m,
+                        "examples_per_s": round(rate, 1),
+                        "time": round(now - t_start, 3),
+                    },
+                )
+                bar.set_postfix(
+                    loss=f"{m['loss']:.4f}",
+                    **({"acc": f"{m['accuracy']:.3f}"} if "accuracy" in m else {}),
+                    ex_s=f"{rate:,.0f}",
+                )
+            if step % tc.eval_every == 0 or step == tc.steps:
+                params = jax.tree.unflatten(
+                    p_def, jax.device_put(stepper.get_state(p_leaves), eval_dev)
+                )
+                last_eval = {k_: float(v) for k_, v in evaluate(params, X_test, Y_test).items()}
+                _write(
+                    log_file,
+                    {
+                        "step": step,
+                        "split": "test",
+                        **last_eval,
+                        "time": round(time.perf_counter() - t_start, 3),
+                    },
+                )
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tc.steps:
+                host_p = jax.tree.unflatten(
+                    p_def, [np.asarray(v) for v in stepper.get_state(p_leaves)]
+                )
+                host_o = jax.tree.unflatten(
+                    o_def, [np.asarray(v) for v in stepper.get_state(o_leaves)]
+                )
+                ckpt.save(
+                    ckpt_dir,
+                    step,
+                    host_p,
+                    host_o,
+                    _metadata(cfg, step, sampler),
+                    cfg.checkpoint.keep,
+                )
+            bar.update(k)
+    finally:
+        bar.close()
+        log_file.close()
+
+    wall = time.perf_counter() - t_start
+    trained = step - start
+    r.params = jax.tree.unflatten(p_def, [np.asarray(v) for v in stepper.get_state(p_leaves)])
+    r.opt_state = jax.tree.unflatten(o_def, [np.asarray(v) for v in stepper.get_state(o_leaves)])
+    r.step = step
+    r.summary = {
+        "step": step,
+        **{f"test_{k_}": v for k_, v in last_eval.items()},
+        "wall_s": wall,
+        "examples_per_s": trained * tc.batch_size / max(wall, 1e-9),
+    }
+    if cfg.log.plot:
+        plot_curves(metrics_path, r.run_dir / "curves.png")
+    acc = f", test accuracy {last_eval['accuracy']:.4f}" if "accuracy" in last_eval else ""
+    echo(
+        f"done: step {step}, test loss {last_eval.get('loss', float('nan')):.4f}{acc}, "
+        f"wall {wall:.1f} s, {r.summary['examples_per_s']:,.0f} examples/s"
+    )
+    return r
+
+
+def _write(f, record: dict) -> None:
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+
+
+class _NoBar:
+    def set_postfix(self, **_):
+        pass
+
+    def update(self, _):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(cfg: Config, start: int):
+    if not cfg.log.progress:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True
+    )
+
+
+def plot_curves(metrics_path: Path, out: Path) -> None:
+    """Train/test loss (and accuracy when present) against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    metric_names = ["loss"] + (["accuracy"] if any("accuracy" in r for r in records) else [])
+    fig, axes = plt.subplots(
+        1, len(metric_names), figsize=(5 * len(metric_names), 3.5), squeeze=False
+    )
+    for ax, name in zip(axes[0], metric_names):
+        for split in ("train", "test"):
+            pts = [(r["step"], r[name]) for r in records if r["split"] == split and name in r]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, label=split, marker="o" if split == "test" else None, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        if name == "loss":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)
