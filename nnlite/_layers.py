@@ -61,7 +61,8 @@ class Linear(Module):
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
         y = x @ params.W
-        return y + params.b if self.use_bias else y
+        # Explicit broadcast: works under jax_numpy_rank_promotion='raise'.
+        return y + jnp.broadcast_to(params.b, y.shape) if self.use_bias else y
 
 
 class Activation(Module):

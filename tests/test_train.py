@@ -1,0 +1,151 @@
+"""The training CLI: equivalences between strategies, resume, determinism, shipped configs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from train.__main__ import main
+from train.config import load_config
+from train.loop import TIMING_KEYS, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(tmp_path, config="configs/digits_mlp.yaml", *overrides, resume="fresh"):
+    cfg = load_config(
+        ROOT / config,
+        [f"log.dir={tmp_path}", "log.progress=false", "log.plot=false", *overrides],
+    )
+    return train(cfg, resume=resume, echo=lambda *_: None)
+
+
+def max_abs_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def metrics_without_timings(path):
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+SHORT = ["train.steps=10", "train.batch_size=64", "train.eval_every=5", "train.log_every=1"]
+
+
+@pytest.mark.parametrize(
+    "config", ["configs/digits_mlp.yaml", "configs/linreg_pmap.yaml"], ids=["mlp", "linreg"]
+)
+def test_strategies_match_one_device(tmp_path, config):
+    ref = run(tmp_path, config, *SHORT, "parallel.strategy=none", "name=ref")
+    # The reference must have moved away from init, or equality would prove nothing.
+    init = ref.model.init(jax.random.key(ref.cfg.seed))
+    assert max_abs_diff(ref.params, init) > 1e-3
+    for strategy in ("pmap", "shard_map"):
+        for n in (2, 4, 8):
+            r = run(
+                tmp_path,
+                config,
+                *SHORT,
+                f"parallel.strategy={strategy}",
+                f"parallel.devices={n}",
+                f"name={strategy}{n}",
+            )
+            assert len(r.devices) == n
+            assert max_abs_diff(r.params, ref.params) <= 1e-5, (strategy, n)
+
+
+@pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
+def test_steps_per_call_matches_single_steps(tmp_path, strategy):
+    common = ["train.steps=12", "train.batch_size=64", "train.log_every=4", f"parallel.strategy={strategy}"]
+    single = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=1", "name=a")
+    multi = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=4", "name=b")
+    assert max_abs_diff(single.params, multi.params) <= 1e-6
+    ra = metrics_without_timings(single.run_dir / "metrics.jsonl")
+    rb = metrics_without_timings(multi.run_dir / "metrics.jsonl")
+    assert [(r["step"], r["split"]) for r in ra] == [(r["step"], r["split"]) for r in rb]
+    for x, y in zip(ra, rb):
+        assert x == pytest.approx(y, abs=1e-5)
+
+
+def test_resume_is_bit_identical(tmp_path):
+    common = ["train.steps=40", "checkpoint.every=10", "checkpoint.keep=10", "train.log_every=5", "train.eval_every=10"]
+    full = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=full")
+    part = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part")
+    # Simulate a crash right after step 20: later checkpoints never happened.
+    ckpts = sorted((part.run_dir / "checkpoints").iterdir())
+    assert [p.name for p in ckpts][-1] == "ckpt_00000040.safetensors"
+    for p in ckpts[2:]:
+        p.unlink()
+    resumed = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part", resume="auto")
+    assert resumed.step == 40
+    for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(full.opt_state), jax.tree.leaves(resumed.opt_state)):
+        np.testing.assert_array_equal(a, b)
+    assert metrics_without_timings(full.run_dir / "metrics.jsonl") == metrics_without_timings(
+        resumed.run_dir / "metrics.jsonl"
+    )
+
+
+def test_same_config_gives_identical_metrics(tmp_path):
+    a = run(tmp_path / "a", "configs/digits_mlp.yaml", "train.steps=30", "train.log_every=5")
+    b = run(tmp_path / "b", "configs/digits_mlp.yaml", "train.steps=30", "train.log_every=5")
+    ma = metrics_without_timings(a.run_dir / "metrics.jsonl")
+    assert len(ma) > 5
+    assert ma == metrics_without_timings(b.run_dir / "metrics.jsonl")
+
+
+def test_run_directory_contents(tmp_path):
+    cfg = load_config(
+        ROOT / "configs/digits_mlp.yaml",
+        [f"log.dir={tmp_path}", "log.progress=false", "train.steps=30", "checkpoint.every=10", "checkpoint.keep=2"],
+    )
+    r = train(cfg, resume="fresh", echo=lambda *_: None)
+    names = sorted(p.name for p in r.run_dir.iterdir())
+    assert names == ["checkpoints", "config.yaml", "curves.png", "metrics.jsonl"]
+    assert (r.run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ckpts = sorted(p.name for p in (r.run_dir / "checkpoints").iterdir())
+    assert ckpts == ["ckpt_00000020.safetensors", "ckpt_00000030.safetensors"]
+    assert load_config(r.run_dir / "config.yaml") == cfg
+    from safetensors import safe_open
+
+    with safe_open(str(r.run_dir / "checkpoints" / ckpts[-1]), framework="numpy") as f:
+        keys, meta = set(f.keys()), f.metadata()
+    assert "params/ffn/layers[0]/W" in keys and "params/head/b" in keys
+    assert any(k.startswith("opt_state") and k.endswith("/mu/head/W") for k in keys)
+    assert meta["step"] == "30" and json.loads(meta["data_position"])["epoch"] == 30 // (1437 // 128)
+    assert json.loads(meta["config"])["name"] == cfg.name
+
+
+def test_linreg_pmap_config_recovers_the_line(tmp_path):
+    r = run(tmp_path, "configs/linreg_pmap.yaml")
+    assert len(r.devices) == 8
+    w, b = float(r.params.W[0, 0]), float(r.params.b[0])
+    assert abs(w - 2) < 0.1 and abs(b + 1) < 0.1
+
+
+def test_digits_mlp_config_reaches_97_percent(tmp_path):
+    r = run(tmp_path, "configs/digits_mlp.yaml")
+    assert r.summary["test_accuracy"] >= 0.97
+
+
+def test_print_config(capsys):
+    assert main(["--config", str(ROOT / "configs/digits_mlp.yaml"), "--set", "train.steps=7", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 7" in out and "name: digits_mlp" in out
+
+
+def test_cli_bad_input_exits_2_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "train", "--config", "configs/digits_mlp.yaml", "--set", "optimizer.name=adamax"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "optimizer.name: 'adamax' is not one of sgd, momentum, adam, adamw, lion" in proc.stderr
