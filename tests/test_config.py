@@ -38,11 +38,23 @@ def test_model_names_match_registry():
         (["train.steps=abc"], r"train.steps: expected int, got 'abc'"),
         (["train.steps=0"], r"train.steps must be >= 1, got 0"),
         (["optimizer.learning_rate=fast"], r"optimizer.learning_rate: expected float, got 'fast'"),
-        (["optimizer.name=adamax"], r"optimizer.name: 'adamax' is not one of sgd, momentum, adam, adamw, lion"),
-        (["parallel.strategy=ddp"], r"parallel.strategy: 'ddp' is not one of none, pmap, shard_map"),
-        (["parallel.devices=many"], r"parallel.devices must be 'all' or a positive int, got 'many'"),
+        (
+            ["optimizer.name=adamax"],
+            r"optimizer.name: 'adamax' is not one of sgd, momentum, adam, adamw, lion",
+        ),
+        (
+            ["parallel.strategy=ddp"],
+            r"parallel.strategy: 'ddp' is not one of none, pmap, shard_map",
+        ),
+        (
+            ["parallel.devices=many"],
+            r"parallel.devices must be 'all' or a positive int, got 'many'",
+        ),
         (["model.name=resnet"], r"model.name: 'resnet' is not one of mlp, linreg"),
-        (["model.hidden_sizes=[]"], r"model.hidden_sizes must be a non-empty list of positive ints"),
+        (
+            ["model.hidden_sizes=[]"],
+            r"model.hidden_sizes must be a non-empty list of positive ints",
+        ),
         (["model.hidden_sizes=12"], r"model.hidden_sizes: expected list of int, got 12"),
         (["data.name=npz"], r"data.path is required when data.name is npz"),
         (["data.test_fraction=1.5"], r"data.test_fraction must be in \(0, 1\), got 1.5"),
@@ -52,8 +64,14 @@ def test_model_names_match_registry():
             ["parallel.strategy=pmap", "parallel.devices=8", "train.batch_size=100"],
             r"train.batch_size=100 does not split across 8 devices; use a multiple of 8, e.g. 96 or 104",
         ),
-        (["parallel.strategy=pmap", "parallel.devices=64"], r"parallel.devices=64 but only 8 local devices exist"),
-        (["data.name=linreg"], r"model.name=mlp is a classification model but data.name=linreg is a regression"),
+        (
+            ["parallel.strategy=pmap", "parallel.devices=64"],
+            r"parallel.devices=64 but only 8 local devices exist",
+        ),
+        (
+            ["data.name=linreg"],
+            r"model.name=mlp is a classification model but data.name=linreg is a regression",
+        ),
     ],
 )
 def test_bad_config_values(capsys, tmp_path, overrides, message):
@@ -90,7 +108,15 @@ def npz_case(tmp_path, capsys, **arrays):
     path = tmp_path / "d.npz"
     np.savez(path, **arrays)
     return cli(
-        capsys, "--config", DIGITS, "--set", "data.name=npz", "--set", f"data.path={path}", "--set", f"log.dir={tmp_path}"
+        capsys,
+        "--config",
+        DIGITS,
+        "--set",
+        "data.name=npz",
+        "--set",
+        f"data.path={path}",
+        "--set",
+        f"log.dir={tmp_path}",
     )
 
 
@@ -106,10 +132,22 @@ Y = np.arange(40) % 4
         ({"x": np.where(X > 1, np.nan, X), "y": Y}, r"x has \d+ non-finite values"),
         ({"x": X, "y": Y - 1}, r"labels must be >= 0, found -1"),
         ({"x": X, "y": Y, "x_test": X}, r"x_test and y_test must be given together"),
-        ({"x": X, "y": Y, "x_test": X[:, :2], "y_test": Y}, r"x_test has feature shape \(2,\), x has \(3,\)"),
-        ({"x": X.reshape(40, 3, 1), "y": Y}, r"x must have shape \[n, features\], got \(40, 3, 1\)"),
-        ({"x": X, "y": np.stack([Y, Y], 1)}, r"integer labels y must have shape \[n\], got \(40, 2\)"),
-        ({"x": X, "y": np.array(["a"] * 40)}, r"y must be integer labels or float targets, got dtype <U1"),
+        (
+            {"x": X, "y": Y, "x_test": X[:, :2], "y_test": Y},
+            r"x_test has feature shape \(2,\), x has \(3,\)",
+        ),
+        (
+            {"x": X.reshape(40, 3, 1), "y": Y},
+            r"x must have shape \[n, features\], got \(40, 3, 1\)",
+        ),
+        (
+            {"x": X, "y": np.stack([Y, Y], 1)},
+            r"integer labels y must have shape \[n\], got \(40, 2\)",
+        ),
+        (
+            {"x": X, "y": np.array(["a"] * 40)},
+            r"y must be integer labels or float targets, got dtype <U1",
+        ),
     ],
 )
 def test_bad_npz(tmp_path, capsys, arrays, message):
@@ -119,11 +157,21 @@ def test_bad_npz(tmp_path, capsys, arrays, message):
 
 
 def test_npz_missing_and_unreadable(tmp_path, capsys):
-    code, err = cli(capsys, "--config", DIGITS, "--set", "data.name=npz", "--set", f"data.path={tmp_path}/no.npz")
+    code, err = cli(
+        capsys,
+        "--config",
+        DIGITS,
+        "--set",
+        "data.name=npz",
+        "--set",
+        f"data.path={tmp_path}/no.npz",
+    )
     assert code == 2 and "no.npz" in err and "file not found" in err
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip")
-    code, err = cli(capsys, "--config", DIGITS, "--set", "data.name=npz", "--set", f"data.path={bad}")
+    code, err = cli(
+        capsys, "--config", DIGITS, "--set", "data.name=npz", "--set", f"data.path={bad}"
+    )
     assert code == 2 and "not a readable .npz file" in err
 
 
@@ -135,15 +183,40 @@ def test_npz_trains(tmp_path, capsys):
     path = tmp_path / "blobs.npz"
     np.savez(path, x=x, y=y)
     code = main(
-        ["--config", DIGITS, "--set", "data.name=npz", "--set", f"data.path={path}", "--set", f"log.dir={tmp_path}",
-         "--set", "train.steps=200", "--set", "train.batch_size=32", "--set", "log.progress=false", "--set", "name=blobs"]
+        [
+            "--config",
+            DIGITS,
+            "--set",
+            "data.name=npz",
+            "--set",
+            f"data.path={path}",
+            "--set",
+            f"log.dir={tmp_path}",
+            "--set",
+            "train.steps=200",
+            "--set",
+            "train.batch_size=32",
+            "--set",
+            "log.progress=false",
+            "--set",
+            "name=blobs",
+        ]
     )
     assert code == 0
     assert "test accuracy" in capsys.readouterr().out
 
 
 def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
-    base = ["--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", "log.progress=false", "--set", "train.steps=10"]
+    base = [
+        "--config",
+        DIGITS,
+        "--set",
+        f"log.dir={tmp_path}",
+        "--set",
+        "log.progress=false",
+        "--set",
+        "train.steps=10",
+    ]
     assert main(base) == 0
     run_dir = tmp_path / "digits_mlp"
     metrics_before = (run_dir / "metrics.jsonl").read_bytes()
@@ -154,10 +227,18 @@ def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
     # A different architecture: the restore names the first path that does not fit.
     code, err = cli(capsys, *base, "--set", "model.hidden_sizes=[32]", "--set", "train.steps=20")
     assert code == 2
-    assert "'params/ffn/layers[0]/W' is float32[64, 128], the model/optimizer expects float32[64, 32]" in err
+    assert (
+        "'params/ffn/layers[0]/W' is float32[64, 128], the model/optimizer expects float32[64, 32]"
+        in err
+    )
     # A changed hyperparameter that keeps the shapes: refused by name.
-    code, err = cli(capsys, *base, "--set", "optimizer.learning_rate=0.5", "--set", "train.steps=20")
-    assert code == 2 and "optimizer.learning_rate=0.003 but the config has optimizer.learning_rate=0.5" in err
+    code, err = cli(
+        capsys, *base, "--set", "optimizer.learning_rate=0.5", "--set", "train.steps=20"
+    )
+    assert (
+        code == 2
+        and "optimizer.learning_rate=0.003 but the config has optimizer.learning_rate=0.5" in err
+    )
     # A corrupt file.
     ckpt.write_bytes(b"\x00" * 16)
     code, err = cli(capsys, *base, "--set", "train.steps=20")

@@ -60,7 +60,12 @@ def test_strategies_match_one_device(tmp_path, config):
 
 @pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
 def test_steps_per_call_matches_single_steps(tmp_path, strategy):
-    common = ["train.steps=12", "train.batch_size=64", "train.log_every=4", f"parallel.strategy={strategy}"]
+    common = [
+        "train.steps=12",
+        "train.batch_size=64",
+        "train.log_every=4",
+        f"parallel.strategy={strategy}",
+    ]
     single = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=1", "name=a")
     multi = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=4", "name=b")
     assert max_abs_diff(single.params, multi.params) <= 1e-6
@@ -72,7 +77,13 @@ def test_steps_per_call_matches_single_steps(tmp_path, strategy):
 
 
 def test_resume_is_bit_identical(tmp_path):
-    common = ["train.steps=40", "checkpoint.every=10", "checkpoint.keep=10", "train.log_every=5", "train.eval_every=10"]
+    common = [
+        "train.steps=40",
+        "checkpoint.every=10",
+        "checkpoint.keep=10",
+        "train.log_every=5",
+        "train.eval_every=10",
+    ]
     full = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=full")
     part = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part")
     # Simulate a crash right after step 20: later checkpoints never happened.
@@ -102,7 +113,13 @@ def test_same_config_gives_identical_metrics(tmp_path):
 def test_run_directory_contents(tmp_path):
     cfg = load_config(
         ROOT / "configs/digits_mlp.yaml",
-        [f"log.dir={tmp_path}", "log.progress=false", "train.steps=30", "checkpoint.every=10", "checkpoint.keep=2"],
+        [
+            f"log.dir={tmp_path}",
+            "log.progress=false",
+            "train.steps=30",
+            "checkpoint.every=10",
+            "checkpoint.keep=2",
+        ],
     )
     r = train(cfg, resume="fresh", echo=lambda *_: None)
     names = sorted(p.name for p in r.run_dir.iterdir())
@@ -117,7 +134,9 @@ def test_run_directory_contents(tmp_path):
         keys, meta = set(f.keys()), f.metadata()
     assert "params/ffn/layers[0]/W" in keys and "params/head/b" in keys
     assert any(k.startswith("opt_state") and k.endswith("/mu/head/W") for k in keys)
-    assert meta["step"] == "30" and json.loads(meta["data_position"])["epoch"] == 30 // (1437 // 128)
+    assert meta["step"] == "30" and json.loads(meta["data_position"])["epoch"] == 30 // (
+        1437 // 128
+    )
     assert json.loads(meta["config"])["name"] == cfg.name
 
 
@@ -134,14 +153,33 @@ def test_digits_mlp_config_reaches_97_percent(tmp_path):
 
 
 def test_print_config(capsys):
-    assert main(["--config", str(ROOT / "configs/digits_mlp.yaml"), "--set", "train.steps=7", "--print-config"]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(ROOT / "configs/digits_mlp.yaml"),
+                "--set",
+                "train.steps=7",
+                "--print-config",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "steps: 7" in out and "name: digits_mlp" in out
 
 
 def test_cli_bad_input_exits_2_without_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "train", "--config", "configs/digits_mlp.yaml", "--set", "optimizer.name=adamax"],
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "--config",
+            "configs/digits_mlp.yaml",
+            "--set",
+            "optimizer.name=adamax",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
