@@ -116,9 +116,10 @@ def scalar_expr(value, dtype, weak: bool) -> str:
     dtype (``np.float32(2.0)``), using the shortest repr that round-trips in that dtype.
     """
     dt = np.dtype(dtype)
-    v = np.asarray(value, dt).item() if dt.kind != "V" else value
+    kind = _kind(dt)
+    v = np.asarray(value, dt).item() if dt.kind != "V" else float(np.asarray(value, dt))
     if weak:
-        if dt.kind == "f":
+        if kind == "f":
             return _float_repr(float(v))
         if dt.kind in "iub":
             return repr(type(v)(v)) if dt.kind != "b" else repr(bool(v))
@@ -127,10 +128,10 @@ def scalar_expr(value, dtype, weak: bool) -> str:
     typed = np.asarray(value).astype(dt)[()]
     if dt.kind == "b":
         return f"np.bool_({bool(typed)})"
-    if dt.kind == "f":
+    if kind == "f":
         text = str(typed)
         if not np.isfinite(typed):
-            text = repr(text)
+            text = f'"{text}"'  # ruff format's quotes
         elif "e" not in text and "." not in text:
             text += ".0"
         mod = "np" if dt.name in ("float16", "float32", "float64") else "jnp"
@@ -142,10 +143,15 @@ def scalar_expr(value, dtype, weak: bool) -> str:
     raise UnsupportedPrimitiveError(f"literal {value!r} of dtype {dt} has no Python spelling")
 
 
+def _kind(dt: np.dtype) -> str:
+    """NumPy's dtype kind, with ml_dtypes floats (bfloat16, float8s: kind "V") as "f"."""
+    return "f" if jnp.issubdtype(dt, jnp.floating) else dt.kind
+
+
 def _float_repr(x: float) -> str:
     if math.isfinite(x):
         return repr(x)
-    return f"float({str(x)!r})"
+    return f'float("{x}")'
 
 
 def array_expr(value) -> str:
@@ -154,7 +160,7 @@ def array_expr(value) -> str:
     dt = a.dtype
     if a.ndim == 0:
         return scalar_expr(a, dt, weak=False)
-    if dt.kind == "f":
+    if _kind(dt) == "f":
         # repr of the float64 value is exact for every float32/16/bf16 value
         data = np.vectorize(lambda x: _float_repr(float(x)), otypes=[object])(a).tolist()
         body = repr(data).replace("'", "")
@@ -201,17 +207,22 @@ def pyval(v: Any, what: str = "parameter"):
 _ENUM_HOMES = (("lax", lax), ("jax.memory", jax.memory))
 
 # -- the fallback ------------------------------------------------------------------------------
-_PRIMS_BY_ID = {id(p): n for n, p in vars(_prims).items() if n.endswith("_p")}
+_PRIMS_BY_ID = {id(p): f"lax.{n}" for n, p in vars(lax).items() if n.endswith("_p")}
+_PRIMS_BY_ID.update({id(p): f"prims.{n}" for n, p in vars(_prims).items() if n.endswith("_p")})
 
 
 def bind_expr(eqn, args: list) -> Call:
-    """``prims.<name>_p.bind(*args, **params)``: reproduces any first-order equation."""
+    """``prims.<name>_p.bind(*args, **params)``: reproduces any first-order equation.
+
+    ``prims`` is ``jax.extend.core.primitives``; primitives only ``jax.lax`` exports (e.g.
+    ``split_p``) bind as ``lax.<name>_p.bind``.
+    """
     attr = _PRIMS_BY_ID.get(id(eqn.primitive))
     if attr is None:
         raise UnsupportedPrimitiveError(
             f"show_jaxpr cannot print primitive {eqn.primitive.name!r} (params: "
             f"{_params_str(eqn.params)}): it has no rule in nnlite and is not exported by "
-            "jax.extend.core.primitives; add a rule to nnlite/_jaxpr_rules.py"
+            "jax.extend.core.primitives or jax.lax; add a rule to nnlite/_jaxpr_rules.py"
         )
     try:
         kwargs = [(k, pyval(v, f"parameter {k}={v!r}:")) for k, v in eqn.params.items()]
@@ -220,7 +231,7 @@ def bind_expr(eqn, args: list) -> Call:
             f"show_jaxpr cannot print primitive {eqn.primitive.name!r} (params: "
             f"{_params_str(eqn.params)}): {e}"
         ) from None
-    return Call(f"prims.{attr}.bind", args, kwargs)
+    return Call(f"{attr}.bind", args, kwargs)
 
 
 def _params_str(params: dict) -> str:
@@ -246,7 +257,7 @@ def _has(eqn, **defaults) -> bool:
 def _operands_plain(eqn, args) -> bool:
     """Operator syntax (``a + b``) is exact only for same-dtype, same-shape strong operands,
     at least one of them traced: on NumPy literals and constants it would run in NumPy."""
-    if not any(_TRACED.fullmatch(flat(a)) for a in args):
+    if not _TRACED.fullmatch(flat(args[0])):  # Python would call NumPy's operator first
         return False
     avals = [v.aval for v in eqn.invars]
     if any(getattr(a, "weak_type", False) for a in avals):
@@ -374,8 +385,6 @@ RULES["cumlogsumexp"] = _kw_rule("lax.cumlogsumexp", ("axis", "reverse"))
 RULES["bitcast_convert_type"] = _kw_rule("lax.bitcast_convert_type", ("new_dtype",))
 RULES["select_n"] = _unary("lax.select_n")
 RULES["clamp"] = _unary("lax.clamp")
-RULES["copy"] = _unary("lax.optimization_barrier") if False else None  # type: ignore[assignment]
-del RULES["copy"]
 
 
 def _convert(eqn, args, _kw):
@@ -452,27 +461,21 @@ def _slice(eqn, args, _kw):
 RULES["slice"] = _slice
 
 
-def _dynamic_slice(eqn, args, _kw):
-    # operand, *start_indices (one per axis); no dynamic sizes in this corpus
-    n = eqn.invars[0].aval.ndim
-    if len(args) != 1 + n:
+def _stack(eqn, args, _kw):
+    return Call("lax.stack", [Tup(args)], [("axis", pyval(eqn.params["axis"]))])
+
+
+RULES["stack"] = _stack
+
+
+def _random_seed(eqn, args, _kw):
+    a = eqn.invars[0].aval
+    if a.dtype != np.int32 or a.weak_type:
         return None
-    return Call("lax.dynamic_slice", [args[0], f"({', '.join(map(flat, args[1:]))}{',' if n == 1 else ''})"],
-                [("slice_sizes", pyval(eqn.params["slice_sizes"]))])
+    return Call("jax.random.key", args, [("impl", repr(eqn.params["impl"].name))])
 
 
-RULES["dynamic_slice"] = _dynamic_slice
-
-
-def _dynamic_update_slice(eqn, args, _kw):
-    n = eqn.invars[0].aval.ndim
-    if len(args) != 2 + n:
-        return None
-    idx = f"({', '.join(map(flat, args[2:]))}{',' if n == 1 else ''})"
-    return Call("lax.dynamic_update_slice", [args[0], args[1], idx])
-
-
-RULES["dynamic_update_slice"] = _dynamic_update_slice
+RULES["random_seed"] = _random_seed
 
 
 def _gather(eqn, args, _kw):

@@ -752,7 +752,8 @@ def _custom_vjp(pr: _Printer, eqn, args, env, scope, indent):
         res, produced = [], iter(outs[:nres_out])
         for kind, x in res_src:
             res.append(next(produced) if kind == "out" else fwd_args[x])
-        return _Bare([_tuple_or_single(outs[nres_out:]), Tup(res)])
+        prim = outs[nres_out:]
+        return _Bare([prim[0] if len(prim) == 1 else Tup(prim), Tup(res)])
 
     doc = f"forward rule of {fname}"
     pr.define(f"{fname}_fwd", fwd, [None] * n, env, [], fwd_ret, scope, indent, doc)
