@@ -19,13 +19,24 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import primitives as _prims
 
-__all__ = ["RULES", "Call", "Tup", "UnsupportedPrimitiveError", "dtype_expr", "pyval", "render"]
+__all__ = [
+    "RULES",
+    "Bare",
+    "Call",
+    "Tup",
+    "target",
+    "tuple_or_single",
+    "UnsupportedPrimitiveError",
+    "dtype_expr",
+    "pyval",
+    "render",
+]
 
 WIDTH = 100  # ruff's line-length for nnlite
 
@@ -93,6 +104,22 @@ def render(e, indent: int, prefix: str = "", suffix: str = "") -> list[str]:
     for x in e.items():
         lines += render(x, indent + 4, suffix=",")
     return [*lines, tail]
+
+
+def target(names: list[str]) -> str:
+    return f"({names[0]},)" if len(names) == 1 else ", ".join(names)
+
+
+def tuple_or_single(outs: list[str]):
+    if len(outs) == 1:
+        return outs[0]
+    return Tup(outs) if not outs else Bare(outs)
+
+
+class Bare(Tup):
+    """``a, b`` without parentheses in a return statement (ruff keeps it that way)."""
+
+    open = close = ""
 
 
 # -- Python values of parameters --------------------------------------------------------------
@@ -201,7 +228,9 @@ def pyval(v: Any, what: str = "parameter"):
         return "[" + ", ".join(flat(pyval(x, what)) for x in v) + "]"
     if isinstance(v, np.ndarray):
         return array_expr(v)
-    raise UnsupportedPrimitiveError(f"{what} {v!r} of type {type(v).__name__} has no Python spelling")
+    raise UnsupportedPrimitiveError(
+        f"{what} {v!r} of type {type(v).__name__} has no Python spelling"
+    )
 
 
 _ENUM_HOMES = (("lax", lax), ("jax.memory", jax.memory))
@@ -326,8 +355,8 @@ for _n in ("neg", "sign", "floor", "ceil", "is_finite", "abs", "imag", "real", "
            "stop_gradient"):  # fmt: skip
     RULES[_n] = _unary(f"lax.{_n}")
 RULES["not"] = _unary("lax.bitwise_not")
-RULES["neg"] = (
-    lambda eqn, args, _kw: f"-{_paren(args[0])}"
+RULES["neg"] = lambda eqn, args, _kw: (
+    f"-{_paren(args[0])}"
     if _operands_plain(eqn, args) and np.dtype(eqn.invars[0].aval.dtype).kind in "fi"
     else None
 )
@@ -367,7 +396,9 @@ def _argminmax(fn: str) -> Rule:
         p = eqn.params
         if len(p["axes"]) != 1:
             return None
-        return Call(fn, args, [("axis", pyval(p["axes"][0])), ("index_dtype", dtype_expr(p["index_dtype"]))])
+        return Call(
+            fn, args, [("axis", pyval(p["axes"][0])), ("index_dtype", dtype_expr(p["index_dtype"]))]
+        )
 
     return rule
 
@@ -390,7 +421,9 @@ RULES["clamp"] = _unary("lax.clamp")
 def _convert(eqn, args, _kw):
     if not _has(eqn, sharding=None) or eqn.params["weak_type"]:
         return None
-    return Call("lax.convert_element_type", args, [("new_dtype", dtype_expr(eqn.params["new_dtype"]))])
+    return Call(
+        "lax.convert_element_type", args, [("new_dtype", dtype_expr(eqn.params["new_dtype"]))]
+    )
 
 
 RULES["convert_element_type"] = _convert
@@ -436,8 +469,11 @@ RULES["dot_general"] = _dot_general
 
 
 def _concatenate(eqn, args, _kw):
-    return Call("lax.concatenate", [Tup(args) if len(args) != 1 else f"[{flat(args[0])}]"],
-                [("dimension", pyval(eqn.params["dimension"]))])
+    return Call(
+        "lax.concatenate",
+        [Tup(args) if len(args) != 1 else f"[{flat(args[0])}]"],
+        [("dimension", pyval(eqn.params["dimension"]))],
+    )
 
 
 RULES["concatenate"] = _concatenate
@@ -452,7 +488,10 @@ RULES["pad"] = _pad
 
 def _slice(eqn, args, _kw):
     p = eqn.params
-    kw = [("start_indices", pyval(p["start_indices"])), ("limit_indices", pyval(p["limit_indices"]))]
+    kw = [
+        ("start_indices", pyval(p["start_indices"])),
+        ("limit_indices", pyval(p["limit_indices"])),
+    ]
     if p["strides"] is not None:
         kw.append(("strides", pyval(p["strides"])))
     return Call("lax.slice", args, kw)

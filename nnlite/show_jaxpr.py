@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Print a function's jaxpr as runnable Python (see nnlite.show_jaxpr).",
     )
     parser.add_argument("target", help="MODULE:FUNCTION, e.g. jax.nn:relu")
-    parser.add_argument("--shapes", nargs="*", default=[], metavar="TYPE",
-                        help="one abstract argument per input, e.g. 'f32[3,4]' 'i32[]'")  # fmt: skip
+    parser.add_argument(
+        "--shapes", nargs="*", default=[], metavar="TYPE", help="one per input: 'f32[3,4]' 'i32[]'"
+    )
     parser.add_argument("--name", default=None, help="name of the printed function")
     parser.add_argument("--simplify", action="store_true", help="inline trivial calls")
     parser.add_argument("--inline-jit", action="store_true", help="inline every jit call")
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     try:
-        src = _show_jaxpr(fn, *shapes, name=args.name, simplify=args.simplify, inline_jit=args.inline_jit)
+        src = _show_jaxpr(
+            fn, *shapes, name=args.name, simplify=args.simplify, inline_jit=args.inline_jit
+        )
     except Exception as e:  # the user's function failed to trace at these shapes
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         parser.error(f"tracing {args.target} at {' '.join(args.shapes) or 'no arguments'} failed: "
