@@ -371,12 +371,12 @@ def test_unsupported_primitive_names_primitive_and_params():
 
 
 def test_unprintable_parameter_is_named():
-    fake = jax.extend.core.primitives.add_p  # a known primitive with an impossible parameter
-    with pytest.raises(nl.UnsupportedPrimitiveError, match="parameter"):
-        from nnlite._jaxpr_rules import pyval
+    from nnlite._jaxpr_rules import pyval
 
+    with pytest.raises(
+        nl.UnsupportedPrimitiveError, match="parameter fake=.* has no Python spelling"
+    ):
         pyval(object(), "parameter fake=")
-    assert fake.name == "add"
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
