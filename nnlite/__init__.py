@@ -29,6 +29,9 @@ from ._params import ParamsDict as ParamsDict
 from ._params import PathKey as PathKey
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
+from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
+from ._show_jaxpr import roundtrip as roundtrip
+from ._show_jaxpr import show_jaxpr as show_jaxpr
 
 __version__ = "0.1.0"
 
@@ -44,6 +47,7 @@ __all__ = [
     "PathKey",
     "Sequential",
     "SoftmaxHead",
+    "UnsupportedPrimitiveError",
     "format_path",
     "gelu",
     "get_activation",
@@ -54,6 +58,8 @@ __all__ = [
     "nll",
     "reduce",
     "relu",
+    "roundtrip",
+    "show_jaxpr",
     "sigmoid",
     "softmax_cross_entropy",
     "softplus",

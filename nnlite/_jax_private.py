@@ -1,0 +1,60 @@
+"""The few JAX internals that show_jaxpr needs, in one place.
+
+JAX has no public API for these: where a traced equation came from in the user's source,
+and the JVP / forward / backward rules that ``custom_jvp_call`` and ``custom_vjp_call``
+equations carry as opaque Python callables. Everything that touches ``jax._src`` for
+show_jaxpr lives here, so a JAX upgrade breaks one small file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax._src import source_info_util
+from jax._src.ad_util import Zero
+from jax.extend.core import ClosedJaxpr
+
+__all__ = ["custom_jvp_rule", "custom_vjp_rules", "user_frame"]
+
+
+def user_frame(eqn) -> tuple[str, int, str] | None:
+    """``(file, line, function)`` of the innermost user frame that created ``eqn``."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return None
+    return frame.file_name, frame.start_line, frame.function_name
+
+
+def custom_jvp_rule(eqn):
+    """The JVP rule of a ``custom_jvp_call`` as a closed jaxpr.
+
+    Inputs ``(*primals, *tangents)``, outputs ``(*primal_outs, *tangent_outs)``; every
+    tangent is instantiated (no symbolic zeros), matching ``symbolic_zeros=False``.
+    Returns ``(closed_jaxpr, out_zeros)``: which output tangents the rule left as zeros.
+    The rule's constants (arrays it closes over) are the closed jaxpr's consts.
+    """
+    n = len(eqn.invars) - eqn.params["num_consts"]
+    jaxpr, consts, out_zeros = eqn.params["jvp_jaxpr_fun"].call_wrapped(*([False] * n))
+    return ClosedJaxpr(jaxpr, list(consts)), list(out_zeros)
+
+
+def custom_vjp_rules(eqn):
+    """The forward and backward rules of a ``custom_vjp_call``.
+
+    Returns ``(fwd, res_fwds, bwd)``: ``fwd`` a closed jaxpr from the primal inputs to
+    ``(*residuals_not_forwarded, *outputs)``; ``res_fwds[i]`` the input index a residual
+    forwards (or None); ``bwd(*residuals, *cotangents)`` a Python function returning one
+    cotangent per primal input, ``None`` where the rule gave a symbolic zero.
+    """
+    params = eqn.params
+    n = len(eqn.invars) - params["num_consts"]
+    jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * n))
+    _, _, input_fwds = params["out_trees"]()
+    nc = params["num_consts"]
+    res_fwds = [None if f is None else f - nc for f in input_fwds]
+    bwd = params["bwd"]
+
+    def bwd_fn(*args: Any):
+        return [None if isinstance(ct, Zero) else ct for ct in bwd.call_wrapped(*args)]
+
+    return ClosedJaxpr(jaxpr, list(consts)), res_fwds, bwd_fn

@@ -1,0 +1,315 @@
+"""show_jaxpr's higher-order primitives: jaxprs inside equations become nested functions.
+
+``jit`` -> ``jax.jit(fn)(...)``; ``cond`` -> ``lax.cond`` / ``lax.switch``; ``while`` ->
+``lax.while_loop``; ``scan`` -> ``lax.scan``; ``custom_jvp_call`` -> a ``jax.custom_jvp``
+function with its JVP rule; ``custom_vjp_call`` -> a ``jax.custom_vjp`` function with its
+forward and backward rules (rebuilt from the rules JAX recorded, so the decompiled function
+differentiates exactly like the original, not by autodiff of the primal).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+
+from . import _jax_private
+from ._jaxpr_rules import Bare, Call, Tup, UnsupportedPrimitiveError, flat, tuple_or_single
+
+if TYPE_CHECKING:
+    from ._show_jaxpr import _Printer
+
+__all__ = ["HIGHER_ORDER", "fold_index_eqns", "single_ret"]
+
+
+def single_ret(outs, _args):
+    return tuple_or_single(outs)
+
+
+def _jit(pr: _Printer, eqn, args, env, scope, indent):
+    p = eqn.params
+    closed: ClosedJaxpr = p["jaxpr"]
+    if pr.inline_jit or (pr.simplify and len(closed.jaxpr.eqns) <= 1):
+        inner = dict(env)
+        for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+            inner[v] = pr.const(c)
+        inner.update(zip(closed.jaxpr.invars, args, strict=True))
+        pr.body(closed.jaxpr, inner, scope, indent)
+        for o, v in zip(eqn.outvars, closed.jaxpr.outvars, strict=True):
+            env[o] = pr.atom(v, inner)
+        return
+    _check_jit_params(eqn)
+    fname = pr.function_name(eqn)
+    origin = pr.origin(eqn, f"jit of {p['name']}")
+    key = _jaxpr_key(closed)
+    if not scope.lookup(fname, key):
+        pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
+        scope.defs[fname] = key
+    kw = []
+    if any(p["donated_invars"]):
+        kw.append(
+            ("donate_argnums", repr(tuple(i for i, d in enumerate(p["donated_invars"]) if d)))
+        )
+    if p["keep_unused"]:
+        kw.append(("keep_unused", "True"))
+    if p["inline"]:
+        kw.append(("inline", "True"))
+    call = Call(flat(Call("jax.jit", [fname], kw)), args)
+    pr.assign(eqn, env, call, indent, origin, structured=True)
+
+
+def _jaxpr_key(closed: ClosedJaxpr):
+    """Equal keys: the same computation (a definition can be reused for both)."""
+    return str(closed.jaxpr), tuple(id(c) for c in closed.consts)
+
+
+def _check_jit_params(eqn):
+    p = eqn.params
+    bad = {}
+    for k in ("in_shardings", "out_shardings"):
+        if any(type(s).__name__ != "UnspecifiedValue" for s in p[k]):
+            bad[k] = p[k]
+    for k in ("in_layouts", "out_layouts"):
+        if any(x is not None for x in p[k]):
+            bad[k] = p[k]
+    if p.get("compiler_options_kvs"):
+        bad["compiler_options_kvs"] = p["compiler_options_kvs"]
+    mesh = p.get("ctx_mesh")
+    if mesh is not None and getattr(mesh, "axis_names", ()) != ():
+        bad["ctx_mesh"] = mesh
+    if bad:
+        raise UnsupportedPrimitiveError(
+            f"show_jaxpr cannot print primitive 'jit' with params {bad}: only jit without "
+            "explicit shardings, layouts, meshes or compiler options is supported"
+        )
+
+
+def _cond(pr: _Printer, eqn, args, env, scope, indent):
+    branches = eqn.params["branches"]
+    ops = args[1:]
+    origin = pr.origin(eqn, "cond branch")
+    names = []
+    for i, br in enumerate(branches):
+        fname = ("false_fn", "true_fn")[i] if len(branches) == 2 else f"branch_{i}"
+        pr.define(fname, br, [None] * len(ops), env, [], single_ret, scope, indent, origin)
+        names.append(fname)
+    kind, x = env.get(("index", eqn.invars[0]), ("switch", eqn.invars[0]))
+    if kind == "cond":
+        call = Call("lax.cond", [pr.atom(x, env), "true_fn", "false_fn", *ops])
+    else:
+        call = Call("lax.switch", [pr.atom(x, env), Tup(names), *ops])
+    pr.assign(eqn, env, call, indent, origin, structured=True)
+
+
+def fold_index_eqns(jaxpr: Jaxpr, env: dict) -> set[int]:
+    """Fold the equations ``lax.cond`` / ``lax.switch`` make for the index of a ``cond``.
+
+    ``lax.cond(p, ...)`` makes ``i = convert_element_type(p: bool, int32)`` and
+    ``lax.switch(j, ...)`` makes ``i = clamp(0, j, n - 1)``; when every use of ``i`` is
+    as such a ``cond`` index, printing ``lax.cond(p, ...)`` / ``lax.switch(j, ...)``
+    makes them again. Any other int32 index prints as ``lax.switch(i, ...)``: the clamp
+    that adds is a no-op for the in-range indices JAX itself computes, and folds away on
+    the next decompile.
+    """
+    uses: dict[Var, list] = {}
+    for e in jaxpr.eqns:
+        for i, v in enumerate(e.invars):
+            if isinstance(v, Var):
+                uses.setdefault(v, []).append((e, i))
+    for v in jaxpr.outvars:
+        if isinstance(v, Var):
+            uses.setdefault(v, []).append((None, -1))
+    skip = set()
+    for e in jaxpr.eqns:
+        if len(e.outvars) != 1 or e.primitive.name not in ("convert_element_type", "clamp"):
+            continue
+        out = e.outvars[0]
+        us = uses.get(out, [])
+        conds = [u for u, i in us if u is not None and u.primitive.name == "cond" and i == 0]
+        if not us or len(conds) != len(us):
+            continue
+        nbr = {len(u.params["branches"]) for u in conds}
+        if e.primitive.name == "convert_element_type" and _is_pred_convert(e) and nbr == {2}:
+            skip.add(id(e))
+            env[("index", out)] = ("cond", e.invars[0])
+        elif e.primitive.name == "clamp" and _is_switch_clamp(e, nbr):
+            skip.add(id(e))
+            env[("index", out)] = ("switch", e.invars[1])
+    return skip
+
+
+def _is_pred_convert(e) -> bool:
+    return (
+        e.invars[0].aval.dtype == np.bool_
+        and e.params["new_dtype"] == np.int32
+        and not e.params["weak_type"]
+        and e.params.get("sharding") is None
+    )
+
+
+def _is_switch_clamp(e, nbr: set) -> bool:
+    lo, x, hi = e.invars
+    if len(nbr) != 1 or not (isinstance(lo, Literal) and isinstance(hi, Literal)):
+        return False
+    strong = not (lo.aval.weak_type or hi.aval.weak_type or x.aval.weak_type)
+    n = next(iter(nbr))
+    return strong and x.aval.dtype == np.int32 and int(lo.val) == 0 and int(hi.val) == n - 1
+
+
+def _while(pr: _Printer, eqn, args, env, scope, indent):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = args[:cn], args[cn : cn + bn], args[cn + bn :]
+    origin = pr.origin(eqn, "while loop")
+    sig = [("carry", len(init))]
+    pr.define(
+        "cond_fn", p["cond_jaxpr"], sig, env, cconsts, lambda o, _: o[0], scope, indent, origin
+    )
+    pr.define(
+        "body_fn", p["body_jaxpr"], sig, env, bconsts, lambda o, _: Tup(o), scope, indent, origin
+    )
+    pr.assign(eqn, env, Call("lax.while_loop", ["cond_fn", "body_fn", Tup(init)]), indent, origin)
+
+
+def _scan(pr: _Printer, eqn, args, env, scope, indent):
+    p = eqn.params
+    nc, ncar = p["num_consts"], p["num_carry"]
+    consts, init, xs = args[:nc], args[nc : nc + ncar], args[nc + ncar :]
+    origin = pr.origin(eqn, "scan")
+
+    def ret(outs, _args):
+        return Bare([Tup(outs[:ncar]), Tup(outs[ncar:])])
+
+    sig = [("carry", ncar), ("xs", len(xs))]
+    pr.define("scan_fn", p["jaxpr"], sig, env, consts, ret, scope, indent, origin)
+    kw = [("length", repr(p["length"]))]
+    if p["reverse"]:
+        kw.append(("reverse", "True"))
+    if p["unroll"] != 1:
+        kw.append(("unroll", repr(p["unroll"])))
+    if p.get("_split_transpose"):
+        kw.append(("_split_transpose", "True"))
+    call = Call("lax.scan", ["scan_fn", Tup(init), Tup(xs)], kw)
+    outs = pr.bind_outs(eqn, env)
+    target = f"{_tuple_target(outs[:ncar])}, {_tuple_target(outs[ncar:])}"
+    pr.emit_expr(call, indent, f"{target} = ", origin)
+
+
+def _tuple_target(names: list[str]) -> str:
+    if not names:
+        return "()"
+    return f"({names[0]},)" if len(names) == 1 else f"({', '.join(names)})"
+
+
+def _custom_jvp(pr: _Printer, eqn, args, env, scope, indent):
+    p = eqn.params
+    if p["symbolic_zeros"]:
+        raise UnsupportedPrimitiveError(
+            "show_jaxpr cannot print primitive 'custom_jvp_call' with symbolic_zeros=True"
+        )
+    nc = p["num_consts"]
+    consts, xs = args[:nc], args[nc:]
+    fname = pr.function_name(eqn)
+    origin = pr.origin(eqn, f"custom_jvp function {fname}")
+    n, nout = len(xs), len(eqn.outvars)
+    key = ("custom_jvp", _jaxpr_key(p["call_jaxpr"]), tuple(consts))
+    if scope.lookup(fname, key):  # e.g. the JVP rule calling its own primal function
+        pr.assign(eqn, env, Call(fname, xs), indent, origin, structured=True)
+        return
+    deco = ("@jax.custom_jvp",)
+    pr.define(
+        fname, p["call_jaxpr"], [None] * n, env, consts, single_ret, scope, indent, origin, deco
+    )
+    scope.defs[fname] = key
+    jvp, out_zeros = _jax_private.custom_jvp_rule(eqn)
+    if any(out_zeros):
+        raise UnsupportedPrimitiveError(
+            f"show_jaxpr cannot print the JVP rule of custom_jvp function {fname!r}: it returns "
+            "symbolic zero tangents"
+        )
+
+    def ret(outs, _args):
+        return Bare([tuple_or_single(outs[:nout]), tuple_or_single(outs[nout:])])
+
+    sig = [("primals", n), ("tangents", n)]
+    doc = f"JVP rule of {fname}"
+    pr.define(f"{fname}_jvp", jvp, sig, env, [], ret, scope, indent, doc, (f"@{fname}.defjvp",))
+    pr.assign(eqn, env, Call(fname, xs), indent, origin, structured=True)
+
+
+def _custom_vjp(pr: _Printer, eqn, args, env, scope, indent):
+    p = eqn.params
+    if p["symbolic_zeros"] or p["num_consts"]:
+        raise UnsupportedPrimitiveError(
+            "show_jaxpr cannot print primitive 'custom_vjp_call' with symbolic_zeros=True or "
+            "closed-over traced values (use jax.closure_convert)"
+        )
+    fname = pr.function_name(eqn)
+    origin = pr.origin(eqn, f"custom_vjp function {fname}")
+    n, nout = len(args), len(eqn.outvars)
+    key = ("custom_vjp", _jaxpr_key(p["call_jaxpr"]))
+    if scope.lookup(fname, key):  # e.g. the forward rule calling its own primal function
+        pr.assign(eqn, env, Call(fname, args), indent, origin, structured=True)
+        return
+    deco = ("@jax.custom_vjp",)
+    pr.define(fname, p["call_jaxpr"], [None] * n, env, [], single_ret, scope, indent, origin, deco)
+    scope.defs[fname] = key
+    fwd, res_fwds, bwd = _jax_private.custom_vjp_rules(eqn)
+    # The forward jaxpr returns (*residuals that are not inputs, *outputs); the rule we
+    # print returns (outputs, residuals) with the forwarded inputs put back in place.
+    nres_out = len(fwd.jaxpr.outvars) - nout
+    res_outs = iter(fwd.jaxpr.outvars[:nres_out])
+    in_avals = [v.aval for v in eqn.invars]
+    res_src = [("out", next(res_outs)) if f is None else ("in", f) for f in res_fwds]
+    res_avals = [x.aval if kind == "out" else in_avals[x] for kind, x in res_src]
+
+    def fwd_ret(outs, fwd_args):
+        res, produced = [], iter(outs[:nres_out])
+        for kind, x in res_src:
+            res.append(next(produced) if kind == "out" else fwd_args[x])
+        prim = outs[nres_out:]
+        return Bare([prim[0] if len(prim) == 1 else Tup(prim), Tup(res)])
+
+    doc = f"forward rule of {fname}"
+    pr.define(f"{fname}_fwd", fwd, [None] * n, env, [], fwd_ret, scope, indent, doc)
+    ct_avals = [v.aval.to_tangent_aval() for v in eqn.outvars]
+    bwd_closed, none_mask = _trace_bwd(bwd, res_avals, ct_avals)
+
+    def bwd_ret(outs, _args):
+        it = iter(outs)
+        return Tup(["None" if z else next(it) for z in none_mask])
+
+    sig = [("res", len(res_avals)), ("ct", nout) if nout != 1 else None]
+    doc = f"backward rule of {fname}"
+    pr.define(f"{fname}_bwd", bwd_closed, sig, env, [], bwd_ret, scope, indent, doc)
+    pr.emit(f"{fname}.defvjp({fname}_fwd, {fname}_bwd)", indent)
+    pr.assign(eqn, env, Call(fname, args), indent, origin, structured=True)
+
+
+def _trace_bwd(bwd, res_avals, ct_avals):
+    """Trace a custom_vjp backward rule; ``mask[i]``: it returns None for input ``i``."""
+    mask: list[bool] = []
+
+    def fn(*xs):
+        cts = bwd(*xs)
+        mask[:] = [c is None for c in cts]
+        return [c for c in cts if c is not None]
+
+    structs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+        for a in (*res_avals, *ct_avals)
+    ]
+    return jax.make_jaxpr(fn)(*structs), mask
+
+
+HIGHER_ORDER = {
+    "jit": _jit,
+    "pjit": _jit,
+    "cond": _cond,
+    "while": _while,
+    "scan": _scan,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+}
