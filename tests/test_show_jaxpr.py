@@ -81,9 +81,7 @@ LABELS = jnp.array([0, 2, 1], dtype=jnp.int32)
 
 
 def ffn_forward(params, x):
-    # nnlite's Linear adds a [out] bias to [batch, out]: implicit rank promotion
-    with jax.numpy_rank_promotion("allow"):
-        return FFN(params, x)
+    return FFN(params, x)
 
 
 def ffn_loss(params, x, labels):

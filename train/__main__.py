@@ -24,6 +24,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    ap.add_argument(
+        "--show-jaxpr",
+        choices=("loss", "step"),
+        help="print the decompiled loss or train step (nnlite.show_jaxpr) and exit",
+    )
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
     group.add_argument(
@@ -39,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_yaml(cfg), end="")
             return 0
-        from .loop import train  # imports jax: keep --print-config and config errors fast
+        from .loop import show_jaxpr, train  # imports jax: keep --print-config fast
 
+        if args.show_jaxpr:
+            print(show_jaxpr(cfg, args.show_jaxpr))
+            return 0
         train(cfg, resume="require" if args.resume else "fresh" if args.fresh else "auto")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
