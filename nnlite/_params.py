@@ -168,6 +168,15 @@ class ParamsDict:
 
     __hash__ = None  # mutable container
 
+    # copy.copy/deepcopy restore slots with setattr, which __setattr__ would turn into a
+    # key; restore them directly instead.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_data": self._data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        object.__setattr__(self, "_data", dict(state["_data"]))
+        object.__setattr__(self, "_aux", None)
+
     def __repr__(self) -> str:
         lines = [f"  {path}: {leaf_str(leaf)}" for path, leaf in self.items()]
         return "ParamsDict(\n" + "\n".join(lines) + "\n)" if lines else "ParamsDict()"
