@@ -55,7 +55,9 @@ class Linear(Module):
         p = ParamsDict()
         p.W = get_initializer(self.w_init)(key, (self.in_features, self.out_features), self.dtype)
         if self.use_bias:
-            p.b = get_initializer(self.b_init)(key, (self.out_features,), self.dtype)
+            # A key of its own: with the same key, b would repeat W's first row up to scale.
+            b_key = jax.random.fold_in(key, 1)
+            p.b = get_initializer(self.b_init)(b_key, (self.out_features,), self.dtype)
         return p
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
