@@ -143,7 +143,12 @@ class FFN(Module):
         self.check_input(x, self.in_features)
         act = get_activation(self.activation)
         layers = self.layers
-        for i, (layer, p) in enumerate(zip(layers, params.layers)):
+        if len(params.layers) != len(layers):
+            raise ValueError(
+                f"{self._short_repr()}: params have {len(params.layers)} layers, "
+                f"the module has {len(layers)} (sizes {self.sizes})"
+            )
+        for i, (layer, p) in enumerate(zip(layers, params.layers, strict=True)):
             x = layer(p, x)
             if i < len(layers) - 1 or self.activate_final:
                 x = act(x)
