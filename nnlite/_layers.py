@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from ._module import Module
 from ._nn import get_activation, get_initializer
@@ -130,14 +129,16 @@ class FFN(Module):
 
     @property
     def layers(self) -> tuple[Linear, ...]:
-        w_init = self.w_init or ("he_normal" if self.activation in ("relu", "gelu") else "lecun_normal")
+        relu_like = self.activation in ("relu", "gelu")
+        w_init = self.w_init or ("he_normal" if relu_like else "lecun_normal")
         s = self.sizes
-        return tuple(Linear(a, b, w_init=w_init, dtype=self.dtype) for a, b in zip(s[:-1], s[1:]))
+        pairs = zip(s[:-1], s[1:], strict=True)
+        return tuple(Linear(a, b, w_init=w_init, dtype=self.dtype) for a, b in pairs)
 
     def init(self, key: jax.Array) -> ParamsDict:
         layers = self.layers
         keys = jax.random.split(key, len(layers))
-        return ParamsDict(layers=[layer.init(k) for layer, k in zip(layers, keys)])
+        return ParamsDict(layers=[layer.init(k) for layer, k in zip(layers, keys, strict=True)])
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
@@ -187,7 +188,9 @@ class SoftmaxHead(Module):
     def __post_init__(self):
         super().__post_init__()
         if self.output not in _HEAD_OUTPUTS:
-            raise ValueError(f"SoftmaxHead: unknown output {self.output!r}; valid: {', '.join(_HEAD_OUTPUTS)}")
+            raise ValueError(
+                f"SoftmaxHead: unknown output {self.output!r}; valid: {', '.join(_HEAD_OUTPUTS)}"
+            )
 
     @property
     def linear(self) -> Linear:
@@ -222,18 +225,24 @@ class Sequential(Module):
         super().__post_init__()
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, Module):
-                raise TypeError(f"Sequential: layers[{i}] must be an nnlite Module, got {type(layer).__name__}")
+                raise TypeError(
+                    f"Sequential: layers[{i}] must be an nnlite Module, got {type(layer).__name__}"
+                )
 
     def init(self, key: jax.Array) -> ParamsDict:
         keys = jax.random.split(key, max(len(self.layers), 1))
-        return ParamsDict(layers=[layer.init(k) for layer, k in zip(self.layers, keys)])
+        # split() needs n >= 1; zip stops at the layers for an empty Sequential.
+        pairs = zip(self.layers, keys, strict=False)
+        return ParamsDict(layers=[layer.init(k) for layer, k in pairs])
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         if len(params.layers) != len(self.layers):
             raise ValueError(
-                f"Sequential: params have {len(params.layers)} layers, the module has {len(self.layers)}"
+                f"Sequential: params have {len(params.layers)} layers, "
+                f"the module has {len(self.layers)}"
             )
-        keys = [None] * len(self.layers) if key is None else list(jax.random.split(key, len(self.layers)))
-        for layer, p, k in zip(self.layers, params.layers, keys):
+        n = len(self.layers)
+        keys = [None] * n if key is None else list(jax.random.split(key, n))
+        for layer, p, k in zip(self.layers, params.layers, keys, strict=True):
             x = layer(p, x, key=k)
         return x

@@ -129,7 +129,9 @@ class ParamsDict:
 
     def __setitem__(self, name: str, value: Any) -> None:
         if not isinstance(name, str) or not name or "/" in name or "[" in name:
-            raise KeyError(f"ParamsDict keys must be non-empty strings without '/' or '[', got {name!r}")
+            raise KeyError(
+                f"ParamsDict keys must be non-empty strings without '/' or '[', got {name!r}"
+            )
         if isinstance(value, Mapping) and not isinstance(value, ParamsDict):
             value = ParamsDict(value)
         self._data[name] = value
@@ -205,7 +207,7 @@ class ParamsDict:
     @classmethod
     def _tree_unflatten(cls, aux: _Aux, children) -> ParamsDict:
         new = object.__new__(cls)
-        values = dict(zip(aux.keys, children))
+        values = dict(zip(aux.keys, children, strict=True))
         values.update(aux.static)
         object.__setattr__(new, "_data", {k: values[k] for k in aux.order})
         object.__setattr__(new, "_aux", aux)
@@ -267,7 +269,7 @@ class ParamsDict:
         for path, leaf in flat.items():
             segs = _parse_path(path)
             node: Any = root
-            for seg, nxt in zip(segs[:-1], segs[1:]):
+            for seg, nxt in zip(segs[:-1], segs[1:], strict=True):
                 container = [] if isinstance(nxt, int) else {}
                 node = _child(node, seg, container, path)
             _assign(node, segs[-1], leaf, path)
@@ -316,7 +318,7 @@ def _dtype_str(dtype) -> str:
 
 
 def leaf_str(leaf: Any) -> str:
-    """How a leaf prints: arrays as ``f32[5,7]``, everything else as ``repr`` (``4``, ``'relu'``)."""
+    """How a leaf prints: arrays as ``f32[5,7]``, anything else as ``repr`` (``4``, ``'relu'``)."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return f"{_dtype_str(leaf.dtype)}[{','.join(str(d) for d in leaf.shape)}]"
     return repr(leaf)
@@ -343,7 +345,7 @@ def _leaf_equal(a: Any, b: Any) -> bool:
     if isinstance(a, ParamsDict) or isinstance(b, ParamsDict):
         return a == b
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_leaf_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_leaf_equal(x, y) for x, y in zip(a, b, strict=True))
     if hasattr(a, "shape") or hasattr(b, "shape"):
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
     return a == b
@@ -378,7 +380,9 @@ def _parse_path(path: str) -> list[str | int]:
         segs.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
         pos = m.end()
     if pos != len(path) or not segs:
-        raise ValueError(f"bad ParamsDict path {path!r}: expected segments like '/layer/W' or '/layers[1]/b'")
+        raise ValueError(
+            f"bad ParamsDict path {path!r}: expected segments like '/layer/W' or '/layers[1]/b'"
+        )
     return segs
 
 
