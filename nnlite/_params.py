@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -44,15 +45,21 @@ class _Aux:
     Equality and hashing use only the sorted names and the static (string) fields, so two
     ParamsDicts with the same fields have equal treedefs whatever order they were built in;
     the insertion order rides along so that unflattening preserves how the tree prints.
+    Everything flatten/unflatten needs is precomputed here once per set of fields.
     """
 
-    __slots__ = ("keys", "order", "static", "_hash")
+    __slots__ = ("keys", "order", "static", "_hash", "get", "template", "path_keys")
 
     def __init__(self, keys: tuple[str, ...], order: tuple[str, ...], static: tuple):
         self.keys = keys  # dynamic (pytree child) fields, sorted
         self.order = order  # every field, insertion order
         self.static = static  # ((name, value), ...) for string fields, sorted
         self._hash = hash((keys, static))
+        self.get = _tuple_getter(keys)  # data -> children tuple, in `keys` order
+        # Unflatten copies this and fills in the children: insertion order for free.
+        self.template = dict.fromkeys(order)
+        self.template.update(static)
+        self.path_keys = tuple(PathKey(k) for k in keys)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -67,6 +74,17 @@ class _Aux:
 
     def __repr__(self) -> str:
         return f"ParamsDictKeys{self.keys}"
+
+
+def _tuple_getter(keys: tuple[str, ...]):
+    """A fast ``data -> tuple(data[k] for k in keys)``; itemgetter returns a bare value for
+    one key, so that case (and none) gets its own function."""
+    if len(keys) >= 2:
+        return operator.itemgetter(*keys)
+    if len(keys) == 1:
+        (k,) = keys
+        return lambda data: (data[k],)
+    return lambda data: ()
 
 
 _SEGMENT = re.compile(r"/([^/\[\]]+)|\[(\d+)\]")
@@ -194,23 +212,27 @@ class ParamsDict:
             object.__setattr__(self, "_aux", aux)
         return aux
 
+    # The three functions below run once per node at every flatten/unflatten (each jit
+    # dispatch): keep them free of anything that could be computed once into the _Aux.
     def _tree_flatten(self):
-        aux = self._aux or self._get_aux()
-        data = self._data
-        return [data[k] for k in aux.keys], aux
+        aux = self._aux
+        if aux is None:
+            aux = self._get_aux()
+        return aux.get(self._data), aux
 
     def _tree_flatten_with_keys(self):
-        aux = self._aux or self._get_aux()
-        data = self._data
-        return [(PathKey(k), data[k]) for k in aux.keys], aux
+        aux = self._aux
+        if aux is None:
+            aux = self._get_aux()
+        return list(zip(aux.path_keys, aux.get(self._data))), aux  # noqa: B905 (same length)
 
-    @classmethod
-    def _tree_unflatten(cls, aux: _Aux, children) -> ParamsDict:
-        new = object.__new__(cls)
-        values = dict(zip(aux.keys, children, strict=True))
-        values.update(aux.static)
-        object.__setattr__(new, "_data", {k: values[k] for k in aux.order})
-        object.__setattr__(new, "_aux", aux)
+    @staticmethod
+    def _tree_unflatten(aux: _Aux, children) -> ParamsDict:
+        data = aux.template.copy()
+        data.update(zip(aux.keys, children))  # noqa: B905 (strict= costs ~100 ns a node)
+        new = _new(ParamsDict)
+        _set_data(new, data)
+        _set_aux(new, aux)
         return new
 
     # -- seed API: print, items, JSON -------------------------------------------------------
@@ -422,6 +444,11 @@ def _build(node: Any) -> Any:
         return [_build(v) for v in node]
     return node
 
+
+# Slot setters that bypass ParamsDict.__setattr__ (which would store a key).
+_new = object.__new__
+_set_data = ParamsDict.__dict__["_data"].__set__
+_set_aux = ParamsDict.__dict__["_aux"].__set__
 
 jax.tree_util.register_pytree_with_keys(
     ParamsDict,
