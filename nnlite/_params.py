@@ -87,6 +87,8 @@ def _tuple_getter(keys: tuple[str, ...]):
     return lambda data: ()
 
 
+_SLOTS = frozenset(("_data", "_aux", "_children"))
+
 _SEGMENT = re.compile(r"/([^/\[\]]+)|\[(\d+)\]")
 
 
@@ -111,17 +113,27 @@ class ParamsDict:
         (5, 7)
     """
 
-    __slots__ = ("_data", "_aux")
+    # _data: the fields, insertion order. _aux: cached treedef aux (None once stale).
+    # _children: the pytree children in aux.keys order, set by unflatten; the _data dict of
+    # an unflattened node is built from them on first use (see __getattr__), so a jit
+    # output that is only passed back into jit never pays for building dicts.
+    __slots__ = ("_data", "_aux", "_children")
 
     def __init__(self, *args: Mapping[str, Any], **kwargs: Any):
-        object.__setattr__(self, "_data", {})
-        object.__setattr__(self, "_aux", None)
+        _set_data(self, {})
+        _set_aux(self, None)
+        _set_children(self, None)
         for k, v in dict(*args, **kwargs).items():
             self[k] = v
 
     # -- mapping protocol -------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
-        data = object.__getattribute__(self, "_data")
+        # Only reached when normal lookup fails, i.e. for keys and for unset slots.
+        if name == "_data":
+            return self._build_data()
+        if name in _SLOTS:  # unset (a copy being restored): no recursion into _data
+            raise AttributeError(name)
+        data = self._data
         try:
             return data[name]
         except KeyError:
@@ -153,11 +165,13 @@ class ParamsDict:
         if isinstance(value, Mapping) and not isinstance(value, ParamsDict):
             value = ParamsDict(value)
         self._data[name] = value
-        object.__setattr__(self, "_aux", None)
+        _set_aux(self, None)
+        _set_children(self, None)
 
     def __delitem__(self, name: str) -> None:
         del self._data[name]
-        object.__setattr__(self, "_aux", None)
+        _set_aux(self, None)
+        _set_children(self, None)
 
     def __contains__(self, name: object) -> bool:
         return name in self._data
@@ -194,8 +208,9 @@ class ParamsDict:
         return {"_data": self._data}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        object.__setattr__(self, "_data", dict(state["_data"]))
-        object.__setattr__(self, "_aux", None)
+        _set_data(self, dict(state["_data"]))
+        _set_aux(self, None)
+        _set_children(self, None)
 
     def __repr__(self) -> str:
         lines = [f"  {path}: {leaf_str(leaf)}" for path, leaf in self.items()]
@@ -209,30 +224,44 @@ class ParamsDict:
             static = tuple(sorted((k, v) for k, v in data.items() if isinstance(v, str)))
             keys = tuple(sorted(k for k, v in data.items() if not isinstance(v, str)))
             aux = _Aux(keys, tuple(data), static)
-            object.__setattr__(self, "_aux", aux)
+            _set_aux(self, aux)
         return aux
+
+    def _build_data(self) -> dict[str, Any]:
+        """The ``_data`` of an unflattened node: the aux's template filled with children."""
+        children = self._children
+        if children is None:
+            raise AttributeError("_data")
+        aux = self._aux
+        data = aux.template.copy()
+        data.update(zip(aux.keys, children))  # noqa: B905 (unflatten got one per key)
+        _set_data(self, data)
+        return data
 
     # The three functions below run once per node at every flatten/unflatten (each jit
     # dispatch): keep them free of anything that could be computed once into the _Aux.
+    # Invariant: _children is not None only while _aux is set and matches _data.
     def _tree_flatten(self):
+        children = self._children
+        if children is not None:
+            return children, self._aux
         aux = self._aux
         if aux is None:
             aux = self._get_aux()
         return aux.get(self._data), aux
 
     def _tree_flatten_with_keys(self):
-        aux = self._aux
-        if aux is None:
-            aux = self._get_aux()
-        return list(zip(aux.path_keys, aux.get(self._data))), aux  # noqa: B905 (same length)
+        children = self._children
+        if children is None:
+            children = self._tree_flatten()[0]
+        return list(zip(self._aux.path_keys, children)), self._aux  # noqa: B905 (same length)
 
     @staticmethod
     def _tree_unflatten(aux: _Aux, children) -> ParamsDict:
-        data = aux.template.copy()
-        data.update(zip(aux.keys, children))  # noqa: B905 (strict= costs ~100 ns a node)
         new = _new(ParamsDict)
-        _set_data(new, data)
         _set_aux(new, aux)
+        # JAX passes a fresh tuple; anything else is copied so that it cannot change later.
+        _set_children(new, children if type(children) is tuple else tuple(children))
         return new
 
     # -- seed API: print, items, JSON -------------------------------------------------------
@@ -449,6 +478,7 @@ def _build(node: Any) -> Any:
 _new = object.__new__
 _set_data = ParamsDict.__dict__["_data"].__set__
 _set_aux = ParamsDict.__dict__["_aux"].__set__
+_set_children = ParamsDict.__dict__["_children"].__set__
 
 jax.tree_util.register_pytree_with_keys(
     ParamsDict,
