@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from ._module import Module
 from ._nn import get_activation, get_initializer
@@ -62,7 +63,11 @@ class Linear(Module):
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
         y = x @ params.W
-        return y + params.b if self.use_bias else y
+        if not self.use_bias:
+            return y
+        # Broadcast explicitly: y + b is a rank promotion, an error under the strict
+        # jax_numpy_rank_promotion="raise" the project runs with.
+        return y + jnp.broadcast_to(params.b, y.shape)
 
 
 class Activation(Module):
