@@ -98,7 +98,10 @@ class ParamsDict:
     Values are arrays, Python scalars, strings (kept static: they are not pytree leaves, so
     ``jit`` accepts a ParamsDict holding them), nested ParamsDicts, and lists or tuples of
     ParamsDicts. Iteration order, printing and ``items()`` follow insertion order; the pytree
-    flattening sorts field names, so treedefs do not depend on insertion order.
+    flattening sorts field names, so treedefs do not depend on insertion order. (One
+    consequence: a jitted function's cached output treedef keeps the insertion order of
+    the call that traced it, so a later call with the same fields in another order gets
+    its result in the first call's order.)
 
     Example:
         >>> import jax.numpy as jnp
