@@ -55,14 +55,19 @@ class Linear(Module):
         p = ParamsDict()
         p.W = get_initializer(self.w_init)(key, (self.in_features, self.out_features), self.dtype)
         if self.use_bias:
-            p.b = get_initializer(self.b_init)(key, (self.out_features,), self.dtype)
+            # A key of its own: with the same key, b would repeat W's first row up to scale.
+            b_key = jax.random.fold_in(key, 1)
+            p.b = get_initializer(self.b_init)(b_key, (self.out_features,), self.dtype)
         return p
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
         y = x @ params.W
-        # Explicit broadcast: works under jax_numpy_rank_promotion='raise'.
-        return y + jnp.broadcast_to(params.b, y.shape) if self.use_bias else y
+        if not self.use_bias:
+            return y
+        # Broadcast explicitly: y + b is a rank promotion, an error under the strict
+        # jax_numpy_rank_promotion="raise" the project runs with.
+        return y + jnp.broadcast_to(params.b, y.shape)
 
 
 class Activation(Module):
@@ -129,20 +134,27 @@ class FFN(Module):
 
     @property
     def layers(self) -> tuple[Linear, ...]:
-        w_init = self.w_init or ("he_normal" if self.activation in ("relu", "gelu") else "lecun_normal")
+        relu_like = self.activation in ("relu", "gelu")
+        w_init = self.w_init or ("he_normal" if relu_like else "lecun_normal")
         s = self.sizes
-        return tuple(Linear(a, b, w_init=w_init, dtype=self.dtype) for a, b in zip(s[:-1], s[1:]))
+        pairs = zip(s[:-1], s[1:], strict=True)
+        return tuple(Linear(a, b, w_init=w_init, dtype=self.dtype) for a, b in pairs)
 
     def init(self, key: jax.Array) -> ParamsDict:
         layers = self.layers
         keys = jax.random.split(key, len(layers))
-        return ParamsDict(layers=[layer.init(k) for layer, k in zip(layers, keys)])
+        return ParamsDict(layers=[layer.init(k) for layer, k in zip(layers, keys, strict=True)])
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
         act = get_activation(self.activation)
         layers = self.layers
-        for i, (layer, p) in enumerate(zip(layers, params.layers)):
+        if len(params.layers) != len(layers):
+            raise ValueError(
+                f"{self._short_repr()}: params have {len(params.layers)} layers, "
+                f"the module has {len(layers)} (sizes {self.sizes})"
+            )
+        for i, (layer, p) in enumerate(zip(layers, params.layers, strict=True)):
             x = layer(p, x)
             if i < len(layers) - 1 or self.activate_final:
                 x = act(x)
@@ -181,7 +193,9 @@ class SoftmaxHead(Module):
     def __post_init__(self):
         super().__post_init__()
         if self.output not in _HEAD_OUTPUTS:
-            raise ValueError(f"SoftmaxHead: unknown output {self.output!r}; valid: {', '.join(_HEAD_OUTPUTS)}")
+            raise ValueError(
+                f"SoftmaxHead: unknown output {self.output!r}; valid: {', '.join(_HEAD_OUTPUTS)}"
+            )
 
     @property
     def linear(self) -> Linear:
@@ -216,18 +230,24 @@ class Sequential(Module):
         super().__post_init__()
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, Module):
-                raise TypeError(f"Sequential: layers[{i}] must be an nnlite Module, got {type(layer).__name__}")
+                raise TypeError(
+                    f"Sequential: layers[{i}] must be an nnlite Module, got {type(layer).__name__}"
+                )
 
     def init(self, key: jax.Array) -> ParamsDict:
         keys = jax.random.split(key, max(len(self.layers), 1))
-        return ParamsDict(layers=[layer.init(k) for layer, k in zip(self.layers, keys)])
+        # split() needs n >= 1; zip stops at the layers for an empty Sequential.
+        pairs = zip(self.layers, keys, strict=False)
+        return ParamsDict(layers=[layer.init(k) for layer, k in pairs])
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         if len(params.layers) != len(self.layers):
             raise ValueError(
-                f"Sequential: params have {len(params.layers)} layers, the module has {len(self.layers)}"
+                f"Sequential: params have {len(params.layers)} layers, "
+                f"the module has {len(self.layers)}"
             )
-        keys = [None] * len(self.layers) if key is None else list(jax.random.split(key, len(self.layers)))
-        for layer, p, k in zip(self.layers, params.layers, keys):
+        n = len(self.layers)
+        keys = [None] * n if key is None else list(jax.random.split(key, n))
+        for layer, p, k in zip(self.layers, params.layers, keys, strict=True):
             x = layer(p, x, key=k)
         return x

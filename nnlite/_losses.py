@@ -52,7 +52,9 @@ def nll(log_probs: jax.Array, labels: jax.Array, *, reduction: str = "none") -> 
     return reduce(-picked, reduction)
 
 
-def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, reduction: str = "none") -> jax.Array:
+def softmax_cross_entropy(
+    logits: jax.Array, labels: jax.Array, *, reduction: str = "none"
+) -> jax.Array:
     """Cross-entropy of ``softmax(logits)`` against integer ``labels``.
 
     Computed as ``logsumexp(logits) - logits[label]`` with the max subtracted first, so
@@ -91,7 +93,9 @@ def mse(predictions: jax.Array, targets: jax.Array, *, reduction: str = "none") 
     """
     predictions, targets = jnp.asarray(predictions), jnp.asarray(targets)
     if predictions.shape != targets.shape:
-        raise ValueError(f"mse: predictions shape {predictions.shape} != targets shape {targets.shape}")
+        raise ValueError(
+            f"mse: predictions shape {predictions.shape} != targets shape {targets.shape}"
+        )
     sq = jnp.square(predictions - targets)
     per_example = sq.reshape(sq.shape[0], -1).mean(axis=1) if sq.ndim > 1 else sq
     return reduce(per_example, reduction)

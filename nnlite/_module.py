@@ -28,7 +28,7 @@ class Module:
         ...         return ParamsDict(s=jnp.ones(self.features))
         ...     def __call__(self, params, x, *, key=None):
         ...         self.check_input(x, self.features)
-        ...         return x * jnp.broadcast_to(params.s, x.shape)
+        ...         return x * jnp.broadcast_to(params.s, x.shape)  # no implicit rank promotion
         >>> layer = Scale(3)
         >>> p = layer.init(jax.random.key(0))
         >>> layer(p, jnp.ones((2, 3))).shape

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -44,15 +45,21 @@ class _Aux:
     Equality and hashing use only the sorted names and the static (string) fields, so two
     ParamsDicts with the same fields have equal treedefs whatever order they were built in;
     the insertion order rides along so that unflattening preserves how the tree prints.
+    Everything flatten/unflatten needs is precomputed here once per set of fields.
     """
 
-    __slots__ = ("keys", "order", "static", "_hash")
+    __slots__ = ("keys", "order", "static", "_hash", "get", "template", "path_keys")
 
     def __init__(self, keys: tuple[str, ...], order: tuple[str, ...], static: tuple):
         self.keys = keys  # dynamic (pytree child) fields, sorted
         self.order = order  # every field, insertion order
         self.static = static  # ((name, value), ...) for string fields, sorted
         self._hash = hash((keys, static))
+        self.get = _tuple_getter(keys)  # data -> children tuple, in `keys` order
+        # Unflatten copies this and fills in the children: insertion order for free.
+        self.template = dict.fromkeys(order)
+        self.template.update(static)
+        self.path_keys = tuple(PathKey(k) for k in keys)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -69,6 +76,19 @@ class _Aux:
         return f"ParamsDictKeys{self.keys}"
 
 
+def _tuple_getter(keys: tuple[str, ...]):
+    """A fast ``data -> tuple(data[k] for k in keys)``; itemgetter returns a bare value for
+    one key, so that case (and none) gets its own function."""
+    if len(keys) >= 2:
+        return operator.itemgetter(*keys)
+    if len(keys) == 1:
+        (k,) = keys
+        return lambda data: (data[k],)
+    return lambda data: ()
+
+
+_SLOTS = frozenset(("_data", "_aux", "_children"))
+
 _SEGMENT = re.compile(r"/([^/\[\]]+)|\[(\d+)\]")
 
 
@@ -78,7 +98,10 @@ class ParamsDict:
     Values are arrays, Python scalars, strings (kept static: they are not pytree leaves, so
     ``jit`` accepts a ParamsDict holding them), nested ParamsDicts, and lists or tuples of
     ParamsDicts. Iteration order, printing and ``items()`` follow insertion order; the pytree
-    flattening sorts field names, so treedefs do not depend on insertion order.
+    flattening sorts field names, so treedefs do not depend on insertion order. (One
+    consequence: a jitted function's cached output treedef keeps the insertion order of
+    the call that traced it, so a later call with the same fields in another order gets
+    its result in the first call's order.)
 
     Example:
         >>> import jax.numpy as jnp
@@ -93,17 +116,27 @@ class ParamsDict:
         (5, 7)
     """
 
-    __slots__ = ("_data", "_aux")
+    # _data: the fields, insertion order. _aux: cached treedef aux (None once stale).
+    # _children: the pytree children in aux.keys order, set by unflatten; the _data dict of
+    # an unflattened node is built from them on first use (see __getattr__), so a jit
+    # output that is only passed back into jit never pays for building dicts.
+    __slots__ = ("_data", "_aux", "_children")
 
     def __init__(self, *args: Mapping[str, Any], **kwargs: Any):
-        object.__setattr__(self, "_data", {})
-        object.__setattr__(self, "_aux", None)
+        _set_data(self, {})
+        _set_aux(self, None)
+        _set_children(self, None)
         for k, v in dict(*args, **kwargs).items():
             self[k] = v
 
     # -- mapping protocol -------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
-        data = object.__getattribute__(self, "_data")
+        # Only reached when normal lookup fails, i.e. for keys and for unset slots.
+        if name == "_data":
+            return self._build_data()
+        if name in _SLOTS:  # unset (a copy being restored): no recursion into _data
+            raise AttributeError(name)
+        data = self._data
         try:
             return data[name]
         except KeyError:
@@ -129,15 +162,19 @@ class ParamsDict:
 
     def __setitem__(self, name: str, value: Any) -> None:
         if not isinstance(name, str) or not name or "/" in name or "[" in name:
-            raise KeyError(f"ParamsDict keys must be non-empty strings without '/' or '[', got {name!r}")
+            raise KeyError(
+                f"ParamsDict keys must be non-empty strings without '/' or '[', got {name!r}"
+            )
         if isinstance(value, Mapping) and not isinstance(value, ParamsDict):
             value = ParamsDict(value)
         self._data[name] = value
-        object.__setattr__(self, "_aux", None)
+        _set_aux(self, None)
+        _set_children(self, None)
 
     def __delitem__(self, name: str) -> None:
         del self._data[name]
-        object.__setattr__(self, "_aux", None)
+        _set_aux(self, None)
+        _set_children(self, None)
 
     def __contains__(self, name: object) -> bool:
         return name in self._data
@@ -168,6 +205,16 @@ class ParamsDict:
 
     __hash__ = None  # mutable container
 
+    # copy.copy/deepcopy restore slots with setattr, which __setattr__ would turn into a
+    # key; restore them directly instead.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_data": self._data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _set_data(self, dict(state["_data"]))
+        _set_aux(self, None)
+        _set_children(self, None)
+
     def __repr__(self) -> str:
         lines = [f"  {path}: {leaf_str(leaf)}" for path, leaf in self.items()]
         return "ParamsDict(\n" + "\n".join(lines) + "\n)" if lines else "ParamsDict()"
@@ -180,26 +227,44 @@ class ParamsDict:
             static = tuple(sorted((k, v) for k, v in data.items() if isinstance(v, str)))
             keys = tuple(sorted(k for k, v in data.items() if not isinstance(v, str)))
             aux = _Aux(keys, tuple(data), static)
-            object.__setattr__(self, "_aux", aux)
+            _set_aux(self, aux)
         return aux
 
+    def _build_data(self) -> dict[str, Any]:
+        """The ``_data`` of an unflattened node: the aux's template filled with children."""
+        children = self._children
+        if children is None:
+            raise AttributeError("_data")
+        aux = self._aux
+        data = aux.template.copy()
+        data.update(zip(aux.keys, children))  # noqa: B905 (unflatten got one per key)
+        _set_data(self, data)
+        return data
+
+    # The three functions below run once per node at every flatten/unflatten (each jit
+    # dispatch): keep them free of anything that could be computed once into the _Aux.
+    # Invariant: _children is not None only while _aux is set and matches _data.
     def _tree_flatten(self):
-        aux = self._aux or self._get_aux()
-        data = self._data
-        return [data[k] for k in aux.keys], aux
+        children = self._children
+        if children is not None:
+            return children, self._aux
+        aux = self._aux
+        if aux is None:
+            aux = self._get_aux()
+        return aux.get(self._data), aux
 
     def _tree_flatten_with_keys(self):
-        aux = self._aux or self._get_aux()
-        data = self._data
-        return [(PathKey(k), data[k]) for k in aux.keys], aux
+        children = self._children
+        if children is None:
+            children = self._tree_flatten()[0]
+        return list(zip(self._aux.path_keys, children)), self._aux  # noqa: B905 (same length)
 
-    @classmethod
-    def _tree_unflatten(cls, aux: _Aux, children) -> ParamsDict:
-        new = object.__new__(cls)
-        values = dict(zip(aux.keys, children))
-        values.update(aux.static)
-        object.__setattr__(new, "_data", {k: values[k] for k in aux.order})
-        object.__setattr__(new, "_aux", aux)
+    @staticmethod
+    def _tree_unflatten(aux: _Aux, children) -> ParamsDict:
+        new = _new(ParamsDict)
+        _set_aux(new, aux)
+        # JAX passes a fresh tuple; anything else is copied so that it cannot change later.
+        _set_children(new, children if type(children) is tuple else tuple(children))
         return new
 
     # -- seed API: print, items, JSON -------------------------------------------------------
@@ -258,7 +323,7 @@ class ParamsDict:
         for path, leaf in flat.items():
             segs = _parse_path(path)
             node: Any = root
-            for seg, nxt in zip(segs[:-1], segs[1:]):
+            for seg, nxt in zip(segs[:-1], segs[1:], strict=True):
                 container = [] if isinstance(nxt, int) else {}
                 node = _child(node, seg, container, path)
             _assign(node, segs[-1], leaf, path)
@@ -307,7 +372,7 @@ def _dtype_str(dtype) -> str:
 
 
 def leaf_str(leaf: Any) -> str:
-    """How a leaf prints: arrays as ``f32[5,7]``, everything else as ``repr`` (``4``, ``'relu'``)."""
+    """How a leaf prints: arrays as ``f32[5,7]``, anything else as ``repr`` (``4``, ``'relu'``)."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return f"{_dtype_str(leaf.dtype)}[{','.join(str(d) for d in leaf.shape)}]"
     return repr(leaf)
@@ -334,7 +399,7 @@ def _leaf_equal(a: Any, b: Any) -> bool:
     if isinstance(a, ParamsDict) or isinstance(b, ParamsDict):
         return a == b
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_leaf_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_leaf_equal(x, y) for x, y in zip(a, b, strict=True))
     if hasattr(a, "shape") or hasattr(b, "shape"):
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
     return a == b
@@ -369,7 +434,9 @@ def _parse_path(path: str) -> list[str | int]:
         segs.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
         pos = m.end()
     if pos != len(path) or not segs:
-        raise ValueError(f"bad ParamsDict path {path!r}: expected segments like '/layer/W' or '/layers[1]/b'")
+        raise ValueError(
+            f"bad ParamsDict path {path!r}: expected segments like '/layer/W' or '/layers[1]/b'"
+        )
     return segs
 
 
@@ -409,6 +476,12 @@ def _build(node: Any) -> Any:
         return [_build(v) for v in node]
     return node
 
+
+# Slot setters that bypass ParamsDict.__setattr__ (which would store a key).
+_new = object.__new__
+_set_data = ParamsDict.__dict__["_data"].__set__
+_set_aux = ParamsDict.__dict__["_aux"].__set__
+_set_children = ParamsDict.__dict__["_children"].__set__
 
 jax.tree_util.register_pytree_with_keys(
     ParamsDict,

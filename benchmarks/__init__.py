@@ -1,0 +1,1 @@
+"""Benchmarks: run from the repository root, e.g. ``python -m benchmarks.pytree``."""
