@@ -4,6 +4,7 @@ Parameters live in ``ParamsDict`` pytrees; layers are frozen dataclasses of
 hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
+from . import vjp as vjp
 from ._layers import FFN as FFN
 from ._layers import Activation as Activation
 from ._layers import Linear as Linear
@@ -58,4 +59,5 @@ __all__ = [
     "softmax_cross_entropy",
     "softplus",
     "tanh",
+    "vjp",
 ]
