@@ -356,7 +356,8 @@ def log_softmax_vjp(x, dret):
 
 def _one_hot(labels, num_classes, dtype):
     # A compare against an iota: XLA fuses it into its consumer, nothing [B, C] is stored.
-    return (labels[..., None] == jnp.arange(num_classes, dtype=labels.dtype)).astype(dtype)
+    classes = _lead(jnp.arange(num_classes, dtype=labels.dtype), labels.ndim + 1)
+    return (labels[..., None] == classes).astype(dtype)
 
 
 def softmax_cross_entropy(logits, labels):
