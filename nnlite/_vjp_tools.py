@@ -75,7 +75,10 @@ def _as_tuple(dargs: Any, nargs: int, who: str) -> tuple:
     if isinstance(dargs, list):
         dargs = tuple(dargs)
     if not isinstance(dargs, tuple) or len(dargs) != nargs:
-        got = f"{len(dargs)} values" if isinstance(dargs, tuple) else type(dargs).__name__
+        if isinstance(dargs, tuple):
+            got = f"{len(dargs)} values"
+        else:
+            got = "a single array" if hasattr(dargs, "shape") else type(dargs).__name__
         raise VJPCheckError(
             f"{who}: a VJP rule returns one cotangent per argument, a tuple of {nargs} here; "
             f"got {got}"
@@ -84,16 +87,19 @@ def _as_tuple(dargs: Any, nargs: int, who: str) -> tuple:
 
 
 def _random_like(key: jax.Array, tree: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, max(len(leaves), 1))
+    """Standard-normal arrays shaped like ``tree``'s float leaves (float0 for the others).
+
+    Drawn on the host with numpy, seeded from ``key``: no random kernel to compile for
+    every shape checked.
+    """
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
     out = []
-    for k, leaf in zip(keys, leaves, strict=True):
-        leaf = jnp.asarray(leaf)
+    for leaf in jax.tree.leaves(tree):
         if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            out.append(jax.random.normal(k, leaf.shape, leaf.dtype))
+            out.append(rng.standard_normal(leaf.shape).astype(leaf.dtype))
         else:
             out.append(np.zeros(leaf.shape, jax.dtypes.float0))
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(jax.tree.structure(tree), out)
 
 
 def check_vjp(
@@ -103,11 +109,13 @@ def check_vjp(
     rtol: float | None = None,
     atol: float | None = None,
     key: jax.Array | None = None,
+    jit: bool = True,
 ) -> None:
     """Check ``f_vjp(*args, dret)`` against ``jax.vjp(f, *args)`` on a random cotangent.
 
     Compares, argument by argument, the tree structure, shapes and values of the
-    cotangents. Integer arguments must get ``None`` (or a float0 array).
+    cotangents. Integer arrays must get ``None`` (or a float0 array); static Python
+    arguments (a Python int index) are passed through and their cotangent is ignored.
 
     Args:
         f: the forward function.
@@ -116,6 +124,8 @@ def check_vjp(
         rtol, atol: tolerances; default from ``default_tolerances`` for each cotangent's
             dtype, with ``atol`` scaled by the largest reference magnitude (at least 1).
         key: PRNG key for the random cotangent (default ``jax.random.key(0)``).
+        jit: trace ``f`` and ``f_vjp`` into one compiled computation (fast: one compile
+            instead of one per op); ``False`` runs them eagerly, e.g. to debug with print.
 
     Raises:
         VJPCheckError: naming the argument index and path, the largest error and where.
@@ -131,12 +141,30 @@ def check_vjp(
     """
     who = f"check_vjp({_name(f)}, {_name(f_vjp)})"
     key = jax.random.key(0) if key is None else key
-    out, pullback = jax.vjp(f, *args)
-    dret = _random_like(key, out)
-    want = pullback(dret)
-    got = _as_tuple(f_vjp(*args, dret), len(args), who)
+    static = [_is_static(a) for a in args]
 
-    for i, (arg, w, g) in enumerate(zip(args, want, got, strict=True)):
+    def merge(dyn):
+        # Static arguments (Python ints: an index) are closed over; jax.vjp differentiates
+        # the rest, and their cotangents are what the rule is compared against.
+        it = iter(dyn)
+        return [a if s else next(it) for a, s in zip(args, static, strict=True)]
+
+    def f_dyn(*dyn):
+        return f(*merge(dyn))
+
+    def both(dyn, dret):
+        _, pullback = jax.vjp(f_dyn, *dyn)
+        want = [None if _is_int_like(a) else w for a, w in zip(dyn, pullback(dret), strict=True)]
+        return want, _as_tuple(f_vjp(*merge(dyn), dret), len(args), who)
+
+    dyn = [a for a, s in zip(args, static, strict=True) if not s]
+    dret = _random_like(key, jax.eval_shape(f_dyn, *dyn))
+    want, got = (jax.jit(both) if jit else both)(dyn, dret)
+    want = iter(want)
+    for i, (arg, g) in enumerate(zip(args, got, strict=True)):
+        if static[i]:
+            continue  # not traced: no cotangent to compare
+        w = next(want)
         if _is_int_like(arg):
             if not _is_zero_cotangent(g):
                 raise VJPCheckError(
