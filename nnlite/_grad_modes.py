@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from . import _vjp
 from ._losses import softmax_cross_entropy as _sce
-from ._nn import get_activation
+from ._nn import ACTIVATIONS, get_activation
 from ._vjp_tools import _match_primal
 from .vjp import hand
 
@@ -52,14 +52,19 @@ _ACT_GRADS: dict[str, tuple[bool, Callable]] = {
 HAND_ACTIVATIONS = tuple(_ACT_GRADS)
 
 
-def _check_mode(mode: str, activation: Any) -> None:
+def _check_mode(mode: str, activation: Any) -> Any:
+    """Validate ``mode`` and ``activation``; returns the activation's name when it has one
+    (``nl.relu`` -> ``"relu"``), so the hand modes accept the functions too."""
     if mode not in GRAD_MODES:
         raise ValueError(f"unknown gradient mode {mode!r}; valid: {', '.join(GRAD_MODES)}")
+    if callable(activation):
+        activation = next((k for k, v in ACTIVATIONS.items() if v is activation), activation)
     if mode != "autodiff" and activation not in _ACT_GRADS:
         raise ValueError(
             f"gradient mode {mode!r} supports activations {', '.join(HAND_ACTIVATIONS)}; got "
             f"{activation!r} (use mode='autodiff' for other activations)"
         )
+    return activation
 
 
 # --- parameters ---------------------------------------------------------------------------
@@ -236,7 +241,7 @@ def fused_loss_and_grad(
     Returns:
         ``(loss, grads)``, ``grads`` with the structure of ``params``.
     """
-    _check_mode("fused", activation)
+    activation = _check_mode("fused", activation)
     layers = mlp_layers(params)
     _check_inputs(layers, x, labels)
     loss, res = _fused_forward(layers, x, labels, activation)
@@ -265,7 +270,7 @@ def fused_grad_accum(
         >>> bool(jnp.allclose(acc.layers[0].W / 2, full.layers[0].W, atol=1e-6))
         True
     """
-    _check_mode("fused", activation)
+    activation = _check_mode("fused", activation)
     layers = mlp_layers(params)
     _check_inputs(layers, x, labels)
     if jax.tree.structure(grads_in) != jax.tree.structure(params):
@@ -329,7 +334,7 @@ def mlp_loss(
         >>> bool(jnp.allclose(g1.layers[1].W, g2.layers[1].W, atol=1e-6))
         True
     """
-    _check_mode(mode, activation)
+    activation = _check_mode(mode, activation)
     layers = mlp_layers(params)
     _check_inputs(layers, x, labels)
     if mode == "autodiff":
@@ -360,7 +365,7 @@ def loss_and_grad(
     Returns:
         ``(loss, grads)``, ``grads`` with the structure of ``params``.
     """
-    _check_mode(mode, activation)
+    activation = _check_mode(mode, activation)
     if mode == "fused":
         return fused_loss_and_grad(params, x, labels, activation=activation)
     return jax.value_and_grad(mlp_loss)(params, x, labels, activation=activation, mode=mode)

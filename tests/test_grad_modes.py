@@ -190,6 +190,11 @@ def test_autodiff_takes_any_activation_hand_modes_say_what_they_support():
             ValueError, match=f"mode '{mode}' supports activations relu, tanh, .*gelu"
         ):
             nl.loss_and_grad(mode, params, x, y, activation=jnp.sin)
+    # the library's activation functions are accepted by name or as themselves
+    _close(
+        _loss_and_grad("fused", params, x, y, activation=nl.tanh),
+        _loss_and_grad("autodiff", params, x, y, activation="tanh"),
+    )
     with pytest.raises(
         ValueError, match="unknown gradient mode 'adjoint'; valid: autodiff, manual, fused"
     ):
