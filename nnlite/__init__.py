@@ -4,6 +4,15 @@ Parameters live in ``ParamsDict`` pytrees; layers are frozen dataclasses of
 hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
+from . import vjp as vjp
+from ._grad_modes import GRAD_MODES as GRAD_MODES
+from ._grad_modes import HAND_ACTIVATIONS as HAND_ACTIVATIONS
+from ._grad_modes import fused_grad_accum as fused_grad_accum
+from ._grad_modes import fused_loss_and_grad as fused_loss_and_grad
+from ._grad_modes import loss_and_grad as loss_and_grad
+from ._grad_modes import mlp_layers as mlp_layers
+from ._grad_modes import mlp_logits as mlp_logits
+from ._grad_modes import mlp_loss as mlp_loss
 from ._layers import FFN as FFN
 from ._layers import Activation as Activation
 from ._layers import Linear as Linear
@@ -38,6 +47,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ACTIVATIONS",
     "FFN",
+    "GRAD_MODES",
+    "HAND_ACTIVATIONS",
     "INITIALIZERS",
     "REDUCTIONS",
     "Activation",
@@ -49,11 +60,17 @@ __all__ = [
     "SoftmaxHead",
     "UnsupportedPrimitiveError",
     "format_path",
+    "fused_grad_accum",
+    "fused_loss_and_grad",
     "gelu",
     "get_activation",
     "get_initializer",
     "identity",
     "leaf_str",
+    "loss_and_grad",
+    "mlp_layers",
+    "mlp_logits",
+    "mlp_loss",
     "mse",
     "nll",
     "reduce",
@@ -64,4 +81,5 @@ __all__ = [
     "softmax_cross_entropy",
     "softplus",
     "tanh",
+    "vjp",
 ]

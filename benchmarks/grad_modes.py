@@ -1,0 +1,181 @@
+"""Train-step time of the MLP gradient modes (autodiff, manual, fused), under jit.
+
+Run from the repository root:
+
+    python benchmarks/grad_modes.py            # both sizes, full rounds
+    python benchmarks/grad_modes.py --quick    # fewer, shorter rounds
+
+Each mode gets its own jitted step (optax.adam(1e-3), params and optimizer state donated)
+and its own copy of the same initial state. After warm-up, rounds run the modes in a
+shuffled order, each timing ``--steps`` consecutive steps with ``block_until_ready``; the
+table shows the median per-step time over rounds and the ratio to autodiff (and the
+fastest round, the least disturbed one on a shared machine). Results are also written as
+JSON under ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import nnlite from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import nnlite as nl
+
+# name: (layer sizes, batch)
+SIZES: dict[str, tuple[tuple[int, ...], int]] = {
+    "784-512-512-10/b256": ((784, 512, 512, 10), 256),
+    "1024-4096-4096-10/b1024": ((1024, 4096, 4096, 10), 1024),
+}
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def make_step(mode: str, activation: str):
+    """A jitted train step ``(params, opt_state, x, y) -> (params, opt_state, loss)``."""
+    opt = optax.adam(1e-3)
+
+    def step(params, opt_state, x, y):
+        loss, grads = nl.loss_and_grad(mode, params, x, y, activation=activation)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return opt, jax.jit(step, donate_argnums=(0, 1))
+
+
+def bench_size(
+    sizes: tuple[int, ...],
+    batch: int,
+    *,
+    modes=nl.GRAD_MODES,
+    activation: str = "relu",
+    rounds: int = 7,
+    steps: int = 3,
+    warmup: int = 2,
+    seed: int = 0,
+) -> dict:
+    """Median seconds per train step for each mode on one MLP size."""
+    key = jax.random.key(seed)
+    kp, kx, ky = jax.random.split(key, 3)
+    ffn = nl.FFN(sizes[0], tuple(sizes[1:-1]), sizes[-1], activation=activation)
+    x = jax.random.normal(kx, (batch, sizes[0]))
+    y = jax.random.randint(ky, (batch,), 0, sizes[-1])
+
+    state, steps_fn = {}, {}
+    for mode in modes:
+        opt, step = make_step(mode, activation)
+        params = ffn.init(kp)  # same initial values for every mode
+        state[mode] = (params, opt.init(params))
+        steps_fn[mode] = step
+
+    def run(mode: str, n: int) -> float:
+        params, opt_state = state[mode]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            params, opt_state, loss = steps_fn[mode](params, opt_state, x, y)
+        jax.block_until_ready((params, opt_state, loss))
+        dt = time.perf_counter() - t0
+        state[mode] = (params, opt_state)
+        return dt / n
+
+    for mode in modes:
+        run(mode, warmup)
+    times = {mode: [] for mode in modes}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(modes)
+        rng.shuffle(order)
+        for mode in order:
+            times[mode].append(run(mode, steps))
+    medians = {mode: statistics.median(ts) for mode, ts in times.items()}
+    mins = {mode: min(ts) for mode, ts in times.items()}
+    base = medians.get("autodiff")
+    return {
+        "sizes": list(sizes),
+        "batch": batch,
+        "activation": activation,
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "median_s": medians,
+        "ratio_vs_autodiff": {m: (t / base if base else None) for m, t in medians.items()},
+        # on a shared machine the fastest round is the least disturbed one
+        "min_s": mins,
+        "min_ratio_vs_autodiff": {m: t / mins["autodiff"] for m, t in mins.items()}
+        if "autodiff" in mins
+        else {},
+        "all_s": times,
+    }
+
+
+def run_all(*, quick: bool = False, sizes=None, activation: str = "relu") -> dict:
+    names = sizes or list(SIZES)
+    rounds, steps = (3, 2) if quick else (15, 2)
+    results = {}
+    for name in names:
+        layer_sizes, batch = SIZES[name]
+        print(f"[grad_modes] {name}: {rounds} rounds x {steps} steps ...", file=sys.stderr)
+        results[name] = bench_size(
+            layer_sizes, batch, activation=activation, rounds=rounds, steps=steps
+        )
+    return {
+        "benchmark": "grad_modes",
+        "device": str(jax.devices()[0].device_kind),
+        "platform": jax.default_backend(),
+        "num_devices": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "quick": quick,
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"grad_modes on {report['platform']} ({report['device']}), jax {report['jax']}",
+        f"{'size':<26}{'mode':<10}{'median ms':>12}{'vs autodiff':>13}"
+        f"{'min ms':>10}{'min vs autodiff':>17}",
+    ]
+    for name, r in report["results"].items():
+        for mode, t in r["median_s"].items():
+            ratio = r["ratio_vs_autodiff"][mode]
+            t_min, min_ratio = r["min_s"][mode], r["min_ratio_vs_autodiff"][mode]
+            lines.append(
+                f"{name:<26}{mode:<10}{t * 1e3:>12.2f}{ratio:>12.3f}x"
+                f"{t_min * 1e3:>10.2f}{min_ratio:>16.3f}x"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
+    parser.add_argument("--size", action="append", choices=list(SIZES), help="repeatable")
+    parser.add_argument("--activation", default="relu", choices=nl.HAND_ACTIVATIONS)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    args = parser.parse_args(argv)
+
+    report = run_all(quick=args.quick, sizes=args.size, activation=args.activation)
+    print(format_table(report))
+    out = args.out or RESULTS_DIR / f"grad_modes-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    jnp.zeros(())  # initialise the backend before timing anything
+    main()

@@ -1,0 +1,384 @@
+"""Small hand-derived vector-Jacobian products, each beside its forward function.
+
+Every rule has the form ``f_vjp(*args, dret) -> dargs``: it takes the forward function's
+arguments and the cotangent ``dret`` of its result (a tuple when the function returns a
+tuple), and returns one cotangent per argument -- a bare value when ``f`` takes one
+argument, a tuple otherwise. Integer arguments (labels, indices) are not differentiable:
+their cotangent is ``None``.
+
+Batch conventions follow nnlite's: a leading batch axis (or several) on ``x``, the class or
+feature axis last, weights ``W: [in, out]`` shared across the batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "add", "add_vjp", "axpy", "axpy_vjp", "bias_add", "bias_add_vjp", "dotall", "dotall_vjp",
+    "dup", "dup_vjp", "exp", "exp_vjp", "gelu", "gelu_vjp", "identity", "identity_vjp",
+    "index", "index_vjp", "log", "log_softmax", "log_softmax_vjp", "log_vjp", "mean",
+    "mean_vjp", "mm", "mm_scaled", "mm_scaled_vjp", "mm_vjp", "mul", "mul_vjp", "negate",
+    "negate_vjp", "pair", "pair_vjp", "recip", "recip_vjp", "relu", "relu_vjp", "scale",
+    "scale_vjp", "sigmoid", "sigmoid_vjp", "softmax", "softmax_cross_entropy",
+    "softmax_cross_entropy_vjp", "softmax_vjp", "softplus", "softplus_vjp", "sum", "sum_vjp",
+    "tanh", "tanh_vjp", "xpyzt", "xpyzt_vjp",
+]  # fmt: skip
+
+# Note: this module defines ``sum`` (like ``jnp.sum``); the builtin is not used here.
+
+
+def _lead(v: jax.Array, ndim: int) -> jax.Array:
+    """``v`` with leading unit axes up to rank ``ndim`` (explicit: rank promotion raises)."""
+    return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
+# --- structure: add, dup, pair ------------------------------------------------------------
+
+
+def add(x, y):
+    """``x + y`` for arrays of the same shape (see ``bias_add`` for broadcasting)."""
+    return x + y
+
+
+def add_vjp(x, y, dret):
+    return dup(dret)
+
+
+def dup(x):
+    """``(x, x)``: a value used twice. Its VJP adds the two cotangents."""
+    return (x, x)
+
+
+def dup_vjp(x, dret):
+    return add(*dret)
+
+
+def pair(x, y):
+    """``(x, y)``: build a tuple. Its VJP splits the tuple's cotangent."""
+    return (x, y)
+
+
+def pair_vjp(x, y, dret):
+    return tuple(dret)
+
+
+# --- linear algebra -----------------------------------------------------------------------
+
+
+def mul(x, y):
+    """Elementwise ``x * y`` (same shapes)."""
+    return x * y
+
+
+def mul_vjp(x, y, dret):
+    return (dret * y, x * dret)
+
+
+def negate(x):
+    """``-x``."""
+    return -x
+
+
+def negate_vjp(x, dret):
+    return -dret
+
+
+def scale(s, x):
+    """``s * x`` for a scalar ``s`` and an array ``x``."""
+    if jnp.ndim(s) != 0:
+        raise ValueError(f"scale: s must be a scalar, got shape {jnp.shape(s)}")
+    return s * x
+
+
+def scale_vjp(s, x, dret):
+    return (dotall(x, dret), scale(s, dret))
+
+
+def dotall(A, B):
+    """``sum(A * B)``: the dot product of ``vec(A)`` and ``vec(B)``, a scalar."""
+    return jnp.sum(A * B)
+
+
+def dotall_vjp(A, B, dret):
+    return (B * dret, A * dret)
+
+
+def mm(A, B):
+    """``A @ B`` with ``A: [..., n, k]`` and ``B: [k, m]`` (shared) or ``[..., k, m]`` (batched).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> mm(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
+        (2, 4)
+    """
+    if jnp.ndim(A) < 2 or jnp.ndim(B) not in (2, jnp.ndim(A)):
+        raise ValueError(
+            f"mm: expected A [..., n, k] and B [k, m] or [..., k, m], got shapes "
+            f"{jnp.shape(A)} and {jnp.shape(B)}"
+        )
+    return jnp.matmul(A, B)
+
+
+def mm_vjp(A, B, dret):
+    dA = jnp.matmul(dret, jnp.swapaxes(B, -1, -2))
+    if B.ndim == 2:
+        # B is shared by every row of every batch: contract over all of A's leading axes,
+        # one matmul [k, rows] @ [rows, m].
+        dB = jnp.matmul(A.reshape(-1, A.shape[-1]).T, dret.reshape(-1, dret.shape[-1]))
+    else:
+        dB = jnp.matmul(jnp.swapaxes(A, -1, -2), dret)
+    return (dA, dB)
+
+
+def axpy(A, x, y):
+    """``A @ x + y`` with ``A: [m, n]``, ``x: [n]`` or ``[n, k]``, ``y`` the result's shape."""
+    return A @ x + y
+
+
+def axpy_vjp(A, x, y, dret):
+    dA = jnp.outer(dret, x) if x.ndim == 1 else dret @ x.T
+    return (dA, A.T @ dret, dret)
+
+
+def mm_scaled(A, B, sA, sB):
+    """``(sA * A) @ (sB * B)``, computed as ``(sA * sB) * (A @ B)``; ``sA``, ``sB`` scalars."""
+    return scale(sA * sB, mm(A, B))
+
+
+def mm_scaled_vjp(A, B, sA, sB, dC):
+    # dA = sA sB dC B^T, dB = sA sB A^T dC: reuse mm_scaled so the scaling stays on the
+    # small side of each product.
+    dA = mm_scaled(dC, B.T, sA, sB)
+    dB = mm_scaled(A.T, dC, sA, sB)
+    dsC = dotall(mm(A, B), dC)
+    return (dA, dB, sB * dsC, sA * dsC)
+
+
+def bias_add(x, b):
+    """``x + b`` with ``x: [..., n]`` and a bias ``b: [n]`` broadcast over the batch axes.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> bias_add(jnp.zeros((2, 3)), jnp.arange(3.0))
+        Array([[0., 1., 2.],
+               [0., 1., 2.]], dtype=float32)
+    """
+    if jnp.ndim(b) != 1 or jnp.shape(x)[-1:] != jnp.shape(b):
+        raise ValueError(f"bias_add: expected b of shape ({jnp.shape(x)[-1:]}), got {jnp.shape(b)}")
+    return x + _lead(b, x.ndim)
+
+
+def bias_add_vjp(x, b, dret):
+    return (dret, dret.reshape(-1, dret.shape[-1]).sum(axis=0))
+
+
+def xpyzt(x, y, z):
+    """``x + y z^T``: add the outer product of ``y`` and ``z`` to ``x`` (gradient accumulation).
+
+    With vectors ``y: [m]``, ``z: [n]`` this is exactly ``x + outer(y, z)``. With a leading
+    batch axis, ``y: [B, m]``, ``z: [B, n]``, the B outer products are summed -- computed
+    as one matmul ``x + y.T @ z``, never example by example. This is how a Linear layer's
+    weight gradient ``sum_b h_b dz_b^T`` is accumulated into an existing buffer.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> xpyzt(jnp.ones((2, 2)), jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0]))
+        Array([[4., 5.],
+               [7., 9.]], dtype=float32)
+    """
+    if y.ndim == 1 and z.ndim == 1:
+        return x + jnp.outer(y, z)
+    if y.ndim == 2 and z.ndim == 2 and y.shape[0] == z.shape[0]:
+        return x + y.T @ z
+    raise ValueError(
+        f"xpyzt: expected y, z of shapes [m], [n] or [B, m], [B, n]; got {y.shape}, {z.shape}"
+    )
+
+
+def xpyzt_vjp(x, y, z, dret):
+    if y.ndim == 1:
+        return (dret, dret @ z, dret.T @ y)
+    return (dret, z @ dret.T, y @ dret)
+
+
+# --- reductions and indexing --------------------------------------------------------------
+
+
+def sum(x):
+    """Sum of all elements, a scalar."""
+    return jnp.sum(x)
+
+
+def sum_vjp(x, dret):
+    return jnp.broadcast_to(dret, x.shape).astype(x.dtype)
+
+
+def mean(x):
+    """Mean of all elements, a scalar (e.g. of a per-example loss)."""
+    return jnp.mean(x)
+
+
+def mean_vjp(x, dret):
+    return jnp.broadcast_to(dret / x.size, x.shape).astype(x.dtype)
+
+
+def index(x, i):
+    """``x[i]`` for an integer (or integer array) index ``i``; ``i`` gets a ``None`` cotangent."""
+    return x[i]
+
+
+def index_vjp(x, i, dret):
+    return (jnp.zeros_like(x).at[i].add(dret), None)
+
+
+# --- elementwise --------------------------------------------------------------------------
+
+
+def identity(x):
+    """``x``."""
+    return x
+
+
+def identity_vjp(x, dret):
+    return dret
+
+
+def recip(x):
+    """``1 / x``."""
+    return 1 / x
+
+
+def recip_vjp(x, dret):
+    r = 1 / x
+    return -dret * r * r
+
+
+def log(x):
+    """Natural logarithm."""
+    return jnp.log(x)
+
+
+def log_vjp(x, dret):
+    return dret / x
+
+
+def exp(x):
+    """``e ** x``."""
+    return jnp.exp(x)
+
+
+def exp_vjp(x, dret):
+    return dret * jnp.exp(x)
+
+
+def relu(x):
+    """``max(x, 0)``; the VJP passes the cotangent where ``x > 0`` (0 at the kink, as JAX)."""
+    return jax.nn.relu(x)
+
+
+def relu_vjp(x, dret):
+    return jnp.where(x > 0, dret, 0)
+
+
+def tanh(x):
+    """Hyperbolic tangent."""
+    return jnp.tanh(x)
+
+
+def tanh_vjp(x, dret):
+    t = jnp.tanh(x)
+    return dret * (1 - t * t)
+
+
+def sigmoid(x):
+    """Logistic sigmoid ``1 / (1 + exp(-x))``."""
+    return jax.nn.sigmoid(x)
+
+
+def sigmoid_vjp(x, dret):
+    s = jax.nn.sigmoid(x)
+    return dret * s * (1 - s)
+
+
+def softplus(x):
+    """``log(1 + exp(x))``."""
+    return jax.nn.softplus(x)
+
+
+def softplus_vjp(x, dret):
+    return dret * jax.nn.sigmoid(x)
+
+
+_GELU_C = math.sqrt(2 / math.pi)
+_GELU_A = 0.044715
+
+
+def gelu(x):
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``, as ``nnlite.gelu``."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def gelu_grad(x):
+    """``d gelu / dx`` (tanh approximation), elementwise."""
+    t = jnp.tanh(_GELU_C * (x + _GELU_A * x * x * x))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * x * x)
+
+
+def gelu_vjp(x, dret):
+    return dret * gelu_grad(x)
+
+
+# --- softmax family (class axis last) -----------------------------------------------------
+
+
+def softmax(x):
+    """Softmax over the last axis."""
+    return jax.nn.softmax(x, axis=-1)
+
+
+def softmax_vjp(x, dret):
+    s = softmax(x)
+    return s * (dret - jnp.sum(s * dret, axis=-1, keepdims=True))
+
+
+def log_softmax(x):
+    """Log-softmax over the last axis."""
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def log_softmax_vjp(x, dret):
+    return dret - softmax(x) * jnp.sum(dret, axis=-1, keepdims=True)
+
+
+def _one_hot(labels, num_classes, dtype):
+    # A compare against an iota: XLA fuses it into its consumer, nothing [B, C] is stored.
+    classes = _lead(jnp.arange(num_classes, dtype=labels.dtype), labels.ndim + 1)
+    return (labels[..., None] == classes).astype(dtype)
+
+
+def softmax_cross_entropy(logits, labels):
+    """Per-example cross-entropy ``logsumexp(logits) - logits[label]`` (class axis last).
+
+    Args:
+        logits: ``[..., num_classes]`` scores.
+        labels: ``[...]`` integer class indices (cotangent ``None``).
+
+    Returns:
+        ``[...]`` per-example losses; reduce with ``mean`` or ``sum``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> softmax_cross_entropy(jnp.zeros((1, 2)), jnp.array([0]))
+        Array([0.6931472], dtype=float32)
+    """
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(logp * _one_hot(labels, logits.shape[-1], logits.dtype), axis=-1)
+
+
+def softmax_cross_entropy_vjp(logits, labels, dret):
+    dlogits = (softmax(logits) - _one_hot(labels, logits.shape[-1], logits.dtype)) * dret[..., None]
+    return (dlogits, None)

@@ -1,0 +1,346 @@
+"""Check a hand-derived VJP against ``jax.vjp``, and plug it into JAX as a ``custom_vjp``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["VJPCheckError", "check_vjp", "custom_vjp", "default_tolerances", "with_vjp"]
+
+
+class VJPCheckError(AssertionError):
+    """A hand-derived VJP disagrees with ``jax.vjp`` (values, shapes or tree structure).
+
+    Subclasses ``AssertionError`` so that a failed check reads as a failed test.
+    """
+
+
+VJPCheckError.__module__ = "nnlite.vjp"  # its public home
+
+
+# (rtol, atol) per dtype. atol is relative to the largest reference magnitude of each
+# cotangent (at least 1), so a rule is judged the same way whatever the scale of its data.
+_TOLERANCES = {
+    "float64": (1e-9, 1e-11),
+    "float32": (1e-4, 1e-5),
+    "bfloat16": (2e-2, 2e-3),
+    "float16": (1e-2, 1e-3),
+}
+
+
+def default_tolerances(dtype) -> tuple[float, float]:
+    """``(rtol, atol)`` used by ``check_vjp`` for cotangents of ``dtype``.
+
+    Example:
+        >>> default_tolerances("float32")
+        (0.0001, 1e-05)
+    """
+    return _TOLERANCES.get(jnp.dtype(dtype).name, _TOLERANCES["float32"])
+
+
+def _is_int_like(x: Any) -> bool:
+    """True when every leaf of ``x`` has an integer/bool dtype (labels, indices)."""
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(
+        jnp.issubdtype(jnp.result_type(leaf), jnp.integer) or jnp.result_type(leaf) == jnp.bool_
+        for leaf in leaves
+    )
+
+
+def _is_zero_cotangent(ct: Any) -> bool:
+    """``None`` or float0 leaves: what a rule may return for an integer argument."""
+    return all(
+        leaf is None or getattr(leaf, "dtype", None) == jax.dtypes.float0
+        for leaf in jax.tree.leaves(ct, is_leaf=_is_none)
+    )
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _name(f: Callable) -> str:
+    return getattr(f, "__name__", None) or type(f).__name__
+
+
+def _as_tuple(dargs: Any, nargs: int, who: str) -> tuple:
+    """The rule's result as a tuple with one cotangent per argument."""
+    if nargs == 1:
+        return (dargs,)
+    if isinstance(dargs, list):
+        dargs = tuple(dargs)
+    if not isinstance(dargs, tuple) or len(dargs) != nargs:
+        if isinstance(dargs, tuple):
+            got = f"{len(dargs)} values"
+        else:
+            got = "a single array" if hasattr(dargs, "shape") else type(dargs).__name__
+        raise VJPCheckError(
+            f"{who}: a VJP rule returns one cotangent per argument, a tuple of {nargs} here; "
+            f"got {got}"
+        )
+    return dargs
+
+
+def _random_like(key: jax.Array, tree: Any) -> Any:
+    """Standard-normal arrays shaped like ``tree``'s float leaves (float0 for the others).
+
+    Drawn on the host with numpy, seeded from ``key``: no random kernel to compile for
+    every shape checked.
+    """
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    out = []
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            out.append(rng.standard_normal(leaf.shape).astype(leaf.dtype))
+        else:
+            out.append(np.zeros(leaf.shape, jax.dtypes.float0))
+    return jax.tree.unflatten(jax.tree.structure(tree), out)
+
+
+def check_vjp(
+    f: Callable,
+    f_vjp: Callable,
+    *args: Any,
+    rtol: float | None = None,
+    atol: float | None = None,
+    key: jax.Array | None = None,
+    jit: bool = True,
+) -> None:
+    """Check ``f_vjp(*args, dret)`` against ``jax.vjp(f, *args)`` on a random cotangent.
+
+    Compares, argument by argument, the tree structure, shapes and values of the
+    cotangents. Integer arrays must get ``None`` (or a float0 array); static Python
+    arguments (a Python int index) are passed through and their cotangent is ignored.
+
+    Args:
+        f: the forward function.
+        f_vjp: its hand-derived VJP, ``f_vjp(*args, dret) -> dargs``.
+        *args: arguments at which to check (arrays or pytrees of arrays).
+        rtol, atol: tolerances; default from ``default_tolerances`` for each cotangent's
+            dtype, with ``atol`` scaled by the largest reference magnitude (at least 1).
+        key: PRNG key for the random cotangent (default ``jax.random.key(0)``).
+        jit: trace ``f`` and ``f_vjp`` into one compiled computation (fast: one compile
+            instead of one per op); ``False`` runs them eagerly, e.g. to debug with print.
+
+    Raises:
+        VJPCheckError: naming the argument index and path, the largest error and where.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> check_vjp(jnp.sin, lambda x, dret: dret * jnp.cos(x), jnp.arange(3.0))
+        >>> check_vjp(jnp.sin, lambda x, dret: dret * jnp.sin(x), jnp.arange(3.0))
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        nnlite.vjp.VJPCheckError: check_vjp(sin, <lambda>): cotangent of argument 0 differs ...
+    """
+    who = f"check_vjp({_name(f)}, {_name(f_vjp)})"
+    key = jax.random.key(0) if key is None else key
+    static = [_is_static(a) for a in args]
+
+    def merge(dyn):
+        # Static arguments (Python ints: an index) are closed over; jax.vjp differentiates
+        # the rest, and their cotangents are what the rule is compared against.
+        it = iter(dyn)
+        return [a if s else next(it) for a, s in zip(args, static, strict=True)]
+
+    def f_dyn(*dyn):
+        return f(*merge(dyn))
+
+    def both(dyn, dret):
+        _, pullback = jax.vjp(f_dyn, *dyn)
+        want = [None if _is_int_like(a) else w for a, w in zip(dyn, pullback(dret), strict=True)]
+        return want, _as_tuple(f_vjp(*merge(dyn), dret), len(args), who)
+
+    dyn = [a for a, s in zip(args, static, strict=True) if not s]
+    dret = _random_like(key, jax.eval_shape(f_dyn, *dyn))
+    want, got = (jax.jit(both) if jit else both)(dyn, dret)
+    want = iter(want)
+    for i, (arg, g) in enumerate(zip(args, got, strict=True)):
+        if static[i]:
+            continue  # not traced: no cotangent to compare
+        w = next(want)
+        if _is_int_like(arg):
+            if not _is_zero_cotangent(g):
+                raise VJPCheckError(
+                    f"{who}: argument {i} is an integer array, not differentiable; the rule must "
+                    f"return None for it, got {jax.tree.map(jnp.shape, g)}"
+                )
+            continue
+        _compare(who, i, w, g, rtol, atol)
+
+
+def _compare(who: str, i: int, want: Any, got: Any, rtol, atol) -> None:
+    w_leaves, w_def = jax.tree_util.tree_flatten_with_path(want)
+    g_leaves, g_def = jax.tree_util.tree_flatten_with_path(got)
+    if w_def != g_def:
+        w_paths = [jax.tree_util.keystr(p) for p, _ in w_leaves]
+        g_paths = [jax.tree_util.keystr(p) for p, _ in g_leaves]
+        pairs = zip(w_paths, g_paths, strict=False)
+        diffs = (f"{a or '<root>'} vs {b or '<root>'}" for a, b in pairs if a != b)
+        first = next(diffs, f"{len(w_paths)} leaves vs {len(g_paths)}")
+        raise VJPCheckError(
+            f"{who}: cotangent of argument {i} has tree structure {g_def}, jax.vjp gives "
+            f"{w_def} (first difference: {first})"
+        )
+    for (path, w), (_, g) in zip(w_leaves, g_leaves, strict=True):
+        where = f"argument {i}{jax.tree_util.keystr(path)}"
+        w = np.asarray(w)
+        if g is None or np.shape(g) != w.shape:
+            raise VJPCheckError(
+                f"{who}: cotangent of {where} has shape {None if g is None else np.shape(g)}, "
+                f"expected {w.shape}"
+            )
+        g = np.asarray(g)
+        d_rtol, d_atol = default_tolerances(w.dtype)
+        r = d_rtol if rtol is None else rtol
+        a = d_atol * max(1.0, float(np.max(np.abs(w), initial=0.0))) if atol is None else atol
+        w64, g64 = w.astype(np.float64), g.astype(np.float64)
+        err = np.abs(g64 - w64)
+        bad = ~(err <= a + r * np.abs(w64))  # also catches NaN
+        if bad.any():
+            score = np.where(np.isnan(err), np.inf, err - r * np.abs(w64))
+            at = np.unravel_index(int(np.argmax(score)), w.shape)
+            raise VJPCheckError(
+                f"{who}: cotangent of {where} differs from jax.vjp: max abs error "
+                f"{float(np.nanmax(err, initial=0) if not np.isnan(err).all() else np.nan):.4g} "
+                f"at index {tuple(int(k) for k in at)} (rule {float(g64[at]):.4g}, jax.vjp "
+                f"{float(w64[at]):.4g}); rtol={r:.4g}, atol={a:.4g} "
+                f"({int(bad.sum())} of {bad.size} elements outside tolerance)"
+            )
+
+
+# --- plug-in ------------------------------------------------------------------------------
+
+
+def _is_static(x: Any) -> bool:
+    """Python ints, strings, slices, None...: closed over, not traced, no cotangent."""
+    leaves = jax.tree.leaves(x)
+    return all(
+        not isinstance(leaf, (float, complex, np.ndarray, np.generic, jax.Array))
+        and not hasattr(leaf, "aval")  # tracers
+        for leaf in leaves
+    )
+
+
+def _varying(x: Any) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _match_primal(ct: Any, primal: Any) -> Any:
+    """Make a cotangent's type match its primal's: dtype, and shard_map varying axes.
+
+    Inside ``shard_map`` a rule computing ``dW = x.T @ dy`` from a device-varying ``x``
+    gives a varying ``dW`` for a replicated ``W``; the transpose of that implicit broadcast
+    is a ``psum`` over the extra axes -- what JAX's own autodiff inserts.
+    """
+    if ct is None:
+        return None
+    ct = jnp.asarray(ct)
+    if ct.dtype != jnp.result_type(primal):
+        ct = ct.astype(jnp.result_type(primal))
+    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    missing = tuple(sorted(_varying(primal) - _varying(ct)))
+    if missing:
+        ct = jax.lax.pcast(ct, missing, to="varying")
+    return ct
+
+
+def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> Callable:
+    """``f`` as a ``jax.custom_vjp`` function whose backward pass is ``f_vjp``.
+
+    ``jax.grad``, ``jit``, ``vmap``, ``pmap`` and ``shard_map`` then use the hand rule.
+    The rule is called as ``f_vjp(*args, dret)`` with the original arguments (saved as
+    residuals by the forward pass).
+
+    Which arguments get a cotangent:
+      * Python values that are not floats (ints, strings, None, slices) are static: they
+        are closed over, never traced, and the rule's cotangent for them is ignored.
+      * Integer/bool arrays (labels, indices) are traced but get a zero cotangent; the
+        rule should return ``None`` for them.
+      * Positions in ``nondiff`` are treated the same way (zero cotangent) even if float.
+
+    Inside ``shard_map`` a cotangent that varies over more mesh axes than its primal is
+    ``psum``-ed over the extra axes, as JAX's autodiff does for replicated parameters.
+
+    Args:
+        f: the forward function.
+        f_vjp: ``f_vjp(*args, dret) -> dargs``.
+        nondiff: argument positions that must not be differentiated.
+
+    Returns:
+        A function with ``f``'s signature (positional arguments).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> def cube(x):
+        ...     return x ** 3
+        >>> def cube_vjp(x, dret):
+        ...     return 3 * x * x * dret
+        >>> hand_cube = custom_vjp(cube, cube_vjp)
+        >>> float(jax.grad(hand_cube)(2.0))
+        12.0
+    """
+    nondiff = frozenset(nondiff)
+    who = _name(f)
+
+    @functools.wraps(f)
+    def wrapped(*args):
+        dyn_idx = tuple(i for i, a in enumerate(args) if not _is_static(a))
+
+        def full(dyn):
+            merged = list(args)
+            for i, a in zip(dyn_idx, dyn, strict=True):
+                merged[i] = a
+            return merged
+
+        @jax.custom_vjp
+        def g(*dyn):
+            return f(*full(dyn))
+
+        def fwd(*dyn):
+            return f(*full(dyn)), dyn
+
+        def bwd(dyn, dret):
+            dargs = _as_tuple(f_vjp(*full(dyn), dret), len(args), f"custom_vjp({who})")
+            out = []
+            for i, a in zip(dyn_idx, dyn, strict=True):
+                if i in nondiff or _is_int_like(a) or dargs[i] is None:
+                    out.append(None)
+                else:
+                    out.append(jax.tree.map(_match_primal, dargs[i], a, is_leaf=_is_none))
+            return tuple(out)
+
+        g.defvjp(fwd, bwd)
+        return g(*(args[i] for i in dyn_idx))
+
+    wrapped.f = f
+    wrapped.f_vjp = f_vjp
+    return wrapped
+
+
+def with_vjp(f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> Callable[[Callable], Callable]:
+    """Decorator form of ``custom_vjp``: ``@with_vjp(f_vjp)`` above ``def f(...)``.
+
+    Example:
+        >>> import jax
+        >>> def square_vjp(x, dret):
+        ...     return 2 * x * dret
+        >>> @with_vjp(square_vjp)
+        ... def square(x):
+        ...     return x * x
+        >>> float(jax.grad(square)(3.0))
+        6.0
+    """
+    return lambda f: custom_vjp(f, f_vjp, nondiff=nondiff)
