@@ -1,6 +1,7 @@
 """Linear regression, the JAX tutorial's ``y = w * x + b`` (any number of features)."""
 
 import jax
+import jax.numpy as jnp
 
 import nnlite as nl
 
@@ -12,6 +13,7 @@ class LinReg(nl.Module):
     out_features: int = 1
 
     task = "regression"
+    grad_modes = ("autodiff",)
 
     @property
     def linear(self) -> nl.Linear:
@@ -24,7 +26,12 @@ class LinReg(nl.Module):
         return self.linear(params, x)
 
     def loss(self, params, x, y):
+        """Per-example squared error (mean over outputs); no other metrics."""
         return nl.mse(self(params, x), y), {}
+
+    def objective(self, params, x, y, *, grad="autodiff"):
+        """Mean squared error over the batch."""
+        return jnp.mean(self.loss(params, x, y)[0]), {}
 
 
 def build(cfg, data) -> LinReg:

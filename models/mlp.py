@@ -18,6 +18,7 @@ class MLP(nl.Module):
     activation: str = "relu"
 
     task = "classification"
+    grad_modes = nl.GRAD_MODES  # autodiff, manual (composed hand VJPs), fused (one hand pass)
 
     @property
     def ffn(self) -> nl.FFN:
@@ -37,10 +38,27 @@ class MLP(nl.Module):
         return self.head.logits(params.head, self.ffn(params.ffn, x))
 
     def loss(self, params, x, y):
+        """Per-example cross-entropy and ``{"accuracy": per-example 0/1}``."""
         logits = self(params, x)
         per_example = nl.softmax_cross_entropy(logits, y)
-        correct = (jnp.argmax(logits, axis=-1) == y).astype(jnp.float32)
-        return per_example, {"accuracy": correct}
+        return per_example, {"accuracy": self._correct(logits, y)}
+
+    def objective(self, params, x, y, *, grad="autodiff"):
+        """Mean loss and metrics, differentiable by ``jax.grad`` in gradient mode ``grad``."""
+        if grad == "autodiff":
+            per_example, metrics = self.loss(params, x, y)
+            return jnp.mean(per_example), {k: jnp.mean(v) for k, v in metrics.items()}
+        loss = nl.mlp_loss(params, x, y, activation=self.activation, mode=grad)
+        return loss, {"accuracy": jnp.mean(self._correct(self(params, x), y))}
+
+    def accumulate(self, params, x, y, grads_in, *, grad="fused"):
+        """``(loss, metrics, grads_in + grads)`` by the fused, gradient-accumulating hand pass."""
+        loss, grads = nl.fused_grad_accum(params, x, y, grads_in, activation=self.activation)
+        return loss, {"accuracy": jnp.mean(self._correct(self(params, x), y))}, grads
+
+    @staticmethod
+    def _correct(logits, y):
+        return (jnp.argmax(logits, axis=-1) == y).astype(jnp.float32)
 
 
 def build(cfg, data) -> MLP:

@@ -187,3 +187,58 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "optimizer.name: 'adamax' is not one of sgd, momentum, adam, adamw, lion" in proc.stderr
+
+
+@pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
+def test_grad_modes_train_to_the_same_params(tmp_path, strategy):
+    common = [*SHORT, f"parallel.strategy={strategy}", "parallel.devices=4"]
+    runs = {
+        g: run(tmp_path, "configs/digits_mlp.yaml", *common, f"loss.grad={g}", f"name={g}")
+        for g in ("autodiff", "manual", "fused")
+    }
+    for g in ("manual", "fused"):
+        assert max_abs_diff(runs[g].params, runs["autodiff"].params) <= 1e-5, g
+
+
+@pytest.mark.parametrize(
+    "grad, strategy",
+    [
+        ("autodiff", "none"),
+        ("fused", "none"),
+        ("manual", "pmap"),
+        ("fused", "pmap"),
+        ("autodiff", "shard_map"),
+        ("fused", "shard_map"),
+    ],
+)
+def test_grad_accumulation_equals_one_big_batch(tmp_path, grad, strategy):
+    # k microbatches of B/k summed into one update == one step on the batch of B.
+    common = [
+        "train.steps=6",
+        "train.batch_size=128",
+        "train.log_every=3",
+        f"loss.grad={grad}",
+        f"parallel.strategy={strategy}",
+        "parallel.devices=2",
+    ]
+    whole = run(
+        tmp_path, "configs/digits_mlp.yaml", *common, "train.grad_accum_steps=1", "name=whole"
+    )
+    accum = run(
+        tmp_path, "configs/digits_mlp.yaml", *common, "train.grad_accum_steps=4", "name=accum"
+    )
+    assert max_abs_diff(whole.params, accum.params) <= 1e-5
+
+
+def test_grad_modes_config_matches_library():
+    import nnlite as nl
+    from train.config import GRAD_MODES
+
+    assert GRAD_MODES == nl.GRAD_MODES
+
+
+def test_fused_mode_reaches_autodiff_accuracy(tmp_path):
+    auto = run(tmp_path, "configs/digits_mlp.yaml", "name=auto")
+    fused = run(tmp_path, "configs/digits_mlp.yaml", "loss.grad=fused", "name=fused")
+    assert fused.summary["test_accuracy"] >= 0.97
+    assert abs(fused.summary["test_accuracy"] - auto.summary["test_accuracy"]) <= 1 / 360

@@ -27,7 +27,7 @@ def choice(default: Any, choices: tuple) -> Any:
 
 MODEL_NAMES = ("mlp", "linreg")  # kept in sync with models.MODELS by a test
 DATA_NAMES = ("digits", "mnist1d", "linreg", "npz")
-GRAD_MODES = ("autodiff",)
+GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
 STRATEGIES = ("none", "pmap", "shard_map")
@@ -51,7 +51,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    grad: str = choice("autodiff", GRAD_MODES)  # how gradients are computed
+    # How gradients are computed: jax.value_and_grad, composed hand VJPs, or one fused
+    # hand-derived backward pass (manual/fused: mlp only).
+    grad: str = choice("autodiff", GRAD_MODES)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class TrainConfig:
     eval_every: int = 200  # evaluate on the test set every N steps (and at the end)
     log_every: int = 50  # write train metrics every N steps
     steps_per_call: int = 1  # optimizer steps per compiled call (lax.scan) when > 1
+    grad_accum_steps: int = 1  # microbatches summed into one update (divides per-device batch)
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,7 @@ def _check(cfg: Config, source: str) -> None:
         "train.eval_every": cfg.train.eval_every,
         "train.log_every": cfg.train.log_every,
         "train.steps_per_call": cfg.train.steps_per_call,
+        "train.grad_accum_steps": cfg.train.grad_accum_steps,
         "checkpoint.keep": cfg.checkpoint.keep,
         "data.num_samples": cfg.data.num_samples,
     }

@@ -18,7 +18,7 @@ from . import checkpoint as ckpt
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import BatchIndices, Dataset, load_dataset
 from .optim import build_optimizer
-from .step import build_eval, build_stepper, mean_loss_fn
+from .step import batch_grads_fn, build_eval, build_stepper, mean_loss_fn
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
 TIMING_KEYS = ("time", "examples_per_s")
@@ -70,6 +70,18 @@ def build(cfg: Config) -> Run:
             f"model.name={cfg.model.name} is a {model.task} model but data.name={cfg.data.name} "
             f"is a {data.task} data set"
         )
+    if cfg.loss.grad not in model.grad_modes:
+        raise ConfigError(
+            f"loss.grad={cfg.loss.grad} is not available for model.name={cfg.model.name}; "
+            f"it supports: {', '.join(model.grad_modes)}"
+        )
+    local_batch = cfg.train.batch_size // len(devices)
+    if local_batch % cfg.train.grad_accum_steps:
+        raise ConfigError(
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps} does not divide the per-device "
+            f"batch of {local_batch} (train.batch_size={cfg.train.batch_size} over {len(devices)} "
+            f"device(s)); use a divisor of {local_batch}"
+        )
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
     run_dir = Path(cfg.log.dir) / cfg.name
     return Run(cfg, data, model, optimizer, devices, run_dir)
@@ -81,7 +93,7 @@ def show_jaxpr(cfg: Config, what: str) -> str:
 
     r = build(cfg)
     params = r.model.init(jax.random.key(cfg.seed))
-    loss_fn = mean_loss_fn(r.model)
+    loss_fn = mean_loss_fn(r.model, cfg.loss.grad)
     b = cfg.train.batch_size
     if what == "loss":
         x, y = r.data.x[:b], r.data.y[:b]
@@ -89,7 +101,10 @@ def show_jaxpr(cfg: Config, what: str) -> str:
     opt_state = r.optimizer.init(params)
     p_leaves, p_def = jax.tree.flatten(params)
     o_leaves, o_def = jax.tree.flatten(opt_state)
-    stepper = build_stepper(loss_fn, r.optimizer, p_def, o_def, cfg.parallel.strategy, r.devices)
+    grads_fn = batch_grads_fn(
+        r.model, cfg.loss.grad, cfg.train.grad_accum_steps, cfg.parallel.strategy
+    )
+    stepper = build_stepper(grads_fn, r.optimizer, p_def, o_def, cfg.parallel.strategy, r.devices)
     idx = np.zeros((cfg.train.steps_per_call, b), np.int32)
     return nl.show_jaxpr(
         stepper.run,
@@ -187,9 +202,9 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
         + (f"  resuming at step {start}" if start else "")
     )
 
-    loss_fn = mean_loss_fn(r.model)
-    stepper = build_stepper(loss_fn, r.optimizer, p_def, o_def, strategy, r.devices)
-    evaluate = build_eval(loss_fn)
+    grads_fn = batch_grads_fn(r.model, cfg.loss.grad, cfg.train.grad_accum_steps, strategy)
+    stepper = build_stepper(grads_fn, r.optimizer, p_def, o_def, strategy, r.devices)
+    evaluate = build_eval(mean_loss_fn(r.model))
     X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
     eval_dev = r.devices[0]
     X_test, Y_test = (

@@ -17,6 +17,7 @@ Strategies:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,14 +32,59 @@ from jax.sharding import PartitionSpec as P
 AXIS = "batch"
 
 
-def mean_loss_fn(model) -> Callable:
-    """``(params, x, y) -> (mean loss, {metric: mean})`` from the model's per-example loss."""
+def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
+    """``(params, x, y) -> (mean loss, {metric: mean})``, differentiable in mode ``grad``."""
+    return functools.partial(model.objective, grad=grad)
 
-    def loss_fn(params, x, y):
-        per_example, metrics = model.loss(params, x, y)
-        return jnp.mean(per_example), {k: jnp.mean(v) for k, v in metrics.items()}
 
-    return loss_fn
+def batch_grads_fn(model, grad: str, accum_steps: int, strategy: str) -> Callable:
+    """``(params, x, y) -> (loss, metrics, grads)``: means over the global batch.
+
+    ``x``/``y`` are this device's share. With ``accum_steps = k > 1`` the share is split
+    into k microbatches whose gradients are summed in one buffer (by the model's own
+    accumulating pass when it has one for ``grad``, e.g. the MLP's fused mode) and divided
+    by k: the same update as one step on the whole batch, in 1/k of the activation memory.
+    """
+    objective = mean_loss_fn(model, grad)
+    if strategy == "shard_map":  # see the module docstring: differentiate the global mean
+
+        def objective(params, x, y, _local=objective):
+            loss, metrics = _local(params, x, y)
+            return jax.lax.pmean(loss, AXIS), metrics
+
+    value_and_grad = jax.value_and_grad(objective, has_aux=True)
+    accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
+
+    def batch_grads(params, x, y):
+        if accum_steps == 1:
+            (loss, metrics), grads = value_and_grad(params, x, y)
+        else:
+            xs = x.reshape(accum_steps, -1, *x.shape[1:])
+            ys = y.reshape(accum_steps, -1, *y.shape[1:])
+            acc = jax.tree.map(jnp.zeros_like, params)
+            if accumulate is not None and strategy == "shard_map":
+                acc = jax.lax.pcast(acc, AXIS, to="varying")  # local sums until the pmean
+
+            def micro(acc, xy):
+                if accumulate is not None:
+                    loss, metrics, acc = accumulate(params, *xy, acc, grad=grad)
+                else:
+                    (loss, metrics), g = value_and_grad(params, *xy)
+                    acc = jax.tree.map(jnp.add, acc, g)
+                return acc, (loss, metrics)
+
+            acc, (losses, metrics) = jax.lax.scan(micro, acc, (xs, ys))
+            grads = jax.tree.map(lambda g: g / accum_steps, acc)
+            loss, metrics = jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
+            if accumulate is not None and strategy == "shard_map":
+                loss, grads = jax.lax.pmean((loss, grads), AXIS)
+        if strategy == "shard_map":
+            metrics = jax.lax.pmean(metrics, AXIS)
+        elif strategy == "pmap":
+            loss, metrics, grads = jax.lax.pmean((loss, metrics, grads), AXIS)
+        return loss, metrics, grads
+
+    return batch_grads
 
 
 @dataclass
@@ -55,32 +101,24 @@ class Stepper:
 
 
 def build_stepper(
-    loss_fn,
+    batch_grads: Callable,
     optimizer: optax.GradientTransformation,
     params_def,
     opt_def,
     strategy: str,
     devices: list,
 ) -> Stepper:
-    """Compile-ready step for ``strategy`` on ``devices`` (see the module docstring)."""
+    """Compile-ready step for ``strategy`` on ``devices`` (see the module docstring).
+
+    ``batch_grads`` is ``batch_grads_fn(model, grad, accum_steps, strategy)``.
+    """
     n = len(devices)
 
     def one_step(p_leaves, o_leaves, X, Y, idx):
         params = jax.tree.unflatten(params_def, p_leaves)
         opt_state = jax.tree.unflatten(opt_def, o_leaves)
         x, y = jnp.take(X, idx, axis=0), jnp.take(Y, idx, axis=0)
-        if strategy == "shard_map":
-
-            def global_loss(p):
-                loss, metrics = loss_fn(p, x, y)
-                return jax.lax.pmean(loss, AXIS), metrics
-
-            (loss, metrics), grads = jax.value_and_grad(global_loss, has_aux=True)(params)
-            metrics = jax.lax.pmean(metrics, AXIS)
-        else:
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y)
-            if strategy == "pmap":
-                loss, metrics, grads = jax.lax.pmean((loss, metrics, grads), AXIS)
+        loss, metrics, grads = batch_grads(params, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return jax.tree.leaves(params), jax.tree.leaves(opt_state), {"loss": loss, **metrics}
