@@ -8,13 +8,16 @@ show_jaxpr lives here, so a JAX upgrade breaks one small file.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
-from jax._src import source_info_util
+from jax._src import config, source_info_util
+from jax._src import shard_map as _shard_map
 from jax._src.ad_util import Zero
+from jax._src.mesh import use_abstract_mesh
 from jax.extend.core import ClosedJaxpr
 
-__all__ = ["custom_jvp_rule", "custom_vjp_rules", "user_frame"]
+__all__ = ["custom_jvp_rule", "custom_vjp_rules", "shard_map_body", "user_frame", "varying_axes"]
 
 
 def user_frame(eqn) -> tuple[str, int, str] | None:
@@ -23,6 +26,29 @@ def user_frame(eqn) -> tuple[str, int, str] | None:
     if frame is None:
         return None
     return frame.file_name, frame.start_line, frame.function_name
+
+
+@contextlib.contextmanager
+def shard_map_body(mesh, manual_axes: frozenset, check_vma: bool):
+    """The context JAX traces a ``shard_map`` body in: its manual axes bound, the manual
+    abstract mesh current, ``check_vma`` set. Rules that show_jaxpr traces itself (the JVP
+    rule of a ``custom_jvp`` in the body, ...) need it to see the same types."""
+    inner = _shard_map._as_manual_mesh(mesh, frozenset(manual_axes))
+    with (
+        _shard_map._extend_axis_env(mesh, frozenset(manual_axes)),
+        use_abstract_mesh(inner),
+        config._check_vma(check_vma),
+    ):
+        yield
+
+
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes along which a value inside ``shard_map`` varies (``{V:batch}``).
+
+    Empty outside ``shard_map`` and under ``check_vma=False``.
+    """
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", ()))
 
 
 def custom_jvp_rule(eqn):
