@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         from .loop import show_jaxpr, train  # imports jax: keep --print-config fast
 
         if args.show_jaxpr:
-            print(show_jaxpr(cfg, args.show_jaxpr))
+            print(show_jaxpr(cfg, args.show_jaxpr), end="")  # the source ends in a newline
             return 0
         train(cfg, resume="require" if args.resume else "fresh" if args.fresh else "auto")
     except ConfigError as e:
