@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import AxisType
 
 from . import _jax_private
@@ -93,7 +93,7 @@ def _manual_mesh(mesh, manual):
     return mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in manual})
 
 
-def mesh_expr(mesh: jax.sharding.Mesh) -> str:
+def mesh_expr(mesh: jax.sharding.Mesh) -> Call:
     """``jax.make_mesh(...)`` (or ``jax.sharding.Mesh(...)``) rebuilding ``mesh``.
 
     Devices are named by their position in ``jax.devices()``. ``jax.make_mesh`` prints
@@ -111,9 +111,9 @@ def mesh_expr(mesh: jax.sharding.Mesh) -> str:
     index = [position[d] for d in mesh.devices.flat]
     shape = tuple(mesh.devices.shape)
     names, types = tuple(mesh.axis_names), tuple(mesh.axis_types)
-    shape_s = flat(Tup([repr(n) for n in shape]))
-    names_s = flat(Tup([pystr(n) for n in names]))
-    types_s = flat(Tup([f"jax.sharding.AxisType.{t.name}" for t in types]))
+    shape_s = Tup([repr(n) for n in shape])
+    names_s = Tup([pystr(n) for n in names])
+    types_s = Tup([f"jax.sharding.AxisType.{t.name}" for t in types])
     n = len(index)
     if index == list(range(n)):
         kw = [("axis_types", types_s)]
@@ -121,9 +121,9 @@ def mesh_expr(mesh: jax.sharding.Mesh) -> str:
             kw.append(("devices", f"jax.devices()[:{n}]"))
         remade = jax.make_mesh(shape, names, types, devices=everything[:n])
         if np.array_equal(remade.devices, mesh.devices):
-            return flat(Call("jax.make_mesh", [shape_s, names_s], kw))
-    devices = f"np.array([jax.devices()[i] for i in {tuple(index)!r}]).reshape({shape_s})"
-    return flat(Call("jax.sharding.Mesh", [devices, names_s], [("axis_types", types_s)]))
+            return Call("jax.make_mesh", [shape_s, names_s], kw)
+    devices = f"np.array([jax.devices()[i] for i in {tuple(index)!r}]).reshape({flat(shape_s)})"
+    return Call("jax.sharding.Mesh", [devices, names_s], [("axis_types", types_s)])
 
 
 # -- collectives ------------------------------------------------------------------------------
@@ -150,8 +150,11 @@ def _named(v) -> bool:
 
 def _psum(eqn, args, _mesh):
     p = eqn.params
-    (x,) = eqn.invars if len(eqn.invars) == 1 else (None,)
-    if x is None or p.get("axis_index_groups") is not None or not _named(p["axes"]):
+    x = eqn.invars[0]
+    # lax.psum binds one operand at a time, and folds a constant operand itself
+    if len(eqn.invars) != 1 or isinstance(x, Literal):
+        return None
+    if p.get("axis_index_groups") is not None or not _named(p["axes"]):
         return None
     if x.aval.dtype == np.bool_:  # lax.psum sums booleans as int32
         return None
