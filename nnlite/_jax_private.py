@@ -11,13 +11,21 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import jax
 from jax._src import config, source_info_util
 from jax._src import shard_map as _shard_map
 from jax._src.ad_util import Zero
 from jax._src.mesh import use_abstract_mesh
 from jax.extend.core import ClosedJaxpr
 
-__all__ = ["custom_jvp_rule", "custom_vjp_rules", "shard_map_body", "user_frame", "varying_axes"]
+__all__ = [
+    "custom_jvp_rule",
+    "custom_vjp_rules",
+    "shape_dtype_struct",
+    "shard_map_body",
+    "user_frame",
+    "varying_axes",
+]
 
 
 def user_frame(eqn) -> tuple[str, int, str] | None:
@@ -42,13 +50,30 @@ def shard_map_body(mesh, manual_axes: frozenset, check_vma: bool):
         yield
 
 
+def shape_dtype_struct(aval):
+    """A ``jax.ShapeDtypeStruct`` that traces as ``aval``, manual axis types included.
+
+    Inside ``shard_map`` a value's type records the manual axes it varies along
+    (``f32[2]{V:batch}``); that needs the aval's sharding, over the manual abstract mesh.
+    """
+    mat = getattr(aval, "mat", None)
+    if mat is None or mat.empty:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return jax.ShapeDtypeStruct(
+        aval.shape,
+        aval.dtype,
+        weak_type=aval.weak_type,
+        sharding=aval.sharding,
+        manual_axis_type=mat,
+    )
+
+
 def varying_axes(aval) -> frozenset:
     """The manual mesh axes along which a value inside ``shard_map`` varies (``{V:batch}``).
 
     Empty outside ``shard_map`` and under ``check_vma=False``.
     """
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(getattr(aval, "mat", None), "varying", ()))
 
 
 def custom_jvp_rule(eqn):

@@ -304,10 +304,7 @@ def _trace_bwd(bwd, res_avals, ct_avals):
         mask[:] = [c is None for c in cts]
         return [c for c in cts if c is not None]
 
-    structs = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-        for a in (*res_avals, *ct_avals)
-    ]
+    structs = [_jax_private.shape_dtype_struct(a) for a in (*res_avals, *ct_avals)]
     return jax.make_jaxpr(fn)(*structs), mask
 
 

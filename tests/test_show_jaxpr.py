@@ -316,6 +316,7 @@ CORPUS = {
         ),
         XS,
     ),
+    "shard_map_custom_vjp": (_smap(scaled_sin, P("batch"), P("batch")), XS),
     "pmap_pmean": (jax.pmap(lambda x: x / lax.pmean(jnp.sum(x), "i"), axis_name="i"), XS[:8]),
     "shard_map_train_step": (
         jax.jit(_smap(_shard_train_step, (P(), P("batch"), P("batch")), P()), donate_argnums=(0,)),
