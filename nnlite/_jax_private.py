@@ -8,13 +8,24 @@ show_jaxpr lives here, so a JAX upgrade breaks one small file.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
-from jax._src import source_info_util
+import jax
+from jax._src import config, source_info_util
+from jax._src import shard_map as _shard_map
 from jax._src.ad_util import Zero
+from jax._src.mesh import use_abstract_mesh
 from jax.extend.core import ClosedJaxpr
 
-__all__ = ["custom_jvp_rule", "custom_vjp_rules", "user_frame"]
+__all__ = [
+    "custom_jvp_rule",
+    "custom_vjp_rules",
+    "shape_dtype_struct",
+    "shard_map_body",
+    "user_frame",
+    "varying_axes",
+]
 
 
 def user_frame(eqn) -> tuple[str, int, str] | None:
@@ -23,6 +34,46 @@ def user_frame(eqn) -> tuple[str, int, str] | None:
     if frame is None:
         return None
     return frame.file_name, frame.start_line, frame.function_name
+
+
+@contextlib.contextmanager
+def shard_map_body(mesh, manual_axes: frozenset, check_vma: bool):
+    """The context JAX traces a ``shard_map`` body in: its manual axes bound, the manual
+    abstract mesh current, ``check_vma`` set. Rules that show_jaxpr traces itself (the JVP
+    rule of a ``custom_jvp`` in the body, ...) need it to see the same types."""
+    inner = _shard_map._as_manual_mesh(mesh, frozenset(manual_axes))
+    with (
+        _shard_map._extend_axis_env(mesh, frozenset(manual_axes)),
+        use_abstract_mesh(inner),
+        config._check_vma(check_vma),
+    ):
+        yield
+
+
+def shape_dtype_struct(aval):
+    """A ``jax.ShapeDtypeStruct`` that traces as ``aval``, manual axis types included.
+
+    Inside ``shard_map`` a value's type records the manual axes it varies along
+    (``f32[2]{V:batch}``); that needs the aval's sharding, over the manual abstract mesh.
+    """
+    mat = getattr(aval, "mat", None)
+    if mat is None or mat.empty:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return jax.ShapeDtypeStruct(
+        aval.shape,
+        aval.dtype,
+        weak_type=aval.weak_type,
+        sharding=aval.sharding,
+        manual_axis_type=mat,
+    )
+
+
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes along which a value inside ``shard_map`` varies (``{V:batch}``).
+
+    Empty outside ``shard_map`` and under ``check_vma=False``.
+    """
+    return frozenset(getattr(getattr(aval, "mat", None), "varying", ()))
 
 
 def custom_jvp_rule(eqn):

@@ -4,7 +4,8 @@
 ``lax.while_loop``; ``scan`` -> ``lax.scan``; ``custom_jvp_call`` -> a ``jax.custom_jvp``
 function with its JVP rule; ``custom_vjp_call`` -> a ``jax.custom_vjp`` function with its
 forward and backward rules (rebuilt from the rules JAX recorded, so the decompiled function
-differentiates exactly like the original, not by autodiff of the primal).
+differentiates exactly like the original, not by autodiff of the primal); ``shard_map`` ->
+``jax.shard_map(fn, ...)(...)`` (in ``_jaxpr_parallel.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from . import _jax_private
-from ._jaxpr_rules import Bare, Call, Tup, UnsupportedPrimitiveError, flat, tuple_or_single
+from ._jaxpr_parallel import shard_map
+from ._jaxpr_rules import Bare, Call, Tup, UnsupportedPrimitiveError, tuple_or_single
 
 if TYPE_CHECKING:
     from ._show_jaxpr import _Printer
@@ -40,7 +42,7 @@ def _jit(pr: _Printer, eqn, args, env, scope, indent):
         for o, v in zip(eqn.outvars, closed.jaxpr.outvars, strict=True):
             env[o] = pr.atom(v, inner)
         return
-    _check_jit_params(eqn)
+    _check_jit_params(eqn, pr.mesh)
     fname = pr.function_name(eqn)
     origin = pr.origin(eqn, f"jit of {p['name']}")
     key = _jaxpr_key(closed)
@@ -56,7 +58,7 @@ def _jit(pr: _Printer, eqn, args, env, scope, indent):
         kw.append(("keep_unused", "True"))
     if p["inline"]:
         kw.append(("inline", "True"))
-    call = Call(flat(Call("jax.jit", [fname], kw)), args)
+    call = Call(Call("jax.jit", [fname], kw), args)
     pr.assign(eqn, env, call, indent, origin, structured=True)
 
 
@@ -65,7 +67,12 @@ def _jaxpr_key(closed: ClosedJaxpr):
     return str(closed.jaxpr), tuple(id(c) for c in closed.consts)
 
 
-def _check_jit_params(eqn):
+def _check_jit_params(eqn, ambient_mesh):
+    """Raise unless ``jax.jit(fn, donate_argnums=...)`` traced here gives these params.
+
+    Inside a ``shard_map`` body, ``ctx_mesh`` is the body's manual abstract mesh, which
+    re-tracing the printed ``shard_map`` sets again.
+    """
     p = eqn.params
     bad = {}
     for k in ("in_shardings", "out_shardings"):
@@ -77,7 +84,7 @@ def _check_jit_params(eqn):
     if p.get("compiler_options_kvs"):
         bad["compiler_options_kvs"] = p["compiler_options_kvs"]
     mesh = p.get("ctx_mesh")
-    if mesh is not None and getattr(mesh, "axis_names", ()) != ():
+    if mesh is not None and getattr(mesh, "axis_names", ()) != () and mesh != ambient_mesh:
         bad["ctx_mesh"] = mesh
     if bad:
         raise UnsupportedPrimitiveError(
@@ -297,10 +304,7 @@ def _trace_bwd(bwd, res_avals, ct_avals):
         mask[:] = [c is None for c in cts]
         return [c for c in cts if c is not None]
 
-    structs = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-        for a in (*res_avals, *ct_avals)
-    ]
+    structs = [_jax_private.shape_dtype_struct(a) for a in (*res_avals, *ct_avals)]
     return jax.make_jaxpr(fn)(*structs), mask
 
 
@@ -312,4 +316,5 @@ HIGHER_ORDER = {
     "scan": _scan,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
+    "shard_map": shard_map,
 }

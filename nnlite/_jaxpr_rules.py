@@ -1,7 +1,9 @@
 """show_jaxpr's primitive table: how each first-order primitive prints as Python.
 
-A rule gets the equation and its printed operands and returns an expression, or ``None``
-when the equation's parameters are not what the public function would produce; then the
+A rule gets the equation, its printed operands and the ambient abstract mesh (inside a
+``shard_map`` body: the mesh with its manual axes, which a printed ``out_sharding=P(...)``
+resolves against; ``None`` elsewhere) and returns an expression, or ``None`` when the
+equation's parameters are not what the public function would produce; then the
 caller falls back to ``prims.<name>_p.bind(*operands, **params)`` (``prims`` is
 ``jax.extend.core.primitives``), which reproduces the equation exactly. Every rule is
 checked by the round trip: re-tracing the printed call must give the same text.
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import primitives as _prims
+from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "RULES",
@@ -34,8 +37,11 @@ __all__ = [
     "tuple_or_single",
     "UnsupportedPrimitiveError",
     "dtype_expr",
+    "pystr",
     "pyval",
     "render",
+    "sharding_expr",
+    "spec_expr",
 ]
 
 WIDTH = 100  # ruff's line-length for nnlite
@@ -47,7 +53,10 @@ class UnsupportedPrimitiveError(NotImplementedError):
 
 # -- expressions ------------------------------------------------------------------------------
 class Call:
-    """``fn(*args, **kwargs)`` with the arguments kept as trees for line wrapping."""
+    """``fn(*args, **kwargs)`` with the arguments kept as trees for line wrapping.
+
+    ``fn`` is a name, or a ``Call`` for ``make(...)(*args)`` (e.g. ``jax.shard_map``).
+    """
 
     __slots__ = ("fn", "args", "kwargs")
 
@@ -82,7 +91,7 @@ def flat(e) -> str:
     inner = ", ".join(flat(x) for x in e.items())
     if isinstance(e, Tup) and len(e.elts) == 1:
         inner += ","
-    return f"{e.fn}{e.open}{inner}{e.close}"
+    return f"{flat(e.fn)}{e.open}{inner}{e.close}"
 
 
 def render(e, indent: int, prefix: str = "", suffix: str = "") -> list[str]:
@@ -95,10 +104,17 @@ def render(e, indent: int, prefix: str = "", suffix: str = "") -> list[str]:
         return render(e[1], indent, prefix + e[0], suffix)
     if not e.items():
         return [one]
-    head = f"{pad}{prefix}{e.fn}{e.open}"
+    if isinstance(e.fn, Call) and len(f"{pad}{prefix}{flat(e.fn)}(") > WIDTH:
+        # f(...)(args): split f's call, then the arguments go on its closing line
+        lines = render(e.fn, indent, prefix)
+        return lines[:-1] + render(Call(lines[-1].strip(), e.args, e.kwargs), indent, "", suffix)
+    if isinstance(e, Bare):  # a long ``return a, b`` gets parentheses
+        return render(Tup(e.elts), indent, prefix, suffix)
+    head = f"{pad}{prefix}{flat(e.fn)}{e.open}"
     tail = f"{pad}{e.close}{suffix}"
     inner = ", ".join(flat(x) for x in e.items())
-    if not (isinstance(e, Tup) and len(e.elts) == 1) and len(pad) + 4 + len(inner) <= WIDTH:
+    # call arguments stay on one line if they fit; a split tuple display has one per line
+    if not isinstance(e, Tup) and len(pad) + 4 + len(inner) <= WIDTH:
         return [head, f"{pad}    {inner}", tail]
     lines = [head]
     for x in e.items():
@@ -198,9 +214,53 @@ def array_expr(value) -> str:
     return f"np.array({body}, {mod_dt.replace('jnp.bool_', 'np.bool_')})"
 
 
+def pystr(s: str) -> str:
+    """A string literal as ``ruff format`` writes it: double quotes unless that needs escapes."""
+    r = repr(s)
+    return f'"{r[1:-1]}"' if r.startswith("'") and '"' not in s else r
+
+
+def spec_expr(spec) -> str:
+    """``P("batch", None)`` for a ``PartitionSpec``."""
+    if spec.unreduced or spec.reduced:
+        raise UnsupportedPrimitiveError(
+            f"PartitionSpec {spec} with unreduced/reduced axes has no Python spelling in nnlite"
+        )
+    parts = []
+    for x in spec:
+        if x is None or isinstance(x, str):
+            parts.append("None" if x is None else pystr(x))
+        elif isinstance(x, tuple) and all(isinstance(n, str) for n in x):
+            parts.append(flat(Tup([pystr(n) for n in x])))
+        elif x is P.UNCONSTRAINED:
+            parts.append("P.UNCONSTRAINED")
+        else:
+            raise UnsupportedPrimitiveError(f"PartitionSpec {spec}: entry {x!r} is not printable")
+    return f"P({', '.join(parts)})"
+
+
+def sharding_expr(sharding, mesh) -> str | None:
+    """``P(...)`` for an ``out_sharding`` that is a spec over the ambient mesh, else None.
+
+    Inside ``shard_map`` JAX's transpose rules give some equations (``broadcast_in_dim``,
+    ...) a ``NamedSharding`` over the manual abstract mesh; a public function given
+    ``out_sharding=P(...)`` there resolves the spec against the same mesh.
+    """
+    if (
+        mesh is None
+        or not isinstance(sharding, jax.sharding.NamedSharding)
+        or sharding.mesh != mesh
+        or sharding.memory_kind is not None
+    ):
+        return None
+    return spec_expr(sharding.spec)
+
+
 def pyval(v: Any, what: str = "parameter"):
     """Python source for a primitive parameter value (a string, or a tree for tuples)."""
-    if v is None or isinstance(v, (bool, str)):
+    if isinstance(v, str):
+        return pystr(v)
+    if v is None or isinstance(v, bool):
         return repr(v)
     if isinstance(v, (int, np.integer)):
         return repr(int(v))
@@ -268,7 +328,7 @@ def _params_str(params: dict) -> str:
 
 
 # -- rules --------------------------------------------------------------------------------------
-Rule = Callable[[Any, list, list], "Call | str | None"]
+Rule = Callable[[Any, list, Any], "Call | str | None"]  # (eqn, operands, ambient mesh)
 RULES: dict[str, Rule] = {}
 
 
@@ -312,7 +372,7 @@ _FLOAT_ONLY = {"div": "/"}
 
 
 def _binop(name: str, op: str | None, float_only: bool = False) -> Rule:
-    def rule(eqn, args, _kw):
+    def rule(eqn, args, _mesh):
         if not _has(eqn, out_dtype=None):
             return None
         dt = eqn.invars[0].aval.dtype
@@ -341,7 +401,7 @@ for _n in ("max", "min", "rem", "pow", "atan2", "nextafter", "shift_left",
 
 
 def _unary(fn: str, **defaults) -> Rule:
-    def rule(eqn, args, _kw):
+    def rule(eqn, args, _mesh):
         if not _has(eqn, **defaults):
             return None
         return Call(fn, args)
@@ -355,7 +415,7 @@ for _n in ("neg", "sign", "floor", "ceil", "is_finite", "abs", "imag", "real", "
            "stop_gradient"):  # fmt: skip
     RULES[_n] = _unary(f"lax.{_n}")
 RULES["not"] = _unary("lax.bitwise_not")
-RULES["neg"] = lambda eqn, args, _kw: (
+RULES["neg"] = lambda eqn, args, _mesh: (
     f"-{_paren(args[0])}"
     if _operands_plain(eqn, args) and np.dtype(eqn.invars[0].aval.dtype).kind in "fi"
     else None
@@ -369,30 +429,39 @@ RULES["rsqrt"] = _unary("lax.rsqrt", accuracy=None)
 RULES["cbrt"] = _unary("lax.cbrt", accuracy=None)
 
 
-def _kw_rule(fn: str, printed: tuple[str, ...], **defaults) -> Rule:
-    """``fn(*operands, p=...)`` for the ``printed`` params; the others must be defaults."""
+def _kw_rule(fn: str, printed: tuple[str, ...], sharding: str | None = None, **defaults) -> Rule:
+    """``fn(*operands, p=...)`` for the ``printed`` params; the others must be defaults.
 
-    def rule(eqn, args, _kw):
+    ``sharding``: the param (if any) that prints as ``out_sharding=`` (see ``_out_sharding``).
+    """
+
+    def rule(eqn, args, mesh):
         if not _has(eqn, **defaults):
             return None
-        return Call(fn, args, [(k, pyval(eqn.params[k], k)) for k in printed])
+        kw = [(k, pyval(eqn.params[k], k)) for k in printed]
+        out = _out_sharding(eqn, sharding, mesh) if sharding else []
+        return None if out is None else Call(fn, args, kw + out)
 
     return rule
 
 
+def _out_sharding(eqn, param: str, mesh) -> list | None:
+    """``[("out_sharding", "P(...)")]``; ``[]`` when ``param`` is None; None if unprintable."""
+    s = eqn.params.get(param)
+    if s is None:
+        return []
+    expr = sharding_expr(s, mesh)
+    return None if expr is None else [("out_sharding", expr)]
+
+
 RULES["integer_pow"] = _kw_rule("lax.integer_pow", ("y",))
 RULES["round"] = _kw_rule("lax.round", ("rounding_method",))
-RULES["reduce_sum"] = _kw_rule("lax.reduce_sum", ("axes",), out_sharding=None)
-RULES["reduce_max"] = _kw_rule("lax.reduce_max", ("axes",), out_sharding=None)
-RULES["reduce_min"] = _kw_rule("lax.reduce_min", ("axes",), out_sharding=None)
-RULES["reduce_prod"] = _kw_rule("lax.reduce_prod", ("axes",), out_sharding=None)
-RULES["reduce_and"] = _kw_rule("lax.reduce_and", ("axes",), out_sharding=None)
-RULES["reduce_or"] = _kw_rule("lax.reduce_or", ("axes",), out_sharding=None)
-RULES["reduce_xor"] = _kw_rule("lax.reduce_xor", ("axes",), out_sharding=None)
+for _n in ("sum", "max", "min", "prod", "and", "or", "xor"):
+    RULES[f"reduce_{_n}"] = _kw_rule(f"lax.reduce_{_n}", ("axes",), sharding="out_sharding")
 
 
 def _argminmax(fn: str) -> Rule:
-    def rule(eqn, args, _kw):
+    def rule(eqn, args, _mesh):
         p = eqn.params
         if len(p["axes"]) != 1:
             return None
@@ -418,7 +487,7 @@ RULES["select_n"] = _unary("lax.select_n")
 RULES["clamp"] = _unary("lax.clamp")
 
 
-def _convert(eqn, args, _kw):
+def _convert(eqn, args, _mesh):
     if not _has(eqn, sharding=None) or eqn.params["weak_type"]:
         return None
     return Call(
@@ -429,46 +498,50 @@ def _convert(eqn, args, _kw):
 RULES["convert_element_type"] = _convert
 
 
-def _broadcast(eqn, args, _kw):
-    if not _has(eqn, sharding=None):
-        return None
+def _broadcast(eqn, args, mesh):
     p = eqn.params
+    out = _out_sharding(eqn, "sharding", mesh)
+    if out is None:
+        return None
     return Call(
         "lax.broadcast_in_dim",
         args,
-        [("shape", pyval(p["shape"])), ("broadcast_dimensions", pyval(p["broadcast_dimensions"]))],
+        [("shape", pyval(p["shape"])), ("broadcast_dimensions", pyval(p["broadcast_dimensions"]))]
+        + out,
     )
 
 
 RULES["broadcast_in_dim"] = _broadcast
 
 
-def _reshape(eqn, args, _kw):
+def _reshape(eqn, args, mesh):
     p = eqn.params
-    if not _has(eqn, dimensions=None, sharding=None):
+    out = _out_sharding(eqn, "sharding", mesh)
+    if not _has(eqn, dimensions=None) or out is None:
         return None
-    return Call("lax.reshape", args, [("new_sizes", pyval(p["new_sizes"]))])
+    return Call("lax.reshape", args, [("new_sizes", pyval(p["new_sizes"]))] + out)
 
 
 RULES["reshape"] = _reshape
 
 
-def _dot_general(eqn, args, _kw):
+def _dot_general(eqn, args, mesh):
     p = eqn.params
-    if not _has(eqn, out_sharding=None):
+    out = _out_sharding(eqn, "out_sharding", mesh)
+    if out is None:
         return None
     kw = [("dimension_numbers", pyval(p["dimension_numbers"]))]
     if p["precision"] is not None:
         kw.append(("precision", pyval(p["precision"])))
     pet = p["preferred_element_type"]
     kw.append(("preferred_element_type", "None" if pet is None else dtype_expr(pet)))
-    return Call("lax.dot_general", args, kw)
+    return Call("lax.dot_general", args, kw + out)
 
 
 RULES["dot_general"] = _dot_general
 
 
-def _concatenate(eqn, args, _kw):
+def _concatenate(eqn, args, _mesh):
     return Call(
         "lax.concatenate",
         [Tup(args) if len(args) != 1 else f"[{flat(args[0])}]"],
@@ -479,14 +552,14 @@ def _concatenate(eqn, args, _kw):
 RULES["concatenate"] = _concatenate
 
 
-def _pad(eqn, args, _kw):
+def _pad(eqn, args, _mesh):
     return Call("lax.pad", args, [("padding_config", pyval(eqn.params["padding_config"]))])
 
 
 RULES["pad"] = _pad
 
 
-def _slice(eqn, args, _kw):
+def _slice(eqn, args, _mesh):
     p = eqn.params
     kw = [
         ("start_indices", pyval(p["start_indices"])),
@@ -500,24 +573,24 @@ def _slice(eqn, args, _kw):
 RULES["slice"] = _slice
 
 
-def _stack(eqn, args, _kw):
+def _stack(eqn, args, _mesh):
     return Call("lax.stack", [Tup(args)], [("axis", pyval(eqn.params["axis"]))])
 
 
 RULES["stack"] = _stack
 
 
-def _random_seed(eqn, args, _kw):
+def _random_seed(eqn, args, _mesh):
     a = eqn.invars[0].aval
     if a.dtype != np.int32 or a.weak_type:
         return None
-    return Call("jax.random.key", args, [("impl", repr(eqn.params["impl"].name))])
+    return Call("jax.random.key", args, [("impl", pystr(eqn.params["impl"].name))])
 
 
 RULES["random_seed"] = _random_seed
 
 
-def _gather(eqn, args, _kw):
+def _gather(eqn, args, _mesh):
     p = eqn.params
     kw = [(k, pyval(p[k], k)) for k in ("dimension_numbers", "slice_sizes", "unique_indices",
                                        "indices_are_sorted", "mode", "fill_value")]  # fmt: skip
@@ -528,7 +601,7 @@ RULES["gather"] = _gather
 
 
 def _scatter(fn: str, combiner: str | None) -> Rule:
-    def rule(eqn, args, _kw):
+    def rule(eqn, args, _mesh):
         p = eqn.params
         uj = p.get("update_jaxpr")
         if combiner is None:
@@ -550,7 +623,7 @@ RULES["scatter-min"] = _scatter("lax.scatter_min", "min")
 RULES["scatter-max"] = _scatter("lax.scatter_max", "max")
 
 
-def _iota(eqn, args, _kw):
+def _iota(eqn, args, _mesh):
     p = eqn.params
     if not _has(eqn, sharding=None) or len(p["shape"]) != 1 or args:
         return None
@@ -560,7 +633,7 @@ def _iota(eqn, args, _kw):
 RULES["iota"] = _iota
 
 
-def _sort(eqn, args, _kw):
+def _sort(eqn, args, _mesh):
     p = eqn.params
     kw = [("dimension", pyval(p["dimension"])), ("is_stable", pyval(p["is_stable"])),
           ("num_keys", pyval(p["num_keys"]))]  # fmt: skip
@@ -570,7 +643,7 @@ def _sort(eqn, args, _kw):
 RULES["sort"] = _sort
 
 
-def _top_k(eqn, args, _kw):
+def _top_k(eqn, args, _mesh):
     p = eqn.params
     if p.get("axis", eqn.invars[0].aval.ndim - 1) != eqn.invars[0].aval.ndim - 1:
         return None
@@ -580,11 +653,11 @@ def _top_k(eqn, args, _kw):
 RULES["top_k"] = _top_k
 
 
-def _random_wrap(eqn, args, _kw):
-    return Call("jax.random.wrap_key_data", args, [("impl", repr(eqn.params["impl"].name))])
+def _random_wrap(eqn, args, _mesh):
+    return Call("jax.random.wrap_key_data", args, [("impl", pystr(eqn.params["impl"].name))])
 
 
-def _random_unwrap(eqn, args, _kw):
+def _random_unwrap(eqn, args, _mesh):
     return Call("jax.random.key_data", args)
 
 

@@ -5,7 +5,8 @@ statement per equation, using ``jax.lax`` / ``jax.numpy`` calls (the primitive t
 ``_jaxpr_rules.py``). Nested jaxprs become nested functions called through the construct
 that made them: ``jax.jit``, ``jax.custom_jvp`` (with its JVP rule), ``jax.custom_vjp``
 (with its forward and backward rules), ``lax.cond`` / ``lax.switch``, ``lax.while_loop``,
-``lax.scan``. The printed source is self-contained: executing it defines a function that
+``lax.scan``, ``jax.shard_map`` (so also ``jax.pmap``, which traces to jit of shard_map;
+collectives are in ``_jaxpr_parallel.py``). The printed source is self-contained: executing it defines a function that
 computes the same thing, and printing that function again gives the same text.
 """
 
@@ -25,6 +26,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from . import _jax_private
 from ._jaxpr_nested import HIGHER_ORDER, fold_index_eqns, single_ret
+from ._jaxpr_parallel import COLLECTIVE_RULES
 from ._jaxpr_rules import (
     RULES,
     Call,
@@ -32,6 +34,7 @@ from ._jaxpr_rules import (
     array_expr,
     bind_expr,
     flat,
+    pystr,
     render,
     scalar_expr,
     target,
@@ -45,9 +48,11 @@ _IMPORTS = {
     "np": "import numpy as np",
     "lax": "from jax import lax",
     "prims": "from jax.extend.core import primitives as prims",
+    "P": "from jax.sharding import PartitionSpec as P",
 }
 _RESERVED = set(keyword.kwlist) | set(dir(builtins)) | set(_IMPORTS) | {"carry", "xs", "res", "ct"}
 _CONSTS_DICT = "LARGE_CONSTS"
+_RULES = {**RULES, **COLLECTIVE_RULES}
 
 
 def show_jaxpr(
@@ -196,6 +201,7 @@ class _Printer:
         self.large: dict[str, Any] = {}
         self.lines: list[tuple[str, str | None]] = []  # (text, origin of the statement)
         self.keep: list[Any] = []
+        self.mesh = None  # the ambient abstract mesh: set while printing a shard_map body
 
     # -- naming ---------------------------------------------------------------------------------
     def fresh(self) -> str:
@@ -215,6 +221,9 @@ class _Printer:
         pname = eqn.primitive.name
         if pname in ("jit", "pjit", "closed_call"):
             return _sanitize(eqn.params.get("name", "fn"))
+        if pname == "shard_map":
+            dbg = eqn.params["jaxpr"].debug_info
+            return _sanitize(getattr(dbg, "func_name", None) or "shard_fn")
         if pname in ("custom_jvp_call", "custom_vjp_call"):
             dbg = eqn.params["call_jaxpr"].jaxpr.debug_info
             return _sanitize(getattr(dbg, "func_name", None) or "custom_fn")
@@ -255,7 +264,7 @@ class _Printer:
             expr = array_expr(data)
             self.used.add("np")
             if is_key:
-                expr = f"jax.random.wrap_key_data({expr}, impl={impl!r})"
+                expr = f"jax.random.wrap_key_data({expr}, impl={pystr(impl)})"
                 self.used.add("jax")
             note = shape
         self.const_lines += [f"# {note}", f"{cname} = {expr}  # fmt: skip"]
@@ -308,6 +317,8 @@ class _Printer:
         for mod in ("jnp", "np", "lax", "prims", "jax"):
             if re.search(rf"(?<![\w.]){mod}\.", s):
                 self.used.add(mod)
+        if re.search(r"(?<![\w.])P\(", s):
+            self.used.add("P")
 
     def ret(self, jaxpr: Jaxpr, env, indent: int, fmt: Callable, args=()) -> None:
         outs = [self.atom(v, env) for v in jaxpr.outvars]
@@ -358,8 +369,8 @@ class _Printer:
         if handler is not None:
             handler(self, eqn, args, env, scope, indent)
             return
-        rule = RULES.get(name)
-        expr = rule(eqn, args, None) if rule is not None else None
+        rule = _RULES.get(name)
+        expr = rule(eqn, args, self.mesh) if rule is not None else None
         if expr is None:
             expr = bind_expr(eqn, args)
         self.assign(eqn, env, expr, indent)

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
 
@@ -109,6 +110,46 @@ def _nested_jit(x):
     inner = jax.jit(lambda a: jnp.tanh(a) * 2.0)
     outer = jax.jit(lambda a: inner(a) + inner(a.T).T)
     return outer(x)
+
+
+# -- multi-device: a 1-D mesh over the 8 CPU devices conftest.py asks for -----------------
+MESH = jax.make_mesh((8,), ("batch",), (jax.sharding.AxisType.Auto,))
+XS = jnp.linspace(-2.0, 2.0, 64, dtype=jnp.float32).reshape(16, 4)  # 2 rows per device
+LABELS16 = jnp.arange(16, dtype=jnp.int32) % 3
+
+
+def _smap(f, in_specs, out_specs, **kw):
+    return jax.shard_map(f, mesh=MESH, in_specs=in_specs, out_specs=out_specs, **kw)
+
+
+def _collectives(x):
+    mean = lax.pmean(jnp.sum(x, axis=0), "batch")
+    gathered = lax.all_gather(x, "batch", axis=1, tiled=True)  # varies: each device has all
+    everyone = lax.all_gather(x[:, 0], "batch", to="invarying")  # all_gather_invariant
+    return mean, gathered, everyone, lax.axis_index("batch") + x[:, 0].astype(jnp.int32)
+
+
+def _more_collectives(x):  # without check_vma: psum, not psum_invariant; no pvary
+    shifted = lax.ppermute(x, "batch", [(i, (i + 1) % 8) for i in range(8)])
+    stacked = lax.all_gather(x[0], "batch")  # untiled: a new leading axis
+    return lax.pmax(x, "batch") - lax.pmin(x, "batch") + shifted, stacked, lax.psum(x, "batch")
+
+
+MESH_2D = jax.make_mesh((4, 2), ("x", "y"), (jax.sharding.AxisType.Explicit,) * 2)
+# devices in reverse: jax.make_mesh would not give this order, so it prints as a Mesh
+MESH_REV = jax.sharding.Mesh(
+    np.array(jax.devices()[::-1]).reshape(2, 4), ("a", "b"), axis_types=(MESH.axis_types * 2)
+)
+
+
+def _shard_train_step(params, x, labels):
+    """Gradient of pmean(local loss) w.r.t. replicated params, then an SGD step."""
+
+    def global_loss(p):
+        return lax.pmean(ffn_loss(p, x, labels), "batch")
+
+    loss, grads = jax.value_and_grad(global_loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
 
 
 CORPUS = {
@@ -247,6 +288,42 @@ CORPUS = {
     "ffn_loss": (ffn_loss, FFN_PARAMS, X, LABELS),
     "ffn_grad": (jax.grad(ffn_loss), FFN_PARAMS, X, LABELS),
     "adam_step": (train_step, FFN_PARAMS, OPT_STATE, X, LABELS),
+    # multi-device
+    "shard_map_psum": (_smap(lambda x: lax.psum(x * 2.0, "batch"), P("batch"), P()), XS),
+    "shard_map_collectives": (
+        _smap(_collectives, P("batch"), (P(), P("batch"), P(), P("batch"))),
+        XS,
+    ),
+    "shard_map_no_vma": (
+        _smap(_more_collectives, P("batch"), (P("batch"), P(), P()), check_vma=False),
+        XS,
+    ),
+    "shard_map_partial_manual": (  # only "x" manual; "y" stays Explicit
+        jax.jit(
+            jax.shard_map(
+                lambda x: lax.psum(x, "x") * 2.0,
+                mesh=MESH_2D,
+                in_specs=P("x"),
+                out_specs=P(),
+                axis_names={"x"},
+            )
+        ),
+        XS,
+    ),
+    "shard_map_reversed_devices": (
+        jax.shard_map(
+            lambda x: lax.psum(x, ("a", "b")), mesh=MESH_REV, in_specs=P(("a", "b")), out_specs=P()
+        ),
+        XS,
+    ),
+    "shard_map_custom_vjp": (_smap(scaled_sin, P("batch"), P("batch")), XS),
+    "pmap_pmean": (jax.pmap(lambda x: x / lax.pmean(jnp.sum(x), "i"), axis_name="i"), XS[:8]),
+    "shard_map_train_step": (
+        jax.jit(_smap(_shard_train_step, (P(), P("batch"), P("batch")), P()), donate_argnums=(0,)),
+        FFN_PARAMS,
+        XS,
+        LABELS16,
+    ),
 }
 
 
@@ -257,9 +334,14 @@ def _plain(x):
     return np.asarray(x)
 
 
+def _copy(args):
+    """Fresh copies, for functions that donate their arguments."""
+    return jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, args)
+
+
 def _assert_same_outputs(f, g, args):
-    want = jax.tree.leaves(f(*args))
-    got = g(*jax.tree.leaves(args))
+    want = jax.tree.leaves(f(*_copy(args)))
+    got = g(*jax.tree.leaves(_copy(args)))
     got = list(got) if isinstance(got, (tuple, list)) else [got]
     assert len(got) == len(want)
     for w, o in zip(want, got, strict=True):
@@ -381,13 +463,54 @@ def test_unprintable_parameter_is_named():
 def test_ruff_format_leaves_output_unchanged():
     texts = [
         nl.show_jaxpr(CORPUS[k][0], *CORPUS[k][1:])
-        for k in ("adam_step", "grad_custom_vjp", "switch")
+        for k in ("adam_step", "grad_custom_vjp", "switch", "shard_map_train_step")
     ]
     for text in texts:
         out = subprocess.run(
             ["ruff", "format", "-"], input=text, capture_output=True, text=True, check=True
         )
         assert out.stdout == text
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        ("digits_mlp", []),  # strategy none: jit with donated params and optimizer state
+        ("linreg_pmap", ["train.steps_per_call=2"]),  # pmap: jit of shard_map, scan inside
+        ("digits_shard_map", ["train.steps_per_call=2"]),
+    ],
+)
+def test_train_step_roundtrips(config, overrides):
+    from train.config import load_config
+    from train.loop import show_jaxpr, traced_function
+
+    path = os.path.join(ROOT, "configs", f"{config}.yaml")
+    cfg = load_config(path, ["train.batch_size=64", *overrides])
+    text = show_jaxpr(cfg, "step")  # what python -m train --show-jaxpr step prints
+    assert ("jax.shard_map(" in text) == (cfg.parallel.strategy != "none")
+    f, args = traced_function(cfg, "step")
+    g = nl.roundtrip(f, *args, name="step")
+    _assert_same_outputs(f, g, args)
+    assert nl.show_jaxpr(g, *jax.tree.leaves(args), name="step") == text
+
+
+def test_train_cli_unsupported_primitive_is_one_line_exit_2(monkeypatch, capsys):
+    import train.loop
+    from train.__main__ import main
+
+    def show_jaxpr(cfg, what):
+        raise nl.UnsupportedPrimitiveError(
+            "show_jaxpr cannot print primitive 'fake' (params: jaxpr={ lambda ; a:f32[]. let\n"
+            + "    b:f32[] = fake a\n" * 50
+            + "  in (b,) }): it has no rule in nnlite"
+        )
+
+    monkeypatch.setattr(train.loop, "show_jaxpr", show_jaxpr)
+    argv = ["--config", os.path.join(ROOT, "configs", "linreg_pmap.yaml"), "--show-jaxpr", "step"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and len(err) < 400
+    assert err.startswith("error: --show-jaxpr step: show_jaxpr cannot print primitive 'fake'")
 
 
 def _cli(*argv):

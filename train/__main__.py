@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from .config import ConfigError, dump_yaml, load_config
 
@@ -47,7 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         from .loop import show_jaxpr, train  # imports jax: keep --print-config fast
 
         if args.show_jaxpr:
-            print(show_jaxpr(cfg, args.show_jaxpr))
+            from nnlite import UnsupportedPrimitiveError
+
+            try:
+                src = show_jaxpr(cfg, args.show_jaxpr)
+            except UnsupportedPrimitiveError as e:
+                # its message quotes the primitive's params, jaxprs included: one line of it
+                msg = textwrap.shorten(str(e), 300, placeholder=" ...")
+                print(f"error: --show-jaxpr {args.show_jaxpr}: {msg}", file=sys.stderr)
+                return 2
+            print(src, end="")  # the source ends in a newline
             return 0
         train(cfg, resume="require" if args.resume else "fresh" if args.fresh else "auto")
     except ConfigError as e:

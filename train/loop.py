@@ -91,13 +91,24 @@ def show_jaxpr(cfg: Config, what: str) -> str:
     """Decompiled Python of the config's mean loss (``what="loss"``) or its compiled train step."""
     import nnlite as nl
 
+    fn, args = traced_function(cfg, what)
+    return nl.show_jaxpr(fn, *args, name=what)
+
+
+def traced_function(cfg: Config, what: str) -> tuple:
+    """``(fn, args)``: what ``show_jaxpr(cfg, what)`` decompiles, and its example arguments.
+
+    For ``what="step"``, ``fn`` is the compiled multi-step function of the config's
+    strategy and ``args`` are placed as training places them (its params and optimizer
+    state are donated: pass copies to call it more than once).
+    """
     r = build(cfg)
     params = r.model.init(jax.random.key(cfg.seed))
     loss_fn = mean_loss_fn(r.model, cfg.loss.grad)
     b = cfg.train.batch_size
     if what == "loss":
         x, y = r.data.x[:b], r.data.y[:b]
-        return nl.show_jaxpr(lambda p, x, y: loss_fn(p, x, y)[0], params, x, y, name="loss")
+        return (lambda p, x, y: loss_fn(p, x, y)[0]), (params, x, y)
     opt_state = r.optimizer.init(params)
     p_leaves, p_def = jax.tree.flatten(params)
     o_leaves, o_def = jax.tree.flatten(opt_state)
@@ -106,14 +117,12 @@ def show_jaxpr(cfg: Config, what: str) -> str:
     )
     stepper = build_stepper(grads_fn, r.optimizer, p_def, o_def, cfg.parallel.strategy, r.devices)
     idx = np.zeros((cfg.train.steps_per_call, b), np.int32)
-    return nl.show_jaxpr(
-        stepper.run,
+    return stepper.run, (
         stepper.put_state(p_leaves),
         stepper.put_state(o_leaves),
         stepper.put_data(r.data.x),
         stepper.put_data(r.data.y),
         stepper.put_indices(idx),
-        name="step",
     )
 
 
