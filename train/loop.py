@@ -103,6 +103,12 @@ def _check_resumable(cfg: Config, meta: dict, path: Path) -> None:
         )
 
 
+def init_state(model, optimizer, key):
+    """Initial ``(params, opt_state)``; jit it to compile the whole init once."""
+    params = model.init(key)
+    return params, optimizer.init(params)
+
+
 def _rewrite_metrics(path: Path, upto_step: int) -> None:
     """Drop metrics logged after ``upto_step`` (they will be logged again)."""
     if not path.exists():
@@ -122,8 +128,9 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     strategy = cfg.parallel.strategy
 
     key = jax.random.key(cfg.seed)
-    params0 = r.model.init(key)
-    opt0 = r.optimizer.init(params0)
+    # One compiled program for init: run eagerly, every random/initializer op compiles its
+    # own tiny XLA program, which costs more than the whole compiled init.
+    params0, opt0 = jax.jit(lambda k: init_state(r.model, r.optimizer, k))(key)
     p_leaves, p_def = jax.tree.flatten(params0)
     o_leaves, o_def = jax.tree.flatten(opt0)
     sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
