@@ -46,13 +46,13 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
 
     import models
     from train.data import BatchIndices
-    from train.loop import init_state
+    from train.loop import init_state_compiled
     from train.optim import build_optimizer
     from train.step import build_eval, build_stepper, mean_loss_fn
 
     model = models.MODELS[cfg.model.name](cfg.model, data)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
-    params0, opt0 = jax.jit(lambda k: init_state(model, optimizer, k))(jax.random.key(cfg.seed))
+    params0, opt0 = init_state_compiled(model, optimizer, jax.random.key(cfg.seed))
     p_leaves, p_def = jax.tree.flatten(params0)
     o_leaves, o_def = jax.tree.flatten(opt0)
     loss_fn = mean_loss_fn(model)
@@ -223,10 +223,14 @@ def write_weights(path: Path) -> None:
 
     import models
     from train.data import load_dataset
+    from train.loop import init_state_compiled
+    from train.optim import build_optimizer
 
     cfg = _config()
     model = models.MODELS[cfg.model.name](cfg.model, load_dataset(cfg.data))
-    p = jax.jit(model.init)(jax.random.key(cfg.seed))  # as train.loop does
+    p, _ = init_state_compiled(
+        model, build_optimizer(cfg.optimizer, cfg.train.steps), jax.random.key(cfg.seed)
+    )
     layers = [*p.ffn.layers, p.head]
     np.savez(path, **{f"{n}{i}": np.asarray(lp[n]) for i, lp in enumerate(layers) for n in "Wb"})
 
