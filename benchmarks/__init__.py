@@ -1,1 +1,1 @@
-"""Benchmarks: run from the repository root, e.g. ``python -m benchmarks.pytree``."""
+"""Benchmarks of nnlite against raw JAX, Equinox and Flax NNX (run as ``python -m benchmarks.NAME``)."""

@@ -154,6 +154,24 @@ def _check_resumable(cfg: Config, meta: dict, path: Path) -> None:
         )
 
 
+def init_state(model, optimizer, key):
+    """Initial ``(params, opt_state)``."""
+    params = model.init(key)
+    return params, optimizer.init(params)
+
+
+# Init runs once, so compile it fast rather than well: threefry and erf_inv make LLVM's
+# default optimisation cost ~1.1 s for the digits MLP's init, 0.4 s at level 0.
+INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def init_state_compiled(model, optimizer, key):
+    """``init_state`` as one compiled program. Run eagerly, each random/initializer op
+    compiles its own tiny XLA program (2.5 s in all for the digits MLP, vs 0.4 s)."""
+    fn = jax.jit(lambda k: init_state(model, optimizer, k), compiler_options=INIT_COMPILER_OPTIONS)
+    return fn(key)
+
+
 def _rewrite_metrics(path: Path, upto_step: int) -> None:
     """Drop metrics logged after ``upto_step`` (they will be logged again)."""
     if not path.exists():
@@ -173,8 +191,7 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     strategy = cfg.parallel.strategy
 
     key = jax.random.key(cfg.seed)
-    params0 = r.model.init(key)
-    opt0 = r.optimizer.init(params0)
+    params0, opt0 = init_state_compiled(r.model, r.optimizer, key)
     p_leaves, p_def = jax.tree.flatten(params0)
     o_leaves, o_def = jax.tree.flatten(opt0)
     sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)

@@ -143,7 +143,10 @@ def build_stepper(
             run=jax.jit(multi_step, donate_argnums=(0, 1)),
             put_state=lambda leaves: [jax.device_put(v, dev) for v in leaves],
             put_data=lambda a: jax.device_put(a, dev),
-            put_indices=lambda idx: jax.device_put(idx, dev),
+            # Hand the numpy indices to the jitted call as they are: its C++ dispatch copies
+            # them to the device of the (committed) state, where jax.device_put's Python
+            # path costs tens of microseconds per call, as much as a whole small step.
+            put_indices=np.asarray,
             get_state=lambda leaves: leaves,
         )
 

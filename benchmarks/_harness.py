@@ -1,0 +1,124 @@
+"""Shared timing, table and result-file helpers for the benchmarks.
+
+Timing rules (DESIGN.md): every implementation runs in the same process on the same
+work, after warm-up, in rounds whose order is shuffled; each sample ends with
+``block_until_ready``; we report medians and ratios against the baseline of that run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on: CPU model, core count, library versions."""
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {"python": platform.python_version(), "jax": jax.__version__}
+    for mod in ("jaxlib", "optax", "equinox", "flax", "sklearn", "numpy"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "versions": versions,
+    }
+
+
+def time_interleaved(
+    cases: Mapping[str, Callable[[], object]],
+    *,
+    rounds: int,
+    warmup: int = 2,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Seconds per call of each case, over ``rounds`` shuffled rounds after ``warmup`` calls.
+
+    Each case must do a fixed amount of work and block until its results are ready.
+    """
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    rng = random.Random(seed)
+    names = list(cases)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for n in names:
+            t0 = time.perf_counter()
+            cases[n]()
+            samples[n].append(time.perf_counter() - t0)
+    return samples
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.3f} s"
+
+
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """A plain Markdown table (pastes into the README as is)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep, *map(line, cells[1:])])
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write ``benchmarks/results/<name>-<timestamp>.json`` and ``<name>-latest.json``."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
+    text = json.dumps(payload, indent=2)
+    path = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(text)
+    (RESULTS_DIR / f"{name}-latest.json").write_text(text)
+    return path
+
+
+def run_module_json(
+    module: str, args: Sequence[str], *, env: Mapping[str, str] | None = None
+) -> dict:
+    """Run ``python -m module args`` in a fresh process; its last stdout line is JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,341 @@
+"""One MLP training step written five ways: raw JAX, Equinox, Flax NNX, and nnlite (per step
+and with several steps per compiled call).
+
+Every implementation starts from the same float32 weights (nnlite's init, copied into each
+framework's parameters), trains with the same optimizer on the same batches, and computes
+the mean softmax cross-entropy of an ``in -> hidden... (relu) -> classes`` MLP.
+
+Data: the peers take each batch as device arrays passed to the step (the batches are put on
+the device once, up front). nnlite does what its training loop does: the data set lives on
+the device and each call sends a ``[K, batch]`` block of indices, gathered inside the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    in_features: int
+    hidden: tuple[int, ...]
+    classes: int
+    batch: int
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.in_features, *self.hidden, self.classes)
+
+    def matmul_flops(self) -> int:
+        """FLOPs of the matmuls one train step computes: forward ``x @ W`` per layer, the
+        weight gradient per layer, and the input gradient of every layer but the first
+        (the input is data, so autodiff does not compute its gradient)."""
+        s, b = self.sizes, self.batch
+        per_layer = [2 * b * i * o for i, o in zip(s[:-1], s[1:])]
+        return 2 * sum(per_layer) + sum(per_layer[1:])
+
+
+SPECS = {
+    "small": Spec("small", 64, (32,), 10, 128),
+    "medium": Spec("medium", 784, (512, 512), 10, 256),
+    "large": Spec("large", 1024, (4096, 4096), 10, 1024),
+}
+TINY = Spec("tiny", 16, (8, 8), 4, 8)
+
+
+def nnlite_model(spec: Spec):
+    from models.mlp import MLP
+
+    return MLP(spec.in_features, spec.hidden, spec.classes)
+
+
+def init_weights(spec: Spec, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """nnlite's init of the MLP as host ``[(W [in, out], b [out]), ...]``, float32."""
+    p = nnlite_model(spec).init(jax.random.key(seed))
+    layers = [*p.ffn.layers, p.head]
+    return [(np.asarray(lp.W, np.float32), np.asarray(lp.b, np.float32)) for lp in layers]
+
+
+def make_data(spec: Spec, n_batches: int, seed: int = 0):
+    """Host data: ``X [n, in]`` float32, ``Y [n]`` int32, and each step's row indices."""
+    rng = np.random.default_rng(seed)
+    n = n_batches * spec.batch
+    X = rng.normal(size=(n, spec.in_features)).astype(np.float32)
+    Y = rng.integers(0, spec.classes, size=n).astype(np.int32)
+    order = rng.permutation(n).astype(np.int32)
+    idx = order.reshape(n_batches, spec.batch)  # step s uses rows idx[s % n_batches]
+    return X, Y, idx
+
+
+def xent(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+class Impl:
+    """``reset()`` to the initial weights; ``run(n)`` does n optimizer steps, blocks, and
+    returns the last step's loss as a float."""
+
+    name = ""
+    steps_per_call = 1
+
+    def __init__(self, spec, weights, X, Y, idx, tx):
+        self.spec, self.weights, self.tx = spec, weights, tx
+        self.idx = idx
+        self.t = 0
+        self.setup(X, Y, idx)
+        self.reset()
+
+    def setup(self, X, Y, idx):
+        # The peers get the batches as device arrays, one (x, y) pair per distinct step.
+        self.batches = [(jax.device_put(X[i]), jax.device_put(Y[i])) for i in idx]
+
+    def reset(self):
+        raise NotImplementedError
+
+    def run(self, n: int) -> float:
+        raise NotImplementedError
+
+
+class RawJax(Impl):
+    """A plain nested dict of params and ``jax.jit`` with donated params/opt state."""
+
+    name = "raw JAX"
+
+    def setup(self, X, Y, idx):
+        super().setup(X, Y, idx)
+        tx = self.tx
+
+        def loss_fn(params, x, y):
+            n = len(params)
+            for i in range(n):
+                layer = params[f"layer{i}"]
+                x = x @ layer["W"] + layer["b"]
+                if i < n - 1:
+                    x = jax.nn.relu(x)
+            return xent(x, y)
+
+        @partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, opt_state, x, y):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self.step = step
+
+    def reset(self):
+        self.params = {
+            f"layer{i}": {"W": jnp.asarray(W), "b": jnp.asarray(b)}
+            for i, (W, b) in enumerate(self.weights)
+        }
+        self.opt_state = self.tx.init(self.params)
+        self.t = 0
+
+    def run(self, n):
+        params, opt_state, step, batches = self.params, self.opt_state, self.step, self.batches
+        nb = len(batches)
+        for s in range(self.t, self.t + n):
+            x, y = batches[s % nb]
+            params, opt_state, loss = step(params, opt_state, x, y)
+        self.params, self.opt_state, self.t = params, opt_state, self.t + n
+        return float(loss)
+
+
+class Equinox(Impl):
+    """``eqx.nn.MLP``, ``eqx.filter_value_and_grad`` and ``eqx.filter_jit``, as in Equinox's
+    examples (batch via ``jax.vmap``)."""
+
+    name = "Equinox"
+
+    def setup(self, X, Y, idx):
+        import equinox as eqx
+
+        super().setup(X, Y, idx)
+        tx = self.tx
+
+        @eqx.filter_value_and_grad
+        def loss_fn(model, x, y):
+            return xent(jax.vmap(model)(x), y)
+
+        @eqx.filter_jit
+        def step(model, opt_state, x, y):
+            loss, grads = loss_fn(model, x, y)
+            updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), opt_state, loss
+
+        self.step = step
+
+    def reset(self):
+        import equinox as eqx
+
+        s = self.spec
+        if len(set(s.hidden)) != 1:
+            raise ValueError(f"eqx.nn.MLP needs equal hidden sizes, got {s.hidden}")
+        model = eqx.nn.MLP(
+            s.in_features, s.classes, s.hidden[0], len(s.hidden), jax.nn.relu, key=jax.random.key(0)
+        )
+        # Equinox stores weight as [out, in].
+        model = eqx.tree_at(
+            lambda m: [layer.weight for layer in m.layers] + [layer.bias for layer in m.layers],
+            model,
+            [jnp.asarray(W.T) for W, _ in self.weights] + [jnp.asarray(b) for _, b in self.weights],
+        )
+        self.model = model
+        self.opt_state = self.tx.init(eqx.filter(model, eqx.is_array))
+        self.t = 0
+
+    def run(self, n):
+        model, opt_state, step, batches = self.model, self.opt_state, self.step, self.batches
+        nb = len(batches)
+        for s in range(self.t, self.t + n):
+            x, y = batches[s % nb]
+            model, opt_state, loss = step(model, opt_state, x, y)
+        self.model, self.opt_state, self.t = model, opt_state, self.t + n
+        return float(loss)
+
+
+class FlaxNNX(Impl):
+    """An ``nnx.Module`` of ``nnx.Linear`` layers, ``nnx.Optimizer(model, tx, wrt=nnx.Param)``,
+    ``nnx.value_and_grad`` and ``nnx.jit``, as in the Flax NNX docs."""
+
+    name = "Flax NNX"
+
+    def setup(self, X, Y, idx):
+        from flax import nnx
+
+        super().setup(X, Y, idx)
+
+        @nnx.jit
+        def step(model, optimizer, x, y):
+            def loss_fn(model):
+                return xent(model(x), y)
+
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads)
+            return loss
+
+        self.step = step
+
+    def reset(self):
+        from flax import nnx
+
+        sizes = self.spec.sizes
+
+        class MLP(nnx.Module):
+            def __init__(self, rngs):
+                self.layers = nnx.List(
+                    [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
+                )
+
+            def __call__(self, x):
+                for layer in self.layers[:-1]:
+                    x = nnx.relu(layer(x))
+                return self.layers[-1](x)
+
+        model = MLP(nnx.Rngs(0))
+        for layer, (W, b) in zip(model.layers, self.weights):
+            layer.kernel.value = jnp.asarray(W)
+            layer.bias.value = jnp.asarray(b)
+        self.model = model
+        self.optimizer = nnx.Optimizer(model, self.tx, wrt=nnx.Param)
+        self.t = 0
+
+    def run(self, n):
+        model, optimizer, step, batches = self.model, self.optimizer, self.step, self.batches
+        nb = len(batches)
+        for s in range(self.t, self.t + n):
+            x, y = batches[s % nb]
+            loss = step(model, optimizer, x, y)
+        self.t += n
+        return float(loss)
+
+
+class Nnlite(Impl):
+    """nnlite's training machinery: ``models.mlp.MLP`` and ``train.step.build_stepper``; the
+    data set on the device, ``[K, batch]`` indices sent per call, K optimizer steps a call."""
+
+    name = "nnlite"
+
+    def __init__(self, *args, steps_per_call: int = 1, **kwargs):
+        self.steps_per_call = steps_per_call
+        if steps_per_call > 1:
+            self.name = f"nnlite K={steps_per_call}"
+        super().__init__(*args, **kwargs)
+
+    def setup(self, X, Y, idx):
+        from train.step import build_stepper, mean_loss_fn
+
+        self.model = nnlite_model(self.spec)
+        p0 = self.model.init(jax.random.key(0))
+        o0 = self.tx.init(p0)
+        self.p_def = jax.tree.structure(p0)
+        self.o_def = jax.tree.structure(o0)
+        self.stepper = build_stepper(
+            mean_loss_fn(self.model), self.tx, self.p_def, self.o_def, "none", jax.devices()[:1]
+        )
+        self.X, self.Y = self.stepper.put_data(X), self.stepper.put_data(Y)
+        self._blocks = {}  # (first step % n_batches, K) -> host [K, batch] indices
+
+    def block(self, t: int, k: int) -> np.ndarray:
+        """Host-side indices of steps t..t+k-1 (what the loop's sampler produces)."""
+        nb = len(self.idx)
+        key = (t % nb, k)
+        if key not in self._blocks:
+            self._blocks[key] = np.stack([self.idx[(t + j) % nb] for j in range(k)])
+        return self._blocks[key]
+
+    def reset(self):
+        import nnlite as nl
+        from models.mlp import MLP  # noqa: F401 - model structure
+
+        layers = [nl.ParamsDict(W=jnp.asarray(W), b=jnp.asarray(b)) for W, b in self.weights]
+        params = nl.ParamsDict(ffn=nl.ParamsDict(layers=layers[:-1]), head=layers[-1])
+        if jax.tree.structure(params) != self.p_def:
+            raise ValueError("nnlite benchmark params do not match the model's structure")
+        self.p_leaves = self.stepper.put_state(jax.tree.leaves(params))
+        self.o_leaves = self.stepper.put_state(jax.tree.leaves(self.tx.init(params)))
+        self.t = 0
+
+    def run(self, n):
+        # K steps a call; a shorter last call when n is not a multiple of K (as the loop does
+        # at an eval/log boundary).
+        st, X, Y, block = self.stepper, self.X, self.Y, self.block
+        p, o, t, end = self.p_leaves, self.o_leaves, self.t, self.t + n
+        while t < end:
+            k = min(self.steps_per_call, end - t)
+            p, o, metrics = st.run(p, o, X, Y, st.put_indices(block(t, k)))
+            t += k
+        self.p_leaves, self.o_leaves, self.t = p, o, t
+        return float(metrics["loss"][-1])
+
+
+def build_all(spec: Spec, *, n_batches: int = 10, steps_per_call: int = 10, lr: float = 1e-3):
+    """Every implementation on the same weights, data and optimizer (``optax.adam(lr)``)."""
+    weights = init_weights(spec)
+    X, Y, idx = make_data(spec, n_batches)
+    tx = optax.adam(lr)
+    impls = [
+        RawJax(spec, weights, X, Y, idx, tx),
+        Equinox(spec, weights, X, Y, idx, tx),
+        FlaxNNX(spec, weights, X, Y, idx, tx),
+        Nnlite(spec, weights, X, Y, idx, tx),
+    ]
+    if steps_per_call > 1:
+        impls.append(Nnlite(spec, weights, X, Y, idx, tx, steps_per_call=steps_per_call))
+    return impls
+
+
+def losses_after(impls, n_steps: int) -> dict[str, float]:
+    """Reset each implementation, train ``n_steps`` and return its last loss."""
+    out = {}
+    for impl in impls:
+        impl.reset()
+        out[impl.name] = impl.run(n_steps)
+        impl.reset()
+    return out

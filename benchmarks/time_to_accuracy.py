@@ -1,0 +1,313 @@
+"""Time to 97% test accuracy on digits: nnlite vs Equinox vs Flax NNX vs scikit-learn.
+
+    python -m benchmarks.time_to_accuracy [--quick] [--repeats N] [--eval-every N]
+
+The model, optimizer, batch size and data order are those of ``configs/digits_mlp.yaml``
+(64 -> 128 relu -> 10, adam 3e-3 with a cosine schedule over train.steps, batch 128,
+nnlite's seeded epoch permutations) and every JAX implementation starts from nnlite's
+initial weights. Each one checks test accuracy every ``--eval-every`` steps and stops at
+the first check with accuracy >= 97%.
+
+Each run is a fresh process (so every implementation pays its own tracing and
+compilation); the clock starts after imports, data loading and JAX backend start-up, and
+stops when the target accuracy is seen. Implementations run in shuffled order, several
+repeats, and we report medians. scikit-learn's ``MLPClassifier`` (same hidden size, its
+defaults otherwise) is timed over its ``fit``; its accuracy is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import _harness as h
+
+CONFIG = "configs/digits_mlp.yaml"
+TARGET = 0.97
+IMPLS = ("nnlite", "nnlite K=1", "Equinox", "Flax NNX", "scikit-learn")
+
+
+def _config():
+    from train.config import load_config
+
+    return load_config(CONFIG, ["log.progress=false", "log.plot=false"])
+
+
+def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
+    """nnlite's training loop pieces (train/loop.py) with an accuracy check at each eval."""
+    import jax
+
+    import models
+    from train.data import BatchIndices
+    from train.loop import init_state_compiled
+    from train.optim import build_optimizer
+    from train.step import build_eval, build_stepper, mean_loss_fn
+
+    model = models.MODELS[cfg.model.name](cfg.model, data)
+    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+    params0, opt0 = init_state_compiled(model, optimizer, jax.random.key(cfg.seed))
+    p_leaves, p_def = jax.tree.flatten(params0)
+    o_leaves, o_def = jax.tree.flatten(opt0)
+    loss_fn = mean_loss_fn(model)
+    devices = jax.local_devices()[:1]
+    stepper = build_stepper(loss_fn, optimizer, p_def, o_def, "none", devices)
+    evaluate = build_eval(loss_fn)
+    X, Y = stepper.put_data(data.x), stepper.put_data(data.y)
+    X_test, Y_test = (
+        jax.device_put(data.x_test, devices[0]),
+        jax.device_put(data.y_test, devices[0]),
+    )
+    p_leaves, o_leaves = stepper.put_state(p_leaves), stepper.put_state(o_leaves)
+    sampler = BatchIndices(cfg.seed, len(data.x), cfg.train.batch_size)
+    step, acc = 0, 0.0
+    while step < cfg.train.steps:
+        k = min(steps_per_call - step % steps_per_call, eval_every - step % eval_every)
+        idx = stepper.put_indices(sampler.batches(step, k))
+        p_leaves, o_leaves, _ = stepper.run(p_leaves, o_leaves, X, Y, idx)
+        step += k
+        if step % eval_every == 0:
+            params = jax.tree.unflatten(p_def, stepper.get_state(p_leaves))
+            acc = float(evaluate(params, X_test, Y_test)["accuracy"])
+            if acc >= TARGET:
+                break
+    return {"steps": step, "accuracy": acc}
+
+
+def _equinox(cfg, data, weights, eval_every: int) -> dict:
+    """The Equinox way: eqx.nn.MLP, filter_value_and_grad, filter_jit, numpy batches."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from train.data import BatchIndices
+    from train.optim import build_optimizer
+
+    model = eqx.nn.MLP(64, 10, 128, 1, jax.nn.relu, key=jax.random.key(cfg.seed))
+    model = eqx.tree_at(
+        lambda m: [layer.weight for layer in m.layers] + [layer.bias for layer in m.layers],
+        model,
+        [jnp.asarray(W.T) for W, _ in weights] + [jnp.asarray(b) for _, b in weights],
+    )
+    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_value_and_grad
+    def loss_fn(model, x, y):
+        logits = jax.vmap(model)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @eqx.filter_jit
+    def train_step(model, opt_state, x, y):
+        loss, grads = loss_fn(model, x, y)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    @eqx.filter_jit
+    def accuracy(model, x, y):
+        return jnp.mean(jnp.argmax(jax.vmap(model)(x), axis=-1) == y)
+
+    sampler = BatchIndices(cfg.seed, len(data.x), cfg.train.batch_size)
+    acc = 0.0
+    for step in range(cfg.train.steps):
+        i = sampler.batch(step)
+        model, opt_state, _ = train_step(model, opt_state, data.x[i], data.y[i])
+        if (step + 1) % eval_every == 0:
+            acc = float(accuracy(model, data.x_test, data.y_test))
+            if acc >= TARGET:
+                break
+    return {"steps": step + 1, "accuracy": acc}
+
+
+def _flax_nnx(cfg, data, weights, eval_every: int) -> dict:
+    """The Flax NNX way: nnx.Module, nnx.Optimizer(wrt=nnx.Param), nnx.jit, numpy batches."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from train.data import BatchIndices
+    from train.optim import build_optimizer
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.hidden = nnx.Linear(64, 128, rngs=rngs)
+            self.out = nnx.Linear(128, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    model = MLP(nnx.Rngs(cfg.seed))
+    for layer, (W, b) in zip((model.hidden, model.out), weights):
+        layer.kernel.value, layer.bias.value = jnp.asarray(W), jnp.asarray(b)
+    optimizer = nnx.Optimizer(model, build_optimizer(cfg.optimizer, cfg.train.steps), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    @nnx.jit
+    def accuracy(model, x, y):
+        return jnp.mean(jnp.argmax(model(x), axis=-1) == y)
+
+    sampler = BatchIndices(cfg.seed, len(data.x), cfg.train.batch_size)
+    acc = 0.0
+    for step in range(cfg.train.steps):
+        i = sampler.batch(step)
+        train_step(model, optimizer, data.x[i], data.y[i])
+        if (step + 1) % eval_every == 0:
+            acc = float(accuracy(model, data.x_test, data.y_test))
+            if acc >= TARGET:
+                break
+    return {"steps": step + 1, "accuracy": acc}
+
+
+def _sklearn(cfg, data) -> dict:
+    from sklearn.neural_network import MLPClassifier
+
+    clf = MLPClassifier(hidden_layer_sizes=tuple(cfg.model.hidden_sizes), random_state=cfg.seed)
+    clf.fit(data.x, data.y)
+    return {"steps": int(clf.n_iter_), "accuracy": float(clf.score(data.x_test, data.y_test))}
+
+
+def worker(impl: str, weights_path: str, eval_every: int) -> dict:
+    """One timed run in this (fresh) process; returns wall seconds, steps and accuracy."""
+    import warnings
+
+    import jax
+
+    from train.data import load_dataset
+
+    cfg = _config()
+    data = load_dataset(cfg.data)
+    with np.load(weights_path) as f:
+        weights = [(f[f"W{i}"], f[f"b{i}"]) for i in range(len(f.files) // 2)]
+    if impl in ("Equinox", "Flax NNX"):
+        import equinox  # noqa: F401
+        import flax.nnx  # noqa: F401
+    if impl == "scikit-learn":
+        import sklearn.neural_network  # noqa: F401
+    jax.devices()  # start the backend before the clock: every JAX program pays it once
+    t0 = time.perf_counter()
+    if impl == "nnlite":
+        out = _nnlite(cfg, data, eval_every, steps_per_call=eval_every)
+    elif impl == "nnlite K=1":
+        out = _nnlite(cfg, data, eval_every, steps_per_call=1)
+    elif impl == "Equinox":
+        out = _equinox(cfg, data, weights, eval_every)
+    elif impl == "Flax NNX":
+        out = _flax_nnx(cfg, data, weights, eval_every)
+    elif impl == "scikit-learn":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ConvergenceWarning at max_iter is expected
+            out = _sklearn(cfg, data)
+    else:
+        raise SystemExit(f"unknown implementation {impl!r}; valid: {', '.join(IMPLS)}")
+    return {"impl": impl, "wall_s": time.perf_counter() - t0, **out}
+
+
+def write_weights(path: Path) -> None:
+    """nnlite's initial weights of the digits MLP, for the other frameworks to copy."""
+    import jax
+
+    import models
+    from train.data import load_dataset
+    from train.loop import init_state_compiled
+    from train.optim import build_optimizer
+
+    cfg = _config()
+    model = models.MODELS[cfg.model.name](cfg.model, load_dataset(cfg.data))
+    p, _ = init_state_compiled(
+        model, build_optimizer(cfg.optimizer, cfg.train.steps), jax.random.key(cfg.seed)
+    )
+    layers = [*p.ffn.layers, p.head]
+    np.savez(path, **{f"{n}{i}": np.asarray(lp[n]) for i, lp in enumerate(layers) for n in "Wb"})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.time_to_accuracy", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--quick", action="store_true", help="one repeat")
+    ap.add_argument("--repeats", type=int, default=5, help="fresh-process runs per implementation")
+    ap.add_argument("--eval-every", type=int, default=50, help="steps between accuracy checks")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--weights", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.weights, args.eval_every)))
+        return 0
+
+    repeats = 1 if args.quick else args.repeats
+    info = h.machine_info()
+    print(f"machine: {info['cpu']}, {info['affinity']} usable cores; jax {info['versions']['jax']}")
+    runs: dict[str, list[dict]] = {i: [] for i in IMPLS}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(tmp) / "weights.npz"
+        write_weights(weights)
+        rng = random.Random(0)
+        for r in range(repeats):
+            order = list(IMPLS)
+            rng.shuffle(order)
+            for impl in order:
+                res = h.run_module_json(
+                    "benchmarks.time_to_accuracy",
+                    [
+                        "--worker",
+                        impl,
+                        "--weights",
+                        str(weights),
+                        "--eval-every",
+                        str(args.eval_every),
+                    ],
+                )
+                runs[impl].append(res)
+            print(
+                f"repeat {r + 1}/{repeats}: "
+                + ", ".join(f"{i} {runs[i][-1]['wall_s']:.3f} s" for i in IMPLS),
+                flush=True,
+            )
+
+    med = {i: h.median([x["wall_s"] for x in v]) for i, v in runs.items()}
+    base = med["nnlite"]
+    rows = []
+    for i in IMPLS:
+        last = runs[i][-1]
+        steps = f"{last['steps']} epochs" if i == "scikit-learn" else str(last["steps"])
+        rows.append(
+            [i, f"{med[i]:.3f} s", f"{base / med[i]:.2f}", steps, f"{last['accuracy']:.4f}"]
+        )
+    print(
+        f"\nTime to {TARGET:.0%} test accuracy on digits (eval every {args.eval_every} steps; "
+        f"median of {repeats} fresh processes; nnlite = steps_per_call={args.eval_every})\n"
+    )
+    print(
+        h.table(rows, ["implementation", "median wall", "nnlite / this", "steps", "test accuracy"])
+    )
+    path = h.write_json(
+        "time_to_accuracy",
+        {
+            "machine": info,
+            "eval_every": args.eval_every,
+            "target": TARGET,
+            "median_wall_s": med,
+            "runs": runs,
+        },
+    )
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Train-step throughput: raw JAX vs Equinox vs Flax NNX vs nnlite, plus the GEMM rate.
+
+    python -m benchmarks.train_step [--quick] [--sizes small,medium,large] [--rounds N]
+
+For each size: check that every implementation reaches the same loss after 10 steps from
+the same weights, then time them interleaved in shuffled rounds and print the median time
+per optimizer step and its ratio to raw JAX. A jitted float32 2048x2048 matmul, timed in the
+same rounds as LARGE, gives the machine's GEMM rate; the LARGE step's matmul FLOP rate is
+reported as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _harness as h
+from ._impls import SPECS, build_all, losses_after
+
+# Steps per timed sample, and nnlite's steps per call, for each size: enough work per
+# sample that timer resolution and one-off hiccups do not matter.
+STEPS_PER_SAMPLE = {"small": 200, "medium": 20, "large": 2}
+STEPS_PER_CALL = {"small": 20, "medium": 10, "large": 2}
+ROUNDS = {"small": 25, "medium": 15, "large": 7}
+GEMM_N = 2048
+LOSS_RTOL = 1e-4
+
+
+def gemm_case(n: int = GEMM_N, reps: int = 4):
+    """A callable doing ``reps`` jitted float32 n x n matmuls; and the FLOPs it does."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(n, n)).astype(np.float32))
+    b = jnp.asarray(rng.normal(size=(n, n)).astype(np.float32))
+    mm = jax.jit(lambda a, b: a @ b)
+
+    def run():
+        out = None
+        for _ in range(reps):
+            out = mm(a, b)
+        out.block_until_ready()
+
+    return run, 2 * n**3 * reps
+
+
+def check_losses(impls, steps: int = 10) -> dict[str, float]:
+    losses = losses_after(impls, steps)
+    ref = losses["raw JAX"]
+    for name, v in losses.items():
+        if not abs(v - ref) <= LOSS_RTOL * abs(ref):
+            raise SystemExit(f"loss mismatch after {steps} steps: {name} {v!r} vs raw JAX {ref!r}")
+    return losses
+
+
+def bench_size(size: str, rounds: int, quick: bool) -> dict:
+    spec = SPECS[size]
+    k = STEPS_PER_CALL[size]
+    n = STEPS_PER_SAMPLE[size]
+    if quick:
+        n = max(k, n // 4 // k * k)
+    impls = build_all(spec, steps_per_call=k)
+    losses = check_losses(impls)
+    cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
+    gemm_flops = None
+    if size == "large":
+        cases["GEMM 2048"], gemm_flops = gemm_case()
+    samples = h.time_interleaved(cases, rounds=rounds, warmup=1 if size == "large" else 2)
+    per_step = {
+        name: h.median(v) / (1 if name == "GEMM 2048" else n) for name, v in samples.items()
+    }
+    result = {
+        "spec": {
+            "in": spec.in_features,
+            "hidden": spec.hidden,
+            "classes": spec.classes,
+            "batch": spec.batch,
+        },
+        "steps_per_sample": n,
+        "rounds": rounds,
+        "nnlite_steps_per_call": k,
+        "loss_after_10": losses,
+        "median_s_per_step": {k_: v for k_, v in per_step.items() if k_ != "GEMM 2048"},
+        "samples_s": samples,
+        "matmul_flops_per_step": spec.matmul_flops(),
+    }
+    if gemm_flops:
+        gemm_rate = gemm_flops / per_step["GEMM 2048"]
+        result["gemm_gflops"] = gemm_rate / 1e9
+        result["step_gflops"] = {
+            k_: spec.matmul_flops() / v / 1e9 for k_, v in result["median_s_per_step"].items()
+        }
+        result["fraction_of_gemm"] = {
+            k_: v * 1e9 / gemm_rate for k_, v in result["step_gflops"].items()
+        }
+    return result
+
+
+def render(size: str, r: dict) -> str:
+    base = r["median_s_per_step"]["raw JAX"]
+    rows = []
+    for name, t in r["median_s_per_step"].items():
+        row = [name, h.fmt_time(t), f"{t / base:.3f}", f"{base / t:.2f}x"]
+        if "step_gflops" in r:
+            row += [f"{r['step_gflops'][name]:.1f}", f"{r['fraction_of_gemm'][name]:.1%}"]
+        rows.append(row)
+    header = ["implementation", "median / step", "time vs raw JAX", "throughput vs raw JAX"]
+    if "step_gflops" in r:
+        header += ["matmul GFLOP/s", "of GEMM rate"]
+    s = r["spec"]
+    title = (
+        f"{size.upper()}: {s['in']}->{'->'.join(map(str, s['hidden']))}->{s['classes']}, "
+        f"batch {s['batch']}; {r['rounds']} rounds x {r['steps_per_sample']} steps; "
+        f"nnlite K={r['nnlite_steps_per_call']}"
+    )
+    if "gemm_gflops" in r:
+        title += f"; GEMM {GEMM_N}^2 f32: {r['gemm_gflops']:.1f} GFLOP/s"
+    return title + "\n\n" + h.table(rows, header)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.train_step", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
+    ap.add_argument(
+        "--sizes", default="small,medium,large", help="comma-separated: small,medium,large"
+    )
+    ap.add_argument("--rounds", type=int, default=None, help="override the rounds per size")
+    args = ap.parse_args(argv)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    for s in sizes:
+        if s not in SPECS:
+            ap.error(f"unknown size {s!r}; valid: {', '.join(SPECS)}")
+    info = h.machine_info()
+    print(
+        f"machine: {info['cpu']}, {info['affinity']} usable cores; jax {info['versions']['jax']} on {info['jax_devices']}"
+    )
+    results = {}
+    for size in sizes:
+        rounds = args.rounds or (max(3, ROUNDS[size] // 3) if args.quick else ROUNDS[size])
+        results[size] = bench_size(size, rounds, args.quick)
+        print("\n" + render(size, results[size]), flush=True)
+    path = h.write_json("train_step", {"machine": info, "quick": args.quick, "results": results})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
