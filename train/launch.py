@@ -119,9 +119,12 @@ def _supervise(procs, log_dir: Path, echo) -> int:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
-        for i, c in enumerate(codes):
-            if c is not None and first_exit is None:
-                first_exit = (i, c, time.monotonic())
+        if first_exit is None:
+            exited = [(i, c) for i, c in enumerate(codes) if c is not None]
+            # Several at once: the one killed by a signal is the cause, the rest followed.
+            exited.sort(key=lambda ic: (ic[1] >= 0, ic[0]))
+            if exited:
+                first_exit = (*exited[0], time.monotonic())
         if first_exit is not None:
             i, c, t = first_exit
             if c not in _AGREED or time.monotonic() - t > _GRACE_S:
