@@ -56,6 +56,9 @@ def npz(tmp_path_factory) -> str:
 
 def env_with_devices(n: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    # Every test starts fresh processes that compile the same steps: share JAX's cache.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/nnlite-test-jax-cache")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(k, None)

@@ -195,8 +195,9 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     strategy = cfg.parallel.strategy
 
     key = jax.random.key(cfg.seed)
-    params0 = r.model.init(key)
-    opt0 = r.optimizer.init(params0)
+    # Host copies: the step donates its inputs, and these are needed again (replay, resume).
+    params0 = jax.device_get(r.model.init(key))
+    opt0 = jax.device_get(r.optimizer.init(params0))
     p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
     sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
 
