@@ -128,6 +128,12 @@ def _supervise(procs, log_dir: Path, echo) -> int:
         if first_exit is not None:
             i, c, t = first_exit
             if c not in _AGREED or time.monotonic() - t > _GRACE_S:
+                # A killed process can take a moment to be reaped after its peers have
+                # already failed because of it: look again before naming the cause.
+                time.sleep(1.0)
+                killed = [(j, p.poll()) for j, p in enumerate(procs) if (p.poll() or 0) < 0]
+                if killed and c >= 0:
+                    first_exit = (*killed[0], t)
                 for p in procs:
                     if p.poll() is None:
                         p.kill()

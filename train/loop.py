@@ -257,6 +257,11 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     step, window_start, last_eval, calls = start, start, {}, 0
     pending, pending_from = [], start  # per-step non-finite flags, still on the device
     watch = faults.PreemptionWatch(dist.is_multiprocess())
+    # Several processes with pmap on CPU (gloo): with many calls in flight the per-device
+    # executions can reach the cross-process collectives in different orders and deadlock
+    # (seen after ~100 steps with 2 x 2 devices). Waiting for each call rules that out;
+    # shard_map runs as one SPMD program per process and needs no such wait.
+    sync_each_call = dist.is_multiprocess() and strategy == "pmap"
     try:
         with watch:
             while step < tc.steps:
@@ -265,6 +270,8 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
                 nxt = min([tc.steps] + [(step // e + 1) * e for e in every])
                 k = min(k, nxt - step)
                 p_leaves, o_leaves, metrics = run_steps(p_leaves, o_leaves, step, k)
+                if sync_each_call:
+                    jax.block_until_ready(p_leaves)
                 step += k
                 calls += 1
                 bar.update(k)
