@@ -1,5 +1,10 @@
 """Checkpoints: safetensors files, written atomically, restored into a template.
 
+Crash safety: a checkpoint is written to ``<name>.tmp``, fsynced, renamed, and the
+directory fsynced, so a process killed at any moment leaves either the complete file or a
+temporary one; only complete names count as checkpoints, and ``clean_temporary`` removes
+the leftovers when the run resumes.
+
 Keys are ``params<path>`` and ``opt_state<path>`` with nnlite's paths (``params/ffn/layers[0]/W``,
 ``opt_state[0]/mu/head/b``); metadata (step, data position, RNG, config, format version) is
 stored as strings. No pickle anywhere.
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +50,32 @@ def save(
     data = safetensors.numpy.save(tensors, metadata=meta)
     final = ckpt_dir / f"ckpt_{step:08d}.safetensors"
     tmp = final.with_name(final.name + _TMP_SUFFIX)
+    pause = _test_pause()
     with open(tmp, "wb") as f:
+        if pause:  # test hook: leave a half-written temporary file for a while
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(pause)
+            data = data[len(data) // 2 :]
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if pause:  # test hook: complete but not yet renamed
+        time.sleep(pause)
     os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
     for old in list_checkpoints(ckpt_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return final
+
+
+# Test hook, never set in normal runs: seconds to pause twice inside every checkpoint write
+# (half-written, then written but not renamed), so tests can SIGKILL a process there.
+TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
+
+
+def _test_pause() -> float:
+    return float(os.environ.get(TEST_PAUSE_ENV) or 0)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -31,6 +31,7 @@ GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
 STRATEGIES = ("none", "pmap", "shard_map")
+NONFINITE = ("stop", "skip")
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,30 @@ class TrainConfig:
     log_every: int = 50  # write train metrics every N steps
     steps_per_call: int = 1  # optimizer steps per compiled call (lax.scan) when > 1
     grad_accum_steps: int = 1  # microbatches summed into one update (divides per-device batch)
+    # A step whose loss, gradients or new params are not finite: "stop" the run (exit 4,
+    # naming the step and the first bad leaf) or "skip" its update and count it.
+    nonfinite: str = choice("stop", NONFINITE)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     strategy: str = choice("none", STRATEGIES)  # data parallelism
-    devices: int | str = "all"  # "all" local devices or a count
+    devices: int | str = "all"  # per process: "all" local devices or a count
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process training with ``jax.distributed`` (see docs/distributed.md).
+
+    Unset fields are read from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID; with no coordinator address anywhere the run is a single process.
+    """
+
+    coordinator_address: str | None = None  # host:port of process 0 (all processes agree)
+    num_processes: int | None = None  # how many processes take part
+    process_id: int | None = None  # this process: 0 .. num_processes - 1
+    initialization_timeout: int = 300  # seconds to wait for every process to connect
+    heartbeat_timeout: int = 100  # seconds of silence after which a process counts as dead
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,7 @@ class Config:
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
+    distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
 
@@ -193,6 +213,8 @@ def _check(cfg: Config, source: str) -> None:
         "train.grad_accum_steps": cfg.train.grad_accum_steps,
         "checkpoint.keep": cfg.checkpoint.keep,
         "data.num_samples": cfg.data.num_samples,
+        "distributed.initialization_timeout": cfg.distributed.initialization_timeout,
+        "distributed.heartbeat_timeout": cfg.distributed.heartbeat_timeout,
     }
     for key, v in positive.items():
         if v < 1:
@@ -215,6 +237,13 @@ def _check(cfg: Config, source: str) -> None:
     d = cfg.parallel.devices
     if isinstance(d, str) and d != "all" or isinstance(d, int) and d < 1:
         raise ConfigError(f"{source}: parallel.devices must be 'all' or a positive int, got {d!r}")
+    dc = cfg.distributed
+    if dc.num_processes is not None and dc.num_processes < 1:
+        raise ConfigError(
+            f"{source}: distributed.num_processes must be >= 1, got {dc.num_processes}"
+        )
+    if dc.process_id is not None and dc.process_id < 0:
+        raise ConfigError(f"{source}: distributed.process_id must be >= 0, got {dc.process_id}")
     if cfg.data.name == "npz" and not cfg.data.path:
         raise ConfigError(f"{source}: data.path is required when data.name is npz")
     if cfg.optimizer.schedule == "warmup_cosine" and cfg.optimizer.warmup_steps >= cfg.train.steps:

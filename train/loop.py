@@ -15,10 +15,12 @@ import numpy as np
 import models
 
 from . import checkpoint as ckpt
+from . import distributed as dist
+from . import faults
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import BatchIndices, Dataset, load_dataset
 from .optim import build_optimizer
-from .step import batch_grads_fn, build_eval, build_stepper, mean_loss_fn
+from .step import batch_grads_fn, build_eval, build_stepper, mean_loss_fn, to_host
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
 TIMING_KEYS = ("time", "examples_per_s")
@@ -43,13 +45,19 @@ class Run:
 
 
 def select_devices(cfg: Config) -> list:
+    """The devices to train on: ``parallel.devices`` per process, of every process."""
     local = jax.local_devices()
     if cfg.parallel.strategy == "none":
+        if dist.is_multiprocess():
+            raise ConfigError(
+                f"parallel.strategy=none trains on one device, but this run has "
+                f"{jax.process_count()} processes; use pmap or shard_map"
+            )
         return local[:1]
     want = len(local) if cfg.parallel.devices == "all" else cfg.parallel.devices
     if want > len(local):
         raise ConfigError(f"parallel.devices={want} but only {len(local)} local devices exist")
-    n = want
+    n = want * jax.process_count()
     if cfg.train.batch_size % n:
         lo = cfg.train.batch_size // n * n
         options = [b for b in (lo, lo + n) if b > 0]
@@ -57,7 +65,7 @@ def select_devices(cfg: Config) -> list:
             f"train.batch_size={cfg.train.batch_size} does not split across {n} devices; "
             f"use a multiple of {n}, e.g. {' or '.join(map(str, options))}"
         )
-    return local[:n]
+    return dist.global_devices(want)
 
 
 def build(cfg: Config) -> Run:
@@ -126,11 +134,12 @@ def traced_function(cfg: Config, what: str) -> tuple:
     )
 
 
-def _metadata(cfg: Config, step: int, sampler: BatchIndices) -> dict:
+def _metadata(cfg: Config, step: int, sampler: BatchIndices, skipped: int) -> dict:
     return {
         "data_position": sampler.position(step),
         "rng": {"init_seed": cfg.seed, "data_order": f"numpy default_rng([{cfg.seed}, epoch])"},
         "config": to_dict(cfg),
+        "skipped_steps": str(skipped),
     }
 
 
@@ -172,164 +181,322 @@ def init_state_compiled(model, optimizer, key):
     return fn(key)
 
 
+def _read_metrics(path: Path) -> list[str]:
+    """The complete lines of metrics.jsonl; a torn last line (a kill mid-write) is dropped."""
+    if not path.exists():
+        return []
+    lines = []
+    for ln in path.read_text().splitlines():
+        try:
+            json.loads(ln)
+        except json.JSONDecodeError:
+            continue  # only a write cut short by a kill leaves a line like this
+        lines.append(ln)
+    return lines
+
+
 def _rewrite_metrics(path: Path, upto_step: int) -> None:
-    """Drop metrics logged after ``upto_step`` (they will be logged again)."""
+    """Drop metrics logged after ``upto_step`` (they will be logged again) and torn lines."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["step"] <= upto_step]
+    kept = [ln for ln in _read_metrics(path) if json.loads(ln)["step"] <= upto_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(ln + "\n" for ln in kept))
     os.replace(tmp, path)
 
 
+def _load_checkpoint(cfg, path: Path, params0, opt0):
+    """(step, param leaves, opt leaves, skipped steps) from ``path``, checked against ``cfg``."""
+    params_h, opt_h, meta = ckpt.restore(path, params0, opt0)
+    _check_resumable(cfg, meta, path)
+    start = int(meta["step"])
+    if start > cfg.train.steps:
+        raise ConfigError(
+            f"checkpoint {path} is at step {start}, past train.steps={cfg.train.steps}"
+        )
+    skipped = int(meta.get("skipped_steps", "0"))
+    return start, jax.tree.leaves(params_h), jax.tree.leaves(opt_h), skipped
+
+
+def _agree_on_start(cfg, resume: str, ckpt_dir: Path, params0, opt0):
+    """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
+
+    Only process 0 reads the run directory, so hosts need no shared file system. A bad
+    checkpoint raises ConfigError on every process (process 0 says why).
+    """
+    p_leaves, o_leaves = jax.tree.leaves(params0), jax.tree.leaves(opt0)
+    start, skipped, path, error = 0, 0, None, None
+    if dist.is_main():
+        try:
+            existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
+            if resume == "require" and not existing:
+                raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+            if existing:
+                path = existing[-1]
+                start, p_leaves, o_leaves, skipped = _load_checkpoint(cfg, path, params0, opt0)
+        except ConfigError as e:
+            error = e
+    if not dist.is_multiprocess():
+        if error is not None:
+            raise error
+        return start, p_leaves, o_leaves, skipped, path
+    head = dist.broadcast(np.array([start, skipped, error is not None], np.int32))
+    if head[2]:
+        raise error or ConfigError("process 0 could not resume this run (see its output)")
+    start, skipped = int(head[0]), int(head[1])
+    p_leaves, o_leaves = dist.broadcast((p_leaves, o_leaves))
+    return start, p_leaves, o_leaves, skipped, path
+
+
 def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
-    """Train per ``cfg``. ``resume``: "auto" (latest checkpoint if any), "require", "fresh"."""
+    """Train per ``cfg``. ``resume``: "auto" (latest checkpoint if any), "require", "fresh".
+
+    Raises ConfigError on bad input, ``faults.Preempted`` after a SIGTERM/SIGINT checkpoint
+    and ``faults.NonFinite`` when a step goes non-finite with ``train.nonfinite=stop``.
+    """
+    dist.initialize(cfg.distributed)  # before anything touches a device
+    main = dist.is_main()
+    if not main:
+        echo = _quiet
     r = build(cfg)
     ckpt_dir = r.run_dir / "checkpoints"
     metrics_path = r.run_dir / "metrics.jsonl"
     strategy = cfg.parallel.strategy
 
     key = jax.random.key(cfg.seed)
-    params0, opt0 = init_state_compiled(r.model, r.optimizer, key)
-    p_leaves, p_def = jax.tree.flatten(params0)
-    o_leaves, o_def = jax.tree.flatten(opt0)
+    # Host copies: the step donates its inputs, and these are needed again (replay, resume).
+    params0, opt0 = jax.device_get(init_state_compiled(r.model, r.optimizer, key))
+    p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
     sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
 
     # Decide where to start before writing anything: a bad checkpoint must not cost files.
-    start = 0
-    existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
-    if resume == "require" and not existing:
-        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
-    if existing:
-        path = existing[-1]
-        params_h, opt_h, meta = ckpt.restore(path, params0, opt0)
-        _check_resumable(cfg, meta, path)
-        start = int(meta["step"])
-        if start > cfg.train.steps:
-            raise ConfigError(
-                f"checkpoint {path} is at step {start}, past train.steps={cfg.train.steps}"
-            )
-        p_leaves, o_leaves = jax.tree.leaves(params_h), jax.tree.leaves(opt_h)
+    start, p_leaves, o_leaves, skipped, good_ckpt = _agree_on_start(
+        cfg, resume, ckpt_dir, params0, opt0
+    )
+    good_step = start  # the last state known finite and saved (or the initial state)
 
-    if resume == "fresh" and r.run_dir.exists():
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        metrics_path.unlink(missing_ok=True)
-    r.run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.clean_temporary(ckpt_dir)
-    (r.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-    _rewrite_metrics(metrics_path, start)
+    if main:  # only process 0 writes the run directory
+        if resume == "fresh" and r.run_dir.exists():
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            metrics_path.unlink(missing_ok=True)
+        r.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_temporary(ckpt_dir)
+        (r.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        _rewrite_metrics(metrics_path, start)
 
     n_params = params0.num_params()
+    procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
+    per_proc = len(r.devices) // jax.process_count()
     echo(
-        f"nnlite train: {cfg.name}  devices: {len(r.devices)} x {r.devices[0].platform} ({strategy})  "
-        f"model: {cfg.model.name} ({n_params:,} params)  data: {r.data.name} "
+        f"nnlite train: {cfg.name}  devices: {procs}{per_proc} x {r.devices[0].platform} "
+        f"({strategy})  model: {cfg.model.name} ({n_params:,} params)  data: {r.data.name} "
         f"({len(r.data.x)} train / {len(r.data.x_test)} test)  run dir: {r.run_dir}"
         + (f"  resuming at step {start}" if start else "")
     )
 
-    grads_fn = batch_grads_fn(r.model, cfg.loss.grad, cfg.train.grad_accum_steps, strategy)
-    stepper = build_stepper(grads_fn, r.optimizer, p_def, o_def, strategy, r.devices)
+    tc = cfg.train
+    grads_fn = batch_grads_fn(r.model, cfg.loss.grad, tc.grad_accum_steps, strategy)
+    stepper = build_stepper(
+        grads_fn, r.optimizer, p_def, o_def, strategy, r.devices, nonfinite=tc.nonfinite
+    )
+    loss_fn = mean_loss_fn(r.model, cfg.loss.grad)  # the replay that names a non-finite leaf
     evaluate = build_eval(mean_loss_fn(r.model))
     X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
-    eval_dev = r.devices[0]
+    eval_dev = jax.local_devices()[0]
     X_test, Y_test = (
         jax.device_put(r.data.x_test, eval_dev),
         jax.device_put(r.data.y_test, eval_dev),
     )
     p_leaves, o_leaves = stepper.put_state(p_leaves), stepper.put_state(o_leaves)
 
-    tc = cfg.train
+    def host_state(p_leaves, o_leaves):
+        return (
+            jax.tree.unflatten(p_def, [np.asarray(v) for v in stepper.get_state(p_leaves)]),
+            jax.tree.unflatten(o_def, [np.asarray(v) for v in stepper.get_state(o_leaves)]),
+        )
+
+    def run_steps(p_leaves, o_leaves, step, k):
+        idx = stepper.put_indices(dist.process_share(sampler.batches(step, k)))
+        return stepper.run(p_leaves, o_leaves, X, Y, idx)
+
     every = [tc.eval_every, tc.log_every] + ([cfg.checkpoint.every] if cfg.checkpoint.every else [])
-    bar = _progress(cfg, start)
-    log_file = open(metrics_path, "a")  # noqa: SIM115 - closed in finally
+    bar = _progress(cfg, start) if main else _NoBar()
+    log_file = open(metrics_path, "a") if main else None  # noqa: SIM115 - closed in finally
     t_start = t_window = time.perf_counter()
-    step, window_start, last_eval = start, start, {}
+    step, window_start, last_eval, calls = start, start, {}, 0
+    pending, pending_from = [], start  # per-step non-finite flags, still on the device
+    watch = faults.PreemptionWatch(dist.is_multiprocess())
+    # Several processes with pmap on CPU (gloo): with many calls in flight the per-device
+    # executions can reach the cross-process collectives in different orders and deadlock
+    # (seen after ~100 steps with 2 x 2 devices). Waiting for each call rules that out;
+    # shard_map runs as one SPMD program per process and needs no such wait.
+    sync_each_call = dist.is_multiprocess() and strategy == "pmap"
     try:
-        while step < tc.steps:
-            # Advance K steps, stopping at the next log/eval/checkpoint/end boundary.
-            k = tc.steps_per_call - step % tc.steps_per_call
-            nxt = min([tc.steps] + [(step // e + 1) * e for e in every])
-            k = min(k, nxt - step)
-            idx = stepper.put_indices(sampler.batches(step, k))
-            p_leaves, o_leaves, metrics = stepper.run(p_leaves, o_leaves, X, Y, idx)
-            step += k
-            if step % tc.log_every == 0 or step == tc.steps:
-                m = {name: float(np.asarray(v).reshape(-1)[-1]) for name, v in metrics.items()}
-                now = time.perf_counter()
-                rate = (step - window_start) * tc.batch_size / max(now - t_window, 1e-9)
-                t_window, window_start = now, step
-                _write(
-                    log_file,
-                    {
-                        "step": step,
-                        "split": "train",
-                        **m,
-                        "examples_per_s": round(rate, 1),
-                        "time": round(now - t_start, 3),
-                    },
+        with watch:
+            while step < tc.steps:
+                # Advance K steps, stopping at the next log/eval/checkpoint/end boundary.
+                k = tc.steps_per_call - step % tc.steps_per_call
+                nxt = min([tc.steps] + [(step // e + 1) * e for e in every])
+                k = min(k, nxt - step)
+                p_leaves, o_leaves, metrics = run_steps(p_leaves, o_leaves, step, k)
+                if sync_each_call:
+                    jax.block_until_ready(p_leaves)
+                step += k
+                calls += 1
+                bar.update(k)
+                pending.append(metrics.pop("nonfinite"))
+                stop = watch.should_stop(calls)
+                is_log = step % tc.log_every == 0 or step == tc.steps
+                is_eval = step % tc.eval_every == 0 or step == tc.steps
+                is_ckpt = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (
+                    step == tc.steps
                 )
-                bar.set_postfix(
-                    loss=f"{m['loss']:.4f}",
-                    **({"acc": f"{m['accuracy']:.3f}"} if "accuracy" in m else {}),
-                    ex_s=f"{rate:,.0f}",
-                )
-            if step % tc.eval_every == 0 or step == tc.steps:
-                params = jax.tree.unflatten(
-                    p_def, jax.device_put(stepper.get_state(p_leaves), eval_dev)
-                )
-                last_eval = {k_: float(v) for k_, v in evaluate(params, X_test, Y_test).items()}
-                _write(
-                    log_file,
-                    {
-                        "step": step,
-                        "split": "test",
-                        **last_eval,
-                        "time": round(time.perf_counter() - t_start, 3),
-                    },
-                )
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tc.steps:
-                host_p = jax.tree.unflatten(
-                    p_def, [np.asarray(v) for v in stepper.get_state(p_leaves)]
-                )
-                host_o = jax.tree.unflatten(
-                    o_def, [np.asarray(v) for v in stepper.get_state(o_leaves)]
-                )
-                ckpt.save(
-                    ckpt_dir,
-                    step,
-                    host_p,
-                    host_o,
-                    _metadata(cfg, step, sampler),
-                    cfg.checkpoint.keep,
-                )
-            bar.update(k)
+                if not (is_log or is_eval or is_ckpt or stop):
+                    continue
+                # A boundary: the host syncs here anyway, so look at the non-finite flags.
+                flags = np.concatenate([_step_flags(f) for f in pending])
+                pending, first = [], pending_from
+                pending_from = step
+                if flags.any() and tc.nonfinite == "stop":
+                    bad = first + int(np.argmax(flags)) + 1
+                    raise faults.NonFinite(
+                        _explain_nonfinite(
+                            r,
+                            cfg,
+                            sampler,
+                            stepper,
+                            loss_fn,
+                            params0,
+                            opt0,
+                            bad,
+                            good_step,
+                            good_ckpt,
+                        )
+                    )
+                skipped += int(flags.sum())
+                if is_log:
+                    m = {name: float(to_host(v).reshape(-1)[-1]) for name, v in metrics.items()}
+                    now = time.perf_counter()
+                    rate = (step - window_start) * tc.batch_size / max(now - t_window, 1e-9)
+                    t_window, window_start = now, step
+                    extra = {"skipped_steps": skipped} if tc.nonfinite == "skip" else {}
+                    _write(
+                        log_file,
+                        {
+                            "step": step,
+                            "split": "train",
+                            **m,
+                            **extra,
+                            "examples_per_s": round(rate, 1),
+                            "time": round(now - t_start, 3),
+                        },
+                    )
+                    bar.set_postfix(
+                        loss=f"{m['loss']:.4f}",
+                        **({"acc": f"{m['accuracy']:.3f}"} if "accuracy" in m else {}),
+                        ex_s=f"{rate:,.0f}",
+                    )
+                if is_eval and main:
+                    params = jax.tree.unflatten(
+                        p_def, jax.device_put(stepper.get_state(p_leaves), eval_dev)
+                    )
+                    last_eval = {k_: float(v) for k_, v in evaluate(params, X_test, Y_test).items()}
+                    _write(
+                        log_file,
+                        {
+                            "step": step,
+                            "split": "test",
+                            **last_eval,
+                            "time": round(time.perf_counter() - t_start, 3),
+                        },
+                    )
+                if is_ckpt or stop:
+                    good_step = step
+                    if main:
+                        good_ckpt = ckpt.save(
+                            ckpt_dir,
+                            step,
+                            *host_state(p_leaves, o_leaves),
+                            _metadata(cfg, step, sampler, skipped),
+                            cfg.checkpoint.keep,
+                        )
+                if stop:
+                    raise faults.Preempted(step, good_ckpt, watch.signal_name)
     finally:
         bar.close()
-        log_file.close()
+        if log_file is not None:
+            log_file.close()
 
     wall = time.perf_counter() - t_start
     trained = step - start
-    r.params = jax.tree.unflatten(p_def, [np.asarray(v) for v in stepper.get_state(p_leaves)])
-    r.opt_state = jax.tree.unflatten(o_def, [np.asarray(v) for v in stepper.get_state(o_leaves)])
+    r.params, r.opt_state = host_state(p_leaves, o_leaves)
     r.step = step
     r.summary = {
         "step": step,
         **{f"test_{k_}": v for k_, v in last_eval.items()},
+        "skipped_steps": skipped,
         "wall_s": wall,
         "examples_per_s": trained * tc.batch_size / max(wall, 1e-9),
     }
-    if cfg.log.plot:
+    if cfg.log.plot and main:
         plot_curves(metrics_path, r.run_dir / "curves.png")
     acc = f", test accuracy {last_eval['accuracy']:.4f}" if "accuracy" in last_eval else ""
+    skip = f", {skipped} non-finite steps skipped" if skipped else ""
     echo(
-        f"done: step {step}, test loss {last_eval.get('loss', float('nan')):.4f}{acc}, "
+        f"done: step {step}, test loss {last_eval.get('loss', float('nan')):.4f}{acc}{skip}, "
         f"wall {wall:.1f} s, {r.summary['examples_per_s']:,.0f} examples/s"
     )
     return r
 
 
+def _explain_nonfinite(
+    r, cfg, sampler, stepper, loss_fn, params0, opt0, bad, good_step, good_ckpt
+) -> str:
+    """The message for a run stopped at step ``bad``: replay from the last good state to
+    the step before ``bad`` and name the first non-finite value that step produces."""
+    p_leaves, o_leaves = jax.tree.leaves(params0), jax.tree.leaves(opt0)
+    if good_step > 0:  # process 0 wrote (or resumed from) a checkpoint at good_step
+        if dist.is_main():
+            _, p_leaves, o_leaves, _ = _load_checkpoint(cfg, good_ckpt, params0, opt0)
+        p_leaves, o_leaves = dist.broadcast((p_leaves, o_leaves))
+    p_leaves, o_leaves = stepper.put_state(p_leaves), stepper.put_state(o_leaves)
+    X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
+    for s in range(good_step, bad - 1):
+        idx = stepper.put_indices(dist.process_share(sampler.batches(s, 1)))
+        p_leaves, o_leaves, _ = stepper.run(p_leaves, o_leaves, X, Y, idx)
+    p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
+    params = jax.tree.unflatten(p_def, [np.asarray(v) for v in stepper.get_state(p_leaves)])
+    opt_state = jax.tree.unflatten(o_def, [np.asarray(v) for v in stepper.get_state(o_leaves)])
+    idx = sampler.batch(bad - 1)
+    what = faults.first_nonfinite(
+        loss_fn, r.optimizer, params, opt_state, r.data.x[idx], r.data.y[idx]
+    )
+    where = f"first in {what}" if what else "not reproducible on one device to name the leaf"
+    kept = (
+        f"the last good checkpoint is {good_ckpt} (step {good_step})"
+        if good_ckpt is not None
+        else "no checkpoint was written"
+    )
+    return (
+        f"non-finite values at step {bad} ({where}); training stopped and {kept}. "
+        "Lower optimizer.learning_rate, check the data, or set train.nonfinite=skip "
+        "to skip such steps"
+    )
+
+
+def _step_flags(flags) -> np.ndarray:
+    """A call's per-step non-finite flags as ``[K]`` (pmap adds a leading device axis)."""
+    a = to_host(flags)
+    return a.reshape(-1, a.shape[-1])[0]
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
+
+
 def _write(f, record: dict) -> None:
+    if f is None:  # not process 0: it writes nothing
+        return
     f.write(json.dumps(record) + "\n")
     f.flush()
 

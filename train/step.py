@@ -13,6 +13,13 @@ Strategies:
 - ``shard_map``: ``jax.shard_map`` over a 1-D ``batch`` mesh; params replicated (``P()``).
   With ``check_vma=True`` the gradient of a replicated parameter is summed over the mesh
   by autodiff, so we differentiate ``pmean(local_loss)`` rather than pmean-ing gradients.
+
+Multi-process (``jax.distributed``): ``devices`` lists the devices of every process; each
+process places only its own devices' data and passes its share of the batch indices.
+
+Every step also reports ``nonfinite`` (1.0 when the loss, a gradient or a new param is not
+finite). With ``nonfinite="skip"`` such a step keeps the old params and optimizer state.
+The flag stays on the device until the loop looks at it, so it costs no host sync.
 """
 
 from __future__ import annotations
@@ -107,21 +114,31 @@ def build_stepper(
     opt_def,
     strategy: str,
     devices: list,
+    nonfinite: str = "stop",
 ) -> Stepper:
     """Compile-ready step for ``strategy`` on ``devices`` (see the module docstring).
 
     ``batch_grads`` is ``batch_grads_fn(model, grad, accum_steps, strategy)``.
     """
-    n = len(devices)
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    n_local = len(local)
 
     def one_step(p_leaves, o_leaves, X, Y, idx):
         params = jax.tree.unflatten(params_def, p_leaves)
         opt_state = jax.tree.unflatten(opt_def, o_leaves)
         x, y = jnp.take(X, idx, axis=0), jnp.take(Y, idx, axis=0)
         loss, metrics, grads = batch_grads(params, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return jax.tree.leaves(params), jax.tree.leaves(opt_state), {"loss": loss, **metrics}
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # Non-finite gradients always reach the new params (every optimizer here adds a
+        # function of them), so the loss and the new params are all the flag must read.
+        finite = all_finite((loss, new_params))
+        if nonfinite == "skip":
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_params = jax.tree.map(keep, new_params, params)
+            new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        metrics = {"loss": loss, **metrics, "nonfinite": 1.0 - finite.astype(loss.dtype)}
+        return jax.tree.leaves(new_params), jax.tree.leaves(new_opt_state), metrics
 
     def multi_step(p_leaves, o_leaves, X, Y, idx):
         if idx.shape[0] == 1:
@@ -151,9 +168,10 @@ def build_stepper(
         )
 
     if strategy == "pmap":
-        replicate = jax.pmap(lambda v: v, devices=devices)
+        replicate = jax.pmap(lambda v: v, devices=local)
+        n = n_local
 
-        def put_indices(idx):  # [K, B] -> [devices, K, B / devices]
+        def put_indices(idx):  # this process's [K, B] -> [local devices, K, B / local devices]
             k, b = idx.shape
             return np.ascontiguousarray(idx.reshape(k, n, b // n).transpose(1, 0, 2))
 
@@ -170,7 +188,10 @@ def build_stepper(
         )
 
     if strategy == "shard_map":
-        mesh = jax.make_mesh((n,), (AXIS,), (jax.sharding.AxisType.Auto,), devices=devices)
+        n_proc = jax.process_count()
+        mesh = jax.make_mesh(
+            (len(devices),), (AXIS,), (jax.sharding.AxisType.Auto,), devices=devices
+        )
         replicated = NamedSharding(mesh, P())
         by_batch = NamedSharding(mesh, P(None, AXIS))
         sharded = jax.shard_map(
@@ -185,11 +206,25 @@ def build_stepper(
             run=jax.jit(sharded, donate_argnums=(0, 1)),
             put_state=lambda leaves: [jax.device_put(v, replicated) for v in leaves],
             put_data=lambda a: jax.device_put(a, replicated),
-            put_indices=lambda idx: jax.device_put(idx, by_batch),
-            get_state=lambda leaves: leaves,
+            # idx is this process's share; the global batch is n_proc times wider.
+            put_indices=lambda idx: jax.make_array_from_process_local_data(
+                by_batch, idx, (idx.shape[0], idx.shape[1] * n_proc)
+            ),
+            get_state=lambda leaves: [v.addressable_data(0) for v in leaves],
         )
 
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool: every element of every leaf of ``tree`` is finite."""
+    flags = [jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(tree)]
+    return jnp.stack(flags).all()
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A numpy copy of ``x``; for an array spread over processes, this process's first shard."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 def build_eval(loss_fn) -> Callable:

@@ -1,0 +1,241 @@
+"""Several processes as one run (jax.distributed on loopback, CPU devices, gloo).
+
+Every test starts real processes: ``python -m train --processes 2`` through the launcher,
+or two ``python -m train`` processes wired by environment variables.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from train.checkpoint import flatten_with_paths
+from train.config import load_config
+from train.launch import free_port
+from train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/digits_mlp.yaml"
+# Small and quick to start: an 8-16-4 MLP on a generated npz (no scikit-learn import).
+COMMON = [
+    "name=run",
+    "data.name=npz",
+    "model.hidden_sizes=[16]",
+    "train.batch_size=64",
+    "log.progress=false",
+    "log.plot=false",
+    "checkpoint.keep=2",
+]
+# The JAX tutorial's linear regression: the quickest run, for tests that kill it anyway.
+LINREG = ["model.name=linreg", "data.name=linreg", "optimizer.name=sgd"]
+
+
+@pytest.fixture(scope="module")
+def npz(tmp_path_factory) -> str:
+    """Four classes from the signs of two of eight features, with a fixed test split."""
+    rng = np.random.default_rng(0)
+    x, x_test = rng.normal(size=(512, 8)), rng.normal(size=(128, 8))
+    label = lambda x: ((x[:, 0] > 0) + 2 * (x[:, 1] > 0)).astype(np.int32)  # noqa: E731
+    path = tmp_path_factory.mktemp("data") / "small.npz"
+    np.savez(
+        path,
+        x=x.astype(np.float32),
+        y=label(x),
+        x_test=x_test.astype(np.float32),
+        y_test=label(x_test),
+    )
+    return f"data.path={path}"
+
+
+def env_with_devices(n: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    # Every test starts fresh processes that compile the same steps: share JAX's cache.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/nnlite-test-jax-cache")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(k, None)
+    return env
+
+
+def cli(tmp_path, *overrides) -> list[str]:
+    args = [sys.executable, "-m", "train", "--config", CONFIG]
+    for o in (*COMMON, f"log.dir={tmp_path}", *overrides):
+        args += ["--set", o]
+    return args
+
+
+def in_process(tmp_path, *overrides):
+    cfg = load_config(ROOT / CONFIG, [*COMMON, f"log.dir={tmp_path}", *overrides])
+    return train(cfg, resume="fresh", echo=lambda *_: None)
+
+
+def final_params(run_dir: Path) -> dict:
+    last = sorted((run_dir / "checkpoints").glob("ckpt_*.safetensors"))[-1]
+    tensors = safetensors.numpy.load_file(str(last))
+    return {k: v for k, v in tensors.items() if k.startswith("params")}
+
+
+def max_diff(saved: dict, params) -> float:
+    ref = {k: np.asarray(v) for k, v in flatten_with_paths("params", params).items()}
+    assert sorted(saved) == sorted(ref)
+    return max(float(np.max(np.abs(saved[k] - ref[k]))) for k in ref)
+
+
+def wait_for_progress(metrics: Path, proc, timeout=60.0, lines=1) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
+            return
+        assert proc.poll() is None, "the run ended before it made progress"
+        time.sleep(0.05)
+    raise AssertionError("no progress in metrics.jsonl")
+
+
+def children(pid: int) -> dict[int, int]:
+    """{JAX_PROCESS_ID: pid} of the launcher's child processes."""
+    found = {}
+    for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
+        for item in env:
+            if item.startswith(b"JAX_PROCESS_ID="):
+                found[int(item.split(b"=")[1])] = int(c)
+    return found
+
+
+@pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
+def test_two_processes_match_one_process_with_four_devices(tmp_path, strategy, npz):
+    steps = [npz, "train.steps=10", "train.log_every=5", "train.eval_every=10"]
+    par = [f"parallel.strategy={strategy}", "parallel.devices=2"]
+    proc = subprocess.run(
+        [*cli(tmp_path, *steps, *par, "name=multi"), "--processes", "2"],
+        cwd=ROOT,
+        env=env_with_devices(2),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "devices: 2 processes x 2 x cpu" in proc.stdout
+    # Only process 0 prints the run's lines.
+    assert proc.stdout.count("nnlite train:") == 1 and proc.stdout.count("done:") == 1
+    ref = in_process(tmp_path, *steps, f"parallel.strategy={strategy}", "parallel.devices=4")
+    init = ref.model.init(jax.random.key(0))
+    assert max_diff(final_params(tmp_path / "multi"), init) > 1e-3  # it trained
+    assert max_diff(final_params(tmp_path / "multi"), ref.params) <= 1e-5
+
+
+def test_a_dead_peer_makes_the_other_exit_with_a_clear_error(tmp_path):
+    env = env_with_devices(2)
+    address = f"127.0.0.1:{free_port()}"
+    args = cli(
+        tmp_path,
+        *LINREG,
+        "train.steps=1000000",
+        "train.log_every=10",
+        "parallel.strategy=shard_map",
+        "distributed.heartbeat_timeout=5",
+        "distributed.initialization_timeout=30",
+    )
+    procs = []
+    for i in range(2):
+        penv = dict(
+            env, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+        )
+        err = subprocess.PIPE if i == 0 else subprocess.DEVNULL
+        procs.append(
+            subprocess.Popen(args, cwd=ROOT, env=penv, stdout=subprocess.DEVNULL, stderr=err)
+        )
+    try:
+        wait_for_progress(tmp_path / "run" / "metrics.jsonl", procs[0])
+        procs[1].kill()
+        t0 = time.monotonic()
+        _, err = procs[0].communicate(timeout=30)  # heartbeat_timeout + margin
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    err = err.decode()
+    assert procs[0].returncode != 0
+    # Either a collective fails at once (our message, exit 1) or JAX's coordination service
+    # misses the heartbeats within distributed.heartbeat_timeout and aborts the process.
+    assert (
+        "error: this process (multi-process run) failed, most likely because another" in err
+        or "This most likely indicates that another task died" in err
+    ), err[-2000:]
+    assert took < 5 + 10
+
+
+def test_launcher_stops_everything_when_one_process_dies(tmp_path):
+    launcher = subprocess.Popen(
+        [
+            *cli(
+                tmp_path,
+                *LINREG,
+                "train.steps=1000000",
+                "train.log_every=10",
+                "parallel.strategy=pmap",
+            ),
+            "--processes",
+            "2",
+        ],
+        cwd=ROOT,
+        env=env_with_devices(2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_progress(tmp_path / "run" / "metrics.jsonl", launcher)
+        kids = children(launcher.pid)
+        os.kill(kids[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    assert launcher.returncode not in (0, None)
+    assert "error: process 1 of 2 was killed by SIGKILL; stopped the other processes" in err
+    assert not any(Path(f"/proc/{pid}").exists() for pid in kids.values())
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path, npz):
+    steps = [npz, "train.steps=400", "train.log_every=10", "train.eval_every=400"]
+    # pmap: a long multi-process pmap run once deadlocked without a wait per call.
+    par = ["parallel.strategy=pmap", "parallel.devices=2"]
+    args = [*cli(tmp_path, *steps, *par), "--processes", "2"]
+    launcher = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env_with_devices(2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_progress(tmp_path / "run" / "metrics.jsonl", launcher)
+        os.kill(children(launcher.pid)[1], signal.SIGTERM)  # process 1 only: JAX tells process 0
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    # Both processes saved at the agreed step and exited 3; a disagreement would have hung
+    # one of them in a collective and made the launcher kill it.
+    assert launcher.returncode == 3, err
+    assert "preempted by SIGTERM at step" in err and "resume with: python -m train" in err
+    saved = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*.safetensors"))
+    assert saved and int(saved[-1].name[5:13]) < 400
+    resumed = subprocess.run(
+        args, cwd=ROOT, env=env_with_devices(2), capture_output=True, text=True, timeout=120
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming at step" in resumed.stdout
+    ref = in_process(tmp_path, *steps, "parallel.strategy=pmap", "parallel.devices=4", "name=ref")
+    assert max_diff(final_params(tmp_path / "run"), ref.params) <= 1e-5

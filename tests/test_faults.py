@@ -1,0 +1,279 @@
+"""Faults: SIGTERM/SIGINT preemption, SIGKILL at any moment, and non-finite steps."""
+
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+
+import nnlite as nl
+from train import faults
+from train.__main__ import main
+from train.checkpoint import TEST_PAUSE_ENV, flatten_with_paths
+from train.config import load_config
+from train.data import epoch_order
+from train.loop import TIMING_KEYS, train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/digits_mlp.yaml"
+CACHE = Path("/tmp/nnlite-test-jax-cache")
+COMMON = [
+    "name=run",
+    "data.name=npz",
+    "model.hidden_sizes=[16]",
+    "train.batch_size=32",
+    "log.progress=false",
+    "log.plot=false",
+]
+
+
+@pytest.fixture(scope="module")
+def npz(tmp_path_factory) -> str:
+    """Four classes from the signs of two of eight features (no scikit-learn import)."""
+    rng = np.random.default_rng(0)
+    x, x_test = rng.normal(size=(512, 8)), rng.normal(size=(128, 8))
+    label = lambda x: ((x[:, 0] > 0) + 2 * (x[:, 1] > 0)).astype(np.int32)  # noqa: E731
+    path = tmp_path_factory.mktemp("data") / "small.npz"
+    np.savez(
+        path,
+        x=x.astype(np.float32),
+        y=label(x),
+        x_test=x_test.astype(np.float32),
+        y_test=label(x_test),
+    )
+    return f"data.path={path}"
+
+
+def cli_args(tmp_path, *overrides) -> list[str]:
+    args = ["--config", CONFIG]
+    for o in (*COMMON, f"log.dir={tmp_path}", *overrides):
+        args += ["--set", o]
+    return args
+
+
+def spawn(args, **env_extra) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **env_extra)
+    # Restarted runs compile the same step: share JAX's persistent cache to start faster.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    return subprocess.Popen(
+        [sys.executable, "-m", "train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def in_process(tmp_path, *overrides):
+    cfg = load_config(ROOT / CONFIG, [*COMMON, f"log.dir={tmp_path}", *overrides])
+    return train(cfg, resume="fresh", echo=lambda *_: None)
+
+
+def saved_params(run_dir: Path) -> dict:
+    last = sorted((run_dir / "checkpoints").glob("ckpt_*.safetensors"))[-1]
+    return {k: v for k, v in safetensors.numpy.load_file(str(last)).items()}
+
+
+def assert_bit_identical(saved: dict, r) -> None:
+    ref = {
+        **flatten_with_paths("params", r.params),
+        **flatten_with_paths("opt_state", r.opt_state),
+    }
+    assert sorted(saved) == sorted(ref)
+    for k in ref:
+        np.testing.assert_array_equal(saved[k], np.asarray(ref[k]), err_msg=k)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> int:
+    steps = [int(p.name[5:13]) for p in ckpt_dir.glob("ckpt_*.safetensors")]
+    return max(steps, default=0)
+
+
+def metrics_without_timings(path: Path) -> list[dict]:
+    records = [json.loads(ln) for ln in path.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def test_sigterm_saves_exits_3_and_the_printed_command_resumes_exactly(tmp_path, npz):
+    over = [npz, "train.steps=600", "train.log_every=10", "train.eval_every=200"]
+    proc = spawn([*cli_args(tmp_path, *over), "--fresh"])
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == faults.EXIT_PREEMPTED, err
+    line = next(ln for ln in err.splitlines() if ln.startswith("preempted by SIGTERM"))
+    step = int(line.split("at step ")[1].split(":")[0])
+    assert 0 < step < 600
+    assert f"ckpt_{step:08d}.safetensors" in line
+    command = line.split("resume with: ")[1]
+    assert "--fresh" not in command  # it would delete the checkpoint we just wrote
+    resumed = spawn(shlex.split(command)[3:])  # drop "python -m train"
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    assert f"resuming at step {step}" in out
+    ref = in_process(tmp_path, *over, "name=ref")
+    assert_bit_identical(saved_params(tmp_path / "run"), ref)
+    assert metrics_without_timings(metrics) == metrics_without_timings(
+        ref.run_dir / "metrics.jsonl"
+    )
+
+
+def test_sigkill_at_any_moment_resumes_bit_identically(tmp_path, npz):
+    """SIGKILL a run again and again (during checkpoint writes and at random times), resume
+    each time, and finish with exactly the params of an uninterrupted run."""
+    over = [
+        npz,
+        "train.steps=100",
+        "checkpoint.every=5",
+        "checkpoint.keep=3",
+        "train.log_every=5",
+        "train.eval_every=20",
+    ]
+    args = cli_args(tmp_path, *over)
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    rng = random.Random(0)
+    pause = 0.1  # the hook pauses twice per checkpoint write: half-written, then unrenamed
+    kill_points = []
+    for i in range(10):
+        proc = spawn(args, **{TEST_PAUSE_ENV: str(pause)})
+        try:
+            if i % 2 == 0:  # during (or right after) a checkpoint write ahead of the latest
+                target = min(latest_checkpoint(ckpt_dir) + 5 * rng.randint(1, 2), 100)
+                tmp = ckpt_dir / f"ckpt_{target:08d}.safetensors.tmp"
+                while not tmp.exists() and proc.poll() is None:
+                    time.sleep(0.005)
+                time.sleep(rng.uniform(0, 2.2 * pause))
+                where = f"write of step {target}"
+            else:  # anywhere, from start-up to training
+                proc.stdout.readline()  # the start line: jax is up
+                time.sleep(rng.uniform(0, 0.8))
+                where = "random time"
+            proc.kill()
+            proc.communicate()
+        finally:
+            proc.kill()
+        done = sorted(p.name for p in ckpt_dir.glob("*")) if ckpt_dir.exists() else []
+        kill_points.append((where, proc.returncode, done))
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, kill_points[-1]
+        if i == 3 and metrics.exists():  # a torn last line, as a kill mid-write leaves
+            with open(metrics, "a") as f:
+                f.write('{"step": 99, "split": "tr')
+    print("\n".join(f"{w}: status {rc}, left {d}" for w, rc, d in kill_points))
+    assert sum(rc == -signal.SIGKILL for _, rc, _ in kill_points) >= 9, kill_points
+    # Kills landed on half-written or unrenamed temporary files, not only between writes.
+    assert any(any(n.endswith(".tmp") for n in done) for _, _, done in kill_points)
+    final = spawn(args)
+    out, err = final.communicate(timeout=120)
+    assert final.returncode == 0, err
+    assert not list(ckpt_dir.glob("*.tmp"))
+    ref = in_process(tmp_path, *over, "name=ref")
+    assert_bit_identical(saved_params(tmp_path / "run"), ref)
+    assert metrics_without_timings(metrics) == metrics_without_timings(
+        ref.run_dir / "metrics.jsonl"
+    )
+
+
+# -- non-finite steps ------------------------------------------------------------------------
+def regression_npz(tmp_path, bad_step: int, n=128, batch=16, seed=0) -> str:
+    """Linear-regression data whose one huge target makes step ``bad_step``'s loss overflow."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 1)).astype(np.float32)
+    y = (2 * x - 1).astype(np.float32)
+    # Batches are slices of each epoch's permutation; step s (1-based) takes slice s - 1.
+    y[epoch_order(seed, 0, n)[(bad_step - 1) * batch]] = 1e30  # squared: inf in float32
+    path = tmp_path / "overflow.npz"
+    np.savez(path, x=x, y=y, x_test=x[:16], y_test=(2 * x[:16] - 1))
+    return str(path)
+
+
+NONFINITE = [
+    "model.name=linreg",
+    "data.name=npz",
+    "optimizer.name=sgd",
+    "optimizer.learning_rate=0.01",
+    "train.batch_size=16",
+    "train.log_every=4",
+    "train.eval_every=100",
+    "checkpoint.every=4",
+    "checkpoint.keep=10",
+    "log.progress=false",
+    "log.plot=false",
+]
+
+
+def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    path = regression_npz(tmp_path, bad_step=6)
+    args = ["--config", CONFIG, "--fresh"]
+    for o in (*NONFINITE, f"data.path={path}", f"log.dir={tmp_path}", "train.steps=12"):
+        args += ["--set", o]
+    assert main(args) == faults.EXIT_NONFINITE
+    err = capsys.readouterr().err
+    # Found at the step-8 boundary (no per-step host sync), named exactly by replaying 4..6.
+    assert "error: non-finite values at step 6 (first in loss)" in err
+    assert "ckpt_00000004.safetensors (step 4)" in err and "train.nonfinite=skip" in err
+    ckpts = sorted(p.name for p in (tmp_path / "digits_mlp" / "checkpoints").iterdir())
+    assert ckpts == ["ckpt_00000004.safetensors"]
+
+
+def test_nonfinite_skip_keeps_the_old_state_and_counts(tmp_path):
+    path = regression_npz(tmp_path, bad_step=6)
+    over = [*NONFINITE, f"data.path={path}", f"log.dir={tmp_path}", "train.steps=12"]
+    r = train(load_config(ROOT / CONFIG, [*over, "train.nonfinite=skip"]), resume="fresh")
+    # The huge example is in step 6 and, in the second epoch (8 steps each), in this step:
+    order1 = epoch_order(0, 1, 128)
+    again = 8 + int(np.argmax(order1 == epoch_order(0, 0, 128)[5 * 16])) // 16 + 1
+    expected = 1 + (again <= 12)
+    assert r.summary["skipped_steps"] == expected
+    records = [json.loads(ln) for ln in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [x for x in records if x["split"] == "train"]
+    assert [x["skipped_steps"] for x in train_records][-1] == expected
+    assert train_records[1]["skipped_steps"] == 1  # step 8 record, after the step-6 skip
+    assert all(np.all(np.isfinite(v)) for v in jax.tree.leaves(r.params))
+
+
+def test_first_nonfinite_names_grads_and_params_by_nnlite_path():
+    def layers(w):
+        return nl.ParamsDict(ffn=nl.ParamsDict(layers=[nl.ParamsDict(W=jnp.asarray(w))]))
+
+    x = y = jnp.zeros((1,))
+    opt = optax.sgd(1.0)
+
+    def sqrt_loss(p, x, y):  # finite at W = 0, but its gradient is inf there
+        return jnp.sum(jnp.sqrt(p.ffn.layers[0].W)), {}
+
+    p = layers([0.0, 1.0])
+    what = faults.first_nonfinite(sqrt_loss, opt, p, opt.init(p), x, y)
+    assert what == "grads/ffn/layers[0]/W"
+
+    def linear_loss(p, x, y):  # loss and gradient finite; the update overflows
+        return -1.5 * jnp.sum(p.ffn.layers[0].W), {}
+
+    opt = optax.sgd(1e38)
+    p = layers([2e38])
+    assert (
+        faults.first_nonfinite(linear_loss, opt, p, opt.init(p), x, y) == "params/ffn/layers[0]/W"
+    )

@@ -1,0 +1,135 @@
+"""Several processes, one run: ``jax.distributed`` setup and the helpers the loop needs.
+
+Every process runs the same loop on the same config. Process 0 hosts the coordinator,
+owns the run directory and does all the printing; the others compute and stay silent.
+Nothing here touches a device before ``jax.distributed.initialize`` has run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from .config import ConfigError, DistributedConfig
+
+# The environment variables read for unset fields of the ``distributed`` section. JAX
+# itself reads only JAX_COORDINATOR_ADDRESS; the other two are ours, named to match.
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+@dataclass(frozen=True)
+class Settings:
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    initialization_timeout: int
+    heartbeat_timeout: int
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def resolve(dc: DistributedConfig) -> Settings | None:
+    """The multi-process settings from the config, then the environment; None: one process."""
+    address = dc.coordinator_address or os.environ.get(ENV_COORDINATOR) or None
+    num = dc.num_processes if dc.num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+    pid = dc.process_id if dc.process_id is not None else _env_int(ENV_PROCESS_ID)
+    if address is None:
+        if num not in (None, 1) or pid not in (None, 0):
+            raise ConfigError(
+                f"distributed: num_processes={num}, process_id={pid} but no coordinator address; "
+                f"set distributed.coordinator_address or {ENV_COORDINATOR} (host:port of process 0)"
+            )
+        return None
+    if num is None or pid is None:
+        missing = [
+            f"distributed.{k} (or {env})"
+            for k, v, env in (
+                ("num_processes", num, ENV_NUM_PROCESSES),
+                ("process_id", pid, ENV_PROCESS_ID),
+            )
+            if v is None
+        ]
+        raise ConfigError(
+            f"distributed: coordinator address {address!r} is set, so {' and '.join(missing)} "
+            "must be set too"
+        )
+    if not 0 <= pid < num:
+        raise ConfigError(
+            f"distributed: process_id must be in 0..{num - 1} for num_processes={num}, got {pid}"
+        )
+    if address.rpartition(":")[2].isdigit() is False:
+        raise ConfigError(f"distributed: coordinator address {address!r} must be host:port")
+    return Settings(address, num, pid, dc.initialization_timeout, dc.heartbeat_timeout)
+
+
+def initialize(dc: DistributedConfig) -> Settings | None:
+    """Join the multi-process run described by ``dc`` (idempotent); None for one process."""
+    settings = resolve(dc)
+    if settings is None or jax.distributed.is_initialized():
+        return settings
+    # Cross-process collectives on CPU; GPUs and TPUs ignore this option.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # SIGTERM -> the preemption sync point all processes agree on (see faults.py).
+    jax.config.update("jax_enable_preemption_service", True)
+    jax.distributed.initialize(
+        coordinator_address=settings.coordinator_address,
+        num_processes=settings.num_processes,
+        process_id=settings.process_id,
+        initialization_timeout=settings.initialization_timeout,
+        heartbeat_timeout_seconds=settings.heartbeat_timeout,
+    )
+    return settings
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def is_main() -> bool:
+    """Process 0 owns the run directory, the checkpoints and the console."""
+    return jax.process_index() == 0
+
+
+def global_devices(per_process: int) -> list:
+    """The first ``per_process`` devices of every process, ordered by (process, id).
+
+    The order fixes which slice of the global batch each device gets: process p's devices
+    take the p-th block, so 2 processes x 2 devices split a batch like 1 process x 4.
+    """
+    by_process: dict[int, list] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    return [
+        d
+        for p in sorted(by_process)
+        for d in sorted(by_process[p], key=lambda d: d.id)[:per_process]
+    ]
+
+
+def process_share(idx: np.ndarray) -> np.ndarray:
+    """This process's columns of a ``[K, global_batch]`` index block."""
+    n, p = jax.process_count(), jax.process_index()
+    b = idx.shape[1] // n
+    return idx[:, p * b : (p + 1) * b]
+
+
+def broadcast(tree):
+    """Process 0's value of ``tree`` (numpy leaves) on every process; identity for one."""
+    if not is_multiprocess():
+        return tree
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(tree)
