@@ -269,7 +269,7 @@ class Nnlite(Impl):
         super().__init__(*args, **kwargs)
 
     def setup(self, X, Y, idx):
-        from train.step import build_stepper, mean_loss_fn
+        from train.step import batch_grads_fn, build_stepper
 
         self.model = nnlite_model(self.spec)
         p0 = self.model.init(jax.random.key(0))
@@ -277,7 +277,12 @@ class Nnlite(Impl):
         self.p_def = jax.tree.structure(p0)
         self.o_def = jax.tree.structure(o0)
         self.stepper = build_stepper(
-            mean_loss_fn(self.model), self.tx, self.p_def, self.o_def, "none", jax.devices()[:1]
+            batch_grads_fn(self.model, "autodiff", 1, "none"),
+            self.tx,
+            self.p_def,
+            self.o_def,
+            "none",
+            jax.devices()[:1],
         )
         self.X, self.Y = self.stepper.put_data(X), self.stepper.put_data(Y)
         self._blocks = {}  # (first step % n_batches, K) -> host [K, batch] indices

@@ -48,7 +48,7 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
     from train.data import BatchIndices
     from train.loop import init_state_compiled
     from train.optim import build_optimizer
-    from train.step import build_eval, build_stepper, mean_loss_fn
+    from train.step import batch_grads_fn, build_eval, build_stepper, mean_loss_fn
 
     model = models.MODELS[cfg.model.name](cfg.model, data)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
@@ -57,7 +57,8 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
     o_leaves, o_def = jax.tree.flatten(opt0)
     loss_fn = mean_loss_fn(model)
     devices = jax.local_devices()[:1]
-    stepper = build_stepper(loss_fn, optimizer, p_def, o_def, "none", devices)
+    grads_fn = batch_grads_fn(model, "autodiff", 1, "none")
+    stepper = build_stepper(grads_fn, optimizer, p_def, o_def, "none", devices)
     evaluate = build_eval(loss_fn)
     X, Y = stepper.put_data(data.x), stepper.put_data(data.y)
     X_test, Y_test = (
