@@ -37,23 +37,6 @@ COMMON = [
 LINREG = ["model.name=linreg", "data.name=linreg", "optimizer.name=sgd"]
 
 
-@pytest.fixture(scope="module")
-def npz(tmp_path_factory) -> str:
-    """Four classes from the signs of two of eight features, with a fixed test split."""
-    rng = np.random.default_rng(0)
-    x, x_test = rng.normal(size=(512, 8)), rng.normal(size=(128, 8))
-    label = lambda x: ((x[:, 0] > 0) + 2 * (x[:, 1] > 0)).astype(np.int32)  # noqa: E731
-    path = tmp_path_factory.mktemp("data") / "small.npz"
-    np.savez(
-        path,
-        x=x.astype(np.float32),
-        y=label(x),
-        x_test=x_test.astype(np.float32),
-        y_test=label(x_test),
-    )
-    return f"data.path={path}"
-
-
 def env_with_devices(n: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     # Every test starts fresh processes that compile the same steps: share JAX's cache.

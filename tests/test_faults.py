@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 import safetensors.numpy
 
 import nnlite as nl
@@ -36,23 +35,6 @@ COMMON = [
     "log.progress=false",
     "log.plot=false",
 ]
-
-
-@pytest.fixture(scope="module")
-def npz(tmp_path_factory) -> str:
-    """Four classes from the signs of two of eight features (no scikit-learn import)."""
-    rng = np.random.default_rng(0)
-    x, x_test = rng.normal(size=(512, 8)), rng.normal(size=(128, 8))
-    label = lambda x: ((x[:, 0] > 0) + 2 * (x[:, 1] > 0)).astype(np.int32)  # noqa: E731
-    path = tmp_path_factory.mktemp("data") / "small.npz"
-    np.savez(
-        path,
-        x=x.astype(np.float32),
-        y=label(x),
-        x_test=x_test.astype(np.float32),
-        y_test=label(x_test),
-    )
-    return f"data.path={path}"
 
 
 def cli_args(tmp_path, *overrides) -> list[str]:
@@ -237,6 +219,26 @@ def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_pa
     assert "ckpt_00000004.safetensors (step 4)" in err and "train.nonfinite=skip" in err
     ckpts = sorted(p.name for p in (tmp_path / "digits_mlp" / "checkpoints").iterdir())
     assert ckpts == ["ckpt_00000004.safetensors"]
+
+
+def test_nonfinite_stop_finds_a_bad_step_whose_loss_is_still_finite(tmp_path, capsys):
+    # Step 1 (W = 0): one input of 3e38 leaves the loss finite, but its gradient overflows to
+    # inf and so do the new params. The step's cheap flag reads only the loss, so the run
+    # notices at step 2; the replay must still blame step 1 and name the gradient.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 1)).astype(np.float32)
+    y = (2 * x - 1).astype(np.float32)
+    first = epoch_order(0, 0, 128)[0]
+    x[first], y[first] = 3e38, 10.0
+    path = tmp_path / "huge_input.npz"
+    np.savez(path, x=x, y=y, x_test=x[1:17], y_test=y[1:17])
+    args = ["--config", CONFIG, "--fresh"]
+    for o in (*NONFINITE, f"data.path={path}", f"log.dir={tmp_path}", "train.steps=12"):
+        args += ["--set", o]
+    assert main(args) == faults.EXIT_NONFINITE
+    err = capsys.readouterr().err
+    assert "error: non-finite values at step 1 (first in grads/W)" in err
+    assert "no checkpoint was written" in err
 
 
 def test_nonfinite_skip_keeps_the_old_state_and_counts(tmp_path):

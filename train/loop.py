@@ -359,12 +359,15 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
                 pending_from = step
                 if flags.any() and tc.nonfinite == "stop":
                     bad = first + int(np.argmax(flags)) + 1
+                    checker = build_stepper(
+                        grads_fn, r.optimizer, p_def, o_def, strategy, r.devices, "check"
+                    )
                     raise faults.NonFinite(
                         _explain_nonfinite(
                             r,
                             cfg,
                             sampler,
-                            stepper,
+                            checker,
                             loss_fn,
                             params0,
                             opt0,
@@ -450,23 +453,34 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
 
 
 def _explain_nonfinite(
-    r, cfg, sampler, stepper, loss_fn, params0, opt0, bad, good_step, good_ckpt
+    r, cfg, sampler, checker, loss_fn, params0, opt0, flagged, good_step, good_ckpt
 ) -> str:
-    """The message for a run stopped at step ``bad``: replay from the last good state to
-    the step before ``bad`` and name the first non-finite value that step produces."""
-    p_leaves, o_leaves = jax.tree.leaves(params0), jax.tree.leaves(opt0)
+    """The message for a run stopped at step ``flagged``: replay from the last good state
+    with ``checker`` (a stepper whose flag covers the new params as well as the loss), find
+    the first bad step (``flagged`` or one before: bad params show in the next loss), and
+    name the first non-finite value that step produces."""
+    p_host, o_host = jax.tree.leaves(params0), jax.tree.leaves(opt0)
     if good_step > 0:  # process 0 wrote (or resumed from) a checkpoint at good_step
         if dist.is_main():
-            _, p_leaves, o_leaves, _ = _load_checkpoint(cfg, good_ckpt, params0, opt0)
-        p_leaves, o_leaves = dist.broadcast((p_leaves, o_leaves))
-    p_leaves, o_leaves = stepper.put_state(p_leaves), stepper.put_state(o_leaves)
-    X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
-    for s in range(good_step, bad - 1):
-        idx = stepper.put_indices(dist.process_share(sampler.batches(s, 1)))
-        p_leaves, o_leaves, _ = stepper.run(p_leaves, o_leaves, X, Y, idx)
+            _, p_host, o_host, _ = _load_checkpoint(cfg, good_ckpt, params0, opt0)
+        p_host, o_host = dist.broadcast((p_host, o_host))
+    X, Y = checker.put_data(r.data.x), checker.put_data(r.data.y)
+
+    def replay(upto: int):
+        """State after steps good_step..upto-1, and the first flagged step on the way."""
+        p, o = checker.put_state(p_host), checker.put_state(o_host)
+        for s in range(good_step, upto):
+            idx = checker.put_indices(dist.process_share(sampler.batches(s, 1)))
+            p, o, m = checker.run(p, o, X, Y, idx)
+            if _step_flags(m["nonfinite"]).any():
+                return p, o, s + 1
+        return p, o, None
+
+    bad = replay(flagged)[2] or flagged
+    p_leaves, o_leaves, _ = replay(bad - 1)
     p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
-    params = jax.tree.unflatten(p_def, [np.asarray(v) for v in stepper.get_state(p_leaves)])
-    opt_state = jax.tree.unflatten(o_def, [np.asarray(v) for v in stepper.get_state(o_leaves)])
+    params = jax.tree.unflatten(p_def, [np.asarray(v) for v in checker.get_state(p_leaves)])
+    opt_state = jax.tree.unflatten(o_def, [np.asarray(v) for v in checker.get_state(o_leaves)])
     idx = sampler.batch(bad - 1)
     what = faults.first_nonfinite(
         loss_fn, r.optimizer, params, opt_state, r.data.x[idx], r.data.y[idx]

@@ -118,7 +118,10 @@ def build_stepper(
 ) -> Stepper:
     """Compile-ready step for ``strategy`` on ``devices`` (see the module docstring).
 
-    ``batch_grads`` is ``batch_grads_fn(model, grad, accum_steps, strategy)``.
+    ``batch_grads`` is ``batch_grads_fn(model, grad, accum_steps, strategy)``. Every step
+    also returns a ``nonfinite`` flag: for ``nonfinite="stop"`` it tests the loss only; for
+    ``"skip"`` and ``"check"`` the loss and the new params, and ``"skip"`` keeps the old
+    state when it is set.
     """
     local = [d for d in devices if d.process_index == jax.process_index()]
     n_local = len(local)
@@ -130,11 +133,17 @@ def build_stepper(
         loss, metrics, grads = batch_grads(params, x, y)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        # Non-finite gradients always reach the new params (every optimizer here adds a
-        # function of them), so the loss and the new params are all the flag must read.
-        finite = all_finite((loss, new_params))
+        if nonfinite == "stop":
+            # One scalar test: a step that makes the params non-finite shows in the next
+            # step's loss, and the replay that explains a stop finds the exact step. (The
+            # full test below costs a reduction per leaf: +35% compile time for an MLP.)
+            finite = jnp.isfinite(loss)
+        else:
+            # Non-finite gradients always reach the new params (every optimizer here adds
+            # a function of them), so the loss and the new params are all it must read.
+            finite = all_finite((loss, new_params))
         if nonfinite == "skip":
-            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            keep = lambda new, old: jnp.where(finite, new, old)
             new_params = jax.tree.map(keep, new_params, params)
             new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
         metrics = {"loss": loss, **metrics, "nonfinite": 1.0 - finite.astype(loss.dtype)}
@@ -236,7 +245,3 @@ def build_eval(loss_fn) -> Callable:
         return {"loss": loss, **metrics}
 
     return evaluate
-
-
-def tree_to_host(tree: Any) -> Any:
-    return jax.tree.map(np.asarray, tree)
