@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import safetensors.numpy
 
 import nnlite as nl
@@ -221,10 +222,12 @@ def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_pa
     assert ckpts == ["ckpt_00000004.safetensors"]
 
 
-def test_nonfinite_stop_finds_a_bad_step_whose_loss_is_still_finite(tmp_path, capsys):
+@pytest.mark.parametrize("steps", [12, 1], ids=["next-loss", "last-step"])
+def test_nonfinite_stop_finds_a_bad_step_whose_loss_is_still_finite(tmp_path, capsys, steps):
     # Step 1 (W = 0): one input of 3e38 leaves the loss finite, but its gradient overflows to
     # inf and so do the new params. The step's cheap flag reads only the loss, so the run
-    # notices at step 2; the replay must still blame step 1 and name the gradient.
+    # notices at step 2 (or, when step 1 is the last, before writing the final checkpoint);
+    # the replay must still blame step 1 and name the gradient.
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128, 1)).astype(np.float32)
     y = (2 * x - 1).astype(np.float32)
@@ -233,11 +236,12 @@ def test_nonfinite_stop_finds_a_bad_step_whose_loss_is_still_finite(tmp_path, ca
     path = tmp_path / "huge_input.npz"
     np.savez(path, x=x, y=y, x_test=x[1:17], y_test=y[1:17])
     args = ["--config", CONFIG, "--fresh"]
-    for o in (*NONFINITE, f"data.path={path}", f"log.dir={tmp_path}", "train.steps=12"):
+    for o in (*NONFINITE, f"data.path={path}", f"log.dir={tmp_path}", f"train.steps={steps}"):
         args += ["--set", o]
     assert main(args) == faults.EXIT_NONFINITE
     err = capsys.readouterr().err
     assert "error: non-finite values at step 1 (first in grads/W)" in err
+    assert not list((tmp_path / "digits_mlp" / "checkpoints").glob("*.safetensors"))
     assert "no checkpoint was written" in err
 
 

@@ -319,6 +319,14 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
         idx = stepper.put_indices(dist.process_share(sampler.batches(step, k)))
         return stepper.run(p_leaves, o_leaves, X, Y, idx)
 
+    def stop_nonfinite(flagged: int):
+        checker = build_stepper(grads_fn, r.optimizer, p_def, o_def, strategy, r.devices, "check")
+        raise faults.NonFinite(
+            _explain_nonfinite(
+                r, cfg, sampler, checker, loss_fn, params0, opt0, flagged, good_step, good_ckpt
+            )
+        )
+
     every = [tc.eval_every, tc.log_every] + ([cfg.checkpoint.every] if cfg.checkpoint.every else [])
     bar = _progress(cfg, start) if main else _NoBar()
     log_file = open(metrics_path, "a") if main else None  # noqa: SIM115 - closed in finally
@@ -358,24 +366,7 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
                 pending, first = [], pending_from
                 pending_from = step
                 if flags.any() and tc.nonfinite == "stop":
-                    bad = first + int(np.argmax(flags)) + 1
-                    checker = build_stepper(
-                        grads_fn, r.optimizer, p_def, o_def, strategy, r.devices, "check"
-                    )
-                    raise faults.NonFinite(
-                        _explain_nonfinite(
-                            r,
-                            cfg,
-                            sampler,
-                            checker,
-                            loss_fn,
-                            params0,
-                            opt0,
-                            bad,
-                            good_step,
-                            good_ckpt,
-                        )
-                    )
+                    stop_nonfinite(first + int(np.argmax(flags)) + 1)
                 skipped += int(flags.sum())
                 if is_log:
                     m = {name: float(to_host(v).reshape(-1)[-1]) for name, v in metrics.items()}
@@ -414,12 +405,16 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
                         },
                     )
                 if is_ckpt or stop:
+                    state = host_state(p_leaves, o_leaves)
+                    # The loss-only flag cannot see a last step that broke the params.
+                    if tc.nonfinite == "stop" and not _all_finite(state[0]):
+                        stop_nonfinite(step)
                     good_step = step
                     if main:
                         good_ckpt = ckpt.save(
                             ckpt_dir,
                             step,
-                            *host_state(p_leaves, o_leaves),
+                            *state,
                             _metadata(cfg, step, sampler, skipped),
                             cfg.checkpoint.keep,
                         )
@@ -496,6 +491,10 @@ def _explain_nonfinite(
         "Lower optimizer.learning_rate, check the data, or set train.nonfinite=skip "
         "to skip such steps"
     )
+
+
+def _all_finite(tree) -> bool:
+    return all(np.all(np.isfinite(v)) for v in jax.tree.leaves(tree))
 
 
 def _step_flags(flags) -> np.ndarray:
