@@ -104,20 +104,18 @@ def test_error_names_the_file(capsys, tmp_path):
     assert code == 2 and path in err and "train.stepz" in err
 
 
+def npz_args(path, tmp_path, *sets):
+    """CLI arguments training the digits config on the npz file ``path``."""
+    args = ["--config", DIGITS]
+    for o in ("data.name=npz", f"data.path={path}", f"log.dir={tmp_path}", *sets):
+        args += ["--set", o]
+    return args
+
+
 def npz_case(tmp_path, capsys, **arrays):
     path = tmp_path / "d.npz"
     np.savez(path, **arrays)
-    return cli(
-        capsys,
-        "--config",
-        DIGITS,
-        "--set",
-        "data.name=npz",
-        "--set",
-        f"data.path={path}",
-        "--set",
-        f"log.dir={tmp_path}",
-    )
+    return cli(capsys, *npz_args(path, tmp_path))
 
 
 X = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
@@ -182,26 +180,8 @@ def test_npz_trains(tmp_path, capsys):
     x = (centers[y] + rng.normal(size=(300, 5))).astype(np.float32)
     path = tmp_path / "blobs.npz"
     np.savez(path, x=x, y=y)
-    code = main(
-        [
-            "--config",
-            DIGITS,
-            "--set",
-            "data.name=npz",
-            "--set",
-            f"data.path={path}",
-            "--set",
-            f"log.dir={tmp_path}",
-            "--set",
-            "train.steps=200",
-            "--set",
-            "train.batch_size=32",
-            "--set",
-            "log.progress=false",
-            "--set",
-            "name=blobs",
-        ]
-    )
+    sets = ("train.steps=200", "train.batch_size=32", "log.progress=false", "name=blobs")
+    code = main(npz_args(path, tmp_path, *sets))
     assert code == 0
     assert "test accuracy" in capsys.readouterr().out
 
