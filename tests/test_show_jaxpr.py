@@ -1,5 +1,6 @@
 """show_jaxpr: every corpus function round-trips (same outputs, same text when decompiled again)."""
 
+import functools
 import os
 import shutil
 import subprocess
@@ -288,6 +289,23 @@ CORPUS = {
     "ffn_loss": (ffn_loss, FFN_PARAMS, X, LABELS),
     "ffn_grad": (jax.grad(ffn_loss), FFN_PARAMS, X, LABELS),
     "adam_step": (train_step, FFN_PARAMS, OPT_STATE, X, LABELS),
+    # the MLP loss's gradient in every gradient mode (manual and fused are custom_vjp's)
+    **{
+        f"mlp_grad_{mode}": (
+            jax.grad(functools.partial(nl.mlp_loss, mode=mode, activation="tanh")),
+            FFN_PARAMS,
+            X,
+            LABELS,
+        )
+        for mode in nl.GRAD_MODES
+    },
+    "mlp_fused_grad_accum": (
+        functools.partial(nl.fused_grad_accum, activation="relu"),
+        FFN_PARAMS,
+        X,
+        LABELS,
+        FFN_PARAMS,
+    ),
     # multi-device
     "shard_map_psum": (_smap(lambda x: lax.psum(x * 2.0, "batch"), P("batch"), P()), XS),
     "shard_map_collectives": (
