@@ -157,43 +157,9 @@ def test_a_dead_peer_makes_the_other_exit_with_a_clear_error(tmp_path):
     assert took < 5 + 10
 
 
-def test_launcher_stops_everything_when_one_process_dies(tmp_path):
-    launcher = subprocess.Popen(
-        [
-            *cli(
-                tmp_path,
-                *LINREG,
-                "train.steps=1000000",
-                "train.log_every=10",
-                "parallel.strategy=pmap",
-            ),
-            "--processes",
-            "2",
-        ],
-        cwd=ROOT,
-        env=env_with_devices(2),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_for_progress(tmp_path / "run" / "metrics.jsonl", launcher)
-        kids = children(launcher.pid)
-        os.kill(kids[1], signal.SIGKILL)
-        _, err = launcher.communicate(timeout=60)
-    finally:
-        launcher.kill()
-        launcher.communicate()
-    assert launcher.returncode not in (0, None)
-    assert "error: process 1 of 2 was killed by SIGKILL; stopped the other processes" in err
-    assert not any(Path(f"/proc/{pid}").exists() for pid in kids.values())
-
-
-def test_sigterm_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path, npz):
-    steps = [npz, "train.steps=400", "train.log_every=10", "train.eval_every=400"]
-    # pmap: a long multi-process pmap run once deadlocked without a wait per call.
-    par = ["parallel.strategy=pmap", "parallel.devices=2"]
-    args = [*cli(tmp_path, *steps, *par), "--processes", "2"]
+def signal_process_1(tmp_path, args, sig) -> tuple[subprocess.Popen, str, dict]:
+    """Start the launcher with ``args``, wait for training progress, send ``sig`` to its
+    process 1 only, and wait for the launcher: ``(launcher, stderr, children)``."""
     launcher = subprocess.Popen(
         args,
         cwd=ROOT,
@@ -204,11 +170,31 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path,
     )
     try:
         wait_for_progress(tmp_path / "run" / "metrics.jsonl", launcher)
-        os.kill(children(launcher.pid)[1], signal.SIGTERM)  # process 1 only: JAX tells process 0
+        kids = children(launcher.pid)
+        os.kill(kids[1], sig)
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
         launcher.communicate()
+    return launcher, err, kids
+
+
+def test_launcher_stops_everything_when_one_process_dies(tmp_path):
+    overrides = [*LINREG, "train.steps=1000000", "train.log_every=10", "parallel.strategy=pmap"]
+    args = [*cli(tmp_path, *overrides), "--processes", "2"]
+    launcher, err, kids = signal_process_1(tmp_path, args, signal.SIGKILL)
+    assert launcher.returncode not in (0, None)
+    assert "error: process 1 of 2 was killed by SIGKILL; stopped the other processes" in err
+    assert not any(Path(f"/proc/{pid}").exists() for pid in kids.values())
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path, npz):
+    steps = [npz, "train.steps=400", "train.log_every=10", "train.eval_every=400"]
+    # pmap: a long multi-process pmap run once deadlocked without a wait per call.
+    par = ["parallel.strategy=pmap", "parallel.devices=2"]
+    args = [*cli(tmp_path, *steps, *par), "--processes", "2"]
+    # Process 1 only: JAX's preemption service tells process 0.
+    launcher, err, _ = signal_process_1(tmp_path, args, signal.SIGTERM)
     # Both processes saved at the agreed step and exited 3; a disagreement would have hung
     # one of them in a collective and made the launcher kill it.
     assert launcher.returncode == 3, err

@@ -95,6 +95,14 @@ def build(cfg: Config) -> Run:
     return Run(cfg, data, model, optimizer, devices, run_dir)
 
 
+def make_stepper(r: Run, p_def, o_def, nonfinite: str):
+    """The compiled train step that ``r.cfg`` describes (strategy, grad mode, accumulation)."""
+    cfg = r.cfg
+    strategy = cfg.parallel.strategy
+    grads_fn = batch_grads_fn(r.model, cfg.loss.grad, cfg.train.grad_accum_steps, strategy)
+    return build_stepper(grads_fn, r.optimizer, p_def, o_def, strategy, r.devices, nonfinite)
+
+
 def show_jaxpr(cfg: Config, what: str) -> str:
     """Decompiled Python of the config's mean loss (``what="loss"``) or its compiled train step."""
     import nnlite as nl
@@ -120,10 +128,7 @@ def traced_function(cfg: Config, what: str) -> tuple:
     opt_state = r.optimizer.init(params)
     p_leaves, p_def = jax.tree.flatten(params)
     o_leaves, o_def = jax.tree.flatten(opt_state)
-    grads_fn = batch_grads_fn(
-        r.model, cfg.loss.grad, cfg.train.grad_accum_steps, cfg.parallel.strategy
-    )
-    stepper = build_stepper(grads_fn, r.optimizer, p_def, o_def, cfg.parallel.strategy, r.devices)
+    stepper = make_stepper(r, p_def, o_def, cfg.train.nonfinite)
     idx = np.zeros((cfg.train.steps_per_call, b), np.int32)
     return stepper.run, (
         stepper.put_state(p_leaves),
@@ -181,25 +186,25 @@ def init_state_compiled(model, optimizer, key):
     return fn(key)
 
 
-def _read_metrics(path: Path) -> list[str]:
-    """The complete lines of metrics.jsonl; a torn last line (a kill mid-write) is dropped."""
+def _read_metrics(path: Path) -> list[tuple[str, dict]]:
+    """``(line, record)`` for each complete line of metrics.jsonl; a torn last line (a kill
+    mid-write) is dropped."""
     if not path.exists():
         return []
-    lines = []
+    out = []
     for ln in path.read_text().splitlines():
         try:
-            json.loads(ln)
+            out.append((ln, json.loads(ln)))
         except json.JSONDecodeError:
             continue  # only a write cut short by a kill leaves a line like this
-        lines.append(ln)
-    return lines
+    return out
 
 
 def _rewrite_metrics(path: Path, upto_step: int) -> None:
     """Drop metrics logged after ``upto_step`` (they will be logged again) and torn lines."""
     if not path.exists():
         return
-    kept = [ln for ln in _read_metrics(path) if json.loads(ln)["step"] <= upto_step]
+    kept = [ln for ln, record in _read_metrics(path) if record["step"] <= upto_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(ln + "\n" for ln in kept))
     os.replace(tmp, path)
@@ -295,10 +300,7 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     )
 
     tc = cfg.train
-    grads_fn = batch_grads_fn(r.model, cfg.loss.grad, tc.grad_accum_steps, strategy)
-    stepper = build_stepper(
-        grads_fn, r.optimizer, p_def, o_def, strategy, r.devices, nonfinite=tc.nonfinite
-    )
+    stepper = make_stepper(r, p_def, o_def, tc.nonfinite)
     loss_fn = mean_loss_fn(r.model, cfg.loss.grad)  # the replay that names a non-finite leaf
     evaluate = build_eval(mean_loss_fn(r.model))
     X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
@@ -320,7 +322,7 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
         return stepper.run(p_leaves, o_leaves, X, Y, idx)
 
     def stop_nonfinite(flagged: int):
-        checker = build_stepper(grads_fn, r.optimizer, p_def, o_def, strategy, r.devices, "check")
+        checker = make_stepper(r, p_def, o_def, "check")
         raise faults.NonFinite(
             _explain_nonfinite(
                 r, cfg, sampler, checker, loss_fn, params0, opt0, flagged, good_step, good_ckpt
