@@ -58,7 +58,7 @@ class MLP(nl.Module):
 
     @staticmethod
     def _correct(logits, y):
-        return (jnp.argmax(logits, axis=-1) == y).astype(jnp.float32)
+        return nl.accuracy(logits, y)
 
 
 def build(cfg, data) -> MLP:

@@ -19,6 +19,7 @@ from ._layers import Linear as Linear
 from ._layers import Sequential as Sequential
 from ._layers import SoftmaxHead as SoftmaxHead
 from ._losses import REDUCTIONS as REDUCTIONS
+from ._losses import accuracy as accuracy
 from ._losses import mse as mse
 from ._losses import nll as nll
 from ._losses import reduce as reduce
@@ -59,6 +60,7 @@ __all__ = [
     "Sequential",
     "SoftmaxHead",
     "UnsupportedPrimitiveError",
+    "accuracy",
     "format_path",
     "fused_grad_accum",
     "fused_loss_and_grad",

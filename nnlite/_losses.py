@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["REDUCTIONS", "mse", "nll", "reduce", "softmax_cross_entropy"]
+__all__ = ["REDUCTIONS", "accuracy", "mse", "nll", "reduce", "softmax_cross_entropy"]
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -31,6 +31,13 @@ def _check_labels(fn: str, scores: jax.Array, labels: jax.Array) -> None:
         )
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(f"{fn}: labels must be integers (class indices), got dtype {labels.dtype}")
+
+
+def _class_ids(scores: jax.Array, dtype) -> jax.Array:
+    """``0 .. num_classes-1`` along the class axis, with size-1 axes before it (so it
+    broadcasts against ``scores`` without rank promotion)."""
+    ids = jnp.arange(scores.shape[-1], dtype=dtype)
+    return ids.reshape((1,) * (scores.ndim - 1) + ids.shape)
 
 
 def nll(log_probs: jax.Array, labels: jax.Array, *, reduction: str = "none") -> jax.Array:
@@ -75,8 +82,41 @@ def softmax_cross_entropy(
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     shifted = logits - m
     lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
-    picked = jnp.take_along_axis(shifted, labels[..., None], axis=-1)[..., 0]
-    return reduce(lse - picked, reduction)
+    # The label's logit by a one-hot select rather than a gather: it fuses with the
+    # logsumexp pass, and its gradient is an elementwise select instead of a scatter
+    # (in a small train step each gather/scatter is a kernel of its own).
+    hit = labels[..., None] == _class_ids(logits, labels.dtype)
+    picked = jnp.sum(jnp.where(hit, shifted, 0.0), axis=-1)
+    in_range = (labels >= 0) & (labels < logits.shape[-1])
+    return reduce(jnp.where(in_range, lse - picked, jnp.nan), reduction)
+
+
+def accuracy(scores: jax.Array, labels: jax.Array, *, reduction: str = "none") -> jax.Array:
+    """1.0 where ``argmax(scores) == labels``, else 0.0 (per example, float32).
+
+    Exactly ``jnp.argmax(scores, axis=-1) == labels`` (the first index of the maximum wins
+    a tie) for finite scores; a row with a NaN counts as wrong. Computed as a max and a
+    min-reduction over the class axis, which XLA fuses, instead of argmax's
+    (value, index) pair reduction.
+
+    Args:
+        scores: ``[..., num_classes]`` logits or probabilities.
+        labels: ``[...]`` integer class indices.
+        reduction: "none" (per example, default), "mean" (the accuracy) or "sum".
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> accuracy(jnp.array([[0.1, 0.9], [2.0, 2.0], [3.0, -1.0]]), jnp.array([1, 1, 1]))
+        Array([1., 0., 0.], dtype=float32)
+    """
+    scores, labels = jnp.asarray(scores), jnp.asarray(labels)
+    _check_labels("accuracy", scores, labels)
+    scores = jax.lax.stop_gradient(scores)
+    num_classes = scores.shape[-1]
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    classes = jnp.broadcast_to(_class_ids(scores, labels.dtype), scores.shape)
+    first_top = jnp.min(jnp.where(scores == top, classes, num_classes), axis=-1)
+    return reduce((first_top == labels).astype(jnp.float32), reduction)
 
 
 def mse(predictions: jax.Array, targets: jax.Array, *, reduction: str = "none") -> jax.Array:

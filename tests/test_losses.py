@@ -123,6 +123,42 @@ def test_vmap_over_examples_matches_batch():
     np.testing.assert_allclose(single, nl.softmax_cross_entropy(logits, labels), rtol=1e-6)
 
 
+def test_softmax_cross_entropy_of_an_out_of_range_label_is_nan():
+    logits = jnp.array([[1.0, 2.0, 3.0]] * 3)
+    out = nl.softmax_cross_entropy(logits, jnp.array([3, -1, 0]))
+    assert np.isnan(out[0]) and np.isnan(out[1])
+    np.testing.assert_allclose(out[2], _lse(1, 2, 3) - 1, rtol=1e-6)
+
+
+# -- accuracy -------------------------------------------------------------------------------
+def test_accuracy_equals_argmax_including_ties():
+    rng = np.random.default_rng(3)
+    # Small integers make ties common; argmax gives the first index of the maximum.
+    scores = rng.integers(0, 3, size=(500, 4)).astype(np.float32)
+    labels = rng.integers(0, 4, size=500).astype(np.int32)
+    expected = (np.argmax(scores, axis=-1) == labels).astype(np.float32)
+    np.testing.assert_array_equal(nl.accuracy(scores, labels), expected)
+    assert float(nl.accuracy(scores, labels, reduction="mean")) == pytest.approx(expected.mean())
+    batched = nl.accuracy(scores.reshape(50, 10, 4), labels.reshape(50, 10))
+    np.testing.assert_array_equal(batched, expected.reshape(50, 10))
+
+
+def test_accuracy_golden_and_nan_rows_count_as_wrong():
+    scores = jnp.array([[0.1, 0.9], [2.0, 2.0], [2.0, 2.0], [jnp.nan, 1.0]])
+    out = nl.accuracy(scores, jnp.array([1, 0, 1, 1]))
+    np.testing.assert_array_equal(out, [1.0, 1.0, 0.0, 0.0])
+    assert out.dtype == jnp.float32
+    grads = jax.grad(lambda s: nl.accuracy(s, jnp.array([1, 0, 1, 1]), reduction="sum"))(scores)
+    np.testing.assert_array_equal(grads, np.zeros((4, 2)))  # a metric: no gradient
+
+
+def test_accuracy_errors_are_explained():
+    with pytest.raises(ValueError, match=re.escape("accuracy: expected labels of shape (3,)")):
+        nl.accuracy(jnp.zeros((3, 4)), jnp.zeros((4,), jnp.int32))
+    with pytest.raises(TypeError, match="accuracy: labels must be integers"):
+        nl.accuracy(jnp.zeros((3, 4)), jnp.zeros(3))
+
+
 # -- errors ---------------------------------------------------------------------------------
 def test_bad_label_shape_is_explained():
     msg = "softmax_cross_entropy: expected labels of shape (3,) (scores shape (3, 4) minus the "

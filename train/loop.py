@@ -20,7 +20,7 @@ from . import faults
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import BatchIndices, Dataset, load_dataset
 from .optim import build_optimizer
-from .step import batch_grads_fn, build_eval, build_stepper, mean_loss_fn, to_host
+from .step import batch_grads_fn, build_eval, build_stepper, mean_loss_fn, step_flags, to_host
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
 TIMING_KEYS = ("time", "examples_per_s")
@@ -334,7 +334,7 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     log_file = open(metrics_path, "a") if main else None  # noqa: SIM115 - closed in finally
     t_start = t_window = time.perf_counter()
     step, window_start, last_eval, calls = start, start, {}, 0
-    pending, pending_from = [], start  # per-step non-finite flags, still on the device
+    pending, pending_from = [], start  # each call's metrics since the last boundary (device)
     watch = faults.PreemptionWatch(dist.is_multiprocess())
     # Several processes with pmap on CPU (gloo): with many calls in flight the per-device
     # executions can reach the cross-process collectives in different orders and deadlock
@@ -354,7 +354,7 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
                 step += k
                 calls += 1
                 bar.update(k)
-                pending.append(metrics.pop("nonfinite"))
+                pending.append(metrics)  # non-finite flags: read at the next boundary
                 stop = watch.should_stop(calls)
                 is_log = step % tc.log_every == 0 or step == tc.steps
                 is_eval = step % tc.eval_every == 0 or step == tc.steps
@@ -364,14 +364,18 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
                 if not (is_log or is_eval or is_ckpt or stop):
                     continue
                 # A boundary: the host syncs here anyway, so look at the non-finite flags.
-                flags = np.concatenate([_step_flags(f) for f in pending])
+                flags = np.concatenate([step_flags(m) for m in pending])
                 pending, first = [], pending_from
                 pending_from = step
                 if flags.any() and tc.nonfinite == "stop":
                     stop_nonfinite(first + int(np.argmax(flags)) + 1)
                 skipped += int(flags.sum())
                 if is_log:
-                    m = {name: float(to_host(v).reshape(-1)[-1]) for name, v in metrics.items()}
+                    m = {
+                        name: float(to_host(v).reshape(-1)[-1])
+                        for name, v in metrics.items()
+                        if name != "nonfinite"
+                    }
                     now = time.perf_counter()
                     rate = (step - window_start) * tc.batch_size / max(now - t_window, 1e-9)
                     t_window, window_start = now, step
@@ -469,7 +473,7 @@ def _explain_nonfinite(
         for s in range(good_step, upto):
             idx = checker.put_indices(dist.process_share(sampler.batches(s, 1)))
             p, o, m = checker.run(p, o, X, Y, idx)
-            if _step_flags(m["nonfinite"]).any():
+            if step_flags(m).any():
                 return p, o, s + 1
         return p, o, None
 
@@ -497,12 +501,6 @@ def _explain_nonfinite(
 
 def _all_finite(tree) -> bool:
     return all(np.all(np.isfinite(v)) for v in jax.tree.leaves(tree))
-
-
-def _step_flags(flags) -> np.ndarray:
-    """A call's per-step non-finite flags as ``[K]`` (pmap adds a leading device axis)."""
-    a = to_host(flags)
-    return a.reshape(-1, a.shape[-1])[0]
 
 
 def _quiet(*_args, **_kwargs) -> None:
