@@ -41,41 +41,41 @@ def _config():
 
 
 def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
-    """nnlite's training loop pieces (train/loop.py) with an accuracy check at each eval."""
+    """nnlite's training loop (train/loop.py: ``prepare`` compiles init, step and eval side
+    by side) with an accuracy check at each eval."""
+    import dataclasses
+    from pathlib import Path
+
     import jax
 
     import models
     from train.data import BatchIndices
-    from train.loop import init_state_compiled
+    from train.loop import Run, boundaries, prepare, steps_in_call
     from train.optim import build_optimizer
-    from train.step import batch_grads_fn, build_eval, build_stepper, mean_loss_fn
 
+    tc = dataclasses.replace(cfg.train, steps_per_call=steps_per_call, eval_every=eval_every)
+    cfg = dataclasses.replace(cfg, train=tc)
     model = models.MODELS[cfg.model.name](cfg.model, data)
-    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
-    params0, opt0 = init_state_compiled(model, optimizer, jax.random.key(cfg.seed))
-    p_leaves, p_def = jax.tree.flatten(params0)
-    o_leaves, o_def = jax.tree.flatten(opt0)
-    loss_fn = mean_loss_fn(model)
-    devices = jax.local_devices()[:1]
-    grads_fn = batch_grads_fn(model, "autodiff", 1, "none")
-    stepper = build_stepper(grads_fn, optimizer, p_def, o_def, "none", devices)
-    evaluate = build_eval(loss_fn)
-    X, Y = stepper.put_data(data.x), stepper.put_data(data.y)
-    X_test, Y_test = (
-        jax.device_put(data.x_test, devices[0]),
-        jax.device_put(data.y_test, devices[0]),
+    optimizer = build_optimizer(cfg.optimizer, tc.steps)
+    run = Run(cfg, data, model, optimizer, jax.local_devices()[:1], Path("unused"))
+    every = boundaries(cfg)
+    prep = prepare(run, tc.nonfinite, steps_in_call(cfg, 0, every))
+    st = prep.stepper
+    p_leaves, o_leaves = (
+        st.put_state(jax.tree.leaves(prep.params0)),
+        st.put_state(jax.tree.leaves(prep.opt0)),
     )
-    p_leaves, o_leaves = stepper.put_state(p_leaves), stepper.put_state(o_leaves)
-    sampler = BatchIndices(cfg.seed, len(data.x), cfg.train.batch_size)
+    p_def = jax.tree.structure(prep.params0)
+    sampler = BatchIndices(cfg.seed, len(data.x), tc.batch_size)
     step, acc = 0, 0.0
-    while step < cfg.train.steps:
-        k = min(steps_per_call - step % steps_per_call, eval_every - step % eval_every)
-        idx = stepper.put_indices(sampler.batches(step, k))
-        p_leaves, o_leaves, _ = stepper.run(p_leaves, o_leaves, X, Y, idx)
+    while step < tc.steps:
+        k = steps_in_call(cfg, step, every)
+        idx = st.put_indices(sampler.batches(step, k))
+        p_leaves, o_leaves, _ = st.run(p_leaves, o_leaves, prep.X, prep.Y, idx)
         step += k
         if step % eval_every == 0:
-            params = jax.tree.unflatten(p_def, stepper.get_state(p_leaves))
-            acc = float(evaluate(params, X_test, Y_test)["accuracy"])
+            params = jax.tree.unflatten(p_def, st.get_state(p_leaves))
+            acc = float(prep.evaluate(params, prep.X_test, prep.Y_test)["accuracy"])
             if acc >= TARGET:
                 break
     return {"steps": step, "accuracy": acc}
@@ -220,7 +220,6 @@ def worker(impl: str, weights_path: str, eval_every: int) -> dict:
 
 def write_weights(path: Path) -> None:
     """nnlite's initial weights of the digits MLP, for the other frameworks to copy."""
-    import jax
 
     import models
     from train.data import load_dataset
@@ -229,9 +228,7 @@ def write_weights(path: Path) -> None:
 
     cfg = _config()
     model = models.MODELS[cfg.model.name](cfg.model, load_dataset(cfg.data))
-    p, _ = init_state_compiled(
-        model, build_optimizer(cfg.optimizer, cfg.train.steps), jax.random.key(cfg.seed)
-    )
+    p, _ = init_state_compiled(model, build_optimizer(cfg.optimizer, cfg.train.steps), cfg.seed)
     layers = [*p.ffn.layers, p.head]
     np.savez(path, **{f"{n}{i}": np.asarray(lp[n]) for i, lp in enumerate(layers) for n in "Wb"})
 

@@ -37,6 +37,11 @@ def test_model_names_match_registry():
         (["bogus.key=1"], r"unknown key 'bogus'; valid keys in the top level: name, seed, model"),
         (["train.steps=abc"], r"train.steps: expected int, got 'abc'"),
         (["train.steps=0"], r"train.steps must be >= 1, got 0"),
+        (["seed=-1"], r"seed must be in \[0, 2147483647\], got -1"),
+        (
+            ["data.split_seed=2147483648"],
+            r"data.split_seed must be in \[0, 2147483647\], got 2147483648",
+        ),
         (["optimizer.learning_rate=fast"], r"optimizer.learning_rate: expected float, got 'fast'"),
         (
             ["optimizer.name=adamax"],

@@ -242,3 +242,38 @@ def test_fused_mode_reaches_autodiff_accuracy(tmp_path):
     fused = run(tmp_path, "configs/digits_mlp.yaml", "loss.grad=fused", "name=fused")
     assert fused.summary["test_accuracy"] >= 0.97
     assert abs(fused.summary["test_accuracy"] - auto.summary["test_accuracy"]) <= 1 / 360
+
+
+@pytest.mark.parametrize("strategy", ["none", "shard_map"])
+def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
+    from train.loop import boundaries, build, prepare, steps_in_call
+
+    cfg = load_config(
+        ROOT / "configs/digits_mlp.yaml",
+        [f"log.dir={tmp_path}", "train.steps_per_call=4", f"parallel.strategy={strategy}"],
+    )
+    r = build(cfg)
+    k = steps_in_call(cfg, 0, boundaries(cfg))
+    prep = prepare(r, cfg.train.nonfinite, k)
+    st = prep.stepper
+    p_leaves = st.put_state(jax.tree.leaves(prep.params0))
+    o_leaves = st.put_state(jax.tree.leaves(prep.opt0))
+    idx = st.put_indices(np.arange(k * cfg.train.batch_size).reshape(k, -1))
+    compiled = []
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        p_leaves, o_leaves, metrics = st.run(p_leaves, o_leaves, prep.X, prep.Y, idx)
+        params = jax.tree.unflatten(jax.tree.structure(prep.params0), st.get_state(p_leaves))
+        evaluated = prep.evaluate(
+            jax.device_put(params, prep.eval_device), prep.X_test, prep.Y_test
+        )
+        jax.block_until_ready((metrics, evaluated))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiled == []  # both calls ran what prepare had compiled
+    assert metrics["loss"].shape == (k,) and np.isfinite(np.asarray(metrics["loss"])).all()

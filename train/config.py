@@ -202,6 +202,9 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     return cls(**kwargs)
 
 
+MAX_SEED = 2**31 - 1
+
+
 def _check(cfg: Config, source: str) -> None:
     """Cross-field rules that types alone cannot express."""
     positive = {
@@ -221,6 +224,9 @@ def _check(cfg: Config, source: str) -> None:
             raise ConfigError(f"{source}: {key} must be >= 1, got {v}")
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"{source}: checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
+    for key, v in {"seed": cfg.seed, "data.split_seed": cfg.data.split_seed}.items():
+        if not 0 <= v <= MAX_SEED:  # numpy's generators want >= 0; the init key takes int32
+            raise ConfigError(f"{source}: {key} must be in [0, {MAX_SEED}], got {v}")
     if not 0.0 < cfg.data.test_fraction < 1.0:
         raise ConfigError(
             f"{source}: data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}"

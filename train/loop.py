@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,15 @@ from . import faults
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import BatchIndices, Dataset, load_dataset
 from .optim import build_optimizer
-from .step import batch_grads_fn, build_eval, build_stepper, mean_loss_fn, step_flags, to_host
+from .step import (
+    batch_grads_fn,
+    build_eval,
+    build_stepper,
+    compile_async,
+    mean_loss_fn,
+    step_flags,
+    to_host,
+)
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
 TIMING_KEYS = ("time", "examples_per_s")
@@ -175,15 +184,100 @@ def init_state(model, optimizer, key):
 
 
 # Init runs once, so compile it fast rather than well: threefry and erf_inv make LLVM's
-# default optimisation cost ~1.1 s for the digits MLP's init, 0.4 s at level 0.
-INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+# default optimisation cost ~1.1 s for the digits MLP's init, 0.2 s at level 0, and 0.1 s
+# without XLA's fusion emitters as well (the same values, bit for bit, as level 0 alone).
+INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
-def init_state_compiled(model, optimizer, key):
-    """``init_state`` as one compiled program. Run eagerly, each random/initializer op
-    compiles its own tiny XLA program (2.5 s in all for the digits MLP, vs 0.4 s)."""
-    fn = jax.jit(lambda k: init_state(model, optimizer, k), compiler_options=INIT_COMPILER_OPTIONS)
-    return fn(key)
+def init_program(model, optimizer):
+    """``init_state`` as one jitted program, ``seed -> (params, opt_state)`` with the key
+    ``jax.random.key(seed)``. Run eagerly, each random/initializer op (the key's creation
+    too) compiles a tiny XLA program of its own (2.5 s in all for the digits MLP, vs 0.1 s)."""
+
+    def init(seed):
+        return init_state(model, optimizer, jax.random.key(seed))
+
+    return jax.jit(init, compiler_options=INIT_COMPILER_OPTIONS)
+
+
+def init_state_compiled(model, optimizer, seed: int):
+    """``init_state`` for ``jax.random.key(seed)``, run as one compiled program."""
+    return init_program(model, optimizer)(seed)
+
+
+@dataclass
+class Prepared:
+    """What a run computes with, compiled and placed (see :func:`prepare`)."""
+
+    params0: object  # initial params and optimizer state, host copies
+    opt0: object
+    stepper: object  # train.step.Stepper
+    evaluate: object  # jitted (params, X, Y) -> metrics
+    X: object  # the train split, placed for the stepper
+    Y: object
+    X_test: object  # the test split, on eval_device
+    Y_test: object
+    eval_device: object
+
+
+def prepare(r: Run, nonfinite: str, first_k: int) -> Prepared:
+    """The initial state, the train step and the evaluation, compiled side by side.
+
+    A small model's cold start is compile time: for the digits MLP ~0.3 s of XLA for the
+    step, ~0.1 s each for init and eval, against a few ms of training per 50 steps. XLA
+    compiles with the GIL released, so each program is traced and lowered here and
+    compiled on a worker thread: the step compiles while init is traced, compiled and run
+    and the eval is traced. The step is traced for init's output *types* placed as
+    ``put_state`` places them (the key of jit's caches), with ``first_k`` steps per call,
+    so the loop's first call finds it compiled (other call sizes compile on first use).
+    """
+    cfg = r.cfg
+    seed = np.int32(cfg.seed)
+    init = init_program(r.model, r.optimizer).trace(seed)
+    p_avals, o_avals = init.out_info
+    p_def, o_def = jax.tree.structure(p_avals), jax.tree.structure(o_avals)
+    stepper = make_stepper(r, p_def, o_def, nonfinite)
+    X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
+    eval_dev = jax.local_devices()[0]
+    X_test, Y_test = (
+        jax.device_put(r.data.x_test, eval_dev),
+        jax.device_put(r.data.y_test, eval_dev),
+    )
+    evaluate = build_eval(mean_loss_fn(r.model))
+    on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
+    eval_params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), p_avals
+    )
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="nnlite-compile") as pool:
+        jobs = []
+        p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
+        if p_abs is not None:  # pmap compiles on its first call
+            o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
+            sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
+            idx = stepper.put_indices(dist.process_share(sampler.batches(0, first_k)))
+            jobs.append(compile_async(pool, stepper.run, p_abs, o_abs, X, Y, idx))
+        init_job = compile_async(pool, init)
+        jobs.append(compile_async(pool, evaluate, eval_params, X_test, Y_test))
+        # Host copies: the step donates its inputs, and these are needed again (resume, replay).
+        params0, opt0 = jax.device_get(init_job.result()(seed))
+        for job in jobs:
+            job.result()  # the first calls must find them compiled, not compile them again
+    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev)
+
+
+def boundaries(cfg: Config) -> list[int]:
+    """The cadences (in steps) at which the loop stops to log, evaluate or checkpoint."""
+    tc = cfg.train
+    return [tc.eval_every, tc.log_every] + ([cfg.checkpoint.every] if cfg.checkpoint.every else [])
+
+
+def steps_in_call(cfg: Config, step: int, every: list[int]) -> int:
+    """How many steps the call starting at ``step`` runs: up to ``train.steps_per_call``,
+    stopping at the next boundary (``every``: :func:`boundaries`) or the end."""
+    tc = cfg.train
+    k = tc.steps_per_call - step % tc.steps_per_call
+    nxt = min([tc.steps] + [(step // e + 1) * e for e in every])
+    return min(k, nxt - step)
 
 
 def _read_metrics(path: Path) -> list[tuple[str, dict]]:
@@ -268,9 +362,11 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     metrics_path = r.run_dir / "metrics.jsonl"
     strategy = cfg.parallel.strategy
 
-    key = jax.random.key(cfg.seed)
-    # Host copies: the step donates its inputs, and these are needed again (replay, resume).
-    params0, opt0 = jax.device_get(init_state_compiled(r.model, r.optimizer, key))
+    tc = cfg.train
+    every = boundaries(cfg)
+    prep = prepare(r, tc.nonfinite, steps_in_call(cfg, 0, every))
+    stepper, evaluate, params0, opt0 = prep.stepper, prep.evaluate, prep.params0, prep.opt0
+    X, Y, X_test, Y_test, eval_dev = prep.X, prep.Y, prep.X_test, prep.Y_test, prep.eval_device
     p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
     sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
 
@@ -299,16 +395,7 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
         + (f"  resuming at step {start}" if start else "")
     )
 
-    tc = cfg.train
-    stepper = make_stepper(r, p_def, o_def, tc.nonfinite)
     loss_fn = mean_loss_fn(r.model, cfg.loss.grad)  # the replay that names a non-finite leaf
-    evaluate = build_eval(mean_loss_fn(r.model))
-    X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
-    eval_dev = jax.local_devices()[0]
-    X_test, Y_test = (
-        jax.device_put(r.data.x_test, eval_dev),
-        jax.device_put(r.data.y_test, eval_dev),
-    )
     p_leaves, o_leaves = stepper.put_state(p_leaves), stepper.put_state(o_leaves)
 
     def host_state(p_leaves, o_leaves):
@@ -329,7 +416,6 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
             )
         )
 
-    every = [tc.eval_every, tc.log_every] + ([cfg.checkpoint.every] if cfg.checkpoint.every else [])
     bar = _progress(cfg, start) if main else _NoBar()
     log_file = open(metrics_path, "a") if main else None  # noqa: SIM115 - closed in finally
     t_start = t_window = time.perf_counter()
@@ -344,10 +430,7 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     try:
         with watch:
             while step < tc.steps:
-                # Advance K steps, stopping at the next log/eval/checkpoint/end boundary.
-                k = tc.steps_per_call - step % tc.steps_per_call
-                nxt = min([tc.steps] + [(step // e + 1) * e for e in every])
-                k = min(k, nxt - step)
+                k = steps_in_call(cfg, step, every)
                 p_leaves, o_leaves, metrics = run_steps(p_leaves, o_leaves, step, k)
                 if sync_each_call:
                     jax.block_until_ready(p_leaves)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,16 @@ class Stepper:
     put_data: Callable  # numpy array -> placed for `run`
     put_indices: Callable  # numpy [K, B] -> placed for `run`
     get_state: Callable  # placed leaves -> single-copy leaves (for eval and checkpoints)
+    # Where put_state places every leaf (None: pmap, whose placement has no such sharding);
+    # abstract_state() uses it to compile `run` before the state exists.
+    state_sharding: Any = None
+
+    def abstract_state(self, avals) -> list | None:
+        """``ShapeDtypeStruct`` stand-ins for ``put_state(leaves)``, given the leaves' shapes
+        and dtypes: what ``run`` can be traced and compiled for ahead of time (None for pmap)."""
+        if self.state_sharding is None:
+            return None
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding) for a in avals]
 
 
 def build_stepper(
@@ -174,6 +185,7 @@ def build_stepper(
             # path costs tens of microseconds per call, as much as a whole small step.
             put_indices=np.asarray,
             get_state=lambda leaves: leaves,
+            state_sharding=jax.sharding.SingleDeviceSharding(dev),
         )
 
     if strategy == "pmap":
@@ -220,9 +232,25 @@ def build_stepper(
                 by_batch, idx, (idx.shape[0], idx.shape[1] * n_proc)
             ),
             get_state=lambda leaves: [v.addressable_data(0) for v in leaves],
+            state_sharding=replicated,
         )
 
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def compile_async(executor: Executor, fn, *args) -> Future:
+    """Trace and lower ``fn`` (a ``jax.jit`` function, or a ``Traced`` one when ``args`` is
+    empty) on this thread; compile it on ``executor``.
+
+    XLA releases the GIL while it compiles, so several programs compile while this thread
+    traces the next one. A later call of ``fn`` with arguments of the same types (shape,
+    dtype, weak type and sharding: abstract ``ShapeDtypeStruct`` arguments must carry the
+    sharding the real ones will have) finds the executable in jit's caches; wait for the
+    future first, or that call compiles the program a second time. The future's result is
+    the ``Compiled`` executable.
+    """
+    traced = fn.trace(*args) if args else fn
+    return executor.submit(traced.lower().compile)
 
 
 def all_finite(tree: Any) -> jax.Array:
