@@ -320,6 +320,59 @@ class Nnlite(Impl):
         return float(metrics["loss"][-1])
 
 
+class MatmulFloor(Impl):
+    """Not a trainer: only the matmuls of a train step, to bound what any implementation can
+    reach. Per step: the forward ``h @ W`` of every layer, then from the top the weight
+    gradient ``h^T dz`` (contracting the batch) and the input gradient ``dz W^T`` of every
+    layer but the first, with the dimension numbers autodiff gives them; then ``W -= 1e-6 dW``
+    so each step depends on the last (no activations, no loss, no Adam). Steps run
+    ``steps_per_call`` to a ``lax.scan`` call, so dispatch is amortised too."""
+
+    name = "matmul floor"
+
+    def __init__(self, *args, steps_per_call: int = 1, **kwargs):
+        self.steps_per_call = steps_per_call
+        super().__init__(*args, **kwargs)
+
+    def setup(self, X, Y, idx):
+        super().setup(X, Y, idx)
+        k, nb = self.steps_per_call, len(self.batches)
+        self.block = jnp.stack([self.batches[j % nb][0] for j in range(k)])  # K steps' inputs
+
+        def one(Ws, x):
+            hs = [x]
+            for W in Ws:
+                hs.append(hs[-1] @ W)
+            dz, dWs = hs[-1], [None] * len(Ws)
+            for i in reversed(range(len(Ws))):
+                dWs[i] = jax.lax.dot_general(hs[i], dz, (((0,), (0,)), ((), ())))
+                if i:
+                    dz = dz @ Ws[i].T
+            return [W - 1e-6 * dW for W, dW in zip(Ws, dWs)]
+
+        @partial(jax.jit, donate_argnums=0)
+        def steps(Ws, xs):
+            Ws, _ = jax.lax.scan(lambda Ws, x: (one(Ws, x), None), Ws, xs)
+            return Ws
+
+        self.step = steps
+
+    def reset(self):
+        self.Ws = [jnp.asarray(W) for W, _ in self.weights]
+        self.t = 0
+
+    def run(self, n):
+        if n % self.steps_per_call:
+            raise ValueError(
+                f"matmul floor: {n} steps is not a multiple of K={self.steps_per_call}"
+            )
+        Ws = self.Ws
+        for _ in range(n // self.steps_per_call):
+            Ws = self.step(Ws, self.block)
+        self.Ws, self.t = Ws, self.t + n
+        return float(Ws[-1][0, 0])
+
+
 def build_all(spec: Spec, *, n_batches: int = 10, steps_per_call: int = 10, lr: float = 1e-3):
     """Every implementation on the same weights, data and optimizer (``optax.adam(lr)``)."""
     weights = init_weights(spec)
