@@ -27,3 +27,27 @@ def test_matmul_flops_counts_what_autodiff_computes():
     fwd = 2 * 3 * (4 * 8 + 8 * 2)
     # Weight gradients for both layers, the input gradient only for the second.
     assert spec.matmul_flops() == 2 * fwd + 2 * 3 * 8 * 2
+
+
+def test_matmul_floor_does_the_steps_matmuls():
+    import numpy as np
+
+    from benchmarks._impls import MatmulFloor, init_weights, make_data
+
+    weights, (X, Y, idx) = init_weights(TINY), make_data(TINY, 3)
+    floor = MatmulFloor(TINY, weights, X, Y, idx, None, steps_per_call=2)
+    floor.run(4)  # two calls of K=2 steps, each step on the same block of 2 batches
+    Ws = [np.asarray(W, np.float64) for W, _ in weights]
+    for step in range(4):
+        hs = [X[idx[step % 2]].astype(np.float64)]
+        for W in Ws:
+            hs.append(hs[-1] @ W)
+        dz, dWs = hs[-1], [None] * len(Ws)
+        for i in reversed(range(len(Ws))):
+            dWs[i] = hs[i].T @ dz
+            dz = dz @ Ws[i].T
+        Ws = [W - 1e-6 * dW for W, dW in zip(Ws, dWs)]
+    for got, want in zip(floor.Ws, Ws):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="not a multiple of K=2"):
+        floor.run(3)
