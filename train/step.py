@@ -144,7 +144,10 @@ def build_stepper(
     def one_step(p_leaves, o_leaves, X, Y, idx):
         params = jax.tree.unflatten(params_def, p_leaves)
         opt_state = jax.tree.unflatten(opt_def, o_leaves)
-        x, y = jnp.take(X, idx, axis=0), jnp.take(Y, idx, axis=0)
+        # The sampler's indices are in range by construction: promising so skips the
+        # bounds test and NaN fill of a default gather (the 256x784 gather alone: 85 ->
+        # 39 us on the CPU; within noise for the whole MEDIUM step).
+        x, y = X.at[idx].get(mode="promise_in_bounds"), Y.at[idx].get(mode="promise_in_bounds")
         loss, metrics, grads = batch_grads(params, x, y)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
