@@ -84,6 +84,7 @@ class Impl:
 
     name = ""
     steps_per_call = 1
+    trains = True  # False: a timing reference that computes no loss (skipped by losses_after)
 
     def __init__(self, spec, weights, X, Y, idx, tx):
         self.spec, self.weights, self.tx = spec, weights, tx
@@ -329,6 +330,7 @@ class MatmulFloor(Impl):
     ``steps_per_call`` to a ``lax.scan`` call, so dispatch is amortised too."""
 
     name = "matmul floor"
+    trains = False
 
     def __init__(self, *args, steps_per_call: int = 1, **kwargs):
         self.steps_per_call = steps_per_call
@@ -373,8 +375,16 @@ class MatmulFloor(Impl):
         return float(Ws[-1][0, 0])
 
 
-def build_all(spec: Spec, *, n_batches: int = 10, steps_per_call: int = 10, lr: float = 1e-3):
-    """Every implementation on the same weights, data and optimizer (``optax.adam(lr)``)."""
+def build_all(
+    spec: Spec,
+    *,
+    n_batches: int = 10,
+    steps_per_call: int = 10,
+    lr: float = 1e-3,
+    matmul_floor: bool = False,
+):
+    """Every implementation on the same weights, data and optimizer (``optax.adam(lr)``);
+    with ``matmul_floor``, the :class:`MatmulFloor` reference last."""
     weights = init_weights(spec)
     X, Y, idx = make_data(spec, n_batches)
     tx = optax.adam(lr)
@@ -386,13 +396,15 @@ def build_all(spec: Spec, *, n_batches: int = 10, steps_per_call: int = 10, lr: 
     ]
     if steps_per_call > 1:
         impls.append(Nnlite(spec, weights, X, Y, idx, tx, steps_per_call=steps_per_call))
+    if matmul_floor:
+        impls.append(MatmulFloor(spec, weights, X, Y, idx, None, steps_per_call=steps_per_call))
     return impls
 
 
 def losses_after(impls, n_steps: int) -> dict[str, float]:
-    """Reset each implementation, train ``n_steps`` and return its last loss."""
+    """Reset each implementation that trains, train ``n_steps`` and return its last loss."""
     out = {}
-    for impl in impls:
+    for impl in (i for i in impls if i.trains):
         impl.reset()
         out[impl.name] = impl.run(n_steps)
         impl.reset()

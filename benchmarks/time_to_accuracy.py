@@ -79,14 +79,14 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
     optimizer = build_optimizer(cfg.optimizer, tc.steps)
     run = Run(cfg, data, model, optimizer, jax.local_devices()[:1], Path("unused"))
     every = boundaries(cfg)
-    prep = prepare(run, tc.nonfinite, steps_in_call(cfg, 0, every))
+    sampler = BatchIndices(cfg.seed, len(data.x), tc.batch_size)
+    prep = prepare(run, tc.nonfinite, sampler.batches(0, steps_in_call(cfg, 0, every)))
     st = prep.stepper
     p_leaves, o_leaves = (
         st.put_state(jax.tree.leaves(prep.params0)),
         st.put_state(jax.tree.leaves(prep.opt0)),
     )
     p_def = jax.tree.structure(prep.params0)
-    sampler = BatchIndices(cfg.seed, len(data.x), tc.batch_size)
     step, acc = 0, 0.0
     while step < tc.steps:
         k = steps_in_call(cfg, step, every)
@@ -277,9 +277,15 @@ def main(argv=None) -> int:
         warm_env = cache_env(str(Path(tmp) / "jax_cache"))
 
         def run(impl: str) -> dict:
-            argv = ["--worker", impl, "--weights", str(weights)]
+            argv = [
+                "--worker",
+                impl,
+                "--weights",
+                str(weights),
+                "--eval-every",
+                str(args.eval_every),
+            ]
             env = warm_env if impl == WARM else cache_env(None)
-            argv += ["--eval-every", str(args.eval_every)]
             return h.run_module_json("benchmarks.time_to_accuracy", argv, env=env)
 
         run(WARM)  # untimed: fills the cache

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _harness as h
-from ._impls import SPECS, MatmulFloor, build_all, init_weights, losses_after, make_data
+from ._impls import SPECS, build_all, losses_after
 
 # Steps per timed sample, and nnlite's steps per call, for each size: enough work per
 # sample that timer resolution and one-off hiccups do not matter.
@@ -61,10 +61,8 @@ def bench_size(size: str, rounds: int, quick: bool) -> dict:
     n = STEPS_PER_SAMPLE[size]
     if quick:
         n = max(k, n // 4 // k * k)
-    impls = build_all(spec, steps_per_call=k)
+    impls = build_all(spec, steps_per_call=k, matmul_floor=True)
     losses = check_losses(impls)
-    weights, (X, Y, idx) = init_weights(spec), make_data(spec, 10)
-    impls.append(MatmulFloor(spec, weights, X, Y, idx, None, steps_per_call=k))
     cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
     gemm_flops = None
     if size == "large":

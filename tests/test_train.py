@@ -254,11 +254,12 @@ def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
     )
     r = build(cfg)
     k = steps_in_call(cfg, 0, boundaries(cfg))
-    prep = prepare(r, cfg.train.nonfinite, k)
+    first = np.arange(k * cfg.train.batch_size).reshape(k, -1)
+    prep = prepare(r, cfg.train.nonfinite, first)
     st = prep.stepper
     p_leaves = st.put_state(jax.tree.leaves(prep.params0))
     o_leaves = st.put_state(jax.tree.leaves(prep.opt0))
-    idx = st.put_indices(np.arange(k * cfg.train.batch_size).reshape(k, -1))
+    idx = st.put_indices(first)
     compiled = []
 
     def on_event(event, duration, **kwargs):

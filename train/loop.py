@@ -220,7 +220,7 @@ class Prepared:
     eval_device: object
 
 
-def prepare(r: Run, nonfinite: str, first_k: int) -> Prepared:
+def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     """The initial state, the train step and the evaluation, compiled side by side.
 
     A small model's cold start is compile time: for the digits MLP ~0.3 s of XLA for the
@@ -228,8 +228,9 @@ def prepare(r: Run, nonfinite: str, first_k: int) -> Prepared:
     compiles with the GIL released, so each program is traced and lowered here and
     compiled on a worker thread: the step compiles while init is traced, compiled and run
     and the eval is traced. The step is traced for init's output *types* placed as
-    ``put_state`` places them (the key of jit's caches), with ``first_k`` steps per call,
-    so the loop's first call finds it compiled (other call sizes compile on first use).
+    ``put_state`` places them (the key of jit's caches) and for ``first_indices`` (this
+    process's ``[K, batch]`` indices of the first call), so the loop's first call finds it
+    compiled (other call sizes compile on first use).
     """
     cfg = r.cfg
     seed = np.int32(cfg.seed)
@@ -253,8 +254,7 @@ def prepare(r: Run, nonfinite: str, first_k: int) -> Prepared:
         p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
         if p_abs is not None:  # pmap compiles on its first call
             o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
-            sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
-            idx = stepper.put_indices(dist.process_share(sampler.batches(0, first_k)))
+            idx = stepper.put_indices(first_indices)
             jobs.append(compile_async(pool, stepper.run, p_abs, o_abs, X, Y, idx))
         init_job = compile_async(pool, init)
         jobs.append(compile_async(pool, evaluate, eval_params, X_test, Y_test))
@@ -364,11 +364,12 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
 
     tc = cfg.train
     every = boundaries(cfg)
-    prep = prepare(r, tc.nonfinite, steps_in_call(cfg, 0, every))
+    sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
+    first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, every)))
+    prep = prepare(r, tc.nonfinite, first)
     stepper, evaluate, params0, opt0 = prep.stepper, prep.evaluate, prep.params0, prep.opt0
     X, Y, X_test, Y_test, eval_dev = prep.X, prep.Y, prep.X_test, prep.Y_test, prep.eval_device
     p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
-    sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
 
     # Decide where to start before writing anything: a bad checkpoint must not cost files.
     start, p_leaves, o_leaves, skipped, good_ckpt = _agree_on_start(
