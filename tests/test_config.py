@@ -233,3 +233,81 @@ def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
 
     code, err = cli(capsys, *base, "--resume", "--set", f"log.dir={tmp_path}/empty")
     assert code == 2 and "--resume: no checkpoint in" in err
+
+
+# -- issue 14: every bad input one clear line ------------------------------------------------
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "optimizer.learning_rate=.nan",
+            r"optimizer.learning_rate: expected a finite number, got nan",
+        ),
+        (
+            "optimizer.learning_rate=.inf",
+            r"optimizer.learning_rate: expected a finite number, got inf",
+        ),
+        ("optimizer.learning_rate=1e400", r"expected a finite number, got 1e400"),
+        ("optimizer.clip_norm=-.inf", r"optimizer.clip_norm: expected a finite number, got -inf"),
+        ("optimizer.momentum=.nan", r"optimizer.momentum: expected a finite number, got nan"),
+        ("name=../escaped", r"name must be one directory name .* got '../escaped'"),
+        ("name=a/b", r"name must be one directory name .* got 'a/b'"),
+        ("name=''", r"name must be one directory name .* got ''"),
+        ("name=.hidden", r"name must be one directory name .* got '.hidden'"),
+        ("train.steps=100000000000000000000000", r"train.steps: .* is out of range"),
+        ("train.steps=3000000000", r"train.steps must be at most 2147483647 .*int32"),
+        ("train.step_timeout=-1", r"train.step_timeout must be >= 0"),
+        ("distributed.heartbeat_timeout=99999999999", r"heartbeat_timeout must be at most"),
+        ("compile_cache=''", r"compile_cache must be 'auto', a directory or null"),
+    ],
+)
+def test_more_bad_values_are_named_against_their_set(capsys, tmp_path, override, message):
+    code, err = cli(capsys, "--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", override)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --set {override}: "), err  # --set is the source, not the file
+    assert re.search(message, err), err
+    assert not any(tmp_path.iterdir()) and not (ROOT / "escaped").exists()
+
+
+def test_set_typos_name_the_set_not_the_file(capsys):
+    code, err = cli(capsys, "--config", DIGITS, "--set", "trian.steps=3")
+    assert code == 2 and err.startswith("error: --set trian.steps=3: unknown key 'trian'"), err
+    code, err = cli(capsys, "--config", DIGITS, "--set", "train.stepz=3", "--set", "seed=1")
+    assert err.startswith("error: --set train.stepz=3: unknown key 'train.stepz'"), err
+    code, err = cli(capsys, "--config", DIGITS, "--set", "train.steps=abc")
+    assert err.startswith("error: --set train.steps=abc: train.steps: expected int"), err
+
+
+def test_exponent_floats_without_a_dot_are_floats(capsys, tmp_path):
+    path = write(tmp_path, "optimizer:\n  learning_rate: 1e-4\n  weight_decay: 5E-3\n")
+    cfg = config_mod.load_config(path, ["optimizer.clip_norm=1e0", "data.test_fraction=2.5e-1"])
+    assert cfg.optimizer.learning_rate == 1e-4 and cfg.optimizer.weight_decay == 5e-3
+    assert cfg.optimizer.clip_norm == 1.0 and cfg.data.test_fraction == 0.25
+    # an int key stays an int key; a word is still refused
+    code, err = cli(capsys, "--config", DIGITS, "--set", "train.steps=1e3")
+    assert code == 2 and "train.steps: expected int, got '1e3'" in err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            "optimizer:\n  name: caf\xe9\n".encode("latin-1"),
+            r"not UTF-8 text \(byte 0xe9 at line 2\)",
+        ),
+        ("train:\n  steps: 3\n".encode("utf-16"), r"the file is UTF-16 text; save it as UTF-8"),
+        (b"\x7fELF\x02\x01\x01\x00\x00\x00", r"not a text file \(it contains NUL bytes\)"),
+    ],
+)
+def test_config_files_that_are_not_utf8(capsys, tmp_path, content, message):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    code, err = cli(capsys, "--config", str(path))
+    assert code == 2 and err.count("\n") == 1 and re.search(message, err), err
+    assert str(path) in err
+
+
+def test_utf8_with_bom_is_read(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes("\ufefftrain:\n  steps: 3\n".encode())
+    assert config_mod.load_config(path).train.steps == 3
