@@ -151,12 +151,46 @@ Y = np.arange(40) % 4
             {"x": X, "y": np.array(["a"] * 40)},
             r"y must be integer labels or float targets, got dtype <U1",
         ),
+        ({"x": X.astype(str), "y": Y}, r"x must be numeric, got dtype <U"),
+        (
+            {"x": X, "y": Y.astype(bool)},
+            r"y must be integer labels or float targets, got dtype bool",
+        ),
+        # 10^9 as a label: not a 7.45 GiB bincount, not a 10^9-way output layer
+        (
+            {"x": X, "y": np.where(Y == 3, 10**9, Y)},
+            r"labels must be class indices 0..K-1, but the largest is 1000000000 and only 4 "
+            r"distinct labels occur .*map them to 0..3",
+        ),
     ],
 )
 def test_bad_npz(tmp_path, capsys, arrays, message):
 
     code, err = npz_case(tmp_path, capsys, **arrays)
     assert code == 2 and re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            b"x,y\n1.0,2\n",
+            r"is a text file \(first line 'x,y'\), not an .npz; expected an .npz archive",
+        ),
+        (b"", r"the file is empty"),
+        (b"\x00\x01\x02binary", r"not an .npz archive \(it starts with b'\\x00\\x01"),
+    ],
+)
+def test_npz_that_is_something_else_says_what_it_is(tmp_path, capsys, content, message):
+    path = tmp_path / "d.npz"
+    path.write_bytes(content)
+    code, err = cli(capsys, *npz_args(path, tmp_path))
+    assert code == 2 and err.count("\n") == 1 and re.search(message, err), err
+    assert "pickled" not in err
+    np.save(tmp_path / "one.npy", X)
+    (tmp_path / "one.npy").rename(path)
+    code, err = cli(capsys, *npz_args(path, tmp_path))
+    assert code == 2 and "is a .npy file (a single array)" in err, err
 
 
 def test_npz_missing_and_unreadable(tmp_path, capsys):
@@ -175,7 +209,7 @@ def test_npz_missing_and_unreadable(tmp_path, capsys):
     code, err = cli(
         capsys, "--config", DIGITS, "--set", "data.name=npz", "--set", f"data.path={bad}"
     )
-    assert code == 2 and "not a readable .npz file" in err
+    assert code == 2 and "is a text file (first line 'not a zip'), not an .npz" in err
 
 
 def test_npz_trains(tmp_path, capsys):
