@@ -345,3 +345,52 @@ def test_utf8_with_bom_is_read(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_bytes("\ufefftrain:\n  steps: 3\n".encode())
     assert config_mod.load_config(path).train.steps == 3
+
+
+def test_untrusted_checkpoint_metadata_and_nan_checkpoints_are_refused(tmp_path, capsys):
+    import safetensors
+    import safetensors.numpy
+
+    base = ["--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", "log.progress=false"]
+    base += ["--set", "model.hidden_sizes=[8]", "--set", "train.steps=4", "--set", "log.plot=false"]
+    assert main(base) == 0
+    capsys.readouterr()
+    ckpt = tmp_path / "digits_mlp" / "checkpoints" / "ckpt_00000004.safetensors"
+    with safetensors.safe_open(str(ckpt), framework="numpy") as f:
+        meta = dict(f.metadata())
+    tensors = safetensors.numpy.load_file(str(ckpt))
+    later = [*base, "--set", "train.steps=8"]
+
+    def resume_with(meta, tensors=tensors):
+        safetensors.numpy.save_file(tensors, str(ckpt), metadata=meta)
+        return cli(capsys, *later)
+
+    for changed, message in [
+        ({"step": None}, "its metadata has no 'step'"),
+        ({"step": "four"}, "its metadata 'step' is 'four', not an integer"),
+        ({"step": "-4"}, "its metadata 'step' is '-4', not an integer"),
+        ({"step": "3"}, "its metadata says step 3 but its name says step 4"),
+        ({"skipped_steps": "1.5"}, "'skipped_steps' is '1.5', not an integer"),
+    ]:
+        m = {k: v for k, v in {**meta, **changed}.items() if v is not None}
+        code, err = resume_with(m)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    key = next(k for k in tensors if k.startswith("params/"))
+    nan = {**tensors, key: np.full_like(tensors[key], np.nan)}
+    code, err = resume_with(meta, nan)
+    assert code == 2 and f"'{key}' holds non-finite values, so it cannot be resumed" in err, err
+    assert "last good checkpoint" not in err
+    code, err = resume_with(meta)
+    assert code == 0, err
+
+
+def test_checkpoints_past_step_99999999_are_found_in_step_order(tmp_path):
+    from train.checkpoint import list_checkpoints
+
+    for step in (99999999, 100000000, 7):
+        (tmp_path / f"ckpt_{step:08d}.safetensors").write_bytes(b"")
+    assert [p.name[5:-12] for p in list_checkpoints(tmp_path)] == [
+        "00000007",
+        "99999999",
+        "100000000",
+    ]
