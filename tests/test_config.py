@@ -394,3 +394,110 @@ def test_checkpoints_past_step_99999999_are_found_in_step_order(tmp_path):
         "99999999",
         "100000000",
     ]
+
+
+# -- absurd sizes: refused before anything is allocated, naming the key ---------------------
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.batch_size=1000000000000"], r"reduce train.batch_size \(now 1000000000000\)"),
+        (
+            ["model.hidden_sizes=[10000000000]"],
+            r"reduce model.hidden_sizes \(now \[10000000000\]\)",
+        ),
+        (
+            ["parallel.strategy=shard_map", "train.batch_size=4000000000"],
+            r"reduce train.batch_size \(now 4000000000\)",
+        ),
+        (["data.name=mnist1d", "data.num_samples=100000000000"], r"data.num_samples=100000000000"),
+    ],
+)
+def test_absurd_sizes_are_refused_before_allocating(capsys, tmp_path, overrides, message):
+    sets = [x for o in overrides for x in ("--set", o)]
+    code, err = cli(capsys, "--config", DIGITS, "--set", f"log.dir={tmp_path}", *sets)
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(r"needs at least [\d.]+ [KMGTP]iB", err), err
+    assert "this machine has" in err and re.search(message, err), err
+    assert not any(tmp_path.iterdir())
+
+
+def test_memory_estimate_is_a_lower_bound_that_passes_real_configs():
+    from train import loop, memory
+
+    cfg = config_mod.load_config(DIGITS, ["parallel.strategy=shard_map"])
+    r = loop.build(cfg)
+    est = memory.estimate(cfg, r.model, r.optimizer, r.data, 8, 8)
+    p = r.model.init(__import__("jax").random.key(0)).num_params() * 4
+    assert est.state >= p * (1 + 8 * 2)  # host copy + params and grads on each device
+    assert est.data >= 9 * r.data.x.nbytes and est.total < est.limit
+
+
+# -- the run directory: checked before anything is written ----------------------------------
+def small_run(tmp_path, *sets):
+    args = ["--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", "log.progress=false"]
+    for o in ("log.plot=false", "model.hidden_sizes=[8]", "train.steps=4", *sets):
+        args += ["--set", o]
+    return args
+
+
+def test_file_system_problems_are_one_line_and_damage_nothing(tmp_path, capsys):
+    logfile = tmp_path / "logfile"
+    logfile.write_text("x")
+    code, err = cli(capsys, *small_run(logfile))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{logfile} is a file, but it must be a directory (log.dir)" in err
+    (tmp_path / "digits_mlp").write_text("x")
+    code, err = cli(capsys, *small_run(tmp_path))
+    assert code == 2 and "digits_mlp is a file, but it must be the run directory" in err, err
+    (tmp_path / "digits_mlp").unlink()
+    assert main(small_run(tmp_path)) == 0
+    run_dir = tmp_path / "digits_mlp"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "checkpoints").write_text("not a directory")
+    capsys.readouterr()
+    code, err = cli(capsys, *small_run(tmp_path, "train.steps=8"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "checkpoints is a file, but it must be the checkpoint directory" in err
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name in before}
+    assert after == before  # metrics.jsonl was not rewritten
+
+
+def test_a_read_only_run_directory_is_refused_before_writing(tmp_path, capsys, monkeypatch):
+    import os
+    import tempfile
+
+    assert main(small_run(tmp_path)) == 0
+    run_dir = tmp_path / "digits_mlp"
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    run_dir.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anyway: make the write fail as it would for others
+        real = tempfile.mkstemp
+
+        def mkstemp(*a, dir=None, **k):
+            if dir is not None and Path(dir) == run_dir:
+                raise PermissionError(13, "Permission denied")
+            return real(*a, dir=dir, **k)
+
+        monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    try:
+        capsys.readouterr()
+        code, err = cli(capsys, *small_run(tmp_path, "train.steps=8"))
+    finally:
+        run_dir.chmod(0o755)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"cannot write in {run_dir} (Permission denied)" in err
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_rerunning_a_finished_run_says_so_with_its_final_metrics(tmp_path, capsys):
+    assert main(small_run(tmp_path)) == 0
+    done = capsys.readouterr().out.splitlines()[-1]
+    assert main(small_run(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "already finished: step 4 of train.steps=4, test loss " in out, out
+    assert "test accuracy" in out and "nan" not in out and "examples/s" not in out
+    loss = re.search(r"test loss (\d\.\d{4})", done).group(1)
+    assert f"test loss {loss}" in out

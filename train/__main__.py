@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_NONFINITE
     except Exception as e:
+        if isinstance(e, OSError) and (e.filename or not multiprocess):
+            # the disk filled up, a directory vanished or became read-only mid-run
+            where = f": {e.filename}" if e.filename else ""
+            return _exit(f"error: {e.strerror or e}{where}", faults.EXIT_FAILURE, multiprocess)
         if not multiprocess:
             raise
         # A collective failed: almost always another process died. A normal exit would

@@ -262,7 +262,7 @@ class Watchdog:
             else "the device is stuck, or steps really take this long"
         )
         return (
-            f"error: no compiled call finished within {limit:.0f} s (train.step_timeout) at "
+            f"error: no compiled call finished within {limit:g} s (train.step_timeout) at "
             f"step {step}: {cause}; the last checkpoint is intact, rerun to resume "
             "(train.step_timeout: seconds, 0 to disable)"
         )
@@ -290,13 +290,25 @@ def stuck_here(step: int, k: int, process: int) -> bool:
     return step < int(at) <= step + k and (not proc or int(proc) == process)
 
 
-def stuck_call():
-    """Dispatch a compiled call that never finishes (its host callback waits forever)."""
-    never = threading.Event()
+class StuckCall:
+    """A compiled call that does not finish until ``release`` is set (never, by default):
+    its host callback waits. The CPU runtime runs a call with a host callback in the
+    dispatching thread, so it is dispatched from a thread of its own; ``block_until_ready``
+    waits for it as for any output (and holds up the device's later calls meanwhile)."""
 
-    def wait_forever(x):
-        never.wait()
-        return x
+    def __init__(self, release: threading.Event | None = None):
+        self.release = release or threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nnlite-stuck-call", daemon=True)
+        self._thread.start()
 
-    spec = jax.ShapeDtypeStruct((), np.float32)
-    return jax.jit(lambda x: jax.pure_callback(wait_forever, spec, x))(np.float32(0))
+    def _run(self):
+        def wait(x):
+            self.release.wait()
+            return x
+
+        spec = jax.ShapeDtypeStruct((), np.float32)
+        jax.block_until_ready(jax.jit(lambda x: jax.pure_callback(wait, spec, x))(np.float32(0)))
+
+    def block_until_ready(self):
+        self._thread.join()
+        return self
