@@ -170,10 +170,12 @@ class Watchdog:
         multiprocess: bool = False,
         cap: float | None = None,
         warmup: int = 3,
+        fresh_line: bool = False,
         on_timeout=None,
     ):
         self.timeout, self.multiprocess, self.cap, self.warmup = timeout, multiprocess, cap, warmup
         self.on_timeout = on_timeout or _exit_stuck
+        self.fresh_line = fresh_line  # a progress bar may have left the line open
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._current: tuple[float, int] | None = (
@@ -251,7 +253,7 @@ class Watchdog:
             started, step = current
             limit = self.limit()
             if time.monotonic() - started > limit:
-                self.on_timeout(self._message(step, limit))
+                self.on_timeout(("\n" if self.fresh_line else "") + self._message(step, limit))
                 return
 
     def _message(self, step: int, limit: float) -> str:

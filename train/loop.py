@@ -368,12 +368,14 @@ def _agree_on_start(cfg, resume: str, ckpt_dir: Path, params0, opt0):
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad
-    checkpoint raises ConfigError on every process (process 0 says why).
+    checkpoint or an unwritable run directory raises ConfigError on every process
+    (process 0 says why).
     """
     p_leaves, o_leaves = jax.tree.leaves(params0), jax.tree.leaves(opt0)
     start, skipped, path, error = 0, 0, None, None
     if dist.is_main():
         try:
+            check_run_dir(ckpt_dir.parent)  # before anything is written
             existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
             if resume == "require" and not existing:
                 raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
@@ -408,8 +410,6 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     if not dist.is_main():
         echo = _quiet
     r = build(cfg)
-    if dist.is_main():
-        check_run_dir(r.run_dir)
     loop = _Loop.begin(r, resume, echo)
     if loop.step >= cfg.train.steps:
         return loop.already_finished()
@@ -513,6 +513,7 @@ class _Loop:
             multiprocess=dist.is_multiprocess(),
             # automatic: fire before JAX's heartbeat abort does (a C++ stack, status -6)
             cap=0.8 * settings.heartbeat_timeout if settings else None,
+            fresh_line=cfg.log.progress and dist.is_main(),
         )
         loop.t_start = loop.t_window = time.perf_counter()
         return loop
