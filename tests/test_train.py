@@ -1,6 +1,7 @@
 """The training CLI: equivalences between strategies, resume, determinism, shipped configs."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -332,7 +333,7 @@ def test_compile_cache_is_the_clis_alone(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("setting", ["auto", None])
 def test_python_m_train_fills_the_compile_cache_unless_off(tmp_path, setting):
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("JAX_COMPILATION")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION")}
     env.update(NNLITE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     sets = [
         "name=c",
