@@ -325,8 +325,9 @@ def test_watchdog_fires_on_a_stuck_call_and_not_on_finished_ones():
 
 
 def test_watchdog_automatic_limit_follows_the_first_calls():
+    assert faults.Watchdog(None).limit() == faults.STARTUP_TIMEOUT_S
     dog = faults.Watchdog(None, warmup=2, cap=50.0)
-    assert dog.limit() == faults.STARTUP_TIMEOUT_S
+    assert dog.limit() == 50.0
     dog._done, dog._slowest = 2, 0.01
     assert dog.limit() == faults.STEP_TIMEOUT_FLOOR_S
     dog._slowest = 2.0

@@ -24,11 +24,8 @@ import threading
 import time
 from typing import Any
 
-import jax
-import numpy as np
-import optax
-
-import nnlite as nl
+# No jax/numpy/optax at import time: ``python -m train`` imports this module first and
+# installs its start-up signal handlers right after, before the heavy imports.
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -123,6 +120,12 @@ def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y) -> str | None:
     step; None if everything comes out finite there.
     """
 
+    import jax
+    import numpy as np
+    import optax
+
+    import nnlite as nl
+
     @jax.jit
     def step(params, opt_state, x, y):
         (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y)
@@ -198,8 +201,9 @@ class Watchdog:
         with self._lock:
             done, slowest = self._done, self._slowest
         if done < self.warmup:
-            return STARTUP_TIMEOUT_S
-        auto = max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * slowest)
+            auto = STARTUP_TIMEOUT_S
+        else:
+            auto = max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * slowest)
         return min(auto, self.cap) if self.cap else auto
 
     def __enter__(self):
@@ -304,6 +308,9 @@ class StuckCall:
         self._thread.start()
 
     def _run(self):
+        import jax
+        import numpy as np
+
         def wait(x):
             self.release.wait()
             return x

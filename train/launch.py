@@ -163,10 +163,15 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
                 first_exit = (*exited[0], time.monotonic())
         if first_exit is not None:
             i, c, t = first_exit
-            if c not in _AGREED or time.monotonic() - t > _GRACE_S:
+            # After a forwarded SIGTERM, a process still starting up may die of it.
+            agreed = (*_AGREED, -signal.SIGTERM) if signalled else _AGREED
+            if c not in agreed or time.monotonic() - t > _GRACE_S:
                 # A killed process can take a moment to be reaped after its peers have
-                # already failed because of it: look again before naming the cause.
-                time.sleep(1.0)
+                # already failed because of it (seconds on a loaded machine): look again
+                # before naming the cause.
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline and not any((p.poll() or 0) < 0 for p in procs):
+                    time.sleep(0.05)
                 killed = [(j, p.poll()) for j, p in enumerate(procs) if (p.poll() or 0) < 0]
                 if killed and c >= 0:
                     first_exit = (*killed[0], t)
