@@ -36,7 +36,6 @@ from ._nn import sigmoid as sigmoid
 from ._nn import softplus as softplus
 from ._nn import tanh as tanh
 from ._params import ParamsDict as ParamsDict
-from ._params import PathKey as PathKey
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
 from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
@@ -44,6 +43,26 @@ from ._show_jaxpr import roundtrip as roundtrip
 from ._show_jaxpr import show_jaxpr as show_jaxpr
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Deprecated names: still importable, with a warning that says what replaces them.
+    if name == "PathKey":
+        import warnings
+
+        import jax
+
+        warnings.warn(
+            "nl.PathKey is deprecated: ParamsDict key paths now use JAX's standard "
+            "jax.tree_util.DictKey (orbax, keystr and optax read it); nl.PathKey is that "
+            "class (its .key is the old .name), and nl.format_path(path) still prints "
+            "'/layers[0]/W'",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return jax.tree_util.DictKey
+    raise AttributeError(f"module 'nnlite' has no attribute {name!r}")
+
 
 __all__ = [
     "ACTIVATIONS",
@@ -56,7 +75,6 @@ __all__ = [
     "Linear",
     "Module",
     "ParamsDict",
-    "PathKey",
     "Sequential",
     "SoftmaxHead",
     "UnsupportedPrimitiveError",
