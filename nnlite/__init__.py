@@ -38,6 +38,9 @@ from ._nn import tanh as tanh
 from ._params import ParamsDict as ParamsDict
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
+from ._save import CheckpointError as CheckpointError
+from ._save import load as load
+from ._save import save as save
 from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._show_jaxpr import roundtrip as roundtrip
 from ._show_jaxpr import show_jaxpr as show_jaxpr
@@ -66,6 +69,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ACTIVATIONS",
+    "CheckpointError",
     "FFN",
     "GRAD_MODES",
     "HAND_ACTIVATIONS",
@@ -87,6 +91,7 @@ __all__ = [
     "get_initializer",
     "identity",
     "leaf_str",
+    "load",
     "loss_and_grad",
     "mlp_layers",
     "mlp_logits",
@@ -96,6 +101,7 @@ __all__ = [
     "reduce",
     "relu",
     "roundtrip",
+    "save",
     "show_jaxpr",
     "sigmoid",
     "softmax_cross_entropy",
