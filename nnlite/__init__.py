@@ -44,6 +44,8 @@ from ._save import save as save
 from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._show_jaxpr import roundtrip as roundtrip
 from ._show_jaxpr import show_jaxpr as show_jaxpr
+from ._show_jaxpr import show_jaxpr_and_xla as show_jaxpr_and_xla
+from ._show_jaxpr import show_xla as show_xla
 
 __version__ = "0.1.0"
 
@@ -103,6 +105,8 @@ __all__ = [
     "roundtrip",
     "save",
     "show_jaxpr",
+    "show_jaxpr_and_xla",
+    "show_xla",
     "sigmoid",
     "softmax_cross_entropy",
     "softplus",

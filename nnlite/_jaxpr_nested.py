@@ -5,7 +5,8 @@
 function with its JVP rule; ``custom_vjp_call`` -> a ``jax.custom_vjp`` function with its
 forward and backward rules (rebuilt from the rules JAX recorded, so the decompiled function
 differentiates exactly like the original, not by autodiff of the primal); ``shard_map`` ->
-``jax.shard_map(fn, ...)(...)`` (in ``_jaxpr_parallel.py``).
+``jax.shard_map(fn, ...)(...)`` (in ``_jaxpr_parallel.py``). Registered into the printer
+core (``_jaxpr_printer.py``) on import.
 """
 
 from __future__ import annotations
@@ -17,17 +18,13 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from . import _jax_private
-from ._jaxpr_parallel import shard_map
+from ._jaxpr_printer import register, single_ret
 from ._jaxpr_rules import Bare, Call, Tup, UnsupportedPrimitiveError, tuple_or_single
 
 if TYPE_CHECKING:
-    from ._show_jaxpr import _Printer
+    from ._jaxpr_printer import Printer as _Printer
 
-__all__ = ["HIGHER_ORDER", "fold_index_eqns", "single_ret"]
-
-
-def single_ret(outs, _args):
-    return tuple_or_single(outs)
+__all__ = ["HIGHER_ORDER", "fold_index_eqns"]
 
 
 def _jit(pr: _Printer, eqn, args, env, scope, indent):
@@ -316,5 +313,6 @@ HIGHER_ORDER = {
     "scan": _scan,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
-    "shard_map": shard_map,
 }
+
+register(higher_order=HIGHER_ORDER, body_pass=fold_index_eqns)

@@ -23,6 +23,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import AxisType
 
 from . import _jax_private
+from ._jaxpr_printer import register
 from ._jaxpr_rules import (
     Call,
     Rule,
@@ -35,7 +36,7 @@ from ._jaxpr_rules import (
 )
 
 if TYPE_CHECKING:
-    from ._show_jaxpr import _Printer
+    from ._jaxpr_printer import Printer as _Printer
 
 __all__ = ["COLLECTIVE_RULES", "mesh_expr", "shard_map"]
 
@@ -236,3 +237,5 @@ COLLECTIVE_RULES: dict[str, Rule] = {
     "axis_index": _axis_index,
     "pvary": _pvary,
 }
+
+register(rules=COLLECTIVE_RULES, higher_order={"shard_map": shard_map})
