@@ -19,7 +19,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from . import _jax_private
 from ._jaxpr_printer import register, single_ret
-from ._jaxpr_rules import Bare, Call, Tup, UnsupportedPrimitiveError, tuple_or_single
+from ._jaxpr_rules import Bare, Call, Tup, UnsupportedPrimitiveError, flat, pystr, tuple_or_single
 
 if TYPE_CHECKING:
     from ._jaxpr_printer import Printer as _Printer
@@ -292,6 +292,52 @@ def _custom_vjp(pr: _Printer, eqn, args, env, scope, indent):
     pr.assign(eqn, env, Call(fname, args), indent, origin, structured=True)
 
 
+def _remat(pr: _Printer, eqn, args, env, scope, indent):
+    """``jax.checkpoint(fn, prevent_cse=..., policy=...)(*args)``.
+
+    ``differentiated=True`` (JAX sets it on the rematerialised forward pass inside a
+    gradient) has no public spelling and is not printed: the rebuilt call computes the
+    same values; it only tells XLA lowering that the recomputation was differentiated.
+    """
+    p = eqn.params
+    closed = ClosedJaxpr(p["jaxpr"], [])
+    fname = pr.function_name(eqn)
+    origin = pr.origin(eqn, f"checkpoint of {fname}")
+    key = ("remat", _jaxpr_key(closed))
+    if not scope.lookup(fname, key):
+        pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
+        scope.defs[fname] = key
+    kw = []
+    if not p["prevent_cse"]:
+        kw.append(("prevent_cse", "False"))
+    if p["policy"] is not None:
+        kw.append(("policy", _policy_expr(p["policy"])))
+    call = Call(Call("jax.checkpoint", [fname], kw), args)
+    pr.assign(eqn, env, call, indent, origin, structured=True)
+
+
+_NAME_POLICIES = {  # policy class -> (factory in jax.checkpoint_policies, its names field)
+    "SaveOnlyTheseNames": ("save_only_these_names", "saveable_names"),
+    "SaveAnyNamesButThese": ("save_any_names_but_these", "names"),
+}
+
+
+def _policy_expr(policy) -> str:
+    cp = jax.checkpoint_policies
+    for attr in dir(cp):
+        if not attr.startswith("_") and getattr(cp, attr) is policy:
+            return f"jax.checkpoint_policies.{attr}"
+    factory = _NAME_POLICIES.get(type(policy).__name__)
+    if factory is not None:
+        names = sorted(getattr(policy, factory[1]))
+        return flat(Call(f"jax.checkpoint_policies.{factory[0]}", [pystr(n) for n in names]))
+    raise UnsupportedPrimitiveError(
+        f"show_jaxpr cannot print jax.checkpoint policy {policy!r}: only the policies of "
+        "jax.checkpoint_policies (ready-made, save_only_these_names, save_any_names_but_these) "
+        "have a Python spelling here"
+    )
+
+
 def _trace_bwd(bwd, res_avals, ct_avals):
     """Trace a custom_vjp backward rule; ``mask[i]``: it returns None for input ``i``."""
     mask: list[bool] = []
@@ -313,6 +359,32 @@ HIGHER_ORDER = {
     "scan": _scan,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
+    "remat2": _remat,
 }
 
-register(higher_order=HIGHER_ORDER, body_pass=fold_index_eqns)
+
+def _func_name(param: str, default: str):
+    def name(eqn) -> str:
+        j = eqn.params[param]
+        dbg = getattr(j, "jaxpr", j).debug_info
+        return getattr(dbg, "func_name", None) or default
+
+    return name
+
+
+def _jit_name(eqn) -> str:
+    return eqn.params.get("name", "fn")
+
+
+register(
+    higher_order=HIGHER_ORDER,
+    body_pass=fold_index_eqns,
+    function_names={
+        "jit": _jit_name,
+        "pjit": _jit_name,
+        "closed_call": _jit_name,
+        "custom_jvp_call": _func_name("call_jaxpr", "custom_fn"),
+        "custom_vjp_call": _func_name("call_jaxpr", "custom_fn"),
+        "remat2": _func_name("jaxpr", "checkpointed"),
+    },
+)

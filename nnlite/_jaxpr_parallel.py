@@ -238,4 +238,13 @@ COLLECTIVE_RULES: dict[str, Rule] = {
     "pvary": _pvary,
 }
 
-register(rules=COLLECTIVE_RULES, higher_order={"shard_map": shard_map})
+
+def _shard_map_name(eqn) -> str:
+    return getattr(eqn.params["jaxpr"].debug_info, "func_name", None) or "shard_fn"
+
+
+register(
+    rules=COLLECTIVE_RULES,
+    higher_order={"shard_map": shard_map},
+    function_names={"shard_map": _shard_map_name},
+)

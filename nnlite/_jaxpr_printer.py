@@ -68,6 +68,8 @@ RULES: dict[str, Rule] = dict(_FIRST_ORDER)
 #: primitive name -> ``handler(printer, eqn, args, env, scope, indent)`` for equations
 #: that carry jaxprs (or need statements of their own).
 HIGHER_ORDER: dict[str, Callable] = {}
+#: primitive name -> ``namer(eqn) -> str``: the nested function the equation defines.
+FUNCTION_NAMES: dict[str, Callable] = {}
 #: ``pass(jaxpr, env) -> ids of equations not to print`` run before printing a body.
 BODY_PASSES: list[Callable] = []
 #: generated file name -> ``(first line, last line, origin)`` of each nested construct.
@@ -79,10 +81,12 @@ def register(
     rules: dict[str, Rule] | None = None,
     higher_order: dict[str, Callable] | None = None,
     body_pass: Callable | None = None,
+    function_names: dict[str, Callable] | None = None,
 ) -> None:
     """Add rules to the printer (called once by each rule module when it is imported)."""
     RULES.update(rules or {})
     HIGHER_ORDER.update(higher_order or {})
+    FUNCTION_NAMES.update(function_names or {})
     if body_pass is not None and body_pass not in BODY_PASSES:
         BODY_PASSES.append(body_pass)
 
@@ -152,16 +156,9 @@ class Printer:
                 self.reserve_function_names(sub)
 
     def function_name(self, eqn) -> str | None:
-        pname = eqn.primitive.name
-        if pname in ("jit", "pjit", "closed_call"):
-            return sanitize(eqn.params.get("name", "fn"))
-        if pname == "shard_map":
-            dbg = eqn.params["jaxpr"].debug_info
-            return sanitize(getattr(dbg, "func_name", None) or "shard_fn")
-        if pname in ("custom_jvp_call", "custom_vjp_call"):
-            dbg = eqn.params["call_jaxpr"].jaxpr.debug_info
-            return sanitize(getattr(dbg, "func_name", None) or "custom_fn")
-        return None
+        """The name of the nested function an equation prints as (``None``: it has none)."""
+        namer = FUNCTION_NAMES.get(eqn.primitive.name)
+        return sanitize(namer(eqn)) if namer is not None else None
 
     # -- atoms ------------------------------------------------------------------------------------
     def atom(self, x, env) -> str:

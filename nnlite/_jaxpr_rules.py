@@ -288,12 +288,30 @@ def pyval(v: Any, what: str = "parameter"):
         return "[" + ", ".join(flat(pyval(x, what)) for x in v) + "]"
     if isinstance(v, np.ndarray):
         return array_expr(v)
+    if (
+        isinstance(v, jax.sharding.NamedSharding)
+        and isinstance(v.mesh, jax.sharding.AbstractMesh)
+        and v.memory_kind is None
+    ):
+        # e.g. convert_element_type[sharding=...] that jax.jacfwd/jax.hessian make: a spec
+        # over an abstract mesh (no devices), so it prints without one.
+        return Call("jax.sharding.NamedSharding", [abstract_mesh_expr(v.mesh), spec_expr(v.spec)])
     raise UnsupportedPrimitiveError(
         f"{what} {v!r} of type {type(v).__name__} has no Python spelling"
     )
 
 
-_ENUM_HOMES = (("lax", lax), ("jax.memory", jax.memory))
+_ENUM_HOMES = (("lax", lax), ("jax.memory", jax.memory), ("jax.sharding", jax.sharding))
+
+
+def abstract_mesh_expr(mesh: jax.sharding.AbstractMesh) -> Call:
+    """``jax.sharding.AbstractMesh(sizes, names, axis_types=...)``."""
+    return Call(
+        "jax.sharding.AbstractMesh",
+        [Tup([repr(int(n)) for n in mesh.axis_sizes]), Tup([pystr(a) for a in mesh.axis_names])],
+        [("axis_types", Tup([pyval(t, "axis type") for t in mesh.axis_types]))],
+    )
+
 
 # -- the fallback ------------------------------------------------------------------------------
 _PRIMS_BY_ID = {id(p): f"lax.{n}" for n, p in vars(lax).items() if n.endswith("_p")}
@@ -581,8 +599,10 @@ RULES["stack"] = _stack
 
 
 def _random_seed(eqn, args, _mesh):
-    a = eqn.invars[0].aval
-    if a.dtype != np.int32 or a.weak_type:
+    # jax.random.key binds random_seed on the seed as it is, whatever its integer dtype
+    # (weak int32 from a Python int, uint32, int64): the legacy PRNGKey(seed) is this
+    # followed by random_unwrap.
+    if not np.issubdtype(eqn.invars[0].aval.dtype, np.integer):
         return None
     return Call("jax.random.key", args, [("impl", pystr(eqn.params["impl"].name))])
 

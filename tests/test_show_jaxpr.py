@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
@@ -264,7 +265,52 @@ CORPUS = {
     ),
     "key_from_seed": (lambda s: jax.random.randint(jax.random.key(s), (3,), 0, 10), jnp.int32(4)),
     "key_data": (lambda k: jax.random.key_data(jax.random.split(k)), jax.random.key(5)),
+    # keys made inside the function from a seed of any integer type (random_seed,
+    # random_unwrap for the legacy uint32 form, random_wrap, random_bits)
+    "prngkey_python_int_seed": (lambda s: jax.random.normal(jax.random.PRNGKey(s), (3,)), 7),
+    "prngkey_uint32_seed": (
+        lambda s: jax.random.bits(jax.random.PRNGKey(s), (4,), jnp.uint32),
+        np.uint32(9),
+    ),
+    "prngkey_literal_seed": (lambda x: x + jax.random.uniform(jax.random.PRNGKey(0), x.shape), X),
+    "key_python_seed_split_fold_in": (
+        lambda s: jax.random.normal(jax.random.fold_in(jax.random.split(jax.random.key(s))[1], 3)),
+        11,
+    ),
+    "rbg_key_from_seed": (
+        lambda s: jax.random.uniform(jax.random.key(s, impl="rbg"), (2,)),
+        jnp.int32(2),
+    ),
     # transformations
+    "remat_grad": (jax.grad(jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)).sum())), X),
+    "remat_forward_no_cse": (jax.checkpoint(lambda x: jnp.sin(jnp.cos(x)), prevent_cse=False), X),
+    "remat_policy_grad": (
+        jax.grad(
+            jax.checkpoint(
+                lambda x: jnp.sin(x @ x.T).sum(),
+                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            )
+        ),
+        X,
+    ),
+    "remat_named_policy_grad": (
+        jax.grad(
+            jax.checkpoint(
+                lambda x: jnp.sum(jnp.cos(checkpoint_name(jnp.sin(x), "y")) * x),
+                policy=jax.checkpoint_policies.save_only_these_names("y"),
+            )
+        ),
+        X,
+    ),
+    "remat_in_scan_grad": (
+        jax.grad(
+            lambda x: lax.scan(jax.checkpoint(lambda c, y: (jnp.sin(c) * y, c)), x[0], x)[0].sum()
+        ),
+        X,
+    ),
+    "hessian": (jax.hessian(lambda v: jnp.sum(jnp.sin(v) ** 3)), V),
+    "jacfwd": (jax.jacfwd(lambda v: jnp.tanh(v) * 2), V),
+    "jacrev_of_jacfwd": (jax.jacrev(jax.jacfwd(lambda v: jnp.prod(jnp.cos(v)))), V[:3]),
     "grad_softmax": (jax.grad(lambda x: jax.nn.softmax(x)[0, 1]), X),
     "grad_cond": (jax.grad(lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x).sum()), X),
     "grad_switch": (
