@@ -1,3 +1,4 @@
+# ruff: noqa: E741 -- l is the seed's name for the label
 """The seed project's examples (awf-jaxutils README and its VJP tests) run on nnlite.
 
 Each example is the seed's code as it stands, changed only in its imports and in two
