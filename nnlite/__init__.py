@@ -59,7 +59,7 @@ def __getattr__(name: str):
 
         warnings.warn(
             "nl.PathKey is deprecated: ParamsDict key paths now use JAX's standard "
-            "jax.tree_util.DictKey (orbax, keystr and optax read it); nl.PathKey is that "
+            "jax.tree_util.DictKey (orbax and keystr read it); nl.PathKey is that "
             "class (its .key is the old .name), and nl.format_path(path) still prints "
             "'/layers[0]/W'",
             DeprecationWarning,

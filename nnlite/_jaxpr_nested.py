@@ -19,7 +19,16 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from . import _jax_private
 from ._jaxpr_printer import register, single_ret
-from ._jaxpr_rules import Bare, Call, Tup, UnsupportedPrimitiveError, flat, pystr, tuple_or_single
+from ._jaxpr_rules import (
+    Bare,
+    Call,
+    Tup,
+    UnsupportedPrimitiveError,
+    flat,
+    named_sharding_expr,
+    pystr,
+    tuple_or_single,
+)
 
 if TYPE_CHECKING:
     from ._jaxpr_printer import Printer as _Printer
@@ -46,7 +55,7 @@ def _jit(pr: _Printer, eqn, args, env, scope, indent):
     if not scope.lookup(fname, key):
         pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
         scope.defs[fname] = key
-    kw = []
+    kw = _jit_shardings(p)
     if any(p["donated_invars"]):
         kw.append(
             ("donate_argnums", repr(tuple(i for i, d in enumerate(p["donated_invars"]) if d)))
@@ -73,7 +82,7 @@ def _check_jit_params(eqn, ambient_mesh):
     p = eqn.params
     bad = {}
     for k in ("in_shardings", "out_shardings"):
-        if any(type(s).__name__ != "UnspecifiedValue" for s in p[k]):
+        if any(not _unspecified(s) and named_sharding_expr(s) is None for s in p[k]):
             bad[k] = p[k]
     for k in ("in_layouts", "out_layouts"):
         if any(x is not None for x in p[k]):
@@ -86,8 +95,30 @@ def _check_jit_params(eqn, ambient_mesh):
     if bad:
         raise UnsupportedPrimitiveError(
             f"show_jaxpr cannot print primitive 'jit' with params {bad}: only jit without "
-            "explicit shardings, layouts, meshes or compiler options is supported"
+            "layouts, meshes or compiler options, and with shardings (if any) that are "
+            "NamedShardings over a concrete mesh, is supported"
         )
+
+
+def _unspecified(s) -> bool:
+    return type(s).__name__ == "UnspecifiedValue"
+
+
+def _jit_shardings(p) -> list:
+    """``in_shardings=(...)`` / ``out_shardings=...`` keywords, when the jit had them.
+
+    The printed function takes one argument per input and returns a bare value for one
+    output, so ``in_shardings`` is a tuple (``None``: unspecified) and ``out_shardings``
+    a tuple, or the bare sharding for one output.
+    """
+    kw = []
+    for k in ("in_shardings", "out_shardings"):
+        specs = p[k]
+        if all(_unspecified(s) for s in specs):
+            continue
+        exprs = ["None" if _unspecified(s) else named_sharding_expr(s) for s in specs]
+        kw.append((k, exprs[0] if k == "out_shardings" and len(exprs) == 1 else Tup(exprs)))
+    return kw
 
 
 def _cond(pr: _Printer, eqn, args, env, scope, indent):

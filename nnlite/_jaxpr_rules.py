@@ -37,6 +37,8 @@ __all__ = [
     "tuple_or_single",
     "UnsupportedPrimitiveError",
     "dtype_expr",
+    "mesh_expr",
+    "named_sharding_expr",
     "pystr",
     "pyval",
     "render",
@@ -237,6 +239,51 @@ def spec_expr(spec) -> str:
         else:
             raise UnsupportedPrimitiveError(f"PartitionSpec {spec}: entry {x!r} is not printable")
     return f"P({', '.join(parts)})"
+
+
+def mesh_expr(mesh: jax.sharding.Mesh) -> Call:
+    """``jax.make_mesh(...)`` (or ``jax.sharding.Mesh(...)``) rebuilding ``mesh``.
+
+    Devices are named by their position in ``jax.devices()``. ``jax.make_mesh`` prints
+    when it gives the same device order (it may reorder devices for the hardware topology);
+    otherwise the device array is spelled out.
+    """
+    everything = jax.devices()
+    position = {d: i for i, d in enumerate(everything)}
+    missing = [d for d in mesh.devices.flat if d not in position]
+    if missing:
+        raise UnsupportedPrimitiveError(
+            f"mesh {mesh}: devices {missing} are not in jax.devices(), so the source cannot "
+            "name them"
+        )
+    index = [position[d] for d in mesh.devices.flat]
+    shape = tuple(mesh.devices.shape)
+    names, types = tuple(mesh.axis_names), tuple(mesh.axis_types)
+    shape_s = Tup([repr(n) for n in shape])
+    names_s = Tup([pystr(n) for n in names])
+    types_s = Tup([f"jax.sharding.AxisType.{t.name}" for t in types])
+    n = len(index)
+    if index == list(range(n)):
+        kw = [("axis_types", types_s)]
+        if n < len(everything):
+            kw.append(("devices", f"jax.devices()[:{n}]"))
+        remade = jax.make_mesh(shape, names, types, devices=everything[:n])
+        if np.array_equal(remade.devices, mesh.devices):
+            return Call("jax.make_mesh", [shape_s, names_s], kw)
+    devices = f"np.array([jax.devices()[i] for i in {tuple(index)!r}]).reshape({flat(shape_s)})"
+    return Call("jax.sharding.Mesh", [devices, names_s], [("axis_types", types_s)])
+
+
+def named_sharding_expr(sharding) -> Call | None:
+    """``jax.sharding.NamedSharding(mesh, P(...))`` over a concrete mesh, or None when the
+    sharding is of another kind or names a memory other than the device's."""
+    if (
+        not isinstance(sharding, jax.sharding.NamedSharding)
+        or not isinstance(sharding.mesh, jax.sharding.Mesh)
+        or sharding.memory_kind not in (None, "device")
+    ):
+        return None
+    return Call("jax.sharding.NamedSharding", [mesh_expr(sharding.mesh), spec_expr(sharding.spec)])
 
 
 def sharding_expr(sharding, mesh) -> str | None:

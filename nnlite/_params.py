@@ -14,10 +14,12 @@ import numpy as np
 __all__ = ["ParamsDict", "format_path", "leaf_str"]
 
 
-# Key-path entries are JAX's own ``DictKey``: orbax, ``jax.tree_util.keystr`` and
-# ``optax.tree_utils.tree_get`` all read them (a custom entry type breaks orbax and optax;
-# ``GetAttrKey`` would satisfy orbax and keystr but not optax). nnlite's own printing,
-# ``/layers[0]/W``, comes from ``format_path``.
+# Key-path entries are JAX's own ``DictKey``: orbax and ``jax.tree_util.keystr`` read
+# them (a custom entry type breaks both), and a ParamsDict built from a plain dict keeps
+# the dict's key paths, so a checkpoint keyed by paths reads back either way.
+# (``GetAttrKey`` would also satisfy orbax and keystr, but prints ``.my key`` for keys
+# that are not identifiers; optax's tree_get walks only real dicts, whichever entry.)
+# nnlite's own printing, ``/layers[0]/W``, comes from ``format_path``.
 _DictKey = jax.tree_util.DictKey
 
 
@@ -143,7 +145,7 @@ class ParamsDict:
             ) from None
 
     def __setitem__(self, name: str, value: Any) -> None:
-        if name not in self._data:  # a new key: check it once
+        if not isinstance(name, str) or name not in self._data:  # a new key: check it once
             _check_key(name)
         if isinstance(value, Mapping) and not isinstance(value, ParamsDict):
             value = ParamsDict(value)
