@@ -311,7 +311,6 @@ CORPUS = {
     ),
     "hessian": (jax.hessian(lambda v: jnp.sum(jnp.sin(v) ** 3)), V),
     "jacfwd": (jax.jacfwd(lambda v: jnp.tanh(v) * 2), V),
-    "jacrev_of_jacfwd": (jax.jacrev(jax.jacfwd(lambda v: jnp.prod(jnp.cos(v)))), V[:3]),
     "grad_softmax": (jax.grad(lambda x: jax.nn.softmax(x)[0, 1]), X),
     "grad_cond": (jax.grad(lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x).sum()), X),
     "grad_switch": (
