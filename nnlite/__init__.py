@@ -36,17 +36,42 @@ from ._nn import sigmoid as sigmoid
 from ._nn import softplus as softplus
 from ._nn import tanh as tanh
 from ._params import ParamsDict as ParamsDict
-from ._params import PathKey as PathKey
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
+from ._save import CheckpointError as CheckpointError
+from ._save import load as load
+from ._save import save as save
 from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._show_jaxpr import roundtrip as roundtrip
 from ._show_jaxpr import show_jaxpr as show_jaxpr
+from ._show_jaxpr import show_jaxpr_and_xla as show_jaxpr_and_xla
+from ._show_jaxpr import show_xla as show_xla
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # Deprecated names: still importable, with a warning that says what replaces them.
+    if name == "PathKey":
+        import warnings
+
+        import jax
+
+        warnings.warn(
+            "nl.PathKey is deprecated: ParamsDict key paths now use JAX's standard "
+            "jax.tree_util.DictKey (orbax and keystr read it); nl.PathKey is that "
+            "class (its .key is the old .name), and nl.format_path(path) still prints "
+            "'/layers[0]/W'",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return jax.tree_util.DictKey
+    raise AttributeError(f"module 'nnlite' has no attribute {name!r}")
+
+
 __all__ = [
     "ACTIVATIONS",
+    "CheckpointError",
     "FFN",
     "GRAD_MODES",
     "HAND_ACTIVATIONS",
@@ -56,7 +81,6 @@ __all__ = [
     "Linear",
     "Module",
     "ParamsDict",
-    "PathKey",
     "Sequential",
     "SoftmaxHead",
     "UnsupportedPrimitiveError",
@@ -69,6 +93,7 @@ __all__ = [
     "get_initializer",
     "identity",
     "leaf_str",
+    "load",
     "loss_and_grad",
     "mlp_layers",
     "mlp_logits",
@@ -78,7 +103,10 @@ __all__ = [
     "reduce",
     "relu",
     "roundtrip",
+    "save",
     "show_jaxpr",
+    "show_jaxpr_and_xla",
+    "show_xla",
     "sigmoid",
     "softmax_cross_entropy",
     "softplus",
