@@ -37,6 +37,9 @@ from ._nn import relu as relu
 from ._nn import sigmoid as sigmoid
 from ._nn import softplus as softplus
 from ._nn import tanh as tanh
+from ._normalisation import GroupNorm as GroupNorm
+from ._normalisation import LayerNorm as LayerNorm
+from ._normalisation import RMSNorm as RMSNorm
 from ._params import ParamsDict as ParamsDict
 from ._params import PathKey as PathKey
 from ._params import format_path as format_path
@@ -61,12 +64,15 @@ __all__ = [
     "AvgPool",
     "Conv",
     "Flatten",
+    "GroupNorm",
+    "LayerNorm",
     "MaxPool",
     "ParamsMismatchError",
     "Linear",
     "Module",
     "ParamsDict",
     "PathKey",
+    "RMSNorm",
     "Sequential",
     "SoftmaxHead",
     "UnsupportedPrimitiveError",
