@@ -6,6 +6,8 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 
 from . import vjp as vjp
 from ._conv import Conv as Conv
+from ._dropout import Dropout as Dropout
+from ._embedding import Embedding as Embedding
 from ._grad_modes import GRAD_MODES as GRAD_MODES
 from ._grad_modes import HAND_ACTIVATIONS as HAND_ACTIVATIONS
 from ._grad_modes import fused_grad_accum as fused_grad_accum
@@ -63,6 +65,8 @@ __all__ = [
     "Activation",
     "AvgPool",
     "Conv",
+    "Dropout",
+    "Embedding",
     "Flatten",
     "GroupNorm",
     "LayerNorm",
