@@ -5,6 +5,8 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
 from . import vjp as vjp
+from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._attention import TransformerBlock as TransformerBlock
 from ._conv import Conv as Conv
 from ._dropout import Dropout as Dropout
 from ._embedding import Embedding as Embedding
@@ -74,11 +76,13 @@ __all__ = [
     "ParamsMismatchError",
     "Linear",
     "Module",
+    "MultiHeadAttention",
     "ParamsDict",
     "PathKey",
     "RMSNorm",
     "Sequential",
     "SoftmaxHead",
+    "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",
     "format_path",
