@@ -10,6 +10,8 @@ from ._attention import TransformerBlock as TransformerBlock
 from ._conv import Conv as Conv
 from ._dropout import Dropout as Dropout
 from ._embedding import Embedding as Embedding
+from ._equinox import EquinoxLayer as EquinoxLayer
+from ._equinox import from_equinox as from_equinox
 from ._grad_modes import GRAD_MODES as GRAD_MODES
 from ._grad_modes import HAND_ACTIVATIONS as HAND_ACTIVATIONS
 from ._grad_modes import fused_grad_accum as fused_grad_accum
@@ -21,6 +23,7 @@ from ._grad_modes import mlp_loss as mlp_loss
 from ._linear import FFN as FFN
 from ._linear import Activation as Activation
 from ._linear import Linear as Linear
+from ._linear import linear as linear
 from ._linear import Sequential as Sequential
 from ._linear import SoftmaxHead as SoftmaxHead
 from ._losses import REDUCTIONS as REDUCTIONS
@@ -69,6 +72,7 @@ __all__ = [
     "Conv",
     "Dropout",
     "Embedding",
+    "EquinoxLayer",
     "Flatten",
     "GroupNorm",
     "LayerNorm",
@@ -86,6 +90,8 @@ __all__ = [
     "UnsupportedPrimitiveError",
     "accuracy",
     "format_path",
+    "linear",
+    "from_equinox",
     "fused_grad_accum",
     "fused_loss_and_grad",
     "gelu",
