@@ -23,9 +23,9 @@ from ._grad_modes import mlp_loss as mlp_loss
 from ._linear import FFN as FFN
 from ._linear import Activation as Activation
 from ._linear import Linear as Linear
-from ._linear import linear as linear
 from ._linear import Sequential as Sequential
 from ._linear import SoftmaxHead as SoftmaxHead
+from ._linear import linear as linear
 from ._losses import REDUCTIONS as REDUCTIONS
 from ._losses import accuracy as accuracy
 from ._losses import mse as mse
@@ -76,12 +76,12 @@ __all__ = [
     "Flatten",
     "GroupNorm",
     "LayerNorm",
-    "MaxPool",
-    "ParamsMismatchError",
     "Linear",
+    "MaxPool",
     "Module",
     "MultiHeadAttention",
     "ParamsDict",
+    "ParamsMismatchError",
     "PathKey",
     "RMSNorm",
     "Sequential",
@@ -90,7 +90,6 @@ __all__ = [
     "UnsupportedPrimitiveError",
     "accuracy",
     "format_path",
-    "linear",
     "from_equinox",
     "fused_grad_accum",
     "fused_loss_and_grad",
@@ -99,6 +98,7 @@ __all__ = [
     "get_initializer",
     "identity",
     "leaf_str",
+    "linear",
     "loss_and_grad",
     "mlp_layers",
     "mlp_logits",
