@@ -188,7 +188,7 @@ class MultiHeadAttention(Module):
         ``[..., T, num_heads, head_dim]``."""
         self.check_input(x, self.features, min_rank=2)
         with self.params_scope("/qkv"):
-            y = self.qkv_linear(params.qkv, x)
+            y = self.qkv_linear(self.child(params, "qkv"), x)
         y = y.reshape(*x.shape[:-1], 3, self.num_heads, self.head_dim)
         return y[..., 0, :, :], y[..., 1, :, :], y[..., 2, :, :]
 
@@ -282,7 +282,9 @@ class MultiHeadAttention(Module):
                 f"{self.head_dim}], got shape {tuple(o.shape)}"
             )
         with self.params_scope("/out"):
-            return self.out_linear(params.out, o.reshape(*o.shape[:-2], self.features))
+            return self.out_linear(
+                self.child(params, "out"), o.reshape(*o.shape[:-2], self.features)
+            )
 
     def __call__(
         self,
@@ -335,9 +337,9 @@ class _MLP(Module):
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         with self.params_scope("/fc"):
-            h = get_activation(self.activation)(self.fc(params.fc, x))
+            h = get_activation(self.activation)(self.fc(self.child(params, "fc"), x))
         with self.params_scope("/proj"):
-            y = self.proj(params.proj, h)
+            y = self.proj(self.child(params, "proj"), h)
         return dropout(y, key, self.dropout_rate)
 
 
@@ -480,10 +482,10 @@ class TransformerBlock(Module):
         self.check_input(x, self.features, min_rank=2)
         k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
         with self.params_scope("/ln1"):
-            h = self.ln1(params.ln1, x)
+            h = self.ln1(self.child(params, "ln1"), x)
         with self.params_scope("/attn"):
-            x = x + self.attn(params.attn, h, mask=mask, key=k_attn).astype(x.dtype)
+            x = x + self.attn(self.child(params, "attn"), h, mask=mask, key=k_attn).astype(x.dtype)
         with self.params_scope("/ln2"):
-            h = self.ln2(params.ln2, x)
+            h = self.ln2(self.child(params, "ln2"), x)
         with self.params_scope("/mlp"):
-            return x + self.mlp(params.mlp, h, key=k_mlp).astype(x.dtype)
+            return x + self.mlp(self.child(params, "mlp"), h, key=k_mlp).astype(x.dtype)
