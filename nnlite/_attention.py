@@ -187,8 +187,9 @@ class MultiHeadAttention(Module):
         """Queries, keys and values of ``x: [..., T, features]``, each
         ``[..., T, num_heads, head_dim]``."""
         self.check_input(x, self.features, min_rank=2)
+        p_qkv = self.child(params, "qkv")
         with self.params_scope("/qkv"):
-            y = self.qkv_linear(self.child(params, "qkv"), x)
+            y = self.qkv_linear(p_qkv, x)
         y = y.reshape(*x.shape[:-1], 3, self.num_heads, self.head_dim)
         return y[..., 0, :, :], y[..., 1, :, :], y[..., 2, :, :]
 
@@ -281,10 +282,9 @@ class MultiHeadAttention(Module):
                 f"{self._short_repr()}.project: expected [..., T, {self.num_heads}, "
                 f"{self.head_dim}], got shape {tuple(o.shape)}"
             )
+        p_out = self.child(params, "out")
         with self.params_scope("/out"):
-            return self.out_linear(
-                self.child(params, "out"), o.reshape(*o.shape[:-2], self.features)
-            )
+            return self.out_linear(p_out, o.reshape(*o.shape[:-2], self.features))
 
     def __call__(
         self,
@@ -336,10 +336,12 @@ class _MLP(Module):
         return ParamsDict(fc=self.fc.init(k_fc), proj=self.proj.init(k_proj))
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        p_fc = self.child(params, "fc")
         with self.params_scope("/fc"):
-            h = get_activation(self.activation)(self.fc(self.child(params, "fc"), x))
+            h = get_activation(self.activation)(self.fc(p_fc, x))
+        p_proj = self.child(params, "proj")
         with self.params_scope("/proj"):
-            y = self.proj(self.child(params, "proj"), h)
+            y = self.proj(p_proj, h)
         return dropout(y, key, self.dropout_rate)
 
 
@@ -481,11 +483,15 @@ class TransformerBlock(Module):
     ) -> jax.Array:
         self.check_input(x, self.features, min_rank=2)
         k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
+        p_ln1 = self.child(params, "ln1")
         with self.params_scope("/ln1"):
-            h = self.ln1(self.child(params, "ln1"), x)
+            h = self.ln1(p_ln1, x)
+        p_attn = self.child(params, "attn")
         with self.params_scope("/attn"):
-            x = x + self.attn(self.child(params, "attn"), h, mask=mask, key=k_attn).astype(x.dtype)
+            x = x + self.attn(p_attn, h, mask=mask, key=k_attn).astype(x.dtype)
+        p_ln2 = self.child(params, "ln2")
         with self.params_scope("/ln2"):
-            h = self.ln2(self.child(params, "ln2"), x)
+            h = self.ln2(p_ln2, x)
+        p_mlp = self.child(params, "mlp")
         with self.params_scope("/mlp"):
-            return x + self.mlp(self.child(params, "mlp"), h, key=k_mlp).astype(x.dtype)
+            return x + self.mlp(p_mlp, h, key=k_mlp).astype(x.dtype)
