@@ -93,7 +93,19 @@ class Linear(Module):
 
 
 class Activation(Module):
-    """An activation function as a parameter-free module (for ``Sequential``)."""
+    """An activation function as a parameter-free module, for ``Sequential`` (Equinox:
+    ``eqx.nn.Lambda``).
+
+    Args:
+        name: activation name (see ``nnlite.ACTIVATIONS``: relu, gelu, tanh, ...).
+
+    ``__call__(params, x)``: any ``x`` -> same shape. No params.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> Activation("relu")(ParamsDict(), jnp.array([-1.0, 2.0])).tolist()
+        [0.0, 2.0]
+    """
 
     name: str = "relu"
 
@@ -251,7 +263,15 @@ class SoftmaxHead(Module):
 
 
 class Sequential(Module):
-    """Apply ``layers`` in order; parameters are ``/layers[i]/...``.
+    """Apply ``layers`` in order (Equinox ``eqx.nn.Sequential``, Flax ``nn.Sequential``);
+    parameters are ``/layers[i]/...`` (a parameter-free layer holds an empty ParamsDict).
+
+    Args:
+        layers: nnlite modules, each called as ``layer(params, x, key=k)``.
+
+    ``__call__(params, x, *, key=None)``: the output of the last layer. With a key, it is
+    split once per layer (``jax.random.split``), so dropout layers get independent masks;
+    ``key=None`` passes ``None`` to every layer (inference).
 
     Example:
         >>> import jax, jax.numpy as jnp
