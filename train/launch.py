@@ -186,8 +186,13 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
 
     # Stopped early: some never started, or the forwarded SIGTERM reached a process before
     # Python could install a handler (it died of it) and the rest stopped with status 3.
-    early = signalled and all(c in (EXIT_PREEMPTED, -signal.SIGTERM) for c in codes)
-    if early and (len(procs) < processes or -signal.SIGTERM in codes):
+    # A process that died of the forwarded SIGTERM had no handler yet, so it was starting
+    # up; its peers may then fail on the lost peer (status 1) rather than stop with 3.
+    early = signalled and (
+        -signal.SIGTERM in codes
+        or (len(procs) < processes and all(c in (EXIT_PREEMPTED, -signal.SIGTERM) for c in codes))
+    )
+    if early:
         name = signal.Signals(signalled[0]).name
         echo(
             f"{fresh_line}stopped by {name} during start-up ({len(procs)} of {processes} "
