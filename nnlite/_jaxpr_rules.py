@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive as _Primitive
 from jax.extend.core import primitives as _prims
 from jax.sharding import PartitionSpec as P
 
@@ -288,6 +289,8 @@ def pyval(v: Any, what: str = "parameter"):
         return "[" + ", ".join(flat(pyval(x, what)) for x in v) + "]"
     if isinstance(v, np.ndarray):
         return array_expr(v)
+    if isinstance(v, _Primitive) and id(v) in _PRIMS_BY_ID:
+        return _PRIMS_BY_ID[id(v)]  # e.g. max pooling's gradient: select_prim=prims.ge_p
     raise UnsupportedPrimitiveError(
         f"{what} {v!r} of type {type(v).__name__} has no Python spelling"
     )
