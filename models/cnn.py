@@ -5,8 +5,6 @@ The input is a batch of sequences: ``x [batch, length]`` (one channel, as MNIST-
 the last one's ``[batch, length', channels']`` output is flattened into the head.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -74,8 +72,10 @@ class CNN(nl.Module):
     @property
     def conv_layers(self) -> tuple[nl.Conv, ...]:
         ins = (self.in_channels, *(c for c, *_ in self.convs[:-1]))
+        # He init for relu-like activations (as nl.FFN picks), LeCun otherwise.
+        w_init = "he_normal" if self.activation in ("relu", "gelu") else "lecun_normal"
         return tuple(
-            nl.Conv(i, c, k, strides=s, padding=[(p, p)] if isinstance(p, int) else p)
+            nl.Conv(i, c, k, strides=s, padding=p, w_init=w_init)
             for i, (c, k, s, p) in zip(ins, self.convs, strict=True)
         )
 
@@ -95,7 +95,7 @@ class CNN(nl.Module):
         act = nl.get_activation(self.activation)
         for layer, p in zip(self.conv_layers, params.convs, strict=True):
             x = act(layer(p, x))
-        return x.reshape(*x.shape[:-2], math.prod(x.shape[-2:]))
+        return nl.Flatten(2)(nl.ParamsDict(), x)  # [..., length, channels] -> [..., features]
 
     def __call__(self, params, x, *, key=None):
         """Logits ``[batch, num_classes]``."""
@@ -114,6 +114,11 @@ class CNN(nl.Module):
 
 def build(cfg, data) -> CNN:
     """The cnn of a model config; a ValueError naming the keys if its stack cannot fit."""
+    if data.num_classes is None:
+        raise ValueError(
+            f"model.name=cnn is a classification model but data.name={data.name} is a "
+            f"{data.task} data set"
+        )
     length, *rest = data.x.shape[1:]
     n = len(cfg.channels)
 

@@ -543,6 +543,30 @@ def _dot_general(eqn, args, mesh):
 
 RULES["dot_general"] = _dot_general
 
+_CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers")
+
+
+def _conv(eqn, args, mesh):
+    """``lax.conv_general_dilated``; the public call, so that ``out_sharding`` (set inside
+    ``shard_map``) prints as ``P(...)`` like ``dot_general``'s."""
+    p = eqn.params
+    out = _out_sharding(eqn, "out_sharding", mesh)
+    if out is None:
+        return None
+    kw = [(k, pyval(p[k], k)) for k in _CONV_PARAMS]
+    for k in ("feature_group_count", "batch_group_count"):
+        if p[k] != 1:
+            kw.append((k, pyval(p[k], k)))
+    if p["precision"] is not None:
+        kw.append(("precision", pyval(p["precision"], "precision")))
+    pet = p["preferred_element_type"]
+    if pet is not None:
+        kw.append(("preferred_element_type", dtype_expr(pet)))
+    return Call("lax.conv_general_dilated", args, kw + out)
+
+
+RULES["conv_general_dilated"] = _conv
+
 
 def _concatenate(eqn, args, _mesh):
     return Call(
