@@ -23,9 +23,9 @@ TINY = [
     "model.channels=[4, 6]",
     "model.kernel_size=3",
     "train.batch_size=64",
-    "train.steps=10",
-    "train.eval_every=5",
-    "train.log_every=1",
+    "train.steps=6",
+    "train.eval_every=6",
+    "train.log_every=2",
     "train.steps_per_call=1",
     "checkpoint.every=0",
 ]
@@ -84,7 +84,8 @@ def test_cnn_rejects_a_stack_that_shrinks_to_nothing():
 
 
 def test_cnn_trains_in_process(tmp_path):
-    r = run(tmp_path, CONFIG, *TINY, "train.steps=60", "optimizer.learning_rate=0.01")
+    sets = ["train.steps=40", "train.eval_every=40", "optimizer.learning_rate=0.02"]
+    r = run(tmp_path, CONFIG, *TINY, *sets)
     lines = (r.run_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     train_losses = [x["loss"] for x in records if x["split"] == "train"]
