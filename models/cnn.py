@@ -52,6 +52,8 @@ class CNN(nl.Module):
     grad_modes = ("autodiff",)
 
     def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "convs", tuple(tuple(c) for c in self.convs))  # hashable
         if not self.convs:
             raise ValueError("CNN: convs must name at least one conv layer")
         if self.out_length < 1:
