@@ -5,9 +5,13 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
 from . import vjp as vjp
+from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._attention import TransformerBlock as TransformerBlock
 from ._conv import Conv as Conv
 from ._dropout import Dropout as Dropout
 from ._embedding import Embedding as Embedding
+from ._equinox import EquinoxLayer as EquinoxLayer
+from ._equinox import from_equinox as from_equinox
 from ._grad_modes import GRAD_MODES as GRAD_MODES
 from ._grad_modes import HAND_ACTIVATIONS as HAND_ACTIVATIONS
 from ._grad_modes import fused_grad_accum as fused_grad_accum
@@ -21,6 +25,7 @@ from ._linear import Activation as Activation
 from ._linear import Linear as Linear
 from ._linear import Sequential as Sequential
 from ._linear import SoftmaxHead as SoftmaxHead
+from ._linear import linear as linear
 from ._losses import REDUCTIONS as REDUCTIONS
 from ._losses import accuracy as accuracy
 from ._losses import mse as mse
@@ -43,20 +48,45 @@ from ._normalisation import GroupNorm as GroupNorm
 from ._normalisation import LayerNorm as LayerNorm
 from ._normalisation import RMSNorm as RMSNorm
 from ._params import ParamsDict as ParamsDict
-from ._params import PathKey as PathKey
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
 from ._pool import AvgPool as AvgPool
 from ._pool import Flatten as Flatten
 from ._pool import MaxPool as MaxPool
+from ._save import CheckpointError as CheckpointError
+from ._save import load as load
+from ._save import save as save
 from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._show_jaxpr import roundtrip as roundtrip
 from ._show_jaxpr import show_jaxpr as show_jaxpr
+from ._show_jaxpr import show_jaxpr_and_xla as show_jaxpr_and_xla
+from ._show_jaxpr import show_xla as show_xla
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # Deprecated names: still importable, with a warning that says what replaces them.
+    if name == "PathKey":
+        import warnings
+
+        import jax
+
+        warnings.warn(
+            "nl.PathKey is deprecated: ParamsDict key paths now use JAX's standard "
+            "jax.tree_util.DictKey (orbax and keystr read it); nl.PathKey is that "
+            "class (its .key is the old .name), and nl.format_path(path) still prints "
+            "'/layers[0]/W'",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return jax.tree_util.DictKey
+    raise AttributeError(f"module 'nnlite' has no attribute {name!r}")
+
+
 __all__ = [
     "ACTIVATIONS",
+    "CheckpointError",
     "FFN",
     "GRAD_MODES",
     "HAND_ACTIVATIONS",
@@ -67,21 +97,24 @@ __all__ = [
     "Conv",
     "Dropout",
     "Embedding",
+    "EquinoxLayer",
     "Flatten",
     "GroupNorm",
     "LayerNorm",
-    "MaxPool",
-    "ParamsMismatchError",
     "Linear",
+    "MaxPool",
     "Module",
+    "MultiHeadAttention",
     "ParamsDict",
-    "PathKey",
+    "ParamsMismatchError",
     "RMSNorm",
     "Sequential",
     "SoftmaxHead",
+    "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",
     "format_path",
+    "from_equinox",
     "fused_grad_accum",
     "fused_loss_and_grad",
     "gelu",
@@ -89,6 +122,8 @@ __all__ = [
     "get_initializer",
     "identity",
     "leaf_str",
+    "load",
+    "linear",
     "loss_and_grad",
     "mlp_layers",
     "mlp_logits",
@@ -98,7 +133,10 @@ __all__ = [
     "reduce",
     "relu",
     "roundtrip",
+    "save",
     "show_jaxpr",
+    "show_jaxpr_and_xla",
+    "show_xla",
     "sigmoid",
     "softmax_cross_entropy",
     "softplus",

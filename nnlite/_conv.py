@@ -227,7 +227,7 @@ class Conv(Module):
                 f"{tuple(spatial)}, smaller (with padding {pads}) than the kernel's span "
                 f"{tuple(window)}"
             )
-        arrays = [params.W, params.b] if self.use_bias else [params.W]
+        arrays = [params["W"], params["b"]] if self.use_bias else [params["W"]]
         dtype = self.compute_dtype(x, *arrays)
         batch = x.shape[: -n - 1]
         flat = x.reshape(-1, *x.shape[-n - 1 :]).astype(dtype)

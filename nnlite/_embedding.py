@@ -103,13 +103,13 @@ class Embedding(Module):
                     f"{self._short_repr()}: ids must lie in [0, {self.num_embeddings}), got "
                     f"values from {lo} to {hi}"
                 )
-        return embed(params.W.astype(self._dtype(params.W)), ids)
+        return embed(params["W"].astype(self._dtype(params["W"])), ids)
 
     def attend(self, params: ParamsDict, x: jax.Array) -> jax.Array:
         """Logits ``x @ W.T: [..., num_embeddings]`` for ``x: [..., features]`` (a tied head)."""
         self.check_input(x, self.features)
         self.check_params(params)
-        dtype = self._dtype(x, params.W)
-        return embed_attend(params.W.astype(dtype), x.astype(dtype))
+        dtype = self._dtype(x, params["W"])
+        return embed_attend(params["W"].astype(dtype), x.astype(dtype))
 
     as_logits = attend

@@ -87,13 +87,25 @@ class Linear(Module):
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
         self.check_params(params)
-        arrays = [params.W, params.b] if self.use_bias else [params.W]
+        arrays = [params["W"], params["b"]] if self.use_bias else [params["W"]]
         dtype = self.compute_dtype(x, *arrays)
         return linear(x.astype(dtype), *(a.astype(dtype) for a in arrays))
 
 
 class Activation(Module):
-    """An activation function as a parameter-free module (for ``Sequential``)."""
+    """An activation function as a parameter-free module, for ``Sequential`` (Equinox:
+    ``eqx.nn.Lambda``).
+
+    Args:
+        name: activation name (see ``nnlite.ACTIVATIONS``: relu, gelu, tanh, ...).
+
+    ``__call__(params, x)``: any ``x`` -> same shape. No params.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> Activation("relu")(ParamsDict(), jnp.array([-1.0, 2.0])).tolist()
+        [0.0, 2.0]
+    """
 
     name: str = "relu"
 
@@ -178,12 +190,13 @@ class FFN(Module):
         self.check_input(x, self.in_features)
         act = get_activation(self.activation)
         layers = self.layers
-        if len(params.layers) != len(layers):
+        layer_params = self.child(params, "layers")
+        if len(layer_params) != len(layers):
             raise ValueError(
-                f"{self._short_repr()}: params have {len(params.layers)} layers, "
+                f"{self._short_repr()}: params have {len(layer_params)} layers, "
                 f"the module has {len(layers)} (sizes {self.sizes})"
             )
-        for i, (layer, p) in enumerate(zip(layers, params.layers, strict=True)):
+        for i, (layer, p) in enumerate(zip(layers, layer_params, strict=True)):
             with self.params_scope(f"/layers[{i}]"):
                 x = layer(p, x)
             if i < len(layers) - 1 or self.activate_final:
@@ -250,7 +263,15 @@ class SoftmaxHead(Module):
 
 
 class Sequential(Module):
-    """Apply ``layers`` in order; parameters are ``/layers[i]/...``.
+    """Apply ``layers`` in order (Equinox ``eqx.nn.Sequential``, Flax ``nn.Sequential``);
+    parameters are ``/layers[i]/...`` (a parameter-free layer holds an empty ParamsDict).
+
+    Args:
+        layers: nnlite modules, each called as ``layer(params, x, key=k)``.
+
+    ``__call__(params, x, *, key=None)``: the output of the last layer. With a key, it is
+    split once per layer (``jax.random.split``), so dropout layers get independent masks;
+    ``key=None`` passes ``None`` to every layer (inference).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -280,14 +301,15 @@ class Sequential(Module):
         return ParamsDict(layers=[layer.init(k) for layer, k in pairs])
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
-        if len(params.layers) != len(self.layers):
+        layer_params = self.child(params, "layers")
+        if len(layer_params) != len(self.layers):
             raise ValueError(
-                f"Sequential: params have {len(params.layers)} layers, "
+                f"Sequential: params have {len(layer_params)} layers, "
                 f"the module has {len(self.layers)}"
             )
         n = len(self.layers)
         keys = [None] * n if key is None else list(jax.random.split(key, n))
-        for i, (layer, p, k) in enumerate(zip(self.layers, params.layers, keys, strict=True)):
+        for i, (layer, p, k) in enumerate(zip(self.layers, layer_params, keys, strict=True)):
             with self.params_scope(f"/layers[{i}]"):
                 x = layer(p, x, key=k)
         return x

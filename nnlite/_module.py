@@ -137,6 +137,16 @@ class Module:
                     "param_dtype; cast the params or build the module with that param_dtype)",
                 )
 
+    def child(self, params: Any, name: str) -> Any:
+        """``params[name]``, or a ``ParamsMismatchError`` naming the missing path."""
+        try:
+            return params[name]
+        except (KeyError, TypeError, IndexError):
+            keys = ", ".join(params) if isinstance(params, Mapping | ParamsDict) else "(none)"
+            raise ParamsMismatchError(
+                self._args_repr(), f"/{name}", f"is missing (keys: {keys or '(none)'})"
+            ) from None
+
     @contextlib.contextmanager
     def params_scope(self, path: str) -> Iterator[None]:
         """Calls to a child layer inside this block report params mismatches with this

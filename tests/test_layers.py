@@ -312,3 +312,16 @@ def test_bf16_compute_with_f32_params(key):
     assert y.dtype == jnp.bfloat16 and p.W.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y, np.float32), Linear(3, 2)(p, x), rtol=0.02, atol=0.02)
     assert Linear(3, 2)(p, x.astype(jnp.bfloat16)).dtype == jnp.float32  # promotes with params
+
+
+def test_plain_dict_params_and_missing_children_are_named():
+    layer = Linear(2, 3)
+    p = {"W": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    assert layer(p, jnp.ones(2)).shape == (3,)  # item access: a plain dict works too
+    with pytest.raises(ValueError, match=re.escape("FFN(2, (4,), 1): params /layers is missing")):
+        FFN(2, (4,), 1)(nl.ParamsDict(W=jnp.ones((2, 4))), jnp.ones(2))
+    block = nl.TransformerBlock(4, 2)
+    with pytest.raises(
+        ValueError, match=re.escape("TransformerBlock(4, 2): params /ln1 is missing")
+    ):
+        block(nl.ParamsDict(), jnp.ones((3, 4)))

@@ -2,7 +2,9 @@
 [--processes N]``.
 
 Exit statuses: 0 done, 1 unexpected failure (a lost peer included), 2 bad input,
-3 preempted (a checkpoint was written; rerun to resume), 4 stopped on a non-finite step.
+3 preempted (a checkpoint was written, or a signal came before/after the loop; rerun to
+resume), 4 stopped on a non-finite step, 5 stuck (no compiled call finished within
+train.step_timeout).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 import textwrap
+from pathlib import Path
 
 from . import faults
 from .config import ConfigError, dump_yaml, load_config
@@ -22,7 +26,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m train",
         description="Train an nnlite model from a YAML config.",
         epilog="exit statuses: 0 done, 1 failure, 2 bad input, 3 preempted (checkpoint "
-        "written; rerun to resume), 4 stopped on a non-finite loss/gradient/param",
+        "written; rerun to resume), 4 stopped on a non-finite loss/gradient/param, 5 stuck "
+        "(no compiled call finished within train.step_timeout)",
     )
     ap.add_argument("--config", required=True, help="YAML config file (see configs/)")
     ap.add_argument(
@@ -91,30 +96,83 @@ def _show_jaxpr(cfg, what: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+# Models this small get their learned params printed at the end (linreg: w -> 2, b -> -1).
+PRINT_PARAMS_MAX = 100
+
+
+def compile_cache_dir(setting: str | None) -> Path | None:
+    """Where ``compile_cache`` puts JAX's persistent compilation cache (None: off)."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        root = os.environ.get("NNLITE_CACHE") or Path.home() / ".cache" / "nnlite"
+        return Path(root).expanduser() / "jax"
+    return Path(setting).expanduser()
+
+
+def enable_compile_cache(setting: str | None) -> None:
+    """Turn on JAX's persistent compilation cache for this process (the CLI only: library
+    users and in-process tests keep JAX's defaults). JAX_COMPILATION_CACHE_DIR in the
+    environment wins over ``auto``."""
+    import jax
+
+    if setting == "auto" and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    path = compile_cache_dir(setting)
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"note: compile cache off: cannot create {path} ({e.strerror})", file=sys.stderr)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # JAX caches only compiles above 1 s by default; a small model's take ~0.1-0.3 s.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def format_params(params) -> str:
+    """``/W = [[2.0003]]`` lines for each leaf of a (small) ParamsDict."""
+    import numpy as np
+
+    return "\n".join(
+        f"  {path} = {np.array2string(np.asarray(leaf), precision=4, separator=', ')}"
+        for path, leaf in params.items()
+    )
+
+
+def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
+    """The CLI. ``compile_cache``: honour the config's ``compile_cache`` (``python -m
+    train`` does; in-process callers leave JAX's global cache settings alone)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     multiprocess = False
+    saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             print(dump_yaml(cfg), end="")
             return 0
-        if args.show_jaxpr:
-            return _show_jaxpr(cfg, args.show_jaxpr)
         if args.processes is not None:
             if args.processes < 1:
                 raise ConfigError(f"--processes must be >= 1, got {args.processes}")
             from .launch import launch
 
             return launch(cfg, _without_processes(argv), args.processes, echo=print)
+        if compile_cache:
+            enable_compile_cache(cfg.compile_cache)
+        if args.show_jaxpr:
+            return _show_jaxpr(cfg, args.show_jaxpr)
 
         from . import distributed as dist
 
         multiprocess = dist.resolve(cfg.distributed) is not None
         from .loop import train  # imports jax: keep --print-config and config errors fast
 
-        train(cfg, resume="require" if args.resume else "fresh" if args.fresh else "auto")
+        r = train(cfg, resume="require" if args.resume else "fresh" if args.fresh else "auto")
+        if r.params is not None and dist.is_main() and r.params.num_params() <= PRINT_PARAMS_MAX:
+            print(f"learned params ({r.params.num_params()}):\n{format_params(r.params)}")
     except ConfigError as e:
         return _exit(f"error: {e}", faults.EXIT_BAD_INPUT, multiprocess)
     except faults.Preempted as e:
@@ -124,10 +182,28 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return faults.EXIT_PREEMPTED
+    except faults.Interrupted as e:
+        return _exit(
+            f"stopped by {e.signal_name} outside the training loop (start-up or shutdown); "
+            f"checkpoints on disk are intact; resume with: {resume_command(argv)}",
+            faults.EXIT_PREEMPTED,
+            multiprocess,
+        )
     except faults.NonFinite as e:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_NONFINITE
+    except OSError as e:
+        if multiprocess:
+            raise
+        # the disk filled up, a directory vanished or became read-only mid-run
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return faults.EXIT_FAILURE
     except Exception as e:
+        if isinstance(e, OSError) and (e.filename or not multiprocess):
+            # the disk filled up, a directory vanished or became read-only mid-run
+            where = f": {e.filename}" if e.filename else ""
+            return _exit(f"error: {e.strerror or e}{where}", faults.EXIT_FAILURE, multiprocess)
         if not multiprocess:
             raise
         # A collective failed: almost always another process died. A normal exit would
@@ -139,7 +215,16 @@ def main(argv: list[str] | None = None) -> int:
             faults.EXIT_FAILURE,
             multiprocess,
         )
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
     return 0
+
+
+def _interrupted(signum, _frame):
+    """SIGTERM/SIGINT before the training loop takes over (or after it): stop with exit 3
+    and a line, not a silent 143 or a KeyboardInterrupt traceback."""
+    raise faults.Interrupted(signal.Signals(signum).name)
 
 
 def _exit(message: str, status: int, multiprocess: bool) -> int:
@@ -153,4 +238,4 @@ def _exit(message: str, status: int, multiprocess: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(compile_cache=True))

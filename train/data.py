@@ -65,8 +65,22 @@ def _digits(cfg: DataConfig) -> Dataset:
     return Dataset("digits", x, y, x_test, y_test, 10)
 
 
+# mnist1d generates float64 signals of this length (before its 40-sample crop), a few
+# arrays of them at once: bytes per example, a lower bound of what generation holds.
+_MNIST1D_BYTES_PER_EXAMPLE = 72 * 8 * 3
+
+
 def _mnist1d(cfg: DataConfig) -> Dataset:
     from mnist1d.data import get_dataset_args, make_dataset
+
+    from .memory import format_bytes, host_memory_bytes
+
+    need, have = cfg.num_samples * _MNIST1D_BYTES_PER_EXAMPLE, host_memory_bytes()
+    if need > have:
+        raise ConfigError(
+            f"data.num_samples={cfg.num_samples}: generating MNIST-1D needs at least "
+            f"{format_bytes(need)} but this machine has {format_bytes(have)}"
+        )
 
     args = get_dataset_args()
     args.num_samples = cfg.num_samples
@@ -105,6 +119,7 @@ def _npz(cfg: DataConfig) -> Dataset:
     where = f"data.path {str(path)!r}"
     if not path.is_file():
         raise ConfigError(f"{where}: file not found")
+    _check_npz_magic(path, where)
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
@@ -139,6 +154,13 @@ def _npz(cfg: DataConfig) -> Dataset:
         if labels.min() < 0:
             raise ConfigError(f"{where}: labels must be >= 0, found {labels.min()}")
         num_classes = int(labels.max()) + 1
+        distinct = len(np.unique(labels))
+        if num_classes > MAX_UNUSED_CLASSES + distinct:
+            raise ConfigError(
+                f"{where}: labels must be class indices 0..K-1, but the largest is "
+                f"{num_classes - 1} and only {distinct} distinct labels occur (a "
+                f"{num_classes}-way output layer); map them to 0..{distinct - 1}"
+            )
         return Dataset("npz", x, y.astype(np.int32), x_test, y_test.astype(np.int32), num_classes)
     y = y.reshape(len(y), -1).astype(np.float32)
     y_test = y_test.reshape(len(y_test), -1).astype(np.float32)
@@ -170,8 +192,40 @@ def _check_xy(x: np.ndarray, y: np.ndarray, where: str, xn: str, yn: str):
 
 
 def _can_stratify(y: np.ndarray, cfg: DataConfig) -> bool:
-    counts = np.bincount(y - y.min())
-    return counts[counts > 0].min() >= 2 and len(y) * cfg.test_fraction >= np.count_nonzero(counts)
+    counts = np.unique(y, return_counts=True)[1]  # not bincount: a label of 10^9 is 8 GB
+    return counts.min() >= 2 and len(y) * cfg.test_fraction >= len(counts)
+
+
+# Labels are class indices: a gap this much larger than the labels in use is a mistake
+# (ids, not indices), not classes that happen to be missing from the data.
+MAX_UNUSED_CLASSES = 1000
+
+_NPZ_MAGIC = b"PK\x03\x04"  # an .npz is a zip archive
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _check_npz_magic(path: Path, where: str) -> None:
+    """Say what a file that is not an .npz archive is, instead of numpy's guess that it
+    "contains pickled data"."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(_NPZ_MAGIC):
+        return
+    expected = "expected an .npz archive written by np.savez(path, x=..., y=...)"
+    if head.startswith(_NPY_MAGIC):
+        raise ConfigError(f"{where}: is a .npy file (a single array); {expected}")
+    if not head:
+        raise ConfigError(f"{where}: the file is empty; {expected}")
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and "\x00" not in text:
+        first = text.splitlines()[0][:60] if text.strip() else ""
+        raise ConfigError(
+            f"{where}: is a text file (first line {first!r}), not an .npz; {expected}"
+        )
+    raise ConfigError(f"{where}: not an .npz archive (it starts with {head[:8]!r}); {expected}")
 
 
 _LOADERS = {"digits": _digits, "mnist1d": _mnist1d, "linreg": _linreg, "npz": _npz}
