@@ -26,7 +26,7 @@ def choice(default: Any, choices: tuple) -> Any:
 
 
 MODEL_NAMES = ("mlp", "linreg")  # kept in sync with models.MODELS by a test
-DATA_NAMES = ("digits", "mnist1d", "linreg", "npz")
+DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
 GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
@@ -44,10 +44,12 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     name: str = choice("digits", DATA_NAMES)  # data set (see train/data.py)
-    path: str | None = None  # npz: file with arrays x, y and optional x_test, y_test
+    path: str | None = None  # npz: file with arrays x, y (x_test, y_test); text: a UTF-8 file
     test_fraction: float = 0.2  # digits/npz without x_test: held-out share, stratified
     split_seed: int = 0  # seed of the fixed train/test split
     num_samples: int = 5000  # mnist1d: total examples generated (80% train)
+    val_fraction: float = 0.1  # text, shakespeare_char: the tail of the text held out
+    eval_windows: int = 2400  # text, shakespeare_char: fixed validation windows evaluated
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,7 @@ def _check(cfg: Config, source: str) -> None:
         "train.grad_accum_steps": cfg.train.grad_accum_steps,
         "checkpoint.keep": cfg.checkpoint.keep,
         "data.num_samples": cfg.data.num_samples,
+        "data.eval_windows": cfg.data.eval_windows,
         "distributed.initialization_timeout": cfg.distributed.initialization_timeout,
         "distributed.heartbeat_timeout": cfg.distributed.heartbeat_timeout,
     }
@@ -250,8 +253,12 @@ def _check(cfg: Config, source: str) -> None:
         )
     if dc.process_id is not None and dc.process_id < 0:
         raise ConfigError(f"{source}: distributed.process_id must be >= 0, got {dc.process_id}")
-    if cfg.data.name == "npz" and not cfg.data.path:
-        raise ConfigError(f"{source}: data.path is required when data.name is npz")
+    if cfg.data.name in ("npz", "text") and not cfg.data.path:
+        raise ConfigError(f"{source}: data.path is required when data.name is {cfg.data.name}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(
+            f"{source}: data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}"
+        )
     if cfg.optimizer.schedule == "warmup_cosine" and cfg.optimizer.warmup_steps >= cfg.train.steps:
         raise ConfigError(
             f"{source}: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below "
