@@ -10,9 +10,10 @@ hand-derived pass that adds into gradient buffers (used with ``train.grad_accum_
 Adding a model is one file plus one line here.
 """
 
-from . import linreg, mlp
+from . import gpt, linreg, mlp
 
 MODELS = {
     "mlp": mlp.build,
     "linreg": linreg.build,
+    "gpt": gpt.build,
 }

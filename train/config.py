@@ -25,7 +25,7 @@ def choice(default: Any, choices: tuple) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
-MODEL_NAMES = ("mlp", "linreg")  # kept in sync with models.MODELS by a test
+MODEL_NAMES = ("mlp", "linreg", "gpt")  # kept in sync with models.MODELS by a test
 DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
 GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
@@ -39,6 +39,12 @@ class ModelConfig:
     name: str = choice("mlp", MODEL_NAMES)  # which entry of models.MODELS to build
     hidden_sizes: tuple[int, ...] = (64,)  # mlp: width of each hidden layer
     activation: str = choice("relu", ("relu", "gelu", "tanh", "sigmoid", "softplus"))  # mlp
+    context: int = 64  # (gpt) tokens of context: the training window and the sampling limit
+    n_layer: int = 4  # (gpt) transformer blocks
+    n_head: int = 4  # (gpt) attention heads per block (divides n_embd)
+    n_embd: int = 128  # (gpt) width of the residual stream
+    dropout: float = 0.0  # (gpt) dropout rate after the embeddings and inside each block
+    tie_head: bool = True  # (gpt) the output head is the token embedding transposed
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,11 @@ class OptimizerConfig:
     decay_rate: float = 0.1  # exponential: lr multiplier reached after train.steps
     momentum: float = 0.9  # name=momentum: the momentum coefficient
     weight_decay: float = 0.0  # decoupled for adamw/lion; added to the gradient otherwise
+    # Which params weight decay applies to: "all", or "matrices" (ndim >= 2: weights and
+    # embeddings, not biases or norm scales, as nanoGPT decays)
+    decay: str = choice("all", ("all", "matrices"))
+    b1: float = 0.9  # adam/adamw/lion: first-moment decay
+    b2: float | None = None  # adam/adamw/lion: second-moment decay (unset: 0.999; lion 0.99)
     clip_norm: float | None = None  # clip gradients to this global norm first
 
 
@@ -238,6 +249,22 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(
             f"{source}: optimizer.learning_rate must be > 0, got {cfg.optimizer.learning_rate}"
         )
+    m = cfg.model
+    if m.name == "gpt":
+        for key in ("context", "n_layer", "n_head", "n_embd"):
+            if getattr(m, key) < 1:
+                raise ConfigError(f"{source}: model.{key} must be >= 1, got {getattr(m, key)}")
+        if m.n_embd % m.n_head:
+            raise ConfigError(
+                f"{source}: model.n_embd={m.n_embd} must be a multiple of model.n_head={m.n_head}"
+            )
+        if not 0.0 <= m.dropout < 1.0:
+            raise ConfigError(f"{source}: model.dropout must be in [0, 1), got {m.dropout}")
+    for key in ("b1", "b2"):
+        if getattr(cfg.optimizer, key) is not None and not 0.0 <= getattr(cfg.optimizer, key) < 1.0:
+            raise ConfigError(
+                f"{source}: optimizer.{key} must be in [0, 1), got {getattr(cfg.optimizer, key)}"
+            )
     if cfg.model.name == "mlp" and (not cfg.model.hidden_sizes or min(cfg.model.hidden_sizes) < 1):
         raise ConfigError(
             f"{source}: model.hidden_sizes must be a non-empty list of positive ints, got "

@@ -1,0 +1,202 @@
+"""One GPT training step written several ways: raw JAX, Equinox, Flax NNX, nnlite (per step
+and with several steps per compiled call), and a matmul-floor reference.
+
+The model is nanoGPT's (token + learned position embeddings, pre-LN blocks of causal
+multi-head attention and a 4x GELU MLP, final LayerNorm, head tied to the token
+embedding, no dropout). Every implementation starts from the same float32 weights (a
+canonical dict, copied into each framework's parameters), trains with the same AdamW on the
+same windows, and computes the mean next-token cross-entropy.
+
+Data: a random token stream; step ``s`` uses the windows starting at ``starts[s % n]``.
+The peers take each step's ``(x, y)`` as device arrays made up front; nnlite does what its
+training loop does: the stream lives on the device and each call sends window starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._impls import Impl
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    name: str
+    vocab: int
+    context: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    batch: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.context
+
+    def matmul_flops(self) -> int:
+        """FLOPs of the matmuls one train step computes (forward, and the weight and input
+        gradients of the backward pass): per layer the qkv, output, fc and proj
+        projections, the two attention products, and the tied head."""
+        b, t, c, v, nl_ = self.batch, self.context, self.n_embd, self.vocab, self.n_layer
+        n = b * t
+        proj = 2 * n * c * (3 * c + c + 4 * c + 4 * c)  # qkv, out, fc, proj
+        attn = 2 * 2 * b * t * t * c  # q k^T and att v, summed over heads
+        head = 2 * n * c * v
+        fwd = nl_ * (proj + attn) + head
+        # backward: two matmuls per forward matmul (input and weight gradients); the first
+        # layer's qkv input gradient is still needed (the embeddings are trained)
+        return 3 * fwd
+
+
+GPT_SPECS = {
+    "gpt_baby": GPTSpec("gpt_baby", 84, 64, 4, 4, 128, 12),
+    "gpt_large": GPTSpec("gpt_large", 84, 256, 6, 6, 384, 64),
+}
+GPT_TINY = GPTSpec("gpt_tiny", 11, 8, 2, 2, 16, 4)
+
+
+def init_weights(spec: GPTSpec, seed: int = 0) -> dict:
+    """Canonical host weights, GPT-2's init: matrices N(0, 0.02) (residual projections
+    scaled by 1/sqrt(2 n_layer)), biases 0, LayerNorm scale 1 and offset 0."""
+    rng = np.random.default_rng(seed)
+    c = spec.n_embd
+    f32 = np.float32
+
+    def normal(*shape, std=0.02):
+        return (std * rng.normal(size=shape)).astype(f32)
+
+    def ln():
+        return {"scale": np.ones(c, f32), "bias": np.zeros(c, f32)}
+
+    proj_std = 0.02 / math.sqrt(2 * spec.n_layer)
+    blocks = [
+        {
+            "ln1": ln(),
+            "qkv": {"W": normal(c, 3 * c), "b": np.zeros(3 * c, f32)},
+            "out": {"W": normal(c, c, std=proj_std), "b": np.zeros(c, f32)},
+            "ln2": ln(),
+            "fc": {"W": normal(c, 4 * c), "b": np.zeros(4 * c, f32)},
+            "proj": {"W": normal(4 * c, c, std=proj_std), "b": np.zeros(c, f32)},
+        }
+        for _ in range(spec.n_layer)
+    ]
+    return {
+        "wte": normal(spec.vocab, c),
+        "wpe": normal(spec.context, c),
+        "blocks": blocks,
+        "ln_f": ln(),
+    }
+
+
+def make_data(spec: GPTSpec, n_batches: int, seed: int = 0):
+    """A token stream ``[n]`` int32, and each step's window starts ``[n_batches, batch]``."""
+    rng = np.random.default_rng(seed)
+    n = spec.context * spec.batch * 4 + spec.context + 1
+    stream = rng.integers(0, spec.vocab, size=n).astype(np.int32)
+    starts = rng.integers(0, n - spec.context, size=(n_batches, spec.batch)).astype(np.int32)
+    return stream, starts
+
+
+def windows(stream: np.ndarray, starts: np.ndarray, t: int):
+    pos = starts[:, None] + np.arange(t)
+    return stream[pos], stream[pos + 1]
+
+
+def optimizer(lr: float = 1e-3) -> optax.GradientTransformation:
+    """The recipe's optimizer: clip 1.0, AdamW(b1 0.9, b2 0.99, weight decay 0.1 on
+    matrices only)."""
+    mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=0.1, mask=mask),
+    )
+
+
+def xent(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+# -- raw JAX ------------------------------------------------------------------------------
+def layer_norm(p, x, eps=1e-5):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def raw_forward(params, tokens, n_head: int):
+    """Logits ``[B, T, V]`` of the canonical-weights GPT, written in plain jax.numpy."""
+    b, t = tokens.shape
+    x = params["wte"][tokens] + params["wpe"][:t]
+    c = x.shape[-1]
+    d = c // n_head
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    for blk in params["blocks"]:
+        h = layer_norm(blk["ln1"], x)
+        qkv = (h @ blk["qkv"]["W"] + blk["qkv"]["b"]).reshape(b, t, 3, n_head, d)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        att = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
+        att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
+        o = jnp.einsum("bhts,bshd->bthd", att, v).reshape(b, t, c)
+        x = x + o @ blk["out"]["W"] + blk["out"]["b"]
+        h = layer_norm(blk["ln2"], x)
+        h = jax.nn.gelu(h @ blk["fc"]["W"] + blk["fc"]["b"], approximate=True)
+        x = x + h @ blk["proj"]["W"] + blk["proj"]["b"]
+    x = layer_norm(params["ln_f"], x)
+    return x @ params["wte"].T
+
+
+class Peer(Impl):
+    """Shared data handling: the peers get each step's windows as device arrays."""
+
+    def setup(self, X, Y, idx):
+        t = self.spec.context
+        self.batches = [tuple(map(jax.device_put, windows(X, i, t))) for i in idx]
+
+
+class RawJaxGPT(Peer):
+    """Nested dicts of arrays and ``jax.jit`` with donated params/opt state."""
+
+    name = "raw JAX"
+
+    def setup(self, X, Y, idx):
+        super().setup(X, Y, idx)
+        tx, h = self.tx, self.spec.n_head
+
+        def loss_fn(params, x, y):
+            return xent(raw_forward(params, x, h), y)
+
+        @partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, opt_state, x, y):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self.step = step
+
+    def reset(self):
+        self.params = jax.tree.map(jnp.asarray, self.weights)
+        self.opt_state = self.tx.init(self.params)
+        self.t = 0
+
+    def run(self, n):
+        params, opt_state, step, batches = self.params, self.opt_state, self.step, self.batches
+        for s in range(self.t, self.t + n):
+            x, y = batches[s % len(batches)]
+            params, opt_state, loss = step(params, opt_state, x, y)
+        self.params, self.opt_state, self.t = params, opt_state, self.t + n
+        return float(loss)
+
+
+def build_all_gpt(spec: GPTSpec, *, n_batches: int = 10, steps_per_call: int = 10):
+    weights = init_weights(spec)
+    X, idx = make_data(spec, n_batches)
+    tx = optimizer()
+    impls = [RawJaxGPT(spec, weights, X, None, idx, tx)]
+    return impls
