@@ -194,9 +194,228 @@ class RawJaxGPT(Peer):
         return float(loss)
 
 
+def split_qkv(blk: dict, c: int):
+    """The canonical fused ``qkv`` projection as three ``(W [c, c], b [c])`` pairs."""
+    W, b = blk["qkv"]["W"], blk["qkv"]["b"]
+    return [(W[:, i * c : (i + 1) * c], b[i * c : (i + 1) * c]) for i in range(3)]
+
+
+class EquinoxGPT(Peer):
+    """``eqx.nn.Embedding``, ``eqx.nn.LayerNorm``, ``eqx.nn.MultiheadAttention`` (causal mask)
+    and ``eqx.nn.Linear`` in an ``eqx.Module``; one sequence per call, ``jax.vmap`` over the
+    batch, ``eqx.filter_value_and_grad`` and ``eqx.filter_jit``, as in Equinox's examples."""
+
+    name = "Equinox"
+
+    def setup(self, X, Y, idx):
+        import equinox as eqx
+
+        super().setup(X, Y, idx)
+        tx = self.tx
+
+        @eqx.filter_value_and_grad
+        def loss_fn(model, x, y):
+            return xent(jax.vmap(model)(x), y)
+
+        @eqx.filter_jit(donate="all-except-first")
+        def step(model, opt_state, x, y):
+            loss, grads = loss_fn(model, x, y)
+            updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), opt_state, loss
+
+        self.step = step
+
+    def reset(self):
+        import equinox as eqx
+
+        spec, w = self.spec, self.weights
+        c, h = spec.n_embd, spec.n_head
+
+        class Block(eqx.Module):
+            ln1: eqx.nn.LayerNorm
+            attn: eqx.nn.MultiheadAttention
+            ln2: eqx.nn.LayerNorm
+            fc: eqx.nn.Linear
+            proj: eqx.nn.Linear
+
+            def __init__(self, key):
+                k1, k2, k3 = jax.random.split(key, 3)
+                self.ln1, self.ln2 = eqx.nn.LayerNorm(c), eqx.nn.LayerNorm(c)
+                self.attn = eqx.nn.MultiheadAttention(
+                    h,
+                    c,
+                    use_query_bias=True,
+                    use_key_bias=True,
+                    use_value_bias=True,
+                    use_output_bias=True,
+                    key=k1,
+                )
+                self.fc = eqx.nn.Linear(c, 4 * c, key=k2)
+                self.proj = eqx.nn.Linear(4 * c, c, key=k3)
+
+            def __call__(self, x, mask):
+                hx = jax.vmap(self.ln1)(x)
+                x = x + self.attn(hx, hx, hx, mask=mask)
+                hx = jax.vmap(self.ln2)(x)
+                return x + jax.vmap(self.proj)(jax.nn.gelu(jax.vmap(self.fc)(hx), approximate=True))
+
+        class GPT(eqx.Module):
+            wte: eqx.nn.Embedding
+            wpe: eqx.nn.Embedding
+            blocks: list
+            ln_f: eqx.nn.LayerNorm
+
+            def __init__(self, key):
+                keys = jax.random.split(key, spec.n_layer + 2)
+                self.wte = eqx.nn.Embedding(spec.vocab, c, key=keys[0])
+                self.wpe = eqx.nn.Embedding(spec.context, c, key=keys[1])
+                self.blocks = [Block(k) for k in keys[2:]]
+                self.ln_f = eqx.nn.LayerNorm(c)
+
+            def __call__(self, tokens):  # [T] -> [T, vocab]
+                t = tokens.shape[0]
+                x = self.wte.weight[tokens] + self.wpe.weight[:t]
+                mask = jnp.tril(jnp.ones((t, t), bool))
+                for blk in self.blocks:
+                    x = blk(x, mask)
+                return jax.vmap(self.ln_f)(x) @ self.wte.weight.T
+
+        model = GPT(jax.random.key(0))
+        a = jnp.asarray
+        where, values = [], []
+
+        def put(get, value):
+            where.append(get)
+            values.append(a(value))
+
+        put(lambda m: m.wte.weight, w["wte"])
+        put(lambda m: m.wpe.weight, w["wpe"])
+        put(lambda m: m.ln_f.weight, w["ln_f"]["scale"])
+        put(lambda m: m.ln_f.bias, w["ln_f"]["bias"])
+        for i, blk in enumerate(w["blocks"]):
+            (Wq, bq), (Wk, bk), (Wv, bv) = split_qkv(blk, c)
+            for name, lnp in (("ln1", blk["ln1"]), ("ln2", blk["ln2"])):
+                put(lambda m, i=i, n=name: getattr(m.blocks[i], n).weight, lnp["scale"])
+                put(lambda m, i=i, n=name: getattr(m.blocks[i], n).bias, lnp["bias"])
+            for proj, (Wx, bx) in (
+                ("query_proj", (Wq, bq)),
+                ("key_proj", (Wk, bk)),
+                ("value_proj", (Wv, bv)),
+                ("output_proj", (blk["out"]["W"], blk["out"]["b"])),
+            ):
+                put(lambda m, i=i, p=proj: getattr(m.blocks[i].attn, p).weight, Wx.T)
+                put(lambda m, i=i, p=proj: getattr(m.blocks[i].attn, p).bias, bx)
+            for lin in ("fc", "proj"):
+                put(lambda m, i=i, n=lin: getattr(m.blocks[i], n).weight, blk[lin]["W"].T)
+                put(lambda m, i=i, n=lin: getattr(m.blocks[i], n).bias, blk[lin]["b"])
+        model = eqx.tree_at(lambda m: [g(m) for g in where], model, values)
+        self.model = model
+        self.opt_state = self.tx.init(eqx.filter(model, eqx.is_array))
+        self.t = 0
+
+    def run(self, n):
+        model, opt_state, step, batches = self.model, self.opt_state, self.step, self.batches
+        for s in range(self.t, self.t + n):
+            x, y = batches[s % len(batches)]
+            model, opt_state, loss = step(model, opt_state, x, y)
+        self.model, self.opt_state, self.t = model, opt_state, self.t + n
+        return float(loss)
+
+
+class FlaxNNXGPT(Peer):
+    """``nnx.Embed``, ``nnx.LayerNorm``, ``nnx.MultiHeadAttention`` (causal mask) and
+    ``nnx.Linear`` in an ``nnx.Module``; ``nnx.Optimizer``, ``nnx.value_and_grad`` and
+    ``nnx.jit``, as in the Flax NNX docs."""
+
+    name = "Flax NNX"
+
+    def setup(self, X, Y, idx):
+        from flax import nnx
+
+        super().setup(X, Y, idx)
+
+        @nnx.jit
+        def step(model, optimizer, x, y):
+            def loss_fn(model):
+                return xent(model(x), y)
+
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads)
+            return loss
+
+        self.step = step
+
+    def reset(self):
+        from flax import nnx
+
+        spec, w = self.spec, self.weights
+        c, h = spec.n_embd, spec.n_head
+        d = c // h
+
+        class Block(nnx.Module):
+            def __init__(self, rngs):
+                self.ln1 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
+                self.attn = nnx.MultiHeadAttention(h, c, decode=False, rngs=rngs)
+                self.ln2 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
+                self.fc = nnx.Linear(c, 4 * c, rngs=rngs)
+                self.proj = nnx.Linear(4 * c, c, rngs=rngs)
+
+            def __call__(self, x, mask):
+                x = x + self.attn(self.ln1(x), mask=mask)
+                return x + self.proj(nnx.gelu(self.fc(self.ln2(x)), approximate=True))
+
+        class GPT(nnx.Module):
+            def __init__(self, rngs):
+                self.wte = nnx.Embed(spec.vocab, c, rngs=rngs)
+                self.wpe = nnx.Embed(spec.context, c, rngs=rngs)
+                self.blocks = nnx.List([Block(rngs) for _ in range(spec.n_layer)])
+                self.ln_f = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
+
+            def __call__(self, tokens):  # [B, T] -> [B, T, vocab]
+                t = tokens.shape[-1]
+                x = self.wte(tokens) + self.wpe.embedding.value[:t]
+                mask = nnx.make_causal_mask(tokens)
+                for blk in self.blocks:
+                    x = blk(x, mask)
+                return self.wte.attend(self.ln_f(x))
+
+        model = GPT(nnx.Rngs(0))
+        a = jnp.asarray
+        model.wte.embedding.value = a(w["wte"])
+        model.wpe.embedding.value = a(w["wpe"])
+        model.ln_f.scale.value, model.ln_f.bias.value = a(w["ln_f"]["scale"]), a(w["ln_f"]["bias"])
+        for blk_m, blk in zip(model.blocks, w["blocks"]):
+            for ln_m, lnp in ((blk_m.ln1, blk["ln1"]), (blk_m.ln2, blk["ln2"])):
+                ln_m.scale.value, ln_m.bias.value = a(lnp["scale"]), a(lnp["bias"])
+            for lin, (Wx, bx) in zip(
+                (blk_m.attn.query, blk_m.attn.key, blk_m.attn.value), split_qkv(blk, c)
+            ):
+                lin.kernel.value = a(Wx.reshape(c, h, d))
+                lin.bias.value = a(bx.reshape(h, d))
+            blk_m.attn.out.kernel.value = a(blk["out"]["W"].reshape(h, d, c))
+            blk_m.attn.out.bias.value = a(blk["out"]["b"])
+            for lin_m, name in ((blk_m.fc, "fc"), (blk_m.proj, "proj")):
+                lin_m.kernel.value, lin_m.bias.value = a(blk[name]["W"]), a(blk[name]["b"])
+        self.model = model
+        self.optimizer = nnx.Optimizer(model, self.tx, wrt=nnx.Param)
+        self.t = 0
+
+    def run(self, n):
+        model, optimizer, step, batches = self.model, self.optimizer, self.step, self.batches
+        for s in range(self.t, self.t + n):
+            x, y = batches[s % len(batches)]
+            loss = step(model, optimizer, x, y)
+        self.t += n
+        return float(loss)
+
+
 def build_all_gpt(spec: GPTSpec, *, n_batches: int = 10, steps_per_call: int = 10):
     weights = init_weights(spec)
     X, idx = make_data(spec, n_batches)
     tx = optimizer()
-    impls = [RawJaxGPT(spec, weights, X, None, idx, tx)]
+    impls = [
+        RawJaxGPT(spec, weights, X, None, idx, tx),
+        EquinoxGPT(spec, weights, X, None, idx, tx),
+        FlaxNNXGPT(spec, weights, X, None, idx, tx),
+    ]
     return impls
