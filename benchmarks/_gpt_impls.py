@@ -409,7 +409,81 @@ class FlaxNNXGPT(Peer):
         return float(loss)
 
 
-def build_all_gpt(spec: GPTSpec, *, n_batches: int = 10, steps_per_call: int = 10):
+class MatmulFloorGPT(Impl):
+    """Not a trainer: only the matmuls of a GPT train step, to bound what any implementation
+    can reach. Per step: the forward projections (qkv, out, fc, proj), the two attention
+    products and the tied head, with nothing between them (no LayerNorm, softmax, GELU,
+    residual, loss or Adam), then their input and weight gradients by ``jax.vjp``, then
+    ``W -= 1e-6 dW`` so each step depends on the last. Weights are scaled ``1/sqrt(fan_in)``
+    so values stay near 1 (no denormals). ``steps_per_call`` steps run in one ``lax.scan``."""
+
+    name = "matmul floor"
+    trains = False
+
+    def __init__(self, *args, steps_per_call: int = 1, **kwargs):
+        self.steps_per_call = steps_per_call
+        super().__init__(*args, **kwargs)
+
+    def setup(self, X, Y, idx):
+        spec = self.spec
+        b, t, c, h = spec.batch, spec.context, spec.n_embd, spec.n_head
+        d = c // h
+        rng = np.random.default_rng(1)
+        self.x0 = jnp.asarray(rng.normal(size=(self.steps_per_call, b, t, c)).astype(np.float32))
+
+        def matmuls(Ws, x):
+            for blk in Ws["blocks"]:
+                q, k, v = jnp.split((x @ blk["qkv"]).reshape(b, t, 3 * h, d), 3, axis=2)
+                att = jnp.einsum("bthd,bshd->bhts", q, k) * (1 / math.sqrt(d * t))
+                o = jnp.einsum("bhts,bshd->bthd", att, v).reshape(b, t, c)
+                x = ((o @ blk["out"]) @ blk["fc"]) @ blk["proj"]
+            return x @ Ws["wte"].T
+
+        def one(Ws, x):
+            out, vjp = jax.vjp(matmuls, Ws, x)
+            dWs, _ = vjp(out)
+            return jax.tree.map(lambda W, dW: W - 1e-6 * dW, Ws, dWs)
+
+        @partial(jax.jit, donate_argnums=0)
+        def steps(Ws, xs):
+            Ws, _ = jax.lax.scan(lambda Ws, x: (one(Ws, x), None), Ws, xs)
+            return Ws
+
+        self.step = steps
+
+    def reset(self):
+        rng = np.random.default_rng(2)
+        c, v = self.spec.n_embd, self.spec.vocab
+
+        def mat(i, o):
+            return jnp.asarray((rng.normal(size=(i, o)) / math.sqrt(i)).astype(np.float32))
+
+        self.Ws = {
+            "wte": mat(v, c) * math.sqrt(v / c),
+            "blocks": [
+                {"qkv": mat(c, 3 * c), "out": mat(c, c), "fc": mat(c, 4 * c), "proj": mat(4 * c, c)}
+                for _ in range(self.spec.n_layer)
+            ],
+        }
+        self.t = 0
+
+    def run(self, n):
+        if n % self.steps_per_call:
+            raise ValueError(
+                f"matmul floor: {n} steps is not a multiple of K={self.steps_per_call}"
+            )
+        Ws = self.Ws
+        for _ in range(n // self.steps_per_call):
+            Ws = self.step(Ws, self.x0)
+        self.Ws, self.t = Ws, self.t + n
+        return float(Ws["wte"][0, 0])
+
+
+def build_all_gpt(
+    spec: GPTSpec, *, n_batches: int = 10, steps_per_call: int = 10, matmul_floor: bool = False
+):
+    """Every GPT implementation on the same weights, windows and optimizer; with
+    ``matmul_floor``, the :class:`MatmulFloorGPT` reference last."""
     weights = init_weights(spec)
     X, idx = make_data(spec, n_batches)
     tx = optimizer()
@@ -418,4 +492,8 @@ def build_all_gpt(spec: GPTSpec, *, n_batches: int = 10, steps_per_call: int = 1
         EquinoxGPT(spec, weights, X, None, idx, tx),
         FlaxNNXGPT(spec, weights, X, None, idx, tx),
     ]
+    if matmul_floor:
+        impls.append(
+            MatmulFloorGPT(spec, weights, X, None, idx, None, steps_per_call=steps_per_call)
+        )
     return impls
