@@ -264,6 +264,14 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
 
 
+def host_batch(data: Dataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The batch ``(x, y)`` that indices ``idx`` name, on the host (what the compiled step
+    gathers on the device: rows, or text windows starting at ``idx``)."""
+    if data.window is not None:
+        idx = np.asarray(idx)[:, None] + np.arange(data.window)
+    return data.x[idx], data.y[idx]
+
+
 def make_sampler(seed: int, data: Dataset, batch_size: int):
     """The host-side sampler of ``data``: epochs of examples, or random text windows."""
     if data.window is None:

@@ -366,14 +366,3 @@ def build_split_eval(model, chunk: int) -> Callable:
         return jax.tree.map(jnp.mean, values)
 
     return evaluate
-
-
-def build_eval(loss_fn) -> Callable:
-    """Jitted ``(params, X, Y) -> {loss, metrics}`` over a whole (small) split."""
-
-    @jax.jit
-    def evaluate(params, X, Y):
-        loss, metrics = loss_fn(params, X, Y)
-        return {"loss": loss, **metrics}
-
-    return evaluate
