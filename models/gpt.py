@@ -110,8 +110,9 @@ class GPT(nl.Module):
         keys = [None] * (self.n_layer + 1)
         if key is not None and self.dropout > 0:
             keys = list(jax.random.split(key, self.n_layer + 1))
-        x = self.wte(params.wte, tokens) + params.wpe.W[:t]
-        x = self.drop(x, key=keys[-1])
+        x = self.wte(params.wte, tokens)
+        x = x + jnp.broadcast_to(params.wpe.W[:t].astype(x.dtype), x.shape)
+        x = self.drop(nl.ParamsDict(), x, key=keys[-1])
         for p_block, k in zip(params.blocks, keys):
             x = self.block(p_block, x, key=k)
         return self.logits(params, self.ln_f(params.ln_f, x))
@@ -146,13 +147,15 @@ class GPT(nl.Module):
         ck, cv = cache
         block = self.block
         attn = block.attn
-        visible = jnp.arange(self.context) <= pos  # [context]: the cache entries so far
-        x = self.wte(params.wte, token[:, None]) + params.wpe.W[pos][None, None, :]
+        x = self.wte(params.wte, token[:, None])  # [batch, 1, n_embd]
+        x = x + jnp.broadcast_to(params.wpe.W[pos].astype(x.dtype), x.shape)
         for i, p in enumerate(params.blocks):
             q, k, v = attn.qkv(p.attn, block.ln1(p.ln1, x))  # [batch, 1, heads, head_dim]
-            ck = jax.lax.dynamic_update_slice_in_dim(ck, k[None], pos, axis=2)
-            cv = jax.lax.dynamic_update_slice_in_dim(cv, v[None], pos, axis=2)
-            o = attn.attend(q, ck[i], cv[i], mask=visible[None, :])
+            at = (i, 0, pos, 0, 0)  # layer i, every row, position pos
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+            # causal with q_offset=pos: the query sees cache slots 0..pos, not the unfilled rest
+            o = attn.attend(q, ck[i], cv[i], q_offset=pos)
             x = x + attn.project(p.attn, o)
             x = x + block.mlp(p.mlp, block.ln2(p.ln2, x))
         return self.logits(params, self.ln_f(params.ln_f, x[:, 0])), (ck, cv)
@@ -229,7 +232,7 @@ def gpt2_init(params: nl.ParamsDict, n_layer: int, key) -> nl.ParamsDict:
 
 
 # Paths (suffixes) of the matrices that write into the residual stream.
-RESIDUAL_OUT = ("/attn/out/W", "/mlp/layers[1]/W")
+RESIDUAL_OUT = ("/attn/out/W", "/mlp/proj/W")
 
 
 def build(cfg, data) -> GPT:
