@@ -157,14 +157,26 @@ def test_gpt_parallel_equals_one_device(tmp_path, strategy):
 
 
 def test_gpt_resume_with_dropout_is_bit_identical(tmp_path):
-    drop = ["model.dropout=0.2"]
-    whole = tiny_run(tmp_path, *drop, name="whole")
-    tiny_run(tmp_path, *drop, "train.steps=6", name="split")
-    resumed = tiny_run(tmp_path, *drop, name="split", resume="require")
-    assert max_abs_diff(whole.params, resumed.params) == 0.0
-    # dropout is on: the same run without it ends elsewhere
-    plain = tiny_run(tmp_path, name="plain")
-    assert max_abs_diff(whole.params, plain.params) > 1e-4
+    import shutil
+
+    whole = tiny_run(tmp_path, "model.dropout=0.2", name="whole")
+    # Simulate a crash right after the step-6 checkpoint: a copy of the run without the
+    # later checkpoint, resumed.
+    split = tmp_path / "split"
+    shutil.copytree(whole.run_dir, split)
+    (split / "checkpoints" / "ckpt_00000012.safetensors").unlink()
+    resumed = tiny_run(tmp_path, "model.dropout=0.2", name="split", resume="require")
+    assert resumed.step == 12 and max_abs_diff(whole.params, resumed.params) == 0.0
+
+
+def test_gpt_dropout_is_on_with_a_key(tiny_params):
+    model = GPT(vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=16, dropout=0.5)
+    assert model.uses_key and not TINY.uses_key
+    x = jnp.zeros((2, 8), jnp.int32)
+    loss = jax.jit(lambda p, x, k: model.objective(p, x, x, key=k)[0])
+    k0 = jax.random.key(0)
+    assert float(loss(tiny_params, x, k0)) != float(loss(tiny_params, x, None))
+    assert float(loss(tiny_params, x, k0)) == float(loss(tiny_params, x, k0))
 
 
 # -- the sampling CLI ----------------------------------------------------------------------
