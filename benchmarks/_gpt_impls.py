@@ -373,7 +373,7 @@ class FlaxNNXGPT(Peer):
 
             def __call__(self, tokens):  # [B, T] -> [B, T, vocab]
                 t = tokens.shape[-1]
-                x = self.wte(tokens) + self.wpe.embedding.value[:t]
+                x = self.wte(tokens) + self.wpe.embedding[...][:t]
                 mask = nnx.make_causal_mask(tokens)
                 for blk in self.blocks:
                     x = blk(x, mask)
@@ -407,6 +407,95 @@ class FlaxNNXGPT(Peer):
             loss = step(model, optimizer, x, y)
         self.t += n
         return float(loss)
+
+
+def nnlite_model(spec: GPTSpec):
+    from models.gpt import GPT
+
+    return GPT(spec.vocab, spec.context, spec.n_layer, spec.n_head, spec.n_embd)
+
+
+def nnlite_params(weights: dict):
+    """The canonical weights as ``models.gpt.GPT``'s ParamsDict (the same layout: fused
+    qkv with columns ``[q | k | v]``, heads contiguous)."""
+    import nnlite as nl
+
+    a = jnp.asarray
+    lin = lambda d: nl.ParamsDict(W=a(d["W"]), b=a(d["b"]))
+    ln = lambda d: nl.ParamsDict(scale=a(d["scale"]), bias=a(d["bias"]))
+    blocks = [
+        nl.ParamsDict(
+            ln1=ln(b["ln1"]),
+            attn=nl.ParamsDict(qkv=lin(b["qkv"]), out=lin(b["out"])),
+            ln2=ln(b["ln2"]),
+            mlp=nl.ParamsDict(fc=lin(b["fc"]), proj=lin(b["proj"])),
+        )
+        for b in weights["blocks"]
+    ]
+    return nl.ParamsDict(
+        wte=nl.ParamsDict(W=a(weights["wte"])),
+        wpe=nl.ParamsDict(W=a(weights["wpe"])),
+        blocks=blocks,
+        ln_f=ln(weights["ln_f"]),
+    )
+
+
+class NnliteGPT(Impl):
+    """nnlite's training machinery: ``models.gpt.GPT`` and ``train.step.build_stepper``;
+    the token stream on the device, window starts sent per call, K steps a call."""
+
+    name = "nnlite"
+
+    def __init__(self, *args, steps_per_call: int = 1, **kwargs):
+        self.steps_per_call = steps_per_call
+        if steps_per_call > 1:
+            self.name = f"nnlite K={steps_per_call}"
+        super().__init__(*args, **kwargs)
+
+    def setup(self, X, Y, idx):
+        from train.step import batch_grads_fn, build_stepper
+
+        self.model = nnlite_model(self.spec)
+        p0 = nnlite_params(self.weights)
+        self.p_def = jax.tree.structure(p0)
+        self.o_def = jax.tree.structure(self.tx.init(p0))
+        self.stepper = build_stepper(
+            batch_grads_fn(self.model, "autodiff", 1, "none"),
+            self.tx,
+            self.p_def,
+            self.o_def,
+            "none",
+            jax.devices()[:1],
+            window=self.spec.context,
+        )
+        # inputs and next-token targets: the stream and the stream shifted by one
+        self.X, self.Y = self.stepper.put_data(X[:-1]), self.stepper.put_data(X[1:])
+        self._blocks = {}
+
+    def block(self, t: int, k: int) -> np.ndarray:
+        nb = len(self.idx)
+        key = (t % nb, k)
+        if key not in self._blocks:
+            self._blocks[key] = np.stack([self.idx[(t + j) % nb] for j in range(k)])
+        return self._blocks[key]
+
+    def reset(self):
+        params = nnlite_params(self.weights)
+        if jax.tree.structure(params) != self.p_def:
+            raise ValueError("nnlite benchmark params do not match the model's structure")
+        self.p_leaves = self.stepper.put_state(jax.tree.leaves(params))
+        self.o_leaves = self.stepper.put_state(jax.tree.leaves(self.tx.init(params)))
+        self.t = 0
+
+    def run(self, n):
+        st, X, Y, block = self.stepper, self.X, self.Y, self.block
+        p, o, t, end = self.p_leaves, self.o_leaves, self.t, self.t + n
+        while t < end:
+            k = min(self.steps_per_call, end - t)
+            p, o, metrics = st.run(p, o, X, Y, st.put_indices(block(t, k), t))
+            t += k
+        self.p_leaves, self.o_leaves, self.t = p, o, t
+        return float(metrics["loss"][-1])
 
 
 class MatmulFloorGPT(Impl):
@@ -491,7 +580,10 @@ def build_all_gpt(
         RawJaxGPT(spec, weights, X, None, idx, tx),
         EquinoxGPT(spec, weights, X, None, idx, tx),
         FlaxNNXGPT(spec, weights, X, None, idx, tx),
+        NnliteGPT(spec, weights, X, None, idx, tx),
     ]
+    if steps_per_call > 1:
+        impls.append(NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call))
     if matmul_floor:
         impls.append(
             MatmulFloorGPT(spec, weights, X, None, idx, None, steps_per_call=steps_per_call)

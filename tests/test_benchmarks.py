@@ -51,3 +51,16 @@ def test_matmul_floor_does_the_steps_matmuls():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="not a multiple of K=2"):
         floor.run(3)
+
+
+@jax.numpy_rank_promotion("allow")
+def test_gpt_implementations_agree_on_loss():
+    from benchmarks._gpt_impls import GPT_TINY, build_all_gpt
+
+    impls = build_all_gpt(GPT_TINY, n_batches=3, steps_per_call=2)
+    assert [i.name for i in impls] == ["raw JAX", "Equinox", "Flax NNX", "nnlite", "nnlite K=2"]
+    losses = losses_after(impls, 5)
+    ref = losses["raw JAX"]
+    for name, value in losses.items():
+        assert value == pytest.approx(ref, rel=1e-5), name
+    assert losses_after(impls[:1], 1)["raw JAX"] != pytest.approx(ref, rel=1e-3)
