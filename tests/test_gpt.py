@@ -138,12 +138,14 @@ def max_abs_diff(a, b):
 
 
 def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(tmp_path):
-    r = tiny_run(tmp_path, "train.steps=40", "optimizer.learning_rate=0.003")
+    r = tiny_run(tmp_path, "train.steps=24", "optimizer.learning_rate=0.003")
     records = [json.loads(ln) for ln in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [x for x in records if x["split"] == "val"]
-    assert [x["step"] for x in val] == [6, 12, 18, 24, 30, 36, 40]
+    assert [x["step"] for x in val] == [6, 12, 18, 24]
     assert all(x["bits_per_char"] == pytest.approx(x["loss"] / np.log(2)) for x in val)
-    assert val[-1]["loss"] < val[0]["loss"] - 0.3
+    # it learns: below the uniform guess ln(vocab) and falling
+    assert val[-1]["loss"] < np.log(r.data.num_classes) - 0.25
+    assert val[-1]["loss"] < val[0]["loss"] - 0.1
     assert r.summary["val_loss"] == val[-1]["loss"]
 
 
@@ -152,7 +154,7 @@ def test_gpt_parallel_equals_one_device(tmp_path, strategy):
     ref = tiny_run(tmp_path, "parallel.strategy=none", name="ref")
     init = ref.model.init(jax.random.key(ref.cfg.seed))
     assert max_abs_diff(ref.params, init) > 1e-3
-    r = tiny_run(tmp_path, f"parallel.strategy={strategy}", "parallel.devices=4", name=strategy)
+    r = tiny_run(tmp_path, f"parallel.strategy={strategy}", "parallel.devices=2", name=strategy)
     assert max_abs_diff(r.params, ref.params) <= 1e-5
 
 
