@@ -1,6 +1,7 @@
 """Train-step throughput: raw JAX vs Equinox vs Flax NNX vs nnlite, plus the GEMM rate.
 
     python -m benchmarks.train_step [--quick] [--sizes small,medium,large,cnn] [--rounds N]
+    python -m benchmarks.train_step --sizes gpt_baby,gpt_large   # the GPT rows
 
 For each size (the MLPs SMALL, MEDIUM, LARGE, and CNN: the MNIST-1D paper's conv net): check that every implementation reaches the same loss after 10 steps from
 the same weights, then time them interleaved in shuffled rounds and print the median time
@@ -126,6 +127,64 @@ def render(size: str, r: dict) -> str:
     return title + "\n\n" + h.table(rows, header)
 
 
+# -- GPT rows (benchmarks/_gpt_impls.py) -----------------------------------------------------
+GPT_STEPS_PER_SAMPLE = {"gpt_baby": 20, "gpt_large": 2}
+GPT_STEPS_PER_CALL = {"gpt_baby": 10, "gpt_large": 2}
+GPT_ROUNDS = {"gpt_baby": 7, "gpt_large": 3}
+
+
+def bench_gpt(size: str, rounds: int, quick: bool) -> dict:
+    """The GPT step: same loss after 10 steps, then interleaved timing, tokens/s and the
+    fraction of the matmul floor (the step's matmuls alone) each implementation reaches."""
+    from ._gpt_impls import GPT_SPECS, build_all_gpt
+
+    spec = GPT_SPECS[size]
+    k, n = GPT_STEPS_PER_CALL[size], GPT_STEPS_PER_SAMPLE[size]
+    if quick:
+        n = k
+    impls = build_all_gpt(spec, steps_per_call=k, matmul_floor=True)
+    with jax.numpy_rank_promotion("allow"):  # the peers are written as their users write them
+        losses = check_losses(impls)
+        cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
+        samples = h.time_interleaved(cases, rounds=rounds, warmup=1)
+    per_step = {name: h.median(v) / n for name, v in samples.items()}
+    floor = per_step["matmul floor"]
+    return {
+        "spec": dict(spec.__dict__),
+        "steps_per_sample": n,
+        "rounds": rounds,
+        "nnlite_steps_per_call": k,
+        "loss_after_10": losses,
+        "median_s_per_step": per_step,
+        "tokens_per_s": {name: spec.tokens_per_step / t for name, t in per_step.items()},
+        "floor_fraction": {name: floor / t for name, t in per_step.items()},
+        "matmul_flops_per_step": spec.matmul_flops(),
+        "samples_s": samples,
+    }
+
+
+def render_gpt(size: str, r: dict) -> str:
+    base = r["median_s_per_step"]["raw JAX"]
+    rows = [
+        [
+            name,
+            h.fmt_time(t),
+            f"{t / base:.3f}",
+            f"{r['tokens_per_s'][name]:,.0f}",
+            f"{r['floor_fraction'][name]:.1%}",
+        ]
+        for name, t in r["median_s_per_step"].items()
+    ]
+    header = ["implementation", "median / step", "time vs raw JAX", "tokens/s", "of matmul floor"]
+    s = r["spec"]
+    title = (
+        f"{size.upper()}: {s['n_layer']} layers x {s['n_head']} heads x {s['n_embd']}, "
+        f"context {s['context']}, batch {s['batch']}; {r['rounds']} rounds x "
+        f"{r['steps_per_sample']} steps; nnlite K={r['nnlite_steps_per_call']}"
+    )
+    return title + "\n\n" + h.table(rows, header)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.train_step", description=__doc__.split("\n")[0]
@@ -140,14 +199,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     for s in sizes:
-        if s not in ALL_SPECS:
-            ap.error(f"unknown size {s!r}; valid: {', '.join(ALL_SPECS)}")
+        if s not in ALL_SPECS and s not in GPT_ROUNDS:
+            ap.error(f"unknown size {s!r}; valid: {', '.join([*ALL_SPECS, *GPT_ROUNDS])}")
     info = h.machine_info()
     print(
         f"machine: {info['cpu']}, {info['affinity']} usable cores; jax {info['versions']['jax']} on {info['jax_devices']}"
     )
     results = {}
     for size in sizes:
+        if size in GPT_ROUNDS:
+            results[size] = bench_gpt(size, args.rounds or GPT_ROUNDS[size], args.quick)
+            print("\n" + render_gpt(size, results[size]), flush=True)
+            continue
         rounds = args.rounds or (max(3, ROUNDS[size] // 3) if args.quick else ROUNDS[size])
         results[size] = bench_size(size, rounds, args.quick)
         print("\n" + render(size, results[size]), flush=True)

@@ -10,10 +10,11 @@ hand-derived pass that adds into gradient buffers (used with ``train.grad_accum_
 Adding a model is one file plus one line here.
 """
 
-from . import cnn, linreg, mlp
+from . import cnn, gpt, linreg, mlp
 
 MODELS = {
     "mlp": mlp.build,
     "linreg": linreg.build,
     "cnn": cnn.build,
+    "gpt": gpt.build,
 }

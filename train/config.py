@@ -27,8 +27,8 @@ def choice(default: Any, choices: tuple) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
-MODEL_NAMES = ("mlp", "linreg", "cnn")  # kept in sync with models.MODELS by a test
-DATA_NAMES = ("digits", "mnist1d", "linreg", "npz")
+MODEL_NAMES = ("mlp", "linreg", "cnn", "gpt")  # kept in sync with models.MODELS by a test
+DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
 GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
@@ -49,15 +49,23 @@ class ModelConfig:
     # cnn: zeros added at each end of the sequence (one int for all layers, or one per
     # layer), or "SAME" (output length = ceil(length / stride)) or "VALID" (no padding)
     padding: int | str | tuple[int, ...] = 1
+    context: int = 64  # (gpt) tokens of context: the training window and the sampling limit
+    n_layer: int = 4  # (gpt) transformer blocks
+    n_head: int = 4  # (gpt) attention heads per block (divides n_embd)
+    n_embd: int = 128  # (gpt) width of the residual stream
+    dropout: float = 0.0  # (gpt) dropout rate after the embeddings and inside each block
+    tie_head: bool = True  # (gpt) the output head is the token embedding transposed
 
 
 @dataclass(frozen=True)
 class DataConfig:
     name: str = choice("digits", DATA_NAMES)  # data set (see train/data.py)
-    path: str | None = None  # npz: file with arrays x, y and optional x_test, y_test
+    path: str | None = None  # npz: file with arrays x, y (x_test, y_test); text: a UTF-8 file
     test_fraction: float = 0.2  # digits/npz without x_test: held-out share, stratified
     split_seed: int = 0  # seed of the fixed train/test split
     num_samples: int = 5000  # mnist1d: total examples generated (80% train)
+    val_fraction: float = 0.1  # text, shakespeare_char: the tail of the text held out
+    eval_windows: int = 2400  # text, shakespeare_char: fixed validation windows evaluated
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,11 @@ class OptimizerConfig:
     decay_rate: float = 0.1  # exponential: lr multiplier reached after train.steps
     momentum: float = 0.9  # name=momentum: the momentum coefficient
     weight_decay: float = 0.0  # decoupled for adamw/lion; added to the gradient otherwise
+    # Which params weight decay applies to: "all", or "matrices" (ndim >= 2: weights and
+    # embeddings, not biases or norm scales, as nanoGPT decays)
+    decay: str = choice("all", ("all", "matrices"))
+    b1: float = 0.9  # adam/adamw/lion: first-moment decay
+    b2: float | None = None  # adam/adamw/lion: second-moment decay (unset: 0.999; lion 0.99)
     clip_norm: float | None = None  # clip gradients to this global norm first
 
 
@@ -278,6 +291,7 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         "train.grad_accum_steps": cfg.train.grad_accum_steps,
         "checkpoint.keep": cfg.checkpoint.keep,
         "data.num_samples": cfg.data.num_samples,
+        "data.eval_windows": cfg.data.eval_windows,
         "distributed.initialization_timeout": cfg.distributed.initialization_timeout,
         "distributed.heartbeat_timeout": cfg.distributed.heartbeat_timeout,
     }
@@ -307,6 +321,21 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("data.test_fraction", f"must be in (0, 1), got {cfg.data.test_fraction}")
     if cfg.optimizer.learning_rate <= 0:
         raise bad("optimizer.learning_rate", f"must be > 0, got {cfg.optimizer.learning_rate}")
+    m = cfg.model
+    if m.name == "gpt":
+        for key in ("context", "n_layer", "n_head", "n_embd"):
+            if getattr(m, key) < 1:
+                raise bad(f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
+        if m.n_embd % m.n_head:
+            raise bad(
+                "model.n_embd", f"({m.n_embd}) must be a multiple of model.n_head ({m.n_head})"
+            )
+        if not 0.0 <= m.dropout < 1.0:
+            raise bad("model.dropout", f"must be in [0, 1), got {m.dropout}")
+    for key in ("b1", "b2"):
+        v = getattr(cfg.optimizer, key)
+        if v is not None and not 0.0 <= v < 1.0:
+            raise bad(f"optimizer.{key}", f"must be in [0, 1), got {v}")
     if cfg.model.name == "mlp" and (not cfg.model.hidden_sizes or min(cfg.model.hidden_sizes) < 1):
         raise bad(
             "model.hidden_sizes",
@@ -322,8 +351,10 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("distributed.num_processes", f"must be >= 1, got {dc.num_processes}")
     if dc.process_id is not None and dc.process_id < 0:
         raise bad("distributed.process_id", f"must be >= 0, got {dc.process_id}")
-    if cfg.data.name == "npz" and not cfg.data.path:
-        raise bad("data.path", "is required when data.name is npz")
+    if cfg.data.name in ("npz", "text") and not cfg.data.path:
+        raise bad("data.path", f"is required when data.name is {cfg.data.name}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise bad("data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.optimizer.schedule == "warmup_cosine" and cfg.optimizer.warmup_steps >= cfg.train.steps:
         raise bad(
             "optimizer.warmup_steps",
