@@ -5,6 +5,9 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
 from . import vjp as vjp
+from ._conv import Conv as Conv
+from ._dropout import Dropout as Dropout
+from ._embedding import Embedding as Embedding
 from ._grad_modes import GRAD_MODES as GRAD_MODES
 from ._grad_modes import HAND_ACTIVATIONS as HAND_ACTIVATIONS
 from ._grad_modes import fused_grad_accum as fused_grad_accum
@@ -13,11 +16,11 @@ from ._grad_modes import loss_and_grad as loss_and_grad
 from ._grad_modes import mlp_layers as mlp_layers
 from ._grad_modes import mlp_logits as mlp_logits
 from ._grad_modes import mlp_loss as mlp_loss
-from ._layers import FFN as FFN
-from ._layers import Activation as Activation
-from ._layers import Linear as Linear
-from ._layers import Sequential as Sequential
-from ._layers import SoftmaxHead as SoftmaxHead
+from ._linear import FFN as FFN
+from ._linear import Activation as Activation
+from ._linear import Linear as Linear
+from ._linear import Sequential as Sequential
+from ._linear import SoftmaxHead as SoftmaxHead
 from ._losses import REDUCTIONS as REDUCTIONS
 from ._losses import accuracy as accuracy
 from ._losses import mse as mse
@@ -25,6 +28,7 @@ from ._losses import nll as nll
 from ._losses import reduce as reduce
 from ._losses import softmax_cross_entropy as softmax_cross_entropy
 from ._module import Module as Module
+from ._module import ParamsMismatchError as ParamsMismatchError
 from ._nn import ACTIVATIONS as ACTIVATIONS
 from ._nn import INITIALIZERS as INITIALIZERS
 from ._nn import gelu as gelu
@@ -35,10 +39,16 @@ from ._nn import relu as relu
 from ._nn import sigmoid as sigmoid
 from ._nn import softplus as softplus
 from ._nn import tanh as tanh
+from ._normalisation import GroupNorm as GroupNorm
+from ._normalisation import LayerNorm as LayerNorm
+from ._normalisation import RMSNorm as RMSNorm
 from ._params import ParamsDict as ParamsDict
 from ._params import PathKey as PathKey
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
+from ._pool import AvgPool as AvgPool
+from ._pool import Flatten as Flatten
+from ._pool import MaxPool as MaxPool
 from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._show_jaxpr import roundtrip as roundtrip
 from ._show_jaxpr import show_jaxpr as show_jaxpr
@@ -53,10 +63,20 @@ __all__ = [
     "INITIALIZERS",
     "REDUCTIONS",
     "Activation",
+    "AvgPool",
+    "Conv",
+    "Dropout",
+    "Embedding",
+    "Flatten",
+    "GroupNorm",
+    "LayerNorm",
+    "MaxPool",
+    "ParamsMismatchError",
     "Linear",
     "Module",
     "ParamsDict",
     "PathKey",
+    "RMSNorm",
     "Sequential",
     "SoftmaxHead",
     "UnsupportedPrimitiveError",
