@@ -48,7 +48,7 @@ def make_step(mode: str, activation: str):
     opt = optax.adam(1e-3)
 
     def step(params, opt_state, x, y):
-        loss, grads = nl.loss_and_grad(mode, params, x, y, activation=activation)
+        loss, grads = nl.fused.loss_and_grad(mode, params, x, y, activation=activation)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -163,7 +163,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
     parser.add_argument("--size", action="append", choices=list(SIZES), help="repeatable")
-    parser.add_argument("--activation", default="relu", choices=nl.HAND_ACTIVATIONS)
+    parser.add_argument("--activation", default="relu", choices=nl.fused.HAND_ACTIVATIONS)
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
     args = parser.parse_args(argv)
 

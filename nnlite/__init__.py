@@ -4,18 +4,12 @@ Parameters live in ``ParamsDict`` pytrees; layers are frozen dataclasses of
 hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
+from . import fused as fused
 from . import vjp as vjp
 from ._conv import Conv as Conv
 from ._dropout import Dropout as Dropout
 from ._embedding import Embedding as Embedding
 from ._grad_modes import GRAD_MODES as GRAD_MODES
-from ._grad_modes import HAND_ACTIVATIONS as HAND_ACTIVATIONS
-from ._grad_modes import fused_grad_accum as fused_grad_accum
-from ._grad_modes import fused_loss_and_grad as fused_loss_and_grad
-from ._grad_modes import loss_and_grad as loss_and_grad
-from ._grad_modes import mlp_layers as mlp_layers
-from ._grad_modes import mlp_logits as mlp_logits
-from ._grad_modes import mlp_loss as mlp_loss
 from ._linear import FFN as FFN
 from ._linear import Activation as Activation
 from ._linear import Linear as Linear
@@ -27,6 +21,9 @@ from ._losses import mse as mse
 from ._losses import nll as nll
 from ._losses import reduce as reduce
 from ._losses import softmax_cross_entropy as softmax_cross_entropy
+from ._manual import ManualGradError as ManualGradError
+from ._manual import hand_rule as hand_rule
+from ._manual import manual_grads as manual_grads
 from ._module import Module as Module
 from ._module import ParamsMismatchError as ParamsMismatchError
 from ._nn import ACTIVATIONS as ACTIVATIONS
@@ -59,7 +56,6 @@ __all__ = [
     "ACTIVATIONS",
     "FFN",
     "GRAD_MODES",
-    "HAND_ACTIVATIONS",
     "INITIALIZERS",
     "REDUCTIONS",
     "Activation",
@@ -73,6 +69,7 @@ __all__ = [
     "MaxPool",
     "ParamsMismatchError",
     "Linear",
+    "ManualGradError",
     "Module",
     "ParamsDict",
     "PathKey",
@@ -82,17 +79,14 @@ __all__ = [
     "UnsupportedPrimitiveError",
     "accuracy",
     "format_path",
-    "fused_grad_accum",
-    "fused_loss_and_grad",
+    "fused",
     "gelu",
+    "hand_rule",
     "get_activation",
     "get_initializer",
     "identity",
     "leaf_str",
-    "loss_and_grad",
-    "mlp_layers",
-    "mlp_logits",
-    "mlp_loss",
+    "manual_grads",
     "mse",
     "nll",
     "reduce",

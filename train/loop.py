@@ -87,10 +87,13 @@ def build(cfg: Config) -> Run:
             f"model.name={cfg.model.name} is a {model.task} model but data.name={cfg.data.name} "
             f"is a {data.task} data set"
         )
-    if cfg.loss.grad not in model.grad_modes:
+    if cfg.loss.grad == "fused" and "fused" not in model.grad_modes:
+        # manual works for any model built from nnlite layers; fused is one hand-written
+        # backward pass for one model shape.
         raise ConfigError(
-            f"loss.grad={cfg.loss.grad} is not available for model.name={cfg.model.name}; "
-            f"it supports: {', '.join(model.grad_modes)}"
+            f"loss.grad=fused is not available for model.name={cfg.model.name}; it is a "
+            f"hand-written pass of model.name={'/'.join(models.FUSED)} only; use loss.grad="
+            "manual (every layer's hand-derived VJP) or autodiff"
         )
     local_batch = cfg.train.batch_size // len(devices)
     if local_batch % cfg.train.grad_accum_steps:
