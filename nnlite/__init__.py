@@ -6,15 +6,20 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 
 from . import fused as fused
 from . import vjp as vjp
+from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._attention import TransformerBlock as TransformerBlock
 from ._conv import Conv as Conv
 from ._dropout import Dropout as Dropout
 from ._embedding import Embedding as Embedding
+from ._equinox import EquinoxLayer as EquinoxLayer
+from ._equinox import from_equinox as from_equinox
 from ._grad_modes import GRAD_MODES as GRAD_MODES
 from ._linear import FFN as FFN
 from ._linear import Activation as Activation
 from ._linear import Linear as Linear
 from ._linear import Sequential as Sequential
 from ._linear import SoftmaxHead as SoftmaxHead
+from ._linear import linear as linear
 from ._losses import REDUCTIONS as REDUCTIONS
 from ._losses import accuracy as accuracy
 from ._losses import mse as mse
@@ -63,22 +68,26 @@ __all__ = [
     "Conv",
     "Dropout",
     "Embedding",
+    "EquinoxLayer",
     "Flatten",
     "GroupNorm",
     "LayerNorm",
-    "MaxPool",
-    "ParamsMismatchError",
     "Linear",
     "ManualGradError",
+    "MaxPool",
     "Module",
+    "MultiHeadAttention",
     "ParamsDict",
+    "ParamsMismatchError",
     "PathKey",
     "RMSNorm",
     "Sequential",
     "SoftmaxHead",
+    "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",
     "format_path",
+    "from_equinox",
     "fused",
     "gelu",
     "hand_rule",
@@ -86,6 +95,7 @@ __all__ = [
     "get_initializer",
     "identity",
     "leaf_str",
+    "linear",
     "manual_grads",
     "mse",
     "nll",
