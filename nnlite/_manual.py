@@ -186,7 +186,7 @@ def _where(eqn) -> str:
 
 
 MANUAL_FIX = (
-    "give it hand rules (decorate its array function with nnlite's hand_rule, or wrap it "
+    "give it hand rules (decorate its array function with @nl.hand_rule(f_vjp), or wrap it "
     "with nl.with_vjp / nl.vjp.custom_vjp) or use loss.grad=autodiff"
 )
 

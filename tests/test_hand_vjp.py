@@ -1,0 +1,189 @@
+"""Every nnlite layer's and loss's hand-derived VJP against jax.vjp, and manual mode."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nnlite as nl
+from nnlite import _conv, _dropout, _embedding, _linear, _losses, _pool
+from nnlite import _normalisation as norm
+from nnlite.vjp import check_vjp
+
+DTYPES = ["float32", "float64"]
+
+
+def check(rule, *args, **static):
+    """check_vjp of a hand_rule function's plain pair, hyperparameters bound."""
+    f = functools.partial(rule.f, **static)
+    f_vjp = functools.partial(rule.f_vjp, **static)
+    f.__name__, f_vjp.__name__ = rule.__name__, rule.f_vjp.__name__
+    check_vjp(f, f_vjp, *args)
+
+
+@pytest.fixture(params=DTYPES)
+def rand(request):
+    """``rand(*shape)`` in the test's dtype (float64 with x64 on for the test only)."""
+    dtype = request.param
+    with jax.enable_x64(dtype == "float64"):
+        rng = np.random.default_rng(0)
+        yield lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def test_linear(rand):
+    check(_linear.linear, rand(3, 4, 5), rand(5, 6), rand(6))
+    check(_linear.linear, rand(5), rand(5, 6), None)
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu", "tanh", "sigmoid", "softplus", "identity"])
+def test_activations(rand, name):
+    check(nl.ACTIVATIONS[name], rand(4, 5))
+
+
+@pytest.mark.parametrize(
+    "kernel, strides, padding, dilation, groups",
+    [
+        ((1,), (1,), "VALID", (1,), 1),  # kernel 1
+        ((3,), (2,), "SAME", (1,), 1),  # stride > 1, SAME
+        ((3,), (2,), ((1, 2),), (2,), 2),  # explicit padding, dilation, groups
+        ((2,), (3,), "VALID", (1,), 1),  # stride > kernel: inputs no window reads
+        ((3, 2), (2, 1), "SAME", (1, 1), 1),  # 2-d
+    ],
+)
+def test_conv(rand, kernel, strides, padding, dilation, groups):
+    n = len(kernel)
+    x = rand(2, *(11, 8)[:n], 4)
+    w = rand(*kernel, 4 // groups, 6)
+    static = dict(strides=strides, padding=padding, dilation=dilation, groups=groups)
+    check(_conv.conv, x, w, rand(6), **static)
+    check(_conv.conv, x, w, None, **static)
+
+
+@pytest.mark.parametrize(
+    "window, strides, padding", [((2,), (2,), "VALID"), ((3,), (2,), "SAME"), ((1,), (1,), "VALID")]
+)
+def test_pools(rand, window, strides, padding):
+    x = rand(2, 9, 3)
+    static = dict(window=window, strides=strides, padding=padding)
+    check(_pool.max_pool, x, **static)
+    check(_pool.max_pool, jax.nn.relu(x), **static)  # ties: the first maximum gets it
+    check(_pool.avg_pool, x, **static)
+    check(_pool.avg_pool, x, **static, count_include_pad=False)
+    check(_pool.avg_pool, rand(2, 6, 7, 3), window=(2, 3), strides=(1, 2), padding="SAME")
+    check(_pool.flatten, rand(2, 3, 4), num_axes=2)
+
+
+def test_normalisation(rand):
+    check(norm.layer_norm, rand(3, 5, 8), rand(8), rand(8), eps=1e-5)
+    check(norm.layer_norm, rand(3, 8), None, None, eps=1e-5)
+    check(norm.rms_norm, rand(3, 5, 8), rand(8), eps=1e-6)
+    gn = dict(num_groups=2, num_spatial_axes=1, eps=1e-5)
+    check(norm.group_norm, rand(3, 5, 8), rand(8), rand(8), **gn)
+    check(norm.group_norm, rand(3, 8), rand(8), None, **{**gn, "num_groups": 8})
+
+
+def test_embedding_and_dropout(rand):
+    ids = jnp.array([[1, 2, 9], [0, 0, 3]])  # a repeated id: its rows' cotangents add up
+    check(_embedding.embed, rand(10, 4), ids)
+    check(_embedding.embed_attend, rand(10, 4), rand(2, 3, 4))
+    key = jax.random.key(3)
+
+    def drop(x):
+        return _dropout.dropout.f(x, key, 0.3)
+
+    def drop_vjp(x, dret):
+        return _dropout.dropout_vjp(x, key, 0.3, dret)[0]
+
+    check_vjp(drop, drop_vjp, rand(4, 5))
+
+
+def test_losses(rand):
+    labels = jnp.array([0, 1, 4, 2])
+    check(_losses.cross_entropy_values, rand(4, 5), labels)
+    check(_losses.cross_entropy_values, rand(2, 3, 5), labels.reshape(2, 2)[:, :1].repeat(3, 1))
+    check(_losses.nll_values, rand(4, 5), labels)
+    check(_losses.squared_error_values, rand(4, 5), rand(4, 5))
+    check(_losses.squared_error_values, rand(4), rand(4))
+    check(_losses.mean, rand(4, 5))
+    check(_losses.total, rand(4, 5))
+
+
+def _close(a, b, tol):
+    diffs = jax.tree.leaves(jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b))
+    assert max(diffs) <= tol, diffs
+
+
+def test_manual_grads_equal_autodiff_through_every_layer(key):
+    net = nl.Sequential(
+        (
+            nl.Conv(1, 4, 3, strides=2, padding="SAME"),
+            nl.Activation("relu"),
+            nl.MaxPool(2, strides=2),
+            nl.LayerNorm(4),
+            nl.AvgPool(1),
+            nl.Flatten(2),
+            nl.Dropout(0.2),
+            nl.Linear(20, 8),
+            nl.Activation("gelu"),
+            nl.RMSNorm(8),
+            nl.SoftmaxHead(8, 3, output="logits"),
+        )
+    )
+    p = net.init(key)
+    x = jax.random.normal(key, (6, 20, 1))
+    y = jnp.array([0, 1, 2, 0, 1, 2])
+
+    def loss(p, x, y):
+        logits = net(p, x, key=jax.random.key(5))
+        return nl.softmax_cross_entropy(logits, y, reduction="mean")
+
+    auto = jax.jit(jax.grad(loss))(p, x, y)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, y)
+    _close(auto, hand, 1e-6)
+
+
+def test_a_layer_without_rules_is_refused_by_name(key):
+    class Scale(nl.Module):
+        features: int
+
+        def init(self, key):
+            return nl.ParamsDict(s=jnp.ones(self.features))
+
+        def __call__(self, params, x, *, key=None):
+            return x * jnp.broadcast_to(params.s, x.shape)
+
+    net = nl.Sequential((nl.Linear(3, 4), Scale(4)))
+    p = net.init(key)
+
+    def loss(p, x):
+        return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="mean")
+
+    with pytest.raises(nl.ManualGradError, match=r"layer Scale computes .*nl.with_vjp.*autodiff"):
+        jax.grad(nl.manual_grads(loss))(p, jnp.ones((2, 3)))
+
+
+def test_a_layer_with_its_own_rule_passes(key):
+    def scale_vjp(x, s, dret):
+        return dret * jnp.broadcast_to(s, dret.shape), jnp.sum(dret * x, axis=0)
+
+    @nl.hand_rule(scale_vjp)
+    def scale(x, s):
+        return x * jnp.broadcast_to(s, x.shape)
+
+    class Scale(nl.Module):
+        def init(self, key):
+            return nl.ParamsDict(s=jnp.full(4, 2.0))
+
+        def __call__(self, params, x, *, key=None):
+            return scale(x, params.s)
+
+    net = nl.Sequential((nl.Linear(3, 4), Scale()))
+    p = net.init(key)
+
+    def loss(p, x):
+        return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="sum")
+
+    x = jax.random.normal(key, (2, 3))
+    _close(jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x), 1e-5)
