@@ -108,11 +108,13 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
                 return merged
 
             def fn(*dyn):
-                return f(*full(dyn), **static)
+                with _manual_scope(False):  # the rule's own ops are plain JAX
+                    return f(*full(dyn), **static)
 
             def fn_vjp(*dyn_dret):
                 *dyn, dret = dyn_dret
-                dargs = f_vjp(*full(dyn), dret, **static)
+                with _manual_scope(False):
+                    dargs = f_vjp(*full(dyn), dret, **static)
                 dargs = dargs if isinstance(dargs, tuple) else (dargs,)
                 return tuple(dargs[i] for i in dyn_idx) if len(dyn_idx) > 1 else dargs[dyn_idx[0]]
 

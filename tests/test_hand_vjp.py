@@ -187,3 +187,32 @@ def test_a_layer_with_its_own_rule_passes(key):
 
     x = jax.random.normal(key, (2, 3))
     _close(jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x), 1e-5)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_attention(rand, heads):
+    from nnlite import _attention
+
+    q, k, v = rand(2, 5, heads, 4), rand(2, 5, heads, 4), rand(2, 5, heads, 4)
+    causal = _attention.causal_mask(5, 5)
+    check(_attention.dot_product_attention, q, k, v, None)
+    check(_attention.dot_product_attention, q, k, v, causal)  # masked positions
+    padded = jnp.arange(5)[None, None, None, :] < jnp.array([3, 5])[:, None, None, None]
+    check(
+        _attention.dot_product_attention, q, k, v, padded, key=jax.random.key(1), dropout_rate=0.25
+    )
+    check(_attention.slot, rand(2, 5, 3, heads, 4), index=1)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_manual_transformer_block_equals_autodiff(key, dropout):
+    block = nl.TransformerBlock(8, 2, dropout_rate=dropout)
+    emb = nl.Embedding(11, 8)
+    p = nl.ParamsDict(emb=emb.init(key), block=block.init(jax.random.fold_in(key, 1)))
+    ids = jax.random.randint(key, (3, 6), 0, 11)
+
+    def loss(p, ids):
+        h = block(p.block, emb(p.emb, ids), key=jax.random.key(2))
+        return nl.softmax_cross_entropy(emb.attend(p.emb, h), ids, reduction="mean")
+
+    _close(jax.jit(jax.grad(loss))(p, ids), jax.jit(jax.grad(nl.manual_grads(loss)))(p, ids), 2e-6)
