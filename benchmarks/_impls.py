@@ -41,6 +41,11 @@ class Spec:
         per_layer = [2 * b * i * o for i, o in zip(s[:-1], s[1:])]
         return 2 * sum(per_layer) + sum(per_layer[1:])
 
+    def nnlite_model(self):
+        from models.mlp import MLP
+
+        return MLP(self.in_features, self.hidden, self.classes)
+
 
 SPECS = {
     "small": Spec("small", 64, (32,), 10, 128),
@@ -51,9 +56,7 @@ TINY = Spec("tiny", 16, (8, 8), 4, 8)
 
 
 def nnlite_model(spec: Spec):
-    from models.mlp import MLP
-
-    return MLP(spec.in_features, spec.hidden, spec.classes)
+    return spec.nnlite_model()
 
 
 def init_weights(spec: Spec, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -296,12 +299,15 @@ class Nnlite(Impl):
             self._blocks[key] = np.stack([self.idx[(t + j) % nb] for j in range(k)])
         return self._blocks[key]
 
-    def reset(self):
+    def params_from_weights(self):
+        """The model's ParamsDict holding ``self.weights``."""
         import nnlite as nl
-        from models.mlp import MLP  # noqa: F401 - model structure
 
         layers = [nl.ParamsDict(W=jnp.asarray(W), b=jnp.asarray(b)) for W, b in self.weights]
-        params = nl.ParamsDict(ffn=nl.ParamsDict(layers=layers[:-1]), head=layers[-1])
+        return nl.ParamsDict(ffn=nl.ParamsDict(layers=layers[:-1]), head=layers[-1])
+
+    def reset(self):
+        params = self.params_from_weights()
         if jax.tree.structure(params) != self.p_def:
             raise ValueError("nnlite benchmark params do not match the model's structure")
         self.p_leaves = self.stepper.put_state(jax.tree.leaves(params))

@@ -1,8 +1,8 @@
 """Train-step throughput: raw JAX vs Equinox vs Flax NNX vs nnlite, plus the GEMM rate.
 
-    python -m benchmarks.train_step [--quick] [--sizes small,medium,large] [--rounds N]
+    python -m benchmarks.train_step [--quick] [--sizes small,medium,large,cnn] [--rounds N]
 
-For each size: check that every implementation reaches the same loss after 10 steps from
+For each size (the MLPs SMALL, MEDIUM, LARGE, and CNN: the MNIST-1D paper's conv net): check that every implementation reaches the same loss after 10 steps from
 the same weights, then time them interleaved in shuffled rounds and print the median time
 per optimizer step and its ratio to raw JAX. A jitted float32 2048x2048 matmul, timed in the
 same rounds as LARGE, gives the machine's GEMM rate; the LARGE step's matmul FLOP rate is
@@ -20,12 +20,14 @@ import numpy as np
 
 from . import _harness as h
 from ._impls import SPECS, build_all, losses_after
+from ._impls_cnn import CNN_SPECS, build_all_cnn
 
 # Steps per timed sample, and nnlite's steps per call, for each size: enough work per
 # sample that timer resolution and one-off hiccups do not matter.
-STEPS_PER_SAMPLE = {"small": 200, "medium": 20, "large": 2}
-STEPS_PER_CALL = {"small": 20, "medium": 10, "large": 2}
-ROUNDS = {"small": 25, "medium": 15, "large": 7}
+STEPS_PER_SAMPLE = {"small": 200, "medium": 20, "large": 2, "cnn": 40}
+STEPS_PER_CALL = {"small": 20, "medium": 10, "large": 2, "cnn": 20}
+ROUNDS = {"small": 25, "medium": 15, "large": 7, "cnn": 15}
+ALL_SPECS = {**SPECS, **CNN_SPECS}
 GEMM_N = 2048
 LOSS_RTOL = 1e-4
 
@@ -56,12 +58,15 @@ def check_losses(impls, steps: int = 10) -> dict[str, float]:
 
 
 def bench_size(size: str, rounds: int, quick: bool) -> dict:
-    spec = SPECS[size]
+    spec = ALL_SPECS[size]
     k = STEPS_PER_CALL[size]
     n = STEPS_PER_SAMPLE[size]
     if quick:
         n = max(k, n // 4 // k * k)
-    impls = build_all(spec, steps_per_call=k, matmul_floor=True)
+    if size in CNN_SPECS:
+        impls = build_all_cnn(spec, steps_per_call=k)
+    else:
+        impls = build_all(spec, steps_per_call=k, matmul_floor=True)
     losses = check_losses(impls)
     cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
     gemm_flops = None
@@ -71,21 +76,22 @@ def bench_size(size: str, rounds: int, quick: bool) -> dict:
     per_step = {
         name: h.median(v) / (1 if name == "GEMM 2048" else n) for name, v in samples.items()
     }
+    if size in CNN_SPECS:
+        shape = {"model": spec.describe(), "batch": spec.batch}
+    else:
+        shape = {"in": spec.in_features, "hidden": spec.hidden, "classes": spec.classes}
+        shape["batch"] = spec.batch
     result = {
-        "spec": {
-            "in": spec.in_features,
-            "hidden": spec.hidden,
-            "classes": spec.classes,
-            "batch": spec.batch,
-        },
+        "spec": shape,
         "steps_per_sample": n,
         "rounds": rounds,
         "nnlite_steps_per_call": k,
         "loss_after_10": losses,
         "median_s_per_step": {k_: v for k_, v in per_step.items() if k_ != "GEMM 2048"},
         "samples_s": samples,
-        "matmul_flops_per_step": spec.matmul_flops(),
     }
+    if size not in CNN_SPECS:
+        result["matmul_flops_per_step"] = spec.matmul_flops()
     if gemm_flops:
         gemm_rate = gemm_flops / per_step["GEMM 2048"]
         result["gemm_gflops"] = gemm_rate / 1e9
@@ -110,10 +116,10 @@ def render(size: str, r: dict) -> str:
     if "step_gflops" in r:
         header += ["matmul GFLOP/s", "of GEMM rate"]
     s = r["spec"]
+    model = s.get("model") or f"{s['in']}->{'->'.join(map(str, s['hidden']))}->{s['classes']}"
     title = (
-        f"{size.upper()}: {s['in']}->{'->'.join(map(str, s['hidden']))}->{s['classes']}, "
-        f"batch {s['batch']}; {r['rounds']} rounds x {r['steps_per_sample']} steps; "
-        f"nnlite K={r['nnlite_steps_per_call']}"
+        f"{size.upper()}: {model}, batch {s['batch']}; {r['rounds']} rounds x "
+        f"{r['steps_per_sample']} steps; nnlite K={r['nnlite_steps_per_call']}"
     )
     if "gemm_gflops" in r:
         title += f"; GEMM {GEMM_N}^2 f32: {r['gemm_gflops']:.1f} GFLOP/s"
@@ -126,14 +132,16 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
     ap.add_argument(
-        "--sizes", default="small,medium,large", help="comma-separated: small,medium,large"
+        "--sizes",
+        default="small,medium,large,cnn",
+        help="comma-separated: small,medium,large,cnn",
     )
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds per size")
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     for s in sizes:
-        if s not in SPECS:
-            ap.error(f"unknown size {s!r}; valid: {', '.join(SPECS)}")
+        if s not in ALL_SPECS:
+            ap.error(f"unknown size {s!r}; valid: {', '.join(ALL_SPECS)}")
     info = h.machine_info()
     print(
         f"machine: {info['cpu']}, {info['affinity']} usable cores; jax {info['versions']['jax']} on {info['jax_devices']}"

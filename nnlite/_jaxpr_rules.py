@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive as _Primitive
 from jax.extend.core import primitives as _prims
 from jax.sharding import PartitionSpec as P
 
@@ -288,6 +289,8 @@ def pyval(v: Any, what: str = "parameter"):
         return "[" + ", ".join(flat(pyval(x, what)) for x in v) + "]"
     if isinstance(v, np.ndarray):
         return array_expr(v)
+    if isinstance(v, _Primitive) and id(v) in _PRIMS_BY_ID:
+        return _PRIMS_BY_ID[id(v)]  # e.g. max pooling's gradient: select_prim=prims.ge_p
     raise UnsupportedPrimitiveError(
         f"{what} {v!r} of type {type(v).__name__} has no Python spelling"
     )
@@ -539,6 +542,30 @@ def _dot_general(eqn, args, mesh):
 
 
 RULES["dot_general"] = _dot_general
+
+_CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers")
+
+
+def _conv(eqn, args, mesh):
+    """``lax.conv_general_dilated``; the public call, so that ``out_sharding`` (set inside
+    ``shard_map``) prints as ``P(...)`` like ``dot_general``'s."""
+    p = eqn.params
+    out = _out_sharding(eqn, "out_sharding", mesh)
+    if out is None:
+        return None
+    kw = [(k, pyval(p[k], k)) for k in _CONV_PARAMS]
+    for k in ("feature_group_count", "batch_group_count"):
+        if p[k] != 1:
+            kw.append((k, pyval(p[k], k)))
+    if p["precision"] is not None:
+        kw.append(("precision", pyval(p["precision"], "precision")))
+    pet = p["preferred_element_type"]
+    if pet is not None:
+        kw.append(("preferred_element_type", dtype_expr(pet)))
+    return Call("lax.conv_general_dilated", args, kw + out)
+
+
+RULES["conv_general_dilated"] = _conv
 
 
 def _concatenate(eqn, args, _mesh):

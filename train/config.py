@@ -25,7 +25,7 @@ def choice(default: Any, choices: tuple) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
-MODEL_NAMES = ("mlp", "linreg")  # kept in sync with models.MODELS by a test
+MODEL_NAMES = ("mlp", "linreg", "cnn")  # kept in sync with models.MODELS by a test
 DATA_NAMES = ("digits", "mnist1d", "linreg", "npz")
 GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
@@ -38,7 +38,15 @@ NONFINITE = ("stop", "skip")
 class ModelConfig:
     name: str = choice("mlp", MODEL_NAMES)  # which entry of models.MODELS to build
     hidden_sizes: tuple[int, ...] = (64,)  # mlp: width of each hidden layer
-    activation: str = choice("relu", ("relu", "gelu", "tanh", "sigmoid", "softplus"))  # mlp
+    activation: str = choice("relu", ("relu", "gelu", "tanh", "sigmoid", "softplus"))  # mlp, cnn
+    # cnn: a stack of 1-D convolutions over the input sequence (x [n, length] is one channel,
+    # npz x [n, length, channels] several), then a linear head on the flattened features.
+    channels: tuple[int, ...] = (25, 25, 25)  # cnn: output channels of each conv layer
+    kernel_size: int | tuple[int, ...] = (5, 3, 3)  # cnn: one for all layers, or one per layer
+    strides: int | tuple[int, ...] = 2  # cnn: one for all layers, or one per layer
+    # cnn: zeros added at each end of the sequence (one int for all layers, or one per
+    # layer), or "SAME" (output length = ceil(length / stride)) or "VALID" (no padding)
+    padding: int | str | tuple[int, ...] = 1
 
 
 @dataclass(frozen=True)
@@ -240,6 +248,8 @@ def _check(cfg: Config, source: str) -> None:
             f"{source}: model.hidden_sizes must be a non-empty list of positive ints, got "
             f"{list(cfg.model.hidden_sizes)}"
         )
+    if cfg.model.name == "cnn":
+        _check_cnn(cfg.model, source)
     d = cfg.parallel.devices
     if isinstance(d, str) and d != "all" or isinstance(d, int) and d < 1:
         raise ConfigError(f"{source}: parallel.devices must be 'all' or a positive int, got {d!r}")
@@ -257,6 +267,40 @@ def _check(cfg: Config, source: str) -> None:
             f"{source}: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below "
             f"train.steps ({cfg.train.steps})"
         )
+
+
+CNN_PADDINGS = ("SAME", "VALID")
+
+
+def _check_cnn(m: ModelConfig, source: str) -> None:
+    if not m.channels or min(m.channels) < 1:
+        raise ConfigError(
+            f"{source}: model.channels must be a non-empty list of positive ints, got "
+            f"{list(m.channels)}"
+        )
+    n = len(m.channels)
+    for key in ("kernel_size", "strides", "padding"):
+        v = getattr(m, key)
+        if isinstance(v, tuple) and len(v) != n:
+            raise ConfigError(
+                f"{source}: model.{key} has {len(v)} entries but model.channels has {n} "
+                f"layers; give one value for all layers or one per layer"
+            )
+    per_layer = [
+        v if isinstance(v, tuple) else (v,) * n for v in (m.kernel_size, m.strides, m.padding)
+    ]
+    for i, (k, s, p) in enumerate(zip(*per_layer)):
+        if k < 1:
+            raise ConfigError(f"{source}: model.kernel_size must be >= 1, got {k} (layer {i})")
+        if s < 1:
+            raise ConfigError(f"{source}: model.strides must be >= 1, got {s} (layer {i})")
+        if isinstance(p, str) and p not in CNN_PADDINGS:
+            raise ConfigError(
+                f"{source}: model.padding {p!r} is not one of {', '.join(CNN_PADDINGS)} "
+                f"or a non-negative int (layer {i})"
+            )
+        if isinstance(p, int) and p < 0:
+            raise ConfigError(f"{source}: model.padding must be >= 0, got {p} (layer {i})")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

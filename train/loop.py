@@ -81,7 +81,10 @@ def build(cfg: Config) -> Run:
     """Data, model, optimizer and devices for ``cfg``; raises ConfigError on bad input."""
     devices = select_devices(cfg)
     data = load_dataset(cfg.data)
-    model = models.MODELS[cfg.model.name](cfg.model, data)
+    try:
+        model = models.MODELS[cfg.model.name](cfg.model, data)
+    except ValueError as e:  # a model config that does not fit the data (e.g. cnn lengths)
+        raise ConfigError(str(e)) from None
     if model.task != data.task:
         raise ConfigError(
             f"model.name={cfg.model.name} is a {model.task} model but data.name={cfg.data.name} "
