@@ -10,7 +10,7 @@ hand-derived pass that adds into gradient buffers (used with ``train.grad_accum_
 Adding a model is one file plus one line here.
 """
 
-from . import cnn, linreg, mlp
+from . import cnn, gpt, linreg, mlp
 
 #: Models with a fused hand-written backward pass (``loss.grad=fused``); ``manual`` and
 #: ``autodiff`` work for every model.
@@ -20,4 +20,5 @@ MODELS = {
     "mlp": mlp.build,
     "linreg": linreg.build,
     "cnn": cnn.build,
+    "gpt": gpt.build,
 }

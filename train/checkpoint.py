@@ -124,29 +124,49 @@ def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, A
     except Exception as e:
         raise ConfigError(f"checkpoint {path}: cannot read tensors ({e})") from None
 
-    def fill(prefix: str, template: Any) -> Any:
-        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(template)
-        out = []
-        for p, leaf in leaves_with_path:
-            key = prefix + nl.format_path(p)
-            if key not in tensors:
-                raise ConfigError(
-                    f"checkpoint {path}: missing {key!r} that the model/optimizer expects"
-                )
-            value = tensors.pop(key)
-            want_shape, want_dtype = np.shape(leaf), np.asarray(leaf).dtype
-            if value.shape != want_shape or value.dtype != want_dtype:
-                raise ConfigError(
-                    f"checkpoint {path}: {key!r} is {value.dtype}{list(value.shape)}, the model/optimizer "
-                    f"expects {want_dtype}{list(want_shape)}"
-                )
-            out.append(value)
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    params = fill("params", params_template)
-    opt_state = fill("opt_state", opt_template)
+    params = _fill(tensors, "params", params_template, path)
+    opt_state = _fill(tensors, "opt_state", opt_template, path)
     if tensors:
         raise ConfigError(
             f"checkpoint {path}: unexpected entry {sorted(tensors)[0]!r} not in the model/optimizer"
         )
     return params, opt_state, meta
+
+
+def load_params(path: Path, params_template: Any) -> Any:
+    """Only the params of checkpoint ``path``, in the structure of ``params_template``
+    (arrays or ``jax.ShapeDtypeStruct``s): what inference needs (no optimizer state)."""
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("params")}
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ConfigError(f"checkpoint {path}: cannot read tensors ({e})") from None
+    params = _fill(tensors, "params", params_template, path)
+    if tensors:
+        raise ConfigError(
+            f"checkpoint {path}: unexpected entry {sorted(tensors)[0]!r} not in the model"
+        )
+    return params
+
+
+def _fill(tensors: dict, prefix: str, template: Any, path: Path) -> Any:
+    """``template``'s structure filled with ``tensors[prefix + path]`` (popped), each
+    checked for shape and dtype; a mismatch names the first differing path."""
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(template)
+    out = []
+    for p, leaf in leaves_with_path:
+        key = prefix + nl.format_path(p)
+        if key not in tensors:
+            raise ConfigError(
+                f"checkpoint {path}: missing {key!r} that the model/optimizer expects"
+            )
+        value = tensors.pop(key)
+        want_shape = np.shape(leaf)
+        want_dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        if value.shape != want_shape or value.dtype != want_dtype:
+            raise ConfigError(
+                f"checkpoint {path}: {key!r} is {value.dtype}{list(value.shape)}, the "
+                f"model/optimizer expects {want_dtype}{list(want_shape)}"
+            )
+        out.append(value)
+    return jax.tree_util.tree_unflatten(treedef, out)

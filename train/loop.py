@@ -19,20 +19,26 @@ from . import checkpoint as ckpt
 from . import distributed as dist
 from . import faults
 from .config import Config, ConfigError, dump_yaml, to_dict
-from .data import BatchIndices, Dataset, load_dataset
+from .data import Dataset, host_batch, load_dataset, make_sampler
 from .optim import build_optimizer
 from .step import (
     batch_grads_fn,
-    build_eval,
+    build_split_eval,
     build_stepper,
     compile_async,
     mean_loss_fn,
     step_flags,
     to_host,
+    uses_key,
 )
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
-TIMING_KEYS = ("time", "examples_per_s")
+TIMING_KEYS = ("time", "examples_per_s", "tokens_per_s")
+# Short names of metrics on the progress bar.
+BAR_NAMES = {"loss": "loss", "accuracy": "acc", "bits_per_char": "bpc"}
+# Examples evaluated per chunk of a windowed (text) split: 32k tokens, e.g. 512 windows of
+# 64, so evaluating thousands of windows never holds all their activations at once.
+EVAL_TOKENS_PER_CHUNK = 2**15
 # Config sections that must match a checkpoint being resumed (train.steps may grow).
 RESUME_MUST_MATCH = ("seed", "model", "data", "loss", "optimizer")
 
@@ -80,7 +86,7 @@ def select_devices(cfg: Config) -> list:
 def build(cfg: Config) -> Run:
     """Data, model, optimizer and devices for ``cfg``; raises ConfigError on bad input."""
     devices = select_devices(cfg)
-    data = load_dataset(cfg.data)
+    data = load_dataset(cfg.data, context=cfg.model.context)
     try:
         model = models.MODELS[cfg.model.name](cfg.model, data)
     except ValueError as e:  # a model config that does not fit the data (e.g. cnn lengths)
@@ -115,7 +121,17 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str):
     cfg = r.cfg
     strategy = cfg.parallel.strategy
     grads_fn = batch_grads_fn(r.model, cfg.loss.grad, cfg.train.grad_accum_steps, strategy)
-    return build_stepper(grads_fn, r.optimizer, p_def, o_def, strategy, r.devices, nonfinite)
+    return build_stepper(
+        grads_fn,
+        r.optimizer,
+        p_def,
+        o_def,
+        strategy,
+        r.devices,
+        nonfinite,
+        window=r.data.window,
+        key_seed=cfg.seed if uses_key(r.model) else None,
+    )
 
 
 def show_jaxpr(cfg: Config, what: str) -> str:
@@ -138,7 +154,7 @@ def traced_function(cfg: Config, what: str) -> tuple:
     loss_fn = mean_loss_fn(r.model, cfg.loss.grad)
     b = cfg.train.batch_size
     if what == "loss":
-        x, y = r.data.x[:b], r.data.y[:b]
+        x, y = host_batch(r.data, np.arange(b) % r.data.num_indices)
         return (lambda p, x, y: loss_fn(p, x, y)[0]), (params, x, y)
     opt_state = r.optimizer.init(params)
     p_leaves, p_def = jax.tree.flatten(params)
@@ -150,17 +166,21 @@ def traced_function(cfg: Config, what: str) -> tuple:
         stepper.put_state(o_leaves),
         stepper.put_data(r.data.x),
         stepper.put_data(r.data.y),
-        stepper.put_indices(idx),
+        stepper.put_indices(idx, 0),
     )
 
 
-def _metadata(cfg: Config, step: int, sampler: BatchIndices, skipped: int) -> dict:
-    return {
+def _metadata(cfg: Config, data: Dataset, step: int, sampler, skipped: int) -> dict:
+    order = "[seed, step]" if data.window else "[seed, epoch]"
+    meta = {
         "data_position": sampler.position(step),
-        "rng": {"init_seed": cfg.seed, "data_order": f"numpy default_rng([{cfg.seed}, epoch])"},
+        "rng": {"init_seed": cfg.seed, "data_order": f"numpy default_rng({order})"},
         "config": to_dict(cfg),
         "skipped_steps": str(skipped),
     }
+    if data.vocab is not None:  # what sampling needs to turn ids back into text
+        meta["vocab"] = json.dumps(data.vocab)
+    return meta
 
 
 def _check_resumable(cfg: Config, meta: dict, path: Path) -> None:
@@ -258,7 +278,10 @@ def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         jax.device_put(r.data.x_test, eval_dev),
         jax.device_put(r.data.y_test, eval_dev),
     )
-    evaluate = build_eval(mean_loss_fn(r.model))
+    chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
+    if r.data.window is not None:
+        chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
+    evaluate = build_split_eval(r.model, chunk)
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
     eval_params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), p_avals
@@ -268,7 +291,7 @@ def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
         if p_abs is not None:  # pmap compiles on its first call
             o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
-            idx = stepper.put_indices(first_indices)
+            idx = stepper.put_indices(first_indices, 0)
             jobs.append(compile_async(pool, stepper.run, p_abs, o_abs, X, Y, idx))
         init_job = compile_async(pool, init)
         jobs.append(compile_async(pool, evaluate, eval_params, X_test, Y_test))
@@ -413,7 +436,7 @@ class _Loop:
 
     r: Run
     prep: Prepared
-    sampler: BatchIndices
+    sampler: object  # train.data.BatchIndices or WindowIndices
     echo: object
     step: int  # steps done
     p_leaves: list  # params and optimizer state, placed for the stepper
@@ -438,7 +461,7 @@ class _Loop:
     def begin(cls, r: Run, resume: str, echo) -> _Loop:
         """Compile, agree on the starting state, then (process 0) set up the run directory."""
         cfg = r.cfg
-        sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
+        sampler = make_sampler(cfg.seed, r.data, cfg.train.batch_size)
         first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, boundaries(cfg))))
         prep = prepare(r, cfg.train.nonfinite, first)
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
@@ -477,7 +500,7 @@ class _Loop:
         """One compiled call: up to ``train.steps_per_call`` steps, up to the next boundary."""
         cfg, stepper = self.r.cfg, self.prep.stepper
         k = steps_in_call(cfg, self.step, boundaries(cfg))
-        idx = stepper.put_indices(dist.process_share(self.sampler.batches(self.step, k)))
+        idx = stepper.put_indices(dist.process_share(self.sampler.batches(self.step, k)), self.step)
         self.p_leaves, self.o_leaves, self.metrics = stepper.run(
             self.p_leaves, self.o_leaves, self.prep.X, self.prep.Y, idx
         )
@@ -524,24 +547,30 @@ class _Loop:
         rate = (self.step - self.window_start) * tc.batch_size / max(now - self.t_window, 1e-9)
         self.t_window, self.window_start = now, self.step
         extra = {"skipped_steps": self.skipped} if tc.nonfinite == "skip" else {}
+        window = self.r.data.window
+        rates = {"examples_per_s": round(rate, 1)}
+        if window is not None:
+            rates["tokens_per_s"] = round(rate * window, 1)
         self._write(
             {
                 "step": self.step,
                 "split": "train",
                 **m,
                 **extra,
-                "examples_per_s": round(rate, 1),
+                **rates,
                 "time": round(now - self.t_start, 3),
             }
         )
-        self.bar.set_postfix(
-            loss=f"{m['loss']:.4f}",
-            **({"acc": f"{m['accuracy']:.3f}"} if "accuracy" in m else {}),
-            ex_s=f"{rate:,.0f}",
-        )
+        shown = {BAR_NAMES.get(k, k): f"{v:.4f}" for k, v in m.items()}
+        if window is not None:
+            shown["tok_s"] = f"{rate * window:,.0f}"
+        else:
+            shown["ex_s"] = f"{rate:,.0f}"
+        self.bar.set_postfix(**shown)
 
     def evaluate(self) -> None:
-        """Metrics on the whole test split (process 0), logged as a test record."""
+        """Metrics on the whole held-out split (process 0): a "test" record, or "val" for
+        text (its fixed set of validation windows)."""
         if not dist.is_main():
             return
         prep = self.prep
@@ -553,7 +582,7 @@ class _Loop:
         self._write(
             {
                 "step": self.step,
-                "split": "test",
+                "split": self.r.data.eval_split,
                 **self.last_eval,
                 "time": round(time.perf_counter() - self.t_start, 3),
             }
@@ -572,7 +601,7 @@ class _Loop:
                 self.r.run_dir / "checkpoints",
                 self.step,
                 *state,
-                _metadata(cfg, self.step, self.sampler, self.skipped),
+                _metadata(cfg, self.r.data, self.step, self.sampler, self.skipped),
                 cfg.checkpoint.keep,
             )
 
@@ -587,21 +616,31 @@ class _Loop:
         wall = time.perf_counter() - self.t_start
         r.params, r.opt_state = self.host_state()
         r.step = self.step
+        split, window = r.data.eval_split, r.data.window
+        rate = (self.step - self.start_step) * tc.batch_size / max(wall, 1e-9)
         r.summary = {
             "step": self.step,
-            **{f"test_{k}": v for k, v in self.last_eval.items()},
+            **{f"{split}_{k}": v for k, v in self.last_eval.items()},
             "skipped_steps": self.skipped,
             "wall_s": wall,
-            "examples_per_s": (self.step - self.start_step) * tc.batch_size / max(wall, 1e-9),
+            "examples_per_s": rate,
+            **({"tokens_per_s": rate * window} if window is not None else {}),
         }
         if r.cfg.log.plot and dist.is_main():
             plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
         last = self.last_eval
-        acc = f", test accuracy {last['accuracy']:.4f}" if "accuracy" in last else ""
+        more = "".join(
+            f", {split} {name.replace('_', ' ')} {last[name]:.4f}"
+            for name in ("accuracy", "bits_per_char")
+            if name in last
+        )
         skip = f", {self.skipped} non-finite steps skipped" if self.skipped else ""
+        speed = f"{rate:,.0f} examples/s"
+        if window is not None:
+            speed = f"{rate * window:,.0f} tokens/s"
         self.echo(
-            f"done: step {self.step}, test loss {last.get('loss', float('nan')):.4f}{acc}{skip}, "
-            f"wall {wall:.1f} s, {r.summary['examples_per_s']:,.0f} examples/s"
+            f"done: step {self.step}, {split} loss {last.get('loss', float('nan')):.4f}{more}"
+            f"{skip}, wall {wall:.1f} s, {speed}"
         )
         return r
 
@@ -657,11 +696,12 @@ def _banner(r: Run, prep: Prepared, start: int) -> str:
     cfg = r.cfg
     procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
     per_proc = len(r.devices) // jax.process_count()
+    note = f"\n  note: {r.data.name}: {r.data.note}" if r.data.note else ""
     return (
         f"nnlite train: {cfg.name}  devices: {procs}{per_proc} x {r.devices[0].platform} "
         f"({cfg.parallel.strategy})  model: {cfg.model.name} ({prep.params0.num_params():,} "
-        f"params)  data: {r.data.name} ({len(r.data.x)} train / {len(r.data.x_test)} test)  "
-        f"run dir: {r.run_dir}" + (f"  resuming at step {start}" if start else "")
+        f"params)  data: {r.data.name} ({r.data.describe()})  "
+        f"run dir: {r.run_dir}" + (f"  resuming at step {start}" if start else "") + note
     )
 
 
@@ -683,7 +723,7 @@ def _explain_nonfinite(
         """State after steps good_step..upto-1, and the first flagged step on the way."""
         p, o = checker.put_state(p_host), checker.put_state(o_host)
         for s in range(good_step, upto):
-            idx = checker.put_indices(dist.process_share(sampler.batches(s, 1)))
+            idx = checker.put_indices(dist.process_share(sampler.batches(s, 1)), s)
             p, o, m = checker.run(p, o, X, Y, idx)
             if step_flags(m).any():
                 return p, o, s + 1
@@ -694,10 +734,8 @@ def _explain_nonfinite(
     p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
     params = jax.tree.unflatten(p_def, [np.asarray(v) for v in checker.get_state(p_leaves)])
     opt_state = jax.tree.unflatten(o_def, [np.asarray(v) for v in checker.get_state(o_leaves)])
-    idx = sampler.batch(bad - 1)
-    what = faults.first_nonfinite(
-        loss_fn, r.optimizer, params, opt_state, r.data.x[idx], r.data.y[idx]
-    )
+    x, y = host_batch(r.data, sampler.batch(bad - 1))
+    what = faults.first_nonfinite(loss_fn, r.optimizer, params, opt_state, x, y)
     where = f"first in {what}" if what else "not reproducible on one device to name the leaf"
     kept = (
         f"the last good checkpoint is {good_ckpt} (step {good_step})"
@@ -760,11 +798,11 @@ def plot_curves(metrics_path: Path, out: Path) -> None:
         1, len(metric_names), figsize=(5 * len(metric_names), 3.5), squeeze=False
     )
     for ax, name in zip(axes[0], metric_names):
-        for split in ("train", "test"):
+        for split in ("train", "test", "val"):
             pts = [(r["step"], r[name]) for r in records if r["split"] == split and name in r]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, label=split, marker="o" if split == "test" else None, markersize=3)
+                ax.plot(xs, ys, label=split, marker=None if split == "train" else "o", markersize=3)
         ax.set_xlabel("step")
         ax.set_ylabel(name)
         if name == "loss":

@@ -56,27 +56,36 @@ def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
     return objective
 
 
-def batch_grads_fn(model, grad: str, accum_steps: int, strategy: str) -> Callable:
-    """``(params, x, y) -> (loss, metrics, grads)``: means over the global batch.
+def uses_key(model) -> bool:
+    """Whether training ``model`` needs a random key per step (e.g. dropout): its
+    ``objective`` then takes ``key=``, derived from the seed and the step number."""
+    return bool(getattr(model, "uses_key", False))
 
-    ``x``/``y`` are this device's share. With ``accum_steps = k > 1`` the share is split
-    into k microbatches whose gradients are summed in one buffer (by the model's own
+
+def batch_grads_fn(model, grad: str, accum_steps: int, strategy: str) -> Callable:
+    """``(params, x, y, key) -> (loss, metrics, grads)``: means over the global batch.
+
+    ``x``/``y`` are this device's share; ``key`` is the step's random key (None for a
+    model that takes none, see :func:`uses_key`). With ``accum_steps = k > 1`` the share is
+    split into k microbatches whose gradients are summed in one buffer (by the model's own
     accumulating pass when it has one for ``grad``, e.g. the MLP's fused mode) and divided
     by k: the same update as one step on the whole batch, in 1/k of the activation memory.
     """
-    objective = mean_loss_fn(model, grad)
-    if strategy == "shard_map":  # see the module docstring: differentiate the global mean
+    loss_fn = mean_loss_fn(model, grad)
+    keyed = uses_key(model)
 
-        def objective(params, x, y, _local=objective):
-            loss, metrics = _local(params, x, y)
-            return jax.lax.pmean(loss, AXIS), metrics
+    def objective(params, x, y, key):
+        loss, metrics = loss_fn(params, x, y, key=key) if keyed else loss_fn(params, x, y)
+        if strategy == "shard_map":  # see the module docstring: differentiate the global mean
+            loss = jax.lax.pmean(loss, AXIS)
+        return loss, metrics
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
     accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
 
-    def batch_grads(params, x, y):
+    def batch_grads(params, x, y, key=None):
         if accum_steps == 1:
-            (loss, metrics), grads = value_and_grad(params, x, y)
+            (loss, metrics), grads = value_and_grad(params, x, y, key)
         else:
             xs = x.reshape(accum_steps, -1, *x.shape[1:])
             ys = y.reshape(accum_steps, -1, *y.shape[1:])
@@ -84,15 +93,18 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: str) -> Callabl
             if accumulate is not None and strategy == "shard_map":
                 acc = jax.lax.pcast(acc, AXIS, to="varying")  # local sums until the pmean
 
-            def micro(acc, xy):
+            def micro(acc, xyi):
+                *xy, i = xyi
                 if accumulate is not None:
                     loss, metrics, acc = accumulate(params, *xy, acc, grad=grad)
                 else:
-                    (loss, metrics), g = value_and_grad(params, *xy)
+                    k = None if key is None else jax.random.fold_in(key, i)
+                    (loss, metrics), g = value_and_grad(params, *xy, k)
                     acc = jax.tree.map(jnp.add, acc, g)
                 return acc, (loss, metrics)
 
-            acc, (losses, metrics) = jax.lax.scan(micro, acc, (xs, ys))
+            micro_ids = jnp.arange(accum_steps)
+            acc, (losses, metrics) = jax.lax.scan(micro, acc, (xs, ys, micro_ids))
             grads = jax.tree.map(lambda g: g / accum_steps, acc)
             loss, metrics = jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
             if accumulate is not None and strategy == "shard_map":
@@ -112,10 +124,13 @@ class Stepper:
 
     strategy: str
     devices: list
-    run: Callable  # (p_leaves, o_leaves, X, Y, idx[K, B]) -> (p_leaves, o_leaves, metrics[K])
+    # (p_leaves, o_leaves, X, Y, batch) -> (p_leaves, o_leaves, metrics[K]); ``batch`` is
+    # what put_indices returns for a [K, B] block.
+    run: Callable
     put_state: Callable  # host/device leaves -> leaves placed for `run`
     put_data: Callable  # numpy array -> placed for `run`
-    put_indices: Callable  # numpy [K, B] -> placed for `run`
+    # (numpy [K, B] indices, number of the block's first step) -> placed for `run`
+    put_indices: Callable
     get_state: Callable  # placed leaves -> single-copy leaves (for eval and checkpoints)
     # Where put_state places every leaf (None: pmap, whose placement has no such sharding);
     # abstract_state() uses it to compile `run` before the state exists.
@@ -129,6 +144,31 @@ class Stepper:
         return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding) for a in avals]
 
 
+def gather_batch(X, Y, idx, window: int | None = None):
+    """The batch ``(x, y)`` that indices ``idx [B]`` name in the placed data ``X``, ``Y``.
+
+    ``window=None``: ``idx`` are example rows. ``window=T``: ``X``/``Y`` are token streams
+    (``Y`` is ``X`` shifted by one) and ``idx`` are window starts, giving ``[B, T]`` inputs
+    and next-token targets, gathered on the device.
+    """
+    if window is not None:
+        idx = idx[:, None] + jnp.arange(window, dtype=idx.dtype)[None, :]
+    # The sampler's indices are in range by construction: promising so skips the bounds
+    # test and NaN fill of a default gather (the 256x784 gather alone: 85 -> 39 us on the
+    # CPU; within noise for the whole MEDIUM step).
+    return X.at[idx].get(mode="promise_in_bounds"), Y.at[idx].get(mode="promise_in_bounds")
+
+
+def step_key(seed: int, step, strategy: str = "none") -> jax.Array:
+    """The random key of training step ``step``: ``fold_in(key(seed), step)``, a pure
+    function of both, so a resumed run draws the same dropout masks. Under pmap/shard_map
+    each device folds in its index too (its share of the batch gets its own masks)."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    if strategy in ("pmap", "shard_map"):
+        key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
+    return key
+
+
 def build_stepper(
     batch_grads: Callable,
     optimizer: optax.GradientTransformation,
@@ -137,25 +177,30 @@ def build_stepper(
     strategy: str,
     devices: list,
     nonfinite: str = "stop",
+    *,
+    window: int | None = None,
+    key_seed: int | None = None,
 ) -> Stepper:
     """Compile-ready step for ``strategy`` on ``devices`` (see the module docstring).
 
     ``batch_grads`` is ``batch_grads_fn(model, grad, accum_steps, strategy)``. For
     ``nonfinite="skip"`` and ``"check"`` every step also returns a ``nonfinite`` flag (the
     loss and the new params tested), and ``"skip"`` keeps the old state when it is set;
-    ``"stop"`` adds nothing (see :func:`step_flags`).
+    ``"stop"`` adds nothing (see :func:`step_flags`). ``window``: the data are token
+    streams and indices are window starts (:func:`gather_batch`). ``key_seed``: the model
+    takes a random key per step, :func:`step_key` of this seed and the step number (the
+    indices then travel with their step numbers); None: it takes none.
     """
     local = [d for d in devices if d.process_index == jax.process_index()]
     n_local = len(local)
+    keyed = key_seed is not None
 
-    def one_step(p_leaves, o_leaves, X, Y, idx):
+    def one_step(p_leaves, o_leaves, X, Y, idx, step):
         params = jax.tree.unflatten(params_def, p_leaves)
         opt_state = jax.tree.unflatten(opt_def, o_leaves)
-        # The sampler's indices are in range by construction: promising so skips the
-        # bounds test and NaN fill of a default gather (the 256x784 gather alone: 85 ->
-        # 39 us on the CPU; within noise for the whole MEDIUM step).
-        x, y = X.at[idx].get(mode="promise_in_bounds"), Y.at[idx].get(mode="promise_in_bounds")
-        loss, metrics, grads = batch_grads(params, x, y)
+        x, y = gather_batch(X, Y, idx, window)
+        key = step_key(key_seed, step, strategy) if keyed else None
+        loss, metrics, grads = batch_grads(params, x, y, key)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, **metrics}
@@ -170,17 +215,31 @@ def build_stepper(
             new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
         return jax.tree.leaves(new_params), jax.tree.leaves(new_opt_state), metrics
 
-    def multi_step(p_leaves, o_leaves, X, Y, idx):
+    def multi_step(p_leaves, o_leaves, X, Y, batch):
+        idx, steps = batch if keyed else (batch, None)
         if idx.shape[0] == 1:
-            p_leaves, o_leaves, m = one_step(p_leaves, o_leaves, X, Y, idx[0])
+            s = None if steps is None else steps[0]
+            p_leaves, o_leaves, m = one_step(p_leaves, o_leaves, X, Y, idx[0], s)
             return p_leaves, o_leaves, jax.tree.map(lambda v: v[None], m)
 
-        def body(carry, i):
-            p, o, m = one_step(*carry, X, Y, i)
+        def body(carry, xs):
+            i, s = xs if keyed else (xs, None)
+            p, o, m = one_step(*carry, X, Y, i, s)
             return (p, o), m
 
-        (p_leaves, o_leaves), m = jax.lax.scan(body, (p_leaves, o_leaves), idx)
+        (p_leaves, o_leaves), m = jax.lax.scan(body, (p_leaves, o_leaves), batch)
         return p_leaves, o_leaves, m
+
+    def with_steps(place_idx, place_steps=np.asarray):
+        """``put_indices``: placed indices, paired with their step numbers when keyed."""
+        if not keyed:
+            return lambda idx, first_step=0: place_idx(idx)
+
+        def put(idx, first_step=0):
+            steps = np.arange(first_step, first_step + idx.shape[0], dtype=np.int32)
+            return place_idx(idx), place_steps(steps)
+
+        return put
 
     if strategy == "none":
         dev = devices[0]
@@ -193,7 +252,7 @@ def build_stepper(
             # Hand the numpy indices to the jitted call as they are: its C++ dispatch copies
             # them to the device of the (committed) state, where jax.device_put's Python
             # path costs tens of microseconds per call, as much as a whole small step.
-            put_indices=np.asarray,
+            put_indices=with_steps(np.asarray),
             get_state=lambda leaves: leaves,
             state_sharding=jax.sharding.SingleDeviceSharding(dev),
         )
@@ -202,7 +261,7 @@ def build_stepper(
         replicate = jax.pmap(lambda v: v, devices=local)
         n = n_local
 
-        def put_indices(idx):  # this process's [K, B] -> [local devices, K, B / local devices]
+        def put_idx(idx):  # this process's [K, B] -> [local devices, K, B / local devices]
             k, b = idx.shape
             return np.ascontiguousarray(idx.reshape(k, n, b // n).transpose(1, 0, 2))
 
@@ -214,7 +273,7 @@ def build_stepper(
                 replicate(np.broadcast_to(np.asarray(v), (n, *np.shape(v)))) for v in leaves
             ],
             put_data=lambda a: replicate(np.broadcast_to(a, (n, *a.shape))),
-            put_indices=put_indices,
+            put_indices=with_steps(put_idx, lambda s: np.broadcast_to(s, (n, *s.shape))),
             get_state=lambda leaves: [v[0] for v in leaves],
         )
 
@@ -225,10 +284,11 @@ def build_stepper(
         )
         replicated = NamedSharding(mesh, P())
         by_batch = NamedSharding(mesh, P(None, AXIS))
+        batch_spec = (P(None, AXIS), P()) if keyed else P(None, AXIS)
         sharded = jax.shard_map(
             multi_step,
             mesh=mesh,
-            in_specs=(P(), P(), P(), P(), P(None, AXIS)),
+            in_specs=(P(), P(), P(), P(), batch_spec),
             out_specs=(P(), P(), P()),
         )
         return Stepper(
@@ -238,8 +298,11 @@ def build_stepper(
             put_state=lambda leaves: [jax.device_put(v, replicated) for v in leaves],
             put_data=lambda a: jax.device_put(a, replicated),
             # idx is this process's share; the global batch is n_proc times wider.
-            put_indices=lambda idx: jax.make_array_from_process_local_data(
-                by_batch, idx, (idx.shape[0], idx.shape[1] * n_proc)
+            put_indices=with_steps(
+                lambda idx: jax.make_array_from_process_local_data(
+                    by_batch, idx, (idx.shape[0], idx.shape[1] * n_proc)
+                ),
+                lambda s: jax.device_put(s, replicated),
             ),
             get_state=lambda leaves: [v.addressable_data(0) for v in leaves],
             state_sharding=replicated,
@@ -284,12 +347,29 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_eval(loss_fn) -> Callable:
-    """Jitted ``(params, X, Y) -> {loss, metrics}`` over a whole (small) split."""
+def build_split_eval(model, chunk: int) -> Callable:
+    """Jitted ``(params, X, Y) -> {loss, metric: mean}`` over a whole split: the means of
+    ``model.loss``'s per-example values, computed ``chunk`` examples at a time (a
+    ``lax.map``), so a large split (thousands of text windows) never materialises all its
+    activations at once."""
 
     @jax.jit
     def evaluate(params, X, Y):
-        loss, metrics = loss_fn(params, X, Y)
-        return {"loss": loss, **metrics}
+        n = X.shape[0]
+        full = n - n % chunk
+
+        def per_example(xy):
+            loss, metrics = model.loss(params, *xy)
+            return {"loss": loss, **metrics}
+
+        parts = []
+        if full:
+            split = lambda a: a[:full].reshape(full // chunk, chunk, *a.shape[1:])
+            values = jax.lax.map(per_example, (split(X), split(Y)))
+            parts.append(jax.tree.map(lambda v: v.reshape(full, *v.shape[2:]), values))
+        if full < n:
+            parts.append(per_example((X[full:], Y[full:])))
+        values = jax.tree.map(lambda *v: jnp.concatenate(v), *parts)
+        return jax.tree.map(jnp.mean, values)
 
     return evaluate

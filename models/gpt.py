@@ -1,0 +1,247 @@
+"""A character-level GPT as nanoGPT builds it: a decoder-only transformer.
+
+Token and learned position embeddings, ``n_layer`` pre-LayerNorm blocks (causal
+multi-head self-attention, then a GELU MLP four times wider), a final LayerNorm and a
+head that is the token embedding transposed (``tie_head``) or a matrix of its own;
+dropout after the embeddings and inside the blocks. Initialised as GPT-2 is: every matrix
+``N(0, 0.02)``, the two residual projections of each block scaled by ``1/sqrt(2 n_layer)``.
+
+Generation (:meth:`GPT.generate`) is one compiled program: a ``lax.fori_loop`` feeds one
+token at a time through the blocks against a fixed-size key/value cache
+(``[n_layer, batch, context, n_head, head_dim]``), so each new token costs one position's
+work instead of a forward pass over the whole context. The prompt goes through the same
+step (its tokens are forced instead of sampled). When the text reaches the context length
+the window slides by half: the last ``context // 2`` tokens are fed again at positions
+``0 ..`` and generation goes on, so the model always sees between ``context // 2`` and
+``context`` tokens of history (nanoGPT's loop instead re-runs the last ``context`` tokens
+for every new token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+import nnlite as nl
+
+LN2 = math.log(2.0)
+
+
+class GPT(nl.Module):
+    """``tokens [..., T] -> logits [..., T, vocab_size]`` for ``T <= context``.
+
+    Params: ``/wte/W [vocab, n_embd]``, ``/wpe/W [context, n_embd]``,
+    ``/blocks[i]/...`` (one ``nl.TransformerBlock`` each), ``/ln_f/{scale,bias}`` and,
+    unless ``tie_head``, ``/head/W [n_embd, vocab]``.
+    """
+
+    vocab_size: int
+    context: int
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    tie_head: bool = True
+
+    task = "language_model"
+    grad_modes = ("autodiff",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPT: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}"
+            )
+
+    @property
+    def uses_key(self) -> bool:
+        """Training needs a random key per step only when dropout is on."""
+        return self.dropout > 0
+
+    # -- children ---------------------------------------------------------------------------
+    @property
+    def wte(self) -> nl.Embedding:
+        return nl.Embedding(self.vocab_size, self.n_embd)
+
+    @property
+    def wpe(self) -> nl.Embedding:
+        return nl.Embedding(self.context, self.n_embd)
+
+    @property
+    def drop(self) -> nl.Dropout:
+        return nl.Dropout(self.dropout)
+
+    @property
+    def block(self) -> nl.TransformerBlock:
+        return nl.TransformerBlock(
+            self.n_embd, self.n_head, mlp_ratio=4, dropout_rate=self.dropout, causal=True
+        )
+
+    @property
+    def ln_f(self) -> nl.LayerNorm:
+        return nl.LayerNorm(self.n_embd)
+
+    @property
+    def head(self) -> nl.Linear:
+        return nl.Linear(self.n_embd, self.vocab_size, use_bias=False)
+
+    # -- parameters -------------------------------------------------------------------------
+    def init(self, key: jax.Array) -> nl.ParamsDict:
+        keys = jax.random.split(key, self.n_layer + 3)
+        p = nl.ParamsDict(
+            wte=self.wte.init(keys[0]),
+            wpe=self.wpe.init(keys[1]),
+            blocks=[self.block.init(k) for k in keys[3:]],
+            ln_f=self.ln_f.init(keys[2]),
+        )
+        if not self.tie_head:
+            p.head = self.head.init(keys[2])
+        return gpt2_init(p, self.n_layer, jax.random.fold_in(key, 1))
+
+    # -- forward ----------------------------------------------------------------------------
+    def __call__(self, params, tokens, *, key=None):
+        """Logits ``[..., T, vocab_size]`` of integer ``tokens [..., T]``, ``T <= context``;
+        ``key`` turns dropout on (training)."""
+        t = tokens.shape[-1]
+        if t > self.context:
+            raise ValueError(f"GPT: sequence length {t} exceeds context={self.context}")
+        keys = [None] * (self.n_layer + 1)
+        if key is not None and self.dropout > 0:
+            keys = list(jax.random.split(key, self.n_layer + 1))
+        x = self.wte(params.wte, tokens)
+        x = x + jnp.broadcast_to(params.wpe.W[:t].astype(x.dtype), x.shape)
+        x = self.drop(nl.ParamsDict(), x, key=keys[-1])
+        for p_block, k in zip(params.blocks, keys):
+            x = self.block(p_block, x, key=k)
+        return self.logits(params, self.ln_f(params.ln_f, x))
+
+    def logits(self, params, h):
+        """The head: ``h [..., n_embd] -> [..., vocab_size]``."""
+        if self.tie_head:
+            return self.wte.attend(params.wte, h)
+        return self.head(params.head, h)
+
+    def loss(self, params, x, y, *, key=None):
+        """Per-window mean next-character cross-entropy (nats) and bits per character."""
+        ce = nl.softmax_cross_entropy(self(params, x, key=key), y)
+        per_window = jnp.mean(ce, axis=-1)
+        return per_window, {"bits_per_char": per_window / LN2}
+
+    def objective(self, params, x, y, *, grad="autodiff", key=None):
+        """Mean loss over the batch (nats/char) and its bits per character."""
+        per_window, metrics = self.loss(params, x, y, key=key)
+        return jnp.mean(per_window), {k: jnp.mean(v) for k, v in metrics.items()}
+
+    # -- incremental decoding ---------------------------------------------------------------
+    def empty_cache(self, batch: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+        """Zeroed key and value caches ``[n_layer, batch, context, n_head, head_dim]``."""
+        shape = (self.n_layer, batch, self.context, self.n_head, self.n_embd // self.n_head)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    def decode_step(self, params, cache, token, pos):
+        """Logits ``[batch, vocab]`` for ``token [batch]`` at position ``pos`` (a traced
+        int), given ``cache`` (keys and values of positions ``< pos``); returns the cache
+        with this position's keys and values written in. Inference: no dropout."""
+        ck, cv = cache
+        block = self.block
+        attn = block.attn
+        x = self.wte(params.wte, token[:, None])  # [batch, 1, n_embd]
+        x = x + jnp.broadcast_to(params.wpe.W[pos].astype(x.dtype), x.shape)
+        for i, p in enumerate(params.blocks):
+            q, k, v = attn.qkv(p.attn, block.ln1(p.ln1, x))  # [batch, 1, heads, head_dim]
+            at = (i, 0, pos, 0, 0)  # layer i, every row, position pos
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+            # causal with q_offset=pos: the query sees cache slots 0..pos, not the unfilled rest
+            o = attn.attend(q, ck[i], cv[i], q_offset=pos)
+            x = x + attn.project(p.attn, o)
+            x = x + block.mlp(p.mlp, block.ln2(p.ln2, x))
+        return self.logits(params, self.ln_f(params.ln_f, x[:, 0])), (ck, cv)
+
+    def generate(self, params, prompt, n_tokens: int, key, temperature=1.0, top_k=None):
+        """``prompt [batch, P]`` followed by ``n_tokens`` sampled tokens: ``[batch, P + n]``.
+
+        One traceable program (jit it with ``n_tokens`` and ``top_k`` static): a
+        ``lax.fori_loop`` of :meth:`decode_step` with a fixed-size cache, sliding by half a
+        context when full (see the module docstring). ``temperature`` 0 is greedy decoding;
+        ``top_k`` keeps the k most likely tokens before sampling. Step ``i`` samples with
+        ``fold_in(key, i)``, so the output is a function of the key.
+        """
+        batch, p_len = prompt.shape
+        total = p_len + n_tokens
+        buf = jnp.zeros((batch, total), prompt.dtype).at[:, :p_len].set(prompt)
+        half = self.context // 2
+
+        def feed(i, state):
+            """Feed ``buf[:, i]`` at cache position ``pos``; sample ``buf[:, i + 1]``."""
+            buf, cache, pos = state
+            cache, pos = jax.lax.cond(
+                pos == self.context, lambda: slide(buf, cache, i), lambda: (cache, pos)
+            )
+            logits, cache = self.decode_step(params, cache, buf[:, i], pos)
+            nxt = sample(logits, jax.random.fold_in(key, i), temperature, top_k)
+            keep = i + 1 < p_len  # still inside the prompt: its own token, not a sample
+            nxt = jnp.where(keep, buf[:, jnp.minimum(i + 1, total - 1)], nxt.astype(buf.dtype))
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, nxt[:, None], i + 1, axis=1)
+            return buf, cache, pos + 1
+
+        def slide(buf, cache, i):
+            """Re-feed the last ``half`` tokens before ``i`` at positions ``0 .. half-1``."""
+
+            def refeed(j, cache):
+                tok = jax.lax.dynamic_index_in_dim(buf, i - half + j, axis=1, keepdims=False)
+                return self.decode_step(params, cache, tok, j)[1]
+
+            return jax.lax.fori_loop(0, half, refeed, cache), jnp.int32(half)
+
+        cache = self.empty_cache(batch, params.wte.W.dtype)
+        buf, _, _ = jax.lax.fori_loop(0, total - 1, feed, (buf, cache, jnp.int32(0)))
+        return buf
+
+
+def sample(logits, key, temperature, top_k: int | None):
+    """One token per row of ``logits [batch, vocab]``: argmax at ``temperature == 0``, else
+    a draw from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest."""
+    logits = logits.astype(jnp.float32)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    greedy = jnp.argmax(logits, axis=-1)
+    t = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
+    drawn = jax.random.categorical(key, logits / t, axis=-1)
+    return jnp.where(temperature == 0, greedy, drawn)
+
+
+def gpt2_init(params: nl.ParamsDict, n_layer: int, key) -> nl.ParamsDict:
+    """GPT-2's initialisation of ``params``: matrices (and embeddings) ``N(0, 0.02)``, the
+    blocks' residual output projections ``N(0, 0.02 / sqrt(2 n_layer))``; vectors (biases,
+    LayerNorm scales and offsets) as their layers made them."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, leaf), k in zip(leaves, keys):
+        if leaf.ndim == 2:
+            std = 0.02
+            if nl.format_path(path).endswith(RESIDUAL_OUT):
+                std /= math.sqrt(2 * n_layer)
+            leaf = std * jax.random.normal(k, leaf.shape, leaf.dtype)
+        out.append(leaf)
+    return jax.tree.unflatten(treedef, out)
+
+
+# Paths (suffixes) of the matrices that write into the residual stream.
+RESIDUAL_OUT = ("/attn/out/W", "/mlp/proj/W")
+
+
+def build(cfg, data) -> GPT:
+    return GPT(
+        vocab_size=data.num_classes,
+        context=cfg.context,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+        dropout=cfg.dropout,
+        tie_head=cfg.tie_head,
+    )

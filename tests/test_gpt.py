@@ -1,0 +1,226 @@
+"""The GPT model: key/value-cache decoding equals the full forward pass, sampling, the
+training run on text (parallel equality, resume with dropout) and the sampling CLI."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.gpt import GPT
+from train import sample as sample_cli
+from train.config import load_config
+from train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = GPT(vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=16)
+
+
+FORWARD = jax.jit(TINY.__call__)
+GENERATE = jax.jit(TINY.generate, static_argnames=("n_tokens", "top_k"))
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return jax.jit(TINY.init)(jax.random.key(0))
+
+
+def test_kv_cache_decode_equals_the_full_forward(tiny_params):
+    tokens = jax.random.randint(jax.random.key(1), (3, TINY.context), 0, TINY.vocab_size)
+    full = FORWARD(tiny_params, tokens)
+    step = jax.jit(TINY.decode_step)
+    cache = TINY.empty_cache(3)
+    for pos in range(TINY.context):
+        logits, cache = step(tiny_params, cache, tokens[:, pos], jnp.int32(pos))
+        np.testing.assert_allclose(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+
+
+def naive_generate(model, params, prompt, n, pick):
+    """The recompute-everything reference with the same sliding window as ``generate``.
+    The window is padded to the context (causal: padding after the last token changes
+    nothing before it), so one compiled forward serves every length."""
+    seq, start = list(prompt), 0
+    for _ in range(n):
+        last = len(seq) - 1  # the token fed now
+        if last - start == model.context:  # the window is full: it slides by half
+            start = last - model.context // 2
+        window = seq[start:] + [0] * (model.context - (len(seq) - start))
+        logits = FORWARD(params, jnp.asarray([window]))[0, last - start]
+        seq.append(pick(logits))
+    return seq
+
+
+def test_greedy_generation_matches_the_naive_loop_past_the_context(tiny_params):
+    prompt = [1, 2, 3]
+    n = 2 * TINY.context + 3  # slides twice
+    gen = GENERATE
+    out = gen(tiny_params, jnp.asarray([prompt]), n, jax.random.key(0), 0.0)
+    want = naive_generate(TINY, tiny_params, prompt, n, lambda lg: int(jnp.argmax(lg)))
+    assert out.shape == (1, len(prompt) + n)
+    assert out[0].tolist() == want
+    # top-k 1 at any temperature is greedy too
+    top1 = gen(tiny_params, jnp.asarray([prompt]), n, jax.random.key(5), 1.3, top_k=1)
+    assert top1[0].tolist() == want
+
+
+def test_sampling_is_a_function_of_the_key(tiny_params):
+    gen = GENERATE
+    prompt = jnp.asarray([[4, 5]])
+    a = gen(tiny_params, prompt, 20, jax.random.key(1), 1.0, top_k=5)
+    b = gen(tiny_params, prompt, 20, jax.random.key(1), 1.0, top_k=5)
+    c = gen(tiny_params, prompt, 20, jax.random.key(2), 1.0, top_k=5)
+    assert (a == b).all() and not (a == c).all()
+    assert a[0, :2].tolist() == [4, 5]
+    # top-k restricts every draw to the k most likely next tokens (checked within the
+    # first context, before the window slides)
+    logits = FORWARD(tiny_params, a[:, : TINY.context])
+    for i in range(2, TINY.context):
+        top5 = np.argsort(np.asarray(logits[0, i - 1]))[-5:].tolist()
+        assert int(a[0, i]) in top5
+
+
+def test_loss_is_nats_per_char_and_bits(tiny_params):
+    x = jnp.zeros((2, 8), jnp.int32)
+    loss, metrics = jax.jit(TINY.objective)(tiny_params, x, x)
+    assert float(metrics["bits_per_char"]) == pytest.approx(float(loss) / np.log(2))
+    # at init the head is near uniform: about ln(vocab)
+    assert float(loss) == pytest.approx(np.log(TINY.vocab_size), rel=0.05)
+
+
+# -- training on text ----------------------------------------------------------------------
+TEXT = (
+    "To be, or not to be, that is the question:\n"
+    "Whether 'tis nobler in the mind to suffer\n"
+    "The slings and arrows of outrageous fortune,\n"
+    "Or to take arms against a sea of troubles\n"
+) * 6
+
+
+def text_file(tmp_path) -> str:
+    p = tmp_path / "tiny.txt"
+    if not p.exists():
+        p.write_text(TEXT)
+    return str(p)
+
+
+def tiny_run(tmp_path, *overrides, name="g", resume="fresh"):
+    cfg = load_config(
+        ROOT / "configs/shakespeare_gpt.yaml",
+        [
+            f"log.dir={tmp_path}",
+            "log.progress=false",
+            "log.plot=false",
+            f"name={name}",
+            "data.name=text",
+            f"data.path={text_file(tmp_path)}",
+            "data.eval_windows=16",
+            "model.context=16",
+            "model.n_layer=2",
+            "model.n_head=2",
+            "model.n_embd=16",
+            "train.batch_size=8",
+            "train.steps=12",
+            "train.steps_per_call=4",
+            "train.eval_every=6",
+            "train.log_every=3",
+            "optimizer.warmup_steps=2",
+            "checkpoint.every=6",
+            *overrides,
+        ],
+    )
+    return train(cfg, resume=resume, echo=lambda *_: None)
+
+
+def max_abs_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(tmp_path):
+    r = tiny_run(tmp_path, "train.steps=40", "optimizer.learning_rate=0.003")
+    records = [json.loads(ln) for ln in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [x for x in records if x["split"] == "val"]
+    assert [x["step"] for x in val] == [6, 12, 18, 24, 30, 36, 40]
+    assert all(x["bits_per_char"] == pytest.approx(x["loss"] / np.log(2)) for x in val)
+    assert val[-1]["loss"] < val[0]["loss"] - 0.3
+    assert r.summary["val_loss"] == val[-1]["loss"]
+
+
+@pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
+def test_gpt_parallel_equals_one_device(tmp_path, strategy):
+    ref = tiny_run(tmp_path, "parallel.strategy=none", name="ref")
+    init = ref.model.init(jax.random.key(ref.cfg.seed))
+    assert max_abs_diff(ref.params, init) > 1e-3
+    r = tiny_run(tmp_path, f"parallel.strategy={strategy}", "parallel.devices=4", name=strategy)
+    assert max_abs_diff(r.params, ref.params) <= 1e-5
+
+
+def test_gpt_resume_with_dropout_is_bit_identical(tmp_path):
+    drop = ["model.dropout=0.2"]
+    whole = tiny_run(tmp_path, *drop, name="whole")
+    tiny_run(tmp_path, *drop, "train.steps=6", name="split")
+    resumed = tiny_run(tmp_path, *drop, name="split", resume="require")
+    assert max_abs_diff(whole.params, resumed.params) == 0.0
+    # dropout is on: the same run without it ends elsewhere
+    plain = tiny_run(tmp_path, name="plain")
+    assert max_abs_diff(whole.params, plain.params) > 1e-4
+
+
+# -- the sampling CLI ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sample")
+    return tiny_run(tmp, name="s").run_dir
+
+
+def test_sample_cli_prints_text_and_is_deterministic(trained_run, capsys):
+    argv = ["--run", str(trained_run), "--prompt", "To be", "--tokens", "40", "--seed", "3"]
+    assert sample_cli.main(argv) == 0
+    out1, err = capsys.readouterr()
+    assert out1.startswith("To be") and len(out1) == len("To be") + 40 + 1
+    assert "tokens/s" in err
+    assert sample_cli.main(argv) == 0
+    assert capsys.readouterr().out == out1
+    assert sample_cli.main([*argv[:-1], "4"]) == 0
+    assert capsys.readouterr().out != out1
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--run", "{tmp}/nope"], "no such run directory"),
+        (["--run", "{tmp}"], "no config.yaml"),
+        (["--run", "{run}", "--prompt", "Zebra\u00e9"], "outside the model's vocabulary"),
+        (["--run", "{run}", "--prompt", "To be " * 5], "longer than the model's context of 16"),
+        (["--run", "{run}", "--tokens", "0"], "--tokens must be >= 1"),
+        (["--run", "{run}", "--tokens", "many"], "invalid int value: 'many'"),
+        (["--run", "{run}", "--temperature", "-1"], "--temperature must be a finite number"),
+        (["--run", "{run}", "--top-k", "-2"], "--top-k must be >= 0"),
+        (["--prompt", "x"], "the following arguments are required: --run"),
+    ],
+    ids=[
+        "no_run",
+        "no_config",
+        "unknown_chars",
+        "long_prompt",
+        "tokens0",
+        "tokens_text",
+        "temperature",
+        "top_k",
+        "missing_run",
+    ],
+)
+def test_sample_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys, args, match):
+    argv = [a.format(tmp=tmp_path, run=trained_run) for a in args]
+    assert sample_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and match in err[0], err
+
+
+def test_sample_cli_no_checkpoint(trained_run, tmp_path, capsys):
+    empty = tmp_path / "run"
+    (empty / "checkpoints").mkdir(parents=True)
+    (empty / "config.yaml").write_text((trained_run / "config.yaml").read_text())
+    assert sample_cli.main(["--run", str(empty)]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err

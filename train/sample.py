@@ -1,0 +1,151 @@
+"""``python -m train.sample --run DIR [--prompt TEXT] [--tokens N] [--temperature T]
+[--top-k K] [--seed S]``: generate text from a run's newest checkpoint.
+
+The run directory holds what sampling needs: ``config.yaml`` (the model) and checkpoints
+whose metadata carry the character vocabulary. Generation is one compiled program with a
+key/value cache (``GPT.generate``); the text goes to stdout, timings to stderr. Text
+longer than the model's context slides its window by half a context (see models/gpt.py).
+Bad arguments (no run, no checkpoint, characters outside the vocabulary, a prompt longer
+than the context, bad numbers) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from . import checkpoint as ckpt
+from . import faults
+from .config import MAX_SEED, ConfigError, load_config
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other bad input
+        raise ConfigError(message)
+
+
+def parse_args(argv):
+    ap = _Parser(
+        prog="python -m train.sample",
+        description="Generate text from a trained language model's newest checkpoint.",
+    )
+    ap.add_argument("--run", required=True, help="run directory, e.g. runs/shakespeare_gpt")
+    ap.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
+    ap.add_argument("--tokens", type=int, default=500, help="characters to generate")
+    ap.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy"
+    )
+    ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely (0: all)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    args = ap.parse_args(argv)
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise ConfigError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ConfigError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
+    return args
+
+
+def load_model(run_dir: Path):
+    """``(model, params, vocab, checkpoint path)`` from the newest checkpoint of ``run_dir``."""
+    import jax
+
+    import models
+
+    if not run_dir.is_dir():
+        raise ConfigError(f"--run {str(run_dir)!r}: no such run directory")
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise ConfigError(f"--run {str(run_dir)!r}: no config.yaml; is it a training run?")
+    cfg = load_config(cfg_path)
+    found = ckpt.list_checkpoints(run_dir / "checkpoints")
+    if not found:
+        raise ConfigError(f"--run {str(run_dir)!r}: no checkpoint in {run_dir / 'checkpoints'}")
+    path = found[-1]
+    meta = ckpt.read_metadata(path)
+    if "vocab" not in meta:
+        raise ConfigError(
+            f"checkpoint {path}: no vocabulary in its metadata; model.name={cfg.model.name} "
+            f"with data.name={cfg.data.name} is not a text model"
+        )
+    try:
+        vocab = json.loads(meta["vocab"])
+    except json.JSONDecodeError:
+        raise ConfigError(f"checkpoint {path}: its vocabulary metadata is not valid JSON") from None
+    model = models.MODELS[cfg.model.name](cfg.model, SimpleNamespace(num_classes=len(vocab)))
+    if not hasattr(model, "generate"):
+        raise ConfigError(f"model.name={cfg.model.name} cannot generate text")
+    template = jax.eval_shape(model.init, jax.random.key(0))
+    params = ckpt.load_params(path, template)
+    return model, params, vocab, path
+
+
+def encode_prompt(prompt: str, vocab: str, context: int) -> list[int]:
+    lut = {c: i for i, c in enumerate(vocab)}
+    unknown = sorted(set(prompt) - set(lut))
+    if unknown:
+        raise ConfigError(
+            f"--prompt has characters outside the model's vocabulary: "
+            f"{''.join(unknown)!r}; the vocabulary is {vocab!r}"
+        )
+    if len(prompt) > context:
+        raise ConfigError(
+            f"--prompt is {len(prompt)} characters, longer than the model's context "
+            f"of {context}; shorten it"
+        )
+    return [lut[c] for c in prompt]
+
+
+def generate(model, params, ids, n_tokens, seed, temperature, top_k):
+    """``(all ids, compile seconds, generate seconds)``: one compiled call of
+    ``model.generate`` for a batch of one."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    fn = jax.jit(model.generate, static_argnames=("n_tokens", "top_k"))
+    prompt = jnp.asarray(np.asarray(ids, np.int32)[None, :])
+    key = jax.random.key(seed)
+    t0 = time.perf_counter()
+    compiled = fn.lower(params, prompt, n_tokens, key, temperature, top_k).compile()
+    t1 = time.perf_counter()
+    out = np.asarray(compiled(params, prompt, key, temperature))
+    t2 = time.perf_counter()
+    return out[0], t1 - t0, t2 - t1
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        model, params, vocab, path = load_model(Path(args.run))
+        prompt = args.prompt
+        if prompt is None:
+            prompt = "\n" if "\n" in vocab else vocab[0]
+        if not prompt:
+            raise ConfigError("--prompt must not be empty (omit it to start from a newline)")
+        ids = encode_prompt(prompt, vocab, model.context)
+        top_k = args.top_k or None
+        out, t_compile, t_gen = generate(
+            model, params, ids, args.tokens, args.seed, args.temperature, top_k
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return faults.EXIT_BAD_INPUT
+    print("".join(vocab[int(i)] for i in out))
+    print(
+        f"[{path.name}: {args.tokens} tokens in {t_gen:.3f} s, "
+        f"{args.tokens / max(t_gen, 1e-9):,.0f} tokens/s; compiled in {t_compile:.2f} s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
