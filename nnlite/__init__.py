@@ -44,6 +44,7 @@ from ._nn import tanh as tanh
 from ._normalisation import GroupNorm as GroupNorm
 from ._normalisation import LayerNorm as LayerNorm
 from ._normalisation import RMSNorm as RMSNorm
+from ._ops import add as add
 from ._params import ParamsDict as ParamsDict
 from ._params import PathKey as PathKey
 from ._params import format_path as format_path
@@ -86,6 +87,7 @@ __all__ = [
     "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",
+    "add",
     "format_path",
     "from_equinox",
     "fused",

@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _vjp
 from ._dropout import check_rate, dropout
 from ._linear import Linear
 from ._manual import hand_rule, manual_active
 from ._module import Module
 from ._nn import get_activation
 from ._normalisation import LayerNorm
+from ._ops import add
 from ._params import ParamsDict
 
 __all__ = [
@@ -114,10 +114,6 @@ def slot_vjp(y, dret, *, index):
 def slot(y: jax.Array, *, index: int) -> jax.Array:
     """``y[..., index, :, :]``: one of the stacked q, k, v of ``[..., T, 3, heads, head_dim]``."""
     return y[..., index, :, :]
-
-
-#: The residual connection ``x + y``, with the seed's ``add_vjp`` as its hand rule.
-add = hand_rule(_vjp.add_vjp)(_vjp.add)
 
 
 class MultiHeadAttention(Module):
