@@ -5,6 +5,7 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
 from . import fused as fused
+from . import rules as rules
 from . import vjp as vjp
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._attention import TransformerBlock as TransformerBlock
@@ -52,6 +53,7 @@ from ._params import leaf_str as leaf_str
 from ._pool import AvgPool as AvgPool
 from ._pool import Flatten as Flatten
 from ._pool import MaxPool as MaxPool
+from ._show_grad import show_grad as show_grad
 from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._show_jaxpr import roundtrip as roundtrip
 from ._show_jaxpr import show_jaxpr as show_jaxpr
@@ -104,6 +106,8 @@ __all__ = [
     "reduce",
     "relu",
     "roundtrip",
+    "rules",
+    "show_grad",
     "show_jaxpr",
     "sigmoid",
     "softmax_cross_entropy",
