@@ -269,3 +269,26 @@ def test_show_grad_cli(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "= linear_vjp(" in out and "def grad(params, x, y):" in out
+
+
+def test_equinox_layers_use_autodiff_and_say_so_once(caplog):
+    import equinox as eqx
+
+    from nnlite import _equinox
+
+    _equinox._told.clear()
+    lin = nl.from_equinox(eqx.nn.Linear(3, 4, key=jax.random.key(0)))
+    head = nl.Linear(4, 2)
+    p = nl.ParamsDict(a=lin.init(jax.random.key(1)), b=head.init(jax.random.key(2)))
+    x, y = jnp.ones((5, 3)), jnp.zeros(5, jnp.int32)
+
+    def loss(p, x, y):
+        h = jax.vmap(lambda xi: lin(p.a, xi))(x)
+        return nl.softmax_cross_entropy(head(p.b, nl.tanh(h)), y, reduction="mean")
+
+    with caplog.at_level("WARNING", logger="nnlite"):
+        hand = jax.grad(nl.manual_grads(loss))(p, x, y)
+        jax.grad(nl.manual_grads(loss))(p, x, y)
+    _close(jax.grad(loss)(p, x, y), hand, 1e-6)
+    said = [r for r in caplog.records if "EquinoxLayer(Linear)" in r.getMessage()]
+    assert len(said) == 1 and "autodiff" in said[0].getMessage()
