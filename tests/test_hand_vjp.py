@@ -292,3 +292,18 @@ def test_equinox_layers_use_autodiff_and_say_so_once(caplog):
     _close(jax.grad(loss)(p, x, y), hand, 1e-6)
     said = [r for r in caplog.records if "EquinoxLayer(Linear)" in r.getMessage()]
     assert len(said) == 1 and "autodiff" in said[0].getMessage()
+
+
+def test_fused_on_another_model_is_a_config_error_naming_the_models_with_it():
+    from pathlib import Path
+
+    from train.config import ConfigError, load_config
+    from train.loop import build
+
+    root = Path(__file__).resolve().parents[1]
+    sets = ["data.name=digits", "model.channels=[4]", "model.kernel_size=3", "loss.grad=fused"]
+    cfg = load_config(root / "configs/mnist1d_cnn.yaml", sets)
+    with pytest.raises(
+        ConfigError, match=r"loss.grad=fused is not available for model.name=cnn.*mlp"
+    ):
+        build(cfg)
