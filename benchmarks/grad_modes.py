@@ -1,9 +1,13 @@
-"""Train-step time of the MLP gradient modes (autodiff, manual, fused), under jit.
+"""Train-step time of the gradient modes (autodiff, manual, fused), under jit.
+
+MLP sizes run every mode; the CNN (MNIST-1D ConvBase) and GPT sizes run autodiff and
+manual (every layer's hand VJP through ``nl.manual_grads``; target manual <= 1.05x).
 
 Run from the repository root:
 
-    python benchmarks/grad_modes.py            # both sizes, full rounds
+    python benchmarks/grad_modes.py            # MLP, CNN and baby GPT sizes, full rounds
     python benchmarks/grad_modes.py --quick    # fewer, shorter rounds
+    python benchmarks/grad_modes.py --size gpt-6x384/T256/b64   # the larger GPT
 
 Each mode gets its own jitted step (optax.adam(1e-3), params and optimizer state donated)
 and its own copy of the same initial state. After warm-up, rounds run the modes in a
@@ -40,7 +44,51 @@ SIZES: dict[str, tuple[tuple[int, ...], int]] = {
     "1024-4096-4096-10/b1024": ((1024, 4096, 4096, 10), 1024),
 }
 
+# name: (model constructor kwargs, batch); built lazily from models/ (repository root)
+MODEL_SIZES: dict[str, tuple[str, dict, int]] = {
+    "cnn-convbase/b100": ("cnn", {"length": 40, "in_channels": 1, "num_classes": 10}, 100),
+    "gpt-4x128/T64/b12": (
+        "gpt",
+        {"vocab_size": 65, "context": 64, "n_layer": 4, "n_head": 4, "n_embd": 128},
+        12,
+    ),
+    "gpt-6x384/T256/b64": (
+        "gpt",
+        {"vocab_size": 65, "context": 256, "n_layer": 6, "n_head": 6, "n_embd": 384},
+        64,
+    ),
+}
+DEFAULT_SIZES = [*SIZES, "cnn-convbase/b100", "gpt-4x128/T64/b12"]
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def make_model(kind: str, kwargs: dict):
+    from models.cnn import CNN
+    from models.gpt import GPT
+
+    if kind == "cnn":
+        convs = ((25, 5, 2, 1), (25, 3, 2, 1), (25, 3, 2, 1))  # the paper's ConvBase
+        return CNN(convs=convs, **kwargs)
+    return GPT(**kwargs)
+
+
+def make_model_step(model, mode: str):
+    """A jitted train step of ``model.objective`` in gradient mode ``mode``."""
+    opt = optax.adam(1e-3)
+
+    def loss(params, x, y):
+        return model.objective(params, x, y)[0]
+
+    if mode == "manual":
+        loss = nl.manual_grads(loss)
+
+    def step(params, opt_state, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return opt, jax.jit(step, donate_argnums=(0, 1))
 
 
 def make_step(mode: str, activation: str):
@@ -48,7 +96,7 @@ def make_step(mode: str, activation: str):
     opt = optax.adam(1e-3)
 
     def step(params, opt_state, x, y):
-        loss, grads = nl.loss_and_grad(mode, params, x, y, activation=activation)
+        loss, grads = nl.fused.loss_and_grad(mode, params, x, y, activation=activation)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -65,18 +113,29 @@ def bench_size(
     steps: int = 3,
     warmup: int = 2,
     seed: int = 0,
+    model=None,
 ) -> dict:
-    """Median seconds per train step for each mode on one MLP size."""
+    """Median seconds per train step for each mode on one MLP size (or, with ``model``,
+    on that model: ``sizes`` is then ignored and ``modes`` autodiff and manual)."""
     key = jax.random.key(seed)
     kp, kx, ky = jax.random.split(key, 3)
-    ffn = nl.FFN(sizes[0], tuple(sizes[1:-1]), sizes[-1], activation=activation)
-    x = jax.random.normal(kx, (batch, sizes[0]))
-    y = jax.random.randint(ky, (batch,), 0, sizes[-1])
-
     state, steps_fn = {}, {}
+    if model is None:
+        ffn = nl.FFN(sizes[0], tuple(sizes[1:-1]), sizes[-1], activation=activation)
+        x = jax.random.normal(kx, (batch, sizes[0]))
+        y = jax.random.randint(ky, (batch,), 0, sizes[-1])
+        init = ffn.init
+    else:
+        if getattr(model, "task", "") == "language_model":
+            x = jax.random.randint(kx, (batch, model.context), 0, model.vocab_size)
+            y = jnp.roll(x, -1, axis=1)
+        else:
+            x = jax.random.normal(kx, (batch, model.length))
+            y = jax.random.randint(ky, (batch,), 0, model.num_classes)
+        init = model.init
     for mode in modes:
-        opt, step = make_step(mode, activation)
-        params = ffn.init(kp)  # same initial values for every mode
+        opt, step = make_step(mode, activation) if model is None else make_model_step(model, mode)
+        params = init(kp)  # same initial values for every mode
         state[mode] = (params, opt.init(params))
         steps_fn[mode] = step
 
@@ -120,12 +179,24 @@ def bench_size(
 
 
 def run_all(*, quick: bool = False, sizes=None, activation: str = "relu") -> dict:
-    names = sizes or list(SIZES)
+    names = sizes or DEFAULT_SIZES
     rounds, steps = (3, 2) if quick else (15, 2)
     results = {}
     for name in names:
-        layer_sizes, batch = SIZES[name]
         print(f"[grad_modes] {name}: {rounds} rounds x {steps} steps ...", file=sys.stderr)
+        if name in MODEL_SIZES:
+            kind, kwargs, batch = MODEL_SIZES[name]
+            model = make_model(kind, kwargs)
+            results[name] = bench_size(
+                (),
+                batch,
+                modes=("autodiff", "manual"),
+                rounds=rounds,
+                steps=steps,
+                model=model,
+            )
+            continue
+        layer_sizes, batch = SIZES[name]
         results[name] = bench_size(
             layer_sizes, batch, activation=activation, rounds=rounds, steps=steps
         )
@@ -162,8 +233,10 @@ def format_table(report: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
-    parser.add_argument("--size", action="append", choices=list(SIZES), help="repeatable")
-    parser.add_argument("--activation", default="relu", choices=nl.HAND_ACTIVATIONS)
+    parser.add_argument(
+        "--size", action="append", choices=[*SIZES, *MODEL_SIZES], help="repeatable"
+    )
+    parser.add_argument("--activation", default="relu", choices=nl.fused.HAND_ACTIVATIONS)
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
     args = parser.parse_args(argv)
 

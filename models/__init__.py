@@ -12,6 +12,10 @@ Adding a model is one file plus one line here.
 
 from . import cnn, gpt, linreg, mlp
 
+#: Models with a fused hand-written backward pass (``loss.grad=fused``); ``manual`` and
+#: ``autodiff`` work for every model.
+FUSED = ("mlp",)
+
 MODELS = {
     "mlp": mlp.build,
     "linreg": linreg.build,

@@ -49,7 +49,7 @@ class CNN(nl.Module):
     activation: str = "relu"
 
     task = "classification"
-    grad_modes = ("autodiff",)
+    grad_modes = ("autodiff", "manual")
 
     def __post_init__(self):
         super().__post_init__()
@@ -111,7 +111,7 @@ class CNN(nl.Module):
     def objective(self, params, x, y, *, grad="autodiff"):
         """Mean loss and metrics, differentiable by ``jax.grad``."""
         per_example, metrics = self.loss(params, x, y)
-        return jnp.mean(per_example), {k: jnp.mean(v) for k, v in metrics.items()}
+        return nl.reduce(per_example, "mean"), {k: jnp.mean(v) for k, v in metrics.items()}
 
 
 def build(cfg, data) -> CNN:

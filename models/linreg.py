@@ -1,7 +1,6 @@
 """Linear regression, the JAX tutorial's ``y = w * x + b`` (any number of features)."""
 
 import jax
-import jax.numpy as jnp
 
 import nnlite as nl
 
@@ -13,7 +12,7 @@ class LinReg(nl.Module):
     out_features: int = 1
 
     task = "regression"
-    grad_modes = ("autodiff",)
+    grad_modes = ("autodiff", "manual")
 
     @property
     def linear(self) -> nl.Linear:
@@ -31,7 +30,7 @@ class LinReg(nl.Module):
 
     def objective(self, params, x, y, *, grad="autodiff"):
         """Mean squared error over the batch."""
-        return jnp.mean(self.loss(params, x, y)[0]), {}
+        return nl.reduce(self.loss(params, x, y)[0], "mean"), {}
 
 
 def build(cfg, data) -> LinReg:

@@ -18,7 +18,7 @@ class MLP(nl.Module):
     activation: str = "relu"
 
     task = "classification"
-    grad_modes = nl.GRAD_MODES  # autodiff, manual (composed hand VJPs), fused (one hand pass)
+    grad_modes = nl.GRAD_MODES  # autodiff, manual (every layer's hand VJP), fused (one hand pass)
 
     @property
     def ffn(self) -> nl.FFN:
@@ -44,16 +44,17 @@ class MLP(nl.Module):
         return per_example, {"accuracy": self._correct(logits, y)}
 
     def objective(self, params, x, y, *, grad="autodiff"):
-        """Mean loss and metrics, differentiable by ``jax.grad`` in gradient mode ``grad``."""
-        if grad == "autodiff":
-            per_example, metrics = self.loss(params, x, y)
-            return jnp.mean(per_example), {k: jnp.mean(v) for k, v in metrics.items()}
-        loss = nl.mlp_loss(params, x, y, activation=self.activation, mode=grad)
-        return loss, {"accuracy": jnp.mean(self._correct(self(params, x), y))}
+        """Mean loss and metrics, differentiable by ``jax.grad`` in gradient mode ``grad``
+        (``manual``: the caller wraps this in ``nl.manual_grads``; ``fused``: one hand pass)."""
+        if grad == "fused":
+            loss = nl.fused.mlp_loss(params, x, y, activation=self.activation, mode="fused")
+            return loss, {"accuracy": jnp.mean(self._correct(self(params, x), y))}
+        per_example, metrics = self.loss(params, x, y)
+        return nl.reduce(per_example, "mean"), {k: jnp.mean(v) for k, v in metrics.items()}
 
     def accumulate(self, params, x, y, grads_in, *, grad="fused"):
         """``(loss, metrics, grads_in + grads)`` by the fused, gradient-accumulating hand pass."""
-        loss, grads = nl.fused_grad_accum(params, x, y, grads_in, activation=self.activation)
+        loss, grads = nl.fused.fused_grad_accum(params, x, y, grads_in, activation=self.activation)
         return loss, {"accuracy": jnp.mean(self._correct(self(params, x), y))}, grads
 
     @staticmethod

@@ -4,6 +4,8 @@ Parameters live in ``ParamsDict`` pytrees; layers are frozen dataclasses of
 hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
+from . import fused as fused
+from . import rules as rules
 from . import vjp as vjp
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._attention import TransformerBlock as TransformerBlock
@@ -13,13 +15,6 @@ from ._embedding import Embedding as Embedding
 from ._equinox import EquinoxLayer as EquinoxLayer
 from ._equinox import from_equinox as from_equinox
 from ._grad_modes import GRAD_MODES as GRAD_MODES
-from ._grad_modes import HAND_ACTIVATIONS as HAND_ACTIVATIONS
-from ._grad_modes import fused_grad_accum as fused_grad_accum
-from ._grad_modes import fused_loss_and_grad as fused_loss_and_grad
-from ._grad_modes import loss_and_grad as loss_and_grad
-from ._grad_modes import mlp_layers as mlp_layers
-from ._grad_modes import mlp_logits as mlp_logits
-from ._grad_modes import mlp_loss as mlp_loss
 from ._linear import FFN as FFN
 from ._linear import Activation as Activation
 from ._linear import Linear as Linear
@@ -32,6 +27,9 @@ from ._losses import mse as mse
 from ._losses import nll as nll
 from ._losses import reduce as reduce
 from ._losses import softmax_cross_entropy as softmax_cross_entropy
+from ._manual import ManualGradError as ManualGradError
+from ._manual import hand_rule as hand_rule
+from ._manual import manual_grads as manual_grads
 from ._module import Module as Module
 from ._module import ParamsMismatchError as ParamsMismatchError
 from ._nn import ACTIVATIONS as ACTIVATIONS
@@ -47,6 +45,7 @@ from ._nn import tanh as tanh
 from ._normalisation import GroupNorm as GroupNorm
 from ._normalisation import LayerNorm as LayerNorm
 from ._normalisation import RMSNorm as RMSNorm
+from ._ops import add as add
 from ._params import ParamsDict as ParamsDict
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
@@ -56,6 +55,7 @@ from ._pool import MaxPool as MaxPool
 from ._save import CheckpointError as CheckpointError
 from ._save import load as load
 from ._save import save as save
+from ._show_grad import show_grad as show_grad
 from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._show_jaxpr import roundtrip as roundtrip
 from ._show_jaxpr import show_jaxpr as show_jaxpr
@@ -86,14 +86,13 @@ def __getattr__(name: str):
 
 __all__ = [
     "ACTIVATIONS",
-    "CheckpointError",
     "FFN",
     "GRAD_MODES",
-    "HAND_ACTIVATIONS",
     "INITIALIZERS",
     "REDUCTIONS",
     "Activation",
     "AvgPool",
+    "CheckpointError",
     "Conv",
     "Dropout",
     "Embedding",
@@ -102,6 +101,7 @@ __all__ = [
     "GroupNorm",
     "LayerNorm",
     "Linear",
+    "ManualGradError",
     "MaxPool",
     "Module",
     "MultiHeadAttention",
@@ -113,27 +113,27 @@ __all__ = [
     "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",
+    "add",
     "format_path",
     "from_equinox",
-    "fused_grad_accum",
-    "fused_loss_and_grad",
+    "fused",
     "gelu",
     "get_activation",
     "get_initializer",
+    "hand_rule",
     "identity",
     "leaf_str",
-    "load",
     "linear",
-    "loss_and_grad",
-    "mlp_layers",
-    "mlp_logits",
-    "mlp_loss",
+    "load",
+    "manual_grads",
     "mse",
     "nll",
     "reduce",
     "relu",
     "roundtrip",
+    "rules",
     "save",
+    "show_grad",
     "show_jaxpr",
     "show_jaxpr_and_xla",
     "show_xla",

@@ -16,9 +16,11 @@ import numpy as np
 
 from ._dropout import check_rate, dropout
 from ._linear import Linear
+from ._manual import hand_rule, manual_active
 from ._module import Module
 from ._nn import get_activation
 from ._normalisation import LayerNorm
+from ._ops import add
 from ._params import ParamsDict
 
 __all__ = [
@@ -45,6 +47,38 @@ def causal_mask(t_q: int, t_k: int, q_offset: Any = None) -> jax.Array:
     return j <= jnp.broadcast_to(i + offset, (t_q, t_k))
 
 
+_BIG_NEGATIVE = -0.7 * np.finfo(np.float32).max
+
+
+def dot_product_attention_vjp(q, k, v, mask, dret, *, key=None, dropout_rate=0.0):
+    """Hand VJP of ``dot_product_attention``: ``(dq, dk, dv, None)``.
+
+    With ``s = q k^T * scale`` (masked), ``p = softmax(s)``, ``p' = dropout(p)`` and
+    ``o = p' v``: ``dv = p'^T do``, ``dp' = do v^T``, ``dp`` = the same dropout mask and
+    scale on ``dp'``, ``ds = p * (dp - sum(p * dp))`` (softmax's rule) zeroed where masked,
+    then ``dq = ds k * scale`` and ``dk = ds^T q * scale``.
+    """
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    scale = jnp.asarray(1.0 / math.sqrt(q.shape[-1]), acc)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=acc) * scale
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, logits.shape)
+        logits = jnp.where(mask, logits, jnp.asarray(_BIG_NEGATIVE, acc))
+    probs = jax.nn.softmax(logits, axis=-1)
+    dropped = dropout(probs.astype(v.dtype), key, dropout_rate)
+    dv = jnp.einsum("bnts,btnh->bsnh", dropped, dret)
+    d_dropped = jnp.einsum("btnh,bsnh->bnts", dret, v, preferred_element_type=acc)
+    d_probs = dropout(d_dropped, key, dropout_rate)
+    d_logits = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
+    if mask is not None:
+        d_logits = jnp.where(mask, d_logits, jnp.zeros((), acc))
+    d_logits = d_logits * scale
+    dq = jnp.einsum("bnts,bsnh->btnh", d_logits, k.astype(acc)).astype(q.dtype)
+    dk = jnp.einsum("bnts,btnh->bsnh", d_logits, q.astype(acc)).astype(k.dtype)
+    return dq, dk, dv, None
+
+
+@hand_rule(dot_product_attention_vjp)
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -59,15 +93,27 @@ def dot_product_attention(
     dropout on the attention weights when ``key`` is given. Logits and softmax in float32,
     masked logits set to a large negative number: the same arithmetic as
     ``jax.nn.dot_product_attention``'s XLA path, so the two agree."""
+    acc = jnp.promote_types(q.dtype, jnp.float32)  # float32 logits, float64 stays float64
     scale = 1.0 / math.sqrt(q.shape[-1])
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
-    logits = logits * jnp.float32(scale)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=acc)
+    logits = logits * jnp.asarray(scale, acc)
     if mask is not None:
-        big_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
+        big_negative = jnp.asarray(_BIG_NEGATIVE, acc)
         logits = jnp.where(jnp.broadcast_to(mask, logits.shape), logits, big_negative)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     probs = dropout(probs, key, dropout_rate)
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def slot_vjp(y, dret, *, index):
+    """Hand VJP of ``slot``: the cotangent placed back in its slot, zeros elsewhere."""
+    return jnp.zeros_like(y).at[..., index, :, :].set(dret)
+
+
+@hand_rule(slot_vjp)
+def slot(y: jax.Array, *, index: int) -> jax.Array:
+    """``y[..., index, :, :]``: one of the stacked q, k, v of ``[..., T, 3, heads, head_dim]``."""
+    return y[..., index, :, :]
 
 
 class MultiHeadAttention(Module):
@@ -191,7 +237,7 @@ class MultiHeadAttention(Module):
         with self.params_scope("/qkv"):
             y = self.qkv_linear(p_qkv, x)
         y = y.reshape(*x.shape[:-1], 3, self.num_heads, self.head_dim)
-        return y[..., 0, :, :], y[..., 1, :, :], y[..., 2, :, :]
+        return slot(y, index=0), slot(y, index=1), slot(y, index=2)
 
     def attend(
         self,
@@ -246,7 +292,8 @@ class MultiHeadAttention(Module):
         q4, k4, v4 = (a.reshape(b, *a.shape[-3:]) for a in (q, k, v))
         m4 = None if mask is None else jnp.broadcast_to(mask, full).reshape(b, *full[-3:])
         dropping = key is not None and self.dropout_rate > 0
-        if dropping or self.implementation == "plain":
+        # Manual-gradient mode: the plain path, whose hand VJP is dot_product_attention_vjp.
+        if dropping or self.implementation == "plain" or manual_active():
             out = dot_product_attention(q4, k4, v4, m4, key=key, dropout_rate=self.dropout_rate)
         else:
             out = jax.nn.dot_product_attention(
@@ -488,10 +535,10 @@ class TransformerBlock(Module):
             h = self.ln1(p_ln1, x)
         p_attn = self.child(params, "attn")
         with self.params_scope("/attn"):
-            x = x + self.attn(p_attn, h, mask=mask, key=k_attn).astype(x.dtype)
+            x = add(x, self.attn(p_attn, h, mask=mask, key=k_attn).astype(x.dtype))
         p_ln2 = self.child(params, "ln2")
         with self.params_scope("/ln2"):
             h = self.ln2(p_ln2, x)
         p_mlp = self.child(params, "mlp")
         with self.params_scope("/mlp"):
-            return x + self.mlp(p_mlp, h, key=k_mlp).astype(x.dtype)
+            return add(x, self.mlp(p_mlp, h, key=k_mlp).astype(x.dtype))

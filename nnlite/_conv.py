@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._manual import hand_rule
 from ._module import Module
 from ._nn import get_initializer
 from ._params import ParamsDict
 
-__all__ = ["Conv", "conv", "normalize_padding", "to_tuple"]
+__all__ = ["conv_vjp", "Conv", "conv", "normalize_padding", "to_tuple"]
 
 PADDING_HELP = (
     "'SAME', 'VALID', an int (the same padding on both sides of every spatial axis), or one "
@@ -74,6 +75,76 @@ def explicit_padding(
     return tuple(lax.padtype_to_pads(in_shape, window, strides, padding))
 
 
+def _conv_dims(n: int) -> lax.ConvDimensionNumbers:
+    spatial = tuple(range(1, n + 1))
+    return lax.ConvDimensionNumbers(
+        lhs_spec=(0, n + 1, *spatial),  # N, C, spatial...
+        rhs_spec=(n + 1, n, *range(n)),  # O, I, spatial...
+        out_spec=(0, n + 1, *spatial),
+    )
+
+
+def conv_vjp(x, W, b=None, dret=None, *, strides, padding, dilation, groups=1):
+    """Hand VJP of ``conv``: ``(dx, dW, db)``, each cotangent a convolution itself.
+
+    Per spatial axis (input length ``L``, kernel span ``K' = (K - 1) d + 1``, stride ``s``,
+    padding ``(lo, hi)``, output length ``M``):
+
+    * ``dx``: ``dy`` dilated by ``s`` (``lhs_dilation``), padded by ``K' - 1 - lo`` below
+      and whatever gives length ``L`` above, cross-correlated with the kernel flipped in
+      space and transposed in/out per group (``rhs_dilation = d``).
+    * ``dW``: ``x`` cross-correlated with ``dy`` as the kernel: the batch axis is the
+      contracted feature axis, ``dy`` dilated by ``s`` (``rhs_dilation``), window stride
+      ``d``; groups become ``batch_group_count``.
+    * ``db``: ``dy`` summed over batch and space.
+    """
+    n = W.ndim - 2
+    ks = W.shape[:n]
+    pads = explicit_padding(padding, x.shape[1:-1], ks, strides, dilation)
+    span = [(k - 1) * d + 1 for k, d in zip(ks, dilation, strict=True)]
+    in_len, out_len = x.shape[1:-1], dret.shape[1:-1]
+    # dx: transposed convolution.
+    c_in_g, c_out = W.shape[-2], W.shape[-1]
+    Wt = W.reshape(*ks, c_in_g, groups, c_out // groups)
+    Wt = jnp.transpose(Wt, (*range(n), n + 2, n + 1, n)).reshape(*ks, c_out // groups, -1)
+    Wt = jnp.flip(Wt, axis=tuple(range(n)))
+    dx_pads = []
+    for L, M, K, s, (lo, _) in zip(in_len, out_len, span, strides, pads, strict=True):
+        plo = K - 1 - lo
+        dx_pads.append((plo, L + K - 2 - (M - 1) * s - plo))
+    dx = lax.conv_general_dilated(
+        dret,
+        Wt.astype(dret.dtype),
+        window_strides=(1,) * n,
+        padding=dx_pads,
+        lhs_dilation=tuple(strides),
+        rhs_dilation=tuple(dilation),
+        dimension_numbers=_conv_dims(n),
+        feature_group_count=groups,
+    ).astype(x.dtype)
+    # dW: correlate x with dy over the batch.
+    dw_pads = []
+    for L, M, K, s, (lo, _) in zip(in_len, out_len, span, strides, pads, strict=True):
+        dw_pads.append((lo, K + (M - 1) * s - L - lo))
+    spatial = tuple(range(1, n + 1))
+    dW = lax.conv_general_dilated(
+        x,
+        dret.astype(x.dtype),
+        window_strides=tuple(dilation),
+        padding=dw_pads,
+        rhs_dilation=tuple(strides),
+        dimension_numbers=lax.ConvDimensionNumbers(
+            lhs_spec=(n + 1, 0, *spatial),  # the channel axis is the "batch"
+            rhs_spec=(n + 1, 0, *spatial),  # dy: out channels, contracted batch, spatial
+            out_spec=(n, n + 1, *range(n)),  # [*k, C_in // groups, C_out]
+        ),
+        batch_group_count=groups,
+    ).astype(W.dtype)
+    db = None if b is None else jnp.sum(dret, axis=tuple(range(n + 1))).astype(b.dtype)
+    return dx, dW, db
+
+
+@hand_rule(conv_vjp)
 def conv(
     x: jax.Array,
     W: jax.Array,

@@ -5,12 +5,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ._manual import hand_rule
 from ._module import Module
 from ._params import ParamsDict
 
-__all__ = ["Dropout", "check_rate", "dropout"]
+__all__ = ["Dropout", "check_rate", "dropout", "dropout_vjp"]
 
 
+def dropout_vjp(x, key, rate, dret):
+    """Hand VJP of ``dropout``: the same mask (redrawn from the same key) and scale on the
+    cotangent; the key and rate get none."""
+    return dropout.f(dret, key, rate), None, None
+
+
+@hand_rule(dropout_vjp)
 def dropout(x: jax.Array, key: jax.Array | None, rate: float) -> jax.Array:
     """Zero each element of ``x`` with probability ``rate`` and scale the rest by
     ``1 / (1 - rate)``, so the expectation is unchanged. ``key=None`` or ``rate == 0``

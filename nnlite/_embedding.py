@@ -6,13 +6,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._manual import hand_rule
 from ._module import Module
 from ._nn import get_initializer
 from ._params import ParamsDict
 
-__all__ = ["Embedding", "embed", "embed_attend"]
+__all__ = ["Embedding", "embed", "embed_attend", "embed_attend_vjp", "embed_vjp"]
 
 
+def embed_vjp(W, ids, dret):
+    """Hand VJP of ``embed``: the rows' cotangents scatter-added into the table (ids out of
+    range, whose rows were NaN, add nothing); ``ids`` get none."""
+    flat_ids = ids.reshape(-1)
+    rows = dret.reshape(-1, W.shape[1]).astype(W.dtype)
+    return jnp.zeros_like(W).at[flat_ids].add(rows, mode="drop"), None
+
+
+def embed_attend_vjp(W, x, dret):
+    """Hand VJP of ``embed_attend``: ``(dW, dx) = (dret^T x, dret W)``, ``dW`` contracted
+    over every leading axis in one matmul."""
+    d2 = dret.reshape(-1, W.shape[0])
+    return d2.T @ x.reshape(-1, W.shape[1]), dret @ W
+
+
+@hand_rule(embed_vjp)
 def embed(W: jax.Array, ids: jax.Array) -> jax.Array:
     """Rows ``W[ids]``: ``[..., features]`` for integer ``ids: [...]``. Ids outside
     ``[-num_embeddings, num_embeddings)`` give NaN rows (``jnp.take`` with ``mode="fill"``)
@@ -20,6 +37,7 @@ def embed(W: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.take(W, ids, axis=0, mode="fill", fill_value=jnp.nan)
 
 
+@hand_rule(embed_attend_vjp)
 def embed_attend(W: jax.Array, x: jax.Array) -> jax.Array:
     """``x @ W.T``: scores of ``x: [..., features]`` against every row of ``W``."""
     return x @ W.T

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from typing import Any
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._manual import hand_rule, manual_active
 from ._module import Module, ParamsMismatchError
 from ._params import ParamsDict
 
@@ -166,10 +168,39 @@ class EquinoxLayer(Module):
         return eqx.combine(arrays, self.wrapped.static)
 
     def __call__(self, params: ParamsDict, x: Any, *args: Any, key: Any = None, **kwargs: Any):
-        module = self.module(params)
-        if key is not None and _takes_key(module):
+        if key is not None and _takes_key(self.module(params)):
             kwargs["key"] = key
-        return module(x, *args, **kwargs)
+        if manual_active():
+            # No hand rules for a foreign layer: its rule is JAX's autodiff of its call,
+            # for this layer only; the rest of the model keeps its hand VJPs.
+            _say_autodiff_once(self)
+            return _equinox_apply(params, x, layer=self, args=args, kwargs=kwargs)
+        return self.module(params)(x, *args, **kwargs)
+
+
+_told: set = set()
+
+
+def _say_autodiff_once(layer: EquinoxLayer) -> None:
+    what = layer._short_repr()
+    if what not in _told:
+        _told.add(what)
+        logging.getLogger("nnlite").warning(
+            "nnlite: loss.grad=manual: %s has no hand-derived VJP; JAX autodiff differentiates "
+            "this layer (every nnlite layer keeps its hand rules)",
+            what,
+        )
+
+
+def _equinox_apply_vjp(params, x, dret, *, layer, args, kwargs):
+    _, pullback = jax.vjp(lambda p, x: layer.module(p)(x, *args, **kwargs), params, x)
+    return pullback(dret)
+
+
+@hand_rule(_equinox_apply_vjp)
+def _equinox_apply(params, x, *, layer, args, kwargs):
+    """An Equinox layer's call; its "hand rule" is ``jax.vjp`` of the call (see above)."""
+    return layer.module(params)(x, *args, **kwargs)
 
 
 def _takes_key(module: Any) -> bool:

@@ -109,3 +109,14 @@ def custom_vjp_rules(eqn):
         return [None if isinstance(ct, Zero) else ct for ct in bwd.call_wrapped(*args)]
 
     return ClosedJaxpr(jaxpr, list(consts)), res_fwds, bwd_fn
+
+
+def select_and_scatter_add(source, operand, window_dimensions, window_strides, padding):
+    """Add each window's cotangent ``source`` at the position of that window's maximum in
+    ``operand`` (the first one on ties): the backward pass of a max pool, as XLA's
+    ``SelectAndScatter``. JAX exposes it only as the transpose of its own max-pool JVP."""
+    from jax._src.lax import windowed_reductions
+
+    return windowed_reductions._select_and_scatter_add(
+        source, operand, jax.lax.ge_p, window_dimensions, window_strides, padding
+    )

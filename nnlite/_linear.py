@@ -7,13 +7,26 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from . import _vjp
+from ._manual import hand_rule
 from ._module import Module
 from ._nn import get_activation, get_initializer
 from ._params import ParamsDict
 
-__all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead", "linear"]
+__all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead", "linear", "linear_vjp"]
 
 
+def linear_vjp(x: jax.Array, W: jax.Array, b: jax.Array | None, dret: jax.Array):
+    """Hand VJP of ``linear``: ``(dx, dW, db) = (dy W^T, x^T dy, sum dy)``, the weight and
+    bias cotangents contracted over every leading (batch) axis in one matmul."""
+    dx = dret @ W.T
+    dy2 = dret.reshape(-1, W.shape[1])
+    dW = x.reshape(-1, W.shape[0]).T @ dy2
+    db = None if b is None else jnp.sum(dy2, axis=0)
+    return dx, dW, db
+
+
+@hand_rule(linear_vjp)
 def linear(x: jax.Array, W: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """``x @ W + b`` for ``x: [..., in]``, ``W: [in, out]``, ``b: [out]`` (or None)."""
     y = x @ W
@@ -205,8 +218,9 @@ class FFN(Module):
 
 
 _HEAD_OUTPUTS: dict[str, Callable] = {
-    "log_softmax": lambda z: jax.nn.log_softmax(z, axis=-1),
-    "softmax": lambda z: jax.nn.softmax(z, axis=-1),
+    # The seed's rules (nnlite.vjp.batched) are the hand VJPs of the head's outputs.
+    "log_softmax": hand_rule(_vjp.log_softmax_vjp)(_vjp.log_softmax),
+    "softmax": hand_rule(_vjp.softmax_vjp)(_vjp.softmax),
     "logits": lambda z: z,
 }
 

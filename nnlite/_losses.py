@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ._manual import hand_rule
+
 __all__ = ["REDUCTIONS", "accuracy", "mse", "nll", "reduce", "softmax_cross_entropy"]
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -15,10 +17,30 @@ def reduce(values: jax.Array, reduction: str) -> jax.Array:
     if reduction == "none":
         return values
     if reduction == "mean":
-        return jnp.mean(values)
+        return mean(values)
     if reduction == "sum":
-        return jnp.sum(values)
+        return total(values)
     raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
+
+
+def mean_vjp(values, dret):
+    return jnp.broadcast_to(dret / values.size, values.shape).astype(values.dtype)
+
+
+@hand_rule(mean_vjp)
+def mean(values: jax.Array) -> jax.Array:
+    """Mean of all elements (a scalar); its hand VJP spreads ``dret / size``."""
+    return jnp.mean(values)
+
+
+def total_vjp(values, dret):
+    return jnp.broadcast_to(dret, values.shape).astype(values.dtype)
+
+
+@hand_rule(total_vjp)
+def total(values: jax.Array) -> jax.Array:
+    """Sum of all elements (a scalar); its hand VJP broadcasts ``dret``."""
+    return jnp.sum(values)
 
 
 def _check_labels(fn: str, scores: jax.Array, labels: jax.Array) -> None:
@@ -55,8 +77,18 @@ def nll(log_probs: jax.Array, labels: jax.Array, *, reduction: str = "none") -> 
     """
     log_probs, labels = jnp.asarray(log_probs), jnp.asarray(labels)
     _check_labels("nll", log_probs, labels)
-    picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
-    return reduce(-picked, reduction)
+    return reduce(nll_values(log_probs, labels), reduction)
+
+
+def nll_values_vjp(log_probs, labels, dret):
+    hit = labels[..., None] == _class_ids(log_probs, labels.dtype)
+    return jnp.where(hit, -dret[..., None], 0).astype(log_probs.dtype), None
+
+
+@hand_rule(nll_values_vjp)
+def nll_values(log_probs: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example ``-log_probs[..., labels]`` (no checks, no reduction)."""
+    return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
 
 
 def softmax_cross_entropy(
@@ -79,6 +111,21 @@ def softmax_cross_entropy(
     """
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     _check_labels("softmax_cross_entropy", logits, labels)
+    return reduce(cross_entropy_values(logits, labels), reduction)
+
+
+def cross_entropy_values_vjp(logits, labels, dret):
+    """``(softmax(logits) - onehot(labels)) * dret``: the cross-entropy's hand VJP."""
+    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    hit = labels[..., None] == _class_ids(logits, labels.dtype)
+    return (probs - hit.astype(probs.dtype)) * dret[..., None], None
+
+
+@hand_rule(cross_entropy_values_vjp)
+def cross_entropy_values(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example softmax cross-entropy (no checks, no reduction; NaN for a label out of
+    range)."""
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     shifted = logits - m
     lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
@@ -88,7 +135,7 @@ def softmax_cross_entropy(
     hit = labels[..., None] == _class_ids(logits, labels.dtype)
     picked = jnp.sum(jnp.where(hit, shifted, 0.0), axis=-1)
     in_range = (labels >= 0) & (labels < logits.shape[-1])
-    return reduce(jnp.where(in_range, lse - picked, jnp.nan), reduction)
+    return jnp.where(in_range, lse - picked, jnp.nan)
 
 
 def accuracy(scores: jax.Array, labels: jax.Array, *, reduction: str = "none") -> jax.Array:
@@ -136,6 +183,18 @@ def mse(predictions: jax.Array, targets: jax.Array, *, reduction: str = "none") 
         raise ValueError(
             f"mse: predictions shape {predictions.shape} != targets shape {targets.shape}"
         )
+    return reduce(squared_error_values(predictions, targets), reduction)
+
+
+def squared_error_values_vjp(predictions, targets, dret):
+    per_row = predictions[0].size if predictions.ndim > 1 else 1
+    g = dret.reshape(dret.shape + (1,) * (predictions.ndim - 1)) * (2 / per_row)
+    d = (predictions - targets) * g
+    return d, -d
+
+
+@hand_rule(squared_error_values_vjp)
+def squared_error_values(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-example mean squared error over all but the leading axis (no checks)."""
     sq = jnp.square(predictions - targets)
-    per_example = sq.reshape(sq.shape[0], -1).mean(axis=1) if sq.ndim > 1 else sq
-    return reduce(per_example, reduction)
+    return sq.reshape(sq.shape[0], -1).mean(axis=1) if sq.ndim > 1 else sq

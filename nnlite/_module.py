@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._manual import manual_active
 from ._params import ParamsDict
 
 __all__ = ["Module", "ParamsMismatchError"]
@@ -51,6 +53,19 @@ class Module:
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
         dataclasses.dataclass(frozen=True)(cls)
+        call = cls.__dict__.get("__call__")
+        if call is not None and not getattr(call, "_scoped", False):
+            # In manual-gradient mode each call is a named scope, so a param-dependent op
+            # without a hand rule is reported with the layer it sits in (see _manual).
+            @functools.wraps(call)
+            def scoped_call(self, *args, **kwargs):
+                if not manual_active():
+                    return call(self, *args, **kwargs)
+                with jax.named_scope(type(self).__name__):
+                    return call(self, *args, **kwargs)
+
+            scoped_call._scoped = True  # type: ignore[attr-defined]
+            cls.__call__ = scoped_call
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -7,6 +7,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from . import _vjp
+from ._manual import hand_rule
+
 __all__ = ["ACTIVATIONS", "INITIALIZERS", "get_activation", "get_initializer"]
 
 _inits = jax.nn.initializers
@@ -27,36 +30,44 @@ INITIALIZERS: dict[str, Callable] = {
 }
 
 
+@hand_rule(_vjp.relu_vjp)
 def relu(x):
     """max(x, 0)."""
     return jax.nn.relu(x)
 
 
+@hand_rule(_vjp.gelu_vjp)
 def gelu(x):
     """GELU, tanh approximation (as in GPT-2)."""
     return jax.nn.gelu(x, approximate=True)
 
 
+@hand_rule(_vjp.tanh_vjp)
 def tanh(x):
     """Hyperbolic tangent."""
     return jnp.tanh(x)
 
 
+@hand_rule(_vjp.sigmoid_vjp)
 def sigmoid(x):
     """Logistic sigmoid."""
     return jax.nn.sigmoid(x)
 
 
+@hand_rule(_vjp.softplus_vjp)
 def softplus(x):
     """log(1 + exp(x))."""
     return jax.nn.softplus(x)
 
 
+@hand_rule(_vjp.identity_vjp)
 def identity(x):
     """x."""
     return x
 
 
+# Each activation's hand VJP (``nnlite.vjp.relu_vjp``, ...) is declared with
+# ``hand_rule`` above: it is what manual-gradient mode differentiates with.
 ACTIVATIONS: dict[str, Callable] = {
     "relu": relu,
     "gelu": gelu,

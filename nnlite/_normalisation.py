@@ -10,10 +10,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ._manual import hand_rule
 from ._module import Module
 from ._params import ParamsDict
 
-__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "group_norm", "layer_norm", "rms_norm"]
+__all__ = [
+    "GroupNorm",
+    "LayerNorm",
+    "RMSNorm",
+    "group_norm",
+    "group_norm_vjp",
+    "layer_norm",
+    "layer_norm_vjp",
+    "rms_norm",
+    "rms_norm_vjp",
+]
 
 
 def _affine(y: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> jax.Array:
@@ -24,6 +35,72 @@ def _affine(y: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> ja
     return y
 
 
+# --- hand-derived VJPs ----------------------------------------------------------------------
+# With xhat = (x - mean) * r, r = 1 / sqrt(var + eps), and g = dy * scale (the cotangent
+# of xhat), the input cotangent is r * (g - mean(g) - xhat * mean(g * xhat)) over the
+# normalised axes; RMSNorm drops the centring terms. scale and bias get sum(dy * xhat) and
+# sum(dy) over every axis but the channel axis.
+
+
+def _affine_vjp(y, scale, bias, dret):
+    """Cotangents ``(dy_hat, dscale, dbias)`` of ``_affine(y, scale, bias)``."""
+    lead = tuple(range(dret.ndim - 1))
+    dscale = None if scale is None else jnp.sum(dret * y, axis=lead).astype(scale.dtype)
+    dbias = None if bias is None else jnp.sum(dret, axis=lead).astype(bias.dtype)
+    g = dret if scale is None else dret * jnp.broadcast_to(scale, dret.shape)
+    return g, dscale, dbias
+
+
+def _normalised_vjp(x32, g32, axes, eps, centre):
+    """``d x`` of ``xhat = (x - mean) r`` (or ``x r`` without ``centre``) over ``axes``."""
+    if centre:
+        c = x32 - jnp.mean(x32, axis=axes, keepdims=True)
+        r = jax.lax.rsqrt(jnp.mean(c * c, axis=axes, keepdims=True) + eps)
+        xhat = c * r
+        mg = jnp.mean(g32, axis=axes, keepdims=True)
+        return r * (g32 - mg - xhat * jnp.mean(g32 * xhat, axis=axes, keepdims=True))
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
+    xhat = x32 * r
+    return r * (g32 - xhat * jnp.mean(g32 * xhat, axis=axes, keepdims=True))
+
+
+def layer_norm_vjp(x, scale=None, bias=None, dret=None, *, eps: float = 1e-5):
+    """Hand VJP of ``layer_norm``: ``(dx, dscale, dbias)``."""
+    y = layer_norm.f(x, None, None, eps=eps)
+    g, dscale, dbias = _affine_vjp(y, scale, bias, dret)
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    dx = _normalised_vjp(x32, g.astype(x32.dtype), -1, eps, True).astype(x.dtype)
+    return dx, dscale, dbias
+
+
+def rms_norm_vjp(x, scale=None, dret=None, *, eps: float = 1e-6):
+    """Hand VJP of ``rms_norm``: ``(dx, dscale)``."""
+    y = rms_norm.f(x, None, eps=eps)
+    g, dscale, _ = _affine_vjp(y, scale, None, dret)
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    dx = _normalised_vjp(x32, g.astype(x32.dtype), -1, eps, False).astype(x.dtype)
+    return dx, dscale
+
+
+def group_norm_vjp(
+    x, scale=None, bias=None, dret=None, *, num_groups: int, num_spatial_axes: int, eps=1e-5
+):
+    """Hand VJP of ``group_norm``: ``(dx, dscale, dbias)``; the layer-norm rule applied to
+    the ``[..., groups, C // groups]`` view, reduced over spatial axes and group channels."""
+    y = group_norm.f(
+        x, None, None, num_groups=num_groups, num_spatial_axes=num_spatial_axes, eps=eps
+    )
+    g, dscale, dbias = _affine_vjp(y, scale, bias, dret)
+    n, c = num_spatial_axes, x.shape[-1]
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    shape = (*x.shape[:-1], num_groups, c // num_groups)
+    grouped, g32 = x32.reshape(shape), g.astype(x32.dtype).reshape(shape)
+    axes = (*range(grouped.ndim - n - 2, grouped.ndim - 2), grouped.ndim - 1)
+    dx = _normalised_vjp(grouped, g32, axes, eps, True).reshape(x.shape).astype(x.dtype)
+    return dx, dscale, dbias
+
+
+@hand_rule(layer_norm_vjp)
 def layer_norm(x, scale=None, bias=None, *, eps: float = 1e-5) -> jax.Array:
     """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis; mean and variance
     are computed in float32, the result has ``x``'s dtype."""
@@ -35,6 +112,7 @@ def layer_norm(x, scale=None, bias=None, *, eps: float = 1e-5) -> jax.Array:
     return _affine(y, scale, bias)
 
 
+@hand_rule(rms_norm_vjp)
 def rms_norm(x, scale=None, *, eps: float = 1e-6) -> jax.Array:
     """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (statistics in float32)."""
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
@@ -43,6 +121,7 @@ def rms_norm(x, scale=None, *, eps: float = 1e-6) -> jax.Array:
     return _affine(y, scale, None)
 
 
+@hand_rule(group_norm_vjp)
 def group_norm(x, scale=None, bias=None, *, num_groups: int, num_spatial_axes: int, eps=1e-5):
     """Normalise ``x: [..., *spatial, C]`` over the spatial axes and the ``C // num_groups``
     channels of each group (statistics in float32), then ``* scale + bias`` per channel."""

@@ -11,10 +11,22 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._conv import explicit_padding, normalize_padding, to_tuple
+from ._jax_private import select_and_scatter_add
+from ._manual import hand_rule
 from ._module import Module
 from ._params import ParamsDict
 
-__all__ = ["AvgPool", "Flatten", "MaxPool", "avg_pool", "flatten", "max_pool"]
+__all__ = [
+    "AvgPool",
+    "Flatten",
+    "MaxPool",
+    "avg_pool",
+    "avg_pool_vjp",
+    "flatten",
+    "flatten_vjp",
+    "max_pool",
+    "max_pool_vjp",
+]
 
 
 def _window_args(x, window, strides, padding):
@@ -29,6 +41,41 @@ def _window_args(x, window, strides, padding):
     )
 
 
+def max_pool_vjp(x, dret, *, window, strides, padding):
+    """Hand VJP of ``max_pool``: each window's cotangent goes to its maximum (the first on
+    ties), XLA's select-and-scatter."""
+    dims, strides_, pads = _window_args(x, window, strides, padding)
+    return select_and_scatter_add(dret, x, dims, strides_, pads)
+
+
+def _window_sum_vjp(dret, in_shape, dims, strides, pads):
+    """Cotangent of ``reduce_window(x, 0, add, dims, strides, pads)``: every input gets the
+    sum of the cotangents of the windows covering it -- ``dret`` dilated by the strides,
+    padded, and summed over a stride-1 window."""
+    cfg = []
+    for L, M, k, s, (lo, _) in zip(in_shape, dret.shape, dims, strides, pads, strict=True):
+        plo = k - 1 - lo
+        cfg.append((plo, L + k - 2 - (M - 1) * s - plo, s - 1))
+    padded = lax.pad(dret, jnp.zeros((), dret.dtype), cfg)
+    return lax.reduce_window(padded, 0.0, lax.add, dims, (1,) * len(dims), ((0, 0),) * len(dims))
+
+
+def avg_pool_vjp(x, dret, *, window, strides, padding, count_include_pad=True):
+    """Hand VJP of ``avg_pool``: ``dret / count`` spread back over each window."""
+    dims, strides_, pads = _window_args(x, window, strides, padding)
+    if count_include_pad or all(p == (0, 0) for p in pads):
+        scaled = dret / jnp.array(math.prod(window), dret.dtype)
+    else:
+        ones = jnp.ones(x.shape[-len(window) - 1 : -1] + (1,), x.dtype)
+        n = len(window)
+        counts = lax.reduce_window(
+            ones, 0.0, lax.add, dims[-n - 1 :], strides_[-n - 1 :], pads[-n - 1 :]
+        )
+        scaled = dret / jnp.broadcast_to(counts, dret.shape)
+    return _window_sum_vjp(scaled, x.shape, dims, strides_, pads).astype(x.dtype)
+
+
+@hand_rule(max_pool_vjp)
 def max_pool(x: jax.Array, *, window: Sequence[int], strides: Sequence[int], padding) -> jax.Array:
     """Maximum over windows of the spatial axes of ``x: [..., *spatial, C]`` (padding
     counts as ``-inf``)."""
@@ -44,6 +91,7 @@ def max_pool(x: jax.Array, *, window: Sequence[int], strides: Sequence[int], pad
     return lax.reduce_window(x, init, lax.max, dims, strides_, pads)
 
 
+@hand_rule(avg_pool_vjp)
 def avg_pool(
     x: jax.Array,
     *,
@@ -186,7 +234,13 @@ class AvgPool(_Pool):
         )
 
 
-def flatten(x: jax.Array, num_axes: int) -> jax.Array:
+def flatten_vjp(x, dret, *, num_axes):
+    """Hand VJP of ``flatten``: the cotangent reshaped back."""
+    return dret.reshape(x.shape)
+
+
+@hand_rule(flatten_vjp)
+def flatten(x: jax.Array, *, num_axes: int) -> jax.Array:
     """Merge the last ``num_axes`` axes of ``x`` into one."""
     return x.reshape(*x.shape[: x.ndim - num_axes], -1)
 
@@ -235,4 +289,4 @@ class Flatten(Module):
                 f"{self._short_repr()}: expected input of rank >= {self.num_axes}, got shape "
                 f"{tuple(shape) if shape is not None else type(x).__name__}"
             )
-        return flatten(x, self.num_axes)
+        return flatten(x, num_axes=self.num_axes)

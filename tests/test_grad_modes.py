@@ -20,7 +20,7 @@ CONFIGS = [
     ((4, 9, 9, 3), "softplus"),
     ((4, 3), "identity"),  # a single Linear layer, no activation at all
 ]
-assert {a for _, a in CONFIGS} == set(nl.HAND_ACTIVATIONS)
+assert {a for _, a in CONFIGS} == set(nl.fused.HAND_ACTIVATIONS)
 
 
 def _problem(sizes, batch=16, seed=0):
@@ -48,7 +48,7 @@ def _close(a, b, rtol=1e-5):
 
 
 # one compile per (mode, activation), shared by every test
-_loss_and_grad = jax.jit(nl.loss_and_grad, static_argnums=0, static_argnames="activation")
+_loss_and_grad = jax.jit(nl.fused.loss_and_grad, static_argnums=0, static_argnames="activation")
 
 
 @functools.partial(jax.jit, static_argnames="act")
@@ -56,8 +56,8 @@ def _every_mode(params, x, y, act):
     """loss_and_grad per mode, and jax.value_and_grad of mlp_loss (w.r.t. params and x)."""
     out = {}
     for mode in nl.GRAD_MODES:
-        out[mode] = nl.loss_and_grad(mode, params, x, y, activation=act)
-        vg = jax.value_and_grad(nl.mlp_loss, argnums=(0, 1))
+        out[mode] = nl.fused.loss_and_grad(mode, params, x, y, activation=act)
+        vg = jax.value_and_grad(nl.fused.mlp_loss, argnums=(0, 1))
         out["grad_" + mode] = vg(params, x, y, activation=act, mode=mode)
     return out
 
@@ -80,7 +80,7 @@ def test_float64_agreement():
     with jax.enable_x64(True):
         params, x, y = _problem((5, 7, 7, 3))
         params, x = jax.tree.map(lambda a: a.astype(jnp.float64), (params, x))
-        f = jax.jit(nl.loss_and_grad, static_argnums=0, static_argnames="activation")
+        f = jax.jit(nl.fused.loss_and_grad, static_argnums=0, static_argnames="activation")
         want = f("autodiff", params, x, y, activation="gelu")  # own jit: x64 traces differ
         for mode in ("manual", "fused"):
             got = f(mode, params, x, y, activation="gelu")
@@ -95,7 +95,7 @@ def test_ffn_plus_head_params_keep_their_structure():
         head=nl.SoftmaxHead(8, 4).init(k[1]),
     )
     x, y = jax.random.normal(k[2], (5, 6)), jnp.array([0, 1, 2, 3, 0])
-    assert [layer.W.shape for layer in nl.mlp_layers(params)] == [(6, 8), (8, 8), (8, 4)]
+    assert [layer.W.shape for layer in nl.fused.mlp_layers(params)] == [(6, 8), (8, 8), (8, 4)]
     f = _loss_and_grad
     want = f("autodiff", params, x, y, activation="tanh")
     for mode in ("manual", "fused"):
@@ -103,16 +103,16 @@ def test_ffn_plus_head_params_keep_their_structure():
         assert jax.tree.structure(grads) == jax.tree.structure(params)
         _close((loss, grads), want)
     # a plain list of layers works too and gives a list back
-    layers = nl.mlp_layers(params)
-    _, g = jax.jit(nl.fused_loss_and_grad, static_argnames="activation")(
+    layers = nl.fused.mlp_layers(params)
+    _, g = jax.jit(nl.fused.fused_loss_and_grad, static_argnames="activation")(
         layers, x, y, activation="tanh"
     )
-    _close(g, nl.mlp_layers(want[1]))
+    _close(g, nl.fused.mlp_layers(want[1]))
 
 
 def _pmap_step(mode, act):
     def step(params, x, y):
-        loss, grads = nl.loss_and_grad(mode, params, x, y, activation=act)
+        loss, grads = nl.fused.loss_and_grad(mode, params, x, y, activation=act)
         return jax.lax.pmean((loss, grads), "d")
 
     return jax.pmap(step, axis_name="d", in_axes=(None, 0, 0))
@@ -142,7 +142,7 @@ def test_modes_under_shard_map_match_one_device(sizes, act):
             # differentiate the global mean: with check_vma the replicated params'
             # gradient comes back already summed over the mesh
             def global_loss(p):
-                return jax.lax.pmean(nl.mlp_loss(p, x, y, activation=act, mode=mode), "d")
+                return jax.lax.pmean(nl.fused.mlp_loss(p, x, y, activation=act, mode=mode), "d")
 
             return jax.value_and_grad(global_loss)(params)
 
@@ -151,7 +151,7 @@ def test_modes_under_shard_map_match_one_device(sizes, act):
 
     # the direct fused pass inside shard_map: local grads, pmean-ed by hand
     def local_fused(params, x, y):
-        return jax.lax.pmean(nl.fused_loss_and_grad(params, x, y, activation=act), "d")
+        return jax.lax.pmean(nl.fused.fused_loss_and_grad(params, x, y, activation=act), "d")
 
     f = jax.jit(
         jax.shard_map(local_fused, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P())
@@ -163,7 +163,7 @@ def test_modes_under_shard_map_match_one_device(sizes, act):
 def test_fused_grad_accum_over_microbatches_equals_one_big_batch(sizes, act):
     k, b = 4, 6
     params, x, y = _problem(sizes, batch=k * b)
-    acc_fn = jax.jit(nl.fused_grad_accum, static_argnames="activation", donate_argnums=3)
+    acc_fn = jax.jit(nl.fused.fused_grad_accum, static_argnames="activation", donate_argnums=3)
     acc = jax.tree.map(jnp.zeros_like, params)
     losses = []
     for i in range(k):
@@ -181,7 +181,7 @@ def test_fused_grad_accum_over_microbatches_equals_one_big_batch(sizes, act):
 
 def test_autodiff_takes_any_activation_hand_modes_say_what_they_support():
     params, x, y = _problem((4, 6, 3))
-    loss, _ = jax.jit(nl.loss_and_grad, static_argnums=0, static_argnames="activation")(
+    loss, _ = jax.jit(nl.fused.loss_and_grad, static_argnums=0, static_argnames="activation")(
         "autodiff", params, x, y, activation=jnp.sin
     )
     assert np.isfinite(loss)
@@ -189,7 +189,7 @@ def test_autodiff_takes_any_activation_hand_modes_say_what_they_support():
         with pytest.raises(
             ValueError, match=f"mode '{mode}' supports activations relu, tanh, .*gelu"
         ):
-            nl.loss_and_grad(mode, params, x, y, activation=jnp.sin)
+            nl.fused.loss_and_grad(mode, params, x, y, activation=jnp.sin)
     # the library's activation functions are accepted by name or as themselves
     _close(
         _loss_and_grad("fused", params, x, y, activation=nl.tanh),
@@ -198,8 +198,8 @@ def test_autodiff_takes_any_activation_hand_modes_say_what_they_support():
     with pytest.raises(
         ValueError, match="unknown gradient mode 'adjoint'; valid: autodiff, manual, fused"
     ):
-        nl.loss_and_grad("adjoint", params, x, y)
+        nl.fused.loss_and_grad("adjoint", params, x, y)
     with pytest.raises(ValueError, match=r"expected integer labels of shape \(16,\)"):
-        nl.loss_and_grad("fused", params, x, y.astype(jnp.float32))
+        nl.fused.loss_and_grad("fused", params, x, y.astype(jnp.float32))
     with pytest.raises(ValueError, match="grads_in must have the structure of params"):
-        nl.fused_grad_accum(params, x, y, nl.mlp_layers(params))
+        nl.fused.fused_grad_accum(params, x, y, nl.fused.mlp_layers(params))

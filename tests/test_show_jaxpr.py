@@ -338,7 +338,7 @@ CORPUS = {
     # the MLP loss's gradient in every gradient mode (manual and fused are custom_vjp's)
     **{
         f"mlp_grad_{mode}": (
-            jax.grad(functools.partial(nl.mlp_loss, mode=mode, activation="tanh")),
+            jax.grad(functools.partial(nl.fused.mlp_loss, mode=mode, activation="tanh")),
             FFN_PARAMS,
             X,
             LABELS,
@@ -346,7 +346,7 @@ CORPUS = {
         for mode in nl.GRAD_MODES
     },
     "mlp_fused_grad_accum": (
-        functools.partial(nl.fused_grad_accum, activation="relu"),
+        functools.partial(nl.fused.fused_grad_accum, activation="relu"),
         FFN_PARAMS,
         X,
         LABELS,

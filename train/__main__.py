@@ -43,8 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--show-jaxpr",
-        choices=("loss", "step"),
-        help="print the decompiled loss or train step (nnlite.show_jaxpr) and exit",
+        choices=("loss", "step", "grad"),
+        help="print the decompiled loss or train step (nnlite.show_jaxpr), or the backward "
+        "pass as hand VJP calls per layer (grad: nnlite.show_grad), and exit",
     )
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")

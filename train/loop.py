@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import models
@@ -96,10 +97,13 @@ def build(cfg: Config) -> Run:
             f"model.name={cfg.model.name} is a {model.task} model but data.name={cfg.data.name} "
             f"is a {data.task} data set"
         )
-    if cfg.loss.grad not in model.grad_modes:
+    if cfg.loss.grad == "fused" and "fused" not in model.grad_modes:
+        # manual works for any model built from nnlite layers; fused is one hand-written
+        # backward pass for one model shape.
         raise ConfigError(
-            f"loss.grad={cfg.loss.grad} is not available for model.name={cfg.model.name}; "
-            f"it supports: {', '.join(model.grad_modes)}"
+            f"loss.grad=fused is not available for model.name={cfg.model.name}; it is a "
+            f"hand-written pass of model.name={'/'.join(models.FUSED)} only; use loss.grad="
+            "manual (every layer's hand-derived VJP) or autodiff"
         )
     local_batch = cfg.train.batch_size // len(devices)
     if local_batch % cfg.train.grad_accum_steps:
@@ -174,8 +178,33 @@ def show_jaxpr(cfg: Config, what: str) -> str:
     """Decompiled Python of the config's mean loss (``what="loss"``) or its compiled train step."""
     import nnlite as nl
 
+    if what == "grad":
+        return show_grad(cfg)
     fn, args = traced_function(cfg, what)
     return nl.show_jaxpr(fn, *args, name=what)
+
+
+def show_grad(cfg: Config) -> str:
+    """The config's backward pass as Python: each layer's hand VJP call, in reverse order
+    (``nnlite.show_grad``), on a batch of up to 4 examples (the code is the same for any
+    batch size but for the literal shapes)."""
+    import nnlite as nl
+
+    r = build(cfg)
+    params = r.model.init(jax.random.key(cfg.seed))
+    b = min(cfg.train.batch_size, 4)
+    x, y = host_batch(r.data, np.arange(b) % r.data.num_indices)
+    if uses_key(r.model):
+        key = jax.random.key(cfg.seed)
+
+        def loss(params, x, y):
+            return r.model.objective(params, x, y, grad="manual", key=key)[0]
+    else:
+
+        def loss(params, x, y):
+            return r.model.objective(params, x, y, grad="manual")[0]
+
+    return nl.show_grad(loss, params, jnp.asarray(x), jnp.asarray(y))
 
 
 def traced_function(cfg: Config, what: str) -> tuple:

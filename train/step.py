@@ -41,12 +41,19 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import nnlite as nl
+
 AXIS = "batch"
 
 
 def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
     """``(params, x, y) -> (mean loss, {metric: mean})``, differentiable in mode ``grad``."""
-    return functools.partial(model.objective, grad=grad)
+    objective = functools.partial(model.objective, grad=grad)
+    if grad == "manual":
+        # Every nnlite layer and loss inside runs its hand-derived VJP (checked once per
+        # trace: a layer without rules is refused by name).
+        objective = nl.manual_grads(objective)
+    return objective
 
 
 def uses_key(model) -> bool:

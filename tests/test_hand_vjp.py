@@ -1,0 +1,309 @@
+"""Every nnlite layer's and loss's hand-derived VJP against jax.vjp, and manual mode."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nnlite as nl
+from nnlite import _conv, _dropout, _embedding, _linear, _losses, _pool
+from nnlite import _normalisation as norm
+from nnlite.vjp import check_vjp
+
+DTYPES = ["float32", "float64"]
+
+
+def check(rule, *args, **static):
+    """check_vjp of a hand_rule function's plain pair, hyperparameters bound."""
+    f = functools.partial(rule.f, **static)
+    f_vjp = functools.partial(rule.f_vjp, **static)
+    f.__name__, f_vjp.__name__ = rule.__name__, rule.f_vjp.__name__
+    check_vjp(f, f_vjp, *args)
+
+
+@pytest.fixture(params=DTYPES)
+def rand(request):
+    """``rand(*shape)`` in the test's dtype (float64 with x64 on for the test only)."""
+    dtype = request.param
+    with jax.enable_x64(dtype == "float64"):
+        rng = np.random.default_rng(0)
+        yield lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def test_linear(rand):
+    check(_linear.linear, rand(3, 4, 5), rand(5, 6), rand(6))
+    check(_linear.linear, rand(5), rand(5, 6), None)
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu", "tanh", "sigmoid", "softplus", "identity"])
+def test_activations(rand, name):
+    check(nl.ACTIVATIONS[name], rand(4, 5))
+
+
+@pytest.mark.parametrize(
+    "kernel, strides, padding, dilation, groups",
+    [
+        ((1,), (1,), "VALID", (1,), 1),  # kernel 1
+        ((3,), (2,), "SAME", (1,), 1),  # stride > 1, SAME
+        ((3,), (2,), ((1, 2),), (2,), 2),  # explicit padding, dilation, groups
+        ((2,), (3,), "VALID", (1,), 1),  # stride > kernel: inputs no window reads
+        ((3, 2), (2, 1), "SAME", (1, 1), 1),  # 2-d
+    ],
+)
+def test_conv(rand, kernel, strides, padding, dilation, groups):
+    n = len(kernel)
+    x = rand(2, *(11, 8)[:n], 4)
+    w = rand(*kernel, 4 // groups, 6)
+    static = dict(strides=strides, padding=padding, dilation=dilation, groups=groups)
+    check(_conv.conv, x, w, rand(6), **static)
+    check(_conv.conv, x, w, None, **static)
+
+
+@pytest.mark.parametrize(
+    "window, strides, padding", [((2,), (2,), "VALID"), ((3,), (2,), "SAME"), ((1,), (1,), "VALID")]
+)
+def test_pools(rand, window, strides, padding):
+    x = rand(2, 9, 3)
+    static = dict(window=window, strides=strides, padding=padding)
+    check(_pool.max_pool, x, **static)
+    check(_pool.max_pool, jax.nn.relu(x), **static)  # ties: the first maximum gets it
+    check(_pool.avg_pool, x, **static)
+    check(_pool.avg_pool, x, **static, count_include_pad=False)
+    check(_pool.avg_pool, rand(2, 6, 7, 3), window=(2, 3), strides=(1, 2), padding="SAME")
+    check(_pool.flatten, rand(2, 3, 4), num_axes=2)
+
+
+def test_normalisation(rand):
+    check(norm.layer_norm, rand(3, 5, 8), rand(8), rand(8), eps=1e-5)
+    check(norm.layer_norm, rand(3, 8), None, None, eps=1e-5)
+    check(norm.rms_norm, rand(3, 5, 8), rand(8), eps=1e-6)
+    gn = dict(num_groups=2, num_spatial_axes=1, eps=1e-5)
+    check(norm.group_norm, rand(3, 5, 8), rand(8), rand(8), **gn)
+    check(norm.group_norm, rand(3, 8), rand(8), None, **{**gn, "num_groups": 8})
+
+
+def test_embedding_and_dropout(rand):
+    ids = jnp.array([[1, 2, 9], [0, 0, 3]])  # a repeated id: its rows' cotangents add up
+    check(_embedding.embed, rand(10, 4), ids)
+    check(_embedding.embed_attend, rand(10, 4), rand(2, 3, 4))
+    key = jax.random.key(3)
+
+    def drop(x):
+        return _dropout.dropout.f(x, key, 0.3)
+
+    def drop_vjp(x, dret):
+        return _dropout.dropout_vjp(x, key, 0.3, dret)[0]
+
+    check_vjp(drop, drop_vjp, rand(4, 5))
+
+
+def test_losses(rand):
+    labels = jnp.array([0, 1, 4, 2])
+    check(_losses.cross_entropy_values, rand(4, 5), labels)
+    check(_losses.cross_entropy_values, rand(2, 3, 5), labels.reshape(2, 2)[:, :1].repeat(3, 1))
+    check(_losses.nll_values, rand(4, 5), labels)
+    check(_losses.squared_error_values, rand(4, 5), rand(4, 5))
+    check(_losses.squared_error_values, rand(4), rand(4))
+    check(_losses.mean, rand(4, 5))
+    check(_losses.total, rand(4, 5))
+
+
+def _close(a, b, tol):
+    diffs = jax.tree.leaves(jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b))
+    assert max(diffs) <= tol, diffs
+
+
+def test_manual_grads_equal_autodiff_through_every_layer(key):
+    net = nl.Sequential(
+        (
+            nl.Conv(1, 4, 3, strides=2, padding="SAME"),
+            nl.Activation("relu"),
+            nl.MaxPool(2, strides=2),
+            nl.LayerNorm(4),
+            nl.AvgPool(1),
+            nl.Flatten(2),
+            nl.Dropout(0.2),
+            nl.Linear(20, 8),
+            nl.Activation("gelu"),
+            nl.RMSNorm(8),
+            nl.SoftmaxHead(8, 3, output="logits"),
+        )
+    )
+    p = net.init(key)
+    x = jax.random.normal(key, (6, 20, 1))
+    y = jnp.array([0, 1, 2, 0, 1, 2])
+
+    def loss(p, x, y):
+        logits = net(p, x, key=jax.random.key(5))
+        return nl.softmax_cross_entropy(logits, y, reduction="mean")
+
+    auto = jax.jit(jax.grad(loss))(p, x, y)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, y)
+    _close(auto, hand, 1e-6)
+
+
+def test_a_layer_without_rules_is_refused_by_name(key):
+    class Scale(nl.Module):
+        features: int
+
+        def init(self, key):
+            return nl.ParamsDict(s=jnp.ones(self.features))
+
+        def __call__(self, params, x, *, key=None):
+            return x * jnp.broadcast_to(params.s, x.shape)
+
+    net = nl.Sequential((nl.Linear(3, 4), Scale(4)))
+    p = net.init(key)
+
+    def loss(p, x):
+        return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="mean")
+
+    with pytest.raises(nl.ManualGradError, match=r"layer Scale computes .*nl.with_vjp.*autodiff"):
+        jax.grad(nl.manual_grads(loss))(p, jnp.ones((2, 3)))
+
+
+def test_a_layer_with_its_own_rule_passes(key):
+    def scale_vjp(x, s, dret):
+        return dret * jnp.broadcast_to(s, dret.shape), jnp.sum(dret * x, axis=0)
+
+    @nl.hand_rule(scale_vjp)
+    def scale(x, s):
+        return x * jnp.broadcast_to(s, x.shape)
+
+    class Scale(nl.Module):
+        def init(self, key):
+            return nl.ParamsDict(s=jnp.full(4, 2.0))
+
+        def __call__(self, params, x, *, key=None):
+            return scale(x, params.s)
+
+    net = nl.Sequential((nl.Linear(3, 4), Scale()))
+    p = net.init(key)
+
+    def loss(p, x):
+        return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="sum")
+
+    x = jax.random.normal(key, (2, 3))
+    _close(jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x), 1e-5)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_attention(rand, heads):
+    from nnlite import _attention
+
+    q, k, v = rand(2, 5, heads, 4), rand(2, 5, heads, 4), rand(2, 5, heads, 4)
+    causal = _attention.causal_mask(5, 5)
+    check(_attention.dot_product_attention, q, k, v, None)
+    check(_attention.dot_product_attention, q, k, v, causal)  # masked positions
+    padded = jnp.arange(5)[None, None, None, :] < jnp.array([3, 5])[:, None, None, None]
+    check(
+        _attention.dot_product_attention, q, k, v, padded, key=jax.random.key(1), dropout_rate=0.25
+    )
+    check(_attention.slot, rand(2, 5, 3, heads, 4), index=1)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_manual_transformer_block_equals_autodiff(key, dropout):
+    block = nl.TransformerBlock(8, 2, dropout_rate=dropout)
+    emb = nl.Embedding(11, 8)
+    p = nl.ParamsDict(emb=emb.init(key), block=block.init(jax.random.fold_in(key, 1)))
+    ids = jax.random.randint(key, (3, 6), 0, 11)
+
+    def loss(p, ids):
+        h = block(p.block, emb(p.emb, ids), key=jax.random.key(2))
+        return nl.softmax_cross_entropy(emb.attend(p.emb, h), ids, reduction="mean")
+
+    _close(jax.jit(jax.grad(loss))(p, ids), jax.jit(jax.grad(nl.manual_grads(loss)))(p, ids), 2e-6)
+
+
+def _show_grad_matches(loss, params, *batch):
+    src = nl.show_grad(loss, params, *batch)
+    namespace: dict = {}
+    exec(src, namespace)  # noqa: S102 -- the point: the printed code runs
+    got = namespace["grad"](params, *batch)
+    _close(jax.grad(loss)(params, *batch), got, 1e-6)
+    return src
+
+
+def test_show_grad_mlp_cnn_gpt_print_code_that_gives_jax_grad(key):
+    from models.cnn import CNN
+    from models.gpt import GPT
+    from models.mlp import MLP
+
+    mlp = MLP(6, (5, 4), 3, "tanh")
+    x, y = jax.random.normal(key, (4, 6)), jnp.array([0, 1, 2, 0])
+    src = _show_grad_matches(lambda p, x, y: mlp.objective(p, x, y)[0], mlp.init(key), x, y)
+    assert "d_linear_ffn_layers_1 = tanh_vjp(linear_ffn_layers_1, d_tanh_out2)" in src
+    assert "d_tanh_out2, d_p_head_W, d_p_head_b = linear_vjp(tanh_out2, p.head.W, p.head.b" in src
+
+    cnn = CNN(12, 1, ((3, 3, 2, 1), (4, 1, 1, "SAME")), 3)  # stride 2, kernel 1
+    src = _show_grad_matches(
+        lambda p, x, y: cnn.objective(p, x, y)[0], cnn.init(key), jax.random.normal(key, (4, 12)), y
+    )
+    assert "conv_vjp(" in src and "flatten_vjp(" in src
+
+    gpt = GPT(vocab_size=7, context=6, n_layer=2, n_head=2, n_embd=8, dropout=0.1)
+    ids = jax.random.randint(key, (2, 6), 0, 7)
+    dkey = jax.random.key(1)
+    src = _show_grad_matches(
+        lambda p, x, y: gpt.objective(p, x, y, key=dkey)[0], gpt.init(key), ids, jnp.roll(ids, 1)
+    )
+    assert "dot_product_attention_vjp(" in src and "jnp.tril(" in src
+
+
+def test_show_grad_cli(capsys):
+    from train.__main__ import main
+
+    rc = main(
+        [
+            "--config",
+            "configs/digits_mlp.yaml",
+            "--set",
+            "model.hidden_sizes=[8]",
+            "--show-jaxpr",
+            "grad",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "= linear_vjp(" in out and "def grad(params, x, y):" in out
+
+
+def test_equinox_layers_use_autodiff_and_say_so_once(caplog):
+    import equinox as eqx
+
+    from nnlite import _equinox
+
+    _equinox._told.clear()
+    lin = nl.from_equinox(eqx.nn.Linear(3, 4, key=jax.random.key(0)))
+    head = nl.Linear(4, 2)
+    p = nl.ParamsDict(a=lin.init(jax.random.key(1)), b=head.init(jax.random.key(2)))
+    x, y = jnp.ones((5, 3)), jnp.zeros(5, jnp.int32)
+
+    def loss(p, x, y):
+        h = jax.vmap(lambda xi: lin(p.a, xi))(x)
+        return nl.softmax_cross_entropy(head(p.b, nl.tanh(h)), y, reduction="mean")
+
+    with caplog.at_level("WARNING", logger="nnlite"):
+        hand = jax.grad(nl.manual_grads(loss))(p, x, y)
+        jax.grad(nl.manual_grads(loss))(p, x, y)
+    _close(jax.grad(loss)(p, x, y), hand, 1e-6)
+    said = [r for r in caplog.records if "EquinoxLayer(Linear)" in r.getMessage()]
+    assert len(said) == 1 and "autodiff" in said[0].getMessage()
+
+
+def test_fused_on_another_model_is_a_config_error_naming_the_models_with_it():
+    from pathlib import Path
+
+    from train.config import ConfigError, load_config
+    from train.loop import build
+
+    root = Path(__file__).resolve().parents[1]
+    sets = ["data.name=digits", "model.channels=[4]", "model.kernel_size=3", "loss.grad=fused"]
+    cfg = load_config(root / "configs/mnist1d_cnn.yaml", sets)
+    with pytest.raises(
+        ConfigError, match=r"loss.grad=fused is not available for model.name=cnn.*mlp"
+    ):
+        build(cfg)
