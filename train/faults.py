@@ -18,12 +18,6 @@ import os
 import signal
 from typing import Any
 
-import jax
-import numpy as np
-import optax
-
-import nnlite as nl
-
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
@@ -104,6 +98,13 @@ def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y) -> str | None:
     Runs the step once more on one device on the host's copy of the state before the bad
     step; None if everything comes out finite there.
     """
+    # Imported here: ``python -m train`` imports this module before it knows it will train
+    # (--print-config and config errors answer without loading JAX).
+    import jax
+    import numpy as np
+    import optax
+
+    import nnlite as nl
 
     @jax.jit
     def step(params, opt_state, x, y):
