@@ -219,6 +219,14 @@ class Prepared:
     Y_test: object
     eval_device: object
 
+    @property
+    def p_def(self):
+        return jax.tree.structure(self.params0)
+
+    @property
+    def o_def(self):
+        return jax.tree.structure(self.opt0)
+
 
 def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     """The initial state, the train step and the evaluation, compiled side by side.
@@ -352,189 +360,303 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
 
     Raises ConfigError on bad input, ``faults.Preempted`` after a SIGTERM/SIGINT checkpoint
     and ``faults.NonFinite`` when a step goes non-finite with ``train.nonfinite=stop``.
+
+    The skeleton: build and compile; agree on the starting state (checkpoint or init)
+    before writing anything; then one compiled call after another, stopping at the
+    boundaries to log, evaluate and checkpoint (each a method of :class:`_Loop`).
     """
     dist.initialize(cfg.distributed)  # before anything touches a device
-    main = dist.is_main()
-    if not main:
+    if not dist.is_main():
         echo = _quiet
     r = build(cfg)
-    ckpt_dir = r.run_dir / "checkpoints"
-    metrics_path = r.run_dir / "metrics.jsonl"
-    strategy = cfg.parallel.strategy
+    loop = _Loop.begin(r, resume, echo)
+    try:
+        with loop.watch:
+            while loop.step < cfg.train.steps:
+                loop.run_call()
+                at = loop.boundary()
+                if at is None:
+                    continue
+                loop.check_nonfinite()
+                if at.log:
+                    loop.log_train()
+                if at.eval:
+                    loop.evaluate()
+                if at.checkpoint or at.stop:
+                    loop.checkpoint()
+                if at.stop:
+                    raise faults.Preempted(loop.step, loop.good_ckpt, loop.watch.signal_name)
+    finally:
+        loop.close()
+    return loop.finish()
 
-    tc = cfg.train
-    every = boundaries(cfg)
-    sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
-    first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, every)))
-    prep = prepare(r, tc.nonfinite, first)
-    stepper, evaluate, params0, opt0 = prep.stepper, prep.evaluate, prep.params0, prep.opt0
-    X, Y, X_test, Y_test, eval_dev = prep.X, prep.Y, prep.X_test, prep.Y_test, prep.eval_device
-    p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
 
-    # Decide where to start before writing anything: a bad checkpoint must not cost files.
-    start, p_leaves, o_leaves, skipped, good_ckpt = _agree_on_start(
-        cfg, resume, ckpt_dir, params0, opt0
-    )
-    good_step = start  # the last state known finite and saved (or the initial state)
+@dataclass(frozen=True)
+class Boundary:
+    """What the loop does after the call that ended at a step."""
 
-    if main:  # only process 0 writes the run directory
-        if resume == "fresh" and r.run_dir.exists():
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-            metrics_path.unlink(missing_ok=True)
-        r.run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_temporary(ckpt_dir)
-        (r.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        _rewrite_metrics(metrics_path, start)
+    log: bool
+    eval: bool
+    checkpoint: bool
+    stop: bool  # a SIGTERM/SIGINT was agreed on: checkpoint and leave
 
-    n_params = params0.num_params()
-    procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
-    per_proc = len(r.devices) // jax.process_count()
-    echo(
-        f"nnlite train: {cfg.name}  devices: {procs}{per_proc} x {r.devices[0].platform} "
-        f"({strategy})  model: {cfg.model.name} ({n_params:,} params)  data: {r.data.name} "
-        f"({len(r.data.x)} train / {len(r.data.x_test)} test)  run dir: {r.run_dir}"
-        + (f"  resuming at step {start}" if start else "")
-    )
 
-    loss_fn = mean_loss_fn(r.model, cfg.loss.grad)  # the replay that names a non-finite leaf
-    p_leaves, o_leaves = stepper.put_state(p_leaves), stepper.put_state(o_leaves)
+@dataclass
+class _Loop:
+    """The state of a training run between compiled calls, and its named steps."""
 
-    def host_state(p_leaves, o_leaves):
-        return (
-            jax.tree.unflatten(p_def, [np.asarray(v) for v in stepper.get_state(p_leaves)]),
-            jax.tree.unflatten(o_def, [np.asarray(v) for v in stepper.get_state(o_leaves)]),
+    r: Run
+    prep: Prepared
+    sampler: BatchIndices
+    echo: object
+    step: int  # steps done
+    p_leaves: list  # params and optimizer state, placed for the stepper
+    o_leaves: list
+    skipped: int  # non-finite steps skipped (train.nonfinite=skip)
+    good_step: int  # the last state known finite and saved (or the initial state)
+    good_ckpt: Path | None
+    start_step: int = 0  # the step this run started (or resumed) at
+    calls: int = 0
+    metrics: dict = field(default_factory=dict)  # the last call's metrics (on the device)
+    pending: list = field(default_factory=list)  # each call's metrics since the last boundary
+    pending_from: int = 0
+    last_eval: dict = field(default_factory=dict)
+    window_start: int = 0  # examples/s is measured over the steps since the last log
+    t_start: float = 0.0
+    t_window: float = 0.0
+    log_file: object = None
+    bar: object = None
+    watch: object = None
+
+    @classmethod
+    def begin(cls, r: Run, resume: str, echo) -> _Loop:
+        """Compile, agree on the starting state, then (process 0) set up the run directory."""
+        cfg = r.cfg
+        sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
+        first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, boundaries(cfg))))
+        prep = prepare(r, cfg.train.nonfinite, first)
+        # Decide where to start before writing anything: a bad checkpoint must not cost files.
+        start, p_leaves, o_leaves, skipped, good_ckpt = _agree_on_start(
+            cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0
+        )
+        if dist.is_main():  # only process 0 writes the run directory
+            _open_run_dir(r, resume, start)
+        echo(_banner(r, prep, start))
+        put = prep.stepper.put_state
+        loop = cls(
+            r,
+            prep,
+            sampler,
+            echo,
+            step=start,
+            p_leaves=put(p_leaves),
+            o_leaves=put(o_leaves),
+            skipped=skipped,
+            good_step=start,
+            good_ckpt=good_ckpt,
+            start_step=start,
+            pending_from=start,
+            window_start=start,
+        )
+        loop.bar = _progress(cfg, start) if dist.is_main() else _NoBar()
+        if dist.is_main():
+            loop.log_file = open(r.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - close()
+        loop.watch = faults.PreemptionWatch(dist.is_multiprocess())
+        loop.t_start = loop.t_window = time.perf_counter()
+        return loop
+
+    # -- the steps of the loop ---------------------------------------------------------
+
+    def run_call(self) -> None:
+        """One compiled call: up to ``train.steps_per_call`` steps, up to the next boundary."""
+        cfg, stepper = self.r.cfg, self.prep.stepper
+        k = steps_in_call(cfg, self.step, boundaries(cfg))
+        idx = stepper.put_indices(dist.process_share(self.sampler.batches(self.step, k)))
+        self.p_leaves, self.o_leaves, self.metrics = stepper.run(
+            self.p_leaves, self.o_leaves, self.prep.X, self.prep.Y, idx
+        )
+        # Several processes with pmap on CPU (gloo): with many calls in flight the
+        # per-device executions can reach the cross-process collectives in different
+        # orders and deadlock (seen after ~100 steps with 2 x 2 devices). Waiting for each
+        # call rules that out; shard_map runs as one SPMD program per process.
+        if dist.is_multiprocess() and cfg.parallel.strategy == "pmap":
+            jax.block_until_ready(self.p_leaves)
+        self.step += k
+        self.calls += 1
+        self.bar.update(k)
+        self.pending.append(self.metrics)  # non-finite flags: read at the next boundary
+
+    def boundary(self) -> Boundary | None:
+        """What to do now that ``self.step`` steps are done (None: just carry on)."""
+        cfg, step = self.r.cfg, self.step
+        last = step == cfg.train.steps
+        at = Boundary(
+            log=step % cfg.train.log_every == 0 or last,
+            eval=step % cfg.train.eval_every == 0 or last,
+            checkpoint=bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last,
+            stop=self.watch.should_stop(self.calls),
+        )
+        return at if (at.log or at.eval or at.checkpoint or at.stop) else None
+
+    def check_nonfinite(self) -> None:
+        """At a boundary the host syncs anyway: read the steps' non-finite flags."""
+        flags = np.concatenate([step_flags(m) for m in self.pending])
+        first, self.pending, self.pending_from = self.pending_from, [], self.step
+        if flags.any() and self.r.cfg.train.nonfinite == "stop":
+            self._stop_nonfinite(first + int(np.argmax(flags)) + 1)
+        self.skipped += int(flags.sum())
+
+    def log_train(self) -> None:
+        """A train record in metrics.jsonl (the last step's metrics) and the progress bar."""
+        tc = self.r.cfg.train
+        m = {
+            name: float(to_host(v).reshape(-1)[-1])
+            for name, v in self.metrics.items()
+            if name != "nonfinite"
+        }
+        now = time.perf_counter()
+        rate = (self.step - self.window_start) * tc.batch_size / max(now - self.t_window, 1e-9)
+        self.t_window, self.window_start = now, self.step
+        extra = {"skipped_steps": self.skipped} if tc.nonfinite == "skip" else {}
+        self._write(
+            {
+                "step": self.step,
+                "split": "train",
+                **m,
+                **extra,
+                "examples_per_s": round(rate, 1),
+                "time": round(now - self.t_start, 3),
+            }
+        )
+        self.bar.set_postfix(
+            loss=f"{m['loss']:.4f}",
+            **({"acc": f"{m['accuracy']:.3f}"} if "accuracy" in m else {}),
+            ex_s=f"{rate:,.0f}",
         )
 
-    def run_steps(p_leaves, o_leaves, step, k):
-        idx = stepper.put_indices(dist.process_share(sampler.batches(step, k)))
-        return stepper.run(p_leaves, o_leaves, X, Y, idx)
+    def evaluate(self) -> None:
+        """Metrics on the whole test split (process 0), logged as a test record."""
+        if not dist.is_main():
+            return
+        prep = self.prep
+        params = jax.tree.unflatten(
+            prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
+        )
+        result = prep.evaluate(params, prep.X_test, prep.Y_test)
+        self.last_eval = {k: float(v) for k, v in result.items()}
+        self._write(
+            {
+                "step": self.step,
+                "split": "test",
+                **self.last_eval,
+                "time": round(time.perf_counter() - self.t_start, 3),
+            }
+        )
 
-    def stop_nonfinite(flagged: int):
-        checker = make_stepper(r, p_def, o_def, "check")
+    def checkpoint(self) -> None:
+        """Save the state (process 0 writes), after checking it is finite."""
+        state = self.host_state()
+        # The loss-only flag cannot see a last step that broke the params.
+        if self.r.cfg.train.nonfinite == "stop" and not _all_finite(state[0]):
+            self._stop_nonfinite(self.step)
+        self.good_step = self.step
+        if dist.is_main():
+            cfg = self.r.cfg
+            self.good_ckpt = ckpt.save(
+                self.r.run_dir / "checkpoints",
+                self.step,
+                *state,
+                _metadata(cfg, self.step, self.sampler, self.skipped),
+                cfg.checkpoint.keep,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.log_file is not None:
+            self.log_file.close()
+
+    def finish(self) -> Run:
+        """Final params and summary on the Run, the plot, and the closing line."""
+        r, tc = self.r, self.r.cfg.train
+        wall = time.perf_counter() - self.t_start
+        r.params, r.opt_state = self.host_state()
+        r.step = self.step
+        r.summary = {
+            "step": self.step,
+            **{f"test_{k}": v for k, v in self.last_eval.items()},
+            "skipped_steps": self.skipped,
+            "wall_s": wall,
+            "examples_per_s": (self.step - self.start_step) * tc.batch_size / max(wall, 1e-9),
+        }
+        if r.cfg.log.plot and dist.is_main():
+            plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+        last = self.last_eval
+        acc = f", test accuracy {last['accuracy']:.4f}" if "accuracy" in last else ""
+        skip = f", {self.skipped} non-finite steps skipped" if self.skipped else ""
+        self.echo(
+            f"done: step {self.step}, test loss {last.get('loss', float('nan')):.4f}{acc}{skip}, "
+            f"wall {wall:.1f} s, {r.summary['examples_per_s']:,.0f} examples/s"
+        )
+        return r
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def host_state(self) -> tuple:
+        """``(params, opt_state)`` as host numpy leaves in their trees."""
+        prep = self.prep
+        get = prep.stepper.get_state
+        return (
+            jax.tree.unflatten(prep.p_def, [np.asarray(v) for v in get(self.p_leaves)]),
+            jax.tree.unflatten(prep.o_def, [np.asarray(v) for v in get(self.o_leaves)]),
+        )
+
+    def _stop_nonfinite(self, flagged: int):
+        r, prep = self.r, self.prep
+        checker = make_stepper(r, prep.p_def, prep.o_def, "check")
+        loss_fn = mean_loss_fn(r.model, r.cfg.loss.grad)  # the replay names the bad leaf
         raise faults.NonFinite(
             _explain_nonfinite(
-                r, cfg, sampler, checker, loss_fn, params0, opt0, flagged, good_step, good_ckpt
+                r,
+                r.cfg,
+                self.sampler,
+                checker,
+                loss_fn,
+                prep.params0,
+                prep.opt0,
+                flagged,
+                self.good_step,
+                self.good_ckpt,
             )
         )
 
-    bar = _progress(cfg, start) if main else _NoBar()
-    log_file = open(metrics_path, "a") if main else None  # noqa: SIM115 - closed in finally
-    t_start = t_window = time.perf_counter()
-    step, window_start, last_eval, calls = start, start, {}, 0
-    pending, pending_from = [], start  # each call's metrics since the last boundary (device)
-    watch = faults.PreemptionWatch(dist.is_multiprocess())
-    # Several processes with pmap on CPU (gloo): with many calls in flight the per-device
-    # executions can reach the cross-process collectives in different orders and deadlock
-    # (seen after ~100 steps with 2 x 2 devices). Waiting for each call rules that out;
-    # shard_map runs as one SPMD program per process and needs no such wait.
-    sync_each_call = dist.is_multiprocess() and strategy == "pmap"
-    try:
-        with watch:
-            while step < tc.steps:
-                k = steps_in_call(cfg, step, every)
-                p_leaves, o_leaves, metrics = run_steps(p_leaves, o_leaves, step, k)
-                if sync_each_call:
-                    jax.block_until_ready(p_leaves)
-                step += k
-                calls += 1
-                bar.update(k)
-                pending.append(metrics)  # non-finite flags: read at the next boundary
-                stop = watch.should_stop(calls)
-                is_log = step % tc.log_every == 0 or step == tc.steps
-                is_eval = step % tc.eval_every == 0 or step == tc.steps
-                is_ckpt = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (
-                    step == tc.steps
-                )
-                if not (is_log or is_eval or is_ckpt or stop):
-                    continue
-                # A boundary: the host syncs here anyway, so look at the non-finite flags.
-                flags = np.concatenate([step_flags(m) for m in pending])
-                pending, first = [], pending_from
-                pending_from = step
-                if flags.any() and tc.nonfinite == "stop":
-                    stop_nonfinite(first + int(np.argmax(flags)) + 1)
-                skipped += int(flags.sum())
-                if is_log:
-                    m = {
-                        name: float(to_host(v).reshape(-1)[-1])
-                        for name, v in metrics.items()
-                        if name != "nonfinite"
-                    }
-                    now = time.perf_counter()
-                    rate = (step - window_start) * tc.batch_size / max(now - t_window, 1e-9)
-                    t_window, window_start = now, step
-                    extra = {"skipped_steps": skipped} if tc.nonfinite == "skip" else {}
-                    _write(
-                        log_file,
-                        {
-                            "step": step,
-                            "split": "train",
-                            **m,
-                            **extra,
-                            "examples_per_s": round(rate, 1),
-                            "time": round(now - t_start, 3),
-                        },
-                    )
-                    bar.set_postfix(
-                        loss=f"{m['loss']:.4f}",
-                        **({"acc": f"{m['accuracy']:.3f}"} if "accuracy" in m else {}),
-                        ex_s=f"{rate:,.0f}",
-                    )
-                if is_eval and main:
-                    params = jax.tree.unflatten(
-                        p_def, jax.device_put(stepper.get_state(p_leaves), eval_dev)
-                    )
-                    last_eval = {k_: float(v) for k_, v in evaluate(params, X_test, Y_test).items()}
-                    _write(
-                        log_file,
-                        {
-                            "step": step,
-                            "split": "test",
-                            **last_eval,
-                            "time": round(time.perf_counter() - t_start, 3),
-                        },
-                    )
-                if is_ckpt or stop:
-                    state = host_state(p_leaves, o_leaves)
-                    # The loss-only flag cannot see a last step that broke the params.
-                    if tc.nonfinite == "stop" and not _all_finite(state[0]):
-                        stop_nonfinite(step)
-                    good_step = step
-                    if main:
-                        good_ckpt = ckpt.save(
-                            ckpt_dir,
-                            step,
-                            *state,
-                            _metadata(cfg, step, sampler, skipped),
-                            cfg.checkpoint.keep,
-                        )
-                if stop:
-                    raise faults.Preempted(step, good_ckpt, watch.signal_name)
-    finally:
-        bar.close()
-        if log_file is not None:
-            log_file.close()
+    def _write(self, record: dict) -> None:
+        _write(self.log_file, record)
 
-    wall = time.perf_counter() - t_start
-    trained = step - start
-    r.params, r.opt_state = host_state(p_leaves, o_leaves)
-    r.step = step
-    r.summary = {
-        "step": step,
-        **{f"test_{k_}": v for k_, v in last_eval.items()},
-        "skipped_steps": skipped,
-        "wall_s": wall,
-        "examples_per_s": trained * tc.batch_size / max(wall, 1e-9),
-    }
-    if cfg.log.plot and main:
-        plot_curves(metrics_path, r.run_dir / "curves.png")
-    acc = f", test accuracy {last_eval['accuracy']:.4f}" if "accuracy" in last_eval else ""
-    skip = f", {skipped} non-finite steps skipped" if skipped else ""
-    echo(
-        f"done: step {step}, test loss {last_eval.get('loss', float('nan')):.4f}{acc}{skip}, "
-        f"wall {wall:.1f} s, {r.summary['examples_per_s']:,.0f} examples/s"
+
+def _open_run_dir(r: Run, resume: str, start: int) -> None:
+    """Create the run directory, clear it for --fresh, write config.yaml and cut
+    metrics.jsonl back to ``start`` (what a resumed run logs again)."""
+    ckpt_dir, metrics_path = r.run_dir / "checkpoints", r.run_dir / "metrics.jsonl"
+    if resume == "fresh" and r.run_dir.exists():
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        metrics_path.unlink(missing_ok=True)
+    r.run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.clean_temporary(ckpt_dir)
+    (r.run_dir / "config.yaml").write_text(dump_yaml(r.cfg))
+    _rewrite_metrics(metrics_path, start)
+
+
+def _banner(r: Run, prep: Prepared, start: int) -> str:
+    """The run's first line: devices, model size, data, run directory."""
+    cfg = r.cfg
+    procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
+    per_proc = len(r.devices) // jax.process_count()
+    return (
+        f"nnlite train: {cfg.name}  devices: {procs}{per_proc} x {r.devices[0].platform} "
+        f"({cfg.parallel.strategy})  model: {cfg.model.name} ({prep.params0.num_params():,} "
+        f"params)  data: {r.data.name} ({len(r.data.x)} train / {len(r.data.x_test)} test)  "
+        f"run dir: {r.run_dir}" + (f"  resuming at step {start}" if start else "")
     )
-    return r
 
 
 def _explain_nonfinite(
