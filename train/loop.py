@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from . import faults
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import BatchIndices, Dataset, load_dataset
 from .optim import build_optimizer
+from .plot import plot_curves as plot_curves  # noqa: F401 - its old home
 from .step import (
     batch_grads_fn,
     build_eval,
@@ -30,6 +31,7 @@ from .step import (
     step_flags,
     to_host,
 )
+from .timings import Timings
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
 TIMING_KEYS = ("time", "examples_per_s")
@@ -77,10 +79,20 @@ def select_devices(cfg: Config) -> list:
     return dist.global_devices(want)
 
 
-def build(cfg: Config) -> Run:
-    """Data, model, optimizer and devices for ``cfg``; raises ConfigError on bad input."""
+def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | None = None) -> Run:
+    """Data, model, optimizer and devices for ``cfg``; raises ConfigError on bad input.
+
+    ``data``: the data set if already loaded, or a Future of it (``python -m train`` loads
+    it while JAX imports); None loads it here.
+    """
+    timings = timings or Timings()
     devices = select_devices(cfg)
-    data = load_dataset(cfg.data)
+    timings.lap("backend")
+    if data is None:
+        data = load_dataset(cfg.data)
+    elif isinstance(data, Future):
+        data = data.result()
+    timings.lap("data")
     model = models.MODELS[cfg.model.name](cfg.model, data)
     if model.task != data.task:
         raise ConfigError(
@@ -355,11 +367,24 @@ def _agree_on_start(cfg, resume: str, ckpt_dir: Path, params0, opt0):
     return start, p_leaves, o_leaves, skipped, path
 
 
-def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
+def train(
+    cfg: Config,
+    *,
+    resume: str = "auto",
+    echo=print,
+    timings: Timings | None = None,
+    plotter=None,
+    data: Dataset | Future | None = None,
+) -> Run:
     """Train per ``cfg``. ``resume``: "auto" (latest checkpoint if any), "require", "fresh".
 
     Raises ConfigError on bad input, ``faults.Preempted`` after a SIGTERM/SIGINT checkpoint
     and ``faults.NonFinite`` when a step goes non-finite with ``train.nonfinite=stop``.
+
+    ``timings`` (train/timings.py) collects where the time goes; ``plotter`` (a
+    ``train.plot.CurvePlotter``) draws curves.png in its helper process, and the caller
+    waits for it (without one, the run draws it before returning); ``data``: see
+    :func:`build`.
 
     The skeleton: build and compile; agree on the starting state (checkpoint or init)
     before writing anything; then one compiled call after another, stopping at the
@@ -368,8 +393,9 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     dist.initialize(cfg.distributed)  # before anything touches a device
     if not dist.is_main():
         echo = _quiet
-    r = build(cfg)
-    loop = _Loop.begin(r, resume, echo)
+    timings = timings or Timings()
+    r = build(cfg, data, timings)
+    loop = _Loop.begin(r, resume, echo, timings, plotter)
     try:
         with loop.watch:
             while loop.step < cfg.train.steps:
@@ -427,14 +453,17 @@ class _Loop:
     log_file: object = None
     bar: object = None
     watch: object = None
+    timings: Timings = field(default_factory=Timings)
+    plotter: object = None  # train.plot.CurvePlotter, or None: draw in finish()
 
     @classmethod
-    def begin(cls, r: Run, resume: str, echo) -> _Loop:
+    def begin(cls, r: Run, resume: str, echo, timings: Timings, plotter=None) -> _Loop:
         """Compile, agree on the starting state, then (process 0) set up the run directory."""
         cfg = r.cfg
         sampler = BatchIndices(cfg.seed, len(r.data.x), cfg.train.batch_size)
         first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, boundaries(cfg))))
         prep = prepare(r, cfg.train.nonfinite, first)
+        timings.lap("compile")
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
         start, p_leaves, o_leaves, skipped, good_ckpt = _agree_on_start(
             cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0
@@ -457,12 +486,15 @@ class _Loop:
             start_step=start,
             pending_from=start,
             window_start=start,
+            timings=timings,
+            plotter=plotter,
         )
         loop.bar = _progress(cfg, start) if dist.is_main() else _NoBar()
         if dist.is_main():
             loop.log_file = open(r.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - close()
         loop.watch = faults.PreemptionWatch(dist.is_multiprocess())
         loop.t_start = loop.t_window = time.perf_counter()
+        timings.lap("other")
         return loop
 
     # -- the steps of the loop ---------------------------------------------------------
@@ -539,6 +571,8 @@ class _Loop:
         if not dist.is_main():
             return
         prep = self.prep
+        jax.block_until_ready(self.p_leaves)  # the training so far is charged to "train"
+        self.timings.lap("train")
         params = jax.tree.unflatten(
             prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
         )
@@ -552,9 +586,12 @@ class _Loop:
                 "time": round(time.perf_counter() - self.t_start, 3),
             }
         )
+        self.timings.lap("eval")
 
     def checkpoint(self) -> None:
         """Save the state (process 0 writes), after checking it is finite."""
+        jax.block_until_ready(self.p_leaves)
+        self.timings.lap("train")
         state = self.host_state()
         # The loss-only flag cannot see a last step that broke the params.
         if self.r.cfg.train.nonfinite == "stop" and not _all_finite(state[0]):
@@ -569,6 +606,7 @@ class _Loop:
                 _metadata(cfg, self.step, self.sampler, self.skipped),
                 cfg.checkpoint.keep,
             )
+        self.timings.lap("checkpoint")
 
     def close(self) -> None:
         self.bar.close()
@@ -579,6 +617,7 @@ class _Loop:
         """Final params and summary on the Run, the plot, and the closing line."""
         r, tc = self.r, self.r.cfg.train
         wall = time.perf_counter() - self.t_start
+        self.timings.lap("train")
         r.params, r.opt_state = self.host_state()
         r.step = self.step
         r.summary = {
@@ -589,7 +628,11 @@ class _Loop:
             "examples_per_s": (self.step - self.start_step) * tc.batch_size / max(wall, 1e-9),
         }
         if r.cfg.log.plot and dist.is_main():
-            plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+            if self.plotter is not None:  # the caller waits for it
+                self.plotter.draw(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+            else:
+                plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+                self.timings.lap("plot")
         last = self.last_eval
         acc = f", test accuracy {last['accuracy']:.4f}" if "accuracy" in last else ""
         skip = f", {self.skipped} non-finite steps skipped" if self.skipped else ""
@@ -739,34 +782,3 @@ def _progress(cfg: Config, start: int):
     return tqdm(
         total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True
     )
-
-
-def plot_curves(metrics_path: Path, out: Path) -> None:
-    """Train/test loss (and accuracy when present) against step, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
-    metric_names = ["loss"] + (["accuracy"] if any("accuracy" in r for r in records) else [])
-    fig, axes = plt.subplots(
-        1, len(metric_names), figsize=(5 * len(metric_names), 3.5), squeeze=False
-    )
-    for ax, name in zip(axes[0], metric_names):
-        for split in ("train", "test"):
-            pts = [(r["step"], r[name]) for r in records if r["split"] == split and name in r]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, label=split, marker="o" if split == "test" else None, markersize=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel(name)
-        if name == "loss":
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
