@@ -39,9 +39,14 @@ from ._params import ParamsDict as ParamsDict
 from ._params import PathKey as PathKey
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
-from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
-from ._show_jaxpr import roundtrip as roundtrip
-from ._show_jaxpr import show_jaxpr as show_jaxpr
+
+# show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
+# loaded on first use (PEP 562), so that training, which never prints, does not pay it.
+_LAZY = {
+    "UnsupportedPrimitiveError": "._show_jaxpr",
+    "roundtrip": "._show_jaxpr",
+    "show_jaxpr": "._show_jaxpr",
+}
 
 __version__ = "0.1.0"
 
@@ -85,3 +90,17 @@ __all__ = [
     "tanh",
     "vjp",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
