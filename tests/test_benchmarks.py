@@ -51,3 +51,28 @@ def test_matmul_floor_does_the_steps_matmuls():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="not a multiple of K=2"):
         floor.run(3)
+
+
+def test_cli_wall_times_the_command_phase_by_phase(tmp_path):
+    """One real ``python -m train --timings`` sample: the phases partition its wall time."""
+    from benchmarks.cli_wall import COLUMNS, ROOT, child_env, run_cli, summarize
+
+    sets = ["train.steps=20", "train.eval_every=10", "train.log_every=10", "checkpoint.every=10"]
+    env = child_env(None, bytecode=False)
+    sample = run_cli(ROOT, "digits_mlp", sets, str(tmp_path / "runs"), env, timings=True)
+    phases = sample["phases"]
+    assert {
+        "interpreter",
+        "imports",
+        "compile",
+        "train",
+        "eval",
+        "checkpoint",
+        "plot",
+        "exit",
+    } <= set(phases)
+    assert all(v >= 0 for v in phases.values()), phases
+    assert sum(phases.values()) == pytest.approx(sample["wall_s"], abs=0.05)
+    assert (tmp_path / "runs" / "digits_mlp" / "curves.png").is_file()
+    rows, med = summarize({"digits_mlp cold": [sample]})
+    assert len(rows[0]) == 3 + len(COLUMNS) and med["digits_mlp cold"]["wall_s"] == sample["wall_s"]
