@@ -8,7 +8,9 @@ fresh process, timed from just before the process is spawned to just after it ha
 The breakdown comes from the ``timings.json`` the command writes (train/timings.py):
 interpreter start-up (spawn -> first line of ``train/__main__.py``), config, imports,
 JAX backend, data, compile, train, eval, checkpoint, plot, other, and exit (the command's
-last timestamp -> the process is gone: interpreter teardown).
+last timestamp -> the process is gone: interpreter teardown). "CPU" is the user + system
+time of the command's process tree (its plot helper included), which a loaded machine
+inflates far less than the wall time.
 
 Rows, run interleaved in shuffled order, several repeats, medians:
 
@@ -34,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -104,12 +107,12 @@ def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, t
     cmd += ["--timings"] if timings else []
     for s in [f"log.dir={log_dir}", *sets]:
         cmd += ["--set", s]
-    t_spawn = time.time()
+    cpu0, t_spawn = _children_cpu(), time.time()
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
-    t_gone = time.time()
+    t_gone, cpu = time.time(), _children_cpu() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} (in {root}) failed:\n{proc.stderr[-3000:]}")
-    out = {"wall_s": t_gone - t_spawn, "phases": {}}
+    out = {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": {}}
     if timings:
         name = _run_name(root, config, sets)
         t = json.loads((Path(log_dir) / name / "timings.json").read_text())
@@ -135,16 +138,23 @@ def breakdown(t: dict, t_spawn: float, t_gone: float) -> dict[str, float]:
     return phases
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's finished (and waited for) descendants:
+    a sample's CPU time is the difference around it (the plot helper included)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def run_sklearn(env: dict) -> dict:
-    t_spawn = time.time()
+    cpu0, t_spawn = _children_cpu(), time.time()
     proc = subprocess.run(
         [sys.executable, "-c", SKLEARN_SCRIPT], env=env, capture_output=True, text=True
     )
-    t_gone = time.time()
+    t_gone, cpu = time.time(), _children_cpu() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"the scikit-learn script failed:\n{proc.stderr[-3000:]}")
     t = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"wall_s": t_gone - t_spawn, "phases": breakdown(t, t_spawn, t_gone)}
+    return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
 
 
 def parse_sets(items: list[str]) -> dict[str, list[str]]:
@@ -158,15 +168,20 @@ def parse_sets(items: list[str]) -> dict[str, list[str]]:
 
 
 def summarize(samples: dict[str, list[dict]]) -> tuple[list[list[str]], dict]:
-    """Table rows (median wall, then the median of each phase) and the medians."""
+    """Table rows (median wall, min wall, median CPU time of the process tree, then the median
+    of each phase) and the medians."""
     rows, med = [], {}
     for case, runs in samples.items():
         walls = [r["wall_s"] for r in runs]
         phases = {c: statistics.median(r["phases"].get(c, 0.0) for r in runs) for c in COLUMNS}
         has = {c for r in runs for c in r["phases"]}
-        med[case] = {"wall_s": statistics.median(walls), "min_wall_s": min(walls), **phases}
+        cpu = statistics.median(r["cpu_s"] for r in runs)
+        med[case] = {"wall_s": statistics.median(walls), "min_wall_s": min(walls), "cpu_s": cpu}
+        med[case].update(phases)
         cells = [f"{phases[c]:.2f}" if c in has else "" for c in COLUMNS]
-        rows.append([case, f"{statistics.median(walls):.2f}", f"{min(walls):.2f}", *cells])
+        rows.append(
+            [case, f"{statistics.median(walls):.2f}", f"{min(walls):.2f}", f"{cpu:.2f}", *cells]
+        )
     return rows, med
 
 
@@ -235,7 +250,7 @@ def main(argv=None) -> int:
         f"\nWall time of the whole command, fresh process (median of {repeats}; seconds; "
         f"load average before {_fmt_load(load)}, after {_fmt_load(load_after)})\n"
     )
-    print(h.table(rows, ["command", "median wall", "min wall", *COLUMNS]))
+    print(h.table(rows, ["command", "median wall", "min wall", "CPU", *COLUMNS]))
     if SKLEARN in med:
         for c in configs:
             if c.startswith("digits") and f"{c} cold" in med:

@@ -73,6 +73,7 @@ def test_cli_wall_times_the_command_phase_by_phase(tmp_path):
     } <= set(phases)
     assert all(v >= 0 for v in phases.values()), phases
     assert sum(phases.values()) == pytest.approx(sample["wall_s"], abs=0.05)
+    assert sample["cpu_s"] > 0  # the process tree's CPU time, from getrusage
     assert (tmp_path / "runs" / "digits_mlp" / "curves.png").is_file()
     rows, med = summarize({"digits_mlp cold": [sample]})
-    assert len(rows[0]) == 3 + len(COLUMNS) and med["digits_mlp cold"]["wall_s"] == sample["wall_s"]
+    assert len(rows[0]) == 4 + len(COLUMNS) and med["digits_mlp cold"]["wall_s"] == sample["wall_s"]
