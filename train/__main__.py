@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None, *, standalone: bool = False) -> int:
         if plotter is not None:
             plotter.wait()  # curves.png: requested by train() once the metrics were final
             timings.lap("plot")
-        if args.timings:
+        if args.timings and (settings is None or settings.process_id == 0):
             timings.end()
             print(timings.write(Path(cfg.log.dir) / cfg.name / "timings.json"), file=sys.stderr)
     except ConfigError as e:
