@@ -22,7 +22,11 @@ Rows, run interleaved in shuffled order, several repeats, medians:
   ``score``.
 - ``CONFIG cold (DIR)`` with ``--baseline DIR``: the same command run from another
   checkout (e.g. ``git archive <commit> | tar -x -C DIR``), for before/after figures
-  measured side by side; an older tree writes no timings, so these rows give the wall only.
+  measured side by side. An older tree has no ``--timings``; its command runs under
+  ``BASELINE_PROBE``, which calls its ``train.__main__.main`` with the same arguments and
+  times its ``load_dataset`` (data), ``prepare`` (compile), ``ckpt.save`` (checkpoint)
+  and ``plot_curves`` (plot) by wrapping them; everything else inside ``main`` (config,
+  backend, the loop, evaluations) shows as "train".
 
 Python writes bytecode caches (``__pycache__``, filled by the untimed runs) whatever
 ``PYTHONDONTWRITEBYTECODE`` says: a user's checkout has them. ``--no-bytecode`` leaves the
@@ -92,6 +96,44 @@ print(json.dumps({"t_main": t0, "t_end": t4, "accuracy": acc,
 """
 
 
+# An older tree's command, timed from outside its code (see the module docstring).
+BASELINE_PROBE = """
+import json, sys, time
+from pathlib import Path
+t_main = time.time()
+t = time.perf_counter()
+import train.__main__ as cli
+import train.loop as loop
+laps = {"imports": time.perf_counter() - t}
+
+def timed(owner, name, phase):
+    f = getattr(owner, name, None)
+    if f is None:
+        return
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            laps[phase] = laps.get(phase, 0.0) + time.perf_counter() - t
+    setattr(owner, name, wrapper)
+
+for owner, name, phase in ((loop, "load_dataset", "data"), (loop, "prepare", "compile"),
+                           (loop.ckpt, "save", "checkpoint"), (loop, "plot_curves", "plot")):
+    timed(owner, name, phase)
+argv = sys.argv[1:]
+t = time.perf_counter()
+rc = cli.main(argv)
+inside = time.perf_counter() - t
+laps["train"] = inside - sum(v for k, v in laps.items() if k != "imports")
+cfg = cli.load_config(argv[argv.index("--config") + 1],
+                       [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
+out = Path(cfg.log.dir) / cfg.name / "timings.json"
+out.write_text(json.dumps({"phases": laps, "t_main": t_main, "t_end": time.time()}))
+sys.exit(rc)
+"""
+
+
 def child_env(cache_dir: str | None, bytecode: bool) -> dict[str, str]:
     """The environment of a sample: JAX's compilation cache in ``cache_dir`` (None: off),
     and Python's bytecode caches written (``bytecode``) or as the caller has them."""
@@ -101,10 +143,12 @@ def child_env(cache_dir: str | None, bytecode: bool) -> dict[str, str]:
     return env
 
 
-def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, timings: bool):
-    """One ``python -m train`` process from ``root``; returns wall seconds and phases."""
-    cmd = [sys.executable, "-m", "train", "--config", f"configs/{config}.yaml", "--fresh"]
-    cmd += ["--timings"] if timings else []
+def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, probe: bool = False):
+    """One ``python -m train ... --timings`` process from ``root`` (``probe``: the older
+    tree's command under BASELINE_PROBE); returns wall and CPU seconds and the phases."""
+    head = [sys.executable, "-c", BASELINE_PROBE] if probe else [sys.executable, "-m", "train"]
+    cmd = [*head, "--config", f"configs/{config}.yaml", "--fresh"]
+    cmd += [] if probe else ["--timings"]
     for s in [f"log.dir={log_dir}", *sets]:
         cmd += ["--set", s]
     cpu0, t_spawn = _children_cpu(), time.time()
@@ -112,12 +156,9 @@ def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, t
     t_gone, cpu = time.time(), _children_cpu() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} (in {root}) failed:\n{proc.stderr[-3000:]}")
-    out = {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": {}}
-    if timings:
-        name = _run_name(root, config, sets)
-        t = json.loads((Path(log_dir) / name / "timings.json").read_text())
-        out["phases"] = breakdown(t, t_spawn, t_gone)
-    return out
+    name = _run_name(root, config, sets)
+    t = json.loads((Path(log_dir) / name / "timings.json").read_text())
+    return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
 
 
 def _run_name(root: Path, config: str, sets: list[str]) -> str:
@@ -216,15 +257,15 @@ def main(argv=None) -> int:
         for c in configs:
             s, log = sets.get(c, []), str(Path(tmp) / "runs")
             warm_env = child_env(str(Path(tmp) / f"jax-cache-{c}"), bytecode)
-            cases[f"{c} cold"] = lambda c=c, s=s, log=log: run_cli(ROOT, c, s, log, cold_env, True)
+            cases[f"{c} cold"] = lambda c=c, s=s, log=log: run_cli(ROOT, c, s, log, cold_env)
             if not args.no_warm:
                 cases[f"{c} warm"] = lambda c=c, s=s, log=log, e=warm_env: run_cli(
-                    ROOT, c, s, log, e, True
+                    ROOT, c, s, log, e
                 )
             if args.baseline is not None:
                 base_log = str(Path(tmp) / "base-runs")
                 cases[f"{c} cold ({args.baseline})"] = lambda c=c, s=s, log=base_log: run_cli(
-                    args.baseline, c, s, log, cold_env, False
+                    args.baseline, c, s, log, cold_env, probe=True
                 )
         if not args.no_sklearn:
             cases[SKLEARN] = lambda: run_sklearn(cold_env)

@@ -59,7 +59,7 @@ def test_cli_wall_times_the_command_phase_by_phase(tmp_path):
 
     sets = ["train.steps=20", "train.eval_every=10", "train.log_every=10", "checkpoint.every=10"]
     env = child_env(None, bytecode=False)
-    sample = run_cli(ROOT, "digits_mlp", sets, str(tmp_path / "runs"), env, timings=True)
+    sample = run_cli(ROOT, "digits_mlp", sets, str(tmp_path / "runs"), env)
     phases = sample["phases"]
     assert {
         "interpreter",
