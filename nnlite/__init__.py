@@ -5,6 +5,13 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
 from . import vjp as vjp
+from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._attention import TransformerBlock as TransformerBlock
+from ._conv import Conv as Conv
+from ._dropout import Dropout as Dropout
+from ._embedding import Embedding as Embedding
+from ._equinox import EquinoxLayer as EquinoxLayer
+from ._equinox import from_equinox as from_equinox
 from ._grad_modes import GRAD_MODES as GRAD_MODES
 from ._grad_modes import HAND_ACTIVATIONS as HAND_ACTIVATIONS
 from ._grad_modes import fused_grad_accum as fused_grad_accum
@@ -13,11 +20,12 @@ from ._grad_modes import loss_and_grad as loss_and_grad
 from ._grad_modes import mlp_layers as mlp_layers
 from ._grad_modes import mlp_logits as mlp_logits
 from ._grad_modes import mlp_loss as mlp_loss
-from ._layers import FFN as FFN
-from ._layers import Activation as Activation
-from ._layers import Linear as Linear
-from ._layers import Sequential as Sequential
-from ._layers import SoftmaxHead as SoftmaxHead
+from ._linear import FFN as FFN
+from ._linear import Activation as Activation
+from ._linear import Linear as Linear
+from ._linear import Sequential as Sequential
+from ._linear import SoftmaxHead as SoftmaxHead
+from ._linear import linear as linear
 from ._losses import REDUCTIONS as REDUCTIONS
 from ._losses import accuracy as accuracy
 from ._losses import mse as mse
@@ -25,6 +33,7 @@ from ._losses import nll as nll
 from ._losses import reduce as reduce
 from ._losses import softmax_cross_entropy as softmax_cross_entropy
 from ._module import Module as Module
+from ._module import ParamsMismatchError as ParamsMismatchError
 from ._nn import ACTIVATIONS as ACTIVATIONS
 from ._nn import INITIALIZERS as INITIALIZERS
 from ._nn import gelu as gelu
@@ -35,38 +44,89 @@ from ._nn import relu as relu
 from ._nn import sigmoid as sigmoid
 from ._nn import softplus as softplus
 from ._nn import tanh as tanh
+from ._normalisation import GroupNorm as GroupNorm
+from ._normalisation import LayerNorm as LayerNorm
+from ._normalisation import RMSNorm as RMSNorm
 from ._params import ParamsDict as ParamsDict
-from ._params import PathKey as PathKey
 from ._params import format_path as format_path
 from ._params import leaf_str as leaf_str
+from ._pool import AvgPool as AvgPool
+from ._pool import Flatten as Flatten
+from ._pool import MaxPool as MaxPool
+from ._save import CheckpointError as CheckpointError
+from ._save import load as load
+from ._save import save as save
 
 # show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
-# loaded on first use (PEP 562), so that training, which never prints, does not pay it.
+# loaded on first use (PEP 562, see __getattr__), so that training, which never prints,
+# does not pay it.
 _LAZY = {
     "UnsupportedPrimitiveError": "._show_jaxpr",
     "roundtrip": "._show_jaxpr",
     "show_jaxpr": "._show_jaxpr",
+    "show_jaxpr_and_xla": "._show_jaxpr",
+    "show_xla": "._show_jaxpr",
 }
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    # Deprecated names: still importable, with a warning that says what replaces them.
+    if name == "PathKey":
+        import warnings
+
+        import jax
+
+        warnings.warn(
+            "nl.PathKey is deprecated: ParamsDict key paths now use JAX's standard "
+            "jax.tree_util.DictKey (orbax and keystr read it); nl.PathKey is that "
+            "class (its .key is the old .name), and nl.format_path(path) still prints "
+            "'/layers[0]/W'",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return jax.tree_util.DictKey
+    raise AttributeError(f"module 'nnlite' has no attribute {name!r}")
+
+
 __all__ = [
     "ACTIVATIONS",
+    "CheckpointError",
     "FFN",
     "GRAD_MODES",
     "HAND_ACTIVATIONS",
     "INITIALIZERS",
     "REDUCTIONS",
     "Activation",
+    "AvgPool",
+    "Conv",
+    "Dropout",
+    "Embedding",
+    "EquinoxLayer",
+    "Flatten",
+    "GroupNorm",
+    "LayerNorm",
     "Linear",
+    "MaxPool",
     "Module",
+    "MultiHeadAttention",
     "ParamsDict",
-    "PathKey",
+    "ParamsMismatchError",
+    "RMSNorm",
     "Sequential",
     "SoftmaxHead",
+    "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",
     "format_path",
+    "from_equinox",
     "fused_grad_accum",
     "fused_loss_and_grad",
     "gelu",
@@ -74,6 +134,8 @@ __all__ = [
     "get_initializer",
     "identity",
     "leaf_str",
+    "load",
+    "linear",
     "loss_and_grad",
     "mlp_layers",
     "mlp_logits",
@@ -83,23 +145,16 @@ __all__ = [
     "reduce",
     "relu",
     "roundtrip",
+    "save",
     "show_jaxpr",
+    "show_jaxpr_and_xla",
+    "show_xla",
     "sigmoid",
     "softmax_cross_entropy",
     "softplus",
     "tanh",
     "vjp",
 ]
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
 
 
 def __dir__() -> list[str]:

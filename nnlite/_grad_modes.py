@@ -19,7 +19,7 @@ from . import _vjp
 from ._losses import softmax_cross_entropy as _sce
 from ._nn import ACTIVATIONS, get_activation
 from ._vjp_tools import _match_primal
-from .vjp import hand
+from .vjp.batched import hand
 
 __all__ = [
     "GRAD_MODES",

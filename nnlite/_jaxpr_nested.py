@@ -5,7 +5,8 @@
 function with its JVP rule; ``custom_vjp_call`` -> a ``jax.custom_vjp`` function with its
 forward and backward rules (rebuilt from the rules JAX recorded, so the decompiled function
 differentiates exactly like the original, not by autodiff of the primal); ``shard_map`` ->
-``jax.shard_map(fn, ...)(...)`` (in ``_jaxpr_parallel.py``).
+``jax.shard_map(fn, ...)(...)`` (in ``_jaxpr_parallel.py``). Registered into the printer
+core (``_jaxpr_printer.py``) on import.
 """
 
 from __future__ import annotations
@@ -17,17 +18,22 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from . import _jax_private
-from ._jaxpr_parallel import shard_map
-from ._jaxpr_rules import Bare, Call, Tup, UnsupportedPrimitiveError, tuple_or_single
+from ._jaxpr_printer import register, single_ret
+from ._jaxpr_rules import (
+    Bare,
+    Call,
+    Tup,
+    UnsupportedPrimitiveError,
+    flat,
+    named_sharding_expr,
+    pystr,
+    tuple_or_single,
+)
 
 if TYPE_CHECKING:
-    from ._show_jaxpr import _Printer
+    from ._jaxpr_printer import Printer as _Printer
 
-__all__ = ["HIGHER_ORDER", "fold_index_eqns", "single_ret"]
-
-
-def single_ret(outs, _args):
-    return tuple_or_single(outs)
+__all__ = ["HIGHER_ORDER", "fold_index_eqns"]
 
 
 def _jit(pr: _Printer, eqn, args, env, scope, indent):
@@ -49,7 +55,7 @@ def _jit(pr: _Printer, eqn, args, env, scope, indent):
     if not scope.lookup(fname, key):
         pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
         scope.defs[fname] = key
-    kw = []
+    kw = _jit_shardings(p)
     if any(p["donated_invars"]):
         kw.append(
             ("donate_argnums", repr(tuple(i for i, d in enumerate(p["donated_invars"]) if d)))
@@ -76,7 +82,7 @@ def _check_jit_params(eqn, ambient_mesh):
     p = eqn.params
     bad = {}
     for k in ("in_shardings", "out_shardings"):
-        if any(type(s).__name__ != "UnspecifiedValue" for s in p[k]):
+        if any(not _unspecified(s) and named_sharding_expr(s) is None for s in p[k]):
             bad[k] = p[k]
     for k in ("in_layouts", "out_layouts"):
         if any(x is not None for x in p[k]):
@@ -89,8 +95,30 @@ def _check_jit_params(eqn, ambient_mesh):
     if bad:
         raise UnsupportedPrimitiveError(
             f"show_jaxpr cannot print primitive 'jit' with params {bad}: only jit without "
-            "explicit shardings, layouts, meshes or compiler options is supported"
+            "layouts, meshes or compiler options, and with shardings (if any) that are "
+            "NamedShardings over a concrete mesh, is supported"
         )
+
+
+def _unspecified(s) -> bool:
+    return type(s).__name__ == "UnspecifiedValue"
+
+
+def _jit_shardings(p) -> list:
+    """``in_shardings=(...)`` / ``out_shardings=...`` keywords, when the jit had them.
+
+    The printed function takes one argument per input and returns a bare value for one
+    output, so ``in_shardings`` is a tuple (``None``: unspecified) and ``out_shardings``
+    a tuple, or the bare sharding for one output.
+    """
+    kw = []
+    for k in ("in_shardings", "out_shardings"):
+        specs = p[k]
+        if all(_unspecified(s) for s in specs):
+            continue
+        exprs = ["None" if _unspecified(s) else named_sharding_expr(s) for s in specs]
+        kw.append((k, exprs[0] if k == "out_shardings" and len(exprs) == 1 else Tup(exprs)))
+    return kw
 
 
 def _cond(pr: _Printer, eqn, args, env, scope, indent):
@@ -295,6 +323,52 @@ def _custom_vjp(pr: _Printer, eqn, args, env, scope, indent):
     pr.assign(eqn, env, Call(fname, args), indent, origin, structured=True)
 
 
+def _remat(pr: _Printer, eqn, args, env, scope, indent):
+    """``jax.checkpoint(fn, prevent_cse=..., policy=...)(*args)``.
+
+    ``differentiated=True`` (JAX sets it on the rematerialised forward pass inside a
+    gradient) has no public spelling and is not printed: the rebuilt call computes the
+    same values; it only tells XLA lowering that the recomputation was differentiated.
+    """
+    p = eqn.params
+    closed = ClosedJaxpr(p["jaxpr"], [])
+    fname = pr.function_name(eqn)
+    origin = pr.origin(eqn, f"checkpoint of {fname}")
+    key = ("remat", _jaxpr_key(closed))
+    if not scope.lookup(fname, key):
+        pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
+        scope.defs[fname] = key
+    kw = []
+    if not p["prevent_cse"]:
+        kw.append(("prevent_cse", "False"))
+    if p["policy"] is not None:
+        kw.append(("policy", _policy_expr(p["policy"])))
+    call = Call(Call("jax.checkpoint", [fname], kw), args)
+    pr.assign(eqn, env, call, indent, origin, structured=True)
+
+
+_NAME_POLICIES = {  # policy class -> (factory in jax.checkpoint_policies, its names field)
+    "SaveOnlyTheseNames": ("save_only_these_names", "saveable_names"),
+    "SaveAnyNamesButThese": ("save_any_names_but_these", "names"),
+}
+
+
+def _policy_expr(policy) -> str:
+    cp = jax.checkpoint_policies
+    for attr in dir(cp):
+        if not attr.startswith("_") and getattr(cp, attr) is policy:
+            return f"jax.checkpoint_policies.{attr}"
+    factory = _NAME_POLICIES.get(type(policy).__name__)
+    if factory is not None:
+        names = sorted(getattr(policy, factory[1]))
+        return flat(Call(f"jax.checkpoint_policies.{factory[0]}", [pystr(n) for n in names]))
+    raise UnsupportedPrimitiveError(
+        f"show_jaxpr cannot print jax.checkpoint policy {policy!r}: only the policies of "
+        "jax.checkpoint_policies (ready-made, save_only_these_names, save_any_names_but_these) "
+        "have a Python spelling here"
+    )
+
+
 def _trace_bwd(bwd, res_avals, ct_avals):
     """Trace a custom_vjp backward rule; ``mask[i]``: it returns None for input ``i``."""
     mask: list[bool] = []
@@ -316,5 +390,32 @@ HIGHER_ORDER = {
     "scan": _scan,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
-    "shard_map": shard_map,
+    "remat2": _remat,
 }
+
+
+def _func_name(param: str, default: str):
+    def name(eqn) -> str:
+        j = eqn.params[param]
+        dbg = getattr(j, "jaxpr", j).debug_info
+        return getattr(dbg, "func_name", None) or default
+
+    return name
+
+
+def _jit_name(eqn) -> str:
+    return eqn.params.get("name", "fn")
+
+
+register(
+    higher_order=HIGHER_ORDER,
+    body_pass=fold_index_eqns,
+    function_names={
+        "jit": _jit_name,
+        "pjit": _jit_name,
+        "closed_call": _jit_name,
+        "custom_jvp_call": _func_name("call_jaxpr", "custom_fn"),
+        "custom_vjp_call": _func_name("call_jaxpr", "custom_fn"),
+        "remat2": _func_name("jaxpr", "checkpointed"),
+    },
+)

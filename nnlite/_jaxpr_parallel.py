@@ -23,21 +23,23 @@ from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import AxisType
 
 from . import _jax_private
+from ._jaxpr_printer import register
 from ._jaxpr_rules import (
     Call,
     Rule,
     Tup,
     UnsupportedPrimitiveError,
     flat,
+    mesh_expr,
     pystr,
     spec_expr,
     tuple_or_single,
 )
 
 if TYPE_CHECKING:
-    from ._show_jaxpr import _Printer
+    from ._jaxpr_printer import Printer as _Printer
 
-__all__ = ["COLLECTIVE_RULES", "mesh_expr", "shard_map"]
+__all__ = ["COLLECTIVE_RULES", "shard_map"]
 
 
 # -- shard_map --------------------------------------------------------------------------------
@@ -91,39 +93,6 @@ def _ordered(mesh, names) -> list[str]:
 def _manual_mesh(mesh, manual):
     """The abstract mesh JAX traces a shard_map body under: ``manual`` axes made Manual."""
     return mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in manual})
-
-
-def mesh_expr(mesh: jax.sharding.Mesh) -> Call:
-    """``jax.make_mesh(...)`` (or ``jax.sharding.Mesh(...)``) rebuilding ``mesh``.
-
-    Devices are named by their position in ``jax.devices()``. ``jax.make_mesh`` prints
-    when it gives the same device order (it may reorder devices for the hardware topology);
-    otherwise the device array is spelled out.
-    """
-    everything = jax.devices()
-    position = {d: i for i, d in enumerate(everything)}
-    missing = [d for d in mesh.devices.flat if d not in position]
-    if missing:
-        raise UnsupportedPrimitiveError(
-            f"mesh {mesh}: devices {missing} are not in jax.devices(), so the source cannot "
-            "name them"
-        )
-    index = [position[d] for d in mesh.devices.flat]
-    shape = tuple(mesh.devices.shape)
-    names, types = tuple(mesh.axis_names), tuple(mesh.axis_types)
-    shape_s = Tup([repr(n) for n in shape])
-    names_s = Tup([pystr(n) for n in names])
-    types_s = Tup([f"jax.sharding.AxisType.{t.name}" for t in types])
-    n = len(index)
-    if index == list(range(n)):
-        kw = [("axis_types", types_s)]
-        if n < len(everything):
-            kw.append(("devices", f"jax.devices()[:{n}]"))
-        remade = jax.make_mesh(shape, names, types, devices=everything[:n])
-        if np.array_equal(remade.devices, mesh.devices):
-            return Call("jax.make_mesh", [shape_s, names_s], kw)
-    devices = f"np.array([jax.devices()[i] for i in {tuple(index)!r}]).reshape({flat(shape_s)})"
-    return Call("jax.sharding.Mesh", [devices, names_s], [("axis_types", types_s)])
 
 
 # -- collectives ------------------------------------------------------------------------------
@@ -236,3 +205,14 @@ COLLECTIVE_RULES: dict[str, Rule] = {
     "axis_index": _axis_index,
     "pvary": _pvary,
 }
+
+
+def _shard_map_name(eqn) -> str:
+    return getattr(eqn.params["jaxpr"].debug_info, "func_name", None) or "shard_fn"
+
+
+register(
+    rules=COLLECTIVE_RULES,
+    higher_order={"shard_map": shard_map},
+    function_names={"shard_map": _shard_map_name},
+)

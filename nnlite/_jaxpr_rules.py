@@ -37,6 +37,8 @@ __all__ = [
     "tuple_or_single",
     "UnsupportedPrimitiveError",
     "dtype_expr",
+    "mesh_expr",
+    "named_sharding_expr",
     "pystr",
     "pyval",
     "render",
@@ -239,6 +241,51 @@ def spec_expr(spec) -> str:
     return f"P({', '.join(parts)})"
 
 
+def mesh_expr(mesh: jax.sharding.Mesh) -> Call:
+    """``jax.make_mesh(...)`` (or ``jax.sharding.Mesh(...)``) rebuilding ``mesh``.
+
+    Devices are named by their position in ``jax.devices()``. ``jax.make_mesh`` prints
+    when it gives the same device order (it may reorder devices for the hardware topology);
+    otherwise the device array is spelled out.
+    """
+    everything = jax.devices()
+    position = {d: i for i, d in enumerate(everything)}
+    missing = [d for d in mesh.devices.flat if d not in position]
+    if missing:
+        raise UnsupportedPrimitiveError(
+            f"mesh {mesh}: devices {missing} are not in jax.devices(), so the source cannot "
+            "name them"
+        )
+    index = [position[d] for d in mesh.devices.flat]
+    shape = tuple(mesh.devices.shape)
+    names, types = tuple(mesh.axis_names), tuple(mesh.axis_types)
+    shape_s = Tup([repr(n) for n in shape])
+    names_s = Tup([pystr(n) for n in names])
+    types_s = Tup([f"jax.sharding.AxisType.{t.name}" for t in types])
+    n = len(index)
+    if index == list(range(n)):
+        kw = [("axis_types", types_s)]
+        if n < len(everything):
+            kw.append(("devices", f"jax.devices()[:{n}]"))
+        remade = jax.make_mesh(shape, names, types, devices=everything[:n])
+        if np.array_equal(remade.devices, mesh.devices):
+            return Call("jax.make_mesh", [shape_s, names_s], kw)
+    devices = f"np.array([jax.devices()[i] for i in {tuple(index)!r}]).reshape({flat(shape_s)})"
+    return Call("jax.sharding.Mesh", [devices, names_s], [("axis_types", types_s)])
+
+
+def named_sharding_expr(sharding) -> Call | None:
+    """``jax.sharding.NamedSharding(mesh, P(...))`` over a concrete mesh, or None when the
+    sharding is of another kind or names a memory other than the device's."""
+    if (
+        not isinstance(sharding, jax.sharding.NamedSharding)
+        or not isinstance(sharding.mesh, jax.sharding.Mesh)
+        or sharding.memory_kind not in (None, "device")
+    ):
+        return None
+    return Call("jax.sharding.NamedSharding", [mesh_expr(sharding.mesh), spec_expr(sharding.spec)])
+
+
 def sharding_expr(sharding, mesh) -> str | None:
     """``P(...)`` for an ``out_sharding`` that is a spec over the ambient mesh, else None.
 
@@ -288,12 +335,30 @@ def pyval(v: Any, what: str = "parameter"):
         return "[" + ", ".join(flat(pyval(x, what)) for x in v) + "]"
     if isinstance(v, np.ndarray):
         return array_expr(v)
+    if (
+        isinstance(v, jax.sharding.NamedSharding)
+        and isinstance(v.mesh, jax.sharding.AbstractMesh)
+        and v.memory_kind is None
+    ):
+        # e.g. convert_element_type[sharding=...] that jax.jacfwd/jax.hessian make: a spec
+        # over an abstract mesh (no devices), so it prints without one.
+        return Call("jax.sharding.NamedSharding", [abstract_mesh_expr(v.mesh), spec_expr(v.spec)])
     raise UnsupportedPrimitiveError(
         f"{what} {v!r} of type {type(v).__name__} has no Python spelling"
     )
 
 
-_ENUM_HOMES = (("lax", lax), ("jax.memory", jax.memory))
+_ENUM_HOMES = (("lax", lax), ("jax.memory", jax.memory), ("jax.sharding", jax.sharding))
+
+
+def abstract_mesh_expr(mesh: jax.sharding.AbstractMesh) -> Call:
+    """``jax.sharding.AbstractMesh(sizes, names, axis_types=...)``."""
+    return Call(
+        "jax.sharding.AbstractMesh",
+        [Tup([repr(int(n)) for n in mesh.axis_sizes]), Tup([pystr(a) for a in mesh.axis_names])],
+        [("axis_types", Tup([pyval(t, "axis type") for t in mesh.axis_types]))],
+    )
+
 
 # -- the fallback ------------------------------------------------------------------------------
 _PRIMS_BY_ID = {id(p): f"lax.{n}" for n, p in vars(lax).items() if n.endswith("_p")}
@@ -581,8 +646,10 @@ RULES["stack"] = _stack
 
 
 def _random_seed(eqn, args, _mesh):
-    a = eqn.invars[0].aval
-    if a.dtype != np.int32 or a.weak_type:
+    # jax.random.key binds random_seed on the seed as it is, whatever its integer dtype
+    # (weak int32 from a Python int, uint32, int64): the legacy PRNGKey(seed) is this
+    # followed by random_unwrap.
+    if not np.issubdtype(eqn.invars[0].aval.dtype, np.integer):
         return None
     return Call("jax.random.key", args, [("impl", pystr(eqn.params["impl"].name))])
 

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._params import ParamsDict
 
-__all__ = ["Module"]
+__all__ = ["Module", "ParamsMismatchError"]
+
+
+class ParamsMismatchError(ValueError):
+    """Params that do not fit their module: ``Linear(5, 7): params /W has shape (5, 9),
+    expected (5, 7)``. ``path`` is relative to ``owner``; a parent layer re-raises it with
+    its own name and the full path (see ``Module.params_scope``)."""
+
+    def __init__(self, owner: str, path: str, problem: str):
+        self.owner, self.path, self.problem = owner, path, problem
+        super().__init__(f"{owner}: params {path or '/'} {problem}")
 
 
 class Module:
@@ -57,16 +70,141 @@ class Module:
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         raise NotImplementedError(f"{type(self).__name__} does not define __call__(params, x)")
 
-    def check_input(self, x: Any, features: int) -> None:
-        """Raise a ValueError naming this module unless ``x``'s last axis is ``features``."""
+    def check_input(self, x: Any, features: int, *, min_rank: int = 1) -> None:
+        """Raise a ValueError naming this module unless ``x`` is a numeric array of rank at
+        least ``min_rank`` whose last axis is ``features``."""
         shape = getattr(x, "shape", None)
-        if shape is None or len(shape) == 0 or shape[-1] != features:
+        if shape is None or len(shape) < max(min_rank, 1) or shape[-1] != features:
+            rank = f" and rank >= {min_rank}" if min_rank > 1 else ""
             raise ValueError(
-                f"{self._short_repr()}: expected input with last axis {features}, got shape "
-                f"{tuple(shape) if shape is not None else type(x).__name__}"
+                f"{self._short_repr()}: expected input with last axis {features}{rank}, got "
+                f"shape {tuple(shape) if shape is not None else type(x).__name__}"
             )
+        self.check_numeric(x)
+
+    def check_numeric(self, x: Any) -> None:
+        """Raise a ValueError naming this module unless ``x`` has a numeric dtype."""
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not (
+            jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+        ):
+            raise ValueError(
+                f"{self._short_repr()}: expected a numeric array, got dtype {dtype} "
+                f"(shape {getattr(x, 'shape', None)})"
+            )
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of this module's own array leaves (``{"W": (5, 7), "b": (7,)}``); children's
+        params are checked by the children. Layers with params override this."""
+        return {}
+
+    def check_params(self, params: Any, expected: Mapping[str, tuple] | None = None) -> None:
+        """Check that ``params`` holds each leaf of ``expected`` (default:
+        ``param_shapes()``) with that shape and this module's ``param_dtype``. Shapes are
+        static, so under ``jit`` this runs once, at trace time, and costs nothing per step.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from nnlite import Linear
+            >>> Linear(5, 7)(ParamsDict(W=jnp.zeros((5, 9)), b=jnp.zeros(9)), jnp.ones(5))
+            Traceback (most recent call last):
+            ...
+            nnlite._module.ParamsMismatchError: Linear(5, 7): params /W has shape (5, 9), expected (5, 7)
+        """
+        owner = self._args_repr()
+        if not isinstance(params, Mapping | ParamsDict):
+            raise ParamsMismatchError(
+                owner, "", f"must be a ParamsDict from init(), got {type(params).__name__}"
+            )
+        want_dtype = jnp.dtype(getattr(self, "param_dtype", "float32"))
+        expected = self.param_shapes() if expected is None else expected
+        for name, shape in expected.items():
+            if name not in params:
+                keys = ", ".join(params) or "(none)"
+                raise ParamsMismatchError(owner, f"/{name}", f"is missing (keys: {keys})")
+            leaf = params[name]
+            got = tuple(getattr(leaf, "shape", ()))
+            if got != tuple(shape):
+                raise ParamsMismatchError(
+                    owner, f"/{name}", f"has shape {got}, expected {tuple(shape)}"
+                )
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) != want_dtype:
+                raise ParamsMismatchError(
+                    owner,
+                    f"/{name}",
+                    f"has dtype {jnp.dtype(dtype)}, expected {want_dtype} (the module's "
+                    "param_dtype; cast the params or build the module with that param_dtype)",
+                )
+
+    def child(self, params: Any, name: str) -> Any:
+        """``params[name]``, or a ``ParamsMismatchError`` naming the missing path."""
+        try:
+            return params[name]
+        except (KeyError, TypeError, IndexError):
+            keys = ", ".join(params) if isinstance(params, Mapping | ParamsDict) else "(none)"
+            raise ParamsMismatchError(
+                self._args_repr(), f"/{name}", f"is missing (keys: {keys or '(none)'})"
+            ) from None
+
+    @contextlib.contextmanager
+    def params_scope(self, path: str) -> Iterator[None]:
+        """Calls to a child layer inside this block report params mismatches with this
+        module's name and the full path (``FFN(...): params /layers[1]/W has shape ...``)."""
+        try:
+            yield
+        except ParamsMismatchError as e:
+            problem = e.problem if e.path else f"{e.problem} (in {e.owner})"
+            raise ParamsMismatchError(self._args_repr(), path + e.path, problem) from None
+
+    def compute_dtype(self, *arrays: Any) -> Any:
+        """The dtype to compute in: the ``dtype`` field if set, else what the inputs and
+        params promote to (as Flax's ``promote_dtype``)."""
+        dtype = getattr(self, "dtype", None)
+        if dtype is not None:
+            return jnp.dtype(dtype)
+        return jnp.result_type(*arrays)
+
+    def _check_positive_ints(self, *names: str, allow_zero: bool = False) -> None:
+        for name in names:
+            v = getattr(self, name)
+            values = v if isinstance(v, tuple) else (v,)
+            lo = 0 if allow_zero else 1
+            if not values or not all(
+                isinstance(i, int | np.integer) and not isinstance(i, bool) and i >= lo
+                for i in values
+            ):
+                kind = "non-negative" if allow_zero else "positive"
+                what = f"a {kind} int" if not isinstance(v, tuple) else f"{kind} ints"
+                raise ValueError(f"{type(self).__name__}: {name} must be {what}, got {v!r}")
+
+    def _check_dtypes(self) -> None:
+        """Validate the ``param_dtype`` and ``dtype`` fields: floating dtype names."""
+        for name in ("param_dtype", "dtype"):
+            v = getattr(self, name, None)
+            if v is None and name == "dtype":
+                continue
+            try:
+                ok = jnp.issubdtype(jnp.dtype(v), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"{type(self).__name__}: {name} must name a floating dtype "
+                    f"('float32', 'bfloat16', 'float16', ...), got {v!r}"
+                )
 
     def _short_repr(self) -> str:
         fields = [f for f in dataclasses.fields(self) if f.name in ("in_features", "features")]
         inner = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
+        return f"{type(self).__name__}({inner})"
+
+    def _args_repr(self) -> str:
+        """``Linear(5, 7)``: the required fields, positionally."""
+        req = [
+            f
+            for f in dataclasses.fields(self)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        inner = ", ".join(repr(getattr(self, f.name)) for f in req)
         return f"{type(self).__name__}({inner})"

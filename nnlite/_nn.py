@@ -17,6 +17,7 @@ INITIALIZERS: dict[str, Callable] = {
     "zeros": _inits.zeros,
     "ones": _inits.ones,
     "normal": _inits.normal(stddev=1.0),
+    "normal_0.02": _inits.normal(stddev=0.02),  # GPT-2's weights and embeddings
     "lecun_normal": _inits.lecun_normal(),
     "lecun_uniform": _inits.lecun_uniform(),
     "glorot_normal": _inits.glorot_normal(),

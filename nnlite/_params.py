@@ -11,32 +11,16 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["ParamsDict", "PathKey", "format_path", "leaf_str"]
+__all__ = ["ParamsDict", "format_path", "leaf_str"]
 
 
-class PathKey:
-    """Key-path entry of a ParamsDict field; prints as ``/name`` so paths read ``/layer/W``.
-
-    ``jax.tree_util.keystr(path)`` of a ParamsDict leaf is therefore the same string that
-    ``ParamsDict.print`` shows, e.g. ``/layers[1]/b``.
-    """
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __str__(self) -> str:
-        return "/" + self.name
-
-    def __repr__(self) -> str:
-        return f"PathKey({self.name!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PathKey) and other.name == self.name
-
-    def __hash__(self) -> int:
-        return hash(("PathKey", self.name))
+# Key-path entries are JAX's own ``DictKey``: orbax and ``jax.tree_util.keystr`` read
+# them (a custom entry type breaks both), and a ParamsDict built from a plain dict keeps
+# the dict's key paths, so a checkpoint keyed by paths reads back either way.
+# (``GetAttrKey`` would also satisfy orbax and keystr, but prints ``.my key`` for keys
+# that are not identifiers; optax's tree_get walks only real dicts, whichever entry.)
+# nnlite's own printing, ``/layers[0]/W``, comes from ``format_path``.
+_DictKey = jax.tree_util.DictKey
 
 
 class _Aux:
@@ -59,7 +43,7 @@ class _Aux:
         # Unflatten copies this and fills in the children: insertion order for free.
         self.template = dict.fromkeys(order)
         self.template.update(static)
-        self.path_keys = tuple(PathKey(k) for k in keys)
+        self.path_keys = tuple(_DictKey(k) for k in keys)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -161,10 +145,8 @@ class ParamsDict:
             ) from None
 
     def __setitem__(self, name: str, value: Any) -> None:
-        if not isinstance(name, str) or not name or "/" in name or "[" in name:
-            raise KeyError(
-                f"ParamsDict keys must be non-empty strings without '/' or '[', got {name!r}"
-            )
+        if not isinstance(name, str) or name not in self._data:  # a new key: check it once
+            _check_key(name)
         if isinstance(value, Mapping) and not isinstance(value, ParamsDict):
             value = ParamsDict(value)
         self._data[name] = value
@@ -203,7 +185,14 @@ class ParamsDict:
             return False
         return all(_leaf_equal(self._data[k], other._data[k]) for k in self._data)
 
-    __hash__ = None  # mutable container
+    def __hash__(self) -> int:
+        """Hash of the keys and leaves, for a ParamsDict of static values (a ``jit`` static
+        argument, as in the seed); arrays are unhashable, so their ParamsDict is too.
+
+        Like the seed's, the hash is of the current contents: do not change a ParamsDict
+        while it is a key of a dict or a cached static argument.
+        """
+        return hash(_hashable(self, ""))
 
     # copy.copy/deepcopy restore slots with setattr, which __setattr__ would turn into a
     # key; restore them directly instead.
@@ -268,18 +257,40 @@ class ParamsDict:
         return new
 
     # -- seed API: print, items, JSON -------------------------------------------------------
-    def items(self) -> Iterator[tuple[str, Any]]:
-        """Yield ``(path, leaf)`` pairs in insertion order, paths like ``/layers[1]/b``."""
-        yield from _walk(self, "")
+    def items(self, path: str = "") -> Iterator[tuple[str, Any]]:
+        """Yield ``(path, leaf)`` pairs in insertion order, paths like ``/layers[1]/b``.
 
-    def print(self, file=None) -> None:
-        """Print one line per leaf: ``/a: 4``, ``/layer/W: f32[5,7]``."""
-        for path, leaf in self.items():
-            print(f"{path}: {leaf_str(leaf)}", file=file)
+        Args:
+            path: a prefix for every path (the seed's argument): ``items("model")`` yields
+                ``("model/layers[1]/b", ...)``.
+        """
+        if not isinstance(path, str):
+            raise TypeError(f"ParamsDict.items(path): path must be a str prefix, got {path!r}")
+        yield from _walk(self, path)
+
+    def print(self, path: str = "", *, file=None) -> None:
+        """Print one line per leaf: ``/a: 4``, ``/layer/W: f32[5,7]``.
+
+        Args:
+            path: a prefix for every line (the seed's argument): ``print("model")`` prints
+                ``model/a: 4``.
+            file: where to write (default ``sys.stdout``), keyword only.
+        """
+        if not isinstance(path, str):
+            raise TypeError(
+                f"ParamsDict.print(path): path must be a str prefix, got {type(path).__name__}"
+                + ("; to write to a file use print(file=...)" if hasattr(path, "write") else "")
+            )
+        for p, leaf in self.items(path):
+            print(f"{p}: {leaf_str(leaf)}", file=file)
 
     def to_json(self, *, indent: int | None = None) -> str:
         """JSON of the non-array part (scalars, strings, structure); arrays are left out."""
         return json.dumps(_jsonable(self), indent=indent)
+
+    def toJSON(self, *, indent: int | None = 4) -> str:  # noqa: N802 -- the seed's name
+        """``to_json`` under the seed's name (indented by 4, as the seed's is)."""
+        return self.to_json(indent=indent)
 
     # -- summary and flat conversion --------------------------------------------------------
     def summary(self) -> str:
@@ -331,6 +342,48 @@ class ParamsDict:
 
 
 # -- helpers --------------------------------------------------------------------------------
+def _check_key(name: Any) -> None:
+    """Refuse keys that are not strings, contain path syntax, or that attribute access
+    would not reach (``p.keys`` is the method, ``p._data`` the internals)."""
+    if not isinstance(name, str) or not name or "/" in name or "[" in name:
+        raise KeyError(
+            f"ParamsDict keys must be non-empty strings without '/' or '[', got {name!r}"
+        )
+    if name.startswith("_"):
+        raise KeyError(
+            f"ParamsDict key {name!r}: keys starting with '_' are reserved for ParamsDict's "
+            f"internals (p.{name} would not reach it); rename it, e.g. {name.lstrip('_') or 'x'!r}"
+        )
+    if name in _RESERVED:
+        raise KeyError(
+            f"ParamsDict key {name!r} is the name of a ParamsDict method: p.{name} would give "
+            f"the method, not your value; rename it, e.g. {name + '_'!r} (reserved names: "
+            f"{', '.join(sorted(_RESERVED))})"
+        )
+
+
+def _hashable(v: Any, path: str) -> Any:
+    """``v`` as a hashable value (lists become tuples); arrays refuse, naming the path."""
+    if isinstance(v, ParamsDict):  # sorted: equal ParamsDicts hash equal whatever the order
+        data = v._data
+        return ("ParamsDict", *((k, _hashable(data[k], f"{path}/{k}")) for k in sorted(data)))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, *(_hashable(x, f"{path}[{i}]") for i, x in enumerate(v)))
+    if hasattr(v, "shape") and hasattr(v, "dtype"):
+        raise TypeError(
+            f"unhashable ParamsDict: {path} is an array ({leaf_str(v)}); only a ParamsDict of "
+            f"static values (numbers, strings, tuples) can be hashed, e.g. as a jit static "
+            f"argument"
+        )
+    try:
+        hash(v)
+    except TypeError:
+        raise TypeError(
+            f"unhashable ParamsDict: {path} is an unhashable {type(v).__name__}"
+        ) from None
+    return v
+
+
 def _walk(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     if isinstance(node, ParamsDict):
         for k, v in node._data.items():
@@ -382,9 +435,7 @@ def format_path(path) -> str:
     """Format a JAX key path (from ``tree_flatten_with_path``) as ``/layer/W``."""
     out = []
     for k in path:
-        if isinstance(k, PathKey):
-            out.append(f"/{k.name}")
-        elif isinstance(k, jax.tree_util.SequenceKey):
+        if isinstance(k, jax.tree_util.SequenceKey):
             out.append(f"[{k.idx}]")
         elif isinstance(k, jax.tree_util.DictKey):
             out.append(f"/{k.key}")
@@ -482,6 +533,9 @@ _new = object.__new__
 _set_data = ParamsDict.__dict__["_data"].__set__
 _set_aux = ParamsDict.__dict__["_aux"].__set__
 _set_children = ParamsDict.__dict__["_children"].__set__
+
+#: Names a key cannot take: attribute access would reach the method, not the value.
+_RESERVED = frozenset(name for name in dir(ParamsDict) if not name.startswith("_"))
 
 jax.tree_util.register_pytree_with_keys(
     ParamsDict,

@@ -1,9 +1,9 @@
-"""Small hand-derived vector-Jacobian products, each beside its forward function.
+"""Batched hand-derived VJPs (``nnlite.vjp.batched``): the rules nnlite's layers use.
 
 Every rule has the form ``f_vjp(*args, dret) -> dargs``: it takes the forward function's
-arguments and the cotangent ``dret`` of its result (a tuple when the function returns a
-tuple), and returns one cotangent per argument -- a bare value when ``f`` takes one
-argument, a tuple otherwise. Integer arguments (labels, indices) are not differentiable:
+arguments and the cotangent ``dret`` of its result (one cotangent per output when the
+function returns a tuple: ``dup_vjp(x, dx1, dx2)``), and returns one cotangent per
+argument -- a bare value when ``f`` takes one argument, a tuple otherwise. Integer arguments (labels, indices) are not differentiable:
 their cotangent is ``None``.
 
 Batch conventions follow nnlite's: a leading batch axis (or several) on ``x``, the class or
@@ -53,7 +53,7 @@ def dup(x):
     return (x, x)
 
 
-def dup_vjp(x, dret):
+def dup_vjp(x, *dret):
     return add(*dret)
 
 
@@ -62,8 +62,8 @@ def pair(x, y):
     return (x, y)
 
 
-def pair_vjp(x, y, dret):
-    return tuple(dret)
+def pair_vjp(x, y, *dret):
+    return dret
 
 
 # --- linear algebra -----------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -10,7 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["VJPCheckError", "check_vjp", "custom_vjp", "default_tolerances", "with_vjp"]
+__all__ = [
+    "VJPCheckError",
+    "allclose",
+    "check_vjp",
+    "custom_vjp",
+    "default_tolerances",
+    "ensure_tuple",
+    "randlike",
+    "tree_all",
+    "tree_allclose",
+    "tree_close",
+    "with_vjp",
+]
 
 
 class VJPCheckError(AssertionError):
@@ -68,22 +81,103 @@ def _name(f: Callable) -> str:
     return getattr(f, "__name__", None) or type(f).__name__
 
 
-def _as_tuple(dargs: Any, nargs: int, who: str) -> tuple:
-    """The rule's result as a tuple with one cotangent per argument."""
+def _as_tuple(dargs: Any, diff: tuple[bool, ...], who: str) -> tuple:
+    """The rule's result as a tuple with one cotangent per argument.
+
+    ``diff[i]``: argument ``i`` is differentiable (not a Python int/string, not an integer
+    array). A rule returns one cotangent per argument -- a bare value for a one-argument
+    function -- or, as the seed's ``index_vjp(x, i, dret) -> dx`` does, one per
+    differentiable argument only (``None`` is then filled in for the others).
+    """
+    nargs = len(diff)
+    if isinstance(dargs, list) and nargs > 1:
+        dargs = tuple(dargs)
     if nargs == 1:
         return (dargs,)
-    if isinstance(dargs, list):
-        dargs = tuple(dargs)
-    if not isinstance(dargs, tuple) or len(dargs) != nargs:
-        if isinstance(dargs, tuple):
-            got = f"{len(dargs)} values"
-        else:
-            got = "a single array" if hasattr(dargs, "shape") else type(dargs).__name__
-        raise VJPCheckError(
-            f"{who}: a VJP rule returns one cotangent per argument, a tuple of {nargs} here; "
-            f"got {got}"
-        )
-    return dargs
+    if isinstance(dargs, tuple) and len(dargs) == nargs:
+        return dargs
+    ndiff = builtins.sum(diff)
+    got = dargs if isinstance(dargs, tuple) else (dargs,)
+    if len(got) == ndiff and ndiff < nargs:
+        it = iter(got)
+        return tuple(next(it) if d else None for d in diff)
+    if isinstance(dargs, tuple):
+        desc = f"{len(dargs)} values"
+    else:
+        desc = "a single array" if hasattr(dargs, "shape") else type(dargs).__name__
+    also = f" (or {ndiff}, one per differentiable argument)" if ndiff < nargs else ""
+    raise VJPCheckError(
+        f"{who}: a VJP rule returns one cotangent per argument, a tuple of {nargs} here{also}; "
+        f"got {desc}"
+    )
+
+
+def ensure_tuple(val: Any) -> tuple:
+    """``val`` if it is a tuple, else ``(val,)`` (the seed's helper).
+
+    Example:
+        >>> ensure_tuple(1), ensure_tuple((1, 2))
+        ((1,), (1, 2))
+    """
+    return val if isinstance(val, tuple) else (val,)
+
+
+def allclose(ref: Any, test: Any, rtol: float = 1e-5, atol: float = 1e-8, verbose: bool = False):
+    """``jnp.allclose(test, ref)`` as a Python bool; ``verbose`` prints both when they differ.
+
+    Example:
+        >>> allclose(1.0, 1.0 + 1e-7)
+        True
+    """
+    if bool(jnp.allclose(test, ref, rtol=rtol, atol=atol)):
+        return True
+    if verbose:
+        print(f"allclose: reference {ref!r}\n          test      {test!r}")
+    return False
+
+
+def tree_close(tref: Any, ttest: Any, rtol: float = 1e-5, atol: float = 1e-8, verbose=True):
+    """A tree of bools: ``allclose`` leaf by leaf (the trees must have the same structure).
+
+    Example:
+        >>> tree_close({"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.5}, verbose=False)
+        {'a': True, 'b': False}
+    """
+    return jax.tree.map(lambda a, b: allclose(a, b, rtol, atol, verbose), tref, ttest)
+
+
+def tree_all(t: Any) -> bool:
+    """True when every leaf of ``t`` is true."""
+    return all(jax.tree.leaves(t))
+
+
+def tree_allclose(tref: Any, ttest: Any, rtol: float = 1e-5, atol: float = 1e-8, verbose=True):
+    """``tree_close`` reduced to one bool.
+
+    Example:
+        >>> tree_allclose((1.0, [2.0]), (1.0, [2.0]))
+        True
+    """
+    return tree_all(tree_close(tref, ttest, rtol, atol, verbose))
+
+
+def randlike(x: Any, rng: np.random.Generator | None = None) -> np.ndarray:
+    """A standard-normal numpy array with ``x``'s shape (the seed's random cotangent).
+
+    Uses numpy's global generator, as the seed does, unless ``rng`` is given.
+
+    Example:
+        >>> randlike(np.zeros((2, 3))).shape
+        (2, 3)
+    """
+    shape = np.shape(x)
+    return np.random.randn(*shape) if rng is None else rng.standard_normal(shape)
+
+
+def _dret_args(dret: Any) -> tuple:
+    """How a rule receives the cotangent: a tuple result's cotangents one by one (the seed's
+    ``dup_vjp(x, *dret)``), anything else as one argument."""
+    return ensure_tuple(dret)
 
 
 def _random_like(key: jax.Array, tree: Any) -> Any:
@@ -110,12 +204,17 @@ def check_vjp(
     atol: float | None = None,
     key: jax.Array | None = None,
     jit: bool = True,
+    verbose: bool = False,
 ) -> None:
     """Check ``f_vjp(*args, dret)`` against ``jax.vjp(f, *args)`` on a random cotangent.
 
     Compares, argument by argument, the tree structure, shapes and values of the
     cotangents. Integer arrays must get ``None`` (or a float0 array); static Python
     arguments (a Python int index) are passed through and their cotangent is ignored.
+    When ``f`` returns a tuple, the rule gets one cotangent per output, as the seed's
+    ``dup_vjp(x, *dret)`` does. The rule may return cotangents for the differentiable
+    arguments only (the seed's ``index_vjp(x, i, dret) -> dx``). ``check`` is this function
+    under the seed's name.
 
     Args:
         f: the forward function.
@@ -126,6 +225,7 @@ def check_vjp(
         key: PRNG key for the random cotangent (default ``jax.random.key(0)``).
         jit: trace ``f`` and ``f_vjp`` into one compiled computation (fast: one compile
             instead of one per op); ``False`` runs them eagerly, e.g. to debug with print.
+        verbose: print, per argument, the largest difference from ``jax.vjp``.
 
     Raises:
         VJPCheckError: naming the argument index and path, the largest error and where.
@@ -142,6 +242,7 @@ def check_vjp(
     who = f"check_vjp({_name(f)}, {_name(f_vjp)})"
     key = jax.random.key(0) if key is None else key
     static = [_is_static(a) for a in args]
+    diff = tuple(not s and not _is_int_like(a) for a, s in zip(args, static, strict=True))
 
     def merge(dyn):
         # Static arguments (Python ints: an index) are closed over; jax.vjp differentiates
@@ -155,7 +256,7 @@ def check_vjp(
     def both(dyn, dret):
         _, pullback = jax.vjp(f_dyn, *dyn)
         want = [None if _is_int_like(a) else w for a, w in zip(dyn, pullback(dret), strict=True)]
-        return want, _as_tuple(f_vjp(*merge(dyn), dret), len(args), who)
+        return want, _as_tuple(f_vjp(*merge(dyn), *_dret_args(dret)), diff, who)
 
     dyn = [a for a, s in zip(args, static, strict=True) if not s]
     dret = _random_like(key, jax.eval_shape(f_dyn, *dyn))
@@ -172,10 +273,14 @@ def check_vjp(
                     f"return None for it, got {jax.tree.map(jnp.shape, g)}"
                 )
             continue
-        _compare(who, i, w, g, rtol, atol)
+        _compare(who, i, w, g, rtol, atol, verbose)
 
 
-def _compare(who: str, i: int, want: Any, got: Any, rtol, atol) -> None:
+#: The seed's name for ``check_vjp``.
+check = check_vjp
+
+
+def _compare(who: str, i: int, want: Any, got: Any, rtol, atol, verbose=False) -> None:
     w_leaves, w_def = jax.tree_util.tree_flatten_with_path(want)
     g_leaves, g_def = jax.tree_util.tree_flatten_with_path(got)
     if w_def != g_def:
@@ -203,6 +308,8 @@ def _compare(who: str, i: int, want: Any, got: Any, rtol, atol) -> None:
         w64, g64 = w.astype(np.float64), g.astype(np.float64)
         err = np.abs(g64 - w64)
         bad = ~(err <= a + r * np.abs(w64))  # also catches NaN
+        if verbose:
+            print(f"{who}: {where}: max abs error {np.max(err, initial=0.0):.3g}")
         if bad.any():
             score = np.where(np.isnan(err), np.inf, err - r * np.abs(w64))
             at = np.unravel_index(int(np.argmax(score)), w.shape)
@@ -262,7 +369,8 @@ def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> 
 
     ``jax.grad``, ``jit``, ``vmap``, ``pmap`` and ``shard_map`` then use the hand rule.
     The rule is called as ``f_vjp(*args, dret)`` with the original arguments (saved as
-    residuals by the forward pass).
+    residuals by the forward pass); a tuple result's cotangents come one by one
+    (``f_vjp(*args, *dret)``), as in ``check_vjp``.
 
     Which arguments get a cotangent:
       * Python values that are not floats (ints, strings, None, slices) are static: they
@@ -298,6 +406,7 @@ def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> 
     @functools.wraps(f)
     def wrapped(*args):
         dyn_idx = tuple(i for i, a in enumerate(args) if not _is_static(a))
+        dyn_set = frozenset(dyn_idx)
 
         def full(dyn):
             merged = list(args)
@@ -313,7 +422,8 @@ def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> 
             return f(*full(dyn)), dyn
 
         def bwd(dyn, dret):
-            dargs = _as_tuple(f_vjp(*full(dyn), dret), len(args), f"custom_vjp({who})")
+            diff = tuple(i in dyn_set and not _is_int_like(a) for i, a in enumerate(args))
+            dargs = _as_tuple(f_vjp(*full(dyn), *_dret_args(dret)), diff, f"custom_vjp({who})")
             out = []
             for i, a in zip(dyn_idx, dyn, strict=True):
                 if i in nondiff or _is_int_like(a) or dargs[i] is None:

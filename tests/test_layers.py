@@ -64,9 +64,9 @@ def test_layer_grid(name, n_in, n_out, key):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize(
-    "make", [lambda d: Linear(3, 2, dtype=d), lambda d: FFN(3, (4,), 2, dtype=d)]
+    "make", [lambda d: Linear(3, 2, param_dtype=d), lambda d: FFN(3, (4,), 2, param_dtype=d)]
 )
-def test_param_and_output_dtype_follow_dtype(make, dtype, key):
+def test_param_and_output_dtype_follow_param_dtype(make, dtype, key):
     layer = make(dtype)
     p = layer.init(key)
     assert {leaf.dtype for leaf in jax.tree.leaves(p)} == {jnp.dtype(dtype)}
@@ -264,3 +264,64 @@ def test_zeros_and_default_initializers(key):
     tanh_w = FFN(FAN_IN, (), FAN_OUT, activation="tanh").init(key).layers[0].W
     assert float(jnp.var(relu_w)) == pytest.approx(2 / FAN_IN, rel=0.05)
     assert float(jnp.var(tanh_w)) == pytest.approx(1 / FAN_IN, rel=0.05)
+
+
+# -- params that do not fit the module (issue 14.6) -----------------------------------------
+def test_params_of_another_shape_are_refused_naming_the_path():
+    W, b = jnp.zeros((5, 9)), jnp.zeros(9)
+    msg = "Linear(5, 7): params /W has shape (5, 9), expected (5, 7)"
+    with pytest.raises(nl.ParamsMismatchError, match=re.escape(msg)):
+        Linear(5, 7)(nl.ParamsDict(W=W, b=b), jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match=re.escape(msg)):  # at trace time under jit too
+        jax.jit(Linear(5, 7))(nl.ParamsDict(W=W, b=b), jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match=re.escape("params /b has shape (9,), expected (7,)")):
+        Linear(5, 7)(nl.ParamsDict(W=jnp.zeros((5, 7)), b=b), jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match=re.escape("Linear(5, 7): params /b is missing")):
+        Linear(5, 7)(nl.ParamsDict(W=jnp.zeros((5, 7))), jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match="params /W has dtype bfloat16, expected float32"):
+        Linear(5, 7)(nl.ParamsDict(W=jnp.zeros((5, 7), jnp.bfloat16), b=b[:7]), jnp.ones(5))
+    # Nested layers name the full path from the outermost module.
+    ffn = FFN(4, (8,), 2)
+    p = nl.ParamsDict(
+        layers=[
+            nl.ParamsDict(W=jnp.zeros((4, 8)), b=jnp.zeros(8)),
+            nl.ParamsDict(W=jnp.zeros((8, 3)), b=jnp.zeros(3)),
+        ]
+    )
+    msg = "FFN(4, (8,), 2): params /layers[1]/W has shape (8, 3), expected (8, 2)"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        ffn(p, jnp.ones((1, 4)))
+    net = Sequential((FFN(4, (8,), 2), Activation("relu")))
+    with pytest.raises(
+        ValueError, match=re.escape("Sequential(2 layers): params /layers[0]/layers[1]/W")
+    ):
+        net(nl.ParamsDict(layers=[p, nl.ParamsDict()]), jnp.ones((1, 4)))
+
+
+def test_string_input_is_refused_with_its_dtype():
+    with pytest.raises(
+        ValueError, match=r"Linear\(in_features=1\): expected a numeric array, got dtype <U1"
+    ):
+        Linear(1, 1)(nl.ParamsDict(W=jnp.ones((1, 1)), b=jnp.ones(1)), np.array([["a"]]))
+
+
+def test_bf16_compute_with_f32_params(key):
+    p = Linear(3, 2).init(key)
+    x = jnp.ones((4, 3))
+    y = Linear(3, 2, dtype="bfloat16")(p, x)
+    assert y.dtype == jnp.bfloat16 and p.W.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y, np.float32), Linear(3, 2)(p, x), rtol=0.02, atol=0.02)
+    assert Linear(3, 2)(p, x.astype(jnp.bfloat16)).dtype == jnp.float32  # promotes with params
+
+
+def test_plain_dict_params_and_missing_children_are_named():
+    layer = Linear(2, 3)
+    p = {"W": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    assert layer(p, jnp.ones(2)).shape == (3,)  # item access: a plain dict works too
+    with pytest.raises(ValueError, match=re.escape("FFN(2, (4,), 1): params /layers is missing")):
+        FFN(2, (4,), 1)(nl.ParamsDict(W=jnp.ones((2, 4))), jnp.ones(2))
+    block = nl.TransformerBlock(4, 2)
+    with pytest.raises(
+        ValueError, match=re.escape("TransformerBlock(4, 2): params /ln1 is missing")
+    ):
+        block(nl.ParamsDict(), jnp.ones((3, 4)))

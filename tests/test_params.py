@@ -37,7 +37,7 @@ def _seed_example():
 
 
 def _paths(tree):
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [nl.format_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 # -- container behaviour --------------------------------------------------------------------
@@ -105,6 +105,33 @@ def test_invalid_keys_are_refused():
             p[bad] = 1
 
 
+@pytest.mark.parametrize("name", ["keys", "items", "print", "values", "get", "toJSON", "summary"])
+def test_method_names_are_refused_as_keys(name):
+    with pytest.raises(
+        KeyError, match=rf"key '{name}' is the name of a ParamsDict method: p.{name}"
+    ):
+        ParamsDict()[name] = 1
+    with pytest.raises(KeyError, match="is the name of a ParamsDict method"):
+        setattr(ParamsDict(), name, 1)
+    with pytest.raises(KeyError, match="is the name of a ParamsDict method"):
+        ParamsDict({"layer": {name: 1}})  # nested mappings too
+    with pytest.raises(KeyError, match="is the name of a ParamsDict method"):
+        ParamsDict.from_flat({f"/layer/{name}": 1})
+
+
+@pytest.mark.parametrize("name", ["_data", "_aux", "_x", "__class__"])
+def test_underscore_keys_are_refused(name):
+    with pytest.raises(KeyError, match=r"keys starting with '_' are reserved"):
+        ParamsDict(**{name: 1})
+
+
+def test_keys_that_are_not_identifiers_work_by_item_access():
+    p = ParamsDict({"my key": jnp.ones(2), "0": 1.0})
+    assert p["my key"].shape == (2,)
+    assert [path for path, _ in p.items()] == ["/my key", "/0"]
+    assert ParamsDict.from_flat(p.to_flat()) == p
+
+
 def test_missing_attribute_names_the_existing_keys():
     p = ParamsDict(W=jnp.ones(2), b=jnp.zeros(2))
     with pytest.raises(AttributeError, match=r"no key 'bias'; keys are: W, b"):
@@ -138,12 +165,36 @@ def test_copy_and_deepcopy_are_independent():
 def test_key_paths_read_like_print():
     p = _seed_example()
     assert _paths(p) == ["/a", "/layer/W", "/layers[0]/b", "/layers[1]/b"]
-    paths = [nl.format_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(p)[0]]
-    assert paths == ["/a", "/layer/W", "/layers[0]/b", "/layers[1]/b"]
-    # Inside a plain dict the ParamsDict part keeps its format.
-    assert jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path({"m": p})[0][1][0]) == (
-        "['m']/layer/W"
-    )
+    # Inside a plain dict: the dict's keys print the same way.
+    assert _paths({"m": p})[1] == "/m/layer/W"
+
+
+def test_key_paths_are_jax_standard_entries():
+    """DictKey entries: keystr and tools reading key paths (orbax) understand them."""
+    p = _seed_example()
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(p)[0]]
+    keystr = jax.tree_util.keystr
+    assert [keystr(k, simple=True, separator="/") for k in paths] == [
+        "a",
+        "layer/W",
+        "layers/0/b",
+        "layers/1/b",
+    ]
+    assert keystr(paths[2]) == "['layers'][0]['b']"
+    assert all(type(k) in (jax.tree_util.DictKey, jax.tree_util.SequenceKey) for k in paths[2])
+    # A ParamsDict made from a plain dict has the dict's key paths.
+    d = {"layer": {"W": jnp.ones(2)}, "layers": [{"b": jnp.ones(1)}]}
+    assert [k for k, _ in jax.tree_util.tree_flatten_with_path(ParamsDict(d))[0]] == [
+        k for k, _ in jax.tree_util.tree_flatten_with_path(d)[0]
+    ]
+
+
+def test_path_key_is_deprecated_for_dict_key():
+    with pytest.warns(DeprecationWarning, match="use JAX's standard jax.tree_util.DictKey"):
+        path_key = nl.PathKey
+    assert path_key is jax.tree_util.DictKey
+    (path, _), *_ = jax.tree_util.tree_flatten_with_path(ParamsDict(W=1.0))[0]
+    assert path == (path_key("W"),)
 
 
 def test_treedef_ignores_insertion_order_but_printing_keeps_it(capsys):
@@ -325,6 +376,54 @@ def test_print_from_a_fresh_interpreter():
     assert result.stdout == "/a: 4\n"
 
 
+def test_print_and_items_take_the_seeds_prefix(tmp_path, capsys):
+    p = _seed_example()
+    p.print("model")
+    assert capsys.readouterr().out.splitlines()[:2] == ["model/a: 4", "model/layer/W: f32[5,7]"]
+    assert [k for k, _ in p.items("m")] == ["m/a", "m/layer/W", "m/layers[0]/b", "m/layers[1]/b"]
+    with open(tmp_path / "p.txt", "w") as f:
+        p.print(file=f)
+        p.print("x", file=f)
+    lines = (tmp_path / "p.txt").read_text().splitlines()
+    assert lines[0] == "/a: 4" and lines[4] == "x/a: 4"
+    with pytest.raises(TypeError, match=r"path must be a str prefix.*use print\(file=...\)"):
+        p.print(sys.stdout)
+
+
+def test_to_json_alias_is_the_seeds():
+    p = ParamsDict(name="mlp", lr=0.1, W=jnp.ones(2))
+    assert json.loads(p.toJSON()) == {"name": "mlp", "lr": 0.1}
+    assert p.toJSON() == p.to_json(indent=4)
+
+
+def test_hash_of_static_params_makes_a_jit_static_argument():
+    cfg = ParamsDict(act="relu", sizes=[3, 4], scale=2.0, sub=ParamsDict(n=1))
+    same = ParamsDict(sub=ParamsDict(n=1), scale=2.0, sizes=[3, 4], act="relu")
+    assert hash(cfg) == hash(same) and cfg == same
+    assert hash(cfg) != hash(ParamsDict(act="tanh", sizes=[3, 4], scale=2.0, sub=ParamsDict(n=1)))
+    traces = []
+
+    @jax.jit
+    def f(x, cfg):
+        traces.append(cfg.act)
+        return x * cfg.scale
+
+    f = jax.jit(f.__wrapped__, static_argnums=1)
+    assert float(f(jnp.ones(()), cfg)) == 2.0
+    f(jnp.ones(()), same)  # equal and same hash: no retrace
+    assert traces == ["relu"]
+
+
+def test_hash_refuses_arrays_naming_the_path():
+    p = ParamsDict(act="relu", layer=ParamsDict(W=jnp.ones((5, 7))))
+    with pytest.raises(
+        TypeError, match=r"unhashable ParamsDict: /layer/W is an array \(f32\[5,7\]\)"
+    ):
+        hash(p)
+    with pytest.raises(TypeError, match=r"/d\[0\] is an unhashable set"):
+        hash(ParamsDict(d=[set()]))
+
+
 def test_items_yields_paths_and_leaves_in_insertion_order():
     p = _seed_example()
     items = list(p.items())
@@ -393,3 +492,25 @@ def test_to_flat_from_flat_round_trip():
 def test_from_flat_rejects_bad_paths(flat, match):
     with pytest.raises(ValueError, match=match):
         ParamsDict.from_flat(flat)
+
+
+# -- the JAX ecosystem reads ParamsDict key paths -------------------------------------------
+def test_orbax_round_trip_of_params_and_optimizer_state(tmp_path):
+    import orbax.checkpoint as ocp  # test-only: the dev extra installs it
+
+    p = ParamsDict(
+        layers=[_linear_params(jax.random.key(i)) for i in range(2)], scale=jnp.float32(2)
+    )
+    state = optax.adam(1e-3).init(p)
+    state = optax.adam(1e-3).update(jax.tree.map(jnp.ones_like, p), state, p)[1]
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "params", p)
+        ckpt.save(tmp_path / "opt_state", state)
+        ckpt.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, (p, state))
+        p2 = ckpt.restore(tmp_path / "params", abstract[0])
+        state2 = ckpt.restore(tmp_path / "opt_state", abstract[1])
+    assert isinstance(p2, ParamsDict) and p2 == p
+    assert jax.tree.structure(state2) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(state2), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)

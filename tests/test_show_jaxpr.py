@@ -12,6 +12,8 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
@@ -264,7 +266,51 @@ CORPUS = {
     ),
     "key_from_seed": (lambda s: jax.random.randint(jax.random.key(s), (3,), 0, 10), jnp.int32(4)),
     "key_data": (lambda k: jax.random.key_data(jax.random.split(k)), jax.random.key(5)),
+    # keys made inside the function from a seed of any integer type (random_seed,
+    # random_unwrap for the legacy uint32 form, random_wrap, random_bits)
+    "prngkey_python_int_seed": (lambda s: jax.random.normal(jax.random.PRNGKey(s), (3,)), 7),
+    "prngkey_uint32_seed": (
+        lambda s: jax.random.bits(jax.random.PRNGKey(s), (4,), jnp.uint32),
+        np.uint32(9),
+    ),
+    "prngkey_literal_seed": (lambda x: x + jax.random.uniform(jax.random.PRNGKey(0), x.shape), X),
+    "key_python_seed_split_fold_in": (
+        lambda s: jax.random.normal(jax.random.fold_in(jax.random.split(jax.random.key(s))[1], 3)),
+        11,
+    ),
+    "rbg_key_from_seed": (
+        lambda s: jax.random.uniform(jax.random.key(s, impl="rbg"), (2,)),
+        jnp.int32(2),
+    ),
     # transformations
+    "remat_grad": (jax.grad(jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)).sum())), X),
+    "remat_forward_no_cse": (jax.checkpoint(lambda x: jnp.sin(jnp.cos(x)), prevent_cse=False), X),
+    "remat_policy_grad": (
+        jax.grad(
+            jax.checkpoint(
+                lambda x: jnp.sin(x @ x.T).sum(),
+                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            )
+        ),
+        X,
+    ),
+    "remat_named_policy_grad": (
+        jax.grad(
+            jax.checkpoint(
+                lambda x: jnp.sum(jnp.cos(checkpoint_name(jnp.sin(x), "y")) * x),
+                policy=jax.checkpoint_policies.save_only_these_names("y"),
+            )
+        ),
+        X,
+    ),
+    "remat_in_scan_grad": (
+        jax.grad(
+            lambda x: lax.scan(jax.checkpoint(lambda c, y: (jnp.sin(c) * y, c)), x[0], x)[0].sum()
+        ),
+        X,
+    ),
+    "hessian": (jax.hessian(lambda v: jnp.sum(jnp.sin(v) ** 3)), V),
+    "jacfwd": (jax.jacfwd(lambda v: jnp.tanh(v) * 2), V),
     "grad_softmax": (jax.grad(lambda x: jax.nn.softmax(x)[0, 1]), X),
     "grad_cond": (jax.grad(lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x).sum()), X),
     "grad_switch": (
@@ -333,6 +379,20 @@ CORPUS = {
             lambda x: lax.psum(x, ("a", "b")), mesh=MESH_REV, in_specs=P(("a", "b")), out_specs=P()
         ),
         XS,
+    ),
+    # jit with shardings (pjit's sharding params), over an Auto and an Explicit mesh
+    "jit_in_out_shardings": (
+        jax.jit(
+            lambda x, y: (x * y, x.sum()),
+            in_shardings=(NamedSharding(MESH, P("batch")), None),
+            out_shardings=(NamedSharding(MESH, P("batch")), NamedSharding(MESH, P())),
+        ),
+        XS,
+        XS,
+    ),
+    "jit_out_sharding_2d": (
+        jax.jit(lambda x: jnp.tanh(x), out_shardings=NamedSharding(MESH_2D, P("x", "y"))),
+        XS[:8],
     ),
     "shard_map_custom_vjp": (_smap(scaled_sin, P("batch"), P("batch")), XS),
     "pmap_pmean": (jax.pmap(lambda x: x / lax.pmean(jnp.sum(x), "i"), axis_name="i"), XS[:8]),
@@ -533,7 +593,7 @@ def test_train_cli_unsupported_primitive_is_one_line_exit_2(monkeypatch, capsys)
 
 def _cli(*argv):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "nnlite.show_jaxpr", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "nnlite.jaxpr_cli", *argv], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=120)  # fmt: skip
 
 
@@ -554,20 +614,91 @@ def test_cli_prints_the_function():
         (["jax.numpy:dot", "--shapes", "f32[3]"], "tracing jax.numpy:dot at f32[3] failed"),
     ],
 )
-def test_cli_bad_arguments_exit_2(argv, message):
-    out = _cli(*argv)
-    assert out.returncode == 2
-    assert message in out.stderr and "Traceback" not in out.stderr
+def test_cli_bad_arguments_exit_2(argv, message, capsys):
+    from nnlite import jaxpr_cli
+
+    with pytest.raises(SystemExit) as e:
+        jaxpr_cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.startswith("usage: python -m nnlite.jaxpr_cli")
 
 
-def test_importing_the_cli_module_keeps_show_jaxpr_callable():
-    code = (
-        "import nnlite, nnlite.show_jaxpr, jax.numpy as jnp;"
-        "print(nnlite.show_jaxpr(jnp.sin, jnp.ones(2)))"
-    )
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert "b = lax.sin(a)" in out.stdout
+def test_show_jaxpr_is_the_function_and_the_cli_has_its_own_module():
+    import types
+
+    import nnlite.jaxpr_cli  # noqa: F401 -- importing the CLI changes nothing in nnlite
+
+    assert isinstance(nl.show_jaxpr, types.FunctionType)
+    package = os.path.dirname(nl.__file__)
+    assert not os.path.exists(os.path.join(package, "show_jaxpr.py"))  # no module to shadow it
+
+
+# -- the seed's options, show_xla, module layout ------------------------------------------------
+def test_file_add_decls_add_main(tmp_path, capsys):
+    def ffn(W, x):
+        ((W1, b1), (W2, b2)) = W
+        return jax.nn.softmax(W2 @ jax.nn.relu(W1 @ x + b1) + b2)
+
+    rng = np.random.default_rng(0)
+    W = ((rng.standard_normal((5, 3)), rng.standard_normal(5)),
+         (rng.standard_normal((4, 5)), rng.standard_normal(4)))  # fmt: skip
+    x = rng.standard_normal(3)
+    path = tmp_path / "ffn.py"
+    src = nl.show_jaxpr(ffn, W, x, file=str(path), add_main=True)
+    assert path.read_text() == src and src.startswith("import jax\n")
+    assert src.rstrip().endswith("))") and 'if __name__ == "__main__":' in src
+    ns = {"__name__": "__main__"}
+    exec(compile(src, str(path), "exec"), ns)  # runs the main block: prints the result
+    assert capsys.readouterr().out.startswith("[")  # the printed softmax
+    out = ns["ffn"](*[jnp.asarray(a, jnp.float32) for a in jax.tree.leaves((W, x))])
+    np.testing.assert_allclose(out, ffn(W, x), rtol=1e-5)
+    body = nl.show_jaxpr(ffn, W, x, add_decls=False)
+    assert body.startswith("def ffn(") and body == nl.show_jaxpr(ffn, W, x).split("\n\n\n", 1)[1]
+    buf = __import__("io").StringIO()
+    nl.show_jaxpr(ffn, W, x, file=buf)
+    assert buf.getvalue() == nl.show_jaxpr(ffn, W, x)
+    with pytest.raises(TypeError, match="file must be a path or an open text file, got int"):
+        nl.show_jaxpr(ffn, W, x, file=3)
+
+
+def test_unknown_keywords_name_the_valid_ones():
+    with pytest.raises(TypeError, match=r"show_jaxpr\(\) got an unexpected keyword argument 'flie'; valid keywords: name, simplify, inline_jit, max_const_size, file, add_decls, add_main, static_argnums, axis_env"):  # fmt: skip
+        nl.show_jaxpr(jnp.sin, X, flie="x.py")
+    with pytest.raises(TypeError, match=r"roundtrip\(\) got an unexpected keyword argument 'file'"):
+        nl.roundtrip(jnp.sin, X, file="x.py")
+    with pytest.raises(TypeError, match=r"show_xla\(\) got an unexpected keyword argument 'optimised'; valid keywords: file, optimized, in_shardings"):  # fmt: skip
+        nl.show_xla(jnp.sin, X, optimised=True)
+
+
+def test_show_xla_and_show_jaxpr_and_xla(tmp_path):
+    hlo = nl.show_xla(lambda x, n: jnp.sin(x) * n, X, 3, static_argnums=1)
+    assert hlo.startswith("HloModule jit__lambda") and "sine(" in hlo and "ENTRY" in hlo
+    opt = nl.show_xla(jnp.sin, X, optimized=True)
+    assert opt.startswith("HloModule jit_sin") and "is_scheduled=true" in opt
+    both = nl.show_jaxpr_and_xla(jnp.sin, X, file=tmp_path / "both.txt", name="s")
+    assert (tmp_path / "both.txt").read_text() == both
+    assert both.index("def s(") < both.index("HloModule")
+
+
+def _imports(module: str) -> set[str]:
+    import ast
+
+    with open(os.path.join(ROOT, "nnlite", module + ".py")) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names |= {node.module} if node.module else {a.name for a in node.names}
+    return names
+
+
+def test_printer_core_sits_below_the_rule_modules():
+    """No import cycle: rules <- printer <- nested, parallel <- show_jaxpr (the API)."""
+    assert not _imports("_jaxpr_rules")  # the bottom layer: expressions and first-order rules
+    assert not _imports("_jaxpr_printer") & {"_jaxpr_nested", "_jaxpr_parallel", "_show_jaxpr"}
+    for ext in ("_jaxpr_nested", "_jaxpr_parallel"):
+        assert "_jaxpr_printer" in _imports(ext)
+        assert not _imports(ext) & {"_show_jaxpr", "_jaxpr_nested", "_jaxpr_parallel"} - {ext}
+    assert {"_jaxpr_nested", "_jaxpr_parallel"} <= _imports("_show_jaxpr")

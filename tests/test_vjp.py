@@ -1,4 +1,5 @@
-"""nnlite.vjp: every hand rule against jax.vjp, the checker's failures, the custom_vjp plug-in."""
+"""nnlite.vjp and nnlite.vjp.batched: every hand rule against jax.vjp, the checker's
+failures, the custom_vjp plug-in."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
-from nnlite import vjp as V
-from nnlite.vjp import VJPCheckError, check_vjp, hand
+from nnlite import vjp
+from nnlite.vjp import VJPCheckError, check_vjp
+from nnlite.vjp import batched as V
+from nnlite.vjp.batched import hand
 
 
 def _cases(seed, dtype):
@@ -140,7 +143,7 @@ def test_check_vjp_tolerance_is_respected():
 def test_plugin_runs_the_hand_rule(key):
     """jax.grad of a custom_vjp function uses the rule it was given, even a wrong one."""
     x = jax.random.normal(key, (6,))
-    inverted = V.custom_vjp(V.relu, lambda x, dret: jnp.where(x > 0, 0, dret))
+    inverted = vjp.custom_vjp(V.relu, lambda x, dret: jnp.where(x > 0, 0, dret))
     np.testing.assert_array_equal(
         jax.grad(lambda x: jnp.sum(inverted(x)))(x), (x <= 0).astype(x.dtype)
     )
@@ -150,7 +153,7 @@ def test_plugin_runs_the_hand_rule(key):
 
 
 def test_with_vjp_decorator_and_nondiff():
-    @V.with_vjp(lambda x, t, dret: (dret * t, dret * x), nondiff=(1,))
+    @vjp.with_vjp(lambda x, t, dret: (dret * t, dret * x), nondiff=(1,))
     def prod(x, t):
         return x * t
 
@@ -252,3 +255,134 @@ def test_plugin_under_shard_map():
 
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P()))
     _close(f(p, *_shard(mesh, x, y)), jax.value_and_grad(_loss_plain)(p, x, y))
+
+
+# --- nnlite.vjp: the seed's column-vector library -----------------------------------------
+
+
+def _column_cases(seed, dtype):
+    """Argument tuples per rule of nnlite.vjp: column vectors, matrices, lists."""
+    rng = np.random.default_rng(seed)
+
+    def r(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(dtype))
+
+    def pos(*shape):
+        return jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(dtype))
+
+    unary = [(r(7),), (r(4, 5),)]
+    return {
+        "add": [(r(5), r(5)), (r(4, 3), r(4, 3))],
+        "dup": [(r(5),), (r(3, 4),)],
+        "pair": [(r(3), r(2, 2))],
+        "mul": [(r(4, 3), r(4, 3))],
+        "negate": [(r(4, 3),)],
+        "scale": [(r(), r(4, 3)), (3.3, r(5))],
+        "dotall": [(r(4, 3), r(4, 3))],
+        # matrix @ column vector, matrix @ matrix, row vector @ matrix
+        "mm": [(r(4, 3), r(3)), (r(4, 3), r(3, 5)), (r(3), r(3, 5))],
+        "axpy": [(r(4, 3), r(3), r(4)), (r(4, 3), r(3, 6), r(4, 6))],
+        "mm_scaled": [(r(4, 3), r(3, 5), r(), r()), (r(4, 3), r(3), 1.23, 2.34)],
+        "xpyzt": [(r(4, 3), r(4), r(3))],
+        "transpose": [(r(4, 3),), (r(2, 3, 4),), (r(5),)],
+        "sum": [([r(4, 3), r(4, 3), r(4, 3)],), ((r(5),),)],
+        "softmax": [(r(5),), (r(5, 3),)],
+        "index": [(r(7), 3), (r(5, 1), 2), (r(6), jnp.array(4)), (r(6), jnp.array([0, 2, 2]))],
+        "pow": [(pos(7), 3), (pos(4, 3), pos()), (pos(4, 3), pos(4, 1)), (pos(3), pos(3))],
+        "identity": unary,
+        "relu": unary,
+        "tanh": unary,
+        "sigmoid": unary,
+        "softplus": unary,
+        "gelu": unary,
+        "exp": unary,
+        "recip": [(pos(7),), (pos(4, 5),)],
+        "log": [(pos(7),), (pos(4, 5),)],
+    }
+
+
+def test_every_column_rule_has_cases():
+    assert set(_column_cases(0, np.float32)) == set(vjp.RULES)
+
+
+@pytest.mark.parametrize("name", sorted(vjp.RULES))
+def test_column_rule_matches_jax_vjp(name):
+    f, f_vjp = vjp.RULES[name]
+    for args in _column_cases(0, np.float32)[name]:
+        check_vjp(f, f_vjp, *args, key=jax.random.key(2))
+    with jax.enable_x64(True):
+        for args in _column_cases(1, np.float64)[name][-1:]:
+            check_vjp(f, f_vjp, *args)
+
+
+def test_column_conventions_differ_from_batched():
+    x = jnp.arange(6.0).reshape(3, 2)
+    np.testing.assert_allclose(vjp.softmax(x).sum(axis=0), [1.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(V.softmax(x).sum(axis=-1), [1.0, 1.0, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(vjp.sum([x, x]), 2 * x)
+    assert V.sum(x).shape == ()
+    dx = vjp.index_vjp(jnp.zeros(4), 1, 2.0)
+    np.testing.assert_array_equal(dx, [0.0, 2.0, 0.0, 0.0])
+    assert V.index_vjp(jnp.zeros(4), 1, 2.0)[1] is None
+    np.testing.assert_array_equal(vjp.mm(jnp.ones((2, 3)), jnp.ones(3)), [3.0, 3.0])
+
+
+def test_column_rules_refuse_bad_shapes_clearly():
+    with pytest.raises(
+        ValueError, match=r"mm: expected A \[n, k\].*got shapes \(2, 3\) and \(4,\)"
+    ):
+        vjp.mm(jnp.ones((2, 3)), jnp.ones(4))
+    with pytest.raises(ValueError, match="for vector . vector use dotall"):
+        vjp.mm(jnp.ones(3), jnp.ones(3))
+    with pytest.raises(TypeError, match=r"expected a non-empty list of arrays.*use jnp.sum"):
+        vjp.sum(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"xpyzt: expected x \[m, n\], y \[m\], z \[n\]"):
+        vjp.xpyzt(jnp.ones((2, 2)), jnp.ones((2, 2)), jnp.ones(2))
+
+
+def test_pow_and_range_integer_arguments_get_none():
+    x = jnp.array([1.0, 2.0])
+    dx, dp = vjp.pow_vjp(x, 3, jnp.ones(2))
+    np.testing.assert_allclose(dx, 3 * x**2)
+    assert dp is None
+    assert vjp.range_vjp(0, 10, 2, [1.0] * 5) == (None, None, None)
+    g = jax.grad(lambda x: jnp.sum(vjp.hand.pow(x, 3)))(x)  # Python int: static
+    np.testing.assert_allclose(g, 3 * x**2)
+
+
+def test_tuple_results_get_one_cotangent_per_output():
+    """The seed's convention: dup_vjp(x, *dret), for check_vjp and the plug-in alike."""
+
+    def swap(x, y):
+        return (y, 2 * x)
+
+    def swap_vjp(x, y, dy, dx2):  # one argument per output
+        return (2 * dx2, dy)
+
+    x, y = jnp.ones(3), jnp.arange(3.0)
+    check_vjp(swap, swap_vjp, x, y)
+    hand_swap = vjp.custom_vjp(swap, swap_vjp)
+    g = jax.grad(lambda x, y: jnp.sum(hand_swap(x, y)[1] * y), argnums=(0, 1))(x, y)
+    np.testing.assert_allclose(g[0], 2 * y)
+    gd = jax.grad(lambda x: jnp.sum(vjp.hand.dup(x)[0] * vjp.hand.dup(x)[1]))(y)
+    np.testing.assert_allclose(gd, 2 * y)
+
+
+def test_rule_may_leave_out_integer_arguments():
+    """index_vjp returns dx alone; the plug-in fills in None for the integer index."""
+    x, i = jnp.arange(5.0), jnp.array([1, 1, 3])
+    g = jax.jit(jax.grad(lambda x, i: jnp.sum(vjp.hand.index(x, i))))(x, i)
+    np.testing.assert_array_equal(g, [0.0, 2.0, 0.0, 1.0, 0.0])
+    with pytest.raises(VJPCheckError, match=r"tuple of 2 here \(or 1, one per differentiable"):
+        check_vjp(vjp.index, lambda x, i, dret: (dret, dret, dret), x, i)
+
+
+def test_seed_helpers():
+    a = np.ones((2, 3))
+    assert vjp.allclose(a, a + 1e-9, 1e-5, 1e-7)
+    assert not vjp.allclose(a, a + 1, 1e-5, 1e-7)
+    assert vjp.tree_close((a, [a]), (a, [a + 1]), 1e-5, 1e-7, verbose=False) == (True, [False])
+    assert vjp.tree_allclose({"w": a}, {"w": a}, 1e-5, 1e-7)
+    assert vjp.randlike(a).shape == (2, 3)
+    assert vjp.ensure_tuple(a)[0] is a and vjp.ensure_tuple((1, 2)) == (1, 2)
+    assert vjp.check is vjp.check_vjp

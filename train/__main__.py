@@ -171,6 +171,13 @@ def main(argv: list[str] | None = None, *, standalone: bool = False) -> int:
     except faults.NonFinite as e:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_NONFINITE
+    except OSError as e:
+        if multiprocess:
+            raise
+        # the disk filled up, a directory vanished or became read-only mid-run
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return faults.EXIT_FAILURE
     except Exception as e:
         if not multiprocess:
             raise

@@ -1,12 +1,8 @@
 """Command line: print the decompiled jaxpr of any importable function.
 
-    python -m nnlite.show_jaxpr MODULE:FUNCTION --shapes 'f32[3,4]' 'i32[3]' [--simplify]
+    python -m nnlite.jaxpr_cli MODULE:FUNCTION --shapes 'f32[3,4]' 'i32[3]' [--simplify]
 
-Why this module is callable: ``nnlite.show_jaxpr`` is the *function*, but importing this
-submodule (``import nnlite.show_jaxpr``, as pytest's doctest collection does) makes Python
-set the package attribute ``nnlite.show_jaxpr`` to the module. So the module's class is
-swapped for one whose ``__call__`` is the function: ``nnlite.show_jaxpr(f, x)`` works
-either way, and the implementation stays in ``nnlite/_show_jaxpr.py``.
+(The CLI has a name of its own so that ``nnlite.show_jaxpr`` is only ever the function.)
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ import argparse
 import importlib
 import re
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +64,7 @@ def _load(target: str):
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, print the decompiled function; bad arguments exit 2 with one message."""
     parser = argparse.ArgumentParser(
-        prog="python -m nnlite.show_jaxpr",
+        prog="python -m nnlite.jaxpr_cli",
         description="Print a function's jaxpr as runnable Python (see nnlite.show_jaxpr).",
     )
     parser.add_argument("target", help="MODULE:FUNCTION, e.g. jax.nn:relu")
@@ -97,14 +92,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class _CallableModule(types.ModuleType):
-    """This module, callable as ``nnlite.show_jaxpr(f, *args, ...)`` (see the docstring)."""
-
-    def __call__(self, *args, **kwargs):
-        return _show_jaxpr(*args, **kwargs)
-
-
 if __name__ == "__main__":
     sys.exit(main())
-else:
-    sys.modules[__name__].__class__ = _CallableModule

@@ -1,4 +1,4 @@
-"""Layers: Linear, FFN, SoftmaxHead, Activation, Sequential."""
+"""Dense layers and composition: Linear, FFN, SoftmaxHead, Activation, Sequential."""
 
 from __future__ import annotations
 
@@ -11,18 +11,36 @@ from ._module import Module
 from ._nn import get_activation, get_initializer
 from ._params import ParamsDict
 
-__all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead"]
+__all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead", "linear"]
+
+
+def linear(x: jax.Array, W: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """``x @ W + b`` for ``x: [..., in]``, ``W: [in, out]``, ``b: [out]`` (or None)."""
+    y = x @ W
+    if b is None:
+        return y
+    # Broadcast explicitly: y + b is a rank promotion, an error under the strict
+    # jax_numpy_rank_promotion="raise" the project runs with.
+    return y + jnp.broadcast_to(b, y.shape)
 
 
 class Linear(Module):
-    """``y = x @ W + b`` with ``W: [in_features, out_features]``.
+    """``y = x @ W + b`` with ``W: [in_features, out_features]`` (Equinox ``eqx.nn.Linear``,
+    Flax ``nn.Dense``).
+
+    Initialisers (as Flax): ``W`` LeCun normal (variance ``1 / in_features``), ``b`` zeros.
 
     Args:
         in_features: size of the input's last axis.
         out_features: size of the output's last axis.
         use_bias: whether to add ``b: [out_features]``.
         w_init, b_init: initializer names (see ``nnlite.INITIALIZERS``).
-        dtype: parameter dtype.
+        param_dtype: dtype of ``W`` and ``b``.
+        dtype: compute dtype; ``None`` computes in the dtype input and params promote to.
+            ``"bfloat16"`` with float32 params casts both to bf16 inside the call.
+
+    ``__call__(params, x)``: ``x: [..., in_features]`` (any leading axes, or none) ->
+    ``[..., out_features]``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -40,38 +58,54 @@ class Linear(Module):
     use_bias: bool = True
     w_init: str = "lecun_normal"
     b_init: str = "zeros"
-    dtype: str = "float32"
+    param_dtype: str = "float32"
+    dtype: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("in_features", "out_features"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Linear: {name} must be a positive int, got {v!r}")
+        self._check_positive_ints("in_features", "out_features")
+        self._check_dtypes()
         get_initializer(self.w_init)
         get_initializer(self.b_init)
 
     def init(self, key: jax.Array) -> ParamsDict:
         p = ParamsDict()
-        p.W = get_initializer(self.w_init)(key, (self.in_features, self.out_features), self.dtype)
+        shape = (self.in_features, self.out_features)
+        p.W = get_initializer(self.w_init)(key, shape, self.param_dtype)
         if self.use_bias:
             # A key of its own: with the same key, b would repeat W's first row up to scale.
             b_key = jax.random.fold_in(key, 1)
-            p.b = get_initializer(self.b_init)(b_key, (self.out_features,), self.dtype)
+            p.b = get_initializer(self.b_init)(b_key, (self.out_features,), self.param_dtype)
         return p
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {"W": (self.in_features, self.out_features)}
+        if self.use_bias:
+            shapes["b"] = (self.out_features,)
+        return shapes
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
-        y = x @ params.W
-        if not self.use_bias:
-            return y
-        # Broadcast explicitly: y + b is a rank promotion, an error under the strict
-        # jax_numpy_rank_promotion="raise" the project runs with.
-        return y + jnp.broadcast_to(params.b, y.shape)
+        self.check_params(params)
+        arrays = [params["W"], params["b"]] if self.use_bias else [params["W"]]
+        dtype = self.compute_dtype(x, *arrays)
+        return linear(x.astype(dtype), *(a.astype(dtype) for a in arrays))
 
 
 class Activation(Module):
-    """An activation function as a parameter-free module (for ``Sequential``)."""
+    """An activation function as a parameter-free module, for ``Sequential`` (Equinox:
+    ``eqx.nn.Lambda``).
+
+    Args:
+        name: activation name (see ``nnlite.ACTIVATIONS``: relu, gelu, tanh, ...).
+
+    ``__call__(params, x)``: any ``x`` -> same shape. No params.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> Activation("relu")(ParamsDict(), jnp.array([-1.0, 2.0])).tolist()
+        [0.0, 2.0]
+    """
 
     name: str = "relu"
 
@@ -99,7 +133,8 @@ class FFN(Module):
         activation: name of the activation between layers (see ``nnlite.ACTIVATIONS``).
         activate_final: also apply the activation after the last layer.
         w_init: initializer of every weight; ``None`` picks ``he_normal`` for relu-like
-            activations and ``lecun_normal`` otherwise.
+            activations and ``lecun_normal`` otherwise. Biases start at zero.
+        param_dtype, dtype: parameter and compute dtypes, as in ``Linear``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -120,12 +155,17 @@ class FFN(Module):
     activation: str = "relu"
     activate_final: bool = False
     w_init: str | None = None
-    dtype: str = "float32"
+    param_dtype: str = "float32"
+    dtype: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.hidden_sizes, int):
             object.__setattr__(self, "hidden_sizes", (self.hidden_sizes,))
+        self._check_positive_ints("in_features", "out_features")
+        if self.hidden_sizes:
+            self._check_positive_ints("hidden_sizes")
+        self._check_dtypes()
         get_activation(self.activation)
 
     @property
@@ -138,7 +178,8 @@ class FFN(Module):
         w_init = self.w_init or ("he_normal" if relu_like else "lecun_normal")
         s = self.sizes
         pairs = zip(s[:-1], s[1:], strict=True)
-        return tuple(Linear(a, b, w_init=w_init, dtype=self.dtype) for a, b in pairs)
+        dtypes = {"param_dtype": self.param_dtype, "dtype": self.dtype}
+        return tuple(Linear(a, b, w_init=w_init, **dtypes) for a, b in pairs)
 
     def init(self, key: jax.Array) -> ParamsDict:
         layers = self.layers
@@ -149,13 +190,15 @@ class FFN(Module):
         self.check_input(x, self.in_features)
         act = get_activation(self.activation)
         layers = self.layers
-        if len(params.layers) != len(layers):
+        layer_params = self.child(params, "layers")
+        if len(layer_params) != len(layers):
             raise ValueError(
-                f"{self._short_repr()}: params have {len(params.layers)} layers, "
+                f"{self._short_repr()}: params have {len(layer_params)} layers, "
                 f"the module has {len(layers)} (sizes {self.sizes})"
             )
-        for i, (layer, p) in enumerate(zip(layers, params.layers, strict=True)):
-            x = layer(p, x)
+        for i, (layer, p) in enumerate(zip(layers, layer_params, strict=True)):
+            with self.params_scope(f"/layers[{i}]"):
+                x = layer(p, x)
             if i < len(layers) - 1 or self.activate_final:
                 x = act(x)
         return x
@@ -175,6 +218,8 @@ class SoftmaxHead(Module):
         in_features: input size.
         num_classes: number of classes.
         output: ``"log_softmax"`` (default), ``"softmax"`` or ``"logits"``.
+        w_init: initializer of ``W`` (``b`` starts at zero).
+        param_dtype, dtype: parameter and compute dtypes, as in ``Linear``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -188,10 +233,12 @@ class SoftmaxHead(Module):
     num_classes: int
     output: str = "log_softmax"
     w_init: str = "lecun_normal"
-    dtype: str = "float32"
+    param_dtype: str = "float32"
+    dtype: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        self.linear  # validates the sizes, dtypes and initializer  # noqa: B018
         if self.output not in _HEAD_OUTPUTS:
             raise ValueError(
                 f"SoftmaxHead: unknown output {self.output!r}; valid: {', '.join(_HEAD_OUTPUTS)}"
@@ -199,7 +246,8 @@ class SoftmaxHead(Module):
 
     @property
     def linear(self) -> Linear:
-        return Linear(self.in_features, self.num_classes, w_init=self.w_init, dtype=self.dtype)
+        dtypes = {"param_dtype": self.param_dtype, "dtype": self.dtype}
+        return Linear(self.in_features, self.num_classes, w_init=self.w_init, **dtypes)
 
     def init(self, key: jax.Array) -> ParamsDict:
         return self.linear.init(key)
@@ -207,14 +255,23 @@ class SoftmaxHead(Module):
     def logits(self, params: ParamsDict, x: jax.Array) -> jax.Array:
         """The pre-softmax scores, ``[..., num_classes]``."""
         self.check_input(x, self.in_features)
-        return self.linear(params, x)
+        with self.params_scope(""):
+            return self.linear(params, x)
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         return _HEAD_OUTPUTS[self.output](self.logits(params, x))
 
 
 class Sequential(Module):
-    """Apply ``layers`` in order; parameters are ``/layers[i]/...``.
+    """Apply ``layers`` in order (Equinox ``eqx.nn.Sequential``, Flax ``nn.Sequential``);
+    parameters are ``/layers[i]/...`` (a parameter-free layer holds an empty ParamsDict).
+
+    Args:
+        layers: nnlite modules, each called as ``layer(params, x, key=k)``.
+
+    ``__call__(params, x, *, key=None)``: the output of the last layer. With a key, it is
+    split once per layer (``jax.random.split``), so dropout layers get independent masks;
+    ``key=None`` passes ``None`` to every layer (inference).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -234,6 +291,9 @@ class Sequential(Module):
                     f"Sequential: layers[{i}] must be an nnlite Module, got {type(layer).__name__}"
                 )
 
+    def _args_repr(self) -> str:
+        return f"Sequential({len(self.layers)} layers)"
+
     def init(self, key: jax.Array) -> ParamsDict:
         keys = jax.random.split(key, max(len(self.layers), 1))
         # split() needs n >= 1; zip stops at the layers for an empty Sequential.
@@ -241,13 +301,15 @@ class Sequential(Module):
         return ParamsDict(layers=[layer.init(k) for layer, k in pairs])
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
-        if len(params.layers) != len(self.layers):
+        layer_params = self.child(params, "layers")
+        if len(layer_params) != len(self.layers):
             raise ValueError(
-                f"Sequential: params have {len(params.layers)} layers, "
+                f"Sequential: params have {len(layer_params)} layers, "
                 f"the module has {len(self.layers)}"
             )
         n = len(self.layers)
         keys = [None] * n if key is None else list(jax.random.split(key, n))
-        for layer, p, k in zip(self.layers, params.layers, keys, strict=True):
-            x = layer(p, x, key=k)
+        for i, (layer, p, k) in enumerate(zip(self.layers, layer_params, keys, strict=True)):
+            with self.params_scope(f"/layers[{i}]"):
+                x = layer(p, x, key=k)
         return x

@@ -1,0 +1,497 @@
+"""Multi-head attention and the pre-LayerNorm transformer block.
+
+``MultiHeadAttention`` exposes its three stages as public methods, ``qkv``, ``attend`` and
+``project``, so a decoder with a key/value cache can call them one at a time (project the
+new token, write its k/v into the cache, attend over the cache with ``q_offset``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._dropout import check_rate, dropout
+from ._linear import Linear
+from ._module import Module
+from ._nn import get_activation
+from ._normalisation import LayerNorm
+from ._params import ParamsDict
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "MultiHeadAttention",
+    "TransformerBlock",
+    "causal_mask",
+    "dot_product_attention",
+]
+
+# None and "xla": jax.nn.dot_product_attention's XLA path; "cudnn": its fused GPU kernel
+# (fp16/bf16 on NVIDIA GPUs only); "plain": the einsum-softmax-einsum below (always used
+# when attention dropout is active, which jax.nn.dot_product_attention does not support).
+IMPLEMENTATIONS = (None, "xla", "cudnn", "plain")
+
+
+def causal_mask(t_q: int, t_k: int, q_offset: Any = None) -> jax.Array:
+    """``[t_q, t_k]`` boolean mask, True where query ``i`` may see key ``j``:
+    ``j <= i + q_offset``. ``q_offset`` is the position of the first query among the keys;
+    the default ``t_k - t_q`` aligns the last query with the last key."""
+    offset = t_k - t_q if q_offset is None else q_offset
+    i = jnp.arange(t_q)[:, None]
+    j = jnp.arange(t_k)[None, :]
+    return j <= jnp.broadcast_to(i + offset, (t_q, t_k))
+
+
+def dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    key: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+) -> jax.Array:
+    """``softmax(q k^T / sqrt(head_dim)) v`` for ``q: [B, Tq, H, D]``, ``k, v: [B, Tk, H, D]``
+    and a boolean ``mask`` broadcastable to ``[B, H, Tq, Tk]`` (True = attend), with
+    dropout on the attention weights when ``key`` is given. Logits and softmax in float32,
+    masked logits set to a large negative number: the same arithmetic as
+    ``jax.nn.dot_product_attention``'s XLA path, so the two agree."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(scale)
+    if mask is not None:
+        big_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
+        logits = jnp.where(jnp.broadcast_to(mask, logits.shape), logits, big_negative)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    probs = dropout(probs, key, dropout_rate)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+class MultiHeadAttention(Module):
+    """Multi-head scaled dot-product attention (Vaswani et al. 2017) with fused q/k/v
+    projections, as nanoGPT's ``CausalSelfAttention`` (Flax ``nn.MultiHeadDotProductAttention``,
+    Equinox ``eqx.nn.MultiheadAttention``, both with separate q/k/v weights).
+
+    ``qkv`` projects ``x`` to queries, keys and values (``W: [features, 3 * features]``,
+    columns ``[q | k | v]``, each split into ``num_heads`` contiguous heads of ``head_dim =
+    features // num_heads``); ``attend`` computes ``softmax(q k^T / sqrt(head_dim)) v`` per
+    head; ``project`` merges the heads and applies the output ``Linear``.
+
+    Masks: ``mask`` is boolean, True where a query may attend to a key, broadcastable
+    (numpy rules) to ``[..., num_heads, T_q, T_k]`` where ``...`` are the input's batch
+    axes; e.g. a key-padding mask ``valid: [B, T]`` is passed as ``valid[:, None, None, :]``.
+    With ``causal=True`` query ``i`` also sees only keys ``j <= i + q_offset`` (see
+    ``attend``). A query that may see no key gets the mean of all values (finite, not NaN).
+
+    Dropout (``dropout_rate``, as nanoGPT): on the attention weights and on the output
+    projection, each with its own half of ``key`` (``jax.random.split``); ``key=None`` is
+    inference.
+
+    Initialisers: ``W`` by ``w_init`` (LeCun normal, as Flax), ``b`` zeros.
+
+    Args:
+        features: model width (last axis of ``x``); a multiple of ``num_heads``.
+        num_heads: number of heads.
+        causal: apply the causal mask.
+        use_bias: biases in the q/k/v and output projections.
+        dropout_rate: dropout probability, ``0 <= rate < 1``.
+        w_init: initializer of the projection weights.
+        implementation: ``None``/``"xla"``/``"cudnn"`` pass to
+            ``jax.nn.dot_product_attention`` (``"cudnn"``: fused GPU kernel, fp16/bf16);
+            ``"plain"`` uses the einsum path (also used whenever attention dropout is on).
+        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
+
+    Params: ``/qkv/W: [features, 3 * features]``, ``/qkv/b``, ``/out/W: [features,
+    features]``, ``/out/b``.
+
+    ``__call__(params, x, *, mask=None, key=None)``: ``x: [..., T, features]`` ->
+    ``[..., T, features]``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> mha = MultiHeadAttention(8, num_heads=2, causal=True)
+        >>> p = mha.init(jax.random.key(0))
+        >>> p.print()
+        /qkv/W: f32[8,24]
+        /qkv/b: f32[24]
+        /out/W: f32[8,8]
+        /out/b: f32[8]
+        >>> x = jnp.ones((3, 5, 8))  # batch 3, 5 positions
+        >>> mha(p, x).shape
+        (3, 5, 8)
+        >>> q, k, v = mha.qkv(p, x)  # the pieces, for a key/value-cache decoder
+        >>> q.shape
+        (3, 5, 2, 4)
+        >>> mha.project(p, mha.attend(q, k, v)).shape
+        (3, 5, 8)
+    """
+
+    features: int
+    num_heads: int
+    causal: bool = False
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    w_init: str = "lecun_normal"
+    implementation: str | None = None
+    param_dtype: str = "float32"
+    dtype: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_positive_ints("features", "num_heads")
+        if self.features % self.num_heads:
+            raise ValueError(
+                f"MultiHeadAttention: features={self.features} must be a multiple of "
+                f"num_heads={self.num_heads}"
+            )
+        check_rate("MultiHeadAttention", "dropout_rate", self.dropout_rate)
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"MultiHeadAttention: unknown implementation {self.implementation!r}; valid: "
+                + ", ".join(map(repr, IMPLEMENTATIONS))
+            )
+        self.qkv_linear  # validates w_init and the dtypes  # noqa: B018
+
+    @property
+    def head_dim(self) -> int:
+        return self.features // self.num_heads
+
+    def _linear(self, out_features: int) -> Linear:
+        return Linear(
+            self.features,
+            out_features,
+            use_bias=self.use_bias,
+            w_init=self.w_init,
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+        )
+
+    @property
+    def qkv_linear(self) -> Linear:
+        """The fused q/k/v projection, ``features -> 3 * features``."""
+        return self._linear(3 * self.features)
+
+    @property
+    def out_linear(self) -> Linear:
+        """The output projection, ``features -> features``."""
+        return self._linear(self.features)
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        k_qkv, k_out = jax.random.split(key)
+        return ParamsDict(qkv=self.qkv_linear.init(k_qkv), out=self.out_linear.init(k_out))
+
+    def qkv(self, params: ParamsDict, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of ``x: [..., T, features]``, each
+        ``[..., T, num_heads, head_dim]``."""
+        self.check_input(x, self.features, min_rank=2)
+        p_qkv = self.child(params, "qkv")
+        with self.params_scope("/qkv"):
+            y = self.qkv_linear(p_qkv, x)
+        y = y.reshape(*x.shape[:-1], 3, self.num_heads, self.head_dim)
+        return y[..., 0, :, :], y[..., 1, :, :], y[..., 2, :, :]
+
+    def attend(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        key: jax.Array | None = None,
+        q_offset: Any = None,
+    ) -> jax.Array:
+        """``softmax(q k^T / sqrt(head_dim)) v`` per head, with this module's causal mask and
+        attention dropout.
+
+        Args:
+            q: ``[..., T_q, num_heads, head_dim]``.
+            k, v: ``[..., T_k, num_heads, head_dim]`` (same batch axes as ``q``).
+            mask: boolean, True = attend, broadcastable to ``[..., num_heads, T_q, T_k]``.
+            key: dropout key for the attention weights (``None``: no dropout).
+            q_offset: causal alignment, the position of ``q``'s first row among the keys:
+                query ``i`` sees keys ``j <= i + q_offset``. Default ``T_k - T_q``, which
+                aligns the last query with the last key (the usual case, and decoding with a
+                cache that holds exactly the past keys). With a fixed-size cache of length
+                ``T_k`` filled up to position ``n`` and one new query at position ``n``,
+                pass ``q_offset=n`` (may be traced): it also hides the unfilled slots.
+
+        Returns:
+            ``[..., T_q, num_heads, head_dim]``.
+        """
+        head = (self.num_heads, self.head_dim)
+        if q.ndim < 3 or q.shape[-2:] != head or k.shape[-2:] != head or v.shape != k.shape:
+            raise ValueError(
+                f"{self._short_repr()}.attend: expected q [..., T_q, {self.num_heads}, "
+                f"{self.head_dim}] and k, v [..., T_k, {self.num_heads}, {self.head_dim}], got "
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        batch = q.shape[:-3]
+        if k.shape[:-3] != batch:
+            raise ValueError(
+                f"{self._short_repr()}.attend: q and k must share their batch axes, got q "
+                f"{tuple(q.shape)} and k {tuple(k.shape)}"
+            )
+        t_q, t_k = q.shape[-3], k.shape[-3]
+        full = (*batch, self.num_heads, t_q, t_k)
+        if mask is not None:
+            mask = self._check_mask(mask, full)
+        if self.causal:
+            c = causal_mask(t_q, t_k, q_offset)
+            c = jnp.broadcast_to(c, full)
+            mask = c if mask is None else jnp.logical_and(mask, c)
+        b = math.prod(batch)
+        q4, k4, v4 = (a.reshape(b, *a.shape[-3:]) for a in (q, k, v))
+        m4 = None if mask is None else jnp.broadcast_to(mask, full).reshape(b, *full[-3:])
+        dropping = key is not None and self.dropout_rate > 0
+        if dropping or self.implementation == "plain":
+            out = dot_product_attention(q4, k4, v4, m4, key=key, dropout_rate=self.dropout_rate)
+        else:
+            out = jax.nn.dot_product_attention(
+                q4, k4, v4, mask=m4, implementation=self.implementation
+            )
+        return out.reshape(*batch, *out.shape[-3:])
+
+    def _check_mask(self, mask: Any, full: tuple[int, ...]) -> jax.Array:
+        shape = tuple(getattr(mask, "shape", ()))
+        dtype = getattr(mask, "dtype", None)
+        if dtype is None or dtype != jnp.bool_:
+            raise ValueError(
+                f"{self._short_repr()}: mask must be a boolean array (True = attend), got "
+                f"{f'dtype {dtype}' if dtype is not None else type(mask).__name__}"
+            )
+        try:
+            ok = np.broadcast_shapes(shape, full) == full
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{self._short_repr()}: mask of shape {shape} does not broadcast to "
+                f"[..., num_heads, T_q, T_k] = {full}; a key-padding mask valid: [B, T] "
+                "is passed as valid[:, None, None, :]"
+            )
+        return jnp.broadcast_to(mask, full)
+
+    def project(self, params: ParamsDict, o: jax.Array) -> jax.Array:
+        """Merge the heads of ``o: [..., T, num_heads, head_dim]`` and apply the output
+        projection: ``[..., T, features]``."""
+        if o.ndim < 3 or o.shape[-2:] != (self.num_heads, self.head_dim):
+            raise ValueError(
+                f"{self._short_repr()}.project: expected [..., T, {self.num_heads}, "
+                f"{self.head_dim}], got shape {tuple(o.shape)}"
+            )
+        p_out = self.child(params, "out")
+        with self.params_scope("/out"):
+            return self.out_linear(p_out, o.reshape(*o.shape[:-2], self.features))
+
+    def __call__(
+        self,
+        params: ParamsDict,
+        x: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        k_attn, k_out = (None, None) if key is None else jax.random.split(key)
+        q, k, v = self.qkv(params, x)
+        o = self.attend(q, k, v, mask=mask, key=k_attn)
+        return dropout(self.project(params, o), k_out, self.dropout_rate)
+
+
+class _MLP(Module):
+    """The transformer block's MLP: ``fc`` (``features -> hidden``), activation, ``proj``
+    (``hidden -> features``), dropout (as nanoGPT). Params ``/fc/{W,b}``, ``/proj/{W,b}``."""
+
+    features: int
+    hidden: int
+    activation: str = "gelu"
+    dropout_rate: float = 0.0
+    use_bias: bool = True
+    w_init: str = "lecun_normal"
+    param_dtype: str = "float32"
+    dtype: str | None = None
+
+    def _linear(self, i: int, o: int) -> Linear:
+        return Linear(
+            i,
+            o,
+            use_bias=self.use_bias,
+            w_init=self.w_init,
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+        )
+
+    @property
+    def fc(self) -> Linear:
+        return self._linear(self.features, self.hidden)
+
+    @property
+    def proj(self) -> Linear:
+        return self._linear(self.hidden, self.features)
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        k_fc, k_proj = jax.random.split(key)
+        return ParamsDict(fc=self.fc.init(k_fc), proj=self.proj.init(k_proj))
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        p_fc = self.child(params, "fc")
+        with self.params_scope("/fc"):
+            h = get_activation(self.activation)(self.fc(p_fc, x))
+        p_proj = self.child(params, "proj")
+        with self.params_scope("/proj"):
+            y = self.proj(p_proj, h)
+        return dropout(y, key, self.dropout_rate)
+
+
+class TransformerBlock(Module):
+    """Pre-LayerNorm transformer block, as GPT-2/nanoGPT: ``x + attn(ln1(x))`` then
+    ``x + mlp(ln2(x))``, the MLP ``Linear(features, mlp_ratio * features)``, activation,
+    ``Linear(mlp_ratio * features, features)`` (Equinox and Flax have no such block; it is
+    built from their ``LayerNorm``, ``MultiheadAttention`` and ``Linear``/``Dense``).
+
+    Dropout (``dropout_rate``) as nanoGPT: on the attention weights, after the attention
+    output projection and after the MLP; ``key`` is split once per random child.
+    Children, for step-by-step use (a key/value-cache decoder): ``block.ln1``,
+    ``block.attn`` (a ``MultiHeadAttention``), ``block.ln2``, ``block.mlp`` (with
+    ``.fc`` and ``.proj``).
+
+    Initialisers: LayerNorm scale ones, bias zeros; projections by ``w_init`` (LeCun normal
+    as Flax; GPT-2 uses ``"normal_0.02"``), biases zeros.
+
+    Args:
+        features: model width.
+        num_heads: attention heads (must divide ``features``).
+        mlp_ratio: MLP hidden width multiplier (hidden = ``int(mlp_ratio * features)``).
+        dropout_rate: dropout probability, ``0 <= rate < 1``.
+        causal: causal self-attention (default True, a decoder block).
+        activation: MLP activation name (default ``"gelu"``, the tanh approximation).
+        use_bias: biases in the projections and LayerNorms.
+        eps: LayerNorm epsilon.
+        w_init: initializer of the projection weights.
+        implementation: attention implementation (see ``MultiHeadAttention``).
+        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
+
+    Params: ``/ln1/{scale,bias}``, ``/attn/qkv/{W,b}``, ``/attn/out/{W,b}``,
+    ``/ln2/{scale,bias}``, ``/mlp/fc/{W,b}``, ``/mlp/proj/{W,b}``.
+
+    ``__call__(params, x, *, mask=None, key=None)``: ``x: [..., T, features]`` -> same shape;
+    ``mask`` as in ``MultiHeadAttention``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> block = TransformerBlock(8, num_heads=2, mlp_ratio=2)
+        >>> p = block.init(jax.random.key(0))
+        >>> p.print()
+        /ln1/scale: f32[8]
+        /ln1/bias: f32[8]
+        /attn/qkv/W: f32[8,24]
+        /attn/qkv/b: f32[24]
+        /attn/out/W: f32[8,8]
+        /attn/out/b: f32[8]
+        /ln2/scale: f32[8]
+        /ln2/bias: f32[8]
+        /mlp/fc/W: f32[8,16]
+        /mlp/fc/b: f32[16]
+        /mlp/proj/W: f32[16,8]
+        /mlp/proj/b: f32[8]
+        >>> block(p, jnp.ones((4, 5, 8))).shape
+        (4, 5, 8)
+    """
+
+    features: int
+    num_heads: int
+    mlp_ratio: float = 4
+    dropout_rate: float = 0.0
+    causal: bool = True
+    activation: str = "gelu"
+    use_bias: bool = True
+    eps: float = 1e-5
+    w_init: str = "lecun_normal"
+    implementation: str | None = None
+    param_dtype: str = "float32"
+    dtype: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        r = self.mlp_ratio
+        number = isinstance(r, int | float) and not isinstance(r, bool)
+        features = self.features if isinstance(self.features, int) else 1
+        if not number or not r > 0 or int(r * features) < 1:
+            raise ValueError(
+                f"TransformerBlock: mlp_ratio must be a number > 0 giving at least one hidden "
+                f"unit, got {self.mlp_ratio!r}"
+            )
+        get_activation(self.activation)
+        self.attn  # validates features, num_heads, dropout_rate, dtypes  # noqa: B018
+        self.ln1  # noqa: B018
+
+    @property
+    def ln1(self) -> LayerNorm:
+        return LayerNorm(self.features, self.eps, use_bias=self.use_bias, **self._dtypes)
+
+    @property
+    def ln2(self) -> LayerNorm:
+        return self.ln1
+
+    @property
+    def attn(self) -> MultiHeadAttention:
+        return MultiHeadAttention(
+            self.features,
+            self.num_heads,
+            causal=self.causal,
+            use_bias=self.use_bias,
+            dropout_rate=self.dropout_rate,
+            w_init=self.w_init,
+            implementation=self.implementation,
+            **self._dtypes,
+        )
+
+    @property
+    def mlp(self) -> _MLP:
+        return _MLP(
+            self.features,
+            int(self.mlp_ratio * self.features),
+            self.activation,
+            self.dropout_rate,
+            self.use_bias,
+            self.w_init,
+            **self._dtypes,
+        )
+
+    @property
+    def _dtypes(self) -> dict[str, Any]:
+        return {"param_dtype": self.param_dtype, "dtype": self.dtype}
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        k_attn, k_mlp = jax.random.split(key)
+        return ParamsDict(
+            ln1=self.ln1.init(key),
+            attn=self.attn.init(k_attn),
+            ln2=self.ln2.init(key),
+            mlp=self.mlp.init(k_mlp),
+        )
+
+    def __call__(
+        self,
+        params: ParamsDict,
+        x: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        self.check_input(x, self.features, min_rank=2)
+        k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
+        p_ln1 = self.child(params, "ln1")
+        with self.params_scope("/ln1"):
+            h = self.ln1(p_ln1, x)
+        p_attn = self.child(params, "attn")
+        with self.params_scope("/attn"):
+            x = x + self.attn(p_attn, h, mask=mask, key=k_attn).astype(x.dtype)
+        p_ln2 = self.child(params, "ln2")
+        with self.params_scope("/ln2"):
+            h = self.ln2(p_ln2, x)
+        p_mlp = self.child(params, "mlp")
+        with self.params_scope("/mlp"):
+            return x + self.mlp(p_mlp, h, key=k_mlp).astype(x.dtype)

@@ -1,0 +1,256 @@
+"""Normalisation: LayerNorm, RMSNorm, GroupNorm (statistics always in float32).
+
+BatchNorm is left out on purpose: its running statistics are state that changes during the
+forward pass, which does not fit nnlite's params-only ``init``/``__call__`` design (see the
+README). GroupNorm and LayerNorm need no such state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._module import Module
+from ._params import ParamsDict
+
+__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "group_norm", "layer_norm", "rms_norm"]
+
+
+def _affine(y: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> jax.Array:
+    if scale is not None:
+        y = y * jnp.broadcast_to(scale, y.shape)
+    if bias is not None:
+        y = y + jnp.broadcast_to(bias, y.shape)
+    return y
+
+
+def layer_norm(x, scale=None, bias=None, *, eps: float = 1e-5) -> jax.Array:
+    """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis; mean and variance
+    are computed in float32, the result has ``x``'s dtype."""
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    centred = x32 - mean
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    y = (centred * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return _affine(y, scale, bias)
+
+
+def rms_norm(x, scale=None, *, eps: float = 1e-6) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (statistics in float32)."""
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = (x32 * jax.lax.rsqrt(ms + eps)).astype(x.dtype)
+    return _affine(y, scale, None)
+
+
+def group_norm(x, scale=None, bias=None, *, num_groups: int, num_spatial_axes: int, eps=1e-5):
+    """Normalise ``x: [..., *spatial, C]`` over the spatial axes and the ``C // num_groups``
+    channels of each group (statistics in float32), then ``* scale + bias`` per channel."""
+    n = num_spatial_axes
+    c = x.shape[-1]
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    grouped = x32.reshape(*x.shape[:-1], num_groups, c // num_groups)
+    # Reduce over the spatial axes and the channels within a group (not over the groups).
+    axes = (*range(grouped.ndim - n - 2, grouped.ndim - 2), grouped.ndim - 1)
+    mean = jnp.mean(grouped, axis=axes, keepdims=True)
+    centred = grouped - mean
+    var = jnp.mean(centred * centred, axis=axes, keepdims=True)
+    y = (centred * jax.lax.rsqrt(var + eps)).reshape(x.shape).astype(x.dtype)
+    return _affine(y, scale, bias)
+
+
+class _Norm(Module):
+    def _cast(self, x, params, names):
+        arrays = [params[n] for n in names]
+        dtype = self.compute_dtype(x, *arrays)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = jnp.dtype(self.param_dtype)
+        return x.astype(dtype), [a.astype(dtype) for a in arrays]
+
+    def _check_eps(self):
+        if not isinstance(self.eps, int | float) or isinstance(self.eps, bool) or self.eps < 0:
+            raise ValueError(f"{type(self).__name__}: eps must be a float >= 0, got {self.eps!r}")
+
+
+class LayerNorm(_Norm):
+    """Layer normalisation over the last axis (Ba et al. 2016; Flax ``nn.LayerNorm``, Equinox
+    ``eqx.nn.LayerNorm``): ``(x - mean) / sqrt(var + eps) * scale + bias``.
+
+    Mean and variance are computed in float32 even when ``dtype`` is bfloat16.
+    Initialisers (as Flax and Equinox): ``scale`` ones, ``bias`` zeros.
+
+    Args:
+        features: size of the last axis.
+        eps: added to the variance (1e-5, as Equinox and PyTorch; Flax uses 1e-6).
+        use_scale, use_bias: learn ``scale: [features]`` / ``bias: [features]``.
+        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
+
+    ``__call__(params, x)``: ``x: [..., features]`` -> same shape.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> ln = LayerNorm(4)
+        >>> p = ln.init(jax.random.key(0))
+        >>> p.print()
+        /scale: f32[4]
+        /bias: f32[4]
+        >>> [round(v, 3) for v in ln(p, jnp.array([1.0, 2.0, 3.0, 4.0])).tolist()]
+        [-1.342, -0.447, 0.447, 1.342]
+    """
+
+    features: int
+    eps: float = 1e-5
+    use_scale: bool = True
+    use_bias: bool = True
+    param_dtype: str = "float32"
+    dtype: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_positive_ints("features")
+        self._check_eps()
+        self._check_dtypes()
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        names = [n for n, on in (("scale", self.use_scale), ("bias", self.use_bias)) if on]
+        return {n: (self.features,) for n in names}
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        p = ParamsDict()
+        if self.use_scale:
+            p.scale = jnp.ones(self.features, self.param_dtype)
+        if self.use_bias:
+            p.bias = jnp.zeros(self.features, self.param_dtype)
+        return p
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        self.check_input(x, self.features)
+        self.check_params(params)
+        x, arrays = self._cast(x, params, self.param_shapes())
+        scale = arrays.pop(0) if self.use_scale else None
+        bias = arrays.pop(0) if self.use_bias else None
+        return layer_norm(x, scale, bias, eps=self.eps)
+
+
+class RMSNorm(_Norm):
+    """Root-mean-square normalisation over the last axis (Zhang & Sennrich 2019; Flax
+    ``nn.RMSNorm``, Equinox ``eqx.nn.RMSNorm``): ``x / sqrt(mean(x^2) + eps) * scale``.
+
+    The mean square is computed in float32. Initialiser: ``scale`` ones (as Flax/Equinox).
+
+    Args:
+        features: size of the last axis.
+        eps: added to the mean square (1e-6, as Flax).
+        use_scale: learn ``scale: [features]``.
+        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
+
+    ``__call__(params, x)``: ``x: [..., features]`` -> same shape.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> norm = RMSNorm(2)
+        >>> p = norm.init(jax.random.key(0))
+        >>> p.print()
+        /scale: f32[2]
+        >>> [round(v, 4) for v in norm(p, jnp.array([3.0, 4.0])).tolist()]
+        [0.8485, 1.1314]
+    """
+
+    features: int
+    eps: float = 1e-6
+    use_scale: bool = True
+    param_dtype: str = "float32"
+    dtype: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_positive_ints("features")
+        self._check_eps()
+        self._check_dtypes()
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"scale": (self.features,)} if self.use_scale else {}
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        p = ParamsDict()
+        if self.use_scale:
+            p.scale = jnp.ones(self.features, self.param_dtype)
+        return p
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        self.check_input(x, self.features)
+        self.check_params(params)
+        x, arrays = self._cast(x, params, self.param_shapes())
+        return rms_norm(x, *arrays, eps=self.eps)
+
+
+class GroupNorm(_Norm):
+    """Group normalisation (Wu & He 2018; Flax ``nn.GroupNorm``, Equinox ``eqx.nn.GroupNorm``),
+    channels-last: each example's channels are split into ``num_groups`` groups, each group
+    normalised over the spatial axes and its channels, then ``* scale + bias`` per channel.
+    No batch statistics, so it behaves the same in training and inference (a BatchNorm
+    substitute). ``num_groups=1`` normalises over everything but the batch axes; ``num_groups
+    = features`` is instance normalisation.
+
+    Statistics in float32. Initialisers (as Flax/Equinox): ``scale`` ones, ``bias`` zeros.
+
+    Args:
+        num_groups: number of channel groups; must divide ``features``.
+        features: channels (the last axis).
+        eps: added to the variance (1e-5, as Equinox, Flax and PyTorch).
+        use_scale, use_bias: learn ``scale: [features]`` / ``bias: [features]``.
+        num_spatial_axes: how many axes before the channels are spatial (default 1, as for
+            a 1-d CNN's ``[..., length, channels]``; 2 for images). Axes before those are
+            batch axes, so unbatched input has rank ``num_spatial_axes + 1``.
+        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
+
+    ``__call__(params, x)``: ``x: [..., *spatial, features]`` -> same shape.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> gn = GroupNorm(2, 4)
+        >>> p = gn.init(jax.random.key(0))
+        >>> p.print()
+        /scale: f32[4]
+        /bias: f32[4]
+        >>> gn(p, jnp.ones((8, 10, 4))).shape  # batch 8, length 10, 4 channels
+        (8, 10, 4)
+    """
+
+    num_groups: int
+    features: int
+    eps: float = 1e-5
+    use_scale: bool = True
+    use_bias: bool = True
+    num_spatial_axes: int = 1
+    param_dtype: str = "float32"
+    dtype: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_positive_ints("num_groups", "features")
+        self._check_positive_ints("num_spatial_axes", allow_zero=True)
+        if self.features % self.num_groups:
+            raise ValueError(
+                f"GroupNorm: num_groups={self.num_groups} must divide features={self.features}"
+            )
+        self._check_eps()
+        self._check_dtypes()
+
+    param_shapes = LayerNorm.param_shapes
+    init = LayerNorm.init
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        self.check_input(x, self.features, min_rank=self.num_spatial_axes + 1)
+        self.check_params(params)
+        x, arrays = self._cast(x, params, self.param_shapes())
+        scale = arrays.pop(0) if self.use_scale else None
+        bias = arrays.pop(0) if self.use_bias else None
+        return group_norm(
+            x,
+            scale,
+            bias,
+            num_groups=self.num_groups,
+            num_spatial_axes=self.num_spatial_axes,
+            eps=self.eps,
+        )

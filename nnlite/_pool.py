@@ -1,0 +1,238 @@
+"""Pooling (``lax.reduce_window``) and Flatten: parameter-free, channels-last."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._conv import explicit_padding, normalize_padding, to_tuple
+from ._module import Module
+from ._params import ParamsDict
+
+__all__ = ["AvgPool", "Flatten", "MaxPool", "avg_pool", "flatten", "max_pool"]
+
+
+def _window_args(x, window, strides, padding):
+    """Full-rank window, strides and padding for ``x: [..., *spatial, C]``."""
+    n = len(window)
+    lead = x.ndim - n - 1
+    pads = explicit_padding(padding, x.shape[lead:-1], window, strides)
+    return (
+        (1,) * lead + tuple(window) + (1,),
+        (1,) * lead + tuple(strides) + (1,),
+        ((0, 0),) * lead + tuple(pads) + ((0, 0),),
+    )
+
+
+def max_pool(x: jax.Array, *, window: Sequence[int], strides: Sequence[int], padding) -> jax.Array:
+    """Maximum over windows of the spatial axes of ``x: [..., *spatial, C]`` (padding
+    counts as ``-inf``)."""
+    dims, strides_, pads = _window_args(x, window, strides, padding)
+    # A Python scalar init: reduce_window then recognises the max monoid, which has a
+    # gradient rule (a traced init would not).
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        init = -float("inf")
+    elif jnp.issubdtype(x.dtype, jnp.bool_):
+        init = False
+    else:
+        init = int(jnp.iinfo(x.dtype).min)
+    return lax.reduce_window(x, init, lax.max, dims, strides_, pads)
+
+
+def avg_pool(
+    x: jax.Array,
+    *,
+    window: Sequence[int],
+    strides: Sequence[int],
+    padding,
+    count_include_pad: bool = True,
+) -> jax.Array:
+    """Mean over windows of the spatial axes of ``x: [..., *spatial, C]``; padded positions
+    count as zeros (``count_include_pad``) or are left out of the mean."""
+    dims, strides_, pads = _window_args(x, window, strides, padding)
+    total = lax.reduce_window(x, 0.0, lax.add, dims, strides_, pads)
+    if count_include_pad or all(p == (0, 0) for p in pads):
+        return total / jnp.array(math.prod(window), x.dtype)
+    ones = jnp.ones(x.shape[-len(window) - 1 : -1] + (1,), x.dtype)
+    n = len(window)
+    counts = lax.reduce_window(
+        ones, 0.0, lax.add, dims[-n - 1 :], strides_[-n - 1 :], pads[-n - 1 :]
+    )
+    return total / jnp.broadcast_to(counts, total.shape)
+
+
+class _Pool(Module):
+    window: int | tuple[int, ...]
+    strides: int | tuple[int, ...] | None = None
+    padding: Any = "VALID"
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        w = self.window
+        if isinstance(w, int) and not isinstance(w, bool):
+            w = (w,)
+        if not isinstance(w, tuple) or not w:
+            raise ValueError(f"{name}: window must be a positive int or a tuple, got {w!r}")
+        n = len(w)
+        object.__setattr__(self, "window", to_tuple(name, "window", self.window, n))
+        strides = self.window if self.strides is None else self.strides
+        object.__setattr__(self, "strides", to_tuple(name, "strides", strides, n))
+        object.__setattr__(self, "padding", normalize_padding(name, self.padding, n))
+
+    def _short_repr(self) -> str:
+        return f"{type(self).__name__}(window={self.window})"
+
+    _args_repr = _short_repr
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        return ParamsDict()
+
+    def _check(self, x: Any) -> None:
+        n = len(self.window)
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) < n + 1:
+            raise ValueError(
+                f"{self._short_repr()}: expected input [..., *spatial ({n} axes), channels] of "
+                f"rank >= {n + 1}, got shape "
+                f"{tuple(shape) if shape is not None else type(x).__name__}"
+            )
+        self.check_numeric(x)
+        spatial = shape[-n - 1 : -1]
+        pads = explicit_padding(self.padding, spatial, self.window, self.strides)
+        if any(s + lo + hi < w for s, (lo, hi), w in zip(spatial, pads, self.window, strict=True)):
+            raise ValueError(
+                f"{self._short_repr()}: input of shape {tuple(shape)} has spatial size "
+                f"{tuple(spatial)}, smaller (with padding {pads}) than the window"
+            )
+
+
+_POOL_ARGS = """
+    N-dimensional: N = ``len(window)`` (an int window means 1-d). Input
+    ``[..., *spatial, channels]``: rank N + 1 is one unbatched example, further leading
+    axes are batch axes. No params (``init`` returns an empty ParamsDict).
+
+    Args:
+        window: window size, int or N ints.
+        strides: int or N ints; ``None`` (default) means ``window`` (non-overlapping
+            windows, as PyTorch and Keras; Flax's ``max_pool`` defaults to stride 1).
+        padding: ``"VALID"`` (default), ``"SAME"``, an int, or N ``(low, high)`` pairs."""
+
+
+class MaxPool(_Pool):
+    __doc__ = (
+        """Max pooling over the spatial axes, channels-last (Flax ``nn.max_pool``, Equinox
+    ``eqx.nn.MaxPool1d/2d/3d``). Padded positions count as ``-inf``.
+"""
+        + _POOL_ARGS
+        + """
+
+    Returns:
+        ``[..., *spatial_out, channels]``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> pool = MaxPool(2)
+        >>> pool(pool.init(None), jnp.array([[1.0], [3.0], [2.0], [0.0]]))[:, 0]
+        Array([3., 2.], dtype=float32)
+        >>> MaxPool((2, 2))(ParamsDict(), jnp.ones((8, 28, 28, 3))).shape
+        (8, 14, 14, 3)
+    """
+    )
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        self._check(x)
+        return max_pool(x, window=self.window, strides=self.strides, padding=self.padding)
+
+
+class AvgPool(_Pool):
+    __doc__ = (
+        """Average pooling over the spatial axes, channels-last (Flax ``nn.avg_pool``, Equinox
+    ``eqx.nn.AvgPool1d/2d/3d``).
+"""
+        + _POOL_ARGS
+        + """
+        count_include_pad: padded positions count as zeros in the mean (default, as Flax);
+            ``False`` averages over the real inputs of each window only.
+
+    Returns:
+        ``[..., *spatial_out, channels]``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> pool = AvgPool(2)
+        >>> pool(pool.init(None), jnp.array([[1.0], [3.0], [2.0], [0.0]]))[:, 0]
+        Array([2., 1.], dtype=float32)
+    """
+    )
+
+    count_include_pad: bool = True
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        self._check(x)
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            x = x.astype(jnp.result_type(float))
+        return avg_pool(
+            x,
+            window=self.window,
+            strides=self.strides,
+            padding=self.padding,
+            count_include_pad=self.count_include_pad,
+        )
+
+
+def flatten(x: jax.Array, num_axes: int) -> jax.Array:
+    """Merge the last ``num_axes`` axes of ``x`` into one."""
+    return x.reshape(*x.shape[: x.ndim - num_axes], -1)
+
+
+class Flatten(Module):
+    """Merge the last ``num_axes`` axes into one (Equinox: ``jnp.ravel`` on one example;
+    Flax: ``x.reshape(x.shape[0], -1)``).
+
+    Counting from the end makes batched and unbatched input mean the same thing: for a
+    1-d CNN's ``[..., length, channels]`` features, ``Flatten(2)`` gives
+    ``[..., length * channels]`` with or without leading batch axes (and under ``vmap``).
+    For 2-d images ``[..., H, W, C]`` use ``Flatten(3)``. No params.
+
+    Args:
+        num_axes: how many trailing axes to merge (default 2; 1 leaves ``x`` unchanged).
+
+    Returns:
+        ``[..., prod(last num_axes sizes)]``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> Flatten(2)(ParamsDict(), jnp.ones((8, 10, 25))).shape
+        (8, 250)
+        >>> Flatten(2)(ParamsDict(), jnp.ones((10, 25))).shape
+        (250,)
+    """
+
+    num_axes: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_positive_ints("num_axes")
+
+    def _short_repr(self) -> str:
+        return f"Flatten(num_axes={self.num_axes})"
+
+    _args_repr = _short_repr
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        return ParamsDict()
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) < self.num_axes:
+            raise ValueError(
+                f"{self._short_repr()}: expected input of rank >= {self.num_axes}, got shape "
+                f"{tuple(shape) if shape is not None else type(x).__name__}"
+            )
+        return flatten(x, self.num_axes)

@@ -1,0 +1,78 @@
+"""Hand-derived vector-Jacobian products, the seed's way: rules, a checker, a plug-in.
+
+``nnlite.vjp`` is the awf-jaxutils VJP library with its names and conventions -- column
+vectors (``mm(W1, x)`` with ``x: [in]``), ``softmax`` over axis 0, ``sum`` of a list,
+``index_vjp -> dx`` -- so the seed's examples run unchanged. ``nnlite.vjp.batched`` holds
+the same kind of rules for row-vector batches (``x: [batch, in] @ W: [in, out]``, class
+axis last): the convention of nnlite's layers and gradient modes.
+
+``relu`` is a forward function, ``relu_vjp(x, dret) -> dx`` its hand-derived backward
+rule. ``check_vjp(relu, relu_vjp, x)`` (the seed's ``check``) compares the rule with
+``jax.vjp``. ``custom_vjp(relu, relu_vjp)`` (or ``@with_vjp(relu_vjp)``) gives a function
+that ``jax.grad`` differentiates with the hand rule, and ``hand.relu`` is that function,
+ready-made for every rule in ``RULES``.
+
+Integer arguments (labels, indices) are not differentiable: rules return ``None`` for
+them (or leave them out, as ``index_vjp`` does), ``check_vjp`` accepts that, and the
+plug-in turns it into the zero cotangent JAX expects.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from nnlite.vjp import check_vjp, hand, mm, mm_vjp, relu, relu_vjp
+    >>> W, x = jnp.ones((2, 3)), jnp.array([-1.0, 2.0, 0.5])
+    >>> check_vjp(mm, mm_vjp, W, x)  # matrix @ column vector
+    >>> jax.grad(lambda x: hand.dotall(hand.relu(x), x))(x)
+    Array([0., 4., 1.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+from .. import _vjp_column
+from .._vjp_column import *  # noqa: F403 -- the rules are this module's public surface
+from .._vjp_column import __all__ as _rule_names
+from .._vjp_tools import VJPCheckError as VJPCheckError
+from .._vjp_tools import allclose as allclose
+from .._vjp_tools import check as check
+from .._vjp_tools import check_vjp as check_vjp
+from .._vjp_tools import custom_vjp as custom_vjp
+from .._vjp_tools import default_tolerances as default_tolerances
+from .._vjp_tools import ensure_tuple as ensure_tuple
+from .._vjp_tools import randlike as randlike
+from .._vjp_tools import tree_all as tree_all
+from .._vjp_tools import tree_allclose as tree_allclose
+from .._vjp_tools import tree_close as tree_close
+from .._vjp_tools import with_vjp as with_vjp
+from . import batched as batched
+
+#: ``name -> (f, f_vjp)`` for every rule in this module.
+RULES: dict[str, tuple[Callable, Callable]] = {
+    name: (getattr(_vjp_column, name), getattr(_vjp_column, name + "_vjp"))
+    for name in _rule_names
+    if not name.endswith("_vjp") and name + "_vjp" in _rule_names
+}
+
+#: Every rule as a ``jax.custom_vjp`` function: ``hand.mm(W, x)`` computes ``mm`` and is
+#: differentiated by ``mm_vjp``.
+hand = types.SimpleNamespace(**{name: custom_vjp(f, f_vjp) for name, (f, f_vjp) in RULES.items()})
+
+__all__ = [
+    *_rule_names,
+    "RULES",
+    "VJPCheckError",
+    "allclose",
+    "batched",
+    "check",
+    "check_vjp",
+    "custom_vjp",
+    "default_tolerances",
+    "ensure_tuple",
+    "hand",
+    "randlike",
+    "tree_all",
+    "tree_allclose",
+    "tree_close",
+    "with_vjp",
+]

@@ -1,0 +1,41 @@
+"""Hand-derived VJPs for row-vector batches: the convention of nnlite's layers.
+
+``x: [..., in] @ W: [in, out]`` with any number of leading batch axes, ``bias_add`` over
+the batch, ``softmax``/``log_softmax``/``softmax_cross_entropy`` over the last (class)
+axis, ``sum``/``mean`` of one array's elements, ``index_vjp -> (dx, None)``. The checker
+and plug-in are those of ``nnlite.vjp`` (``check_vjp``, ``custom_vjp``); ``RULES`` and
+``hand`` here are this library's.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from nnlite.vjp import check_vjp
+    >>> from nnlite.vjp.batched import bias_add, bias_add_vjp, hand
+    >>> x, b = jnp.ones((4, 3)), jnp.arange(3.0)  # a batch of 4
+    >>> check_vjp(bias_add, bias_add_vjp, x, b)
+    >>> jax.grad(lambda b: hand.sum(hand.bias_add(x, b)))(b)
+    Array([4., 4., 4.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+from .. import _vjp
+from .._vjp import *  # noqa: F403 -- the rules are this module's public surface
+from .._vjp import __all__ as _rule_names
+from .._vjp import gelu_grad as gelu_grad
+from .._vjp_tools import custom_vjp as _custom_vjp
+
+#: ``name -> (f, f_vjp)`` for every rule in this module.
+RULES: dict[str, tuple[Callable, Callable]] = {
+    name: (getattr(_vjp, name), getattr(_vjp, name + "_vjp"))
+    for name in _rule_names
+    if not name.endswith("_vjp") and name + "_vjp" in _rule_names
+}
+
+#: Every rule as a ``jax.custom_vjp`` function: ``hand.mm(x, W)`` computes ``mm`` and is
+#: differentiated by ``mm_vjp``.
+hand = types.SimpleNamespace(**{name: _custom_vjp(f, f_vjp) for name, (f, f_vjp) in RULES.items()})
+
+__all__ = [*_rule_names, "RULES", "gelu_grad", "hand"]
