@@ -233,7 +233,15 @@ def main(argv=None) -> int:
     ap.add_argument("configs", nargs="*", help=f"config names (default: {DEFAULT_CONFIGS})")
     ap.add_argument("--repeats", type=int, default=5, help="samples per row")
     ap.add_argument("--quick", action="store_true", help="one repeat")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="CONFIG:KEY=VAL")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="CONFIG:KEY=VAL",
+        help="a --set for one config's command, e.g. shakespeare_gpt:train.steps=50 "
+        f"(repeatable; defaults: {DEFAULT_SETS})",
+    )
     ap.add_argument("--baseline", type=Path, help="another checkout to run the cold rows from")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache rows")
     ap.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn's script")
