@@ -151,12 +151,46 @@ Y = np.arange(40) % 4
             {"x": X, "y": np.array(["a"] * 40)},
             r"y must be integer labels or float targets, got dtype <U1",
         ),
+        ({"x": X.astype(str), "y": Y}, r"x must be numeric, got dtype <U"),
+        (
+            {"x": X, "y": Y.astype(bool)},
+            r"y must be integer labels or float targets, got dtype bool",
+        ),
+        # 10^9 as a label: not a 7.45 GiB bincount, not a 10^9-way output layer
+        (
+            {"x": X, "y": np.where(Y == 3, 10**9, Y)},
+            r"labels must be class indices 0..K-1, but the largest is 1000000000 and only 4 "
+            r"distinct labels occur .*map them to 0..3",
+        ),
     ],
 )
 def test_bad_npz(tmp_path, capsys, arrays, message):
 
     code, err = npz_case(tmp_path, capsys, **arrays)
     assert code == 2 and re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            b"x,y\n1.0,2\n",
+            r"is a text file \(first line 'x,y'\), not an .npz; expected an .npz archive",
+        ),
+        (b"", r"the file is empty"),
+        (b"\x00\x01\x02binary", r"not an .npz archive \(it starts with b'\\x00\\x01"),
+    ],
+)
+def test_npz_that_is_something_else_says_what_it_is(tmp_path, capsys, content, message):
+    path = tmp_path / "d.npz"
+    path.write_bytes(content)
+    code, err = cli(capsys, *npz_args(path, tmp_path))
+    assert code == 2 and err.count("\n") == 1 and re.search(message, err), err
+    assert "pickled" not in err
+    np.save(tmp_path / "one.npy", X)
+    (tmp_path / "one.npy").rename(path)
+    code, err = cli(capsys, *npz_args(path, tmp_path))
+    assert code == 2 and "is a .npy file (a single array)" in err, err
 
 
 def test_npz_missing_and_unreadable(tmp_path, capsys):
@@ -175,7 +209,7 @@ def test_npz_missing_and_unreadable(tmp_path, capsys):
     code, err = cli(
         capsys, "--config", DIGITS, "--set", "data.name=npz", "--set", f"data.path={bad}"
     )
-    assert code == 2 and "not a readable .npz file" in err
+    assert code == 2 and "is a text file (first line 'not a zip'), not an .npz" in err
 
 
 def test_npz_trains(tmp_path, capsys):
@@ -233,3 +267,239 @@ def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
 
     code, err = cli(capsys, *base, "--resume", "--set", f"log.dir={tmp_path}/empty")
     assert code == 2 and "--resume: no checkpoint in" in err
+
+
+# -- issue 14: every bad input one clear line ------------------------------------------------
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "optimizer.learning_rate=.nan",
+            r"optimizer.learning_rate: expected a finite number, got nan",
+        ),
+        (
+            "optimizer.learning_rate=.inf",
+            r"optimizer.learning_rate: expected a finite number, got inf",
+        ),
+        ("optimizer.learning_rate=1e400", r"expected a finite number, got 1e400"),
+        ("optimizer.clip_norm=-.inf", r"optimizer.clip_norm: expected a finite number, got -inf"),
+        ("optimizer.momentum=.nan", r"optimizer.momentum: expected a finite number, got nan"),
+        ("name=../escaped", r"name must be one directory name .* got '../escaped'"),
+        ("name=a/b", r"name must be one directory name .* got 'a/b'"),
+        ("name=''", r"name must be one directory name .* got ''"),
+        ("name=.hidden", r"name must be one directory name .* got '.hidden'"),
+        ("train.steps=100000000000000000000000", r"train.steps: .* is out of range"),
+        ("train.steps=3000000000", r"train.steps must be at most 2147483647 .*int32"),
+        ("train.step_timeout=-1", r"train.step_timeout must be >= 0"),
+        ("distributed.heartbeat_timeout=99999999999", r"heartbeat_timeout must be at most"),
+        ("compile_cache=''", r"compile_cache must be 'auto', a directory or null"),
+    ],
+)
+def test_more_bad_values_are_named_against_their_set(capsys, tmp_path, override, message):
+    code, err = cli(capsys, "--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", override)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --set {override}: "), err  # --set is the source, not the file
+    assert re.search(message, err), err
+    assert not any(tmp_path.iterdir()) and not (ROOT / "escaped").exists()
+
+
+def test_set_typos_name_the_set_not_the_file(capsys):
+    code, err = cli(capsys, "--config", DIGITS, "--set", "trian.steps=3")
+    assert code == 2 and err.startswith("error: --set trian.steps=3: unknown key 'trian'"), err
+    code, err = cli(capsys, "--config", DIGITS, "--set", "train.stepz=3", "--set", "seed=1")
+    assert err.startswith("error: --set train.stepz=3: unknown key 'train.stepz'"), err
+    code, err = cli(capsys, "--config", DIGITS, "--set", "train.steps=abc")
+    assert err.startswith("error: --set train.steps=abc: train.steps: expected int"), err
+
+
+def test_exponent_floats_without_a_dot_are_floats(capsys, tmp_path):
+    path = write(tmp_path, "optimizer:\n  learning_rate: 1e-4\n  weight_decay: 5E-3\n")
+    cfg = config_mod.load_config(path, ["optimizer.clip_norm=1e0", "data.test_fraction=2.5e-1"])
+    assert cfg.optimizer.learning_rate == 1e-4 and cfg.optimizer.weight_decay == 5e-3
+    assert cfg.optimizer.clip_norm == 1.0 and cfg.data.test_fraction == 0.25
+    # an int key stays an int key; a word is still refused
+    code, err = cli(capsys, "--config", DIGITS, "--set", "train.steps=1e3")
+    assert code == 2 and "train.steps: expected int, got '1e3'" in err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            "optimizer:\n  name: caf\xe9\n".encode("latin-1"),
+            r"not UTF-8 text \(byte 0xe9 at line 2\)",
+        ),
+        ("train:\n  steps: 3\n".encode("utf-16"), r"the file is UTF-16 text; save it as UTF-8"),
+        (b"\x7fELF\x02\x01\x01\x00\x00\x00", r"not a text file \(it contains NUL bytes\)"),
+    ],
+)
+def test_config_files_that_are_not_utf8(capsys, tmp_path, content, message):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    code, err = cli(capsys, "--config", str(path))
+    assert code == 2 and err.count("\n") == 1 and re.search(message, err), err
+    assert str(path) in err
+
+
+def test_utf8_with_bom_is_read(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes("\ufefftrain:\n  steps: 3\n".encode())
+    assert config_mod.load_config(path).train.steps == 3
+
+
+def test_untrusted_checkpoint_metadata_and_nan_checkpoints_are_refused(tmp_path, capsys):
+    import safetensors
+    import safetensors.numpy
+
+    base = ["--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", "log.progress=false"]
+    base += ["--set", "model.hidden_sizes=[8]", "--set", "train.steps=4", "--set", "log.plot=false"]
+    assert main(base) == 0
+    capsys.readouterr()
+    ckpt = tmp_path / "digits_mlp" / "checkpoints" / "ckpt_00000004.safetensors"
+    with safetensors.safe_open(str(ckpt), framework="numpy") as f:
+        meta = dict(f.metadata())
+    tensors = safetensors.numpy.load_file(str(ckpt))
+    later = [*base, "--set", "train.steps=8"]
+
+    def resume_with(meta, tensors=tensors):
+        safetensors.numpy.save_file(tensors, str(ckpt), metadata=meta)
+        return cli(capsys, *later)
+
+    for changed, message in [
+        ({"step": None}, "its metadata has no 'step'"),
+        ({"step": "four"}, "its metadata 'step' is 'four', not an integer"),
+        ({"step": "-4"}, "its metadata 'step' is '-4', not an integer"),
+        ({"step": "3"}, "its metadata says step 3 but its name says step 4"),
+        ({"skipped_steps": "1.5"}, "'skipped_steps' is '1.5', not an integer"),
+    ]:
+        m = {k: v for k, v in {**meta, **changed}.items() if v is not None}
+        code, err = resume_with(m)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    key = next(k for k in tensors if k.startswith("params/"))
+    nan = {**tensors, key: np.full_like(tensors[key], np.nan)}
+    code, err = resume_with(meta, nan)
+    assert code == 2 and f"'{key}' holds non-finite values, so it cannot be resumed" in err, err
+    assert "last good checkpoint" not in err
+    code, err = resume_with(meta)
+    assert code == 0, err
+
+
+def test_checkpoints_past_step_99999999_are_found_in_step_order(tmp_path):
+    from train.checkpoint import list_checkpoints
+
+    for step in (99999999, 100000000, 7):
+        (tmp_path / f"ckpt_{step:08d}.safetensors").write_bytes(b"")
+    assert [p.name[5:-12] for p in list_checkpoints(tmp_path)] == [
+        "00000007",
+        "99999999",
+        "100000000",
+    ]
+
+
+# -- absurd sizes: refused before anything is allocated, naming the key ---------------------
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.batch_size=1000000000000"], r"reduce train.batch_size \(now 1000000000000\)"),
+        (
+            ["model.hidden_sizes=[10000000000]"],
+            r"reduce model.hidden_sizes \(now \[10000000000\]\)",
+        ),
+        (
+            ["parallel.strategy=shard_map", "train.batch_size=4000000000"],
+            r"reduce train.batch_size \(now 4000000000\)",
+        ),
+        (["data.name=mnist1d", "data.num_samples=100000000000"], r"data.num_samples=100000000000"),
+    ],
+)
+def test_absurd_sizes_are_refused_before_allocating(capsys, tmp_path, overrides, message):
+    sets = [x for o in overrides for x in ("--set", o)]
+    code, err = cli(capsys, "--config", DIGITS, "--set", f"log.dir={tmp_path}", *sets)
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(r"needs at least [\d.]+ [KMGTP]iB", err), err
+    assert "this machine has" in err and re.search(message, err), err
+    assert not any(tmp_path.iterdir())
+
+
+def test_memory_estimate_is_a_lower_bound_that_passes_real_configs():
+    import jax
+
+    from train import loop, memory
+
+    cfg = config_mod.load_config(DIGITS, ["parallel.strategy=shard_map"])
+    r = loop.build(cfg)
+    est = memory.estimate(cfg, r.model, r.optimizer, r.data, 8, 8)
+    p = r.model.init(jax.random.key(0)).num_params() * 4
+    assert est.state >= p * (1 + 8 * 2)  # host copy + params and grads on each device
+    assert est.data >= 9 * r.data.x.nbytes and est.total < est.limit
+
+
+# -- the run directory: checked before anything is written ----------------------------------
+def small_run(tmp_path, *sets):
+    args = ["--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", "log.progress=false"]
+    for o in ("log.plot=false", "model.hidden_sizes=[8]", "train.steps=4", *sets):
+        args += ["--set", o]
+    return args
+
+
+def test_file_system_problems_are_one_line_and_damage_nothing(tmp_path, capsys):
+    logfile = tmp_path / "logfile"
+    logfile.write_text("x")
+    code, err = cli(capsys, *small_run(logfile))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{logfile} is a file, but it must be a directory (log.dir)" in err
+    (tmp_path / "digits_mlp").write_text("x")
+    code, err = cli(capsys, *small_run(tmp_path))
+    assert code == 2 and "digits_mlp is a file, but it must be the run directory" in err, err
+    (tmp_path / "digits_mlp").unlink()
+    assert main(small_run(tmp_path)) == 0
+    run_dir = tmp_path / "digits_mlp"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "checkpoints").write_text("not a directory")
+    capsys.readouterr()
+    code, err = cli(capsys, *small_run(tmp_path, "train.steps=8"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "checkpoints is a file, but it must be the checkpoint directory" in err
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name in before}
+    assert after == before  # metrics.jsonl was not rewritten
+
+
+def test_a_read_only_run_directory_is_refused_before_writing(tmp_path, capsys, monkeypatch):
+    import os
+    import tempfile
+
+    assert main(small_run(tmp_path)) == 0
+    run_dir = tmp_path / "digits_mlp"
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    run_dir.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anyway: make the write fail as it would for others
+        real = tempfile.mkstemp
+
+        def mkstemp(*a, dir=None, **k):
+            if dir is not None and Path(dir) == run_dir:
+                raise PermissionError(13, "Permission denied")
+            return real(*a, dir=dir, **k)
+
+        monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    try:
+        capsys.readouterr()
+        code, err = cli(capsys, *small_run(tmp_path, "train.steps=8"))
+    finally:
+        run_dir.chmod(0o755)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"cannot write in {run_dir} (Permission denied)" in err
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_rerunning_a_finished_run_says_so_with_its_final_metrics(tmp_path, capsys):
+    assert main(small_run(tmp_path)) == 0
+    done = capsys.readouterr().out.splitlines()[-1]
+    assert main(small_run(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "already finished: step 4 of train.steps=4, test loss " in out, out
+    assert "test accuracy" in out and "nan" not in out and "examples/s" not in out
+    loss = re.search(r"test loss (\d\.\d{4})", done).group(1)
+    assert f"test loss {loss}" in out

@@ -7,6 +7,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -283,3 +284,70 @@ def test_first_nonfinite_names_grads_and_params_by_nnlite_path():
     assert (
         faults.first_nonfinite(linear_loss, opt, p, opt.init(p), x, y) == "params/ffn/layers[0]/W"
     )
+
+
+def test_nonfinite_skip_writes_strict_json_null(tmp_path):
+    path = regression_npz(tmp_path, bad_step=8)  # step 8 is a log boundary (log_every=4)
+    over = [*NONFINITE, f"data.path={path}", f"log.dir={tmp_path}", "train.steps=8"]
+    r = train(load_config(ROOT / CONFIG, [*over, "train.nonfinite=skip"]), resume="fresh")
+
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds bare {constant}")
+
+    text = (r.run_dir / "metrics.jsonl").read_text()
+    records = [json.loads(ln, parse_constant=refuse) for ln in text.splitlines()]
+    at8 = next(x for x in records if x["split"] == "train" and x["step"] == 8)
+    assert at8["loss"] is None and at8["skipped_steps"] == 1
+
+
+# -- the watchdog: no compiled call waits without a bound -----------------------------------
+def test_watchdog_fires_on_a_stuck_call_and_not_on_finished_ones():
+    fired = []
+    dog = faults.Watchdog(0.5, on_timeout=fired.append)
+    with dog:
+        for step in range(3):
+            dog.watch(step, jnp.ones(3) * step)
+        time.sleep(1.0)
+        assert fired == []  # finished calls never fire, however long the loop then idles
+        t0 = time.monotonic()
+        release = threading.Event()
+        stuck = faults.StuckCall(release)
+        dog.watch(3, stuck)
+        while not fired and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        release.set()  # it also holds up the device for every later test
+        jax.block_until_ready(stuck)
+    assert len(fired) == 1 and 0.5 <= took < 2.0, (fired, took)
+    assert fired[0].startswith(
+        "error: no compiled call finished within 0.5 s (train.step_timeout) at step 4: "
+    )
+
+
+def test_watchdog_automatic_limit_follows_the_first_calls():
+    assert faults.Watchdog(None).limit() == faults.STARTUP_TIMEOUT_S
+    dog = faults.Watchdog(None, warmup=2, cap=50.0)
+    assert dog.limit() == 50.0
+    dog._done, dog._slowest = 2, 0.01
+    assert dog.limit() == faults.STEP_TIMEOUT_FLOOR_S
+    dog._slowest = 2.0
+    assert dog.limit() == 40.0
+    dog._slowest = 10.0
+    assert dog.limit() == 50.0  # capped below JAX's heartbeat abort
+    assert not faults.Watchdog(0).enabled and faults.Watchdog(3).limit() == 3
+
+
+def test_a_stuck_call_ends_the_run_with_exit_5_within_the_timeout(tmp_path, npz):
+    over = [npz, "train.steps=50", "train.log_every=10", "train.step_timeout=2"]
+    t0 = time.monotonic()
+    proc = spawn(cli_args(tmp_path, *over), **{faults.TEST_STUCK_ENV: "7"})
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == faults.EXIT_STUCK, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert lines == [
+        "error: no compiled call finished within 2 s (train.step_timeout) at step 7: the "
+        "device is stuck, or steps really take this long; the last checkpoint is intact, "
+        "rerun to resume (train.step_timeout: seconds, 0 to disable)"
+    ], err
+    assert "Traceback" not in err and took < 60

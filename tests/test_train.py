@@ -1,6 +1,7 @@
 """The training CLI: equivalences between strategies, resume, determinism, shipped configs."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -278,3 +279,82 @@ def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert compiled == []  # both calls ran what prepare had compiled
     assert metrics["loss"].shape == (k,) and np.isfinite(np.asarray(metrics["loss"])).all()
+
+
+def test_small_models_print_their_learned_params(tmp_path, capsys):
+    base = [
+        "--set",
+        f"log.dir={tmp_path}",
+        "--set",
+        "log.progress=false",
+        "--set",
+        "log.plot=false",
+    ]
+    assert main(["--config", str(ROOT / "configs/linreg_pmap.yaml"), *base]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = lines.index("learned params (2):")
+    w = float(lines[at + 1].split("= [[")[1].rstrip("]"))
+    b = float(lines[at + 2].split("= [")[1].rstrip("]"))
+    assert lines[at + 1].startswith("  /W = ") and lines[at + 2].startswith("  /b = ")
+    assert abs(w - 2) < 0.1 and abs(b + 1) < 0.1  # what configs/linreg_pmap.yaml promises
+    # a model with more than 100 params prints no such table
+    assert (
+        main(["--config", str(ROOT / "configs/digits_mlp.yaml"), *base, "--set", "train.steps=2"])
+        == 0
+    )
+    assert "learned params" not in capsys.readouterr().out
+
+
+def test_compile_cache_is_the_clis_alone(tmp_path, monkeypatch):
+    from train import __main__ as cli
+
+    before = jax.config.jax_compilation_cache_dir
+    base = [
+        "--set",
+        f"log.dir={tmp_path}",
+        "--set",
+        "log.progress=false",
+        "--set",
+        "log.plot=false",
+    ]
+    monkeypatch.setenv("NNLITE_CACHE", str(tmp_path / "cache"))
+    assert (
+        main(["--config", str(ROOT / "configs/digits_mlp.yaml"), *base, "--set", "train.steps=2"])
+        == 0
+    )
+    assert jax.config.jax_compilation_cache_dir == before  # in-process callers: untouched
+    assert not (tmp_path / "cache").exists()
+    assert cli.compile_cache_dir("auto") == tmp_path / "cache" / "jax"
+    monkeypatch.delenv("NNLITE_CACHE")
+    assert cli.compile_cache_dir("auto") == Path.home() / ".cache" / "nnlite" / "jax"
+    assert cli.compile_cache_dir("~/x") == Path.home() / "x" and cli.compile_cache_dir(None) is None
+
+
+@pytest.mark.parametrize("setting", ["auto", None])
+def test_python_m_train_fills_the_compile_cache_unless_off(tmp_path, setting):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION")}
+    env.update(NNLITE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    sets = [
+        "name=c",
+        "train.steps=2",
+        "log.progress=false",
+        "log.plot=false",
+        f"log.dir={tmp_path}",
+    ]
+    sets += ["model.hidden_sizes=[8]", f"compile_cache={setting or 'null'}"]
+    args = [sys.executable, "-m", "train", "--config", "configs/digits_mlp.yaml"]
+    proc = subprocess.run(
+        [*args, *[x for s in sets for x in ("--set", s)]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    cached = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "jax").glob("*-cache"))
+    if setting is None:
+        assert cached == []
+    else:
+        assert {"jit_init", "jit_multi_step", "jit_evaluate"} <= set(cached), cached

@@ -2,7 +2,9 @@
 [--processes N] [--timings]``.
 
 Exit statuses: 0 done, 1 unexpected failure (a lost peer included), 2 bad input,
-3 preempted (a checkpoint was written; rerun to resume), 4 stopped on a non-finite step.
+3 preempted (a checkpoint was written, or a signal came before/after the loop; rerun to
+resume), 4 stopped on a non-finite step, 5 stuck (no compiled call finished within
+train.step_timeout).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import gc
 import os
 import shlex
+import signal
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m train",
         description="Train an nnlite model from a YAML config.",
         epilog="exit statuses: 0 done, 1 failure, 2 bad input, 3 preempted (checkpoint "
-        "written; rerun to resume), 4 stopped on a non-finite loss/gradient/param",
+        "written; rerun to resume), 4 stopped on a non-finite loss/gradient/param, 5 stuck "
+        "(no compiled call finished within train.step_timeout)",
     )
     ap.add_argument("--config", required=True, help="YAML config file (see configs/)")
     ap.add_argument(
@@ -101,9 +105,59 @@ def _show_jaxpr(cfg, what: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None, *, standalone: bool = False) -> int:
-    """The CLI. ``standalone``: the process ends when this returns (``python -m train``),
-    so the garbage collector is tuned for a short-lived process (see ``_freeze_heap``)."""
+# Models this small get their learned params printed at the end (linreg: w -> 2, b -> -1).
+PRINT_PARAMS_MAX = 100
+
+
+def compile_cache_dir(setting: str | None) -> Path | None:
+    """Where ``compile_cache`` puts JAX's persistent compilation cache (None: off)."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        root = os.environ.get("NNLITE_CACHE") or Path.home() / ".cache" / "nnlite"
+        return Path(root).expanduser() / "jax"
+    return Path(setting).expanduser()
+
+
+def enable_compile_cache(setting: str | None) -> None:
+    """Turn on JAX's persistent compilation cache for this process (the CLI only: library
+    users and in-process tests keep JAX's defaults). JAX_COMPILATION_CACHE_DIR in the
+    environment wins over ``auto``."""
+    import jax
+
+    if setting == "auto" and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    path = compile_cache_dir(setting)
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"note: compile cache off: cannot create {path} ({e.strerror})", file=sys.stderr)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # JAX caches only compiles above 1 s by default; a small model's take ~0.1-0.3 s.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def format_params(params) -> str:
+    """``/W = [[2.0003]]`` lines for each leaf of a (small) ParamsDict."""
+    import numpy as np
+
+    return "\n".join(
+        f"  {path} = {np.array2string(np.asarray(leaf), precision=4, separator=', ')}"
+        for path, leaf in params.items()
+    )
+
+
+def main(
+    argv: list[str] | None = None, *, compile_cache: bool = False, standalone: bool = False
+) -> int:
+    """The CLI. ``compile_cache``: honour the config's ``compile_cache`` (``python -m
+    train`` does; in-process callers leave JAX's global cache settings alone).
+    ``standalone``: the process ends when this returns (``python -m train``), so the
+    garbage collector is tuned for a short-lived process (see ``_freeze_heap``)."""
     timings = Timings()
     if standalone:
         gc.disable()  # imports make few cycles; back on (frozen heap) once JAX is loaded
@@ -111,20 +165,23 @@ def main(argv: list[str] | None = None, *, standalone: bool = False) -> int:
     args = parse_args(argv)
     multiprocess = False
     plotter = None
+    saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = load_config(args.config, args.overrides)
         timings.lap("config")
         if args.print_config:
             print(dump_yaml(cfg), end="")
             return 0
-        if args.show_jaxpr:
-            return _show_jaxpr(cfg, args.show_jaxpr)
         if args.processes is not None:
             if args.processes < 1:
                 raise ConfigError(f"--processes must be >= 1, got {args.processes}")
             from .launch import launch
 
             return launch(cfg, _without_processes(argv), args.processes, echo=print)
+        if args.show_jaxpr:
+            if compile_cache:
+                enable_compile_cache(cfg.compile_cache)
+            return _show_jaxpr(cfg, args.show_jaxpr)
 
         from . import distributed as dist
 
@@ -140,19 +197,23 @@ def main(argv: list[str] | None = None, *, standalone: bool = False) -> int:
         with ThreadPoolExecutor(1, thread_name_prefix="nnlite-data") as pool:
             # The data loads while JAX imports (numpy, gzip and file reads release the GIL).
             data = pool.submit(load_dataset, cfg.data)
+            if compile_cache:
+                enable_compile_cache(cfg.compile_cache)  # imports jax
             from .loop import train  # imports jax: keep --print-config and config errors fast
 
             timings.lap("imports")
             if standalone:
                 _freeze_heap()
                 gc.enable()
-            train(
+            r = train(
                 cfg,
                 resume="require" if args.resume else "fresh" if args.fresh else "auto",
                 timings=timings,
                 plotter=plotter,
                 data=data,
             )
+        if r.params is not None and dist.is_main() and r.params.num_params() <= PRINT_PARAMS_MAX:
+            print(f"learned params ({r.params.num_params()}):\n{format_params(r.params)}")
         if plotter is not None:
             plotter.wait()  # curves.png: requested by train() once the metrics were final
             timings.lap("plot")
@@ -168,6 +229,13 @@ def main(argv: list[str] | None = None, *, standalone: bool = False) -> int:
             file=sys.stderr,
         )
         return faults.EXIT_PREEMPTED
+    except faults.Interrupted as e:
+        return _exit(
+            f"stopped by {e.signal_name} outside the training loop (start-up or shutdown); "
+            f"checkpoints on disk are intact; resume with: {resume_command(argv)}",
+            faults.EXIT_PREEMPTED,
+            multiprocess,
+        )
     except faults.NonFinite as e:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_NONFINITE
@@ -179,6 +247,10 @@ def main(argv: list[str] | None = None, *, standalone: bool = False) -> int:
         print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return faults.EXIT_FAILURE
     except Exception as e:
+        if isinstance(e, OSError) and (e.filename or not multiprocess):
+            # the disk filled up, a directory vanished or became read-only mid-run
+            where = f": {e.filename}" if e.filename else ""
+            return _exit(f"error: {e.strerror or e}{where}", faults.EXIT_FAILURE, multiprocess)
         if not multiprocess:
             raise
         # A collective failed: almost always another process died. A normal exit would
@@ -191,6 +263,8 @@ def main(argv: list[str] | None = None, *, standalone: bool = False) -> int:
             multiprocess,
         )
     finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
         if plotter is not None:
             plotter.close()  # no curves (an error, a preemption): stop the helper
         if standalone:
@@ -210,6 +284,12 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+def _interrupted(signum, _frame):
+    """SIGTERM/SIGINT before the training loop takes over (or after it): stop with exit 3
+    and a line, not a silent 143 or a KeyboardInterrupt traceback."""
+    raise faults.Interrupted(signal.Signals(signum).name)
+
+
 def _exit(message: str, status: int, multiprocess: bool) -> int:
     print(message, file=sys.stderr)
     if multiprocess:
@@ -221,4 +301,4 @@ def _exit(message: str, status: int, multiprocess: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(standalone=True))
+    sys.exit(main(compile_cache=True, standalone=True))

@@ -29,7 +29,7 @@ import nnlite as nl
 from .config import ConfigError
 
 FORMAT_VERSION = "1"
-_NAME = re.compile(r"^ckpt_(\d{8})\.safetensors$")
+_NAME = re.compile(r"^ckpt_(\d{8,})\.safetensors$")  # 8 digits or more (steps >= 10^8)
 _TMP_SUFFIX = ".tmp"
 
 
@@ -91,7 +91,7 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     if not ckpt_dir.is_dir():
         return []
     found = [p for p in ckpt_dir.iterdir() if _NAME.match(p.name)]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(found, key=step_of)
 
 
 def clean_temporary(ckpt_dir: Path) -> list[Path]:
@@ -119,6 +119,7 @@ def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, A
         raise ConfigError(
             f"checkpoint {path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION!r}"
         )
+    _check_metadata(path, meta)
     try:
         tensors = safetensors.numpy.load_file(str(path))
     except Exception as e:
@@ -149,4 +150,44 @@ def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, A
         raise ConfigError(
             f"checkpoint {path}: unexpected entry {sorted(tensors)[0]!r} not in the model/optimizer"
         )
+    bad = _first_nonfinite(
+        {**flatten_with_paths("params", params), **flatten_with_paths("opt_state", opt_state)}
+    )
+    if bad is not None:
+        raise ConfigError(
+            f"checkpoint {path}: {bad!r} holds non-finite values, so it cannot be resumed; "
+            "delete it to resume from an older checkpoint, or use --fresh"
+        )
     return params, opt_state, meta
+
+
+def _first_nonfinite(tensors: dict[str, np.ndarray]) -> str | None:
+    for key, v in tensors.items():
+        if np.issubdtype(v.dtype, np.inexact) and not np.all(np.isfinite(v)):
+            return key
+    return None
+
+
+def _check_metadata(path: Path, meta: dict[str, str]) -> None:
+    """The metadata is untrusted text: ``step`` must be the step in the file's name."""
+    raw = meta.get("step")
+    if raw is None:
+        raise ConfigError(f"checkpoint {path}: its metadata has no 'step'")
+    if not raw.isdecimal() or not raw.isascii():
+        raise ConfigError(f"checkpoint {path}: its metadata 'step' is {raw!r}, not an integer")
+    m = _NAME.match(path.name)
+    if m is not None and int(m.group(1)) != int(raw):
+        raise ConfigError(
+            f"checkpoint {path}: its metadata says step {int(raw)} but its name says "
+            f"step {int(m.group(1))}"
+        )
+    skipped = meta.get("skipped_steps", "0")
+    if not skipped.isdecimal() or not skipped.isascii():
+        raise ConfigError(
+            f"checkpoint {path}: its metadata 'skipped_steps' is {skipped!r}, not an integer"
+        )
+
+
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's file name."""
+    return int(_NAME.match(path.name).group(1))

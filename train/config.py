@@ -7,6 +7,8 @@ raise ``ConfigError`` with one line naming the key, the file and what is valid.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -81,6 +83,11 @@ class TrainConfig:
     # A step whose loss, gradients or new params are not finite: "stop" the run (exit 4,
     # naming the step and the first bad leaf) or "skip" its update and count it.
     nonfinite: str = choice("stop", NONFINITE)
+    # Seconds within which every compiled call must finish, else every process ends with
+    # exit 5 naming the step (a stuck collective, a hung peer). null: automatic (the first
+    # call may take STARTUP_TIMEOUT_S, later ones max(STEP_TIMEOUT_FLOOR_S, 20 x the first
+    # call's time)); 0: no watchdog.
+    step_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,10 @@ class Config:
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    # python -m train only: JAX's persistent compilation cache, so a second run of a config
+    # compiles nothing. "auto": $NNLITE_CACHE/jax, else ~/.cache/nnlite/jax; a directory;
+    # or null (off). Library calls (train.loop.train) never touch JAX's global cache.
+    compile_cache: str | None = "auto"
 
 
 # -- conversion and validation -------------------------------------------------------------
@@ -141,10 +152,27 @@ def _type_name(tp: Any) -> str:
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+# YAML 1.1 (PyYAML) floats need a dot: 1.0e-4 is a float, 1e-4 a string. Users write 1e-4.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+MAX_INT = 2**63 - 1  # what numpy and XLA can hold
+
+
+def _finite(value: int | float, where: str, shown: str | None = None) -> float:
+    try:
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise ConfigError(f"{where}: expected a finite number, got {shown or value}")
+    return out
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it converted (lists -> tuples)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        if isinstance(value, float) and float in typing.get_args(tp):
+            _finite(value, where)  # say "finite", not "expected float or null"
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, where)
@@ -164,35 +192,44 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -MAX_INT <= value <= MAX_INT:
+                raise ConfigError(f"{where}: {value} is out of range (at most {MAX_INT})")
             return value
     elif tp is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            # YAML 1.1 reads 1e-4 (no dot) as a string
+            return _finite(float(value), where, shown=value.strip())
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite(value, where)
     elif tp is str:
         if isinstance(value, str):
             return value
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
 
 
-def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+def _build(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str]) -> Any:
+    """``sources`` maps a dotted key to where its value came from (``--set ...``); every
+    other key came from ``source`` (the file)."""
     where_section = prefix.rstrip(".") or "the top level"
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: {where_section} must be a mapping, got {raw!r}")
+        src = sources.get(prefix.rstrip("."), source)
+        raise ConfigError(f"{src}: {where_section} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
+        src = sources.get(f"{prefix}{key}", source)
         if key not in fields:
             raise ConfigError(
-                f"{source}: unknown key '{prefix}{key}'; valid keys in {where_section}: "
+                f"{src}: unknown key '{prefix}{key}'; valid keys in {where_section}: "
                 f"{', '.join(fields)}"
             )
         tp = hints[key]
-        where = f"{source}: {prefix}{key}"
+        where = f"{src}: {prefix}{key}"
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{prefix}{key}.", source)
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.", source, sources)
             continue
         value = _coerce(value, tp, where)
         choices = fields[key].metadata.get("choices")
@@ -203,10 +240,27 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
 
 
 MAX_SEED = 2**31 - 1
+# optax counts steps in int32 (schedules go wrong past it); at 10^5 steps/s that is 6 hours.
+MAX_STEPS = 2**31 - 1
+MAX_TIMEOUT_S = 2**31 - 1  # jax.distributed passes these to C++ as int32 seconds
+# A run name is one directory under log.dir: no separators, no leading dot ("..", hidden).
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,127}")
 
 
-def _check(cfg: Config, source: str) -> None:
-    """Cross-field rules that types alone cannot express."""
+def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> None:
+    """Cross-field rules that types alone cannot express; an error names where the key
+    was set (``source`` or its ``--set``)."""
+    sources = sources or {}
+
+    def bad(key: str, rule: str) -> ConfigError:
+        return ConfigError(f"{sources.get(key, source)}: {key} {rule}")
+
+    if not _RUN_NAME.fullmatch(cfg.name):
+        raise bad(
+            "name",
+            "must be one directory name (letters, digits, '_', then also '.', '-', '+', '=', "
+            f"'@'; at most 128, no '/' and no leading '.'), got {cfg.name!r}",
+        )
     positive = {
         "train.batch_size": cfg.train.batch_size,
         "train.steps": cfg.train.steps,
@@ -221,42 +275,52 @@ def _check(cfg: Config, source: str) -> None:
     }
     for key, v in positive.items():
         if v < 1:
-            raise ConfigError(f"{source}: {key} must be >= 1, got {v}")
+            raise bad(key, f"must be >= 1, got {v}")
+    if cfg.train.steps > MAX_STEPS:
+        raise bad(
+            "train.steps",
+            f"must be at most {MAX_STEPS} (the optimizer counts steps in int32), "
+            f"got {cfg.train.steps}",
+        )
+    for key in ("distributed.initialization_timeout", "distributed.heartbeat_timeout"):
+        if positive[key] > MAX_TIMEOUT_S:
+            raise bad(key, f"must be at most {MAX_TIMEOUT_S} seconds, got {positive[key]}")
     if cfg.checkpoint.every < 0:
-        raise ConfigError(f"{source}: checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
+        raise bad("checkpoint.every", f"must be >= 0, got {cfg.checkpoint.every}")
+    if cfg.train.step_timeout is not None and cfg.train.step_timeout < 0:
+        raise bad(
+            "train.step_timeout",
+            f"must be >= 0 seconds (0: no watchdog, null: automatic), got {cfg.train.step_timeout}",
+        )
     for key, v in {"seed": cfg.seed, "data.split_seed": cfg.data.split_seed}.items():
         if not 0 <= v <= MAX_SEED:  # numpy's generators want >= 0; the init key takes int32
-            raise ConfigError(f"{source}: {key} must be in [0, {MAX_SEED}], got {v}")
+            raise bad(key, f"must be in [0, {MAX_SEED}], got {v}")
     if not 0.0 < cfg.data.test_fraction < 1.0:
-        raise ConfigError(
-            f"{source}: data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}"
-        )
+        raise bad("data.test_fraction", f"must be in (0, 1), got {cfg.data.test_fraction}")
     if cfg.optimizer.learning_rate <= 0:
-        raise ConfigError(
-            f"{source}: optimizer.learning_rate must be > 0, got {cfg.optimizer.learning_rate}"
-        )
+        raise bad("optimizer.learning_rate", f"must be > 0, got {cfg.optimizer.learning_rate}")
     if cfg.model.name == "mlp" and (not cfg.model.hidden_sizes or min(cfg.model.hidden_sizes) < 1):
-        raise ConfigError(
-            f"{source}: model.hidden_sizes must be a non-empty list of positive ints, got "
-            f"{list(cfg.model.hidden_sizes)}"
+        raise bad(
+            "model.hidden_sizes",
+            f"must be a non-empty list of positive ints, got {list(cfg.model.hidden_sizes)}",
         )
     d = cfg.parallel.devices
     if isinstance(d, str) and d != "all" or isinstance(d, int) and d < 1:
-        raise ConfigError(f"{source}: parallel.devices must be 'all' or a positive int, got {d!r}")
+        raise bad("parallel.devices", f"must be 'all' or a positive int, got {d!r}")
     dc = cfg.distributed
     if dc.num_processes is not None and dc.num_processes < 1:
-        raise ConfigError(
-            f"{source}: distributed.num_processes must be >= 1, got {dc.num_processes}"
-        )
+        raise bad("distributed.num_processes", f"must be >= 1, got {dc.num_processes}")
     if dc.process_id is not None and dc.process_id < 0:
-        raise ConfigError(f"{source}: distributed.process_id must be >= 0, got {dc.process_id}")
+        raise bad("distributed.process_id", f"must be >= 0, got {dc.process_id}")
     if cfg.data.name == "npz" and not cfg.data.path:
-        raise ConfigError(f"{source}: data.path is required when data.name is npz")
+        raise bad("data.path", "is required when data.name is npz")
     if cfg.optimizer.schedule == "warmup_cosine" and cfg.optimizer.warmup_steps >= cfg.train.steps:
-        raise ConfigError(
-            f"{source}: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below "
-            f"train.steps ({cfg.train.steps})"
+        raise bad(
+            "optimizer.warmup_steps",
+            f"({cfg.optimizer.warmup_steps}) must be below train.steps ({cfg.train.steps})",
         )
+    if cfg.compile_cache is not None and not cfg.compile_cache.strip():
+        raise bad("compile_cache", "must be 'auto', a directory or null (off), got ''")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -273,6 +337,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def read_text(path: Path) -> str:
+    """The text of config file ``path``: UTF-8 (a BOM is allowed), else a ConfigError that
+    says what the file looks like."""
+    data = path.read_bytes()
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"{path}: the file is UTF-16 text; save it as UTF-8")
+    if b"\x00" in data:
+        raise ConfigError(f"{path}: not a text file (it contains NUL bytes); expected YAML")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}); save it as UTF-8"
+        ) from None
+
+
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read ``path`` (YAML), apply ``--set`` overrides, validate, return a ``Config``."""
     path = Path(path)
@@ -280,7 +361,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file not found: {source}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = read_text(path)
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read it ({e.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -289,6 +374,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    sources: dict[str, str] = {}  # dotted key (and its sections) -> the --set that set it
     for text in overrides:
         keys, value = parse_override(text)
         node = raw
@@ -300,8 +386,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
                 raise ConfigError(f"--set {text!r}: '{k}' is not a section")
             node = child
         node[keys[-1]] = value
-    cfg = _build(Config, raw, "", source)
-    _check(cfg, source)
+        for i in range(1, len(keys) + 1):
+            sources[".".join(keys[:i])] = f"--set {text}"
+    cfg = _build(Config, raw, "", source, sources)
+    _check(cfg, source, sources)
     return cfg
 
 

@@ -9,20 +9,30 @@ Exit statuses of ``python -m train`` (also listed in docs/distributed.md):
 3     preempted: stopped on SIGTERM/SIGINT after writing a checkpoint; rerun to resume
 4     stopped on a non-finite loss/gradient/param (``train.nonfinite: stop``); the last
       good checkpoint is untouched
+5     stuck: a compiled call did not finish within ``train.step_timeout`` (a collective
+      waiting for a dead or hung peer); the last checkpoint is intact, rerun to resume
 ====  ==================================================================================
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import sys
+import threading
+import time
 from typing import Any
+
+# No jax/numpy/optax at import time: ``python -m train`` imports this module first and
+# installs its start-up signal handlers right after, before the heavy imports.
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 3
 EXIT_NONFINITE = 4
+EXIT_STUCK = 5
 
 
 class Preempted(Exception):
@@ -31,6 +41,17 @@ class Preempted(Exception):
     def __init__(self, step: int, checkpoint, signal_name: str):
         self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
         super().__init__(f"{signal_name}: stopped at step {step}, checkpoint {checkpoint}")
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGINT outside the training loop (start-up, shutdown): nothing to save.
+
+    A BaseException, as KeyboardInterrupt is, so that no ``except Exception`` on the way
+    swallows it."""
+
+    def __init__(self, signal_name: str):
+        self.signal_name = signal_name
+        super().__init__(signal_name)
 
 
 class NonFinite(Exception):
@@ -98,8 +119,7 @@ def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y) -> str | None:
     Runs the step once more on one device on the host's copy of the state before the bad
     step; None if everything comes out finite there.
     """
-    # Imported here: ``python -m train`` imports this module before it knows it will train
-    # (--print-config and config errors answer without loading JAX).
+
     import jax
     import numpy as np
     import optax
@@ -120,3 +140,184 @@ def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y) -> str | None:
             if not np.all(np.isfinite(leaf)):
                 return prefix + nl.format_path(path)
     return None
+
+
+# -- the watchdog: nothing waits on the device without a bound ---------------------------
+STARTUP_TIMEOUT_S = 300.0  # automatic step_timeout: the first call (it may compile)
+STEP_TIMEOUT_FLOOR_S = 30.0  # automatic step_timeout: later calls, at least this long
+STEP_TIMEOUT_FACTOR = 20.0  # ... or this many times the slowest of the first calls
+
+
+class Watchdog:
+    """Ends the process (exit 5, one line naming the step) when a compiled call does not
+    finish within its time limit.
+
+    The loop dispatches calls asynchronously and looks at results only at boundaries, so
+    it cannot time a call itself: after each dispatch it hands the call's output to
+    :meth:`watch`; a waiter thread blocks on the outputs in order (``block_until_ready``
+    releases the GIL) and a monitor thread checks how long the current one has run (from
+    its dispatch, or from the previous call's end if it was queued behind it). On a
+    timeout the monitor prints the line and leaves with ``os._exit``: the main thread may
+    be blocked in the same stuck call, and a normal exit would wait in JAX's shutdown
+    barrier for the peer that is gone.
+
+    ``timeout``: seconds for every call; None: automatic (:data:`STARTUP_TIMEOUT_S` for
+    the first ``warmup`` calls, then ``max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR x``
+    the slowest of them), capped at ``cap`` when given); 0: off.
+    """
+
+    def __init__(
+        self,
+        timeout: float | None,
+        *,
+        multiprocess: bool = False,
+        cap: float | None = None,
+        warmup: int = 3,
+        fresh_line: bool = False,
+        on_timeout=None,
+    ):
+        self.timeout, self.multiprocess, self.cap, self.warmup = timeout, multiprocess, cap, warmup
+        self.on_timeout = on_timeout or _exit_stuck
+        self.fresh_line = fresh_line  # a progress bar may have left the line open
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._current: tuple[float, int] | None = (
+            None  # (started, first step) of the call waited on
+        )
+        self._last_done: float = 0.0
+        self._done = 0
+        self._slowest = 0.0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout != 0
+
+    def limit(self) -> float:
+        """The time limit of the call being waited on now."""
+        if self.timeout is not None:
+            return self.timeout
+        with self._lock:
+            done, slowest = self._done, self._slowest
+        if done < self.warmup:
+            auto = STARTUP_TIMEOUT_S
+        else:
+            auto = max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * slowest)
+        return min(auto, self.cap) if self.cap else auto
+
+    def __enter__(self):
+        if self.enabled:
+            self._last_done = time.monotonic()
+            for target in (self._wait, self._monitor):
+                t = threading.Thread(target=target, name=f"nnlite-watchdog{target.__name__}")
+                t.daemon = True  # never keeps the process alive
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._queue.put(None)
+
+    def watch(self, step: int, output) -> None:
+        """The call that runs steps ``step + 1 ...`` was dispatched; ``output``: its result."""
+        if self.enabled:
+            self._queue.put((time.monotonic(), step + 1, output))
+
+    def _wait(self):
+        import jax
+
+        while True:
+            item = self._queue.get()
+            if item is None or self._stop.is_set():
+                return
+            dispatched, step, output = item
+            started = max(dispatched, self._last_done)
+            with self._lock:
+                self._current = (started, step)
+            try:
+                jax.block_until_ready(output)
+            except Exception:  # the main thread sees the same error and reports it
+                pass
+            now = time.monotonic()
+            with self._lock:
+                self._current = None
+                self._last_done = now
+                if self._done < self.warmup:
+                    self._slowest = max(self._slowest, now - started)
+                self._done += 1
+
+    def _monitor(self):
+        while not self._stop.wait(0.2):
+            with self._lock:
+                current = self._current
+            if current is None:
+                continue
+            started, step = current
+            limit = self.limit()
+            if time.monotonic() - started > limit:
+                self.on_timeout(("\n" if self.fresh_line else "") + self._message(step, limit))
+                return
+
+    def _message(self, step: int, limit: float) -> str:
+        cause = (
+            "most likely a collective is stuck because another process died, hangs or was "
+            "stopped (see its output)"
+            if self.multiprocess
+            else "the device is stuck, or steps really take this long"
+        )
+        return (
+            f"error: no compiled call finished within {limit:g} s (train.step_timeout) at "
+            f"step {step}: {cause}; the last checkpoint is intact, rerun to resume "
+            "(train.step_timeout: seconds, 0 to disable)"
+        )
+
+
+def _exit_stuck(message: str) -> None:
+    print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_STUCK)
+
+
+# Test hook, never set in normal runs: "STEP" or "STEP:PROCESS". The compiled call that
+# would run STEP (on process PROCESS only) is replaced by one that never finishes: a
+# stuck call on this process and, for its peers, a collective that never completes.
+TEST_STUCK_ENV = "NNLITE_TEST_STUCK_AT_STEP"
+
+
+def stuck_here(step: int, k: int, process: int) -> bool:
+    """True when the test hook wants the call for steps ``step + 1 .. step + k`` stuck."""
+    raw = os.environ.get(TEST_STUCK_ENV)
+    if not raw:
+        return False
+    at, _, proc = raw.partition(":")
+    return step < int(at) <= step + k and (not proc or int(proc) == process)
+
+
+class StuckCall:
+    """A compiled call that does not finish until ``release`` is set (never, by default):
+    its host callback waits. The CPU runtime runs a call with a host callback in the
+    dispatching thread, so it is dispatched from a thread of its own; ``block_until_ready``
+    waits for it as for any output (and holds up the device's later calls meanwhile)."""
+
+    def __init__(self, release: threading.Event | None = None):
+        self.release = release or threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nnlite-stuck-call", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import jax
+        import numpy as np
+
+        def wait(x):
+            self.release.wait()
+            return x
+
+        spec = jax.ShapeDtypeStruct((), np.float32)
+        jax.block_until_ready(jax.jit(lambda x: jax.pure_callback(wait, spec, x))(np.float32(0)))
+
+    def block_until_ready(self):
+        self._thread.join()
+        return self

@@ -21,11 +21,19 @@ from pathlib import Path
 
 from . import distributed as dist
 from .config import Config
-from .faults import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED
+from .faults import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_NONFINITE,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_STUCK,
+)
 
-# Statuses that every process reaches together (they agree through collectives): wait for
-# the others to reach them too instead of killing them.
-_AGREED = (EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_NONFINITE)
+# Statuses that every process reaches together (they agree through collectives, or each
+# one's watchdog fires on the same stuck call): wait for the others to reach them too
+# instead of killing them.
+_AGREED = (EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_NONFINITE, EXIT_STUCK)
 _GRACE_S = 20.0  # how long the others may take to follow a process that exited that way
 
 
@@ -53,6 +61,22 @@ def _describe(code: int) -> str:
 
 def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
     """Run ``python -m train argv`` as ``processes`` local processes; return the exit status."""
+    signalled: list[int] = []  # signals received, in order
+    procs: list[subprocess.Popen] = []
+
+    def forward(signum, _frame):
+        signalled.append(signum)
+        if len(signalled) > 1:  # a second signal: stop everything now
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            return
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # each process saves at the agreed step
+
+    # First of all, so that a signal during start-up is forwarded and reported too.
+    saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
     if isinstance(cfg.parallel.devices, int) and "device_count" not in env.get("XLA_FLAGS", ""):
@@ -67,41 +91,36 @@ def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
         f"1..{processes - 1}: {log_dir})",
         file=sys.stderr,
     )
-    procs, logs = [], []
-    for i in range(processes):
-        child_env = {**env, dist.ENV_PROCESS_ID: str(i)}
-        out = None
-        if i > 0:
-            out = open(log_dir / f"process{i}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(out)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "train", *argv],
-                env=child_env,
-                stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-                # Own session: a Ctrl-C reaches only the launcher, which forwards it once.
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        )
-
-    signalled = []
-
-    def forward(signum, _frame):
-        if signalled:  # a second signal: stop everything now
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            return
-        signalled.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)  # each process saves at the agreed step
-
-    saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    logs = []
+    # A progress bar may have left process 0's last line open: start ours on a new one.
+    fresh_line = "\n" if cfg.log.progress else ""
     try:
-        return _supervise(procs, log_dir, echo)
+        for i in range(processes):
+            if signalled:  # stopped during start-up: start no more
+                break
+            child_env = {**env, dist.ENV_PROCESS_ID: str(i)}
+            out = None
+            if i > 0:
+                out = open(log_dir / f"process{i}.log", "wb")  # noqa: SIM115 - closed below
+                logs.append(out)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "train", *argv],
+                    env=child_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    # Own session: a Ctrl-C reaches only the launcher, which forwards it once.
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            )
+        if signalled and len(procs) < processes:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+        status = _supervise(procs, processes, log_dir, echo, signalled, fresh_line)
+        if status == EXIT_OK:
+            _remove(log_dir)
+        return status
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
@@ -113,12 +132,29 @@ def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
             f.close()
 
 
-def _supervise(procs, log_dir: Path, echo) -> int:
+def _remove(log_dir: Path) -> None:
+    for f in log_dir.iterdir():
+        f.unlink()
+    log_dir.rmdir()
+
+
+def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line="") -> int:
+    """Wait for the processes; stop the others when one fails; return the run's status."""
     first_exit: tuple[int, int, float] | None = None  # (process, status, time)
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
+        if len(signalled) > 1:  # a second signal: forward() killed them all
+            for p in procs:
+                p.wait()
+            name = signal.Signals(signalled[-1]).name
+            echo(
+                f"{fresh_line}stopped by a second {name}: killed all {processes} processes "
+                "without a checkpoint; the last one written is intact",
+                file=sys.stderr,
+            )
+            return 128 + signalled[-1]
         if first_exit is None:
             exited = [(i, c) for i, c in enumerate(codes) if c is not None]
             # Several at once: the one killed by a signal is the cause, the rest followed.
@@ -127,10 +163,15 @@ def _supervise(procs, log_dir: Path, echo) -> int:
                 first_exit = (*exited[0], time.monotonic())
         if first_exit is not None:
             i, c, t = first_exit
-            if c not in _AGREED or time.monotonic() - t > _GRACE_S:
+            # After a forwarded SIGTERM, a process still starting up may die of it.
+            agreed = (*_AGREED, -signal.SIGTERM) if signalled else _AGREED
+            if c not in agreed or time.monotonic() - t > _GRACE_S:
                 # A killed process can take a moment to be reaped after its peers have
-                # already failed because of it: look again before naming the cause.
-                time.sleep(1.0)
+                # already failed because of it (seconds on a loaded machine): look again
+                # before naming the cause.
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline and not any((p.poll() or 0) < 0 for p in procs):
+                    time.sleep(0.05)
                 killed = [(j, p.poll()) for j, p in enumerate(procs) if (p.poll() or 0) < 0]
                 if killed and c >= 0:
                     first_exit = (*killed[0], t)
@@ -143,11 +184,18 @@ def _supervise(procs, log_dir: Path, echo) -> int:
                 break
         time.sleep(0.05)
 
+    # Stopped early: some never started, or the forwarded SIGTERM reached a process before
+    # Python could install a handler (it died of it) and the rest stopped with status 3.
+    early = signalled and all(c in (EXIT_PREEMPTED, -signal.SIGTERM) for c in codes)
+    if early and (len(procs) < processes or -signal.SIGTERM in codes):
+        name = signal.Signals(signalled[0]).name
+        echo(
+            f"{fresh_line}stopped by {name} during start-up ({len(procs)} of {processes} "
+            "processes started); checkpoints on disk are intact; rerun to resume",
+            file=sys.stderr,
+        )
+        return EXIT_PREEMPTED
     if all(c == codes[0] for c in codes) and codes[0] in _AGREED:
-        if codes[0] == EXIT_OK:
-            for f in log_dir.iterdir():
-                f.unlink()
-            log_dir.rmdir()
         return codes[0]
     if first_exit is None:  # all exited between two polls
         i = next(j for j, c in enumerate(codes) if c != EXIT_OK)
@@ -155,7 +203,8 @@ def _supervise(procs, log_dir: Path, echo) -> int:
     i, c, _ = first_exit
     where = "see the output above" if i == 0 else f"its output: {log_dir / f'process{i}.log'}"
     echo(
-        f"error: process {i} of {len(procs)} {_describe(c)}; stopped the other processes ({where})",
+        f"{fresh_line}error: process {i} of {len(procs)} {_describe(c)}; stopped the other "
+        f"processes ({where})",
         file=sys.stderr,
     )
     return c if c > 0 else EXIT_FAILURE

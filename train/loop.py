@@ -17,7 +17,7 @@ import models
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from . import faults
+from . import faults, memory
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import BatchIndices, Dataset, load_dataset
 from .optim import build_optimizer
@@ -112,8 +112,47 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
             f"device(s)); use a divisor of {local_batch}"
         )
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+    # Before anything is allocated: refuse what cannot fit, naming the key.
+    memory.check_fits(
+        cfg, model, optimizer, data, len(devices) // jax.process_count(), len(devices)
+    )
     run_dir = Path(cfg.log.dir) / cfg.name
     return Run(cfg, data, model, optimizer, devices, run_dir)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run directory that cannot be written as a run needs it, before anything
+    is written (a file where a directory must be, a directory that is read-only)."""
+    log_dir = run_dir.parent
+    expected = {
+        log_dir: "a directory (log.dir)",
+        run_dir: "the run directory (log.dir/name)",
+        run_dir / "checkpoints": "the checkpoint directory",
+    }
+    for path, what in expected.items():
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path} is a file, but it must be {what}; move it away")
+    for name in ("metrics.jsonl", "config.yaml", "curves.png"):
+        if (run_dir / name).is_dir():
+            raise ConfigError(f"{run_dir / name} is a directory, but the run writes a file there")
+    existing = next(p for p in (run_dir / "checkpoints", run_dir, *run_dir.parents) if p.exists())
+    for path in {existing, *(p for p in (run_dir, run_dir / "checkpoints") if p.exists())}:
+        _probe_writable(path)
+
+
+def _probe_writable(directory: Path) -> None:
+    """Create and remove a file in ``directory`` (what counts, for root and read-only
+    mounts alike, is whether a write works)."""
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".nnlite-probe-")
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write in {directory} ({e.strerror}); the run needs it writable (log.dir)"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def make_stepper(r: Run, p_def, o_def, nonfinite: str):
@@ -341,12 +380,14 @@ def _agree_on_start(cfg, resume: str, ckpt_dir: Path, params0, opt0):
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad
-    checkpoint raises ConfigError on every process (process 0 says why).
+    checkpoint or an unwritable run directory raises ConfigError on every process
+    (process 0 says why).
     """
     p_leaves, o_leaves = jax.tree.leaves(params0), jax.tree.leaves(opt0)
     start, skipped, path, error = 0, 0, None, None
     if dist.is_main():
         try:
+            check_run_dir(ckpt_dir.parent)  # before anything is written
             existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
             if resume == "require" and not existing:
                 raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
@@ -396,8 +437,10 @@ def train(
     timings = timings or Timings()
     r = build(cfg, data, timings)
     loop = _Loop.begin(r, resume, echo, timings, plotter)
+    if loop.step >= cfg.train.steps:
+        return loop.already_finished()
     try:
-        with loop.watch:
+        with loop.watch, loop.watchdog:
             while loop.step < cfg.train.steps:
                 loop.run_call()
                 at = loop.boundary()
@@ -455,6 +498,8 @@ class _Loop:
     watch: object = None
     timings: Timings = field(default_factory=Timings)
     plotter: object = None  # train.plot.CurvePlotter, or None: draw in finish()
+    watchdog: object = None
+    in_flight: list = field(default_factory=list)  # outputs of calls not yet waited for
 
     @classmethod
     def begin(cls, r: Run, resume: str, echo, timings: Timings, plotter=None) -> _Loop:
@@ -493,6 +538,14 @@ class _Loop:
         if dist.is_main():
             loop.log_file = open(r.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - close()
         loop.watch = faults.PreemptionWatch(dist.is_multiprocess())
+        settings = dist.resolve(cfg.distributed)
+        loop.watchdog = faults.Watchdog(
+            cfg.train.step_timeout,
+            multiprocess=dist.is_multiprocess(),
+            # automatic: fire before JAX's heartbeat abort does (a C++ stack, status -6)
+            cap=0.8 * settings.heartbeat_timeout if settings else None,
+            fresh_line=cfg.log.progress and dist.is_main(),
+        )
         loop.t_start = loop.t_window = time.perf_counter()
         timings.lap("other")
         return loop
@@ -504,15 +557,25 @@ class _Loop:
         cfg, stepper = self.r.cfg, self.prep.stepper
         k = steps_in_call(cfg, self.step, boundaries(cfg))
         idx = stepper.put_indices(dist.process_share(self.sampler.batches(self.step, k)))
+        if faults.stuck_here(self.step, k, jax.process_index()):  # test hook
+            stuck = faults.StuckCall()
+            self.watchdog.watch(self.step, stuck)
+            stuck.block_until_ready()  # as at any sync point: never returns
         self.p_leaves, self.o_leaves, self.metrics = stepper.run(
             self.p_leaves, self.o_leaves, self.prep.X, self.prep.Y, idx
         )
-        # Several processes with pmap on CPU (gloo): with many calls in flight the
-        # per-device executions can reach the cross-process collectives in different
-        # orders and deadlock (seen after ~100 steps with 2 x 2 devices). Waiting for each
-        # call rules that out; shard_map runs as one SPMD program per process.
-        if dist.is_multiprocess() and cfg.parallel.strategy == "pmap":
-            jax.block_until_ready(self.p_leaves)
+        self.watchdog.watch(self.step, self.metrics)
+        # Several processes on CPU (gloo): every local device's part of a call runs on a
+        # shared thread pool and blocks its thread inside gloo's collectives. With many
+        # calls in flight, the pool fills with parts waiting in a collective (or for a
+        # device's in-flight slot) while the part they wait for has no thread left: a
+        # deadlock with every process alive (2 x 8 devices: ~step 45; pmap 2 x 2: ~100).
+        # Bounding the calls in flight rules that out.
+        limit = max_in_flight(cfg.parallel.strategy, dist.is_multiprocess())
+        if limit is not None:
+            self.in_flight.append(self.metrics)
+            while len(self.in_flight) > limit:
+                jax.block_until_ready(self.in_flight.pop(0))
         self.step += k
         self.calls += 1
         self.bar.update(k)
@@ -607,6 +670,28 @@ class _Loop:
                 cfg.checkpoint.keep,
             )
         self.timings.lap("checkpoint")
+
+    def already_finished(self) -> Run:
+        """A rerun of a finished run: say so, with its final metrics; train nothing."""
+        r = self.r
+        self.close()
+        r.params, r.opt_state = self.host_state()
+        r.step = self.step
+        records = [rec for _, rec in _read_metrics(r.run_dir / "metrics.jsonl")]
+        final = next((rec for rec in reversed(records) if rec.get("split") == "test"), {})
+        self.last_eval = {k: v for k, v in final.items() if k not in ("step", "split", "time")}
+        r.summary = {"step": self.step, **{f"test_{k}": v for k, v in self.last_eval.items()}}
+        shown = ", ".join(
+            f"test {k} {v:.4f}" if isinstance(v, float) else f"test {k} {v}"
+            for k, v in sorted(self.last_eval.items(), key=lambda kv: kv[0] != "loss")
+        )
+        self.echo(
+            f"already finished: step {self.step} of train.steps={r.cfg.train.steps}"
+            + (f", {shown}" if shown else "")
+            + f" (from {r.run_dir / 'metrics.jsonl'}); nothing to train. Raise train.steps "
+            "to train on, or use --fresh to start over"
+        )
+        return r
 
     def close(self) -> None:
         self.bar.close()
@@ -759,8 +844,22 @@ def _quiet(*_args, **_kwargs) -> None:
 def _write(f, record: dict) -> None:
     if f is None:  # not process 0: it writes nothing
         return
-    f.write(json.dumps(record) + "\n")
+    # Strict JSON: a non-finite value (a skipped step's loss) is written as null.
+    record = {
+        k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in record.items()
+    }
+    f.write(json.dumps(record, allow_nan=False) + "\n")
     f.flush()
+
+
+def max_in_flight(strategy: str, multiprocess: bool) -> int | None:
+    """How many compiled calls may be in flight at once (None: no limit). Several CPU
+    processes need a bound (see ``_Loop.run_call``), and both strategies wait for each
+    call: with one more shard_map call queued, a peer killed mid-call left the survivor a
+    gloo "collective mismatch" abort (two calls' collectives interleaved) in 1 run of 4."""
+    if not multiprocess or jax.devices()[0].platform != "cpu":
+        return None
+    return 0
 
 
 class _NoBar:

@@ -47,7 +47,11 @@ def _draw(records: list[dict], out: Path | None, buffer=None) -> None:
     )
     for ax, name in zip(axes[0], metric_names):
         for split in ("train", "test"):
-            pts = [(r["step"], r[name]) for r in records if r["split"] == split and name in r]
+            pts = [  # null: a skipped step's non-finite value
+                (r["step"], r[name])
+                for r in records
+                if r["split"] == split and r.get(name) is not None
+            ]
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, label=split, marker="o" if split == "test" else None, markersize=3)

@@ -1,0 +1,152 @@
+"""How much memory a config needs, estimated before anything is allocated.
+
+An absurd size (``train.batch_size=10**12``, ``model.hidden_sizes=[10**10]``, a label of
+10**9 that makes a 10**9-way head) must end in one line naming the key, not in memory
+that grows silently or an XLA CHECK abort. :func:`check_fits` adds up a *lower bound* of
+what a run holds at once, from shapes only (``jax.eval_shape`` of init and of the
+optimizer, ``jax.make_jaxpr`` of the loss on a batch of ``ShapeDtypeStruct``): params,
+gradients and optimizer state, the data set, the gathered batch and the largest single
+intermediate of the loss and its gradient, for every device of this process, plus the
+host's copies. If even that exceeds the memory there is, the run cannot fit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from .config import Config, ConfigError
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (what every CPU device of the process shares)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory_bytes(device) -> int | None:
+    """An accelerator's own memory, or None where the device is the host's memory (CPU)."""
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def _nbytes(avals) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(avals))
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Bytes of the largest value any equation of ``jaxpr`` (nested ones too) produces."""
+    best = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            aval = v.aval
+            if hasattr(aval, "shape") and hasattr(aval, "dtype"):
+                best = max(best, math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+        for p in eqn.params.values():
+            for inner in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns"):
+                    best = max(best, _largest_intermediate(inner))
+    return best
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A lower bound of the bytes a run holds at once, by what they are."""
+
+    state: int  # params + gradients + optimizer state, all devices of this process
+    data: int  # the data set: host copy + one per device
+    batch: int  # gathered batch + largest intermediate of the step, all devices; indices
+    limit: int  # what there is: host memory (CPU) or one accelerator's memory
+    where: str  # "this machine" or the device
+
+    @property
+    def total(self) -> int:
+        return self.state + self.data + self.batch
+
+
+def estimate(cfg: Config, model, optimizer, data, n_local: int, n_global: int) -> Estimate:
+    """A lower bound of the memory ``cfg`` needs with ``n_local`` of ``n_global`` devices
+    in this process; nothing is allocated (shapes only)."""
+    p_avals = jax.eval_shape(model.init, jax.random.key(0))
+    o_avals = jax.eval_shape(optimizer.init, p_avals)
+    p, o = _nbytes(p_avals), _nbytes(o_avals)
+    local_batch = max(cfg.train.batch_size // n_global, 1)
+    micro = max(local_batch // cfg.train.grad_accum_steps, 1)
+    x = jax.ShapeDtypeStruct((micro, *data.x.shape[1:]), np.float32)
+    y = jax.ShapeDtypeStruct((micro, *data.y.shape[1:]), data.y.dtype)
+
+    def loss_and_grad(params, x, y):
+        return jax.value_and_grad(lambda q: model.objective(q, x, y)[0])(params)
+
+    jaxpr = jax.make_jaxpr(loss_and_grad)(p_avals, x, y).jaxpr
+    per_device_batch = _nbytes((x, y)) + _largest_intermediate(jaxpr)
+    data_bytes = data.x.nbytes + data.y.nbytes + data.x_test.nbytes + data.y_test.nbytes
+    # host: the sampler's [steps_per_call, batch] int32 indices (and an epoch order the
+    # size of the batch when the data set is smaller than one)
+    indices = 4 * cfg.train.batch_size * (cfg.train.steps_per_call + 2)
+    devices = jax.local_devices()[:n_local]
+    limit = device_memory_bytes(devices[0]) if devices else None
+    if limit is None:  # CPU: every device and the host share this machine's memory
+        return Estimate(
+            state=(p + o) + n_local * (2 * p + o),
+            data=data_bytes + n_local * (data.x.nbytes + data.y.nbytes),
+            batch=indices + n_local * per_device_batch,
+            limit=host_memory_bytes(),
+            where="this machine",
+        )
+    return Estimate(  # one accelerator's share
+        state=2 * p + o,
+        data=data.x.nbytes + data.y.nbytes,
+        batch=per_device_batch,
+        limit=limit,
+        where=f"device {devices[0]}",
+    )
+
+
+def check_fits(cfg: Config, model, optimizer, data, n_local: int, n_global: int) -> Estimate:
+    """Raise ConfigError naming the key to change when ``cfg`` cannot fit in memory."""
+    est = estimate(cfg, model, optimizer, data, n_local, n_global)
+    if est.total <= est.limit:
+        return est
+    parts = {"state": est.state, "data": est.data, "batch": est.batch}
+    worst = max(parts, key=parts.get)
+    if worst == "batch":
+        fix = f"reduce train.batch_size (now {cfg.train.batch_size})"
+        if cfg.train.grad_accum_steps == 1:
+            fix += " or raise train.grad_accum_steps"
+    elif worst == "data":
+        key = "data.path" if cfg.data.name == "npz" else "data.num_samples"
+        fix = f"use a smaller data set ({key})"
+    elif (
+        cfg.model.name == "mlp"
+        and data.num_classes is not None
+        and data.num_classes > max(cfg.model.hidden_sizes)
+    ):
+        fix = f"the data has {data.num_classes} classes (largest label {data.num_classes - 1})"
+    elif cfg.model.name == "mlp":
+        fix = f"reduce model.hidden_sizes (now {list(cfg.model.hidden_sizes)})"
+    else:
+        fix = f"use a smaller model than model.name={cfg.model.name} on this data"
+    what = {
+        "state": "params, gradients and optimizer state",
+        "data": "the data set",
+        "batch": "the batch and its activations",
+    }[worst]
+    raise ConfigError(
+        f"this config needs at least {format_bytes(est.total)} of memory ({what}: "
+        f"{format_bytes(parts[worst])}) but {est.where} has {format_bytes(est.limit)}; {fix}"
+    )
