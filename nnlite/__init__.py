@@ -56,16 +56,28 @@ from ._save import CheckpointError as CheckpointError
 from ._save import load as load
 from ._save import save as save
 from ._show_grad import show_grad as show_grad
-from ._show_jaxpr import UnsupportedPrimitiveError as UnsupportedPrimitiveError
-from ._show_jaxpr import roundtrip as roundtrip
-from ._show_jaxpr import show_jaxpr as show_jaxpr
-from ._show_jaxpr import show_jaxpr_and_xla as show_jaxpr_and_xla
-from ._show_jaxpr import show_xla as show_xla
+
+# show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
+# loaded on first use (PEP 562, see __getattr__), so that training, which never prints,
+# does not pay it.
+_LAZY = {
+    "UnsupportedPrimitiveError": "._show_jaxpr",
+    "roundtrip": "._show_jaxpr",
+    "show_jaxpr": "._show_jaxpr",
+    "show_jaxpr_and_xla": "._show_jaxpr",
+    "show_xla": "._show_jaxpr",
+}
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
     # Deprecated names: still importable, with a warning that says what replaces them.
     if name == "PathKey":
         import warnings
@@ -143,3 +155,7 @@ __all__ = [
     "tanh",
     "vjp",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -77,3 +77,29 @@ def test_gpt_implementations_agree_on_loss():
     for name, value in losses.items():
         assert value == pytest.approx(ref, rel=1e-5), name
     assert losses_after(impls[:1], 1)["raw JAX"] != pytest.approx(ref, rel=1e-3)
+
+
+def test_cli_wall_times_the_command_phase_by_phase(tmp_path):
+    """One real ``python -m train --timings`` sample: the phases partition its wall time."""
+    from benchmarks.cli_wall import COLUMNS, ROOT, child_env, run_cli, summarize
+
+    sets = ["train.steps=20", "train.eval_every=10", "train.log_every=10", "checkpoint.every=10"]
+    env = child_env(None, bytecode=False)
+    sample = run_cli(ROOT, "digits_mlp", sets, str(tmp_path / "runs"), env)
+    phases = sample["phases"]
+    assert {
+        "interpreter",
+        "imports",
+        "compile",
+        "train",
+        "eval",
+        "checkpoint",
+        "plot",
+        "exit",
+    } <= set(phases)
+    assert all(v >= 0 for v in phases.values()), phases
+    assert sum(phases.values()) == pytest.approx(sample["wall_s"], abs=0.05)
+    assert sample["cpu_s"] > 0  # the process tree's CPU time, from getrusage
+    assert (tmp_path / "runs" / "digits_mlp" / "curves.png").is_file()
+    rows, med = summarize({"digits_mlp cold": [sample]})
+    assert len(rows[0]) == 4 + len(COLUMNS) and med["digits_mlp cold"]["wall_s"] == sample["wall_s"]

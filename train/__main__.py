@@ -1,5 +1,5 @@
 """``python -m train --config FILE [--set key=value ...] [--print-config] [--resume | --fresh]
-[--processes N]``.
+[--processes N] [--timings]``.
 
 Exit statuses: 0 done, 1 unexpected failure (a lost peer included), 2 bad input,
 3 preempted (a checkpoint was written, or a signal came before/after the loop; rerun to
@@ -10,15 +10,18 @@ train.step_timeout).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shlex
 import signal
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import faults
 from .config import ConfigError, dump_yaml, load_config
+from .timings import Timings
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,6 +62,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="run as N local processes on loopback (CPU devices, gloo collectives); "
         "see docs/distributed.md",
+    )
+    ap.add_argument(
+        "--timings",
+        action="store_true",
+        help="write where the wall time went (imports, data, compile, train, eval, "
+        "checkpoint, plot, ...) to <run dir>/timings.json and print it to stderr",
     )
     return ap.parse_args(argv)
 
@@ -143,15 +152,24 @@ def format_params(params) -> str:
     )
 
 
-def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
+def main(
+    argv: list[str] | None = None, *, compile_cache: bool = False, standalone: bool = False
+) -> int:
     """The CLI. ``compile_cache``: honour the config's ``compile_cache`` (``python -m
-    train`` does; in-process callers leave JAX's global cache settings alone)."""
+    train`` does; in-process callers leave JAX's global cache settings alone).
+    ``standalone``: the process ends when this returns (``python -m train``), so the
+    garbage collector is tuned for a short-lived process (see ``_freeze_heap``)."""
+    timings = Timings()
+    if standalone:
+        gc.disable()  # imports make few cycles; back on (frozen heap) once JAX is loaded
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     multiprocess = False
+    plotter = None
     saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = load_config(args.config, args.overrides)
+        timings.lap("config")
         if args.print_config:
             print(dump_yaml(cfg), end="")
             return 0
@@ -161,19 +179,48 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
             from .launch import launch
 
             return launch(cfg, _without_processes(argv), args.processes, echo=print)
-        if compile_cache:
-            enable_compile_cache(cfg.compile_cache)
         if args.show_jaxpr:
+            if compile_cache:
+                enable_compile_cache(cfg.compile_cache)
             return _show_jaxpr(cfg, args.show_jaxpr)
 
         from . import distributed as dist
 
-        multiprocess = dist.resolve(cfg.distributed) is not None
-        from .loop import train  # imports jax: keep --print-config and config errors fast
+        settings = dist.resolve(cfg.distributed)
+        multiprocess = settings is not None
+        if cfg.log.plot and (settings is None or settings.process_id == 0):
+            from .plot import CurvePlotter
 
-        r = train(cfg, resume="require" if args.resume else "fresh" if args.fresh else "auto")
+            # Imports matplotlib in another process while this one imports JAX and trains.
+            plotter = CurvePlotter(accuracy=cfg.data.name != "linreg")
+        from .data import load_dataset
+
+        with ThreadPoolExecutor(1, thread_name_prefix="nnlite-data") as pool:
+            # The data loads while JAX imports (numpy, gzip and file reads release the GIL).
+            data = pool.submit(load_dataset, cfg.data, cfg.model.context)
+            if compile_cache:
+                enable_compile_cache(cfg.compile_cache)  # imports jax
+            from .loop import train  # imports jax: keep --print-config and config errors fast
+
+            timings.lap("imports")
+            if standalone:
+                _freeze_heap()
+                gc.enable()
+            r = train(
+                cfg,
+                resume="require" if args.resume else "fresh" if args.fresh else "auto",
+                timings=timings,
+                plotter=plotter,
+                data=data,
+            )
         if r.params is not None and dist.is_main() and r.params.num_params() <= PRINT_PARAMS_MAX:
             print(f"learned params ({r.params.num_params()}):\n{format_params(r.params)}")
+        if plotter is not None:
+            plotter.wait()  # curves.png: requested by train() once the metrics were final
+            timings.lap("plot")
+        if args.timings and (settings is None or settings.process_id == 0):
+            timings.end()
+            print(timings.write(Path(cfg.log.dir) / cfg.name / "timings.json"), file=sys.stderr)
     except ConfigError as e:
         return _exit(f"error: {e}", faults.EXIT_BAD_INPUT, multiprocess)
     except faults.Preempted as e:
@@ -219,7 +266,23 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+        if plotter is not None:
+            plotter.close()  # no curves (an error, a preemption): stop the helper
+        if standalone:
+            _freeze_heap()
     return 0
+
+
+def _freeze_heap() -> None:
+    """Exclude every object alive now from the garbage collector's scans (``gc.freeze``).
+
+    A JAX process holds a few hundred thousand long-lived objects (modules, functions,
+    jaxprs); each full collection walks all of them: about 0.1 s after the imports and
+    about 1 s at interpreter exit, where finalization collects several times. Frozen
+    objects are still freed by reference counting; only cycles among them outlive the
+    process's last moments, which a process that is about to end does not miss.
+    """
+    gc.freeze()
 
 
 def _interrupted(signum, _frame):
@@ -239,4 +302,4 @@ def _exit(message: str, status: int, multiprocess: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(compile_cache=True))
+    sys.exit(main(compile_cache=True, standalone=True))

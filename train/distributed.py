@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from .config import ConfigError, DistributedConfig
@@ -77,6 +76,8 @@ def resolve(dc: DistributedConfig) -> Settings | None:
 
 def initialize(dc: DistributedConfig) -> Settings | None:
     """Join the multi-process run described by ``dc`` (idempotent); None for one process."""
+    import jax  # here, not at the top: resolve() serves the CLI before it loads JAX
+
     settings = resolve(dc)
     if settings is None or jax.distributed.is_initialized():
         return settings
@@ -95,11 +96,15 @@ def initialize(dc: DistributedConfig) -> Settings | None:
 
 
 def is_multiprocess() -> bool:
+    import jax
+
     return jax.process_count() > 1
 
 
 def is_main() -> bool:
     """Process 0 owns the run directory, the checkpoints and the console."""
+    import jax
+
     return jax.process_index() == 0
 
 
@@ -109,6 +114,8 @@ def global_devices(per_process: int) -> list:
     The order fixes which slice of the global batch each device gets: process p's devices
     take the p-th block, so 2 processes x 2 devices split a batch like 1 process x 4.
     """
+    import jax
+
     by_process: dict[int, list] = {}
     for d in jax.devices():
         by_process.setdefault(d.process_index, []).append(d)
@@ -121,6 +128,8 @@ def global_devices(per_process: int) -> list:
 
 def process_share(idx: np.ndarray) -> np.ndarray:
     """This process's columns of a ``[K, global_batch]`` index block."""
+    import jax
+
     n, p = jax.process_count(), jax.process_index()
     b = idx.shape[1] // n
     return idx[:, p * b : (p + 1) * b]

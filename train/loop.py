@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from . import faults, memory
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Dataset, host_batch, load_dataset, make_sampler
 from .optim import build_optimizer
+from .plot import plot_curves as plot_curves  # noqa: F401 - its old home
 from .step import (
     batch_grads_fn,
     build_split_eval,
@@ -32,6 +33,7 @@ from .step import (
     to_host,
     uses_key,
 )
+from .timings import Timings
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
 TIMING_KEYS = ("time", "examples_per_s", "tokens_per_s")
@@ -84,10 +86,20 @@ def select_devices(cfg: Config) -> list:
     return dist.global_devices(want)
 
 
-def build(cfg: Config) -> Run:
-    """Data, model, optimizer and devices for ``cfg``; raises ConfigError on bad input."""
+def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | None = None) -> Run:
+    """Data, model, optimizer and devices for ``cfg``; raises ConfigError on bad input.
+
+    ``data``: the data set if already loaded, or a Future of it (``python -m train`` loads
+    it while JAX imports); None loads it here.
+    """
+    timings = timings or Timings()
     devices = select_devices(cfg)
-    data = load_dataset(cfg.data, context=cfg.model.context)
+    timings.lap("backend")
+    if data is None:
+        data = load_dataset(cfg.data, context=cfg.model.context)
+    elif isinstance(data, Future):
+        data = data.result()
+    timings.lap("data")
     try:
         model = models.MODELS[cfg.model.name](cfg.model, data)
     except ValueError as e:  # a model config that does not fit the data (e.g. cnn lengths)
@@ -451,11 +463,24 @@ def _agree_on_start(cfg, resume: str, ckpt_dir: Path, params0, opt0):
     return start, p_leaves, o_leaves, skipped, path
 
 
-def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
+def train(
+    cfg: Config,
+    *,
+    resume: str = "auto",
+    echo=print,
+    timings: Timings | None = None,
+    plotter=None,
+    data: Dataset | Future | None = None,
+) -> Run:
     """Train per ``cfg``. ``resume``: "auto" (latest checkpoint if any), "require", "fresh".
 
     Raises ConfigError on bad input, ``faults.Preempted`` after a SIGTERM/SIGINT checkpoint
     and ``faults.NonFinite`` when a step goes non-finite with ``train.nonfinite=stop``.
+
+    ``timings`` (train/timings.py) collects where the time goes; ``plotter`` (a
+    ``train.plot.CurvePlotter``) draws curves.png in its helper process, and the caller
+    waits for it (without one, the run draws it before returning); ``data``: see
+    :func:`build`.
 
     The skeleton: build and compile; agree on the starting state (checkpoint or init)
     before writing anything; then one compiled call after another, stopping at the
@@ -464,8 +489,9 @@ def train(cfg: Config, *, resume: str = "auto", echo=print) -> Run:
     dist.initialize(cfg.distributed)  # before anything touches a device
     if not dist.is_main():
         echo = _quiet
-    r = build(cfg)
-    loop = _Loop.begin(r, resume, echo)
+    timings = timings or Timings()
+    r = build(cfg, data, timings)
+    loop = _Loop.begin(r, resume, echo, timings, plotter)
     if loop.step >= cfg.train.steps:
         return loop.already_finished()
     try:
@@ -525,16 +551,19 @@ class _Loop:
     log_file: object = None
     bar: object = None
     watch: object = None
+    timings: Timings = field(default_factory=Timings)
+    plotter: object = None  # train.plot.CurvePlotter, or None: draw in finish()
     watchdog: object = None
     in_flight: list = field(default_factory=list)  # outputs of calls not yet waited for
 
     @classmethod
-    def begin(cls, r: Run, resume: str, echo) -> _Loop:
+    def begin(cls, r: Run, resume: str, echo, timings: Timings, plotter=None) -> _Loop:
         """Compile, agree on the starting state, then (process 0) set up the run directory."""
         cfg = r.cfg
         sampler = make_sampler(cfg.seed, r.data, cfg.train.batch_size)
         first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, boundaries(cfg))))
         prep = prepare(r, cfg.train.nonfinite, first)
+        timings.lap("compile")
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
         start, p_leaves, o_leaves, skipped, good_ckpt = _agree_on_start(
             cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0
@@ -557,6 +586,8 @@ class _Loop:
             start_step=start,
             pending_from=start,
             window_start=start,
+            timings=timings,
+            plotter=plotter,
         )
         loop.bar = _progress(cfg, start) if dist.is_main() else _NoBar()
         if dist.is_main():
@@ -571,6 +602,7 @@ class _Loop:
             fresh_line=cfg.log.progress and dist.is_main(),
         )
         loop.t_start = loop.t_window = time.perf_counter()
+        timings.lap("other")
         return loop
 
     # -- the steps of the loop ---------------------------------------------------------
@@ -663,6 +695,8 @@ class _Loop:
         if not dist.is_main():
             return
         prep = self.prep
+        jax.block_until_ready(self.p_leaves)  # the training so far is charged to "train"
+        self.timings.lap("train")
         params = jax.tree.unflatten(
             prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
         )
@@ -676,9 +710,12 @@ class _Loop:
                 "time": round(time.perf_counter() - self.t_start, 3),
             }
         )
+        self.timings.lap("eval")
 
     def checkpoint(self) -> None:
         """Save the state (process 0 writes), after checking it is finite."""
+        jax.block_until_ready(self.p_leaves)
+        self.timings.lap("train")
         state = self.host_state()
         # The loss-only flag cannot see a last step that broke the params.
         if self.r.cfg.train.nonfinite == "stop" and not _all_finite(state[0]):
@@ -693,6 +730,7 @@ class _Loop:
                 _metadata(cfg, self.r.data, self.step, self.sampler, self.skipped),
                 cfg.checkpoint.keep,
             )
+        self.timings.lap("checkpoint")
 
     def already_finished(self) -> Run:
         """A rerun of a finished run: say so, with its final metrics; train nothing."""
@@ -725,6 +763,7 @@ class _Loop:
         """Final params and summary on the Run, the plot, and the closing line."""
         r, tc = self.r, self.r.cfg.train
         wall = time.perf_counter() - self.t_start
+        self.timings.lap("train")
         r.params, r.opt_state = self.host_state()
         r.step = self.step
         split, window = r.data.eval_split, r.data.window
@@ -738,7 +777,11 @@ class _Loop:
             **({"tokens_per_s": rate * window} if window is not None else {}),
         }
         if r.cfg.log.plot and dist.is_main():
-            plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+            if self.plotter is not None:  # the caller waits for it
+                self.plotter.draw(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+            else:
+                plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+                self.timings.lap("plot")
         last = self.last_eval
         more = "".join(
             f", {split} {name.replace('_', ' ')} {last[name]:.4f}"
@@ -908,38 +951,3 @@ def _progress(cfg: Config, start: int):
     return tqdm(
         total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True
     )
-
-
-def plot_curves(metrics_path: Path, out: Path) -> None:
-    """Train/test loss (and accuracy when present) against step, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
-    metric_names = ["loss"] + (["accuracy"] if any("accuracy" in r for r in records) else [])
-    fig, axes = plt.subplots(
-        1, len(metric_names), figsize=(5 * len(metric_names), 3.5), squeeze=False
-    )
-    for ax, name in zip(axes[0], metric_names):
-        for split in ("train", "test", "val"):
-            pts = [  # null: a skipped step's non-finite value
-                (r["step"], r[name])
-                for r in records
-                if r["split"] == split and r.get(name) is not None
-            ]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, label=split, marker=None if split == "train" else "o", markersize=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel(name)
-        if name == "loss":
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)

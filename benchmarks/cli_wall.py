@@ -1,0 +1,333 @@
+"""The whole ``python -m train`` command, as a user waits for it, phase by phase.
+
+    python -m benchmarks.cli_wall [--repeats N] [--quick] [CONFIG ...]
+        [--set CONFIG:KEY=VALUE ...] [--baseline DIR] [--no-warm] [--no-sklearn]
+
+Each sample is ``python -m train --config configs/CONFIG.yaml --fresh --timings`` as a
+fresh process, timed from just before the process is spawned to just after it has exited.
+The breakdown comes from the ``timings.json`` the command writes (train/timings.py):
+interpreter start-up (spawn -> first line of ``train/__main__.py``), config, imports,
+JAX backend, data, compile, train, eval, checkpoint, plot, other, and exit (the command's
+last timestamp -> the process is gone: interpreter teardown). "CPU" is the user + system
+time of the command's process tree (its plot helper included), which a loaded machine
+inflates far less than the wall time.
+
+Rows, run interleaved in shuffled order, several repeats, medians:
+
+- ``CONFIG cold``: JAX's persistent compilation cache off: everything compiles.
+- ``CONFIG warm``: the cache on, in a directory filled by one untimed run first: what a
+  second run of the same config costs.
+- ``scikit-learn``: scikit-learn's own digits script as a fresh process: ``import
+  sklearn``, ``load_digits``, the same stratified split, ``MLPClassifier(128).fit``,
+  ``score``.
+- ``CONFIG cold (DIR)`` with ``--baseline DIR``: the same command run from another
+  checkout (e.g. ``git archive <commit> | tar -x -C DIR``), for before/after figures
+  measured side by side. An older tree has no ``--timings``; its command runs under
+  ``BASELINE_PROBE``, which calls its ``train.__main__.main`` with the same arguments and
+  times its ``load_dataset`` (data), ``prepare`` (compile), ``ckpt.save`` (checkpoint)
+  and ``plot_curves`` (plot) by wrapping them; everything else inside ``main`` (config,
+  backend, the loop, evaluations) shows as "train".
+
+Python writes bytecode caches (``__pycache__``, filled by the untimed runs) whatever
+``PYTHONDONTWRITEBYTECODE`` says: a user's checkout has them. ``--no-bytecode`` leaves the
+environment as it is (with ``PYTHONDONTWRITEBYTECODE=1`` each run compiles the project's
+own sources, about 0.15 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import _harness as h
+from .time_to_accuracy import cache_env
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIGS = ("digits_mlp", "mnist1d_mlp", "mnist1d_cnn", "shakespeare_gpt")
+# Overrides that keep a long config's sample short (the start-up is what is measured).
+DEFAULT_SETS = {"shakespeare_gpt": ["train.steps=100"]}
+# Columns of the breakdown, in the order a run meets them (train/timings.py PHASES + exit).
+COLUMNS = (
+    "interpreter",
+    "config",
+    "imports",
+    "backend",
+    "data",
+    "compile",
+    "train",
+    "eval",
+    "checkpoint",
+    "plot",
+    "other",
+    "exit",
+)
+SKLEARN = "scikit-learn"
+
+# scikit-learn's own script, as a fresh process; prints its phases as JSON.
+SKLEARN_SCRIPT = """
+import json, time, warnings
+t0 = time.time()
+import sklearn
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from sklearn.neural_network import MLPClassifier
+t1 = time.time()
+x, y = load_digits(return_X_y=True)
+x, x_test, y, y_test = train_test_split(x / 16.0, y, test_size=0.2, random_state=0, stratify=y)
+t2 = time.time()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # ConvergenceWarning at max_iter is expected
+    clf = MLPClassifier(hidden_layer_sizes=(128,), random_state=0).fit(x, y)
+t3 = time.time()
+acc = clf.score(x_test, y_test)
+t4 = time.time()
+print(json.dumps({"t_main": t0, "t_end": t4, "accuracy": acc,
+                  "phases": {"imports": t1 - t0, "data": t2 - t1, "train": t3 - t2,
+                             "eval": t4 - t3}}))
+"""
+
+
+# An older tree's command, timed from outside its code (see the module docstring).
+BASELINE_PROBE = """
+import json, sys, time
+from pathlib import Path
+t_main = time.time()
+t = time.perf_counter()
+import train.__main__ as cli
+import train.loop as loop
+laps = {"imports": time.perf_counter() - t}
+
+def timed(owner, name, phase):
+    f = getattr(owner, name, None)
+    if f is None:
+        return
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            laps[phase] = laps.get(phase, 0.0) + time.perf_counter() - t
+    setattr(owner, name, wrapper)
+
+for owner, name, phase in ((loop, "load_dataset", "data"), (loop, "prepare", "compile"),
+                           (loop.ckpt, "save", "checkpoint"), (loop, "plot_curves", "plot")):
+    timed(owner, name, phase)
+argv = sys.argv[1:]
+t = time.perf_counter()
+rc = cli.main(argv)
+inside = time.perf_counter() - t
+laps["train"] = inside - sum(v for k, v in laps.items() if k != "imports")
+cfg = cli.load_config(argv[argv.index("--config") + 1],
+                       [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
+out = Path(cfg.log.dir) / cfg.name / "timings.json"
+out.write_text(json.dumps({"phases": laps, "t_main": t_main, "t_end": time.time()}))
+sys.exit(rc)
+"""
+
+
+def child_env(cache_dir: str | None, bytecode: bool) -> dict[str, str]:
+    """The environment of a sample: JAX's compilation cache in ``cache_dir`` (None: off),
+    and Python's bytecode caches written (``bytecode``) or as the caller has them."""
+    env = {**os.environ, **cache_env(cache_dir)}
+    if bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, probe: bool = False):
+    """One ``python -m train ... --timings`` process from ``root`` (``probe``: the older
+    tree's command under BASELINE_PROBE); returns wall and CPU seconds and the phases."""
+    head = [sys.executable, "-c", BASELINE_PROBE] if probe else [sys.executable, "-m", "train"]
+    cmd = [*head, "--config", f"configs/{config}.yaml", "--fresh"]
+    cmd += [] if probe else ["--timings"]
+    for s in [f"log.dir={log_dir}", *sets]:
+        cmd += ["--set", s]
+    cpu0, t_spawn = _children_cpu(), time.time()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
+    t_gone, cpu = time.time(), _children_cpu() - cpu0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} (in {root}) failed:\n{proc.stderr[-3000:]}")
+    name = _run_name(root, config, sets)
+    t = json.loads((Path(log_dir) / name / "timings.json").read_text())
+    return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
+
+
+def _run_name(root: Path, config: str, sets: list[str]) -> str:
+    for s in sets:
+        if s.startswith("name="):
+            return s.split("=", 1)[1]
+    import yaml
+
+    return yaml.safe_load((root / "configs" / f"{config}.yaml").read_text())["name"]
+
+
+def breakdown(t: dict, t_spawn: float, t_gone: float) -> dict[str, float]:
+    """Seconds per column: the command's phases, with the interpreter start-up measured
+    from the spawn and the exit up to the process's end."""
+    phases = dict(t["phases"])
+    phases["interpreter"] = t["t_main"] - t_spawn
+    phases["exit"] = t_gone - t["t_end"]
+    return phases
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's finished (and waited for) descendants:
+    a sample's CPU time is the difference around it (the plot helper included)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_sklearn(env: dict) -> dict:
+    cpu0, t_spawn = _children_cpu(), time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", SKLEARN_SCRIPT], env=env, capture_output=True, text=True
+    )
+    t_gone, cpu = time.time(), _children_cpu() - cpu0
+    if proc.returncode != 0:
+        raise RuntimeError(f"the scikit-learn script failed:\n{proc.stderr[-3000:]}")
+    t = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
+
+
+def parse_sets(items: list[str]) -> dict[str, list[str]]:
+    sets: dict[str, list[str]] = {k: list(v) for k, v in DEFAULT_SETS.items()}
+    for item in items:
+        config, sep, kv = item.partition(":")
+        if not sep or "=" not in kv:
+            raise SystemExit(f"--set {item!r}: expected CONFIG:KEY=VALUE")
+        sets.setdefault(config, []).append(kv)
+    return sets
+
+
+def summarize(samples: dict[str, list[dict]]) -> tuple[list[list[str]], dict]:
+    """Table rows (median wall, min wall, median CPU time of the process tree, then the median
+    of each phase) and the medians."""
+    rows, med = [], {}
+    for case, runs in samples.items():
+        walls = [r["wall_s"] for r in runs]
+        phases = {c: statistics.median(r["phases"].get(c, 0.0) for r in runs) for c in COLUMNS}
+        has = {c for r in runs for c in r["phases"]}
+        cpu = statistics.median(r["cpu_s"] for r in runs)
+        med[case] = {"wall_s": statistics.median(walls), "min_wall_s": min(walls), "cpu_s": cpu}
+        med[case].update(phases)
+        cells = [f"{phases[c]:.2f}" if c in has else "" for c in COLUMNS]
+        rows.append(
+            [case, f"{statistics.median(walls):.2f}", f"{min(walls):.2f}", f"{cpu:.2f}", *cells]
+        )
+    return rows, med
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.cli_wall", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("configs", nargs="*", help=f"config names (default: {DEFAULT_CONFIGS})")
+    ap.add_argument("--repeats", type=int, default=5, help="samples per row")
+    ap.add_argument("--quick", action="store_true", help="one repeat")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="CONFIG:KEY=VAL",
+        help="a --set for one config's command, e.g. shakespeare_gpt:train.steps=50 "
+        f"(repeatable; defaults: {DEFAULT_SETS})",
+    )
+    ap.add_argument("--baseline", type=Path, help="another checkout to run the cold rows from")
+    ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache rows")
+    ap.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn's script")
+    ap.add_argument("--no-bytecode", action="store_true", help="no bytecode caches")
+    args = ap.parse_args(argv)
+
+    configs = args.configs or [c for c in DEFAULT_CONFIGS if (ROOT / f"configs/{c}.yaml").exists()]
+    for c in configs:
+        if not (ROOT / f"configs/{c}.yaml").exists():
+            raise SystemExit(f"no configs/{c}.yaml")
+    sets = parse_sets(args.sets)
+    repeats = 1 if args.quick else args.repeats
+    info = h.machine_info()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"machine: {info['cpu']}, {info['affinity']} usable cores; load average {load}")
+
+    with tempfile.TemporaryDirectory(prefix="cli_wall-") as tmp:
+        bytecode = not args.no_bytecode
+        cold_env = child_env(None, bytecode)
+        cases = {}  # name -> () -> sample
+        for c in configs:
+            s, log = sets.get(c, []), str(Path(tmp) / "runs")
+            warm_env = child_env(str(Path(tmp) / f"jax-cache-{c}"), bytecode)
+            cases[f"{c} cold"] = lambda c=c, s=s, log=log: run_cli(ROOT, c, s, log, cold_env)
+            if not args.no_warm:
+                cases[f"{c} warm"] = lambda c=c, s=s, log=log, e=warm_env: run_cli(
+                    ROOT, c, s, log, e
+                )
+            if args.baseline is not None:
+                base_log = str(Path(tmp) / "base-runs")
+                cases[f"{c} cold ({args.baseline})"] = lambda c=c, s=s, log=base_log: run_cli(
+                    args.baseline, c, s, log, cold_env, probe=True
+                )
+        if not args.no_sklearn:
+            cases[SKLEARN] = lambda: run_sklearn(cold_env)
+        # Untimed: bytecode caches, the warm rows' compilation caches, the OS's file cache.
+        for fn in cases.values():
+            fn()
+        samples: dict[str, list[dict]] = {n: [] for n in cases}
+        rng = random.Random(0)
+        for r in range(repeats):
+            order = list(cases)
+            rng.shuffle(order)
+            for name in order:
+                samples[name].append(cases[name]())
+            print(
+                f"repeat {r + 1}/{repeats}: "
+                + ", ".join(f"{n} {samples[n][-1]['wall_s']:.2f} s" for n in cases),
+                flush=True,
+            )
+
+    rows, med = summarize(samples)
+    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(
+        f"\nWall time of the whole command, fresh process (median of {repeats}; seconds; "
+        f"load average before {_fmt_load(load)}, after {_fmt_load(load_after)})\n"
+    )
+    print(h.table(rows, ["command", "median wall", "min wall", "CPU", *COLUMNS]))
+    if SKLEARN in med:
+        for c in configs:
+            if c.startswith("digits") and f"{c} cold" in med:
+                ratios = [
+                    f"{m}: {med[f'{c} {m}']['wall_s'] / med[SKLEARN]['wall_s']:.2f}x"
+                    for m in ("cold", "warm")
+                    if f"{c} {m}" in med
+                ]
+                print(f"\n{c} / scikit-learn's script: {', '.join(ratios)}")
+    path = h.write_json(
+        "cli_wall",
+        {
+            "machine": info,
+            "load_before": load,
+            "load_after": load_after,
+            "repeats": repeats,
+            "bytecode": not args.no_bytecode,
+            "medians": med,
+            "samples": samples,
+        },
+    )
+    print(f"\nwrote {path}")
+    return 0
+
+
+def _fmt_load(load) -> str:
+    return "n/a" if load is None else "/".join(f"{x:.1f}" for x in load)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
