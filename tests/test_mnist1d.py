@@ -1,14 +1,11 @@
-"""train/mnist1d.py generates exactly the mnist1d package's data set, without importing it."""
-
-import subprocess
-import sys
+"""MNIST-1D comes from the mnist1d package, generated once and then read from the cache."""
 
 import numpy as np
 import pytest
 
+import train.data as data_mod
 from train.config import ConfigError, DataConfig
 from train.data import load_dataset
-from train.mnist1d import gaussian_filter, make_dataset
 
 mnist1d_data = pytest.importorskip("mnist1d.data")
 
@@ -23,36 +20,47 @@ def _reference(num_samples: int, seed: int) -> dict:
         np.random.set_state(state)
 
 
-@pytest.mark.parametrize(("num_samples", "seed"), [(5000, 42), (737, 9), (10, 3)])
-def test_same_arrays_as_the_package(num_samples, seed):
-    got, want = make_dataset(num_samples, seed), _reference(num_samples, seed)
-    for k in ("x", "y", "x_test", "y_test"):
-        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NNLITE_CACHE", str(tmp_path))
+    return tmp_path
 
 
-def test_gaussian_filter_equals_scipy_bit_for_bit():
-    ndimage = pytest.importorskip("scipy.ndimage")
-    x = np.random.default_rng(0).standard_normal((300, 72)) * np.logspace(-3, 3, 300)[:, None]
-    want = np.stack([ndimage.gaussian_filter(row, 2) for row in x])
-    np.testing.assert_array_equal(gaussian_filter(x), want)
-    np.testing.assert_array_equal(
-        gaussian_filter(x[:, :20], 1.5),
-        np.stack([ndimage.gaussian_filter1d(r, 1.5) for r in x[:, :20]]),
-    )
+def test_the_package_arrays_then_the_cache(cache, monkeypatch):
+    cfg = DataConfig(name="mnist1d", num_samples=200, split_seed=3)
+    want = _reference(200, 45)
+    state = np.random.get_state()[1].copy()
+    first = load_dataset(cfg)
+    assert np.array_equal(np.random.get_state()[1], state)  # the global RNG is left alone
+    assert [p.name for p in cache.iterdir()] == ["mnist1d_n200_seed45.npz"]
+
+    def no_generation(*_):
+        raise AssertionError("generated again instead of reading the cache")
+
+    monkeypatch.setattr(data_mod, "_generate_mnist1d", no_generation)
+    second = load_dataset(cfg)
+    for got in (first, second):
+        np.testing.assert_array_equal(got.x, want["x"].astype(np.float32))
+        np.testing.assert_array_equal(got.y, want["y"])
+        np.testing.assert_array_equal(got.x_test, want["x_test"].astype(np.float32))
+        np.testing.assert_array_equal(got.y_test, want["y_test"])
 
 
-def test_loader_leaves_global_rng_and_imports_alone():
-    state = np.random.get_state()
-    d = load_dataset(DataConfig(name="mnist1d", num_samples=200, split_seed=1))
-    assert d.x.shape == (160, 40) and d.x.dtype == np.float32 and d.y.dtype == np.int32
-    assert np.array_equal(np.random.get_state()[1], state[1])
-    code = (
-        "import sys; from train.data import load_dataset; from train.config import DataConfig; "
-        "load_dataset(DataConfig(name='mnist1d', num_samples=100)); "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'mnist1d', 'scipy', 'matplotlib'}))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-    with pytest.raises(ConfigError, match="data.num_samples=5: num_samples must be at least 10"):
-        load_dataset(DataConfig(name="mnist1d", num_samples=5))
+def test_a_damaged_cache_is_rebuilt_and_an_unwritable_one_skipped(cache, tmp_path, monkeypatch):
+    cfg = DataConfig(name="mnist1d", num_samples=100)
+    path = cache / "mnist1d_n100_seed42.npz"
+    path.write_bytes(b"torn")  # a half-written file from an older, killed writer
+    got = load_dataset(cfg)
+    np.testing.assert_array_equal(got.y, _reference(100, 42)["y"])
+    assert np.load(path)["y"].shape == got.y.shape  # rewritten whole
+    assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
+
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("NNLITE_CACHE", str(blocker))
+    assert load_dataset(cfg).x.shape == got.x.shape  # trains all the same
+
+
+def test_absurd_sample_counts_are_refused_before_generating(cache):
+    with pytest.raises(ConfigError, match=r"data.num_samples=100000000000: .*needs at least"):
+        load_dataset(DataConfig(name="mnist1d", num_samples=10**11))
