@@ -86,8 +86,10 @@ def estimate(cfg: Config, model, optimizer, data, n_local: int, n_global: int) -
     p, o = _nbytes(p_avals), _nbytes(o_avals)
     local_batch = max(cfg.train.batch_size // n_global, 1)
     micro = max(local_batch // cfg.train.grad_accum_steps, 1)
-    x = jax.ShapeDtypeStruct((micro, *data.x.shape[1:]), np.float32)
-    y = jax.ShapeDtypeStruct((micro, *data.y.shape[1:]), data.y.dtype)
+    # What the step gathers: rows, or text windows of `window` tokens per example.
+    lead = (micro,) if getattr(data, "window", None) is None else (micro, data.window)
+    x = jax.ShapeDtypeStruct((*lead, *data.x.shape[1:]), data.x.dtype)
+    y = jax.ShapeDtypeStruct((*lead, *data.y.shape[1:]), data.y.dtype)
 
     def loss_and_grad(params, x, y):
         return jax.value_and_grad(lambda q: model.objective(q, x, y)[0])(params)
