@@ -167,9 +167,9 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
             agreed = (*_AGREED, -signal.SIGTERM) if signalled else _AGREED
             if c not in agreed or time.monotonic() - t > _GRACE_S:
                 # A killed process can take a moment to be reaped after its peers have
-                # already failed because of it (seconds on a loaded machine): look again
-                # before naming the cause.
-                deadline = time.monotonic() + 3.0
+                # already failed because of it (seconds on a loaded machine; 3 s was too short
+                # in a full test run): look again before naming the cause.
+                deadline = time.monotonic() + 10.0
                 while time.monotonic() < deadline and not any((p.poll() or 0) < 0 for p in procs):
                     time.sleep(0.05)
                 killed = [(j, p.poll()) for j, p in enumerate(procs) if (p.poll() or 0) < 0]
