@@ -139,6 +139,12 @@ def group_norm(x, scale=None, bias=None, *, num_groups: int, num_spatial_axes: i
 
 
 class _Norm(Module):
+    def init(self, key: jax.Array) -> ParamsDict:
+        """``scale`` ones and ``bias`` zeros, for the entries ``param_shapes`` lists."""
+        fill = {"scale": jnp.ones, "bias": jnp.zeros}
+        shapes = self.param_shapes()
+        return ParamsDict(**{n: fill[n](shape, self.param_dtype) for n, shape in shapes.items()})
+
     def _cast(self, x, params, names):
         arrays = [params[n] for n in names]
         dtype = self.compute_dtype(x, *arrays)
@@ -194,14 +200,6 @@ class LayerNorm(_Norm):
         names = [n for n, on in (("scale", self.use_scale), ("bias", self.use_bias)) if on]
         return {n: (self.features,) for n in names}
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        p = ParamsDict()
-        if self.use_scale:
-            p.scale = jnp.ones(self.features, self.param_dtype)
-        if self.use_bias:
-            p.bias = jnp.zeros(self.features, self.param_dtype)
-        return p
-
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.features)
         self.check_params(params)
@@ -249,12 +247,6 @@ class RMSNorm(_Norm):
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"scale": (self.features,)} if self.use_scale else {}
-
-    def init(self, key: jax.Array) -> ParamsDict:
-        p = ParamsDict()
-        if self.use_scale:
-            p.scale = jnp.ones(self.features, self.param_dtype)
-        return p
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.features)
