@@ -568,11 +568,114 @@ class MatmulFloorGPT(Impl):
         return float(Ws["wte"][0, 0])
 
 
+class TorchGPT(Impl):
+    """Optional (only when ``torch`` is importable): nanoGPT's model in PyTorch, as its
+    ``model.py`` writes it (fused ``c_attn``, ``F.scaled_dot_product_attention`` with
+    ``is_causal=True``, tied head), GELU with the tanh approximation to match the others,
+    ``torch.optim.AdamW`` (decay 0.1 on matrices only, ``fused`` off as on a CPU) and
+    ``clip_grad_norm_(1.0)``; eager mode, PyTorch's default thread count."""
+
+    name = "PyTorch"
+
+    def setup(self, X, Y, idx):
+        import torch
+
+        self.torch = torch
+        t = self.spec.context
+        self.batches = [
+            tuple(torch.from_numpy(a.astype(np.int64)) for a in windows(X, i, t)) for i in idx
+        ]
+
+    def reset(self):
+        torch = self.torch
+        nn, F = torch.nn, torch.nn.functional
+        spec, w = self.spec, self.weights
+        c, h = spec.n_embd, spec.n_head
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
+                self.c_attn, self.c_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+                self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+            def forward(self, x):
+                b, t, _ = x.shape
+                q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+                q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in (q, k, v))
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+                return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+        class GPT(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte, self.wpe = nn.Embedding(spec.vocab, c), nn.Embedding(spec.context, c)
+                self.h = nn.ModuleList([Block() for _ in range(spec.n_layer)])
+                self.ln_f = nn.LayerNorm(c)
+
+            def forward(self, idx, targets):
+                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+                for blk in self.h:
+                    x = blk(x)
+                logits = self.ln_f(x) @ self.wte.weight.T  # the tied head
+                return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+        model = GPT()
+        T = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        with torch.no_grad():
+            model.wte.weight.copy_(T(w["wte"]))
+            model.wpe.weight.copy_(T(w["wpe"]))
+            model.ln_f.weight.copy_(T(w["ln_f"]["scale"]))
+            model.ln_f.bias.copy_(T(w["ln_f"]["bias"]))
+            for m, blk in zip(model.h, w["blocks"]):
+                for ln_m, name in ((m.ln_1, "ln1"), (m.ln_2, "ln2")):
+                    ln_m.weight.copy_(T(blk[name]["scale"]))
+                    ln_m.bias.copy_(T(blk[name]["bias"]))
+                for lin, name in (
+                    (m.c_attn, "qkv"), (m.c_proj, "out"), (m.c_fc, "fc"), (m.mlp_proj, "proj")
+                ):
+                    lin.weight.copy_(T(blk[name]["W"].T))  # torch stores [out, in]
+                    lin.bias.copy_(T(blk[name]["b"]))
+        params = list(model.parameters())
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        self.model = model
+        self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), eps=1e-8)
+        self.t = 0
+
+    def run(self, n):
+        torch, model, opt = self.torch, self.model, self.opt
+        for s in range(self.t, self.t + n):
+            x, y = self.batches[s % len(self.batches)]
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        self.t += n
+        return float(loss.detach())
+
+
+def torch_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
 def build_all_gpt(
-    spec: GPTSpec, *, n_batches: int = 10, steps_per_call: int = 10, matmul_floor: bool = False
+    spec: GPTSpec,
+    *,
+    n_batches: int = 10,
+    steps_per_call: int = 10,
+    matmul_floor: bool = False,
+    pytorch: bool = False,
 ):
     """Every GPT implementation on the same weights, windows and optimizer; with
-    ``matmul_floor``, the :class:`MatmulFloorGPT` reference last."""
+    ``pytorch`` (and torch installed), :class:`TorchGPT` too; with ``matmul_floor``, the
+    :class:`MatmulFloorGPT` reference last."""
     weights = init_weights(spec)
     X, idx = make_data(spec, n_batches)
     tx = optimizer()
@@ -584,6 +687,8 @@ def build_all_gpt(
     ]
     if steps_per_call > 1:
         impls.append(NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call))
+    if pytorch and torch_available():
+        impls.append(TorchGPT(spec, weights, X, None, idx, None))
     if matmul_floor:
         impls.append(
             MatmulFloorGPT(spec, weights, X, None, idx, None, steps_per_call=steps_per_call)

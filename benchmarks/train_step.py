@@ -133,16 +133,17 @@ GPT_STEPS_PER_CALL = {"gpt_baby": 10, "gpt_large": 2}
 GPT_ROUNDS = {"gpt_baby": 7, "gpt_large": 3}
 
 
-def bench_gpt(size: str, rounds: int, quick: bool) -> dict:
+def bench_gpt(size: str, rounds: int, quick: bool, pytorch: bool = True) -> dict:
     """The GPT step: same loss after 10 steps, then interleaved timing, tokens/s and the
-    fraction of the matmul floor (the step's matmuls alone) each implementation reaches."""
+    fraction of the matmul floor (the step's matmuls alone) each implementation reaches.
+    With ``pytorch`` and torch installed, nanoGPT's PyTorch model is a row too."""
     from ._gpt_impls import GPT_SPECS, build_all_gpt
 
     spec = GPT_SPECS[size]
     k, n = GPT_STEPS_PER_CALL[size], GPT_STEPS_PER_SAMPLE[size]
     if quick:
         n = k
-    impls = build_all_gpt(spec, steps_per_call=k, matmul_floor=True)
+    impls = build_all_gpt(spec, steps_per_call=k, matmul_floor=True, pytorch=pytorch)
     with jax.numpy_rank_promotion("allow"):  # the peers are written as their users write them
         losses = check_losses(impls)
         cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
@@ -193,9 +194,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--sizes",
         default="small,medium,large,cnn",
-        help="comma-separated: small,medium,large,cnn",
+        help="comma-separated: small,medium,large,cnn,gpt_baby,gpt_large",
     )
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds per size")
+    ap.add_argument(
+        "--no-pytorch",
+        action="store_true",
+        help="leave out the GPT rows' PyTorch peer (included when torch is installed)",
+    )
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     for s in sizes:
@@ -208,7 +214,9 @@ def main(argv=None) -> int:
     results = {}
     for size in sizes:
         if size in GPT_ROUNDS:
-            results[size] = bench_gpt(size, args.rounds or GPT_ROUNDS[size], args.quick)
+            results[size] = bench_gpt(
+                size, args.rounds or GPT_ROUNDS[size], args.quick, not args.no_pytorch
+            )
             print("\n" + render_gpt(size, results[size]), flush=True)
             continue
         rounds = args.rounds or (max(3, ROUNDS[size] // 3) if args.quick else ROUNDS[size])
