@@ -59,7 +59,7 @@ GPT_SPECS = {
     "gpt_baby": GPTSpec("gpt_baby", 84, 64, 4, 4, 128, 12),
     "gpt_large": GPTSpec("gpt_large", 84, 256, 6, 6, 384, 64),
 }
-GPT_TINY = GPTSpec("gpt_tiny", 11, 8, 2, 2, 16, 4)
+GPT_TINY = GPTSpec("gpt_tiny", 11, 8, 1, 2, 16, 4)
 
 
 def init_weights(spec: GPTSpec, seed: int = 0) -> dict:
@@ -225,62 +225,76 @@ class EquinoxGPT(Peer):
 
         self.step = step
 
+    def _model_class(self):
+        """The model classes, defined once: a new class per reset would be a new pytree
+        type, so every reset would recompile the step."""
+        if getattr(self, "_cls", None) is None:
+            import equinox as eqx
+
+            spec = self.spec
+            c, h = spec.n_embd, spec.n_head
+
+            class Block(eqx.Module):
+                ln1: eqx.nn.LayerNorm
+                attn: eqx.nn.MultiheadAttention
+                ln2: eqx.nn.LayerNorm
+                fc: eqx.nn.Linear
+                proj: eqx.nn.Linear
+
+                def __init__(self, key):
+                    k1, k2, k3 = jax.random.split(key, 3)
+                    self.ln1, self.ln2 = eqx.nn.LayerNorm(c), eqx.nn.LayerNorm(c)
+                    self.attn = eqx.nn.MultiheadAttention(
+                        h,
+                        c,
+                        use_query_bias=True,
+                        use_key_bias=True,
+                        use_value_bias=True,
+                        use_output_bias=True,
+                        key=k1,
+                    )
+                    self.fc = eqx.nn.Linear(c, 4 * c, key=k2)
+                    self.proj = eqx.nn.Linear(4 * c, c, key=k3)
+
+                def __call__(self, x, mask):
+                    hx = jax.vmap(self.ln1)(x)
+                    x = x + self.attn(hx, hx, hx, mask=mask)
+                    hx = jax.vmap(self.ln2)(x)
+                    return x + jax.vmap(self.proj)(
+                        jax.nn.gelu(jax.vmap(self.fc)(hx), approximate=True)
+                    )
+
+            class GPT(eqx.Module):
+                wte: eqx.nn.Embedding
+                wpe: eqx.nn.Embedding
+                blocks: list
+                ln_f: eqx.nn.LayerNorm
+
+                def __init__(self, key):
+                    keys = jax.random.split(key, spec.n_layer + 2)
+                    self.wte = eqx.nn.Embedding(spec.vocab, c, key=keys[0])
+                    self.wpe = eqx.nn.Embedding(spec.context, c, key=keys[1])
+                    self.blocks = [Block(k) for k in keys[2:]]
+                    self.ln_f = eqx.nn.LayerNorm(c)
+
+                def __call__(self, tokens):  # [T] -> [T, vocab]
+                    t = tokens.shape[0]
+                    x = self.wte.weight[tokens] + self.wpe.weight[:t]
+                    mask = jnp.tril(jnp.ones((t, t), bool))
+                    for blk in self.blocks:
+                        x = blk(x, mask)
+                    return jax.vmap(self.ln_f)(x) @ self.wte.weight.T
+
+            self._cls = GPT
+        return self._cls
+
     def reset(self):
         import equinox as eqx
 
         spec, w = self.spec, self.weights
-        c, h = spec.n_embd, spec.n_head
+        c = spec.n_embd
 
-        class Block(eqx.Module):
-            ln1: eqx.nn.LayerNorm
-            attn: eqx.nn.MultiheadAttention
-            ln2: eqx.nn.LayerNorm
-            fc: eqx.nn.Linear
-            proj: eqx.nn.Linear
-
-            def __init__(self, key):
-                k1, k2, k3 = jax.random.split(key, 3)
-                self.ln1, self.ln2 = eqx.nn.LayerNorm(c), eqx.nn.LayerNorm(c)
-                self.attn = eqx.nn.MultiheadAttention(
-                    h,
-                    c,
-                    use_query_bias=True,
-                    use_key_bias=True,
-                    use_value_bias=True,
-                    use_output_bias=True,
-                    key=k1,
-                )
-                self.fc = eqx.nn.Linear(c, 4 * c, key=k2)
-                self.proj = eqx.nn.Linear(4 * c, c, key=k3)
-
-            def __call__(self, x, mask):
-                hx = jax.vmap(self.ln1)(x)
-                x = x + self.attn(hx, hx, hx, mask=mask)
-                hx = jax.vmap(self.ln2)(x)
-                return x + jax.vmap(self.proj)(jax.nn.gelu(jax.vmap(self.fc)(hx), approximate=True))
-
-        class GPT(eqx.Module):
-            wte: eqx.nn.Embedding
-            wpe: eqx.nn.Embedding
-            blocks: list
-            ln_f: eqx.nn.LayerNorm
-
-            def __init__(self, key):
-                keys = jax.random.split(key, spec.n_layer + 2)
-                self.wte = eqx.nn.Embedding(spec.vocab, c, key=keys[0])
-                self.wpe = eqx.nn.Embedding(spec.context, c, key=keys[1])
-                self.blocks = [Block(k) for k in keys[2:]]
-                self.ln_f = eqx.nn.LayerNorm(c)
-
-            def __call__(self, tokens):  # [T] -> [T, vocab]
-                t = tokens.shape[0]
-                x = self.wte.weight[tokens] + self.wpe.weight[:t]
-                mask = jnp.tril(jnp.ones((t, t), bool))
-                for blk in self.blocks:
-                    x = blk(x, mask)
-                return jax.vmap(self.ln_f)(x) @ self.wte.weight.T
-
-        model = GPT(jax.random.key(0))
+        model = self._model_class()(jax.random.key(0))
         a = jnp.asarray
         where, values = [], []
 
@@ -345,6 +359,45 @@ class FlaxNNXGPT(Peer):
 
         self.step = step
 
+    def _model_class(self):
+        """The model classes, defined once: a new class per reset would be a new pytree
+        type, so every reset would recompile the step."""
+        if getattr(self, "_cls", None) is None:
+            from flax import nnx
+
+            spec = self.spec
+            c, h = spec.n_embd, spec.n_head
+
+            class Block(nnx.Module):
+                def __init__(self, rngs):
+                    self.ln1 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
+                    self.attn = nnx.MultiHeadAttention(h, c, decode=False, rngs=rngs)
+                    self.ln2 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
+                    self.fc = nnx.Linear(c, 4 * c, rngs=rngs)
+                    self.proj = nnx.Linear(4 * c, c, rngs=rngs)
+
+                def __call__(self, x, mask):
+                    x = x + self.attn(self.ln1(x), mask=mask)
+                    return x + self.proj(nnx.gelu(self.fc(self.ln2(x)), approximate=True))
+
+            class GPT(nnx.Module):
+                def __init__(self, rngs):
+                    self.wte = nnx.Embed(spec.vocab, c, rngs=rngs)
+                    self.wpe = nnx.Embed(spec.context, c, rngs=rngs)
+                    self.blocks = nnx.List([Block(rngs) for _ in range(spec.n_layer)])
+                    self.ln_f = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
+
+                def __call__(self, tokens):  # [B, T] -> [B, T, vocab]
+                    t = tokens.shape[-1]
+                    x = self.wte(tokens) + self.wpe.embedding[...][:t]
+                    mask = nnx.make_causal_mask(tokens)
+                    for blk in self.blocks:
+                        x = blk(x, mask)
+                    return self.wte.attend(self.ln_f(x))
+
+            self._cls = GPT
+        return self._cls
+
     def reset(self):
         from flax import nnx
 
@@ -352,34 +405,7 @@ class FlaxNNXGPT(Peer):
         c, h = spec.n_embd, spec.n_head
         d = c // h
 
-        class Block(nnx.Module):
-            def __init__(self, rngs):
-                self.ln1 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
-                self.attn = nnx.MultiHeadAttention(h, c, decode=False, rngs=rngs)
-                self.ln2 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
-                self.fc = nnx.Linear(c, 4 * c, rngs=rngs)
-                self.proj = nnx.Linear(4 * c, c, rngs=rngs)
-
-            def __call__(self, x, mask):
-                x = x + self.attn(self.ln1(x), mask=mask)
-                return x + self.proj(nnx.gelu(self.fc(self.ln2(x)), approximate=True))
-
-        class GPT(nnx.Module):
-            def __init__(self, rngs):
-                self.wte = nnx.Embed(spec.vocab, c, rngs=rngs)
-                self.wpe = nnx.Embed(spec.context, c, rngs=rngs)
-                self.blocks = nnx.List([Block(rngs) for _ in range(spec.n_layer)])
-                self.ln_f = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
-
-            def __call__(self, tokens):  # [B, T] -> [B, T, vocab]
-                t = tokens.shape[-1]
-                x = self.wte(tokens) + self.wpe.embedding[...][:t]
-                mask = nnx.make_causal_mask(tokens)
-                for blk in self.blocks:
-                    x = blk(x, mask)
-                return self.wte.attend(self.ln_f(x))
-
-        model = GPT(nnx.Rngs(0))
+        model = self._model_class()(nnx.Rngs(0))
         a = jnp.asarray
         model.wte.embedding.value = a(w["wte"])
         model.wpe.embedding.value = a(w["wpe"])
@@ -446,10 +472,11 @@ class NnliteGPT(Impl):
 
     name = "nnlite"
 
-    def __init__(self, *args, steps_per_call: int = 1, **kwargs):
-        self.steps_per_call = steps_per_call
-        if steps_per_call > 1:
-            self.name = f"nnlite K={steps_per_call}"
+    def __init__(self, *args, steps_per_call: int = 1, grad: str = "autodiff", **kwargs):
+        self.steps_per_call, self.grad = steps_per_call, grad
+        mode = "" if grad == "autodiff" else f" {grad}"
+        k = f" K={steps_per_call}" if steps_per_call > 1 else ""
+        self.name = f"nnlite{mode}{k}"
         super().__init__(*args, **kwargs)
 
     def setup(self, X, Y, idx):
@@ -460,7 +487,7 @@ class NnliteGPT(Impl):
         self.p_def = jax.tree.structure(p0)
         self.o_def = jax.tree.structure(self.tx.init(p0))
         self.stepper = build_stepper(
-            batch_grads_fn(self.model, "autodiff", 1, "none"),
+            batch_grads_fn(self.model, self.grad, 1, "none"),
             self.tx,
             self.p_def,
             self.o_def,
@@ -586,42 +613,52 @@ class TorchGPT(Impl):
             tuple(torch.from_numpy(a.astype(np.int64)) for a in windows(X, i, t)) for i in idx
         ]
 
+    def _model_class(self):
+        """The model classes, defined once: a new class per reset would be a new pytree
+        type, so every reset would recompile the step."""
+        if getattr(self, "_cls", None) is None:
+            torch = self.torch
+            nn, F = torch.nn, torch.nn.functional
+            spec = self.spec
+            c, h = spec.n_embd, spec.n_head
+
+            class Block(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
+                    self.c_attn, self.c_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+                    self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+                def forward(self, x):
+                    b, t, _ = x.shape
+                    q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+                    q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in (q, k, v))
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+                    return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+            class GPT(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.wte, self.wpe = nn.Embedding(spec.vocab, c), nn.Embedding(spec.context, c)
+                    self.h = nn.ModuleList([Block() for _ in range(spec.n_layer)])
+                    self.ln_f = nn.LayerNorm(c)
+
+                def forward(self, idx, targets):
+                    x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+                    for blk in self.h:
+                        x = blk(x)
+                    logits = self.ln_f(x) @ self.wte.weight.T  # the tied head
+                    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+            self._cls = GPT
+        return self._cls
+
     def reset(self):
         torch = self.torch
-        nn, F = torch.nn, torch.nn.functional
-        spec, w = self.spec, self.weights
-        c, h = spec.n_embd, spec.n_head
+        w = self.weights
 
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
-                self.c_attn, self.c_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
-                self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-
-            def forward(self, x):
-                b, t, _ = x.shape
-                q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
-                q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in (q, k, v))
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-                return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-        class GPT(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.wte, self.wpe = nn.Embedding(spec.vocab, c), nn.Embedding(spec.context, c)
-                self.h = nn.ModuleList([Block() for _ in range(spec.n_layer)])
-                self.ln_f = nn.LayerNorm(c)
-
-            def forward(self, idx, targets):
-                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-                for blk in self.h:
-                    x = blk(x)
-                logits = self.ln_f(x) @ self.wte.weight.T  # the tied head
-                return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-
-        model = GPT()
+        model = self._model_class()()
         T = lambda a: torch.from_numpy(np.ascontiguousarray(a))
         with torch.no_grad():
             model.wte.weight.copy_(T(w["wte"]))
@@ -633,7 +670,10 @@ class TorchGPT(Impl):
                     ln_m.weight.copy_(T(blk[name]["scale"]))
                     ln_m.bias.copy_(T(blk[name]["bias"]))
                 for lin, name in (
-                    (m.c_attn, "qkv"), (m.c_proj, "out"), (m.c_fc, "fc"), (m.mlp_proj, "proj")
+                    (m.c_attn, "qkv"),
+                    (m.c_proj, "out"),
+                    (m.c_fc, "fc"),
+                    (m.mlp_proj, "proj"),
                 ):
                     lin.weight.copy_(T(blk[name]["W"].T))  # torch stores [out, in]
                     lin.bias.copy_(T(blk[name]["b"]))
@@ -687,6 +727,10 @@ def build_all_gpt(
     ]
     if steps_per_call > 1:
         impls.append(NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call))
+    # every layer's hand-derived VJP (``loss.grad: manual``), what configs/shakespeare_gpt uses
+    impls.append(
+        NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call, grad="manual")
+    )
     if pytorch and torch_available():
         impls.append(TorchGPT(spec, weights, X, None, idx, None))
     if matmul_floor:

@@ -141,20 +141,25 @@ def _remove(log_dir: Path) -> None:
 def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line="") -> int:
     """Wait for the processes; stop the others when one fails; return the run's status."""
     first_exit: tuple[int, int, float] | None = None  # (process, status, time)
+
+    def second_signal() -> int:  # forward() killed them all: that, not their deaths, is news
+        for p in procs:
+            p.wait()
+        name = signal.Signals(signalled[-1]).name
+        echo(
+            f"{fresh_line}stopped by a second {name}: killed all {processes} processes "
+            "without a checkpoint; the last one written is intact",
+            file=sys.stderr,
+        )
+        return 128 + signalled[-1]
+
     while True:
+        # Checked before the exit codes: the processes forward() SIGKILLed may already be gone.
+        if len(signalled) > 1:
+            return second_signal()
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
-        if len(signalled) > 1:  # a second signal: forward() killed them all
-            for p in procs:
-                p.wait()
-            name = signal.Signals(signalled[-1]).name
-            echo(
-                f"{fresh_line}stopped by a second {name}: killed all {processes} processes "
-                "without a checkpoint; the last one written is intact",
-                file=sys.stderr,
-            )
-            return 128 + signalled[-1]
         if first_exit is None:
             exited = [(i, c) for i, c in enumerate(codes) if c is not None]
             # Several at once: the one killed by a signal is the cause, the rest followed.
@@ -183,6 +188,8 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
                 codes = [p.returncode for p in procs]
                 break
         time.sleep(0.05)
+    if len(signalled) > 1:  # it came while the processes were being stopped or reaped
+        return second_signal()
 
     # Stopped early: some never started, or the forwarded SIGTERM reached a process before
     # Python could install a handler (it died of it) and the rest stopped with status 3.
