@@ -1,18 +1,42 @@
-"""Strict defaults for every test: 8 host CPU devices, rank promotion raises."""
+"""Strict defaults for every test: 8 host CPU devices, rank promotion raises.
+
+Tests compile hundreds of tiny programs and run each for a few steps, so compiling is most
+of the suite's time. Two settings cut it, for this process and every subprocess it starts
+(they inherit the environment): LLVM's optimisation level 0 for the generated CPU code
+(a tiny GPT's step compiles in 1.8 s instead of 4.0 s; XLA's own HLO optimisations, fusion
+included, still run), and one persistent compilation cache for the session, so a program
+that several tests build (the same tiny config through ``train()`` or ``python -m train``)
+compiles once. Neither changes what a test checks.
+"""
 
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+        prefix="nnlite-test-jax-cache-"
+    )
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture
