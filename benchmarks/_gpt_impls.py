@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._impls import Impl
+from ._impls import Equinox, FlaxNNX, Impl, RawJax
 
 
 @dataclass(frozen=True)
@@ -152,46 +152,24 @@ def raw_forward(params, tokens, n_head: int):
     return x @ params["wte"].T
 
 
-class Peer(Impl):
-    """Shared data handling: the peers get each step's windows as device arrays."""
+class Windows:
+    """Mixed into the peers: each step's ``(x, y)`` are the token windows starting at the
+    batch's starts, as device arrays. The step and the loop come from the MLP peers."""
 
-    def setup(self, X, Y, idx):
-        t = self.spec.context
-        self.batches = [tuple(map(jax.device_put, windows(X, i, t))) for i in idx]
+    def batch(self, X, Y, i):
+        return tuple(map(jax.device_put, windows(X, i, self.spec.context)))
 
 
-class RawJaxGPT(Peer):
+class RawJaxGPT(Windows, RawJax):
     """Nested dicts of arrays and ``jax.jit`` with donated params/opt state."""
 
-    name = "raw JAX"
-
-    def setup(self, X, Y, idx):
-        super().setup(X, Y, idx)
-        tx, h = self.tx, self.spec.n_head
-
-        def loss_fn(params, x, y):
-            return xent(raw_forward(params, x, h), y)
-
-        @partial(jax.jit, donate_argnums=(0, 1))
-        def step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        self.step = step
+    def loss_fn(self, params, x, y):
+        return xent(raw_forward(params, x, self.spec.n_head), y)
 
     def reset(self):
         self.params = jax.tree.map(jnp.asarray, self.weights)
         self.opt_state = self.tx.init(self.params)
         self.t = 0
-
-    def run(self, n):
-        params, opt_state, step, batches = self.params, self.opt_state, self.step, self.batches
-        for s in range(self.t, self.t + n):
-            x, y = batches[s % len(batches)]
-            params, opt_state, loss = step(params, opt_state, x, y)
-        self.params, self.opt_state, self.t = params, opt_state, self.t + n
-        return float(loss)
 
 
 def split_qkv(blk: dict, c: int):
@@ -200,93 +178,72 @@ def split_qkv(blk: dict, c: int):
     return [(W[:, i * c : (i + 1) * c], b[i * c : (i + 1) * c]) for i in range(3)]
 
 
-class EquinoxGPT(Peer):
+class EquinoxGPT(Windows, Equinox):
     """``eqx.nn.Embedding``, ``eqx.nn.LayerNorm``, ``eqx.nn.MultiheadAttention`` (causal mask)
     and ``eqx.nn.Linear`` in an ``eqx.Module``; one sequence per call, ``jax.vmap`` over the
     batch, ``eqx.filter_value_and_grad`` and ``eqx.filter_jit``, as in Equinox's examples."""
 
-    name = "Equinox"
+    donate = "all-except-first"
 
-    def setup(self, X, Y, idx):
+    @cached_property
+    def model_class(self):
+        """The model class, defined once: a new class per reset would be a new pytree
+        type, so every reset would recompile the step."""
         import equinox as eqx
 
-        super().setup(X, Y, idx)
-        tx = self.tx
+        spec = self.spec
+        c, h = spec.n_embd, spec.n_head
 
-        @eqx.filter_value_and_grad
-        def loss_fn(model, x, y):
-            return xent(jax.vmap(model)(x), y)
+        class Block(eqx.Module):
+            ln1: eqx.nn.LayerNorm
+            attn: eqx.nn.MultiheadAttention
+            ln2: eqx.nn.LayerNorm
+            fc: eqx.nn.Linear
+            proj: eqx.nn.Linear
 
-        @eqx.filter_jit(donate="all-except-first")
-        def step(model, opt_state, x, y):
-            loss, grads = loss_fn(model, x, y)
-            updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-            return eqx.apply_updates(model, updates), opt_state, loss
+            def __init__(self, key):
+                k1, k2, k3 = jax.random.split(key, 3)
+                self.ln1, self.ln2 = eqx.nn.LayerNorm(c), eqx.nn.LayerNorm(c)
+                self.attn = eqx.nn.MultiheadAttention(
+                    h,
+                    c,
+                    use_query_bias=True,
+                    use_key_bias=True,
+                    use_value_bias=True,
+                    use_output_bias=True,
+                    key=k1,
+                )
+                self.fc = eqx.nn.Linear(c, 4 * c, key=k2)
+                self.proj = eqx.nn.Linear(4 * c, c, key=k3)
 
-        self.step = step
+            def __call__(self, x, mask):
+                hx = jax.vmap(self.ln1)(x)
+                x = x + self.attn(hx, hx, hx, mask=mask)
+                hx = jax.vmap(self.ln2)(x)
+                return x + jax.vmap(self.proj)(jax.nn.gelu(jax.vmap(self.fc)(hx), approximate=True))
 
-    def _model_class(self):
-        """The model classes, defined once: a new class per reset would be a new pytree
-        type, so every reset would recompile the step."""
-        if getattr(self, "_cls", None) is None:
-            import equinox as eqx
+        class GPT(eqx.Module):
+            wte: eqx.nn.Embedding
+            wpe: eqx.nn.Embedding
+            blocks: list
+            ln_f: eqx.nn.LayerNorm
 
-            spec = self.spec
-            c, h = spec.n_embd, spec.n_head
+            def __init__(self, key):
+                keys = jax.random.split(key, spec.n_layer + 2)
+                self.wte = eqx.nn.Embedding(spec.vocab, c, key=keys[0])
+                self.wpe = eqx.nn.Embedding(spec.context, c, key=keys[1])
+                self.blocks = [Block(k) for k in keys[2:]]
+                self.ln_f = eqx.nn.LayerNorm(c)
 
-            class Block(eqx.Module):
-                ln1: eqx.nn.LayerNorm
-                attn: eqx.nn.MultiheadAttention
-                ln2: eqx.nn.LayerNorm
-                fc: eqx.nn.Linear
-                proj: eqx.nn.Linear
+            def __call__(self, tokens):  # [T] -> [T, vocab]
+                t = tokens.shape[0]
+                x = self.wte.weight[tokens] + self.wpe.weight[:t]
+                mask = jnp.tril(jnp.ones((t, t), bool))
+                for blk in self.blocks:
+                    x = blk(x, mask)
+                return jax.vmap(self.ln_f)(x) @ self.wte.weight.T
 
-                def __init__(self, key):
-                    k1, k2, k3 = jax.random.split(key, 3)
-                    self.ln1, self.ln2 = eqx.nn.LayerNorm(c), eqx.nn.LayerNorm(c)
-                    self.attn = eqx.nn.MultiheadAttention(
-                        h,
-                        c,
-                        use_query_bias=True,
-                        use_key_bias=True,
-                        use_value_bias=True,
-                        use_output_bias=True,
-                        key=k1,
-                    )
-                    self.fc = eqx.nn.Linear(c, 4 * c, key=k2)
-                    self.proj = eqx.nn.Linear(4 * c, c, key=k3)
-
-                def __call__(self, x, mask):
-                    hx = jax.vmap(self.ln1)(x)
-                    x = x + self.attn(hx, hx, hx, mask=mask)
-                    hx = jax.vmap(self.ln2)(x)
-                    return x + jax.vmap(self.proj)(
-                        jax.nn.gelu(jax.vmap(self.fc)(hx), approximate=True)
-                    )
-
-            class GPT(eqx.Module):
-                wte: eqx.nn.Embedding
-                wpe: eqx.nn.Embedding
-                blocks: list
-                ln_f: eqx.nn.LayerNorm
-
-                def __init__(self, key):
-                    keys = jax.random.split(key, spec.n_layer + 2)
-                    self.wte = eqx.nn.Embedding(spec.vocab, c, key=keys[0])
-                    self.wpe = eqx.nn.Embedding(spec.context, c, key=keys[1])
-                    self.blocks = [Block(k) for k in keys[2:]]
-                    self.ln_f = eqx.nn.LayerNorm(c)
-
-                def __call__(self, tokens):  # [T] -> [T, vocab]
-                    t = tokens.shape[0]
-                    x = self.wte.weight[tokens] + self.wpe.weight[:t]
-                    mask = jnp.tril(jnp.ones((t, t), bool))
-                    for blk in self.blocks:
-                        x = blk(x, mask)
-                    return jax.vmap(self.ln_f)(x) @ self.wte.weight.T
-
-            self._cls = GPT
-        return self._cls
+        return GPT
 
     def reset(self):
         import equinox as eqx
@@ -294,7 +251,7 @@ class EquinoxGPT(Peer):
         spec, w = self.spec, self.weights
         c = spec.n_embd
 
-        model = self._model_class()(jax.random.key(0))
+        model = self.model_class(jax.random.key(0))
         a = jnp.asarray
         where, values = [], []
 
@@ -327,76 +284,49 @@ class EquinoxGPT(Peer):
         self.opt_state = self.tx.init(eqx.filter(model, eqx.is_array))
         self.t = 0
 
-    def run(self, n):
-        model, opt_state, step, batches = self.model, self.opt_state, self.step, self.batches
-        for s in range(self.t, self.t + n):
-            x, y = batches[s % len(batches)]
-            model, opt_state, loss = step(model, opt_state, x, y)
-        self.model, self.opt_state, self.t = model, opt_state, self.t + n
-        return float(loss)
 
-
-class FlaxNNXGPT(Peer):
+class FlaxNNXGPT(Windows, FlaxNNX):
     """``nnx.Embed``, ``nnx.LayerNorm``, ``nnx.MultiHeadAttention`` (causal mask) and
     ``nnx.Linear`` in an ``nnx.Module``; ``nnx.Optimizer``, ``nnx.value_and_grad`` and
     ``nnx.jit``, as in the Flax NNX docs."""
 
-    name = "Flax NNX"
-
-    def setup(self, X, Y, idx):
+    @cached_property
+    def model_class(self):
+        """The model class, defined once: a new class per reset would be a new pytree
+        type, so every reset would recompile the step."""
         from flax import nnx
 
-        super().setup(X, Y, idx)
+        spec = self.spec
+        c, h = spec.n_embd, spec.n_head
 
-        @nnx.jit
-        def step(model, optimizer, x, y):
-            def loss_fn(model):
-                return xent(model(x), y)
+        class Block(nnx.Module):
+            def __init__(self, rngs):
+                self.ln1 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
+                self.attn = nnx.MultiHeadAttention(h, c, decode=False, rngs=rngs)
+                self.ln2 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
+                self.fc = nnx.Linear(c, 4 * c, rngs=rngs)
+                self.proj = nnx.Linear(4 * c, c, rngs=rngs)
 
-            loss, grads = nnx.value_and_grad(loss_fn)(model)
-            optimizer.update(model, grads)
-            return loss
+            def __call__(self, x, mask):
+                x = x + self.attn(self.ln1(x), mask=mask)
+                return x + self.proj(nnx.gelu(self.fc(self.ln2(x)), approximate=True))
 
-        self.step = step
+        class GPT(nnx.Module):
+            def __init__(self, rngs):
+                self.wte = nnx.Embed(spec.vocab, c, rngs=rngs)
+                self.wpe = nnx.Embed(spec.context, c, rngs=rngs)
+                self.blocks = nnx.List([Block(rngs) for _ in range(spec.n_layer)])
+                self.ln_f = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
 
-    def _model_class(self):
-        """The model classes, defined once: a new class per reset would be a new pytree
-        type, so every reset would recompile the step."""
-        if getattr(self, "_cls", None) is None:
-            from flax import nnx
+            def __call__(self, tokens):  # [B, T] -> [B, T, vocab]
+                t = tokens.shape[-1]
+                x = self.wte(tokens) + self.wpe.embedding[...][:t]
+                mask = nnx.make_causal_mask(tokens)
+                for blk in self.blocks:
+                    x = blk(x, mask)
+                return self.wte.attend(self.ln_f(x))
 
-            spec = self.spec
-            c, h = spec.n_embd, spec.n_head
-
-            class Block(nnx.Module):
-                def __init__(self, rngs):
-                    self.ln1 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
-                    self.attn = nnx.MultiHeadAttention(h, c, decode=False, rngs=rngs)
-                    self.ln2 = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
-                    self.fc = nnx.Linear(c, 4 * c, rngs=rngs)
-                    self.proj = nnx.Linear(4 * c, c, rngs=rngs)
-
-                def __call__(self, x, mask):
-                    x = x + self.attn(self.ln1(x), mask=mask)
-                    return x + self.proj(nnx.gelu(self.fc(self.ln2(x)), approximate=True))
-
-            class GPT(nnx.Module):
-                def __init__(self, rngs):
-                    self.wte = nnx.Embed(spec.vocab, c, rngs=rngs)
-                    self.wpe = nnx.Embed(spec.context, c, rngs=rngs)
-                    self.blocks = nnx.List([Block(rngs) for _ in range(spec.n_layer)])
-                    self.ln_f = nnx.LayerNorm(c, epsilon=1e-5, rngs=rngs)
-
-                def __call__(self, tokens):  # [B, T] -> [B, T, vocab]
-                    t = tokens.shape[-1]
-                    x = self.wte(tokens) + self.wpe.embedding[...][:t]
-                    mask = nnx.make_causal_mask(tokens)
-                    for blk in self.blocks:
-                        x = blk(x, mask)
-                    return self.wte.attend(self.ln_f(x))
-
-            self._cls = GPT
-        return self._cls
+        return GPT
 
     def reset(self):
         from flax import nnx
@@ -405,7 +335,7 @@ class FlaxNNXGPT(Peer):
         c, h = spec.n_embd, spec.n_head
         d = c // h
 
-        model = self._model_class()(nnx.Rngs(0))
+        model = self.model_class(nnx.Rngs(0))
         a = jnp.asarray
         model.wte.embedding.value = a(w["wte"])
         model.wpe.embedding.value = a(w["wpe"])
@@ -425,14 +355,6 @@ class FlaxNNXGPT(Peer):
         self.model = model
         self.optimizer = nnx.Optimizer(model, self.tx, wrt=nnx.Param)
         self.t = 0
-
-    def run(self, n):
-        model, optimizer, step, batches = self.model, self.optimizer, self.step, self.batches
-        for s in range(self.t, self.t + n):
-            x, y = batches[s % len(batches)]
-            loss = step(model, optimizer, x, y)
-        self.t += n
-        return float(loss)
 
 
 def nnlite_model(spec: GPTSpec):
@@ -613,52 +535,51 @@ class TorchGPT(Impl):
             tuple(torch.from_numpy(a.astype(np.int64)) for a in windows(X, i, t)) for i in idx
         ]
 
-    def _model_class(self):
-        """The model classes, defined once: a new class per reset would be a new pytree
+    @cached_property
+    def model_class(self):
+        """The model class, defined once: a new class per reset would be a new pytree
         type, so every reset would recompile the step."""
-        if getattr(self, "_cls", None) is None:
-            torch = self.torch
-            nn, F = torch.nn, torch.nn.functional
-            spec = self.spec
-            c, h = spec.n_embd, spec.n_head
+        torch = self.torch
+        nn, F = torch.nn, torch.nn.functional
+        spec = self.spec
+        c, h = spec.n_embd, spec.n_head
 
-            class Block(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
-                    self.c_attn, self.c_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
-                    self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
+                self.c_attn, self.c_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+                self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
 
-                def forward(self, x):
-                    b, t, _ = x.shape
-                    q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
-                    q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in (q, k, v))
-                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                    x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-                    return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+            def forward(self, x):
+                b, t, _ = x.shape
+                q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+                q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in (q, k, v))
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+                return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
-            class GPT(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.wte, self.wpe = nn.Embedding(spec.vocab, c), nn.Embedding(spec.context, c)
-                    self.h = nn.ModuleList([Block() for _ in range(spec.n_layer)])
-                    self.ln_f = nn.LayerNorm(c)
+        class GPT(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte, self.wpe = nn.Embedding(spec.vocab, c), nn.Embedding(spec.context, c)
+                self.h = nn.ModuleList([Block() for _ in range(spec.n_layer)])
+                self.ln_f = nn.LayerNorm(c)
 
-                def forward(self, idx, targets):
-                    x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-                    for blk in self.h:
-                        x = blk(x)
-                    logits = self.ln_f(x) @ self.wte.weight.T  # the tied head
-                    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+            def forward(self, idx, targets):
+                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+                for blk in self.h:
+                    x = blk(x)
+                logits = self.ln_f(x) @ self.wte.weight.T  # the tied head
+                return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
-            self._cls = GPT
-        return self._cls
+        return GPT
 
     def reset(self):
         torch = self.torch
         w = self.weights
 
-        model = self._model_class()()
+        model = self.model_class()
         T = lambda a: torch.from_numpy(np.ascontiguousarray(a))
         with torch.no_grad():
             model.wte.weight.copy_(T(w["wte"]))

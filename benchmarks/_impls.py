@@ -98,7 +98,11 @@ class Impl:
 
     def setup(self, X, Y, idx):
         # The peers get the batches as device arrays, one (x, y) pair per distinct step.
-        self.batches = [(jax.device_put(X[i]), jax.device_put(Y[i])) for i in idx]
+        self.batches = [self.batch(X, Y, i) for i in idx]
+
+    def batch(self, X, Y, i):
+        """Step inputs ``(x, y)`` on the device for the batch indices ``i``."""
+        return jax.device_put(X[i]), jax.device_put(Y[i])
 
     def reset(self):
         raise NotImplementedError
@@ -112,18 +116,18 @@ class RawJax(Impl):
 
     name = "raw JAX"
 
+    def loss_fn(self, params, x, y):
+        n = len(params)
+        for i in range(n):
+            layer = params[f"layer{i}"]
+            x = x @ layer["W"] + layer["b"]
+            if i < n - 1:
+                x = jax.nn.relu(x)
+        return xent(x, y)
+
     def setup(self, X, Y, idx):
         super().setup(X, Y, idx)
-        tx = self.tx
-
-        def loss_fn(params, x, y):
-            n = len(params)
-            for i in range(n):
-                layer = params[f"layer{i}"]
-                x = x @ layer["W"] + layer["b"]
-                if i < n - 1:
-                    x = jax.nn.relu(x)
-            return xent(x, y)
+        tx, loss_fn = self.tx, self.loss_fn
 
         @partial(jax.jit, donate_argnums=(0, 1))
         def step(params, opt_state, x, y):
@@ -156,6 +160,7 @@ class Equinox(Impl):
     examples (batch via ``jax.vmap``)."""
 
     name = "Equinox"
+    donate = "none"  # ``eqx.filter_jit``'s default
 
     def setup(self, X, Y, idx):
         import equinox as eqx
@@ -167,7 +172,7 @@ class Equinox(Impl):
         def loss_fn(model, x, y):
             return xent(jax.vmap(model)(x), y)
 
-        @eqx.filter_jit
+        @eqx.filter_jit(donate=self.donate)
         def step(model, opt_state, x, y):
             loss, grads = loss_fn(model, x, y)
             updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))

@@ -12,14 +12,13 @@ sees the features in ``(channel, position)`` order and gets its rows permuted to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._impls import Equinox, FlaxNNX, Impl, Nnlite, RawJax, xent
+from ._impls import Equinox, FlaxNNX, Nnlite, RawJax, xent
 
 
 @dataclass(frozen=True)
@@ -70,25 +69,13 @@ def conv1d(x, W, stride: int, padding: int):
 class RawJaxCnn(RawJax):
     """Plain dict params, ``lax.conv_general_dilated`` (NWC), ``jax.jit`` with donation."""
 
-    def setup(self, X, Y, idx):
-        Impl.setup(self, X, Y, idx)
-        tx, convs = self.tx, self.spec.convs
-
-        def loss_fn(params, x, y):
-            h = x[..., None]
-            for i, (_, _, stride, pad) in enumerate(convs):
-                layer = params[f"conv{i}"]
-                h = jax.nn.relu(conv1d(h, layer["W"], stride, pad) + layer["b"])
-            h = h.reshape(h.shape[0], -1)
-            return xent(h @ params["head"]["W"] + params["head"]["b"], y)
-
-        @partial(jax.jit, donate_argnums=(0, 1))
-        def step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        self.step = step
+    def loss_fn(self, params, x, y):
+        h = x[..., None]
+        for i, (_, _, stride, pad) in enumerate(self.spec.convs):
+            layer = params[f"conv{i}"]
+            h = jax.nn.relu(conv1d(h, layer["W"], stride, pad) + layer["b"])
+        h = h.reshape(h.shape[0], -1)
+        return xent(h @ params["head"]["W"] + params["head"]["b"], y)
 
     def reset(self):
         *convs, (Wh, bh) = self.weights
