@@ -424,11 +424,11 @@ def test_absurd_sizes_are_refused_before_allocating(capsys, tmp_path, overrides,
 def test_memory_estimate_is_a_lower_bound_that_passes_real_configs():
     import jax
 
-    from train import loop, memory
+    from train import build, memory
 
     cfg = config_mod.load_config(DIGITS, ["parallel.strategy=shard_map"])
-    r = loop.build(cfg)
-    est = memory.estimate(cfg, r.model, r.optimizer, r.data, 8, 8)
+    r = build.build(cfg)
+    est = memory.estimate(cfg, r.model, r.optimizer, r.data, r.strategy)
     p = r.model.init(jax.random.key(0)).num_params() * 4
     assert est.state >= p * (1 + 8 * 2)  # host copy + params and grads on each device
     assert est.data >= 9 * r.data.x.nbytes and est.total < est.limit

@@ -24,7 +24,8 @@ from train.__main__ import main
 from train.checkpoint import TEST_PAUSE_ENV, flatten_with_paths
 from train.config import load_config
 from train.data import epoch_order
-from train.loop import TIMING_KEYS, train
+from train.loop import train
+from train.rundir import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/digits_mlp.yaml"

@@ -12,7 +12,8 @@ import pytest
 
 from train.__main__ import main
 from train.config import load_config
-from train.loop import TIMING_KEYS, train
+from train.loop import train
+from train.rundir import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -247,7 +248,8 @@ def test_fused_mode_reaches_autodiff_accuracy(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["none", "shard_map"])
 def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
-    from train.loop import boundaries, build, prepare, steps_in_call
+    from train.build import build, prepare
+    from train.loop import boundaries, steps_in_call
 
     cfg = load_config(
         ROOT / "configs/digits_mlp.yaml",

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import parallel
+
 import yaml
 
 
@@ -32,7 +34,7 @@ DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
 GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
-STRATEGIES = ("none", "pmap", "shard_map")
+STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
 NONFINITE = ("stop", "skip")
 
 
