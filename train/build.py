@@ -151,6 +151,7 @@ def init_state_compiled(model, optimizer, seed: int):
     """``init_state`` for ``jax.random.key(seed)``, run as one compiled program."""
     return init_program(model, optimizer)(seed)
 
+
 @dataclass
 class Prepared:
     """What a run computes with, compiled and placed (see :func:`prepare`)."""

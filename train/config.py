@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import parallel
-
 import yaml
+
+from . import parallel
 
 
 class ConfigError(ValueError):
