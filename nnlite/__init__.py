@@ -54,6 +54,7 @@ from ._pool import Flatten as Flatten
 from ._pool import MaxPool as MaxPool
 from ._save import CheckpointError as CheckpointError
 from ._save import load as load
+from ._save import load_metadata as load_metadata
 from ._save import save as save
 from ._show_grad import show_grad as show_grad
 
@@ -137,6 +138,7 @@ __all__ = [
     "leaf_str",
     "linear",
     "load",
+    "load_metadata",
     "manual_grads",
     "mse",
     "nll",

@@ -247,8 +247,8 @@ def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
     code, err = cli(capsys, *base, "--set", "model.hidden_sizes=[32]", "--set", "train.steps=20")
     assert code == 2
     assert (
-        "'params/ffn/layers[0]/W' is float32[64, 128], the model/optimizer expects float32[64, 32]"
-        in err
+        "'params/ffn/layers[0]/W' is float32[64, 128] in the file, the template (like=) "
+        "expects float32[64, 32]" in err
     )
     # A changed hyperparameter that keeps the shapes: refused by name.
     code, err = cli(
@@ -261,7 +261,7 @@ def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
     # A corrupt file.
     ckpt.write_bytes(b"\x00" * 16)
     code, err = cli(capsys, *base, "--set", "train.steps=20")
-    assert code == 2 and "not a readable safetensors file" in err
+    assert code == 2 and f"checkpoint {ckpt}: not a safetensors file" in err
     ckpt.write_bytes(ckpt_before)
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
 

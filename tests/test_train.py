@@ -93,6 +93,17 @@ def test_resume_is_bit_identical(tmp_path):
     assert [p.name for p in ckpts][-1] == "ckpt_00000040.safetensors"
     for p in ckpts[2:]:
         p.unlink()
+    # Step 20 as the trainer wrote it before it used nl.save (same keys, no "format" in the
+    # metadata), beside a temporary file of the old name that a kill left.
+    import safetensors
+    import safetensors.numpy
+
+    with safetensors.safe_open(str(ckpts[1]), framework="numpy") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "format"}
+    tensors = safetensors.numpy.load_file(str(ckpts[1]))
+    assert meta["format_version"] == "1" and "params/ffn/layers[0]/W" in tensors
+    safetensors.numpy.save_file(tensors, str(ckpts[1]), metadata=meta)
+    ckpts[2].with_name(ckpts[2].name + ".tmp").write_bytes(b"half")
     resumed = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part", resume="auto")
     assert resumed.step == 40
     for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params)):
@@ -140,6 +151,16 @@ def test_run_directory_contents(tmp_path):
         1437 // 128
     )
     assert json.loads(meta["config"])["name"] == cfg.name
+    # For inference: the params part, as a ParamsDict or checked against the model.
+    import nnlite as nl
+
+    path = r.run_dir / "checkpoints" / ckpts[-1]
+    for params in (
+        nl.load(path, subtree="params"),
+        nl.load(path, like=r.model.init(jax.random.key(0)), subtree="params"),
+    ):
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(r.params), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_linreg_pmap_config_recovers_the_line(tmp_path):
