@@ -1,6 +1,6 @@
 """Surviving faults: exit statuses, preemption (SIGTERM/SIGINT) and the non-finite guard.
 
-Exit statuses of ``python -m train`` (also listed in docs/distributed.md):
+Exit statuses of ``python -m train`` (also listed in docs/faults.md):
 
 ====  ==================================================================================
 0     finished
