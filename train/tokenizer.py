@@ -235,7 +235,10 @@ def from_meta(directory: str | Path, entry: dict):
     elif kind == "byte":
         tok = ByteTokenizer()
     elif kind == "bpe":
-        tok = BPETokenizer.load(Path(directory) / str(entry.get("file", BPE_FILE)))
+        name = entry.get("file", BPE_FILE)
+        if not isinstance(name, str) or Path(name).name != name:
+            raise ConfigError(f"{where}: 'file' must be a file name, got {name!r}")
+        tok = BPETokenizer.load(Path(directory) / name)
     else:
         raise ConfigError(f"{where}: kind {kind!r}, expected one of {', '.join(KINDS)}")
     if tok.vocab_size != entry.get("vocab_size"):

@@ -16,6 +16,7 @@ Example:
     >>> d = pathlib.Path(tempfile.mkdtemp())
     >>> _ = (d / "a.txt").write_text("hello tokens! " * 50)
     >>> main(["--input", str(d / "a.txt"), "--out", str(d / "tok"), "--tokenizer", "byte"])
+    ... # doctest: +ELLIPSIS
     wrote ...
     0
     >>> data = TokenFiles(d / "tok")
