@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import prefetch, prepare, text, tokenizer, tokens
-from train.config import ConfigError
-from train.data import WindowIndices
+from train import prefetch, prepare, sources, staging, text, tokenizer, tokens
+from train.config import ConfigError, DataConfig
+from train.data import WindowIndices, host_batch, text_dataset
 from train.prefetch import Prefetcher, PrefetchError
 from train.tokens import TokenFiles, process_share, window_starts
 
@@ -40,8 +40,8 @@ def make_text(lines: int, seed: int = 0) -> str:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 1000 bytes (cut inside multi-byte characters) and bpe pieces of 300."""
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 1000)
-    monkeypatch.setattr(prepare, "BPE_PIECE_CHARS", 300)
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(sources, "BPE_PIECE_CHARS", 300)
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -81,6 +81,18 @@ def test_char_matches_the_text_data_set_and_drops_unseen_validation_chars(
     assert data.tokenizer.decode(data.tokenizer.encode(train_text)) == train_text
     with pytest.raises(ConfigError, match="outside the vocabulary: '☃'"):
         data.tokenizer.encode("☃")
+    # the batches and evaluation windows of a run are those of data.name: text
+    context, batch_size = 16, 8
+    cfg = DataConfig(name="text", val_fraction=0.2, eval_windows=40)
+    ds = text_dataset("text", corpus, cfg, context)
+    sampler = WindowIndices(5, ds.num_indices, batch_size)
+    for step in (0, 1, 99):
+        starts = window_starts(5, step, batch_size, data.num_starts(context))
+        for new, old in zip(data.windows(starts, context), host_batch(ds, sampler.batch(step))):
+            np.testing.assert_array_equal(new, old)
+    x_val, y_val = data.windows(data.eval_starts(context, 40), context, split="val")
+    np.testing.assert_array_equal(x_val, ds.x_test)
+    np.testing.assert_array_equal(y_val, ds.y_test)
 
 
 def test_byte_tokens_are_the_file_bytes(tmp_path, capsys, small_chunks):
@@ -312,7 +324,7 @@ def test_unreadable_directory_and_file(tmp_path, capsys, monkeypatch):
     def denied(path, *a, **k):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(prepare, "open", denied, raising=False)
+    monkeypatch.setattr(sources, "open", denied, raising=False)
     rc, out, err = run(capsys, "--input", tmp_path / "d", "--out", tmp_path / "o")
     assert_one_line_error(rc, out, err, "cannot read sub/a.txt (Permission denied)")
     assert not (tmp_path / "o").exists() and no_leftovers(tmp_path)
@@ -422,11 +434,11 @@ def test_bpe_without_the_tokenizers_package_is_one_line(tmp_path, capsys, monkey
 def test_a_running_prepares_staging_directory_is_not_removed(tmp_path, capsys):
     proc, staged = start_paused(tmp_path, tmp_path / "out")
     try:
-        assert prepare.clean_leftovers(tmp_path / "out") == [] and staged.exists()
+        assert staging.clean_leftovers(tmp_path / "out") == [] and staged.exists()
     finally:
         proc.kill()
         proc.communicate(timeout=30)
-    assert prepare.clean_leftovers(tmp_path / "out") == [staged]
+    assert staging.clean_leftovers(tmp_path / "out") == [staged]
 
 
 # -- the reader -------------------------------------------------------------------------------

@@ -35,32 +35,25 @@ written).
 from __future__ import annotations
 
 import argparse
-import codecs
-import fnmatch
 import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import signal
-import stat
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import faults
+from . import faults, staging
 from .config import ConfigError
+from .sources import CHUNK_BYTES, Source, bpe_pieces, find_sources, read_blocks, read_text
 from .tokenizer import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, code_points
 
 FORMAT = "nnlite.tokens"
 FORMAT_VERSION = 1
-CHUNK_BYTES = 4 << 20  # read size; the peak memory is a small multiple of it
-BPE_PIECE_CHARS = 64 << 10  # bpe encodes chunks as pieces of this size (at newlines), in parallel
 BPE_BATCH_PIECES = 16  # pieces per encode call: enough for 16 threads, ~25 MB of transient state
 DEFAULT_BPE_VOCAB = 8192
 # The BPE trainer's memory grows with the distinct words of its sample (a 55 MB sample with
@@ -188,157 +181,7 @@ def smallest_dtype(vocab_size: int) -> str:
     return next(name for name, n in DTYPES.items() if vocab_size <= n)
 
 
-# -- the input: files, chunks, UTF-8 -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Source:
-    path: Path  # what is opened
-    name: str  # the path relative to --input (posix), or the file's name; in meta.json
-    size: int
-    mtime_ns: int
-
-
-def find_sources(input: str, glob: str, exclude: Path | None = None) -> list[Source]:
-    """The files of ``--input`` in reading order (see the module docstring); the directory
-    ``exclude`` (``--out``, when it lies inside ``--input``) is skipped."""
-    root = Path(input)
-    where = f"--input {input!r}"
-    if not root.exists():
-        if root.is_symlink():
-            raise ConfigError(f"{where}: a broken symbolic link; expected a file or directory")
-        raise ConfigError(f"{where}: no such file or directory")
-    if not root.is_dir():
-        src = _source(root, root.name, where)
-        if src.size == 0:
-            raise ConfigError(f"{where}: the file is empty; expected text")
-        return [src]
-    found = []
-
-    def fail(e: OSError):
-        raise ConfigError(f"{where}: cannot list {e.filename} ({e.strerror})")
-
-    for dirpath, dirnames, filenames in os.walk(root, onerror=fail):
-        dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if not d.startswith(".")
-            and (exclude is None or (Path(dirpath) / d).resolve() != exclude)
-        )
-        for f in filenames:
-            if f.startswith(".") or not fnmatch.fnmatchcase(f, glob):
-                continue
-            path = Path(dirpath) / f
-            found.append((path.relative_to(root).as_posix(), path))
-    found.sort()
-    sources = [_source(path, name, where) for name, path in found]
-    if not sources:
-        raise ConfigError(
-            f"{where}: no files to read (none matches --glob {glob!r}; names starting "
-            "with '.' are skipped); expected text files"
-        )
-    if not any(s.size for s in sources):
-        raise ConfigError(f"{where}: all {len(sources)} files are empty; expected text")
-    return sources
-
-
-def _source(path: Path, name: str, where: str) -> Source:
-    try:
-        st = path.stat()
-    except OSError as e:
-        kind = "a broken symbolic link" if path.is_symlink() else e.strerror
-        raise ConfigError(f"{where}: cannot read {name} ({kind})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(
-            f"{where}: {name} is not a regular file (a FIFO, socket or device); expected text files"
-        )
-    return Source(path, name, st.st_size, st.st_mtime_ns)
-
-
-def read_blocks(src: Source, where: str, progress=None) -> Iterator[bytes]:
-    """The bytes of ``src`` in blocks of ``CHUNK_BYTES``; a file that changes meanwhile
-    (another size or modification time than when it was listed) is an error."""
-    try:
-        f = open(src.path, "rb")
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read {src.name} ({e.strerror})") from None
-    with f:
-        left = src.size
-        while left > 0:
-            try:
-                block = f.read(min(CHUNK_BYTES, left))
-            except OSError as e:
-                raise ConfigError(f"{where}: cannot read {src.name} ({e.strerror})") from None
-            if not block:
-                break
-            left -= len(block)
-            if progress is not None:
-                progress.update(len(block))
-            yield block
-        st = os.fstat(f.fileno())
-        if left or (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
-            raise ConfigError(
-                f"{where}: {src.name} changed while it was being read (it was "
-                f"{src.size} bytes); rerun once the input is stable"
-            )
-
-
-def read_text(src: Source, where: str, progress=None) -> Iterator[str]:
-    """The text of ``src`` in chunks cut at character boundaries; a NUL byte or invalid
-    UTF-8 is an error (a binary file, or another encoding)."""
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = 0  # of the block being decoded, in the file
-    for block in read_blocks(src, where, progress):
-        nul = block.find(b"\0")
-        if nul >= 0:
-            raise ConfigError(
-                f"{where}: {src.name} is binary (a NUL byte at offset {offset + nul}); "
-                f"expected UTF-8 text (--tokenizer byte reads any bytes)"
-            )
-        try:
-            text = decoder.decode(block)
-        except UnicodeDecodeError as e:
-            raise _not_utf8(src, where, offset, e) from None
-        offset += len(block)
-        yield text
-    try:
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError as e:
-        raise _not_utf8(src, where, offset, e) from None
-
-
-def _not_utf8(src: Source, where: str, offset: int, e: UnicodeDecodeError) -> ConfigError:
-    # The decoder's buffer holds at most 3 bytes of the previous block: the offset is near.
-    return ConfigError(
-        f"{where}: {src.name} is not UTF-8 text (byte {e.object[e.start]:#04x} near offset "
-        f"{max(offset + e.start - 3, 0)}); convert it to UTF-8, or use --tokenizer byte"
-    )
-
-
-def split_pieces(text: str, size: int) -> tuple[list[str], str]:
-    """``(pieces, rest)``: ``text`` cut into pieces of at most ``size`` characters, each
-    ending just after a newline where the piece has one; ``rest`` (the text after the
-    last cut, shorter than ``size``) is for the caller to prepend to the next text."""
-    pieces, start = [], 0
-    while len(text) - start >= size:
-        cut = text.rfind("\n", start, start + size)
-        cut = start + size if cut < 0 else cut + 1
-        pieces.append(text[start:cut])
-        start = cut
-    return pieces, text[start:]
-
-
-def bpe_pieces(src: Source, where: str, progress=None) -> Iterator[list[str]]:
-    """The text of ``src`` as lists of pieces (:func:`split_pieces`), one list per chunk."""
-    rest = ""
-    for text in read_text(src, where, progress):
-        pieces, rest = split_pieces(rest + text, BPE_PIECE_CHARS)
-        yield pieces
-    if rest:
-        yield [rest]
-
-
-# -- the output: token files, written into a staging directory ---------------------------
+# -- the output: token files ---------------------------------------------------------------
 
 
 class TokenWriter:
@@ -388,93 +231,6 @@ class TokenWriter:
                 "sha256": h.hexdigest(),
             }
         return out
-
-
-_STAGING = re.compile(r"^\.(?P<name>.+)\.(prepare|replaced)-(?P<pid>\d+)-[0-9a-f]+$")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def clean_leftovers(out: Path) -> list[Path]:
-    """Remove the staging directories of ``out`` left by killed runs (their process is gone)."""
-    removed = []
-    try:
-        entries = list(out.parent.iterdir())
-    except OSError:
-        return removed
-    for p in entries:
-        m = _STAGING.match(p.name)
-        if (
-            m
-            and m["name"] == out.name
-            and int(m["pid"]) != os.getpid()
-            and not _alive(int(m["pid"]))
-        ):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
-
-
-def check_out(out: Path, force: bool) -> None:
-    """``--out`` must be a new or empty directory (or any directory with ``--force``)."""
-    where = f"--out {str(out)!r}"
-    if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise ConfigError(f"{where}: exists and is not a directory; expected a directory")
-        if not force and any(out.iterdir()):
-            raise ConfigError(
-                f"{where}: exists and is not empty; choose another directory or use --force "
-                "to replace it"
-            )
-    for parent in out.absolute().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"{where}: {parent} is not a directory")
-            break
-
-
-def _staging_dir(out: Path) -> Path:
-    where = f"--out {str(out)!r}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        removed = clean_leftovers(out)
-        path = out.parent / f".{out.name}.prepare-{os.getpid()}-{os.urandom(4).hex()}"
-        path.mkdir()
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot create a directory beside it ({e.strerror})") from None
-    for p in removed:
-        _say(f"removed {p}, left by an interrupted run")
-    return path
-
-
-def _commit(staging: Path, out: Path, force: bool) -> None:
-    """Rename the complete ``staging`` directory to ``out`` (replacing it with ``force``)."""
-    _fsync(staging)
-    check_out(out, force)  # again: it may have appeared meanwhile
-    old = None
-    if out.exists() and any(out.iterdir()):
-        old = out.parent / f".{out.name}.replaced-{os.getpid()}-{os.urandom(4).hex()}"
-        os.rename(out, old)
-    os.replace(staging, out)  # replaces an empty directory
-    _fsync(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _say(msg: str) -> None:
@@ -613,8 +369,8 @@ def encode_bpe(sources, tok, val_fraction, writer, where) -> None:
 # -- the command --------------------------------------------------------------------------
 
 
-def prepare(args: argparse.Namespace, staging: Path, sources: list[Source]) -> dict:
-    """Tokenise ``sources`` into ``staging``; return the metadata (also written there)."""
+def prepare(args: argparse.Namespace, work: Path, sources: list[Source]) -> dict:
+    """Tokenise ``sources`` into the directory ``work``; return the metadata (also written there)."""
     where = f"--input {args.input!r}"
     f = args.val_fraction
     extra: dict = {}
@@ -624,11 +380,11 @@ def prepare(args: argparse.Namespace, staging: Path, sources: list[Source]) -> d
             raise _empty_split(where, "train", f)
         tok = CharTokenizer(vocab)
         dtype = _dtype(args, tok.vocab_size, f"the char vocabulary of {len(vocab)} characters")
-        writer = TokenWriter(staging, dtype)
+        writer = TokenWriter(work, dtype)
         extra["dropped_val_chars"] = encode_char(sources, tok, counts, f, writer, where)
     elif args.tokenizer == "byte":
         tok = ByteTokenizer()
-        writer = TokenWriter(staging, _dtype(args, 256, "the byte vocabulary"))
+        writer = TokenWriter(work, _dtype(args, 256, "the byte vocabulary"))
         encode_byte(sources, f, writer, where)
     else:
         tok, extra["bpe_training_sample"] = train_bpe(
@@ -636,7 +392,7 @@ def prepare(args: argparse.Namespace, staging: Path, sources: list[Source]) -> d
         )
         if tok.vocab_size < args.vocab_size:
             _say(f"the text gave {tok.vocab_size} ids (--vocab-size {args.vocab_size} asked)")
-        writer = TokenWriter(staging, _dtype(args, tok.vocab_size, "the bpe vocabulary"))
+        writer = TokenWriter(work, _dtype(args, tok.vocab_size, "the bpe vocabulary"))
         encode_bpe(sources, tok, f, writer, where)
     splits = writer.close()
     for split in ("train", "val"):
@@ -645,7 +401,7 @@ def prepare(args: argparse.Namespace, staging: Path, sources: list[Source]) -> d
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "tokenizer": tok.save(staging),
+        "tokenizer": tok.save(work),
         "dtype": writer.dtype.name,
         "byteorder": "little",
         **splits,
@@ -657,7 +413,7 @@ def prepare(args: argparse.Namespace, staging: Path, sources: list[Source]) -> d
         "sources": [{"path": s.name, "bytes": s.size} for s in sources],
         **extra,
     }
-    with open(staging / "meta.json", "w", encoding="utf-8") as fh:
+    with open(work / "meta.json", "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=1, ensure_ascii=False)
         fh.write("\n")
         fh.flush()
@@ -686,18 +442,20 @@ def _interrupted(signum, _frame):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    staging = None
+    work = None  # the staging directory, removed unless it became --out
     t0 = time.perf_counter()
     try:
         args = parse_args(argv)
         out = Path(args.out)
         sources = find_sources(args.input, args.glob, exclude=out.resolve())
-        check_out(out, args.force)
-        staging = _staging_dir(out)
-        meta = prepare(args, staging, sources)
+        staging.check_out(out, args.force)
+        work, removed = staging.create(out)
+        for p in removed:
+            _say(f"removed {p}, left by an interrupted run")
+        meta = prepare(args, work, sources)
         _pause()
-        _commit(staging, out, args.force)
-        staging = None
+        staging.commit(work, out, args.force)
+        work = None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_BAD_INPUT
@@ -711,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     seconds = time.perf_counter() - t0
     mb = sum(s["bytes"] for s in meta["sources"]) / 1e6
     tk = meta["tokenizer"]
