@@ -17,11 +17,12 @@ the whole story.
   train.bin, the rest to val.bin: for one file this is nanoGPT's split, and the char
   vocabulary is built from the training parts, as ``data.name: text`` does
   (validation characters outside it are dropped and counted in meta.json).
-- Streaming, in constant memory: files are read in chunks of :data:`CHUNK_BYTES`, cut at
-  UTF-8 character boundaries; char and bpe read the input twice (vocabulary or BPE
-  training, then encoding), byte once. bpe trains on every k-th chunk, k chosen so that
-  at most ``--bpe-sample-mb`` of text is used (the merges of a hundred MB are close to those
-  of the whole; the trainer's memory grows with the distinct words it sees).
+- Streaming, in constant memory: files are read in 4 MiB chunks (train/sources.py), a
+  character cut by a chunk's end carried over to the next; char and bpe read the input
+  twice (vocabulary or BPE training, then encoding), byte once. bpe trains on every k-th
+  chunk, k chosen so that at most ``--bpe-sample-mb`` of text is used (the merges of a
+  hundred MB are close to those of the whole; the trainer's memory grows with the
+  distinct words it sees).
 - Atomic: everything is written into ``.<DIR>.prepare-<pid>-*`` beside DIR and renamed to
   DIR once complete and fsynced, so an interrupted run (Ctrl-C, SIGTERM, SIGKILL) leaves
   no DIR; leftovers of killed runs are removed by the next run. An existing non-empty
