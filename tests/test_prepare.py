@@ -148,12 +148,12 @@ def test_dtype_is_the_smallest_that_holds_the_vocabulary(tmp_path, capsys):
 
 def test_directory_files_in_sorted_order_split_per_file(tmp_path, capsys):
     src = tmp_path / "src"
-    files = {"b.txt": "bbbb" * 30, "a/z.txt": "zz" * 50, "a/y.md": "yyy" * 10, "c.txt": ""}
+    files = {"b.txt": "bbbb" * 30, "a/z.txt": "zz" * 50, "a/y.rst": "yyy" * 10, "c.txt": ""}
     for name, body in {**files, ".hidden.txt": "hidden", ".git/x.txt": "git"}.items():
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_text(body)
     data = prepared(capsys, src, tmp_path / "out", "--tokenizer", "byte", "--val-fraction", "0.25")  # fmt: skip
-    order = ["a/y.md", "a/z.txt", "b.txt", "c.txt"]
+    order = ["a/y.rst", "a/z.txt", "b.txt", "c.txt"]
     assert [s["path"] for s in data.meta["sources"]] == order
     assert [s["bytes"] for s in data.meta["sources"]] == [len(files[n]) for n in order]
     cut = [int(len(files[n]) * 0.75) for n in order]
@@ -579,7 +579,7 @@ def test_docstring_examples_run():
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
 
-DOC = ROOT / "docs" / "data.md"
+DOC = ROOT / "docs/data.md"
 
 
 @pytest.mark.parametrize("index", range(len(re.findall(r"```python\n", DOC.read_text()))))
