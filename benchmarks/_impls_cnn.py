@@ -40,7 +40,7 @@ class CnnSpec:
     def nnlite_model(self):
         from models.cnn import CNN
 
-        return CNN(self.length, 1, self.convs, self.classes)
+        return CNN.from_convs((self.length,), self.convs, self.classes)
 
     @property
     def out_length(self) -> int:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 import nnlite as nl
+from models.contract import objective_fn
 
 # name: (layer sizes, batch)
 SIZES: dict[str, tuple[tuple[int, ...], int]] = {
@@ -46,7 +47,7 @@ SIZES: dict[str, tuple[tuple[int, ...], int]] = {
 
 # name: (model constructor kwargs, batch); built lazily from models/ (repository root)
 MODEL_SIZES: dict[str, tuple[str, dict, int]] = {
-    "cnn-convbase/b100": ("cnn", {"length": 40, "in_channels": 1, "num_classes": 10}, 100),
+    "cnn-convbase/b100": ("cnn", {"in_shape": (40,), "num_classes": 10}, 100),
     "gpt-4x128/T64/b12": (
         "gpt",
         {"vocab_size": 65, "context": 64, "n_layer": 4, "n_head": 4, "n_embd": 128},
@@ -68,8 +69,7 @@ def make_model(kind: str, kwargs: dict):
     from models.gpt import GPT
 
     if kind == "cnn":
-        convs = ((25, 5, 2, 1), (25, 3, 2, 1), (25, 3, 2, 1))  # the paper's ConvBase
-        return CNN(convs=convs, **kwargs)
+        return CNN(**kwargs)  # the defaults are the paper's ConvBase
     return GPT(**kwargs)
 
 
@@ -78,7 +78,7 @@ def make_model_step(model, mode: str):
     opt = optax.adam(1e-3)
 
     def loss(params, x, y):
-        return model.objective(params, x, y)[0]
+        return objective_fn(model)(params, x, y)[0]
 
     if mode == "manual":
         loss = nl.manual_grads(loss)

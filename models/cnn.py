@@ -5,10 +5,13 @@ The input is a batch of sequences: ``x [batch, length]`` (one channel, as MNIST-
 the last one's ``[batch, length', channels']`` output is flattened into the head.
 """
 
+from __future__ import annotations
+
 import jax
-import jax.numpy as jnp
 
 import nnlite as nl
+
+CNN_PADDINGS = ("SAME", "VALID")
 
 
 def conv_length(length: int, kernel_size: int, stride: int, padding: int | str) -> int:
@@ -29,38 +32,96 @@ def conv_lengths(length: int, convs) -> tuple[int, ...]:
 
 
 class CNN(nl.Module):
-    """``[batch, length(, in_channels)] -> conv (activation) x len(convs) -> flatten -> logits``.
+    """``[batch, length(, in_channels)] -> conv (activation) x len(channels) -> flatten ->
+    logits``.
 
     Args:
-        length: input sequence length.
-        in_channels: input channels (1 for ``x [batch, length]``).
-        convs: ``(out_channels, kernel_size, stride, padding)`` of each conv layer; padding is
-            an int (zeros at each end), ``"SAME"`` or ``"VALID"``.
-        num_classes: logits per example.
+        in_shape: one example's shape, ``(length,)`` (one channel) or ``(length,
+            in_channels)``; filled from the data set.
+        num_classes: logits per example; filled from the data set.
+        channels: output channels of each conv layer.
+        kernel_size, strides: one for all layers, or one per layer.
+        padding: zeros added at each end of the sequence (one int for all layers, or one
+            per layer), or ``"SAME"`` (output length ``ceil(length / stride)``) or
+            ``"VALID"`` (none).
         activation: after every conv layer.
 
     Params: ``/convs[i]/{W [kernel, in, out], b}`` and ``/head/{W, b}``.
     """
 
-    length: int
-    in_channels: int
-    convs: tuple[tuple[int, int, int, int | str], ...]
+    in_shape: tuple[int, ...]
     num_classes: int
+    channels: tuple[int, ...] = (25, 25, 25)
+    kernel_size: int | tuple[int, ...] = (5, 3, 3)
+    strides: int | tuple[int, ...] = 2
+    padding: int | str | tuple[int | str, ...] = 1
     activation: str = "relu"
 
     task = "classification"
-    grad_modes = ("autodiff", "manual")
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "convs", tuple(tuple(c) for c in self.convs))  # hashable
-        if not self.convs:
-            raise ValueError("CNN: convs must name at least one conv layer")
-        if self.out_length < 1:
+        if len(self.in_shape) not in (1, 2) or min(self.in_shape) < 1:
             raise ValueError(
-                f"CNN: the conv stack {self.convs} shrinks an input of length {self.length} "
-                f"to lengths {self.lengths}; use smaller kernels or strides, or more padding"
+                f"in_shape must be (length,) or (length, channels) of sequences, got "
+                f"{self.in_shape}"
             )
+        if not self.channels or min(self.channels) < 1:
+            raise ValueError(
+                f"channels must be a non-empty list of positive ints, got {list(self.channels)}"
+            )
+        n = len(self.channels)
+        for key in ("kernel_size", "strides", "padding"):
+            v = getattr(self, key)
+            if isinstance(v, tuple) and len(v) != n:
+                raise ValueError(
+                    f"{key} has {len(v)} entries but channels has {n} layers; give one value "
+                    "for all layers or one per layer"
+                )
+        for i, (_, k, st, pad) in enumerate(self.convs):
+            if k < 1:
+                raise ValueError(f"kernel_size must be >= 1, got {k} (layer {i})")
+            if st < 1:
+                raise ValueError(f"strides must be >= 1, got {st} (layer {i})")
+            if isinstance(pad, str) and pad not in CNN_PADDINGS:
+                raise ValueError(
+                    f"padding {pad!r} is not one of {', '.join(CNN_PADDINGS)} or a "
+                    f"non-negative int (layer {i})"
+                )
+            if isinstance(pad, int) and pad < 0:
+                raise ValueError(f"padding must be >= 0, got {pad} (layer {i})")
+        nl.get_activation(self.activation)
+        if min(self.lengths) < 1:
+            raise ValueError(
+                f"kernel_size/strides/padding shrink the input sequence of length "
+                f"{self.length} to lengths {list(self.lengths)} over the {n} conv layers of "
+                "channels; every layer needs length >= 1: use smaller kernels or strides, "
+                "more padding, or fewer layers"
+            )
+
+    @classmethod
+    def from_convs(cls, in_shape, convs, num_classes: int, activation: str = "relu") -> CNN:
+        """The CNN of ``convs``: ``(out_channels, kernel_size, stride, padding)`` per layer."""
+        channels, kernels, strides, paddings = zip(*convs, strict=True)
+        return cls(tuple(in_shape), num_classes, channels, kernels, strides, paddings, activation)
+
+    @property
+    def length(self) -> int:
+        return self.in_shape[0]
+
+    @property
+    def in_channels(self) -> int:
+        return self.in_shape[1] if len(self.in_shape) == 2 else 1
+
+    @property
+    def convs(self) -> tuple[tuple[int, int, int, int | str], ...]:
+        """``(out_channels, kernel_size, stride, padding)`` of each conv layer."""
+        n = len(self.channels)
+        per_layer = [
+            v if isinstance(v, tuple) else (v,) * n
+            for v in (self.kernel_size, self.strides, self.padding)
+        ]
+        return tuple(zip(self.channels, *per_layer, strict=True))
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -92,7 +153,7 @@ class CNN(nl.Module):
 
     def features(self, params, x):
         """The flattened output of the conv stack, ``[batch, out_length * channels]``."""
-        if x.ndim == 2 and self.in_channels == 1:
+        if len(self.in_shape) == 1:
             x = x[..., None]
         act = nl.get_activation(self.activation)
         for layer, p in zip(self.conv_layers, params.convs, strict=True):
@@ -102,42 +163,3 @@ class CNN(nl.Module):
     def __call__(self, params, x, *, key=None):
         """Logits ``[batch, num_classes]``."""
         return self.head(params.head, self.features(params, x))
-
-    def loss(self, params, x, y):
-        """Per-example cross-entropy and ``{"accuracy": per-example 0/1}``."""
-        logits = self(params, x)
-        return nl.softmax_cross_entropy(logits, y), {"accuracy": nl.accuracy(logits, y)}
-
-    def objective(self, params, x, y, *, grad="autodiff"):
-        """Mean loss and metrics, differentiable by ``jax.grad``."""
-        per_example, metrics = self.loss(params, x, y)
-        return nl.reduce(per_example, "mean"), {k: jnp.mean(v) for k, v in metrics.items()}
-
-
-def build(cfg, data) -> CNN:
-    """The cnn of a model config; a ValueError naming the keys if its stack cannot fit."""
-    if data.num_classes is None:
-        raise ValueError(
-            f"model.name=cnn is a classification model but data.name={data.name} is a "
-            f"{data.task} data set"
-        )
-    length, *rest = data.x.shape[1:]
-    n = len(cfg.channels)
-
-    def per_layer(v):
-        return tuple(v) if isinstance(v, tuple) else (v,) * n
-
-    convs = tuple(
-        zip(
-            cfg.channels, per_layer(cfg.kernel_size), per_layer(cfg.strides), per_layer(cfg.padding)
-        )
-    )
-    lengths = conv_lengths(length, convs)
-    if min(lengths) < 1:
-        raise ValueError(
-            f"model.kernel_size/strides/padding shrink the input sequence of length {length} "
-            f"to lengths {list(lengths)} over the {n} conv layers of model.channels; every "
-            f"layer needs length >= 1: use smaller kernels or strides, more padding, or fewer "
-            f"layers"
-        )
-    return CNN(length, rest[0] if rest else 1, convs, data.num_classes, cfg.activation)

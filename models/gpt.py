@@ -27,8 +27,6 @@ import numpy as np
 
 import nnlite as nl
 
-LN2 = math.log(2.0)
-
 
 class GPT(nl.Module):
     """``tokens [..., T] -> logits [..., T, vocab_size]`` for ``T <= context``.
@@ -47,14 +45,16 @@ class GPT(nl.Module):
     tie_head: bool = True
 
     task = "language_model"
-    grad_modes = ("autodiff", "manual")
 
     def __post_init__(self):
         super().__post_init__()
+        for key in ("vocab_size", "context", "n_layer", "n_head", "n_embd"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.n_embd % self.n_head:
-            raise ValueError(
-                f"GPT: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}"
-            )
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def uses_key(self) -> bool:
@@ -123,18 +123,6 @@ class GPT(nl.Module):
         if self.tie_head:
             return self.wte.attend(params.wte, h)
         return self.head(params.head, h)
-
-    def loss(self, params, x, y, *, key=None):
-        """Per-window mean next-character cross-entropy (nats) and bits per character."""
-        ce = nl.softmax_cross_entropy(self(params, x, key=key), y)
-        per_window = jnp.mean(ce, axis=-1)
-        return per_window, {"bits_per_char": per_window / LN2}
-
-    def objective(self, params, x, y, *, grad="autodiff", key=None):
-        """Mean loss over the batch (nats/char) and its bits per character."""
-        ce = nl.softmax_cross_entropy(self(params, x, key=key), y)
-        loss = nl.reduce(ce, "mean")  # = the mean of the per-window means (equal windows)
-        return loss, {"bits_per_char": jax.lax.stop_gradient(loss) / LN2}
 
     # -- incremental decoding ---------------------------------------------------------------
     def empty_cache(self, batch: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
@@ -236,14 +224,3 @@ def gpt2_init(params: nl.ParamsDict, n_layer: int, key) -> nl.ParamsDict:
 # Paths (suffixes) of the matrices that write into the residual stream.
 RESIDUAL_OUT = ("/attn/out/W", "/mlp/proj/W")
 
-
-def build(cfg, data) -> GPT:
-    return GPT(
-        vocab_size=data.num_classes,
-        context=cfg.context,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
-        dropout=cfg.dropout,
-        tie_head=cfg.tie_head,
-    )

@@ -13,12 +13,21 @@ class MLP(nl.Module):
     """
 
     in_features: int
-    hidden_sizes: tuple[int, ...]
     num_classes: int
-    activation: str = "relu"
+    hidden_sizes: tuple[int, ...] = (64,)  # width of each hidden layer
+    activation: str = "relu"  # after each hidden layer
 
     task = "classification"
-    grad_modes = nl.GRAD_MODES  # autodiff, manual (every layer's hand VJP), fused (one hand pass)
+    grad_modes = ("fused",)  # one hand-written pass, beside autodiff and manual
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.hidden_sizes or min(self.hidden_sizes) < 1:
+            raise ValueError(
+                f"hidden_sizes must be a non-empty list of positive ints, got "
+                f"{list(self.hidden_sizes)}"
+            )
+        nl.get_activation(self.activation)  # a ValueError naming the valid ones
 
     @property
     def ffn(self) -> nl.FFN:
@@ -61,6 +70,3 @@ class MLP(nl.Module):
     def _correct(logits, y):
         return nl.accuracy(logits, y)
 
-
-def build(cfg, data) -> MLP:
-    return MLP(data.in_features, tuple(cfg.hidden_sizes), data.num_classes, cfg.activation)

@@ -40,7 +40,7 @@ def test_conv_length_is_what_conv_computes(key, length, kernel, stride, padding)
 
 
 def test_cnn_shapes_params_and_channels_input(key):
-    model = CNN(40, 1, ((25, 5, 2, 1), (25, 3, 2, 1), (25, 3, 2, 1)), 10)
+    model = CNN((40,), 10)
     assert model.lengths == (19, 10, 5)  # the paper's ConvBase: a 125-feature linear head
     p = model.init(key)
     shapes = {path: leaf.shape for path, leaf in p.items()}
@@ -51,7 +51,7 @@ def test_cnn_shapes_params_and_channels_input(key):
     # [batch, length] is one channel: the same as [batch, length, 1].
     np.testing.assert_array_equal(model(p, x), model(p, x[..., None]))
     # Several input channels: x [batch, length, channels].
-    multi = CNN(12, 3, ((4, 3, 1, "SAME"),), 5)
+    multi = CNN.from_convs((12, 3), ((4, 3, 1, "SAME"),), 5)
     assert multi(multi.init(key), jnp.ones((2, 12, 3))).shape == (2, 5)
     # Under vmap, one example at a time gives the batched logits.
     single = jax.vmap(lambda xi: model(p, xi[None])[0])(x)
@@ -59,7 +59,7 @@ def test_cnn_shapes_params_and_channels_input(key):
 
 
 def test_cnn_matches_a_numpy_forward(key):
-    model = CNN(9, 2, ((3, 3, 2, 1), (2, 2, 1, 0)), 4)
+    model = CNN.from_convs((9, 2), ((3, 3, 2, 1), (2, 2, 1, 0)), 4)
     p = model.init(key)
     x = np.asarray(jax.random.normal(jax.random.key(1), (5, 9, 2)))
 
@@ -79,8 +79,8 @@ def test_cnn_matches_a_numpy_forward(key):
 
 def test_cnn_rejects_a_stack_that_shrinks_to_nothing():
     assert conv_lengths(8, ((4, 5, 2, 0), (4, 5, 2, 0))) == (2, 0)
-    with pytest.raises(ValueError, match=r"shrinks an input of length 8 to lengths \(2, 0\)"):
-        CNN(8, 1, ((4, 5, 2, 0), (4, 5, 2, 0)), 3)
+    with pytest.raises(ValueError, match=r"sequence of length 8 to lengths \[2, 0\]"):
+        CNN.from_convs((8,), ((4, 5, 2, 0), (4, 5, 2, 0)), 3)
 
 
 def test_cnn_trains_in_process(tmp_path):

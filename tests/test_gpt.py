@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models.contract import objective_fn
 from models.gpt import GPT
 from train import sample as sample_cli
 from train.config import load_config
@@ -175,7 +176,7 @@ def test_gpt_dropout_is_on_with_a_key(tiny_params):
     model = GPT(vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=16, dropout=0.5)
     assert model.uses_key and not TINY.uses_key
     x = jnp.zeros((2, 8), jnp.int32)
-    loss = jax.jit(lambda p, x, k: model.objective(p, x, x, key=k)[0])
+    loss = jax.jit(lambda p, x, k: objective_fn(model)(p, x, x, key=k)[0])
     k0 = jax.random.key(0)
     assert float(loss(tiny_params, x, k0)) != float(loss(tiny_params, x, None))
     assert float(loss(tiny_params, x, k0)) == float(loss(tiny_params, x, k0))

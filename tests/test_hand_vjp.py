@@ -12,6 +12,8 @@ from nnlite import _conv, _dropout, _embedding, _linear, _losses, _pool
 from nnlite import _normalisation as norm
 from nnlite.vjp import check_vjp
 
+from models.contract import objective_fn
+
 DTYPES = ["float32", "float64"]
 
 
@@ -233,15 +235,15 @@ def test_show_grad_mlp_cnn_gpt_print_code_that_gives_jax_grad(key):
     from models.gpt import GPT
     from models.mlp import MLP
 
-    mlp = MLP(6, (5, 4), 3, "tanh")
+    mlp = MLP(6, 3, (5, 4), "tanh")
     x, y = jax.random.normal(key, (4, 6)), jnp.array([0, 1, 2, 0])
-    src = _show_grad_matches(lambda p, x, y: mlp.objective(p, x, y)[0], mlp.init(key), x, y)
+    src = _show_grad_matches(lambda p, x, y: objective_fn(mlp)(p, x, y)[0], mlp.init(key), x, y)
     assert "d_linear_ffn_layers_1 = tanh_vjp(linear_ffn_layers_1, d_tanh_out2)" in src
     assert "d_tanh_out2, d_p_head_W, d_p_head_b = linear_vjp(tanh_out2, p.head.W, p.head.b" in src
 
-    cnn = CNN(12, 1, ((3, 3, 2, 1), (4, 1, 1, "SAME")), 3)  # stride 2, kernel 1
+    cnn = CNN((12,), 3, (3, 4), (3, 1), (2, 1), (1, "SAME"))  # stride 2, kernel 1
     src = _show_grad_matches(
-        lambda p, x, y: cnn.objective(p, x, y)[0], cnn.init(key), jax.random.normal(key, (4, 12)), y
+        lambda p, x, y: objective_fn(cnn)(p, x, y)[0], cnn.init(key), jax.random.normal(key, (4, 12)), y
     )
     assert "conv_vjp(" in src and "flatten_vjp(" in src
 
@@ -249,7 +251,7 @@ def test_show_grad_mlp_cnn_gpt_print_code_that_gives_jax_grad(key):
     ids = jax.random.randint(key, (2, 6), 0, 7)
     dkey = jax.random.key(1)
     src = _show_grad_matches(
-        lambda p, x, y: gpt.objective(p, x, y, key=dkey)[0], gpt.init(key), ids, jnp.roll(ids, 1)
+        lambda p, x, y: objective_fn(gpt)(p, x, y, key=dkey)[0], gpt.init(key), ids, jnp.roll(ids, 1)
     )
     assert "dot_product_attention_vjp(" in src and "jnp.tril(" in src
 

@@ -1,1 +1,30 @@
-"""``python -m train --config configs/NAME.yaml``: nnlite's training CLI (run from the repo root)."""
+"""nnlite's trainer: ``python -m train --config FILE`` (or the ``nnlite-train`` command),
+and the same from Python.
+
+- ``train.fit(model, config)``: train a model (yours or a shipped one) as the CLI does;
+- ``train.load_run(run_dir)``: a run's model, params, config and vocabulary, back;
+- ``train.generate(model, params, prompt_ids, n_tokens, key)``: text from a language model.
+
+The names load on first use, so ``python -m train`` starts without importing JAX early.
+"""
+
+_LAZY = {
+    "fit": ".fitting",
+    "load_run": ".inference",
+    "LoadedRun": ".inference",
+    "generate": ".inference",
+    "ConfigError": ".config",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'train' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

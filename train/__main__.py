@@ -193,11 +193,11 @@ def main(
 
             # Imports matplotlib in another process while this one imports JAX and trains.
             plotter = CurvePlotter(accuracy=cfg.data.name != "linreg")
-        from .data import load_dataset
+        from .data import load_dataset, text_context
 
         with ThreadPoolExecutor(1, thread_name_prefix="nnlite-data") as pool:
             # The data loads while JAX imports (numpy, gzip and file reads release the GIL).
-            data = pool.submit(load_dataset, cfg.data, cfg.model.context)
+            data = pool.submit(load_dataset, cfg.data, text_context(cfg))
             if compile_cache:
                 enable_compile_cache(cfg.compile_cache)  # imports jax
             from .loop import train  # imports jax: keep --print-config and config errors fast

@@ -3,11 +3,12 @@ initial state, train step and evaluation compiled side by side (:func:`prepare`)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -15,10 +16,12 @@ import optax
 
 import models
 import nnlite as nl
+from models import contract
+from models.contract import Model
 
-from . import memory, parallel
-from .config import Config, ConfigError
-from .data import Dataset, load_dataset
+from . import memory, parallel, rundir
+from .config import Config, ConfigError, ModelConfig
+from .data import Dataset, load_dataset, text_context
 from .optim import build_optimizer
 from .parallel.base import Strategy
 from .step import Stepper, batch_grads_fn, build_split_eval, build_stepper, compile_async, uses_key
@@ -29,26 +32,13 @@ from .timings import Timings
 EVAL_TOKENS_PER_CHUNK = 2**15
 
 
-class Model(Protocol):
-    """What the trainer uses of a model (an ``nl.Module``, see ``models/``)."""
-
-    task: str  # "classification", "regression" or "language_model"
-    grad_modes: tuple[str, ...]  # the loss.grad modes it supports
-
-    def init(self, key: jax.Array) -> nl.ParamsDict: ...
-
-    def objective(self, params, x, y, *, grad: str = "autodiff", **kw) -> tuple: ...
-
-    def loss(self, params, x, y) -> tuple: ...
-
-
 @dataclass
 class Run:
     """What the loop built from the config (also handy in tests and benchmarks)."""
 
     cfg: Config
     data: Dataset
-    model: Model
+    model: Model  # see models/contract.py
     optimizer: optax.GradientTransformation
     strategy: Strategy
     run_dir: Path
@@ -73,26 +63,21 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
     devices = strategy.devices
     timings.lap("backend")
     if data is None:
-        data = load_dataset(cfg.data, context=cfg.model.context)
+        data = load_dataset(cfg.data, context=text_context(cfg))
     elif isinstance(data, Future):
         data = data.result()
     timings.lap("data")
-    try:
-        model = models.MODELS[cfg.model.name](cfg.model, data)
-    except ValueError as e:  # a model config that does not fit the data (e.g. cnn lengths)
-        raise ConfigError(str(e)) from None
-    if model.task != data.task:
+    model, cfg = make_model(cfg, data)
+    if cfg.loss.grad not in contract.grad_modes(model):
         raise ConfigError(
-            f"model.name={cfg.model.name} is a {model.task} model but data.name={cfg.data.name} "
-            f"is a {data.task} data set"
+            f"loss.grad={cfg.loss.grad} is not available for model.name={cfg.model.name}; "
+            f"it supports {', '.join(contract.grad_modes(model))}"
         )
-    if cfg.loss.grad == "fused" and "fused" not in model.grad_modes:
-        # manual works for any model built from nnlite layers; fused is one hand-written
-        # backward pass for one model shape.
+    if data.window is None and cfg.train.batch_size > len(data.x):
         raise ConfigError(
-            f"loss.grad=fused is not available for model.name={cfg.model.name}; it is a "
-            f"hand-written pass of model.name={'/'.join(models.FUSED)} only; use loss.grad="
-            "manual (every layer's hand-derived VJP) or autodiff"
+            f"train.batch_size={cfg.train.batch_size} is larger than the training set "
+            f"({len(data.x)} examples of data.name={cfg.data.name}): every batch would hold "
+            f"examples several times; use at most {len(data.x)}"
         )
     local_batch = cfg.train.batch_size // len(devices)
     if local_batch % cfg.train.grad_accum_steps:
@@ -101,11 +86,96 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
             f"batch of {local_batch} (train.batch_size={cfg.train.batch_size} over {len(devices)} "
             f"device(s)); use a divisor of {local_batch}"
         )
+    if cfg.log.tensorboard:
+        rundir.check_tensorboard()
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
     # Before anything is allocated: refuse what cannot fit, naming the key.
     memory.check_fits(cfg, model, optimizer, data, strategy)
     run_dir = Path(cfg.log.dir) / cfg.name
     return Run(cfg, data, model, optimizer, strategy, run_dir)
+
+
+def make_model(cfg: Config, data: Dataset) -> tuple[Model, Config]:
+    """The model ``cfg.model`` names with the fields the data determines filled in, and the
+    config with the model section complete (what the run directory records)."""
+    spec = cfg.model
+    cls = spec.cls or models.resolve(spec.name)
+    where = f"model.name={spec.name}"
+    if cls.task != data.task:
+        raise ConfigError(
+            f"{where} is a {cls.task} model but data.name={cfg.data.name} is a {data.task} "
+            f"data set{_task_hint(cls.task, data)}"
+        )
+    options = dict(spec.options)
+    for key, value in data_fields(data).items():
+        if key not in contract.fields(cls):
+            continue
+        given = options.get(key)
+        if value is None:
+            if given is None:
+                raise ConfigError(f"{where}: model.{key} is required: {DATA_UNKNOWN[key](data)}")
+            continue
+        if given is None:
+            options[key] = value
+        elif not _fits(key, given, value):
+            raise ConfigError(
+                f"{where}: model.{key}={given!r} does not fit the data, which has "
+                f"{key}={value!r}; leave model.{key} out to take it from the data"
+            )
+    try:
+        model = cls(**options)
+    except (TypeError, ValueError) as e:  # the model's own checks of its hyperparameters
+        raise ConfigError(f"{where} ({cls.__name__}): {e}") from None
+    resolved = {f: getattr(model, f) for f in contract.fields(cls)}
+    return model, dataclasses.replace(cfg, model=ModelConfig(spec.name, resolved, cls))
+
+
+def _task_hint(task: str, data: Dataset) -> str:
+    """Why an npz file reads as the other task, and the fix."""
+    if data.name != "npz":
+        return ""
+    if task == "classification" and data.task == "regression":
+        return (
+            f" (its y is {data.y.dtype.name}: float labels are read as regression targets; "
+            "to classify, save integer class labels, e.g. y.astype(np.int64))"
+        )
+    if task == "regression" and data.task == "classification":
+        return (
+            " (its y holds integers: integer labels are read as classes; to regress, save "
+            "float targets, e.g. y.astype(np.float32))"
+        )
+    return ""
+
+
+def data_fields(data: Dataset) -> dict[str, Any]:
+    """What the data set determines of a model's fields (None: not determined by it)."""
+    flat = data.window is None and data.x.ndim == 2
+    return {
+        "in_features": data.x.shape[1] if flat else None,
+        "in_shape": tuple(data.x.shape[1:]) if data.window is None else None,
+        "num_classes": data.num_classes if data.task == "classification" else None,
+        "out_features": data.y.shape[1] if data.task == "regression" else None,
+        "vocab_size": data.num_classes if data.task == "language_model" else None,
+        "context": data.window,
+    }
+
+
+DATA_UNKNOWN = {
+    "in_features": lambda d: (
+        f"the inputs are not flat (x of shape {list(d.x.shape)}); use in_shape or give in_features"
+    ),
+    "in_shape": lambda d: "text data has token windows, not input shapes",
+    "num_classes": lambda d: f"data.name={d.name} is a {d.task} data set, not classification",
+    "out_features": lambda d: f"data.name={d.name} is a {d.task} data set, not regression",
+    "vocab_size": lambda d: f"data.name={d.name} is not text",
+    "context": lambda d: f"data.name={d.name} is not text",
+}
+
+
+def _fits(key: str, given: Any, value: Any) -> bool:
+    if key == "num_classes":  # a wider head than the labels need is allowed
+        return given >= value
+    return tuple(given) == tuple(value) if isinstance(value, tuple) else given == value
 
 
 def make_stepper(r: Run, p_def, o_def, nonfinite: str) -> Stepper:

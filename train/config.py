@@ -29,7 +29,6 @@ def choice(default: Any, choices: tuple) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
-MODEL_NAMES = ("mlp", "linreg", "cnn", "gpt")  # kept in sync with models.MODELS by a test
 DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
 GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
@@ -40,23 +39,19 @@ NONFINITE = ("stop", "skip")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = choice("mlp", MODEL_NAMES)  # which entry of models.MODELS to build
-    hidden_sizes: tuple[int, ...] = (64,)  # mlp: width of each hidden layer
-    activation: str = choice("relu", ("relu", "gelu", "tanh", "sigmoid", "softplus"))  # mlp, cnn
-    # cnn: a stack of 1-D convolutions over the input sequence (x [n, length] is one channel,
-    # npz x [n, length, channels] several), then a linear head on the flattened features.
-    channels: tuple[int, ...] = (25, 25, 25)  # cnn: output channels of each conv layer
-    kernel_size: int | tuple[int, ...] = (5, 3, 3)  # cnn: one for all layers, or one per layer
-    strides: int | tuple[int, ...] = 2  # cnn: one for all layers, or one per layer
-    # cnn: zeros added at each end of the sequence (one int for all layers, or one per
-    # layer), or "SAME" (output length = ceil(length / stride)) or "VALID" (no padding)
-    padding: int | str | tuple[int, ...] = 1
-    context: int = 64  # (gpt) tokens of context: the training window and the sampling limit
-    n_layer: int = 4  # (gpt) transformer blocks
-    n_head: int = 4  # (gpt) attention heads per block (divides n_embd)
-    n_embd: int = 128  # (gpt) width of the residual stream
-    dropout: float = 0.0  # (gpt) dropout rate after the embeddings and inside each block
-    tie_head: bool = True  # (gpt) the output head is the token embedding transposed
+    """``model.name`` is a shipped model (mlp, linreg, cnn, gpt: see models/) or your own,
+    ``module:Class``; every other key of the section is one of that model's dataclass fields
+    (``options``), checked against the field's type. Fields the data determines
+    (``in_features``, ``in_shape``, ``num_classes``, ``out_features``, ``vocab_size``,
+    ``context``) are filled from the data set when left out."""
+
+    name: str = "mlp"
+    options: dict = field(default_factory=dict)  # the model's own fields, by name
+    # the class ``name`` resolved to (not part of the config's text)
+    cls: type | None = field(default=None, compare=False, repr=False)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.options.get(key, default)
 
 
 @dataclass(frozen=True)
@@ -68,6 +63,9 @@ class DataConfig:
     num_samples: int = 5000  # mnist1d: total examples generated (80% train)
     val_fraction: float = 0.1  # text, shakespeare_char: the tail of the text held out
     eval_windows: int = 2400  # text, shakespeare_char: fixed validation windows evaluated
+    # text, shakespeare_char: tokens per training window; null: the model's context field
+    # when the config sets it, else 64. Fills the model's `context`.
+    context: int | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +143,9 @@ class LogConfig:
     dir: str = "runs"  # run directories are <dir>/<name>/
     progress: bool = True  # show a tqdm progress bar
     plot: bool = True  # draw curves.png at the end
+    # also write TensorBoard event files to <run dir>/tensorboard (needs tensorboardX:
+    # pip install 'nnlite[tensorboard]')
+    tensorboard: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,8 +171,9 @@ class Config:
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is tuple:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) in (tuple, list):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return f"list of {_type_name(args[0])}" if args else "list"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -202,11 +204,23 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
-    if origin is tuple:
+    if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
-        elem = typing.get_args(tp)[0]
-        return tuple(_coerce(v, elem, where) for v in value)
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis] or [Any]
+        if origin is tuple and len(args) > 1:  # tuple[int, str]: one type per position
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
+            return tuple(_coerce(v, a, where) for v, a in zip(value, args, strict=True))
+        return tuple(_coerce(v, args[0], where) for v in value)
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(
+            f"{where}: {value!r} is not one of {', '.join(map(repr, typing.get_args(tp)))}"
+        )
+    if tp is Any:
+        return value
     if tp is type(None):
         if value is None:
             return None
@@ -227,12 +241,23 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif isinstance(tp, type) and isinstance(value, tp):  # a type YAML cannot spell otherwise
+        return value
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
 
 
-def _build(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str]) -> Any:
+def _build(
+    cls: type,
+    raw: Any,
+    prefix: str,
+    source: str,
+    sources: dict[str, str],
+    search: tuple = (),
+    model_class: type | None = None,
+) -> Any:
     """``sources`` maps a dotted key to where its value came from (``--set ...``); every
-    other key came from ``source`` (the file)."""
+    other key came from ``source`` (the file). ``search``: where a user's model module is
+    imported from (see :func:`_build_model`)."""
     where_section = prefix.rstrip(".") or "the top level"
     if raw is None:
         raw = {}
@@ -251,8 +276,11 @@ def _build(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str
             )
         tp = hints[key]
         where = f"{src}: {prefix}{key}"
+        if tp is ModelConfig:
+            kwargs[key] = _build_model(value, source, sources, search, model_class)
+            continue
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{prefix}{key}.", source, sources)
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.", source, sources, search)
             continue
         value = _coerce(value, tp, where)
         choices = fields[key].metadata.get("choices")
@@ -260,6 +288,60 @@ def _build(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _build_model(
+    raw: Any, source: str, sources: dict[str, str], search: tuple, cls: type | None = None
+) -> ModelConfig:
+    """The ``model`` section: its ``name`` resolved to a class (a shipped model or a user's
+    ``module:Class``, imported from ``search`` first), every other key checked against that
+    class's fields and types, and the fields the config leaves out that have defaults
+    filled in (those the data determines stay out until the data set is loaded). ``cls``:
+    the class itself (``train.fit``), instead of resolving the name."""
+    from models import ModelError, resolve
+    from models.contract import DATA_FIELDS, check_model_class, field_types, fields, has_default
+
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{sources.get('model', source)}: model must be a mapping, got {raw!r}")
+    raw = dict(raw)
+    name = raw.pop("name", ModelConfig.name)
+    src = sources.get("model.name", source)
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(
+            f"{src}: model.name: expected a model name or 'module:Class', got {name!r}"
+        )
+    try:
+        if cls is None:
+            cls = resolve(name.strip(), search)
+        else:
+            check_model_class(cls, f"model {cls.__name__}")
+    except ModelError as e:
+        raise ConfigError(f"{src}: {e}") from None
+    own, types_ = fields(cls), field_types(cls)
+    options = {}
+    for key, value in raw.items():
+        src = sources.get(f"model.{key}", source)
+        if key not in own:
+            raise ConfigError(
+                f"{src}: unknown key 'model.{key}'; model.name={name} ({cls.__name__}) takes "
+                f"{', '.join(own) or 'no fields'}"
+            )
+        options[key] = _coerce(value, types_[key], f"{src}: model.{key}")
+    for key, f in own.items():
+        if key in options:
+            continue
+        if has_default(f):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            options[key] = tuple(default) if isinstance(default, list) else default
+        elif key not in DATA_FIELDS:
+            raise ConfigError(
+                f"{source}: model.{key} is required by model.name={name} ({cls.__name__}.{key}: "
+                f"{_type_name(types_[key])}); add it under model:"
+            )
+    options = {k: options[k] for k in own if k in options}  # in the class's field order
+    return ModelConfig(name.strip(), options, cls)
 
 
 MAX_SEED = 2**31 - 1
@@ -323,28 +405,18 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("data.test_fraction", f"must be in (0, 1), got {cfg.data.test_fraction}")
     if cfg.optimizer.learning_rate <= 0:
         raise bad("optimizer.learning_rate", f"must be > 0, got {cfg.optimizer.learning_rate}")
-    m = cfg.model
-    if m.name == "gpt":
-        for key in ("context", "n_layer", "n_head", "n_embd"):
-            if getattr(m, key) < 1:
-                raise bad(f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
-        if m.n_embd % m.n_head:
-            raise bad(
-                "model.n_embd", f"({m.n_embd}) must be a multiple of model.n_head ({m.n_head})"
-            )
-        if not 0.0 <= m.dropout < 1.0:
-            raise bad("model.dropout", f"must be in [0, 1), got {m.dropout}")
+    if cfg.data.context is not None and cfg.data.context < 1:
+        raise bad("data.context", f"must be >= 1, got {cfg.data.context}")
+    model_context = cfg.model.get("context")
+    if cfg.data.context is not None and model_context not in (None, cfg.data.context):
+        raise bad(
+            "data.context",
+            f"({cfg.data.context}) differs from model.context ({model_context}); set one of them",
+        )
     for key in ("b1", "b2"):
         v = getattr(cfg.optimizer, key)
         if v is not None and not 0.0 <= v < 1.0:
             raise bad(f"optimizer.{key}", f"must be in [0, 1), got {v}")
-    if cfg.model.name == "mlp" and (not cfg.model.hidden_sizes or min(cfg.model.hidden_sizes) < 1):
-        raise bad(
-            "model.hidden_sizes",
-            f"must be a non-empty list of positive ints, got {list(cfg.model.hidden_sizes)}",
-        )
-    if cfg.model.name == "cnn":
-        _check_cnn(cfg.model, source)
     d = cfg.parallel.devices
     if isinstance(d, str) and d != "all" or isinstance(d, int) and d < 1:
         raise bad("parallel.devices", f"must be 'all' or a positive int, got {d!r}")
@@ -364,40 +436,6 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         )
     if cfg.compile_cache is not None and not cfg.compile_cache.strip():
         raise bad("compile_cache", "must be 'auto', a directory or null (off), got ''")
-
-
-CNN_PADDINGS = ("SAME", "VALID")
-
-
-def _check_cnn(m: ModelConfig, source: str) -> None:
-    if not m.channels or min(m.channels) < 1:
-        raise ConfigError(
-            f"{source}: model.channels must be a non-empty list of positive ints, got "
-            f"{list(m.channels)}"
-        )
-    n = len(m.channels)
-    for key in ("kernel_size", "strides", "padding"):
-        v = getattr(m, key)
-        if isinstance(v, tuple) and len(v) != n:
-            raise ConfigError(
-                f"{source}: model.{key} has {len(v)} entries but model.channels has {n} "
-                f"layers; give one value for all layers or one per layer"
-            )
-    per_layer = [
-        v if isinstance(v, tuple) else (v,) * n for v in (m.kernel_size, m.strides, m.padding)
-    ]
-    for i, (k, s, p) in enumerate(zip(*per_layer)):
-        if k < 1:
-            raise ConfigError(f"{source}: model.kernel_size must be >= 1, got {k} (layer {i})")
-        if s < 1:
-            raise ConfigError(f"{source}: model.strides must be >= 1, got {s} (layer {i})")
-        if isinstance(p, str) and p not in CNN_PADDINGS:
-            raise ConfigError(
-                f"{source}: model.padding {p!r} is not one of {', '.join(CNN_PADDINGS)} "
-                f"or a non-negative int (layer {i})"
-            )
-        if isinstance(p, int) and p < 0:
-            raise ConfigError(f"{source}: model.padding must be >= 0, got {p} (layer {i})")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -434,6 +472,12 @@ def read_text(path: Path) -> str:
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read ``path`` (YAML), apply ``--set`` overrides, validate, return a ``Config``."""
     path = Path(path)
+    raw = read_yaml(path)
+    return config_from_dict(raw, overrides, source=str(path), base_dir=path.resolve().parent)
+
+
+def read_yaml(path: Path) -> Any:
+    """The parsed YAML of config file ``path`` (ConfigError for a file that is not)."""
     source = str(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {source}")
@@ -447,10 +491,26 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{source}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    return raw
+
+
+def config_from_dict(
+    raw: dict | None,
+    overrides: list[str] = (),
+    *,
+    source: str = "the config",
+    base_dir: Path | None = None,
+    model_class: type | None = None,
+) -> Config:
+    """A ``Config`` from a dict of sections (as a YAML file holds them) and ``--set``
+    overrides, validated; ``source`` names it in messages. A user's model module is
+    imported from ``base_dir`` (the config file's directory), then the current directory,
+    then sys.path; ``model_class`` is the model's class itself (``train.fit``)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    raw = _copy_sections(raw)
     sources: dict[str, str] = {}  # dotted key (and its sections) -> the --set that set it
     for text in overrides:
         keys, value = parse_override(text)
@@ -465,9 +525,15 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         node[keys[-1]] = value
         for i in range(1, len(keys) + 1):
             sources[".".join(keys[:i])] = f"--set {text}"
-    cfg = _build(Config, raw, "", source, sources)
+    search = tuple(dict.fromkeys([*([base_dir] if base_dir else []), Path.cwd()]))
+    cfg = _build(Config, raw, "", source, sources, search, model_class)
     _check(cfg, source, sources)
     return cfg
+
+
+def _copy_sections(raw: dict) -> dict:
+    """A copy of nested dicts, so overrides never change the caller's."""
+    return {k: _copy_sections(v) if isinstance(v, dict) else v for k, v in raw.items()}
 
 
 def to_dict(cfg: Any) -> dict:
@@ -478,9 +544,13 @@ def to_dict(cfg: Any) -> dict:
             return [plain(x) for x in v]
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, ModelConfig):  # flat, as written: name and the model's fields
+            return {"name": v.name, **plain(v.options)}
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         return v
 
-    return plain(dataclasses.asdict(cfg))
+    return plain(cfg)
 
 
 def dump_yaml(cfg: Config) -> str:

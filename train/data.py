@@ -70,6 +70,15 @@ class Dataset:
         return self.num_classes if self.num_classes is not None else self.y.shape[1]
 
 
+DEFAULT_CONTEXT = 64  # text windows when neither data.context nor model.context is set
+
+
+def text_context(cfg) -> int:
+    """The text window length of a config: ``data.context``, else the model's
+    ``context`` when the config sets it, else :data:`DEFAULT_CONTEXT`."""
+    return cfg.data.context or cfg.model.get("context") or DEFAULT_CONTEXT
+
+
 def load_dataset(cfg: DataConfig, context: int | None = None) -> Dataset:
     """Build the data set named by ``cfg.name``; text data sets need the model's
     ``context`` (the window length)."""
@@ -216,7 +225,19 @@ def _npz(cfg: DataConfig) -> Dataset:
                 f"{num_classes - 1} and only {distinct} distinct labels occur (a "
                 f"{num_classes}-way output layer); map them to 0..{distinct - 1}"
             )
-        return Dataset("npz", x, y.astype(np.int32), x_test, y_test.astype(np.int32), num_classes)
+        unused = num_classes - distinct
+        note = ""
+        if unused:
+            missing = sorted(set(range(num_classes)) - set(np.unique(labels).tolist()))
+            shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+            note = (
+                f"labels run 0..{num_classes - 1} but {unused} of those classes never occur "
+                f"({shown}): the model gets a {num_classes}-way output; if the labels are not "
+                f"class indices, map them to 0..{distinct - 1}"
+            )
+        return Dataset(
+            "npz", x, y.astype(np.int32), x_test, y_test.astype(np.int32), num_classes, note=note
+        )
     y = y.reshape(len(y), -1).astype(np.float32)
     y_test = y_test.reshape(len(y_test), -1).astype(np.float32)
     return Dataset("npz", x, y, x_test, y_test, None)

@@ -4,12 +4,12 @@ in ``rundir.py``, where a run starts in ``resume.py``, faults in ``faults.py``."
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
 
 import jax
 import numpy as np
@@ -20,9 +20,10 @@ from . import faults, report, rundir
 from .build import Prepared, Run, build, make_stepper, prepare
 from .config import Config
 from .data import Dataset, Sampler, make_sampler
+from .optim import schedule
 from .plot import CurvePlotter, plot_curves
 from .resume import agree_on_start, metadata
-from .step import mean_loss_fn, step_flags, to_host
+from .step import mean_loss_fn, step_flags
 from .timings import Timings
 
 
@@ -126,7 +127,9 @@ class _Loop:
     window_start: int = 0  # examples/s is measured over the steps since the last log
     t_start: float = 0.0
     t_window: float = 0.0
-    log_file: TextIO | None = None  # metrics.jsonl (process 0 only)
+    log: rundir.MetricsLog | None = None  # metrics.jsonl (process 0 only)
+    means: report.IntervalMeans = field(default_factory=report.IntervalMeans)
+    lr: Callable | None = None  # the optimizer's schedule: step -> learning rate
     bar: report.ProgressBar | None = None
     watch: faults.PreemptionWatch | None = None
     timings: Timings = field(default_factory=Timings)
@@ -168,7 +171,9 @@ class _Loop:
         )
         loop.bar = report.progress_bar(cfg, start, show=dist.is_main())
         if dist.is_main():
-            loop.log_file = open(r.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - close()
+            loop.log = rundir.MetricsLog(r.run_dir, tensorboard=cfg.log.tensorboard, start=start)
+        loop.means = report.IntervalMeans.from_state(begin.log_window)
+        loop.lr = schedule(cfg.optimizer, cfg.train.steps)
         loop.watch = faults.PreemptionWatch(dist.is_multiprocess())
         settings = dist.resolve(cfg.distributed)
         loop.watchdog = faults.Watchdog(
@@ -228,19 +233,18 @@ class _Loop:
     def check_nonfinite(self) -> None:
         """At a boundary the host syncs anyway: read the steps' non-finite flags."""
         flags = np.concatenate([step_flags(m) for m in self.pending])
+        for m in self.pending:
+            self.means.add(m)
         first, self.pending, self.pending_from = self.pending_from, [], self.step
         if flags.any() and self.r.cfg.train.nonfinite == "stop":
             self._stop_nonfinite(first + int(np.argmax(flags)) + 1)
         self.skipped += int(flags.sum())
 
     def log_train(self) -> None:
-        """A train record in metrics.jsonl (the last step's metrics) and the progress bar."""
+        """A train record in metrics.jsonl (the metrics' means over the steps since the last
+        record, and the learning rate of the last step) and the progress bar."""
         tc = self.r.cfg.train
-        m = {
-            name: float(to_host(v).reshape(-1)[-1])
-            for name, v in self.metrics.items()
-            if name != "nonfinite"
-        }
+        m = self.means.take()
         now = time.perf_counter()
         rate = (self.step - self.window_start) * tc.batch_size / max(now - self.t_window, 1e-9)
         self.t_window, self.window_start = now, self.step
@@ -254,6 +258,7 @@ class _Loop:
                 "step": self.step,
                 "split": "train",
                 **m,
+                "lr": float(self.lr(self.step - 1)),
                 **extra,
                 **rates,
                 "time": round(now - self.t_start, 3),
@@ -299,7 +304,8 @@ class _Loop:
                 self.r.run_dir / "checkpoints",
                 self.step,
                 *state,
-                metadata(cfg, self.r.data, self.step, self.sampler, self.skipped),
+                metadata(cfg, self.r.data, self.step, self.sampler, self.skipped, self.r.model)
+                | {"log_window": json.dumps(self.means.state())},
                 cfg.checkpoint.keep,
             )
         self.timings.lap("checkpoint")
@@ -319,8 +325,8 @@ class _Loop:
 
     def close(self) -> None:
         self.bar.close()
-        if self.log_file is not None:
-            self.log_file.close()
+        if self.log is not None:
+            self.log.close()
 
     def finish(self) -> Run:
         """Final params and summary on the Run, the plot, and the closing line."""
@@ -340,10 +346,11 @@ class _Loop:
             **({"tokens_per_s": rate * window} if window is not None else {}),
         }
         if r.cfg.log.plot and dist.is_main():
+            labels = report.plot_labels(r)
             if self.plotter is not None:  # the caller waits for it
-                self.plotter.draw(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+                self.plotter.draw(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png", *labels)
             else:
-                plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png")
+                plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png", *labels)
                 self.timings.lap("plot")
         self.echo(report.done(r, self.last_eval, self.skipped, wall, rate))
         return r
@@ -378,7 +385,8 @@ class _Loop:
         )
 
     def _write(self, record: dict) -> None:
-        rundir.write_record(self.log_file, record)
+        if self.log is not None:  # process 0 writes the run directory
+            self.log.write(record)
 
 
 def _quiet(*_args, **_kwargs) -> None:

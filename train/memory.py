@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from models import contract
+
 from .config import Config, ConfigError
 
 
@@ -95,8 +97,10 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     x = jax.ShapeDtypeStruct((*lead, *data.x.shape[1:]), data.x.dtype)
     y = jax.ShapeDtypeStruct((*lead, *data.y.shape[1:]), data.y.dtype)
 
+    objective = contract.objective_fn(model)
+
     def loss_and_grad(params, x, y):
-        return jax.value_and_grad(lambda q: model.objective(q, x, y)[0])(params)
+        return jax.value_and_grad(lambda q: objective(q, x, y)[0])(params)
 
     jaxpr = jax.make_jaxpr(loss_and_grad)(p_avals, x, y).jaxpr
     per_device_batch = _nbytes((x, y)) + _largest_intermediate(jaxpr)
@@ -137,16 +141,12 @@ def check_fits(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     elif worst == "data":
         key = "data.path" if cfg.data.name == "npz" else "data.num_samples"
         fix = f"use a smaller data set ({key})"
-    elif (
-        cfg.model.name == "mlp"
-        and data.num_classes is not None
-        and data.num_classes > max(cfg.model.hidden_sizes)
-    ):
+    elif data.num_classes is not None and data.num_classes > _widest(cfg.model.options):
         fix = f"the data has {data.num_classes} classes (largest label {data.num_classes - 1})"
-    elif cfg.model.name == "mlp":
-        fix = f"reduce model.hidden_sizes (now {list(cfg.model.hidden_sizes)})"
     else:
-        fix = f"use a smaller model than model.name={cfg.model.name} on this data"
+        sizes = {k: v for k, v in cfg.model.options.items() if k not in contract.DATA_FIELDS}
+        shown = ", ".join(f"model.{k}={v!r}" for k, v in sizes.items() if _is_size(v))
+        fix = f"use a smaller model ({shown or 'model.name=' + cfg.model.name})"
     what = {
         "state": "params, gradients and optimizer state",
         "data": "the data set",
@@ -156,3 +156,18 @@ def check_fits(cfg: Config, model, optimizer, data, strategy) -> Estimate:
         f"this config needs at least {format_bytes(est.total)} of memory ({what}: "
         f"{format_bytes(parts[worst])}) but {est.where} has {format_bytes(est.limit)}; {fix}"
     )
+
+
+def _is_size(v) -> bool:
+    ints = v if isinstance(v, tuple) else (v,)
+    return bool(ints) and all(isinstance(i, int) and not isinstance(i, bool) for i in ints)
+
+
+def _widest(options: dict) -> int:
+    """The largest size among a model's hyperparameters (1 if none)."""
+    sizes = [
+        max(v) if isinstance(v, tuple) else v
+        for k, v in options.items()
+        if k not in ("num_classes", "vocab_size") and _is_size(v) and v
+    ]
+    return max(sizes, default=1)

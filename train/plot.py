@@ -24,16 +24,19 @@ from pathlib import Path
 DRAW_TIMEOUT_S = 60.0
 
 
-def plot_curves(metrics_path: Path, out: Path) -> None:
-    """Train/test loss (and accuracy when present) against step, as a PNG."""
-    _draw(_read_records(Path(metrics_path)), Path(out))
+def plot_curves(metrics_path: Path, out: Path, title: str = "", loss_unit: str = "") -> None:
+    """Train/test loss (and accuracy when present) against step, as a PNG titled
+    ``title``, the loss axis labelled with its unit."""
+    _draw(_read_records(Path(metrics_path)), Path(out), title=title, loss_unit=loss_unit)
 
 
 def _read_records(metrics_path: Path) -> list[dict]:
     return [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
 
 
-def _draw(records: list[dict], out: Path | None, buffer=None) -> None:
+def _draw(
+    records: list[dict], out: Path | None, buffer=None, title: str = "", loss_unit: str = ""
+) -> None:
     """Draw ``records`` to ``out`` (written under a temporary name, then renamed) or, with
     ``out=None``, into the file object ``buffer``."""
     import matplotlib
@@ -56,11 +59,13 @@ def _draw(records: list[dict], out: Path | None, buffer=None) -> None:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, label=split, marker=None if split == "train" else "o", markersize=3)
         ax.set_xlabel("step")
-        ax.set_ylabel(name)
+        ax.set_ylabel(f"{name} ({loss_unit})" if name == "loss" and loss_unit else name)
         if name == "loss":
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     if out is None:
         fig.savefig(buffer, format="png", dpi=100)
@@ -85,7 +90,7 @@ def _warm_up(accuracy: bool) -> None:
             if accuracy:
                 r["accuracy"] = 1 - 0.9 * 0.85**i
             records.append(r)
-    _draw(records, None, io.BytesIO())
+    _draw(records, None, io.BytesIO(), title="warm-up", loss_unit="nats")
 
 
 def _child(accuracy: bool) -> int:
@@ -100,7 +105,9 @@ def _child(accuracy: bool) -> int:
     if not line:
         return 0
     request = json.loads(line)
-    plot_curves(Path(request["metrics"]), Path(request["out"]))
+    plot_curves(
+        Path(request["metrics"]), Path(request["out"]), request["title"], request["loss_unit"]
+    )
     return 0
 
 
@@ -114,7 +121,7 @@ class CurvePlotter:
 
     def __init__(self, accuracy: bool = True, timeout: float = DRAW_TIMEOUT_S):
         self.timeout = timeout
-        self._request: tuple[Path, Path] | None = None
+        self._request: tuple[Path, Path, str, str] | None = None
         root = str(Path(__file__).resolve().parents[1])  # the directory holding train/
         code = f"import sys; sys.path.insert(0, {root!r}); from train.plot import _child; "
         code += f"sys.exit(_child({bool(accuracy)}))"
@@ -129,13 +136,18 @@ class CurvePlotter:
         except OSError:
             self._proc = None  # no helper: wait() draws in-process
 
-    def draw(self, metrics_path: Path, out: Path) -> None:
+    def draw(self, metrics_path: Path, out: Path, title: str = "", loss_unit: str = "") -> None:
         """Hand the finished metrics to the helper (returns at once)."""
-        self._request = (Path(metrics_path), Path(out))
+        self._request = (Path(metrics_path), Path(out), title, loss_unit)
         if self._proc is None:
             return
         try:
-            request = {"metrics": str(metrics_path), "out": str(out)}
+            request = {
+                "metrics": str(metrics_path),
+                "out": str(out),
+                "title": title,
+                "loss_unit": loss_unit,
+            }
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.close()
         except OSError:  # the helper died: wait() draws in-process
@@ -146,7 +158,7 @@ class CurvePlotter:
         if self._request is None:
             self.close()
             return
-        metrics_path, out = self._request
+        metrics_path, out, title, loss_unit = self._request
         self._request = None
         ok = False
         if self._proc is not None:
@@ -156,7 +168,7 @@ class CurvePlotter:
                 pass
             self._stop()
         if not ok:
-            plot_curves(metrics_path, out)
+            plot_curves(metrics_path, out, title, loss_unit)
 
     def close(self) -> None:
         """Stop the helper without drawing (bounded: it exits on EOF, else it is killed)."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from . import distributed as dist
 from .config import Config
@@ -55,6 +58,19 @@ def already_finished(r, last_eval: dict) -> str:
     )
 
 
+#: The unit of each task's loss, for the plot's axis.
+LOSS_UNITS = {
+    "classification": "cross-entropy, nats",
+    "regression": "mean squared error",
+    "language_model": "cross-entropy, nats/token",
+}
+
+
+def plot_labels(r) -> tuple[str, str]:
+    """``(title, loss unit)`` of a run's curves.png: the run name and model, the unit."""
+    return f"{r.cfg.name} ({r.cfg.model.name})", LOSS_UNITS.get(r.model.task, "")
+
+
 def bar_postfix(metrics: dict, rate: float, window: int | None) -> dict:
     """What the progress bar shows after a log: the metrics and examples (tokens) per s."""
     shown = {BAR_NAMES.get(k, k): f"{v:.4f}" for k, v in metrics.items()}
@@ -95,3 +111,42 @@ def progress_bar(cfg: Config, start: int, *, show: bool = True) -> ProgressBar:
     return tqdm(
         total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True
     )
+
+
+@dataclass
+class IntervalMeans:
+    """The train metrics' means over the steps since the last log (what a train record
+    shows), summed on the host in step order in float64. A checkpoint saves the partial
+    sums (:meth:`state`), so a run resumed between two logs logs the same means as one
+    that never stopped. Non-finite values (a skipped step's) are left out of the means."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, metrics: dict) -> None:
+        """Fold in one compiled call's metrics (``{name: [K]}``, or ``[devices, K]``)."""
+        for name, v in metrics.items():
+            if name == "nonfinite":
+                continue
+            values = np.asarray(v if v.is_fully_addressable else v.addressable_data(0))
+            for x in values.reshape(-1, values.shape[-1])[0].astype(np.float64):
+                if math.isfinite(x):
+                    self.sums[name] = self.sums.get(name, 0.0) + float(x)
+                    self.counts[name] = self.counts.get(name, 0) + 1
+                else:
+                    self.sums.setdefault(name, 0.0)
+                    self.counts.setdefault(name, 0)
+
+    def take(self) -> dict[str, float]:
+        """The means (nan for a metric with no finite value), and start a new interval."""
+        out = {k: self.sums[k] / self.counts[k] if self.counts[k] else math.nan for k in self.sums}
+        self.sums, self.counts = {}, {}
+        return out
+
+    def state(self) -> dict:
+        return {"sums": dict(self.sums), "counts": dict(self.counts)}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> IntervalMeans:
+        state = state or {}
+        return cls(dict(state.get("sums", {})), dict(state.get("counts", {})))

@@ -29,10 +29,16 @@ class Start:
     o_leaves: list
     skipped: int  # non-finite steps skipped before it (train.nonfinite=skip)
     checkpoint: Path | None  # the checkpoint it came from
+    log_window: dict | None = None  # the train metrics' partial sums since the last log
 
 
-def metadata(cfg: Config, data: Dataset, step: int, sampler: Sampler, skipped: int) -> dict:
-    """What a checkpoint records besides the state: data position, RNG, config, vocabulary."""
+def metadata(
+    cfg: Config, data: Dataset, step: int, sampler: Sampler, skipped: int, model=None
+) -> dict:
+    """What a checkpoint records besides the state: data position, RNG, config, vocabulary,
+    and where a user's model module was imported from (for ``train.load_run``)."""
+    from .inference import MODEL_SOURCE_KEY, model_source
+
     order = "[seed, step]" if data.window else "[seed, epoch]"
     meta = {
         "data_position": sampler.position(step),
@@ -42,6 +48,9 @@ def metadata(cfg: Config, data: Dataset, step: int, sampler: Sampler, skipped: i
     }
     if data.vocab is not None:  # what sampling needs to turn ids back into text
         meta["vocab"] = json.dumps(data.vocab)
+    source = model_source(model) if model is not None else None
+    if source is not None:
+        meta[MODEL_SOURCE_KEY] = source
     return meta
 
 
@@ -68,15 +77,20 @@ def check_resumable(cfg: Config, meta: dict, path: Path) -> None:
 
 def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
     """The state saved in ``path``, checked against ``cfg`` and the templates."""
+    check_resumable(cfg, ckpt.read_metadata(path), path)  # a changed config says so first
     params_h, opt_h, meta = ckpt.restore(path, params0, opt0)
-    check_resumable(cfg, meta, path)
     start = int(meta["step"])
     if start > cfg.train.steps:
         raise ConfigError(
             f"checkpoint {path} is at step {start}, past train.steps={cfg.train.steps}"
         )
     skipped = int(meta.get("skipped_steps", "0"))
-    return Start(start, jax.tree.leaves(params_h), jax.tree.leaves(opt_h), skipped, path)
+    try:
+        window = json.loads(meta.get("log_window", "null"))
+    except json.JSONDecodeError:
+        raise ConfigError(f"checkpoint {path}: its log_window metadata is not valid JSON") from None
+    leaves = jax.tree.leaves(params_h), jax.tree.leaves(opt_h)
+    return Start(start, *leaves, skipped, path, window)
 
 
 def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> Start:
@@ -106,4 +120,5 @@ def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> S
     if head[2]:
         raise error or ConfigError("process 0 could not resume this run (see its output)")
     p_leaves, o_leaves = dist.broadcast((start.p_leaves, start.o_leaves))
-    return Start(int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint)
+    # (the log window matters on process 0 only: it alone writes metrics.jsonl)
+    return Start(int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window)

@@ -93,13 +93,44 @@ def open_run_dir(run_dir: Path, cfg: Config, resume: str, start: int) -> None:
     rewrite_metrics(metrics_path, start)
 
 
-def write_record(f: TextIO | None, record: dict) -> None:
-    """Append ``record`` to metrics.jsonl (``f``; None: not process 0, which writes nothing)."""
-    if f is None:
-        return
-    # Strict JSON: a non-finite value (a skipped step's loss) is written as null.
-    record = {
-        k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in record.items()
-    }
-    f.write(json.dumps(record, allow_nan=False) + "\n")
-    f.flush()
+class MetricsLog:
+    """Where a run's records go: ``metrics.jsonl`` (one JSON object per line, strict JSON:
+    a non-finite value is written as null) and, with ``log.tensorboard``, TensorBoard
+    event files in ``<run dir>/tensorboard`` (``<split>/<metric>`` scalars by step; a
+    resumed run purges the events after its starting step)."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = False, start: int = 0):
+        self.file: TextIO | None = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start or None)
+
+    def write(self, record: dict) -> None:
+        record = {
+            k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in record.items()
+        }
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            split, step = record["split"], record["step"]
+            for k, v in record.items():
+                if k not in ("step", "split") and isinstance(v, (int, float)) and v is not None:
+                    self.tb.add_scalar(f"{split}/{k}", v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def check_tensorboard() -> None:
+    """ConfigError unless the optional TensorBoard writer is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(
+            "log.tensorboard=true needs the tensorboardX package: pip install 'nnlite[tensorboard]'"
+        )

@@ -2,8 +2,10 @@
 [--top-k K] [--seed S]``: generate text from a run's newest checkpoint.
 
 The run directory holds what sampling needs: ``config.yaml`` (the model) and checkpoints
-whose metadata carry the character vocabulary. Generation is one compiled program with a
-key/value cache (``GPT.generate``); the text goes to stdout, timings to stderr. Text
+whose metadata carry the character vocabulary; any language-model run samples, a user's
+own model included (``train.inference.generate``). Generation is one compiled program: the
+GPT's key/value cache (``GPT.generate``), or a sliding window for any other model; the
+text goes to stdout, timings to stderr. Text
 longer than the model's context slides its window by half a context (see models/gpt.py).
 Bad arguments (no run, no checkpoint, characters outside the vocabulary, a prompt longer
 than the context, bad numbers) print one line and exit 2.
@@ -12,15 +14,12 @@ than the context, bad numbers) print one line and exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from . import checkpoint as ckpt
 from . import faults
-from .config import MAX_SEED, ConfigError, load_config
+from .config import MAX_SEED, ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,37 +53,21 @@ def parse_args(argv):
 
 
 def load_model(run_dir: Path):
-    """``(model, params, vocab, checkpoint path)`` from the newest checkpoint of ``run_dir``."""
-    import jax
+    """``(loaded run, vocab)`` of the newest checkpoint of ``run_dir`` (a language model)."""
+    from .inference import load_run
 
-    import models
-
-    if not run_dir.is_dir():
-        raise ConfigError(f"--run {str(run_dir)!r}: no such run directory")
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.is_file():
-        raise ConfigError(f"--run {str(run_dir)!r}: no config.yaml; is it a training run?")
-    cfg = load_config(cfg_path)
-    found = ckpt.list_checkpoints(run_dir / "checkpoints")
-    if not found:
-        raise ConfigError(f"--run {str(run_dir)!r}: no checkpoint in {run_dir / 'checkpoints'}")
-    path = found[-1]
-    meta = ckpt.read_metadata(path)
-    if "vocab" not in meta:
+    run = load_run(run_dir)
+    cfg = run.config
+    if run.vocab is None:
         raise ConfigError(
-            f"checkpoint {path}: no vocabulary in its metadata; model.name={cfg.model.name} "
-            f"with data.name={cfg.data.name} is not a text model"
+            f"checkpoint {run.checkpoint}: no vocabulary in its metadata; model.name="
+            f"{cfg.model.name} with data.name={cfg.data.name} is not a text model"
         )
-    try:
-        vocab = json.loads(meta["vocab"])
-    except json.JSONDecodeError:
-        raise ConfigError(f"checkpoint {path}: its vocabulary metadata is not valid JSON") from None
-    model = models.MODELS[cfg.model.name](cfg.model, SimpleNamespace(num_classes=len(vocab)))
-    if not hasattr(model, "generate"):
-        raise ConfigError(f"model.name={cfg.model.name} cannot generate text")
-    template = jax.eval_shape(model.init, jax.random.key(0))
-    params = ckpt.load_params(path, template)
-    return model, params, vocab, path
+    if run.model.task != "language_model":
+        raise ConfigError(
+            f"model.name={cfg.model.name} is not a language model; it cannot generate"
+        )
+    return run, run.vocab
 
 
 def encode_prompt(prompt: str, vocab: str, context: int) -> list[int]:
@@ -104,13 +87,15 @@ def encode_prompt(prompt: str, vocab: str, context: int) -> list[int]:
 
 
 def generate(model, params, ids, n_tokens, seed, temperature, top_k):
-    """``(all ids, compile seconds, generate seconds)``: one compiled call of
-    ``model.generate`` for a batch of one."""
+    """``(all ids, compile seconds, generate seconds)``: one compiled call of the model's
+    generator (``train.inference.generator``) for a batch of one."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    fn = jax.jit(model.generate, static_argnames=("n_tokens", "top_k"))
+    from .inference import generator
+
+    fn = generator(model)
     prompt = jnp.asarray(np.asarray(ids, np.int32)[None, :])
     key = jax.random.key(seed)
     t0 = time.perf_counter()
@@ -124,16 +109,17 @@ def generate(model, params, ids, n_tokens, seed, temperature, top_k):
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        model, params, vocab, path = load_model(Path(args.run))
+        run, vocab = load_model(Path(args.run))
+        path = run.checkpoint
         prompt = args.prompt
         if prompt is None:
             prompt = "\n" if "\n" in vocab else vocab[0]
         if not prompt:
             raise ConfigError("--prompt must not be empty (omit it to start from a newline)")
-        ids = encode_prompt(prompt, vocab, model.context)
+        ids = encode_prompt(prompt, vocab, run.model.context)
         top_k = args.top_k or None
         out, t_compile, t_gen = generate(
-            model, params, ids, args.tokens, args.seed, args.temperature, top_k
+            run.model, run.params, ids, args.tokens, args.seed, args.temperature, top_k
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

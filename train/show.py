@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nnlite as nl
+from models import contract
 
 from .build import build, make_stepper
 from .config import Config
@@ -31,15 +32,11 @@ def show_grad(cfg: Config) -> str:
     params = r.model.init(jax.random.key(cfg.seed))
     b = min(cfg.train.batch_size, 4)
     x, y = host_batch(r.data, np.arange(b) % r.data.num_indices)
-    if uses_key(r.model):
-        key = jax.random.key(cfg.seed)
+    objective = contract.objective_fn(r.model, "manual")
+    key = jax.random.key(cfg.seed) if uses_key(r.model) else None
 
-        def loss(params, x, y):
-            return r.model.objective(params, x, y, grad="manual", key=key)[0]
-    else:
-
-        def loss(params, x, y):
-            return r.model.objective(params, x, y, grad="manual")[0]
+    def loss(params, x, y):
+        return objective(params, x, y, key=key)[0]
 
     return nl.show_grad(loss, params, jnp.asarray(x), jnp.asarray(y))
 

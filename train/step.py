@@ -23,7 +23,6 @@ a log/eval/checkpoint boundary, so they cost no host sync.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -35,13 +34,15 @@ import numpy as np
 import optax
 
 import nnlite as nl
+from models import contract
 
 from .parallel.base import Strategy
 
 
 def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
-    """``(params, x, y) -> (mean loss, {metric: mean})``, differentiable in mode ``grad``."""
-    objective = functools.partial(model.objective, grad=grad)
+    """``(params, x, y, *, key=None) -> (mean loss, {metric: mean})``, differentiable in mode
+    ``grad``: the model's objective, or its task's (see ``models/contract.py``)."""
+    objective = contract.objective_fn(model, grad)
     if grad == "manual":
         # Every nnlite layer and loss inside runs its hand-derived VJP (checked once per
         # trace: a layer without rules is refused by name).
@@ -51,8 +52,8 @@ def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
 
 def uses_key(model) -> bool:
     """Whether training ``model`` needs a random key per step (e.g. dropout): its
-    ``objective`` then takes ``key=``, derived from the seed and the step number."""
-    return bool(getattr(model, "uses_key", False))
+    objective then takes ``key=``, derived from the seed and the step number."""
+    return contract.uses_key(model)
 
 
 def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Callable:
@@ -275,7 +276,7 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 def build_split_eval(model, chunk: int) -> Callable:
     """Jitted ``(params, X, Y) -> {loss, metric: mean}`` over a whole split: the means of
-    ``model.loss``'s per-example values, computed ``chunk`` examples at a time (a
+    the model's per-example loss and metrics, computed ``chunk`` examples at a time (a
     ``lax.map``), so a large split (thousands of text windows) never materialises all its
     activations at once."""
 
@@ -285,7 +286,7 @@ def build_split_eval(model, chunk: int) -> Callable:
         full = n - n % chunk
 
         def per_example(xy):
-            loss, metrics = model.loss(params, *xy)
+            loss, metrics = contract.per_example_loss(model, params, *xy)
             return {"loss": loss, **metrics}
 
         parts = []

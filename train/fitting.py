@@ -1,0 +1,88 @@
+"""``train.fit(model, config)``: what ``python -m train --config`` runs, from Python.
+
+Example::
+
+    import train
+    from mymodels import ResMLP
+
+    run = train.fit(ResMLP(width=64), "configs/digits_mlp.yaml", overrides=["train.steps=300"])
+    run.summary["test_accuracy"], run.params, run.run_dir
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError, config_from_dict, read_yaml
+
+
+def fit(
+    model: Any = None,
+    config: str | Path | Mapping | Config | None = None,
+    *,
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+    resume: str = "auto",
+    echo: Callable[[str], None] = print,
+):
+    """Train ``model`` per ``config`` exactly as the CLI does; return the ``train.build.Run``
+    (``params``, ``opt_state``, ``summary`` of final metrics, ``run_dir``, ``cfg``).
+
+    Args:
+        model: an ``nl.Module`` instance (its fields are the model section; those left
+            ``None`` that the data determines are filled from it), a model class (its
+            fields come from the config's ``model:`` keys), or None (the config's
+            ``model.name``).
+        config: a YAML file, a dict of sections (as the YAML holds them), a ``Config``, or
+            None (every default).
+        overrides: ``--set`` style ``"key=value"`` strings, or a dict ``{"train.steps": 100}``.
+        resume: ``"auto"`` (resume from the newest checkpoint if any), ``"require"`` or
+            ``"fresh"``.
+        echo: where the run's lines go (``print``; a no-op to silence them).
+
+    Raises ``ConfigError`` for bad input, as the CLI's exit 2.
+    """
+    from .loop import train
+
+    if isinstance(overrides, Mapping):
+        overrides = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    cfg = _config(model, config, list(overrides))
+    return train(cfg, resume=resume, echo=echo)
+
+
+def _config(model: Any, config: Any, overrides: list[str]) -> Config:
+    import models
+    import nnlite as nl
+
+    if isinstance(config, Config):
+        if model is None and not overrides:
+            return config
+        from .config import to_dict
+
+        config = to_dict(config)
+    base_dir, source = None, "train.fit(config=...)"
+    if isinstance(config, (str, Path)):
+        base_dir, source = Path(config).resolve().parent, str(config)
+        config = read_yaml(Path(config))
+    elif config is not None and not isinstance(config, Mapping):
+        raise ConfigError(
+            f"train.fit: config must be a YAML path, a dict or a Config, got {type(config).__name__}"
+        )
+    raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in dict(config or {}).items()}
+    if model is None:
+        return config_from_dict(raw, overrides, source=source, base_dir=base_dir)
+    cls = model if isinstance(model, type) else type(model)
+    if not (isinstance(cls, type) and issubclass(cls, nl.Module)):
+        raise ConfigError(f"train.fit: model must be an nl.Module or its class, got {model!r}")
+    section = {k: v for k, v in dict(raw.get("model") or {}).items() if k != "name"}
+    if not isinstance(model, type):  # an instance: its fields are the model section
+        section = {
+            f.name: getattr(model, f.name)
+            for f in dataclasses.fields(model)
+            if f.init and getattr(model, f.name) is not None
+        }
+    raw["model"] = {"name": models.class_path(cls), **section}
+    return config_from_dict(raw, overrides, source=source, base_dir=base_dir, model_class=cls)

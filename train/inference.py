@@ -1,0 +1,247 @@
+"""Back from a run: :func:`load_run` rebuilds a run's model and params from its directory
+(any model, a user's own included), for prediction and text generation.
+
+Example (after ``python -m train --config configs/digits_mlp.yaml``)::
+
+    run = train.load_run("runs/digits_mlp")
+    probabilities = run.predict(x)                # [n, num_classes]
+    text = train.load_run("runs/shakespeare_gpt").generate("ROMEO:", 200)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import models
+import nnlite as nl
+from models.contract import Model
+
+from . import checkpoint as ckpt
+from .config import Config, ConfigError, ModelConfig, load_config
+from .optim import build_optimizer
+
+
+@dataclass
+class LoadedRun:
+    """A run read back from its directory (see :func:`load_run`)."""
+
+    run_dir: Path
+    config: Config  # the run's resolved config (config.yaml)
+    model: Model
+    params: nl.ParamsDict
+    step: int  # the checkpoint's step
+    checkpoint: Path
+    opt_state: Any = None  # the optimizer state (None unless asked for)
+    vocab: str | None = None  # text runs: the characters, in id order
+    metadata: dict = field(default_factory=dict)  # the checkpoint's metadata
+
+    def predict(self, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
+        """The model's outputs for inputs ``x`` (logits for a classifier, predictions for
+        a regression), computed ``batch_size`` rows at a time; no dropout."""
+        return predict(self.model, self.params, x, batch_size)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` in the run's vocabulary (a ConfigError names characters
+        it does not have)."""
+        if self.vocab is None:
+            raise ConfigError(f"run {self.run_dir} is not a text model: it has no vocabulary")
+        lut = {c: i for i, c in enumerate(self.vocab)}
+        unknown = sorted(set(text) - set(lut))
+        if unknown:
+            raise ConfigError(
+                f"characters outside the model's vocabulary: {''.join(unknown)!r}; the "
+                f"vocabulary is {self.vocab!r}"
+            )
+        return [lut[c] for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.vocab[int(i)] for i in ids)
+
+    def generate(
+        self,
+        prompt: str = "\n",
+        n_tokens: int = 200,
+        *,
+        seed: int = 0,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
+    ) -> str:
+        """``prompt`` continued by ``n_tokens`` sampled tokens (the prompt included)."""
+        ids = self.encode(prompt)
+        out = generate(
+            self.model, self.params, ids, n_tokens, jax.random.key(seed), temperature, top_k
+        )
+        return self.decode(out)
+
+
+def load_run(
+    run_dir: str | Path, *, checkpoint: str | Path | None = None, with_opt_state: bool = False
+) -> LoadedRun:
+    """The model, params (and optimizer state), config and vocabulary of a training run,
+    from its ``config.yaml`` and its newest checkpoint (or ``checkpoint``).
+
+    A user's model class is imported as the run names it (``module:Class``): from the
+    directory its module was in when the run trained, the current directory, or
+    ``sys.path``. Raises ConfigError (one line) for a directory that is not a run.
+    """
+    run_dir = Path(run_dir)
+    where = f"run {str(run_dir)!r}"
+    if not run_dir.is_dir():
+        raise ConfigError(f"{where}: no such run directory")
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise ConfigError(f"{where}: no config.yaml; is it a training run?")
+    if checkpoint is None:
+        found = ckpt.list_checkpoints(run_dir / "checkpoints")
+        if not found:
+            raise ConfigError(f"{where}: no checkpoint in {run_dir / 'checkpoints'}")
+        checkpoint = found[-1]
+    checkpoint = Path(checkpoint)
+    meta = ckpt.read_metadata(checkpoint)
+    _add_model_source(meta)
+    cfg = load_config(cfg_path)
+    model = model_of(cfg.model)
+    template = jax.eval_shape(model.init, jax.random.key(0))
+    opt_state = None
+    if with_opt_state:
+        optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+        params, opt_state, _ = ckpt.restore(
+            checkpoint, template, jax.eval_shape(optimizer.init, template)
+        )
+    else:
+        params = ckpt.load_params(checkpoint, template)
+    vocab = None
+    if "vocab" in meta:
+        try:
+            vocab = json.loads(meta["vocab"])
+        except json.JSONDecodeError:
+            raise ConfigError(
+                f"checkpoint {checkpoint}: its vocabulary is not valid JSON"
+            ) from None
+    step = int(meta.get("step", ckpt.step_of(checkpoint)))
+    return LoadedRun(run_dir, cfg, model, params, step, checkpoint, opt_state, vocab, meta)
+
+
+def model_of(spec: ModelConfig) -> Model:
+    """The model a resolved config section describes (every field given)."""
+    try:
+        return spec.cls(**spec.options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.name={spec.name}: {e}") from None
+
+
+MODEL_SOURCE_KEY = "model_source"  # checkpoint metadata: where a user's module was found
+
+
+def model_source(model: Any) -> str | None:
+    """The directory to import a user's model module from again (None: a shipped model or
+    an installed package)."""
+    cls = type(model)
+    if models.class_path(cls) in models.MODELS:
+        return None
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    top = Path(file).resolve().parent
+    for _ in cls.__module__.split(".")[1:]:  # a package module: up to the package's parent
+        top = top.parent
+    return str(top)
+
+
+def _add_model_source(meta: dict) -> None:
+    import sys
+
+    source = meta.get(MODEL_SOURCE_KEY)
+    if source and Path(source).is_dir() and source not in sys.path:
+        sys.path.append(source)
+
+
+def predict(model: Model, params, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
+    """``model(params, x)`` in batches of ``batch_size`` rows, as one numpy array."""
+    x = np.asarray(x)
+    if len(x) == 0:
+        raise ConfigError("no examples to predict (x is empty)")
+    apply = jax.jit(lambda p, xb: model(p, xb))
+    outs = []
+    for i in range(0, len(x), batch_size):
+        try:
+            outs.append(np.asarray(apply(params, jnp.asarray(x[i : i + batch_size]))))
+        except (TypeError, ValueError) as e:  # a shape the model refuses, named by the layer
+            raise ConfigError(str(e).splitlines()[0]) from None
+    return np.concatenate(outs)
+
+
+def generate(
+    model: Model,
+    params,
+    prompt: list[int] | np.ndarray,
+    n_tokens: int,
+    key: jax.Array,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> np.ndarray:
+    """``prompt`` ids followed by ``n_tokens`` sampled ones, from a language model.
+
+    A model with its own ``generate(params, prompt [1, T], n_tokens, key, temperature,
+    top_k)`` (the GPT's key/value cache) runs that; any other causal language model runs
+    :func:`generate_by_windows`: one compiled loop over a fixed ``context``-long window.
+    ``temperature=0`` is greedy; ``top_k`` samples among the k most likely.
+    """
+    if getattr(model, "task", None) != "language_model":
+        raise ConfigError(f"{type(model).__name__} is not a language model; it cannot generate")
+    context = model.context
+    ids = np.asarray(prompt, np.int32).reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise ConfigError("the prompt is empty; give at least one token")
+    if ids.shape[1] > context:
+        raise ConfigError(
+            f"the prompt is {ids.shape[1]} tokens, longer than the model's context of {context}"
+        )
+    run = generator(model)
+    return np.asarray(run(params, jnp.asarray(ids), n_tokens, key, temperature, top_k))[0]
+
+
+def generator(model: Model):
+    """The jitted ``(params, prompt [1, T], n_tokens, key, temperature, top_k) -> ids``
+    of a language model: its own ``generate`` if it has one, else
+    :func:`generate_by_windows` (``n_tokens`` and ``top_k`` are static)."""
+    fn = getattr(model, "generate", None)
+    if fn is None:
+        fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731
+    return jax.jit(fn, static_argnums=(2, 5))
+
+
+def generate_by_windows(model, params, prompt, n_tokens: int, key, temperature, top_k):
+    """Generation for any causal language model: the text so far sits in a window of
+    ``context`` tokens (right-padded until it is full, which a causal model never looks at),
+    the logits at its last real position give the next token, and a full window slides
+    by one. One compiled program; each token costs a forward pass over ``context``."""
+    from models.gpt import sample
+
+    context, t0 = model.context, prompt.shape[1]
+    window = jnp.zeros((1, context), jnp.int32).at[:, :t0].set(prompt)
+    out = jnp.zeros((1, t0 + n_tokens), jnp.int32).at[:, :t0].set(prompt)
+
+    def step(i, state):
+        window, out, filled = state
+        logits = model(params, window)[0]  # [context, vocab]
+        last = jnp.minimum(filled, context) - 1
+        nxt = sample(logits[last][None], jax.random.fold_in(key, i), temperature, top_k)[0]
+        full = filled >= context
+        slid = jnp.roll(window, -1, axis=1).at[0, -1].set(nxt)
+        grown = window.at[0, jnp.minimum(filled, context - 1)].set(nxt)
+        window = jnp.where(full, slid, grown)
+        return window, out.at[0, t0 + i].set(nxt), filled + 1
+
+    _, out, _ = jax.lax.fori_loop(0, n_tokens, step, (window, out, jnp.int32(t0)))
+    return out
