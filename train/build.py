@@ -73,12 +73,6 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
             f"loss.grad={cfg.loss.grad} is not available for model.name={cfg.model.name}; "
             f"it supports {', '.join(contract.grad_modes(model))}"
         )
-    if data.window is None and cfg.train.batch_size > len(data.x):
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} is larger than the training set "
-            f"({len(data.x)} examples of data.name={cfg.data.name}): every batch would hold "
-            f"examples several times; use at most {len(data.x)}"
-        )
     local_batch = cfg.train.batch_size // len(devices)
     if local_batch % cfg.train.grad_accum_steps:
         raise ConfigError(
@@ -91,6 +85,12 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
     # Before anything is allocated: refuse what cannot fit, naming the key.
     memory.check_fits(cfg, model, optimizer, data, strategy)
+    if data.window is None and cfg.train.batch_size > len(data.x):
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} is larger than the training set "
+            f"({len(data.x)} examples of data.name={cfg.data.name}): every batch would hold "
+            f"examples several times; use at most {len(data.x)}"
+        )
     run_dir = Path(cfg.log.dir) / cfg.name
     return Run(cfg, data, model, optimizer, strategy, run_dir)
 
@@ -246,6 +246,15 @@ class Prepared:
 
 
 def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
+    """:func:`compile_run`, with a model that ``loss.grad=manual`` cannot differentiate
+    (an operation without a hand rule) reported as bad input (one line, naming the layer)."""
+    try:
+        return compile_run(r, nonfinite, first_indices)
+    except nl.ManualGradError as e:
+        raise ConfigError(f"loss.grad={r.cfg.loss.grad}: {e}") from None
+
+
+def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     """The initial state, the train step and the evaluation, compiled side by side.
 
     A small model's cold start is compile time: for the digits MLP ~0.3 s of XLA for the

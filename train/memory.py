@@ -144,9 +144,17 @@ def check_fits(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     elif data.num_classes is not None and data.num_classes > _widest(cfg.model.options):
         fix = f"the data has {data.num_classes} classes (largest label {data.num_classes - 1})"
     else:
-        sizes = {k: v for k, v in cfg.model.options.items() if k not in contract.DATA_FIELDS}
-        shown = ", ".join(f"model.{k}={v!r}" for k, v in sizes.items() if _is_size(v))
-        fix = f"use a smaller model ({shown or 'model.name=' + cfg.model.name})"
+        sizes = {
+            k: v
+            for k, v in cfg.model.options.items()
+            if k not in contract.DATA_FIELDS and _is_size(v) and v != ()
+        }
+        if sizes:
+            k = max(sizes, key=lambda k: max(sizes[k]) if isinstance(sizes[k], tuple) else sizes[k])
+            v = list(sizes[k]) if isinstance(sizes[k], tuple) else sizes[k]
+            fix = f"reduce model.{k} (now {v})"
+        else:
+            fix = f"use a smaller model than model.name={cfg.model.name} on this data"
     what = {
         "state": "params, gradients and optimizer state",
         "data": "the data set",
@@ -164,10 +172,10 @@ def _is_size(v) -> bool:
 
 
 def _widest(options: dict) -> int:
-    """The largest size among a model's hyperparameters (1 if none)."""
+    """The largest size among a model's own hyperparameters (1 if none)."""
     sizes = [
         max(v) if isinstance(v, tuple) else v
         for k, v in options.items()
-        if k not in ("num_classes", "vocab_size") and _is_size(v) and v
+        if k not in contract.DATA_FIELDS and _is_size(v) and v != ()
     ]
     return max(sizes, default=1)

@@ -139,7 +139,8 @@ class IntervalMeans:
 
     def take(self) -> dict[str, float]:
         """The means (nan for a metric with no finite value), and start a new interval."""
-        out = {k: self.sums[k] / self.counts[k] if self.counts[k] else math.nan for k in self.sums}
+        names = sorted(self.sums, key=lambda k: k != "loss")  # the loss first
+        out = {k: self.sums[k] / self.counts[k] if self.counts[k] else math.nan for k in names}
         self.sums, self.counts = {}, {}
         return out
 
