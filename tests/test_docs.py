@@ -267,7 +267,7 @@ def test_readme_commands_match_ci():
 
 def test_readme_own_data_recipe(tmp_path, monkeypatch):
     """The README's npz recipe writes a file the CLI accepts for the model it names."""
-    import models
+    from train.build import make_model
     from train.config import load_config
     from train.data import load_dataset
 
@@ -281,7 +281,7 @@ def test_readme_own_data_recipe(tmp_path, monkeypatch):
     flags = _flags(cmd.argv[3:])
     cfg = load_config(ROOT / dict(flags)["--config"], [v for f, v in flags if f == "--set"])
     data = load_dataset(cfg.data)
-    model = models.MODELS[cfg.model.name](cfg.model, data)
+    model, _ = make_model(cfg, data)
     assert (cfg.data.name, model.task, data.task) == ("npz", "classification", "classification")
 
 
@@ -466,3 +466,25 @@ def test_reference_checks_catch_mistakes(tmp_path):
         ["python", "-m", "train", "--x"],
         ["pip", "install", "y"],
     ]
+
+
+def test_shipped_model_tables_list_each_models_fields_and_defaults():
+    import dataclasses
+
+    import models
+    from models.contract import DATA_FIELDS, fields
+    from train.config import to_dict
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    for name in models.MODELS:
+        start = text.index(f"`{name}` (`models/")
+        para = text[start : text.index("\n\n", text.index("\n\n", start) + 2)]
+        rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)`", para, flags=re.M))
+        cls = models.resolve(name)
+        own = {
+            k: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for k, f in fields(cls).items()
+            if k not in DATA_FIELDS
+        }
+        documented = {k: yaml.safe_load(v) for k, v in rows.items()}
+        assert documented == to_dict({"m": own})["m"], name
