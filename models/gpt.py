@@ -223,4 +223,3 @@ def gpt2_init(params: nl.ParamsDict, n_layer: int, key) -> nl.ParamsDict:
 
 # Paths (suffixes) of the matrices that write into the residual stream.
 RESIDUAL_OUT = ("/attn/out/W", "/mlp/proj/W")
-

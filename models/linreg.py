@@ -23,5 +23,3 @@ class LinReg(nl.Module):
 
     def __call__(self, params, x, *, key=None):
         return self.linear(params, x)
-
-

@@ -69,4 +69,3 @@ class MLP(nl.Module):
     @staticmethod
     def _correct(logits, y):
         return nl.accuracy(logits, y)
-

@@ -301,5 +301,11 @@ def _exit(message: str, status: int, multiprocess: bool) -> int:
     return status
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The ``nnlite-train`` command (installed with the package): ``python -m train``
+    from any directory, a user's project included."""
     sys.exit(main(compile_cache=True, standalone=True))
+
+
+if __name__ == "__main__":
+    run()

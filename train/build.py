@@ -84,7 +84,17 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
         rundir.check_tensorboard()
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
     # Before anything is allocated: refuse what cannot fit, naming the key.
-    memory.check_fits(cfg, model, optimizer, data, strategy)
+    try:
+        memory.check_fits(cfg, model, optimizer, data, strategy)  # traces init and the loss
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        # The model refuses its own hyperparameters or the data's shapes (the layers name
+        # the expected and actual shapes): bad input, one line.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.name={cfg.model.name} does not run on data.name={cfg.data.name}: {first}"
+        ) from None
     if data.window is None and cfg.train.batch_size > len(data.x):
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} is larger than the training set "

@@ -1,0 +1,519 @@
+"""A user's own model, in the user's own directory, through everything the trainer does.
+
+The models and configs are written into a temporary project outside the repository and
+trained with ``python -m train`` from there (the checkout is put on PYTHONPATH, as the
+README's editable install puts it on sys.path).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import nnlite as nl
+import train
+from train.__main__ import main
+from train.rundir import TIMING_KEYS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODELS_PY = '''
+import jax
+import jax.numpy as jnp
+import nnlite as nl
+
+
+class ResMLP(nl.Module):
+    """A residual MLP classifier built from nnlite layers (every one has a hand rule)."""
+
+    in_features: int
+    num_classes: int
+    width: int = 16
+    depth: int = 2
+
+    task = "classification"
+
+    def init(self, key):
+        keys = jax.random.split(key, self.depth + 2)
+        return nl.ParamsDict(
+            inp=nl.Linear(self.in_features, self.width).init(keys[0]),
+            blocks=[nl.Linear(self.width, self.width).init(k) for k in keys[1:-1]],
+            out=nl.Linear(self.width, self.num_classes).init(keys[-1]),
+        )
+
+    def __call__(self, params, x, *, key=None):
+        h = nl.relu(nl.Linear(self.in_features, self.width)(params.inp, x))
+        for p in params.blocks:
+            h = nl.add(h, nl.relu(nl.Linear(self.width, self.width)(p, h)))
+        return nl.Linear(self.width, self.num_classes)(params.out, h)
+
+
+class TinyLM(nl.Module):
+    """Token + position embeddings, one causal transformer block, a linear head."""
+
+    vocab_size: int
+    context: int
+    width: int = 16
+
+    task = "language_model"
+
+    def init(self, key):
+        k = jax.random.split(key, 4)
+        return nl.ParamsDict(
+            tok=nl.Embedding(self.vocab_size, self.width).init(k[0]),
+            pos=nl.Embedding(self.context, self.width).init(k[1]),
+            block=nl.TransformerBlock(self.width, 2, causal=True).init(k[2]),
+            head=nl.Linear(self.width, self.vocab_size).init(k[3]),
+        )
+
+    def __call__(self, params, x, *, key=None):
+        tok = nl.Embedding(self.vocab_size, self.width)(params.tok, x)
+        pos = nl.Embedding(self.context, self.width)(params.pos, jnp.arange(x.shape[-1]))
+        h = nl.TransformerBlock(self.width, 2, causal=True)(params.block, nl.add(tok, pos))
+        return nl.Linear(self.width, self.vocab_size)(params.head, h)
+
+
+class RawTanh(nl.Module):
+    """jnp.tanh has no hand rule: loss.grad=manual must refuse it by name."""
+
+    in_features: int
+    num_classes: int
+
+    task = "classification"
+
+    def init(self, key):
+        return nl.ParamsDict(lin=nl.Linear(self.in_features, self.num_classes).init(key))
+
+    def __call__(self, params, x, *, key=None):
+        return jnp.tanh(nl.Linear(self.in_features, self.num_classes)(params.lin, x))
+
+
+class NeedsDepth(nl.Module):
+    in_features: int
+    num_classes: int
+    depth: int  # required: no default, not filled by the data
+    task = "classification"
+
+    def init(self, key):
+        return nl.ParamsDict()
+
+
+class NoTask(nl.Module):
+    in_features: int
+
+    def init(self, key):
+        return nl.ParamsDict()
+
+
+class NotAModule:
+    task = "classification"
+'''
+
+RES_YAML = """
+name: res
+seed: 0
+model:
+  name: mymodels:ResMLP
+  width: 16
+data:
+  name: npz
+  path: small.npz
+train:
+  batch_size: 32
+  steps: 40
+  eval_every: 20
+  log_every: 10
+checkpoint:
+  every: 5
+log:
+  progress: false
+  plot: false
+"""
+
+LM_YAML = """
+name: lm
+model:
+  name: mymodels:TinyLM
+data:
+  name: text
+  path: corpus.txt
+  context: 16
+  eval_windows: 32
+train:
+  batch_size: 8
+  steps: 30
+  eval_every: 30
+  log_every: 10
+log:
+  progress: false
+  plot: false
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A user's project directory: their model module, configs and data, nothing else."""
+    d = tmp_path_factory.mktemp("userproject")
+    (d / "mymodels.py").write_text(MODELS_PY)
+    (d / "broken.py").write_text("raise RuntimeError('this module does not import')\n")
+    (d / "res.yaml").write_text(RES_YAML)
+    (d / "lm.yaml").write_text(LM_YAML)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(320, 8)).astype(np.float32)
+    y = ((x[:, 0] > 0) + 2 * (x[:, 1] > 0)).astype(np.int32)
+    np.savez(d / "small.npz", x=x[:256], y=y[:256], x_test=x[256:], y_test=y[256:])
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "ran"]
+    (d / "corpus.txt").write_text(" ".join(words[i] for i in rng.integers(0, 8, 3000)))
+    return d
+
+
+def env(devices: int = 1) -> dict:
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        e.pop(k, None)
+    return e
+
+
+def run_cli(project, *args, module="train", devices=1, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=project,
+        env=env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def sets(*overrides) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("ckpt_*.safetensors"))[-1]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def assert_same_tree(a, b):
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+
+
+@pytest.fixture(scope="module")
+def ref_run(project):
+    """The uninterrupted run of res.yaml, from the project's directory."""
+    proc = run_cli(project, "--config", "res.yaml", "--fresh")
+    assert proc.returncode == 0, proc.stderr
+    return project / "runs" / "res"
+
+
+def test_user_model_trains_from_its_directory_and_records_only_its_keys(project, ref_run):
+    assert ref_run.is_dir()  # runs/ under the user's directory, not the repository
+    import yaml
+
+    saved = yaml.safe_load((ref_run / "config.yaml").read_text())
+    assert saved["model"] == {
+        "name": "mymodels:ResMLP",
+        "in_features": 8,
+        "num_classes": 4,
+        "width": 16,
+        "depth": 2,
+    }
+    records = metrics(ref_run)
+    train_records = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train_records] == [10, 20, 30, 40]
+    assert all(r["lr"] == pytest.approx(1e-3) for r in train_records)
+    assert train_records[-1]["loss"] < train_records[0]["loss"]
+
+
+def test_user_model_resumes_bit_identically_after_sigkill(project, ref_run):
+    args = ["--config", "res.yaml", *sets("name=killed", "train.log_every=7"), "--fresh"]
+    for attempt in range(3):  # kill once mid-run; a machine fast enough to finish first retries
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train", *args],
+            cwd=project,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        ckpt_dir = project / "runs" / "killed" / "checkpoints"
+        deadline = time.monotonic() + 120
+        while not (ckpt_dir / "ckpt_00000010.safetensors").exists():
+            assert proc.poll() is None or attempt < 2, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            if proc.poll() is not None:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        if proc.returncode == -signal.SIGKILL:
+            break
+    assert proc.returncode == -signal.SIGKILL
+    args.remove("--fresh")
+    done = run_cli(project, *args)
+    assert done.returncode == 0, done.stderr
+    assert "resuming at step" in done.stdout
+    ref = run_cli(project, "--config", "res.yaml", *sets("name=unkilled", "train.log_every=7"))
+    assert ref.returncode == 0, ref.stderr
+    runs = project / "runs"
+    a = nl.load(final_checkpoint(runs / "killed"))
+    b = nl.load(final_checkpoint(runs / "unkilled"))
+    assert_same_tree(a, b)
+    # The train records are means over each logging interval (7 steps across checkpoints
+    # every 5): the resumed run restores the partial sums and logs the same values.
+    assert metrics(runs / "killed") == metrics(runs / "unkilled")
+
+
+def _fit(project, name, *overrides):
+    cfg_path = project / "res.yaml"
+    return train.fit(
+        None,
+        cfg_path,
+        overrides=[f"name={name}", f"log.dir={project / 'fit_runs'}", *overrides],
+        resume="fresh",
+        echo=lambda line: None,
+    )
+
+
+@pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
+def test_user_model_data_parallel_equals_one_device(project, strategy, monkeypatch):
+    monkeypatch.chdir(project)  # data.path is relative to the current directory
+    one = _fit(project, "one", "train.steps=10", "checkpoint.every=0")
+    many = _fit(
+        project,
+        strategy,
+        "train.steps=10",
+        "checkpoint.every=0",
+        f"parallel.strategy={strategy}",
+        "parallel.devices=4",
+    )
+    init = one.model.init(jax.random.key(0))
+    moved = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, (one.params, init)))
+    )
+    assert moved > 1e-3  # it trained
+    # Same global batch: only the order of the gradient sums differs (float32 rounding,
+    # a few ulps per step; a wrong reduction is off by the learning rate or more).
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(many.params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=2e-5)
+
+
+def test_fit_with_a_model_instance_is_the_cli_run(project, ref_run, monkeypatch):
+    monkeypatch.chdir(project)
+    sys.path.insert(0, str(project))
+    try:
+        import mymodels
+
+        run = train.fit(
+            mymodels.ResMLP(in_features=None, num_classes=None, width=16),
+            project / "res.yaml",
+            overrides={"log.dir": str(project / "fit_runs"), "name": "instance"},
+            resume="fresh",
+            echo=lambda line: None,
+        )
+    finally:
+        sys.path.remove(str(project))
+    assert run.step == 40 and run.run_dir == project / "fit_runs" / "instance"
+    assert "test_accuracy" in run.summary
+    assert_same_tree(run.params, nl.load(final_checkpoint(ref_run), subtree="params"))
+
+
+def test_load_run_and_predict(project, ref_run, tmp_path):
+    loaded = train.load_run(ref_run)
+    assert type(loaded.model).__name__ == "ResMLP" and loaded.step == 40
+    assert_same_tree(loaded.params, nl.load(final_checkpoint(ref_run), subtree="params"))
+    data = np.load(project / "small.npz")
+    np.savez(tmp_path / "new.npz", x=data["x_test"], y=data["y_test"])
+    proc = run_cli(
+        project,
+        "--run",
+        str(ref_run),
+        "--data",
+        str(tmp_path / "new.npz"),
+        "--out",
+        str(tmp_path / "pred.npz"),
+        module="train.predict",
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = np.load(tmp_path / "pred.npz")
+    logits = loaded.predict(data["x_test"])
+    np.testing.assert_array_equal(out["predictions"], logits.argmax(-1))
+    assert out["probabilities"].shape == (64, 4)
+    accuracy = float(np.mean(out["predictions"] == data["y_test"]))
+    assert f"accuracy {accuracy:.4f}" in proc.stdout
+    # Bad input: one line, exit 2.
+    np.savez(tmp_path / "wide.npz", x=np.zeros((3, 9), np.float32))
+    bad = run_cli(
+        project, "--run", str(ref_run), "--data", str(tmp_path / "wide.npz"), module="train.predict"
+    )
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "expected input with last axis 8" in bad.stderr
+
+
+def test_user_language_model_trains_samples_and_generates(project):
+    proc = run_cli(project, "--config", "lm.yaml", "--fresh")
+    assert proc.returncode == 0, proc.stderr
+    run_dir = project / "runs" / "lm"
+    sample = run_cli(
+        project, "--run", str(run_dir), "--prompt", "the ", "--tokens", "20", module="train.sample"
+    )
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("the ") and len(sample.stdout.rstrip("\n")) == 24
+    loaded = train.load_run(run_dir)
+    greedy = loaded.generate("the cat ", 12, temperature=0)
+    assert greedy.startswith("the cat ") and len(greedy) == 20
+    assert greedy == loaded.generate("the cat ", 12, temperature=0, seed=5)  # greedy: no key
+
+
+def test_generation_by_windows_equals_the_gpts_cache_within_the_context():
+    from models.gpt import GPT
+    from train.inference import generate_by_windows
+
+    model = GPT(vocab_size=11, context=12, n_layer=1, n_head=2, n_embd=16)
+    params = model.init(jax.random.key(0))
+    prompt = jax.numpy.asarray([[1, 2, 3]])
+    key = jax.random.key(1)
+    cached = model.generate(params, prompt, 9, key, 0.0, None)
+    windows = generate_by_windows(model, params, prompt, 9, key, 0.0, None)
+    np.testing.assert_array_equal(np.asarray(cached), np.asarray(windows))
+
+
+def test_user_model_show_jaxpr_and_manual_gradients(project, capsys, monkeypatch):
+    monkeypatch.chdir(project)
+    assert main(["--config", "res.yaml", "--show-jaxpr", "loss"]) == 0
+    assert "def loss(" in capsys.readouterr().out
+    auto = _fit(project, "auto", "train.steps=3", "checkpoint.every=0")
+    manual = _fit(project, "manual", "train.steps=3", "checkpoint.every=0", "loss.grad=manual")
+    for a, b in zip(jax.tree.leaves(auto.params), jax.tree.leaves(manual.params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    code = main(
+        ["--config", "res.yaml", *sets("model={name: 'mymodels:RawTanh'}", "loss.grad=manual")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "layer RawTanh computes `tanh`" in err
+
+
+def test_user_model_on_two_processes_equals_one_process(project, monkeypatch):
+    monkeypatch.chdir(project)
+    par = ["parallel.strategy=shard_map", "train.steps=10", "checkpoint.every=0"]
+    proc = run_cli(
+        project,
+        "--config",
+        "res.yaml",
+        *sets("name=two", "parallel.devices=2", *par),
+        "--processes",
+        "2",
+        devices=2,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "devices: 2 processes x 2 x cpu" in proc.stdout
+    one = _fit(project, "one4", "parallel.devices=4", *par)
+    two = nl.load(final_checkpoint(project / "runs" / "two"), subtree="params")
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (
+            "{name: 'mymodels:ResMLP', widht: 3}",
+            r"unknown key 'model.widht'; model.name=mymodels:ResMLP \(ResMLP\) takes in_features, num_classes, width, depth",
+        ),
+        (
+            "{name: 'mymodels:NeedsDepth'}",
+            r"model.depth is required by model.name=mymodels:NeedsDepth \(NeedsDepth.depth: int\)",
+        ),
+        ("{name: 'mymodels:ResMLP', width: wide}", r"model.width: expected int, got 'wide'"),
+        (
+            "{name: 'nosuchmodule:Model'}",
+            r"model.name=nosuchmodule:Model: no module named 'nosuchmodule'",
+        ),
+        (
+            "{name: 'broken:Model'}",
+            r"model.name=broken:Model: importing broken failed: RuntimeError: this module does not import",
+        ),
+        (
+            "{name: 'mymodels:Missing'}",
+            r"model.name=mymodels:Missing: module mymodels \(.*mymodels.py\) has no Missing; its classes: NeedsDepth, NoTask, NotAModule",
+        ),
+        (
+            "{name: 'mymodels:NotAModule'}",
+            r"model.name=mymodels:NotAModule: class NotAModule is not an nnlite Module \(subclass nl.Module\)",
+        ),
+        (
+            "{name: 'mymodels:NoTask'}",
+            r"NoTask.task must be one of classification, regression, language_model \(a class attribute\), got None",
+        ),
+        (
+            "{name: 'mymodels:TinyLM'}",
+            r"model.name=mymodels:TinyLM is a language_model model but data.name=npz is a classification data set",
+        ),
+        (
+            "{name: 'mymodels:ResMLP', num_classes: 2}",
+            r"model.num_classes=2 does not fit the data, which has num_classes=4",
+        ),
+        ("{name: 'mymodels:ResMLP', width: 0}", None),  # the model's own check (Linear refuses)
+    ],
+)
+def test_bad_model_config_is_one_line_exit_2(project, capsys, monkeypatch, model, message):
+    monkeypatch.chdir(project)
+    code = main(["--config", "res.yaml", *sets(f"model={model}", "name=bad")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    if message is not None:
+        import re
+
+        assert re.search(message, err), err
+    assert not (project / "runs" / "bad").exists()  # nothing written for bad input
+
+
+def test_quiet_data_surprises_are_said(project, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(project)
+    code = main(["--config", "res.yaml", *sets("train.batch_size=1000", "name=big")])
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and "train.batch_size=1000 is larger than the training set (256 examples" in err
+    )
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    np.savez(tmp_path / "float.npz", x=x, y=(x[:, 0] > 0).astype(np.float32))
+    code = main(["--config", "res.yaml", *sets(f"data.path={tmp_path / 'float.npz'}", "name=flt")])
+    err = capsys.readouterr().err
+    assert code == 2 and "float labels are read as regression targets" in err
+    assert "y.astype(np.int64)" in err
+    np.savez(tmp_path / "gaps.npz", x=x, y=rng.integers(1, 4, 64).astype(np.int32))
+    over = sets(
+        f"data.path={tmp_path / 'gaps.npz'}", "name=gaps", "train.steps=2", "checkpoint.every=0"
+    )
+    assert main(["--config", "res.yaml", *over, "--set", f"log.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "labels run 0..3 but 1 of those classes never occur (0)" in out
+
+
+def test_install_puts_the_trainer_on_the_path():
+    """The README's editable install installs train/ and models/ with the library and an
+    nnlite-train command, so a user's project can train from its own directory."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    found = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {"nnlite*", "train*", "models*"} <= set(found)
+    assert project["project"]["scripts"]["nnlite-train"] == "train.__main__:run"
