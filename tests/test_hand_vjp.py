@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import nnlite as nl
+from models.contract import objective_fn
 from nnlite import _conv, _dropout, _embedding, _linear, _losses, _pool
 from nnlite import _normalisation as norm
 from nnlite.vjp import check_vjp
-
-from models.contract import objective_fn
 
 DTYPES = ["float32", "float64"]
 
@@ -300,8 +299,8 @@ def test_equinox_layers_use_autodiff_and_say_so_once(caplog):
 def test_fused_on_another_model_is_a_config_error_naming_the_models_with_it():
     from pathlib import Path
 
-    from train.config import ConfigError, load_config
     from train.build import build
+    from train.config import ConfigError, load_config
 
     root = Path(__file__).resolve().parents[1]
     sets = ["data.name=digits", "model.channels=[4]", "model.kernel_size=3", "loss.grad=fused"]
