@@ -44,7 +44,7 @@ class Spec:
     def nnlite_model(self):
         from models.mlp import MLP
 
-        return MLP(self.in_features, self.hidden, self.classes)
+        return MLP(self.in_features, self.classes, self.hidden)
 
 
 SPECS = {

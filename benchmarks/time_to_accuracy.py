@@ -68,16 +68,15 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
 
     import jax
 
-    import models
     from train import parallel
-    from train.build import Run, prepare
+    from train.build import Run, make_model, prepare
     from train.data import BatchIndices
     from train.loop import boundaries, steps_in_call
     from train.optim import build_optimizer
 
     tc = dataclasses.replace(cfg.train, steps_per_call=steps_per_call, eval_every=eval_every)
     cfg = dataclasses.replace(cfg, train=tc)
-    model = models.MODELS[cfg.model.name](cfg.model, data)
+    model, cfg = make_model(cfg, data)
     optimizer = build_optimizer(cfg.optimizer, tc.steps)
     run = Run(
         cfg, data, model, optimizer, parallel.get("none", jax.local_devices()[:1]), Path("unused")
@@ -245,13 +244,12 @@ def worker(impl: str, weights_path: str, eval_every: int) -> dict:
 def write_weights(path: Path) -> None:
     """nnlite's initial weights of the digits MLP, for the other frameworks to copy."""
 
-    import models
-    from train.build import init_state_compiled
+    from train.build import init_state_compiled, make_model
     from train.data import load_dataset
     from train.optim import build_optimizer
 
     cfg = _config()
-    model = models.MODELS[cfg.model.name](cfg.model, load_dataset(cfg.data))
+    model, _ = make_model(cfg, load_dataset(cfg.data))
     p, _ = init_state_compiled(model, build_optimizer(cfg.optimizer, cfg.train.steps), cfg.seed)
     layers = [*p.ffn.layers, p.head]
     np.savez(path, **{f"{n}{i}": np.asarray(lp[n]) for i, lp in enumerate(layers) for n in "Wb"})

@@ -153,7 +153,7 @@ class CNN(nl.Module):
 
     def features(self, params, x):
         """The flattened output of the conv stack, ``[batch, out_length * channels]``."""
-        if len(self.in_shape) == 1:
+        if x.ndim == 2 and self.in_channels == 1:  # [batch, length]: one channel
             x = x[..., None]
         act = nl.get_activation(self.activation)
         for layer, p in zip(self.conv_layers, params.convs, strict=True):

@@ -163,7 +163,7 @@ def cli_error(capsys, tmp_path, *sets):
     [
         (["model.channels=[]"], r"model.channels must be a non-empty list of positive ints"),
         (["model.channels=[25, 0]"], r"model.channels must be .* got \[25, 0\]"),
-        (["model.kernel_size=[5, 3]"], r"model.kernel_size has 2 entries but model.channels"),
+        (["model.kernel_size=[5, 3]"], r"model.kernel_size has 2 entries but channels has 3 layers"),
         (["model.kernel_size=0"], r"model.kernel_size must be >= 1, got 0 \(layer 0\)"),
         (["model.strides=[2, 0, 2]"], r"model.strides must be >= 1, got 0 \(layer 1\)"),
         (["model.padding=-1"], r"model.padding must be >= 0, got -1"),
@@ -180,9 +180,9 @@ def test_conv_stack_too_deep_for_the_data_is_a_config_error(capsys, tmp_path):
     # MNIST-1D's 40 samples through kernel 5, stride 4, no padding: 9, 2, then nothing.
     sets = ["model.kernel_size=5", "model.strides=4", "model.padding=0", "data.num_samples=200"]
     err = cli_error(capsys, tmp_path, *sets)
-    assert "model.kernel_size/strides/padding" in err and "length 40" in err, err
+    assert "model.kernel_size/model.strides/model.padding" in err and "length 40" in err, err
     assert "[9, 2, 0]" in err, err
-    with pytest.raises(ConfigError, match="model.channels"):
+    with pytest.raises(ConfigError, match="conv layers of channels"):
         from train.build import build
 
         build(load_config(ROOT / CONFIG, sets))

@@ -252,7 +252,10 @@ def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
     # A different architecture: refused by the key that changed, before the tensors are read.
     code, err = cli(capsys, *base, "--set", "model.hidden_sizes=[32]", "--set", "train.steps=20")
     assert code == 2
-    assert "was written with model.hidden_sizes=[128] but the config has model.hidden_sizes=[32]" in err
+    assert (
+        "was written with model.hidden_sizes=[128] but the config has model.hidden_sizes=[32]"
+        in err
+    )
     # A changed hyperparameter that keeps the shapes: refused by name.
     code, err = cli(
         capsys, *base, "--set", "optimizer.learning_rate=0.5", "--set", "train.steps=20"

@@ -196,7 +196,7 @@ def regression_npz(tmp_path, bad_step: int, n=128, batch=16, seed=0) -> str:
 
 
 NONFINITE = [
-    "model.name=linreg",
+    "model={name: linreg}",
     "data.name=npz",
     "optimizer.name=sgd",
     "optimizer.learning_rate=0.01",
@@ -288,8 +288,11 @@ def test_first_nonfinite_names_grads_and_params_by_nnlite_path():
 
 
 def test_nonfinite_skip_writes_strict_json_null(tmp_path):
-    path = regression_npz(tmp_path, bad_step=8)  # step 8 is a log boundary (log_every=4)
+    path = regression_npz(tmp_path, bad_step=8)
+    # A train record is the mean of its interval's finite values: logging every step, the
+    # skipped step's record has no finite loss at all.
     over = [*NONFINITE, f"data.path={path}", f"log.dir={tmp_path}", "train.steps=8"]
+    over.append("train.log_every=1")
     r = train(load_config(ROOT / CONFIG, [*over, "train.nonfinite=skip"]), resume="fresh")
 
     def refuse(constant):

@@ -84,7 +84,7 @@ def test_sampling_is_a_function_of_the_key(tiny_params):
 
 def test_loss_is_nats_per_char_and_bits(tiny_params):
     x = jnp.zeros((2, 8), jnp.int32)
-    loss, metrics = jax.jit(TINY.objective)(tiny_params, x, x)
+    loss, metrics = jax.jit(objective_fn(TINY))(tiny_params, x, x)
     assert float(metrics["bits_per_char"]) == pytest.approx(float(loss) / np.log(2))
     # at init the head is near uniform: about ln(vocab)
     assert float(loss) == pytest.approx(np.log(TINY.vocab_size), rel=0.05)

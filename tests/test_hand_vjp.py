@@ -242,7 +242,10 @@ def test_show_grad_mlp_cnn_gpt_print_code_that_gives_jax_grad(key):
 
     cnn = CNN((12,), 3, (3, 4), (3, 1), (2, 1), (1, "SAME"))  # stride 2, kernel 1
     src = _show_grad_matches(
-        lambda p, x, y: objective_fn(cnn)(p, x, y)[0], cnn.init(key), jax.random.normal(key, (4, 12)), y
+        lambda p, x, y: objective_fn(cnn)(p, x, y)[0],
+        cnn.init(key),
+        jax.random.normal(key, (4, 12)),
+        y,
     )
     assert "conv_vjp(" in src and "flatten_vjp(" in src
 
@@ -250,7 +253,10 @@ def test_show_grad_mlp_cnn_gpt_print_code_that_gives_jax_grad(key):
     ids = jax.random.randint(key, (2, 6), 0, 7)
     dkey = jax.random.key(1)
     src = _show_grad_matches(
-        lambda p, x, y: objective_fn(gpt)(p, x, y, key=dkey)[0], gpt.init(key), ids, jnp.roll(ids, 1)
+        lambda p, x, y: objective_fn(gpt)(p, x, y, key=dkey)[0],
+        gpt.init(key),
+        ids,
+        jnp.roll(ids, 1),
     )
     assert "dot_product_attention_vjp(" in src and "jnp.tril(" in src
 

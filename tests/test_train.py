@@ -140,7 +140,8 @@ def test_run_directory_contents(tmp_path):
     assert (r.run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ckpts = sorted(p.name for p in (r.run_dir / "checkpoints").iterdir())
     assert ckpts == ["ckpt_00000020.safetensors", "ckpt_00000030.safetensors"]
-    assert load_config(r.run_dir / "config.yaml") == cfg
+    assert load_config(r.run_dir / "config.yaml") == r.cfg  # with the data-filled model fields
+    assert r.cfg.model.options == {**cfg.model.options, "in_features": 64, "num_classes": 10}
     from safetensors import safe_open
 
     with safe_open(str(r.run_dir / "checkpoints" / ckpts[-1]), framework="numpy") as f:

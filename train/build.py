@@ -69,9 +69,17 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
     timings.lap("data")
     model, cfg = make_model(cfg, data)
     if cfg.loss.grad not in contract.grad_modes(model):
+        having = [
+            n for n in models.MODELS if cfg.loss.grad in contract.grad_modes(models.resolve(n))
+        ]
         raise ConfigError(
             f"loss.grad={cfg.loss.grad} is not available for model.name={cfg.model.name}; "
             f"it supports {', '.join(contract.grad_modes(model))}"
+            + (
+                f" ({cfg.loss.grad} is a hand-written pass of model.name={'/'.join(having)})"
+                if having
+                else ""
+            )
         )
     local_batch = cfg.train.batch_size // len(devices)
     if local_batch % cfg.train.grad_accum_steps:
@@ -135,9 +143,19 @@ def make_model(cfg: Config, data: Dataset) -> tuple[Model, Config]:
     try:
         model = cls(**options)
     except (TypeError, ValueError) as e:  # the model's own checks of its hyperparameters
-        raise ConfigError(f"{where} ({cls.__name__}): {e}") from None
+        raise ConfigError(f"{where} ({cls.__name__}): {_name_keys(str(e), cls)}") from None
     resolved = {f: getattr(model, f) for f in contract.fields(cls)}
     return model, dataclasses.replace(cfg, model=ModelConfig(spec.name, resolved, cls))
+
+
+def _name_keys(message: str, cls: type) -> str:
+    """A model's message as config keys: its leading field names (``channels must ...``,
+    ``kernel_size/strides ...``) become ``model.channels``, ``model.kernel_size/...``."""
+    head, sep, rest = message.partition(" ")
+    names = head.split("/")
+    if names and all(n in contract.fields(cls) for n in names):
+        head = "/".join(f"model.{n}" for n in names)
+    return head + sep + rest
 
 
 def _task_hint(task: str, data: Dataset) -> str:
