@@ -517,3 +517,41 @@ def test_install_puts_the_trainer_on_the_path():
     found = project["tool"]["setuptools"]["packages"]["find"]["include"]
     assert {"nnlite*", "train*", "models*"} <= set(found)
     assert project["project"]["scripts"]["nnlite-train"] == "train.__main__:run"
+
+
+def _events(directory: Path) -> list:
+    """The Event protos of TensorBoard event files (TFRecord: length, crc, data, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        i = 0
+        while i < len(data):
+            n = int.from_bytes(data[i : i + 8], "little")
+            events.append(event_pb2.Event.FromString(data[i + 12 : i + 12 + n]))
+            i += 12 + n + 4
+    return events
+
+
+def test_tensorboard_scalars_match_metrics_jsonl(project, monkeypatch):
+    monkeypatch.chdir(project)
+    run = _fit(project, "tb", "train.steps=20", "checkpoint.every=0", "log.tensorboard=true")
+    scalars = {
+        (v.tag, e.step): v.simple_value for e in _events(run.run_dir / "tensorboard") for v in e.summary.value
+    }
+    for record in metrics(run.run_dir):
+        for k in ("loss", "accuracy"):
+            assert scalars[(f"{record['split']}/{k}", record["step"])] == pytest.approx(record[k])
+    assert scalars[("train/lr", 20)] == pytest.approx(1e-3)
+
+
+def test_plot_is_titled_with_the_run_and_the_losss_unit(project, ref_run):
+    from train.report import plot_labels
+
+    loaded = train.load_run(ref_run)
+
+    class R:
+        cfg, model = loaded.config, loaded.model
+
+    assert plot_labels(R) == ("res (mymodels:ResMLP)", "cross-entropy, nats")
