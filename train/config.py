@@ -70,8 +70,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    # How gradients are computed: jax.value_and_grad, composed hand VJPs, or one fused
-    # hand-derived backward pass (manual/fused: mlp only).
+    # How gradients are computed: jax.value_and_grad (autodiff), every layer's hand VJP
+    # composed (manual: any model built from layers with hand rules), or a model's own
+    # hand-written pass (fused: models that list it in grad_modes, the mlp).
     grad: str = choice("autodiff", GRAD_MODES)
 
 
