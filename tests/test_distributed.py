@@ -34,7 +34,7 @@ COMMON = [
     "checkpoint.keep=2",
 ]
 # The JAX tutorial's linear regression: the quickest run, for tests that kill it anyway.
-LINREG = ["model.name=linreg", "data.name=linreg", "optimizer.name=sgd"]
+LINREG = ["model={name: linreg}", "data.name=linreg", "optimizer.name=sgd"]
 
 
 def env_with_devices(n: int) -> dict:
