@@ -15,10 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _vjp
-from ._losses import softmax_cross_entropy as _sce
-from ._nn import ACTIVATIONS, get_activation
-from ._vjp_tools import _match_primal
+from .grad import _vjp_batched as _vjp
+from .grad._check import _match_primal
+from .nn._activations import ACTIVATIONS, get_activation
+from .nn._losses import softmax_cross_entropy as _sce
 from .vjp.batched import hand
 
 __all__ = [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import nnlite as nl
-from nnlite import _conv, _dropout, _embedding, _linear, _losses, _pool
-from nnlite import _normalisation as norm
+from nnlite.nn import _conv, _dropout, _embedding, _linear, _losses, _pool
+from nnlite.nn import _normalisation as norm
 from nnlite.vjp import check_vjp
 
 DTYPES = ["float32", "float64"]
@@ -191,7 +191,7 @@ def test_a_layer_with_its_own_rule_passes(key):
 
 @pytest.mark.parametrize("heads", [1, 2])
 def test_attention(rand, heads):
-    from nnlite import _attention
+    from nnlite.nn import _attention
 
     q, k, v = rand(2, 5, heads, 4), rand(2, 5, heads, 4), rand(2, 5, heads, 4)
     causal = _attention.causal_mask(5, 5)
@@ -275,7 +275,7 @@ def test_show_grad_cli(capsys):
 def test_equinox_layers_use_autodiff_and_say_so_once(caplog):
     import equinox as eqx
 
-    from nnlite import _equinox
+    from nnlite.nn import _equinox
 
     _equinox._told.clear()
     lin = nl.from_equinox(eqx.nn.Linear(3, 4, key=jax.random.key(0)))

@@ -529,7 +529,7 @@ def test_unsupported_primitive_names_primitive_and_params():
 
 
 def test_unprintable_parameter_is_named():
-    from nnlite._jaxpr_rules import pyval
+    from nnlite.jaxpr._rules import pyval
 
     with pytest.raises(
         nl.UnsupportedPrimitiveError, match="parameter fake=.* has no Python spelling"
@@ -685,7 +685,7 @@ def test_show_xla_and_show_jaxpr_and_xla(tmp_path):
 def _imports(module: str) -> set[str]:
     import ast
 
-    with open(os.path.join(ROOT, "nnlite", module + ".py")) as f:
+    with open(os.path.join(ROOT, "nnlite", "jaxpr", module + ".py")) as f:
         tree = ast.parse(f.read())
     names = set()
     for node in ast.walk(tree):
@@ -696,9 +696,9 @@ def _imports(module: str) -> set[str]:
 
 def test_printer_core_sits_below_the_rule_modules():
     """No import cycle: rules <- printer <- nested, parallel <- show_jaxpr (the API)."""
-    assert not _imports("_jaxpr_rules")  # the bottom layer: expressions and first-order rules
-    assert not _imports("_jaxpr_printer") & {"_jaxpr_nested", "_jaxpr_parallel", "_show_jaxpr"}
-    for ext in ("_jaxpr_nested", "_jaxpr_parallel"):
-        assert "_jaxpr_printer" in _imports(ext)
-        assert not _imports(ext) & {"_show_jaxpr", "_jaxpr_nested", "_jaxpr_parallel"} - {ext}
-    assert {"_jaxpr_nested", "_jaxpr_parallel"} <= _imports("_show_jaxpr")
+    assert not _imports("_rules")  # the bottom layer: expressions and first-order rules
+    assert not _imports("_printer") & {"_nested", "_parallel", "_show_jaxpr"}
+    for ext in ("_nested", "_parallel"):
+        assert "_printer" in _imports(ext)
+        assert not _imports(ext) & {"_show_jaxpr", "_nested", "_parallel"} - {ext}
+    assert {"_nested", "_parallel"} <= _imports("_show_jaxpr")

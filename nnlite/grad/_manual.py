@@ -31,13 +31,16 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from ._vjp_tools import custom_vjp
+from ._check import custom_vjp
 
 __all__ = ["ManualGradError", "hand_rule", "manual_active", "manual_grads"]
 
 
 class ManualGradError(TypeError):
     """A loss in manual mode computes on the params outside any hand rule."""
+
+
+ManualGradError.__module__ = "nnlite"  # its public home, shown in tracebacks
 
 
 _state = threading.local()

@@ -22,9 +22,9 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import AxisType
 
-from . import _jax_private
-from ._jaxpr_printer import register
-from ._jaxpr_rules import (
+from ..core import _jax_private
+from ._printer import register
+from ._rules import (
     Call,
     Rule,
     Tup,
@@ -37,7 +37,7 @@ from ._jaxpr_rules import (
 )
 
 if TYPE_CHECKING:
-    from ._jaxpr_printer import Printer as _Printer
+    from ._printer import Printer as _Printer
 
 __all__ = ["COLLECTIVE_RULES", "shard_map"]
 

@@ -54,6 +54,9 @@ class UnsupportedPrimitiveError(NotImplementedError):
     """show_jaxpr met a primitive (or parameter) it cannot print as runnable Python."""
 
 
+UnsupportedPrimitiveError.__module__ = "nnlite"  # its public home, shown in tracebacks
+
+
 # -- expressions ------------------------------------------------------------------------------
 class Call:
     """``fn(*args, **kwargs)`` with the arguments kept as trees for line wrapping.
@@ -379,7 +382,7 @@ def bind_expr(eqn, args: list) -> Call:
         raise UnsupportedPrimitiveError(
             f"show_jaxpr cannot print primitive {eqn.primitive.name!r} (params: "
             f"{_params_str(eqn.params)}): it has no rule in nnlite and is not exported by "
-            "jax.extend.core.primitives or jax.lax; add a rule to nnlite/_jaxpr_rules.py"
+            "jax.extend.core.primitives or jax.lax; add a rule to nnlite/jaxpr/_rules.py"
         )
     try:
         kwargs = [(k, pyval(v, f"parameter {k}={v!r}:")) for k, v in eqn.params.items()]

@@ -10,8 +10,8 @@ source is self-contained: executing it defines a function that computes the same
 and printing that function again gives the same text. ``show_xla`` prints the HLO that
 XLA compiles instead.
 
-Layout: ``_jaxpr_rules.py`` (expressions and the first-order primitive table) <-
-``_jaxpr_printer.py`` (the printer core) <- ``_jaxpr_nested.py``, ``_jaxpr_parallel.py``
+Layout: ``_rules.py`` (expressions and the first-order primitive table) <-
+``_printer.py`` (the printer core) <- ``_nested.py``, ``_parallel.py``
 (rules that register into the core) <- this module (the API).
 """
 
@@ -29,9 +29,9 @@ import jax
 import numpy as np
 
 # The rule modules register into the printer core when imported; nothing else reads them.
-from . import _jaxpr_nested, _jaxpr_parallel  # noqa: F401
-from ._jaxpr_printer import CONSTS_DICT, IMPORT_LINES, ORIGINS, Printer, sanitize
-from ._jaxpr_rules import UnsupportedPrimitiveError, dtype_expr
+from . import _nested, _parallel  # noqa: F401
+from ._printer import CONSTS_DICT, IMPORT_LINES, ORIGINS, Printer, sanitize
+from ._rules import UnsupportedPrimitiveError, dtype_expr
 
 __all__ = [
     "UnsupportedPrimitiveError",

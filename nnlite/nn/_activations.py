@@ -7,8 +7,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from . import _vjp
-from ._manual import hand_rule
+from ..grad import _vjp_batched as _vjp
+from ..grad._manual import hand_rule
 
 __all__ = ["ACTIVATIONS", "INITIALIZERS", "get_activation", "get_initializer"]
 

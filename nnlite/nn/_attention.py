@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._module import Module
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule, manual_active
+from ._activations import get_activation
 from ._dropout import check_rate, dropout
 from ._linear import Linear
-from ._manual import hand_rule, manual_active
-from ._module import Module
-from ._nn import get_activation
 from ._normalisation import LayerNorm
 from ._ops import add
-from ._params import ParamsDict
 
 __all__ = [
     "IMPLEMENTATIONS",

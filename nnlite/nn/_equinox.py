@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._manual import hand_rule, manual_active
-from ._module import Module, ParamsMismatchError
-from ._params import ParamsDict
+from ..core._module import Module, ParamsMismatchError
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule, manual_active
 
 __all__ = ["EquinoxLayer", "from_equinox"]
 

@@ -7,11 +7,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from . import _vjp
-from ._manual import hand_rule
-from ._module import Module
-from ._nn import get_activation, get_initializer
-from ._params import ParamsDict
+from ..core._module import Module
+from ..core._params import ParamsDict
+from ..grad import _vjp_batched as _vjp
+from ..grad._manual import hand_rule
+from ._activations import get_activation, get_initializer
 
 __all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead", "linear", "linear_vjp"]
 

@@ -30,21 +30,21 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 
-from .. import _vjp_column
-from .._vjp_column import *  # noqa: F403 -- the rules are this module's public surface
-from .._vjp_column import __all__ as _rule_names
-from .._vjp_tools import VJPCheckError as VJPCheckError
-from .._vjp_tools import allclose as allclose
-from .._vjp_tools import check as check
-from .._vjp_tools import check_vjp as check_vjp
-from .._vjp_tools import custom_vjp as custom_vjp
-from .._vjp_tools import default_tolerances as default_tolerances
-from .._vjp_tools import ensure_tuple as ensure_tuple
-from .._vjp_tools import randlike as randlike
-from .._vjp_tools import tree_all as tree_all
-from .._vjp_tools import tree_allclose as tree_allclose
-from .._vjp_tools import tree_close as tree_close
-from .._vjp_tools import with_vjp as with_vjp
+from ..grad import _vjp as _vjp_column
+from ..grad._check import VJPCheckError as VJPCheckError
+from ..grad._check import allclose as allclose
+from ..grad._check import check as check
+from ..grad._check import check_vjp as check_vjp
+from ..grad._check import custom_vjp as custom_vjp
+from ..grad._check import default_tolerances as default_tolerances
+from ..grad._check import ensure_tuple as ensure_tuple
+from ..grad._check import randlike as randlike
+from ..grad._check import tree_all as tree_all
+from ..grad._check import tree_allclose as tree_allclose
+from ..grad._check import tree_close as tree_close
+from ..grad._check import with_vjp as with_vjp
+from ..grad._vjp import *  # noqa: F403 -- the rules are this module's public surface
+from ..grad._vjp import __all__ as _rule_names
 from . import batched as batched
 
 #: ``name -> (f, f_vjp)`` for every rule in this module.

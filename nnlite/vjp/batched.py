@@ -21,11 +21,11 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 
-from .. import _vjp
-from .._vjp import *  # noqa: F403 -- the rules are this module's public surface
-from .._vjp import __all__ as _rule_names
-from .._vjp import gelu_grad as gelu_grad
-from .._vjp_tools import custom_vjp as _custom_vjp
+from ..grad import _vjp_batched as _vjp
+from ..grad._check import custom_vjp as _custom_vjp
+from ..grad._vjp_batched import *  # noqa: F403 -- the rules are this module's public surface
+from ..grad._vjp_batched import __all__ as _rule_names
+from ..grad._vjp_batched import gelu_grad as gelu_grad
 
 #: ``name -> (f, f_vjp)`` for every rule in this module.
 RULES: dict[str, tuple[Callable, Callable]] = {
