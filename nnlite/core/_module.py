@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..grad._manual import manual_active
+from ._mode import manual_active
 from ._params import ParamsDict
 
 __all__ = ["Module", "ParamsMismatchError"]
@@ -59,7 +59,7 @@ class Module:
         call = cls.__dict__.get("__call__")
         if call is not None and not getattr(call, "_scoped", False):
             # In manual-gradient mode each call is a named scope, so a param-dependent op
-            # without a hand rule is reported with the layer it sits in (see _manual).
+            # without a hand rule is reported with the layer it sits in (see grad/_manual.py).
             @functools.wraps(call)
             def scoped_call(self, *args, **kwargs):
                 if not manual_active():

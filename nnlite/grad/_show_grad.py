@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._manual import _manual_scope
+from ..core._mode import manual_scope
 
 __all__ = ["show_grad"]
 
@@ -124,7 +124,7 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
         True
     """
     tape: list = []
-    with _manual_scope(True, tape):
+    with manual_scope(True, tape):
         out = loss_fn(params, *batch, **kwargs)
     loss = out[0] if isinstance(out, tuple) else out
     if not tape or tape[-1][3] is not loss:

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._mode import manual_active
 from ..core._module import Module
 from ..core._params import ParamsDict
-from ..grad._manual import hand_rule, manual_active
+from ..grad._manual import hand_rule
 from ._activations import get_activation
 from ._dropout import check_rate, dropout
 from ._linear import Linear
