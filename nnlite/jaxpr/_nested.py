@@ -18,8 +18,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from ..core import _jax_private
-from ._printer import register, single_ret
-from ._rules import (
+from ._exprs import (
     Bare,
     Call,
     Tup,
@@ -29,6 +28,7 @@ from ._rules import (
     pystr,
     tuple_or_single,
 )
+from ._printer import register, single_ret
 
 if TYPE_CHECKING:
     from ._printer import Printer as _Printer

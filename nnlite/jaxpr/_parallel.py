@@ -23,8 +23,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import AxisType
 
 from ..core import _jax_private
-from ._printer import register
-from ._rules import (
+from ._exprs import (
     Call,
     Rule,
     Tup,
@@ -35,6 +34,7 @@ from ._rules import (
     spec_expr,
     tuple_or_single,
 )
+from ._printer import register
 
 if TYPE_CHECKING:
     from ._printer import Printer as _Printer

@@ -1,11 +1,10 @@
 """show_jaxpr's printer core: walks a jaxpr and prints one Python statement per equation.
 
-The core knows the first-order primitive table (``_rules.py``) and nothing else:
-modules for other kinds of equations register into it with ``register`` --
-``_nested.py`` (jit, cond, while, scan, custom_jvp/vjp, remat) and
-``_parallel.py`` (shard_map and collectives). Imports point one way:
-those modules import this one, never the reverse; ``_show_jaxpr.py`` (the public API)
-imports them all.
+The core holds empty tables and knows no primitive: rule modules register into it with
+``register`` when imported -- ``_rules.py`` (first-order primitives), ``_nested.py`` (jit,
+cond, while, scan, custom_jvp/vjp, remat) and ``_parallel.py`` (shard_map and
+collectives). Imports point one way: those modules import this one, never the reverse;
+``_show_jaxpr.py`` (the public API) imports them all. Expressions come from ``_exprs.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +21,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from ..core import _jax_private
-from ._rules import (
-    RULES as _FIRST_ORDER,
-)
-from ._rules import (
+from ._exprs import (
     Call,
     Rule,
     array_expr,
@@ -64,7 +60,7 @@ CONSTS_DICT = "LARGE_CONSTS"
 IMPORT_LINES = frozenset(_IMPORTS.values())
 
 #: primitive name -> rule printing one first-order equation (see ``_rules.py``).
-RULES: dict[str, Rule] = dict(_FIRST_ORDER)
+RULES: dict[str, Rule] = {}
 #: primitive name -> ``handler(printer, eqn, args, env, scope, indent)`` for equations
 #: that carry jaxprs (or need statements of their own).
 HIGHER_ORDER: dict[str, Callable] = {}
