@@ -16,22 +16,28 @@ Example:
 
 from collections.abc import Callable
 
+from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import gelu_vjp as gelu_vjp
+from .grad._vjp_batched import identity as identity
 from .grad._vjp_batched import identity_vjp as identity_vjp
 from .grad._vjp_batched import log_softmax as log_softmax
 from .grad._vjp_batched import log_softmax_vjp as log_softmax_vjp
+from .grad._vjp_batched import mean as mean
+from .grad._vjp_batched import mean_vjp as mean_vjp
+from .grad._vjp_batched import relu as relu
 from .grad._vjp_batched import relu_vjp as relu_vjp
+from .grad._vjp_batched import sigmoid as sigmoid
 from .grad._vjp_batched import sigmoid_vjp as sigmoid_vjp
 from .grad._vjp_batched import softmax as softmax
+from .grad._vjp_batched import softmax_cross_entropy as softmax_cross_entropy
+from .grad._vjp_batched import softmax_cross_entropy_vjp as softmax_cross_entropy_vjp
 from .grad._vjp_batched import softmax_vjp as softmax_vjp
+from .grad._vjp_batched import softplus as softplus
 from .grad._vjp_batched import softplus_vjp as softplus_vjp
+from .grad._vjp_batched import sum as sum
+from .grad._vjp_batched import sum_vjp as sum_vjp
+from .grad._vjp_batched import tanh as tanh
 from .grad._vjp_batched import tanh_vjp as tanh_vjp
-from .nn._activations import gelu as gelu
-from .nn._activations import identity as identity
-from .nn._activations import relu as relu
-from .nn._activations import sigmoid as sigmoid
-from .nn._activations import softplus as softplus
-from .nn._activations import tanh as tanh
 from .nn._attention import dot_product_attention as dot_product_attention
 from .nn._attention import dot_product_attention_vjp as dot_product_attention_vjp
 from .nn._attention import slot as slot
@@ -46,16 +52,10 @@ from .nn._embedding import embed_attend_vjp as embed_attend_vjp
 from .nn._embedding import embed_vjp as embed_vjp
 from .nn._linear import linear as linear
 from .nn._linear import linear_vjp as linear_vjp
-from .nn._losses import cross_entropy_values as cross_entropy_values
-from .nn._losses import cross_entropy_values_vjp as cross_entropy_values_vjp
-from .nn._losses import mean as mean
-from .nn._losses import mean_vjp as mean_vjp
 from .nn._losses import nll_values as nll_values
 from .nn._losses import nll_values_vjp as nll_values_vjp
 from .nn._losses import squared_error_values as squared_error_values
 from .nn._losses import squared_error_values_vjp as squared_error_values_vjp
-from .nn._losses import total as total
-from .nn._losses import total_vjp as total_vjp
 from .nn._normalisation import group_norm as group_norm
 from .nn._normalisation import group_norm_vjp as group_norm_vjp
 from .nn._normalisation import layer_norm as layer_norm

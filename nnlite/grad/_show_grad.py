@@ -1,7 +1,7 @@
 """``show_grad``: a loss's backward pass as runnable Python, at the level of layers.
 
 The loss runs once, eagerly, in manual-gradient mode with a tape: every hand-rule call
-(``linear``, ``relu``, ``conv``, ``layer_norm``, ``cross_entropy_values``, ...) records its
+(``linear``, ``relu``, ``conv``, ``layer_norm``, ``softmax_cross_entropy``, ...) records its
 arguments and result. The tape is printed as a function: the forward calls, each result
 named after the layer path of the params it uses, then the hand VJPs in reverse order,
 summing cotangents where a value feeds several calls, and finally the ParamsDict of
