@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from .grad import _vjp_batched as _vjp
 from .grad._check import _match_primal
-from .nn._activations import ACTIVATIONS, get_activation
 from .nn._losses import softmax_cross_entropy as _sce
+from .nn._names import ACTIVATIONS, get_activation
 from .vjp.batched import hand
 
 __all__ = [

@@ -18,9 +18,9 @@ from ..core._mode import manual_active
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
-from ._activations import get_activation
 from ._dropout import check_rate, dropout
 from ._linear import Linear
+from ._names import get_activation
 from ._normalisation import LayerNorm
 from ._ops import add
 

@@ -12,7 +12,7 @@ from jax import lax
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
-from ._activations import get_initializer
+from ._names import get_initializer
 
 __all__ = ["conv_vjp", "Conv", "conv", "normalize_padding", "to_tuple"]
 

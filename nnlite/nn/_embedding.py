@@ -9,7 +9,7 @@ import numpy as np
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
-from ._activations import get_initializer
+from ._names import get_initializer
 
 __all__ = ["Embedding", "embed", "embed_attend", "embed_attend_vjp", "embed_vjp"]
 

@@ -11,7 +11,7 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ..grad._vjp_batched import log_softmax, softmax
-from ._activations import get_activation, get_initializer
+from ._names import get_activation, get_initializer
 
 __all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead", "linear", "linear_vjp"]
 
