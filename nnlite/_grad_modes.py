@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .grad import _vjp_batched as _vjp
-from .grad._check import _match_primal
+from .grad._custom_vjp import match_primal
 from .nn._losses import softmax_cross_entropy as _sce
 from .nn._names import ACTIVATIONS, get_activation
 from .vjp.batched import hand
@@ -299,8 +299,8 @@ def _fused_loss_bwd(activation, saved, g):
     params, x, res = saved
     layers = mlp_layers(params)
     grads, dx = _fused_backward(layers, activation, res, g, want_dx=True)
-    dparams = jax.tree.map(_match_primal, _grads_like(params, layers, grads), params)
-    return dparams, _match_primal(dx, x), None
+    dparams = jax.tree.map(match_primal, _grads_like(params, layers, grads), params)
+    return dparams, match_primal(dx, x), None
 
 
 _fused_loss = jax.custom_vjp(_fused_loss_impl, nondiff_argnums=(3,))

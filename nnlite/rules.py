@@ -16,6 +16,7 @@ Example:
 
 from collections.abc import Callable
 
+from .grad._rule_table import rule_table as _rule_table
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import gelu_vjp as gelu_vjp
 from .grad._vjp_batched import identity as identity
@@ -72,10 +73,6 @@ from .nn._pool import max_pool as max_pool
 from .nn._pool import max_pool_vjp as max_pool_vjp
 
 #: ``name -> (f, f_vjp)`` for every layer and loss rule.
-RULES: dict[str, tuple[Callable, Callable]] = {
-    name: (f, globals()[name + "_vjp"])
-    for name, f in dict(globals()).items()
-    if callable(f) and not name.endswith("_vjp") and name + "_vjp" in globals()
-}
+RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())
 
 __all__ = ["RULES", *sorted(n for pair in RULES for n in (pair, pair + "_vjp"))]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from ..core._mode import manual_active, manual_scope, manual_tape
-from ._check import custom_vjp
+from ._custom_vjp import custom_vjp
 
 __all__ = ["ManualGradError", "hand_rule", "manual_grads"]
 
