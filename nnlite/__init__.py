@@ -4,10 +4,8 @@ Parameters live in ``ParamsDict`` pytrees; layers are frozen dataclasses of
 hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
-from . import fused as fused
 from . import rules as rules
 from . import vjp as vjp
-from ._grad_modes import GRAD_MODES as GRAD_MODES
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
@@ -20,6 +18,12 @@ from .grad._manual import ManualGradError as ManualGradError
 from .grad._manual import hand_rule as hand_rule
 from .grad._manual import manual_grads as manual_grads
 from .grad._show_grad import show_grad as show_grad
+from .grad._vjp_batched import gelu as gelu
+from .grad._vjp_batched import identity as identity
+from .grad._vjp_batched import relu as relu
+from .grad._vjp_batched import sigmoid as sigmoid
+from .grad._vjp_batched import softplus as softplus
+from .grad._vjp_batched import tanh as tanh
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
 from .nn._attention import TransformerBlock as TransformerBlock
 from .nn._conv import Conv as Conv
@@ -41,14 +45,8 @@ from .nn._losses import reduce as reduce
 from .nn._losses import softmax_cross_entropy as softmax_cross_entropy
 from .nn._names import ACTIVATIONS as ACTIVATIONS
 from .nn._names import INITIALIZERS as INITIALIZERS
-from .nn._names import gelu as gelu
 from .nn._names import get_activation as get_activation
 from .nn._names import get_initializer as get_initializer
-from .nn._names import identity as identity
-from .nn._names import relu as relu
-from .nn._names import sigmoid as sigmoid
-from .nn._names import softplus as softplus
-from .nn._names import tanh as tanh
 from .nn._normalisation import GroupNorm as GroupNorm
 from .nn._normalisation import LayerNorm as LayerNorm
 from .nn._normalisation import RMSNorm as RMSNorm
@@ -66,6 +64,17 @@ _LAZY = {
     "show_jaxpr": ".jaxpr._show_jaxpr",
     "show_jaxpr_and_xla": ".jaxpr._show_jaxpr",
     "show_xla": ".jaxpr._show_jaxpr",
+}
+
+# Names that left the library, with where they went: MLP-only code lives with the MLP
+# model, the training CLI's settings with the CLI. No shim can return them (nnlite never
+# imports models/ or train/), so the error says where to look.
+_MOVED_OUT = {
+    "fused": "the MLP's fused hand pass (fused_grad_accum, fused_loss_and_grad, mlp_loss, "
+    "loss_and_grad, mlp_layers, HAND_ACTIVATIONS) moved to models/mlp_fused.py",
+    "GRAD_MODES": "the gradient modes are the training CLI's setting (train.config.GRAD_MODES); "
+    "each model lists those it supports in its grad_modes (the MLP's: "
+    "models.mlp_fused.GRAD_MODES)",
 }
 
 __version__ = "0.1.0"
@@ -93,13 +102,14 @@ def __getattr__(name: str):
             stacklevel=2,
         )
         return jax.tree_util.DictKey
+    if name in _MOVED_OUT:
+        raise AttributeError(f"module 'nnlite' has no attribute {name!r}: {_MOVED_OUT[name]}")
     raise AttributeError(f"module 'nnlite' has no attribute {name!r}")
 
 
 __all__ = [
     "ACTIVATIONS",
     "FFN",
-    "GRAD_MODES",
     "INITIALIZERS",
     "REDUCTIONS",
     "Activation",
@@ -128,7 +138,6 @@ __all__ = [
     "add",
     "format_path",
     "from_equinox",
-    "fused",
     "gelu",
     "get_activation",
     "get_initializer",
@@ -158,4 +167,6 @@ __all__ = [
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    # The subpackages (core, nn, grad, jaxpr) are the library's layout, not its API: their
+    # names appear in globals() once imported, but every public name is re-exported here.
+    return sorted((set(globals()) | set(_LAZY)) - {"core", "grad", "jaxpr", "nn"})

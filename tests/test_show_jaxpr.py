@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
+from models import mlp_fused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -338,15 +339,15 @@ CORPUS = {
     # the MLP loss's gradient in every gradient mode (manual and fused are custom_vjp's)
     **{
         f"mlp_grad_{mode}": (
-            jax.grad(functools.partial(nl.fused.mlp_loss, mode=mode, activation="tanh")),
+            jax.grad(functools.partial(mlp_fused.mlp_loss, mode=mode, activation="tanh")),
             FFN_PARAMS,
             X,
             LABELS,
         )
-        for mode in nl.GRAD_MODES
+        for mode in mlp_fused.GRAD_MODES
     },
     "mlp_fused_grad_accum": (
-        functools.partial(nl.fused.fused_grad_accum, activation="relu"),
+        functools.partial(mlp_fused.fused_grad_accum, activation="relu"),
         FFN_PARAMS,
         X,
         LABELS,
