@@ -25,7 +25,6 @@ from .grad._vjp_batched import sigmoid as sigmoid
 from .grad._vjp_batched import softplus as softplus
 from .grad._vjp_batched import tanh as tanh
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
-from .nn._attention import TransformerBlock as TransformerBlock
 from .nn._conv import Conv as Conv
 from .nn._dropout import Dropout as Dropout
 from .nn._embedding import Embedding as Embedding
@@ -54,6 +53,7 @@ from .nn._ops import add as add
 from .nn._pool import AvgPool as AvgPool
 from .nn._pool import Flatten as Flatten
 from .nn._pool import MaxPool as MaxPool
+from .nn._transformer import TransformerBlock as TransformerBlock
 
 # show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
 # loaded on first use (PEP 562, see __getattr__), so that training, which never prints,
