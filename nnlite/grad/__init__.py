@@ -1,2 +1,1 @@
-"""Hand-derived gradients: the VJP libraries, the checker and plug-in, hand_rule and
-manual_grads, show_grad."""
+"""Hand-derived gradients: the VJP libraries, check_vjp, custom_vjp, manual_grads, show_grad."""

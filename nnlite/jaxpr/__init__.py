@@ -1,2 +1,1 @@
-"""show_jaxpr, the jaxpr decompiler: the printer core and the rule modules that register
-into it."""
+"""show_jaxpr, the decompiler: a printer core and the rule tables that register into it."""

@@ -1,2 +1,1 @@
-"""The layers, activations and losses, one family per file, each array function beside its
-hand-derived VJP."""
+"""Layers and losses, one family per file, each array function beside its hand VJP."""
