@@ -402,19 +402,20 @@ class NnliteGPT(Impl):
         super().__init__(*args, **kwargs)
 
     def setup(self, X, Y, idx):
+        from train import parallel
         from train.step import batch_grads_fn, build_stepper
 
         self.model = nnlite_model(self.spec)
         p0 = nnlite_params(self.weights)
         self.p_def = jax.tree.structure(p0)
         self.o_def = jax.tree.structure(self.tx.init(p0))
+        single = parallel.get("none", jax.devices()[:1])
         self.stepper = build_stepper(
-            batch_grads_fn(self.model, self.grad, 1, "none"),
+            batch_grads_fn(self.model, self.grad, 1, single),
             self.tx,
             self.p_def,
             self.o_def,
-            "none",
-            jax.devices()[:1],
+            single,
             window=self.spec.context,
         )
         # inputs and next-token targets: the stream and the stream shifted by one

@@ -1,8 +1,9 @@
 """Shared timing, table and result-file helpers for the benchmarks.
 
-Timing rules (DESIGN.md): every implementation runs in the same process on the same
-work, after warm-up, in rounds whose order is shuffled; each sample ends with
-``block_until_ready``; we report medians and ratios against the baseline of that run.
+Timing rules (docs/benchmarks.md states them): every implementation runs in the same
+process on the same work, after warm-up, in rounds whose order is shuffled; each sample
+ends with ``block_until_ready``; we report medians and ratios against the baseline of
+that run.
 """
 
 from __future__ import annotations

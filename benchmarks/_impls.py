@@ -278,6 +278,7 @@ class Nnlite(Impl):
         super().__init__(*args, **kwargs)
 
     def setup(self, X, Y, idx):
+        from train import parallel
         from train.step import batch_grads_fn, build_stepper
 
         self.model = nnlite_model(self.spec)
@@ -285,13 +286,13 @@ class Nnlite(Impl):
         o0 = self.tx.init(p0)
         self.p_def = jax.tree.structure(p0)
         self.o_def = jax.tree.structure(o0)
+        single = parallel.get("none", jax.devices()[:1])
         self.stepper = build_stepper(
-            batch_grads_fn(self.model, "autodiff", 1, "none"),
+            batch_grads_fn(self.model, "autodiff", 1, single),
             self.tx,
             self.p_def,
             self.o_def,
-            "none",
-            jax.devices()[:1],
+            single,
         )
         self.X, self.Y = self.stepper.put_data(X), self.stepper.put_data(Y)
         self._blocks = {}  # (first step % n_batches, K) -> host [K, batch] indices

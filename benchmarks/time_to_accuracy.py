@@ -69,15 +69,19 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
     import jax
 
     import models
+    from train import parallel
+    from train.build import Run, prepare
     from train.data import BatchIndices
-    from train.loop import Run, boundaries, prepare, steps_in_call
+    from train.loop import boundaries, steps_in_call
     from train.optim import build_optimizer
 
     tc = dataclasses.replace(cfg.train, steps_per_call=steps_per_call, eval_every=eval_every)
     cfg = dataclasses.replace(cfg, train=tc)
     model = models.MODELS[cfg.model.name](cfg.model, data)
     optimizer = build_optimizer(cfg.optimizer, tc.steps)
-    run = Run(cfg, data, model, optimizer, jax.local_devices()[:1], Path("unused"))
+    run = Run(
+        cfg, data, model, optimizer, parallel.get("none", jax.local_devices()[:1]), Path("unused")
+    )
     every = boundaries(cfg)
     sampler = BatchIndices(cfg.seed, len(data.x), tc.batch_size)
     prep = prepare(run, tc.nonfinite, sampler.batches(0, steps_in_call(cfg, 0, every)))
@@ -242,8 +246,8 @@ def write_weights(path: Path) -> None:
     """nnlite's initial weights of the digits MLP, for the other frameworks to copy."""
 
     import models
+    from train.build import init_state_compiled
     from train.data import load_dataset
-    from train.loop import init_state_compiled
     from train.optim import build_optimizer
 
     cfg = _config()

@@ -13,6 +13,7 @@ from .core._params import format_path as format_path
 from .core._params import leaf_str as leaf_str
 from .core._save import CheckpointError as CheckpointError
 from .core._save import load as load
+from .core._save import load_metadata as load_metadata
 from .core._save import save as save
 from .grad._manual import ManualGradError as ManualGradError
 from .grad._manual import hand_rule as hand_rule
@@ -146,6 +147,7 @@ __all__ = [
     "leaf_str",
     "linear",
     "load",
+    "load_metadata",
     "manual_grads",
     "mse",
     "nll",

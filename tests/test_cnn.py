@@ -121,7 +121,7 @@ def test_cnn_strategies_match_one_device(tmp_path):
     ],
 )
 def test_show_jaxpr_roundtrips(what, overrides):
-    from train.loop import show_jaxpr, traced_function
+    from train.show import show_jaxpr, traced_function
 
     cfg = load_config(ROOT / CONFIG, [*TINY, *overrides])
     text = show_jaxpr(cfg, what)  # what python -m train --show-jaxpr prints
@@ -183,6 +183,6 @@ def test_conv_stack_too_deep_for_the_data_is_a_config_error(capsys, tmp_path):
     assert "model.kernel_size/strides/padding" in err and "length 40" in err, err
     assert "[9, 2, 0]" in err, err
     with pytest.raises(ConfigError, match="model.channels"):
-        from train.loop import build
+        from train.build import build
 
         build(load_config(ROOT / CONFIG, sets))

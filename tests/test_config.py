@@ -247,8 +247,8 @@ def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
     code, err = cli(capsys, *base, "--set", "model.hidden_sizes=[32]", "--set", "train.steps=20")
     assert code == 2
     assert (
-        "'params/ffn/layers[0]/W' is float32[64, 128], the model/optimizer expects float32[64, 32]"
-        in err
+        "'params/ffn/layers[0]/W' is float32[64, 128] in the file, the template (like=) "
+        "expects float32[64, 32]" in err
     )
     # A changed hyperparameter that keeps the shapes: refused by name.
     code, err = cli(
@@ -261,7 +261,7 @@ def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
     # A corrupt file.
     ckpt.write_bytes(b"\x00" * 16)
     code, err = cli(capsys, *base, "--set", "train.steps=20")
-    assert code == 2 and "not a readable safetensors file" in err
+    assert code == 2 and f"checkpoint {ckpt}: not a safetensors file" in err
     ckpt.write_bytes(ckpt_before)
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
 
@@ -424,11 +424,11 @@ def test_absurd_sizes_are_refused_before_allocating(capsys, tmp_path, overrides,
 def test_memory_estimate_is_a_lower_bound_that_passes_real_configs():
     import jax
 
-    from train import loop, memory
+    from train import build, memory
 
     cfg = config_mod.load_config(DIGITS, ["parallel.strategy=shard_map"])
-    r = loop.build(cfg)
-    est = memory.estimate(cfg, r.model, r.optimizer, r.data, 8, 8)
+    r = build.build(cfg)
+    est = memory.estimate(cfg, r.model, r.optimizer, r.data, r.strategy)
     p = r.model.init(jax.random.key(0)).num_params() * 4
     assert est.state >= p * (1 + 8 * 2)  # host copy + params and grads on each device
     assert est.data >= 9 * r.data.x.nbytes and est.total < est.limit

@@ -24,7 +24,8 @@ from train.__main__ import main
 from train.checkpoint import TEST_PAUSE_ENV, flatten_with_paths
 from train.config import load_config
 from train.data import epoch_order
-from train.loop import TIMING_KEYS, train
+from train.loop import train
+from train.rundir import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/digits_mlp.yaml"
@@ -145,8 +146,8 @@ def test_sigkill_at_any_moment_resumes_bit_identically(tmp_path, npz):
         try:
             if i % 2 == 0:  # during (or right after) a checkpoint write ahead of the latest
                 target = min(latest_checkpoint(ckpt_dir) + 5 * rng.randint(1, 2), 100)
-                tmp = ckpt_dir / f"ckpt_{target:08d}.safetensors.tmp"
-                while not tmp.exists() and proc.poll() is None:
+                tmp = f"ckpt_{target:08d}.safetensors.*.tmp"  # nl.save's temporary name
+                while not list(ckpt_dir.glob(tmp)) and proc.poll() is None:
                     time.sleep(0.005)
                 time.sleep(rng.uniform(0, 2.2 * pause))
                 where = f"write of step {target}"

@@ -299,7 +299,7 @@ def test_fused_on_another_model_is_a_config_error_naming_the_models_with_it():
     from pathlib import Path
 
     from train.config import ConfigError, load_config
-    from train.loop import build
+    from train.build import build
 
     root = Path(__file__).resolve().parents[1]
     sets = ["data.name=digits", "model.channels=[4]", "model.kernel_size=3", "loss.grad=fused"]

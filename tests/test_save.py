@@ -1,12 +1,19 @@
 """nl.save / nl.load: safetensors files of params and optimizer state, and their errors."""
 
+import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import safetensors.numpy
 
 import nnlite as nl
 from nnlite import ParamsDict
@@ -53,48 +60,170 @@ def test_round_trip_params_and_optimizer_state(tmp_path):
     np.testing.assert_array_equal(nl.load(tmp_path / "a.safetensors"), [0.0, 1.0, 2.0])
 
 
+def test_keys_are_paths_and_one_file_holds_several_named_trees(tmp_path):
+    """What the trainer writes: ``{"params": ..., "opt_state": ...}`` in one file, keys
+    ``params/<path>`` and ``opt_state<path>``; each part loads on its own."""
+    p = ParamsDict(ffn=ParamsDict(W=jnp.ones((2, 3)), b=jnp.zeros(3)))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))  # [0] has no arrays
+    state = opt.init(p)
+    f = nl.save(tmp_path / "c.safetensors", {"params": p, "opt_state": state})
+    assert sorted(safetensors.numpy.load_file(str(f))) == [
+        "opt_state[1][0]/count", "opt_state[1][0]/mu/ffn/W", "opt_state[1][0]/mu/ffn/b",
+        "opt_state[1][0]/nu/ffn/W", "opt_state[1][0]/nu/ffn/b", "params/ffn/W", "params/ffn/b",
+    ]  # fmt: skip
+    _equal(nl.load(f, like={"params": p, "opt_state": state}), {"params": p, "opt_state": state})
+    # One part: without a template (a ParamsDict), into a template, or into shapes alone.
+    assert [k for k, _ in nl.load(f, subtree="params").items()] == ["/ffn/W", "/ffn/b"]
+    _equal(nl.load(f, like=p, subtree="params"), p)
+    _equal(nl.load(f, like=state, subtree="/opt_state"), state)
+    abstract = nl.load(f, like=jax.eval_shape(lambda: p), subtree="params")
+    assert isinstance(abstract.ffn.W, jax.Array)
+    _equal(abstract, p)
+    # The whole file is no ParamsDict (optax's [0] holds nothing): the message says what to pass.
+    with pytest.raises(nl.CheckpointError, match=r"do not make one ParamsDict .*pass like= .* or subtree= \(one of its parts: 'opt_state', 'params'\)"):  # fmt: skip
+        nl.load(f)
+    with pytest.raises(nl.CheckpointError, match=r"no subtree 'param'; its top-level parts are 'opt_state', 'params'"):  # fmt: skip
+        nl.load(f, subtree="param")
+    wider = ParamsDict(ffn=ParamsDict(W=p.ffn.W, b=p.ffn.b, c=p.ffn.b))
+    with pytest.raises(nl.CheckpointError, match=r"the file's 'params' does not match the template \(like=\): 1 path\(s\) of the template missing, first 'params/ffn/c'"):  # fmt: skip
+        nl.load(f, like=wider, subtree="params")
+
+
+def test_metadata_round_trip_without_reading_tensors(tmp_path):
+    meta = {"step": "12", "config": json.dumps({"lr": 0.1}), "note": "ü"}
+    f = nl.save(tmp_path / "m.safetensors", _params(), metadata=meta)
+    own = {"format": "nnlite.save", "format_version": "1"}
+    assert nl.load_metadata(f) == {**own, **meta}
+    assert nl.load_metadata(nl.save(tmp_path / "n.safetensors", jnp.ones(2))) == own
+    with pytest.raises(nl.CheckpointError, match=r"metadata must map str to str, got 'step': 12"):
+        nl.save(f, _params(), metadata={"step": 12})
+    with pytest.raises(nl.CheckpointError, match=r"metadata key 'format_version' is nl.save's own"):
+        nl.save(f, _params(), metadata={"format_version": "2"})
+    assert nl.load_metadata(f) == {**own, **meta}  # refused writes leave the file alone
+    with pytest.raises(nl.CheckpointError, match="no such file"):
+        nl.load_metadata(tmp_path / "missing.safetensors")
+
+
+def test_files_of_the_old_writers_still_load(tmp_path):
+    """nl.save's keys began with '/' ('/layers[0]/W'); the trainer's files had no 'format'."""
+    p = _params()
+    flat = {k: np.asarray(v) for k, v in p.items() if k != "/act"}
+    old = tmp_path / "old_nl.safetensors"
+    own = {"format": "nnlite.save", "format_version": "1"}
+    safetensors.numpy.save_file(flat, str(old), metadata=own)
+    _equal(nl.load(old, like=p), p)
+    assert [k for k, _ in nl.load(old).items()] == sorted(flat)
+    trainer = tmp_path / "ckpt_00000004.safetensors"
+    tensors = {"params" + k: v for k, v in flat.items()}
+    tensors["opt_state[0]/count"] = np.array(4, np.int32)
+    safetensors.numpy.save_file(tensors, str(trainer), metadata={"format_version": "1", "step": "4"})  # fmt: skip
+    _equal(nl.load(trainer, like=p, subtree="params"), p)
+    loaded = nl.load(trainer, like={"params": p, "opt_state": (ParamsDict(count=jnp.int32(0)),)})
+    assert int(loaded["opt_state"][0].count) == 4
+    assert nl.load(trainer).opt_state[0].count == 4  # its lists have no gaps: one ParamsDict
+    assert nl.load_metadata(trainer) == {"format_version": "1", "step": "4"}
+    # A format_version nnlite does not know is refused, not misread.
+    safetensors.numpy.save_file(flat, str(old), metadata={**own, "format_version": "2"})
+    with pytest.raises(nl.CheckpointError, match=r"format_version '2' of a newer nnlite; this one reads format_version '1'"):  # fmt: skip
+        nl.load(old, like=p)
+
+
 def test_mismatches_name_the_path(tmp_path):
     p = _params()
     f = nl.save(tmp_path / "p.safetensors", p)
     bigger = _params()
     bigger.layers[0].W = jnp.zeros((3, 5))
-    with pytest.raises(nl.CheckpointError, match=r"/layers\[0\]/W is float32\[3, 4\] in the file, `like` has float32\[3, 5\]"):  # fmt: skip
+    with pytest.raises(nl.CheckpointError, match=r"'layers\[0\]/W' is float32\[3, 4\] in the file, the template \(like=\) expects float32\[3, 5\]"):  # fmt: skip
         nl.load(f, like=bigger)
     other_dtype = _params()
     other_dtype.layers[1].b = other_dtype.layers[1].b.astype(jnp.float32)
-    with pytest.raises(nl.CheckpointError, match=r"/layers\[1\]/b is int32\[2\] in the file, `like` has float32\[2\]"):  # fmt: skip
+    with pytest.raises(nl.CheckpointError, match=r"'layers\[1\]/b' is int32\[2\] in the file, the template \(like=\) expects float32\[2\]"):  # fmt: skip
         nl.load(f, like=other_dtype)
     more = _params()
     more.layers[0].extra = jnp.ones(1)
     more.gain = jnp.ones(1)
-    with pytest.raises(nl.CheckpointError, match=r"2 path\(s\) of `like` missing from the file, first /gain"):  # fmt: skip
+    with pytest.raises(nl.CheckpointError, match=r"does not match the template \(like=\): 2 path\(s\) of the template missing, first 'gain'"):  # fmt: skip
         nl.load(f, like=more)
     fewer = _params()
     del fewer.layers[1].b
-    with pytest.raises(nl.CheckpointError, match=r"1 unexpected path\(s\) in the file, first /layers\[1\]/b"):  # fmt: skip
+    with pytest.raises(nl.CheckpointError, match=r"1 unexpected path\(s\), first 'layers\[1\]/b' \(the file has 5 arrays, the template 4\)"):  # fmt: skip
         nl.load(f, like=fewer)
+
+
+def _cut(keep):
+    """A real file cut to ``keep(size)`` bytes, as a crash or a full disk leaves one."""
+
+    def write(f):
+        data = safetensors.numpy.save({"W": np.ones((4, 4), np.float32)})
+        f.write_bytes(data[: keep(len(data))])
+
+    return write
 
 
 @pytest.mark.parametrize(
     ("content", "match"),
     [
-        (b"", r"is not a safetensors file \(0 bytes\)"),
-        (b"hello world, plain text" * 3, "first 8 bytes do not give a header length"),
-        (b"\x05\x00\x00\x00\x00\x00\x00\x00{oops", "bad header"),
-        (np.savez, "is not a safetensors file"),
+        (b"", r"not a safetensors file \(0 bytes\)"),
+        (b"hello world, plain text" * 3, "or truncated: its first 8 bytes give a header of"),
+        (b"\x05\x00\x00\x00\x00\x00\x00\x00{oops", r"not a safetensors file \(bad header"),
+        (b"\x02\x00\x00\x00\x00\x00\x00\x00[]", r"bad header: the header is not a JSON object"),
+        (np.savez, "not a safetensors file"),
+        (_cut(lambda n: n - 1), r"truncated: its header describes 64 bytes of tensors, the"),
+        (_cut(lambda n: 20), "not a safetensors file, or truncated"),
     ],
 )
 def test_not_a_safetensors_file(tmp_path, content, match):
     f = tmp_path / "x.safetensors"
-    if callable(content):
-        content(f.with_suffix(".npz"), a=np.ones(3))
+    if content is np.savez:
         f = f.with_suffix(".npz")
+        np.savez(f, a=np.ones(3))
+    elif callable(content):
+        content(f)
     else:
         f.write_bytes(content)
-    with pytest.raises(nl.CheckpointError, match=match):
-        nl.load(f, like=_params())
+    before = f.read_bytes()
+    for read in (lambda: nl.load(f, like=_params()), lambda: nl.load(f), lambda: nl.load_metadata(f)):  # fmt: skip
+        with pytest.raises(nl.CheckpointError, match=f"^checkpoint {re.escape(str(f))}: .*{match}"):
+            read()
+    assert f.read_bytes() == before  # reading never writes
     with pytest.raises(nl.CheckpointError, match="no such file"):
         nl.load(tmp_path / "missing.safetensors", like=_params())
+    with pytest.raises(nl.CheckpointError, match="a directory, not a safetensors file"):
+        nl.load(tmp_path)
+
+
+# nl.save's test hook: seconds it pauses twice per write (half-written, then unrenamed).
+TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
+
+
+@pytest.mark.parametrize(("pause", "kill_after", "written"), [(60, 0, "half"), (2, 3, "all")])
+def test_killed_mid_write_leaves_the_old_file(tmp_path, pause, kill_after, written):
+    """SIGKILL while nl.save pauses inside the write (its temporary file half-written, or
+    complete but not renamed): the target still holds the old file, whole."""
+    f = nl.save(tmp_path / "p.safetensors", {"W": jnp.zeros((256, 256))}, metadata={"v": "old"})
+    before = f.read_bytes()
+    code = "import sys, jax.numpy as jnp, nnlite as nl; nl.save(sys.argv[1], {'W': jnp.ones((256, 256))})"  # fmt: skip
+    env = {**os.environ, TEST_PAUSE_ENV: str(pause)}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(f)], env=env)
+    try:
+        t0 = time.monotonic()
+        while not (tmps := list(tmp_path.glob("p.safetensors.*.tmp"))):
+            assert time.monotonic() - t0 < 120 and proc.poll() is None
+            time.sleep(0.01)
+        time.sleep(kill_after)  # 3 s: inside the second 2 s pause, which starts at 2 s
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        proc.kill()
+    assert f.read_bytes() == before
+    assert nl.load_metadata(f)["v"] == "old"
+    if written == "all":  # the new file, whole, under its temporary name
+        np.testing.assert_array_equal(nl.load(tmps[0])["W"], np.ones((256, 256)))
+    else:
+        with pytest.raises(nl.CheckpointError, match="truncated"):
+            nl.load(tmps[0])
+    # The leftover is no safetensors file a reader would take for the checkpoint.
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp")] == ["p.safetensors"]
 
 
 def test_save_is_atomic_and_refuses_bad_targets(tmp_path, monkeypatch):
@@ -115,5 +244,5 @@ def test_save_is_atomic_and_refuses_bad_targets(tmp_path, monkeypatch):
         nl.save(tmp_path / "no" / "p.safetensors", p)
     with pytest.raises(nl.CheckpointError, match="is a directory"):
         nl.save(tmp_path, p)
-    with pytest.raises(nl.CheckpointError, match=r"/s is a str of dtype <U1"):
+    with pytest.raises(nl.CheckpointError, match=r"'s' is a str of dtype <U1"):
         nl.save(tmp_path / "s.safetensors", {"s": "x"})

@@ -12,7 +12,8 @@ import pytest
 
 from train.__main__ import main
 from train.config import load_config
-from train.loop import TIMING_KEYS, train
+from train.loop import train
+from train.rundir import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,6 +93,17 @@ def test_resume_is_bit_identical(tmp_path):
     assert [p.name for p in ckpts][-1] == "ckpt_00000040.safetensors"
     for p in ckpts[2:]:
         p.unlink()
+    # Step 20 as the trainer wrote it before it used nl.save (same keys, no "format" in the
+    # metadata), beside a temporary file of the old name that a kill left.
+    import safetensors
+    import safetensors.numpy
+
+    with safetensors.safe_open(str(ckpts[1]), framework="numpy") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "format"}
+    tensors = safetensors.numpy.load_file(str(ckpts[1]))
+    assert meta["format_version"] == "1" and "params/ffn/layers[0]/W" in tensors
+    safetensors.numpy.save_file(tensors, str(ckpts[1]), metadata=meta)
+    ckpts[2].with_name(ckpts[2].name + ".tmp").write_bytes(b"half")
     resumed = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part", resume="auto")
     assert resumed.step == 40
     for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params)):
@@ -139,6 +151,16 @@ def test_run_directory_contents(tmp_path):
         1437 // 128
     )
     assert json.loads(meta["config"])["name"] == cfg.name
+    # For inference: the params part, as a ParamsDict or checked against the model.
+    import nnlite as nl
+
+    path = r.run_dir / "checkpoints" / ckpts[-1]
+    for params in (
+        nl.load(path, subtree="params"),
+        nl.load(path, like=r.model.init(jax.random.key(0)), subtree="params"),
+    ):
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(r.params), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_linreg_pmap_config_recovers_the_line(tmp_path):
@@ -252,7 +274,8 @@ def test_fused_mode_reaches_autodiff_accuracy(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["none", "shard_map"])
 def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
-    from train.loop import boundaries, build, prepare, steps_in_call
+    from train.build import build, prepare
+    from train.loop import boundaries, steps_in_call
 
     cfg = load_config(
         ROOT / "configs/digits_mlp.yaml",

@@ -93,7 +93,7 @@ def resume_command(argv: list[str]) -> str:
 def _show_jaxpr(cfg, what: str) -> int:
     from nnlite import UnsupportedPrimitiveError
 
-    from .loop import show_jaxpr
+    from .show import show_jaxpr
 
     try:
         src = show_jaxpr(cfg, what)

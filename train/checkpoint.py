@@ -1,89 +1,74 @@
-"""Checkpoints: safetensors files, written atomically, restored into a template.
+"""Checkpoints of a run: ``ckpt_<step>.safetensors`` files written by ``nl.save``.
 
-Crash safety: a checkpoint is written to ``<name>.tmp``, fsynced, renamed, and the
-directory fsynced, so a process killed at any moment leaves either the complete file or a
-temporary one; only complete names count as checkpoints, and ``clean_temporary`` removes
-the leftovers when the run resumes.
+Every byte goes through ``nl.save`` / ``nl.load`` (atomic write: temporary name, fsync,
+rename, directory fsync), so a process killed at any moment leaves either the complete
+file or a ``*.tmp`` one; only complete names count as checkpoints, and ``clean_temporary``
+removes the leftovers when the run resumes. This module names the files, keeps the newest
+N, and owns what resuming needs: the metadata (step, data position, RNG, config as
+strings) and its checks.
 
-Keys are ``params<path>`` and ``opt_state<path>`` with nnlite's paths (``params/ffn/layers[0]/W``,
-``opt_state[0]/mu/head/b``); metadata (step, data position, RNG, config, format version) is
-stored as strings. No pickle anywhere.
+A checkpoint is ``nl.save(path, {"params": params, "opt_state": opt_state})``: keys
+``params/<path>`` and ``opt_state<path>`` (``params/ffn/layers[0]/W``,
+``opt_state[0]/mu/head/b``). For inference, ``nl.load(path, subtree="params")`` gives the
+params as a ParamsDict, and ``like=model.init(key)`` with it restores them checked.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import safetensors
-import safetensors.numpy
 
 import nnlite as nl
 
 from .config import ConfigError
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "1"  # nl.save's format_version that resuming accepts
 _NAME = re.compile(r"^ckpt_(\d{8,})\.safetensors$")  # 8 digits or more (steps >= 10^8)
 _TMP_SUFFIX = ".tmp"
 
+# Test hook, never set in normal runs: seconds that nl.save pauses twice inside every
+# checkpoint write (half-written, then written but not renamed), so tests can SIGKILL a
+# process there. nl.save reads it (nnlite/_save.py's TEST_PAUSE_ENV).
+TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
+
 
 def flatten_with_paths(prefix: str, tree: Any) -> dict[str, Any]:
+    """``{key: leaf}`` with the keys a checkpoint stores ``tree`` under (``prefix`` is
+    ``"params"`` or ``"opt_state"``)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {prefix + nl.format_path(path): leaf for path, leaf in leaves}
+
+
+def _tree(params: Any, opt_state: Any) -> OrderedDict:
+    """The tree a checkpoint holds; ordered (JAX sorts a dict's keys), so that a mismatch
+    names a path of the params before one of the optimizer state derived from them."""
+    return OrderedDict(params=params, opt_state=opt_state)
 
 
 def save(
     ckpt_dir: Path, step: int, params: Any, opt_state: Any, metadata: dict[str, Any], keep: int
 ) -> Path:
-    """Write ``ckpt_<step>.safetensors`` atomically (temp file, fsync, rename), keep the newest ``keep``."""
+    """Write ``ckpt_<step>.safetensors`` atomically (``nl.save``), keep the newest ``keep``.
+
+    ``metadata`` values that are not strings are stored as JSON."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {**flatten_with_paths("params", params), **flatten_with_paths("opt_state", opt_state)}
-    tensors = {k: np.array(v, order="C") for k, v in tensors.items()}  # keeps 0-d shapes
-    meta = {"format_version": FORMAT_VERSION, "step": str(step)}
+    meta = {"step": str(step)}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
-    data = safetensors.numpy.save(tensors, metadata=meta)
-    final = ckpt_dir / f"ckpt_{step:08d}.safetensors"
-    tmp = final.with_name(final.name + _TMP_SUFFIX)
-    pause = _test_pause()
-    with open(tmp, "wb") as f:
-        if pause:  # test hook: leave a half-written temporary file for a while
-            f.write(data[: len(data) // 2])
-            f.flush()
-            time.sleep(pause)
-            data = data[len(data) // 2 :]
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if pause:  # test hook: complete but not yet renamed
-        time.sleep(pause)
-    os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
+    final = nl.save(
+        ckpt_dir / f"ckpt_{step:08d}.safetensors",
+        _tree(params, opt_state),
+        metadata=meta,
+    )
     for old in list_checkpoints(ckpt_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return final
-
-
-# Test hook, never set in normal runs: seconds to pause twice inside every checkpoint write
-# (half-written, then written but not renamed), so tests can SIGKILL a process there.
-TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
-
-
-def _test_pause() -> float:
-    return float(os.environ.get(TEST_PAUSE_ENV) or 0)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
@@ -105,46 +90,49 @@ def clean_temporary(ckpt_dir: Path) -> list[Path]:
 
 
 def read_metadata(path: Path) -> dict[str, str]:
+    """The checkpoint's metadata (strings), without reading its tensors."""
     try:
-        with safetensors.safe_open(str(path), framework="numpy") as f:
-            return dict(f.metadata() or {})
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise ConfigError(f"checkpoint {path}: not a readable safetensors file ({e})") from None
+        return nl.load_metadata(path)
+    except nl.CheckpointError as e:
+        raise ConfigError(str(e)) from None
 
 
 def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, Any, dict[str, str]]:
-    """Load ``path`` into the structure of the templates; a mismatch names the first differing path."""
+    """Load ``path`` into the structure of the templates (arrays or ``jax.ShapeDtypeStruct``s);
+    a mismatch names the first differing path. Raises ConfigError for a checkpoint that
+    cannot be resumed (unreadable, another structure, bad metadata, non-finite values)."""
     meta = read_metadata(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(
             f"checkpoint {path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION!r}"
         )
     _check_metadata(path, meta)
-    try:
-        tensors = safetensors.numpy.load_file(str(path))
-    except Exception as e:
-        raise ConfigError(f"checkpoint {path}: cannot read tensors ({e})") from None
-
-    params = _fill(tensors, "params", params_template, path)
-    opt_state = _fill(tensors, "opt_state", opt_template, path)
-    if tensors:
-        raise ConfigError(
-            f"checkpoint {path}: unexpected entry {sorted(tensors)[0]!r} not in the model/optimizer"
-        )
+    state = _load(path, _tree(params_template, opt_template))
     bad = _first_nonfinite(
-        {**flatten_with_paths("params", params), **flatten_with_paths("opt_state", opt_state)}
+        {
+            **flatten_with_paths("params", state["params"]),
+            **flatten_with_paths("opt_state", state["opt_state"]),
+        }
     )
     if bad is not None:
         raise ConfigError(
             f"checkpoint {path}: {bad!r} holds non-finite values, so it cannot be resumed; "
             "delete it to resume from an older checkpoint, or use --fresh"
         )
-    return params, opt_state, meta
+    return state["params"], state["opt_state"], meta
 
 
-def _first_nonfinite(tensors: dict[str, np.ndarray]) -> str | None:
+def _load(path: Path, like: Any, subtree: str | None = None) -> Any:
+    try:
+        return nl.load(path, like, subtree=subtree)
+    except nl.CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _first_nonfinite(tensors: dict[str, Any]) -> str | None:
     for key, v in tensors.items():
-        if np.issubdtype(v.dtype, np.inexact) and not np.all(np.isfinite(v)):
+        # jnp.issubdtype: numpy's does not count bfloat16 as inexact
+        if jnp.issubdtype(v.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(v))):
             return key
     return None
 
@@ -177,37 +165,4 @@ def step_of(path: Path) -> int:
 def load_params(path: Path, params_template: Any) -> Any:
     """Only the params of checkpoint ``path``, in the structure of ``params_template``
     (arrays or ``jax.ShapeDtypeStruct``s): what inference needs (no optimizer state)."""
-    try:
-        with safetensors.safe_open(str(path), framework="numpy") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("params")}
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ConfigError(f"checkpoint {path}: cannot read tensors ({e})") from None
-    params = _fill(tensors, "params", params_template, path)
-    if tensors:
-        raise ConfigError(
-            f"checkpoint {path}: unexpected entry {sorted(tensors)[0]!r} not in the model"
-        )
-    return params
-
-
-def _fill(tensors: dict, prefix: str, template: Any, path: Path) -> Any:
-    """``template``'s structure filled with ``tensors[prefix + path]`` (popped), each
-    checked for shape and dtype; a mismatch names the first differing path."""
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(template)
-    out = []
-    for p, leaf in leaves_with_path:
-        key = prefix + nl.format_path(p)
-        if key not in tensors:
-            raise ConfigError(
-                f"checkpoint {path}: missing {key!r} that the model/optimizer expects"
-            )
-        value = tensors.pop(key)
-        want_shape = np.shape(leaf)
-        want_dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-        if value.shape != want_shape or value.dtype != want_dtype:
-            raise ConfigError(
-                f"checkpoint {path}: {key!r} is {value.dtype}{list(value.shape)}, the "
-                f"model/optimizer expects {want_dtype}{list(want_shape)}"
-            )
-        out.append(value)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return _load(path, params_template, subtree="params")

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from . import parallel
+
 
 class ConfigError(ValueError):
     """Bad user input (config, CLI, data, checkpoint): the CLI prints it and exits 2."""
@@ -32,7 +34,7 @@ DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
 GRAD_MODES = ("autodiff", "manual", "fused")  # each model's grad_modes: a subset (tested)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
-STRATEGIES = ("none", "pmap", "shard_map")
+STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
 NONFINITE = ("stop", "skip")
 
 

@@ -15,6 +15,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -392,7 +393,17 @@ def host_batch(data: Dataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return data.x[idx], data.y[idx]
 
 
-def make_sampler(seed: int, data: Dataset, batch_size: int):
+class Sampler(Protocol):
+    """Host-side batch indices as a pure function of (seed, step): a step is a data position."""
+
+    def batch(self, step: int) -> np.ndarray: ...
+
+    def batches(self, step: int, count: int) -> np.ndarray: ...
+
+    def position(self, step: int) -> dict: ...
+
+
+def make_sampler(seed: int, data: Dataset, batch_size: int) -> Sampler:
     """The host-side sampler of ``data``: epochs of examples, or random text windows."""
     if data.window is None:
         return BatchIndices(seed, data.num_indices, batch_size)

@@ -1,6 +1,6 @@
 """Surviving faults: exit statuses, preemption (SIGTERM/SIGINT) and the non-finite guard.
 
-Exit statuses of ``python -m train`` (also listed in docs/distributed.md):
+Exit statuses of ``python -m train`` (also listed in docs/faults.md):
 
 ====  ==================================================================================
 0     finished
@@ -140,6 +140,71 @@ def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y) -> str | None:
             if not np.all(np.isfinite(leaf)):
                 return prefix + nl.format_path(path)
     return None
+
+
+def explain_nonfinite(
+    r, sampler, checker, loss_fn, params0, opt0, flagged, good_step, good_ckpt
+) -> str:
+    """The message for a run stopped at step ``flagged``: replay from the last good state
+    with ``checker`` (a stepper whose flag covers the new params as well as the loss), find
+    the first bad step (``flagged`` or one before: bad params show in the next loss), and
+    name the first non-finite value that step produces.
+
+    ``r`` is the ``train.build.Run``; ``params0``/``opt0`` the initial state (the replay's
+    start when no checkpoint was written); ``good_ckpt`` the checkpoint at ``good_step``.
+    """
+    import jax
+    import numpy as np
+
+    from . import distributed as dist
+    from .data import host_batch
+    from .resume import load_checkpoint
+    from .step import step_flags
+
+    p_host, o_host = jax.tree.leaves(params0), jax.tree.leaves(opt0)
+    if good_step > 0:  # process 0 wrote (or resumed from) a checkpoint at good_step
+        if dist.is_main():
+            saved = load_checkpoint(r.cfg, good_ckpt, params0, opt0)
+            p_host, o_host = saved.p_leaves, saved.o_leaves
+        p_host, o_host = dist.broadcast((p_host, o_host))
+    X, Y = checker.put_data(r.data.x), checker.put_data(r.data.y)
+
+    def replay(upto: int):
+        """State after steps good_step..upto-1, and the first flagged step on the way."""
+        p, o = checker.put_state(p_host), checker.put_state(o_host)
+        for s in range(good_step, upto):
+            idx = checker.put_indices(dist.process_share(sampler.batches(s, 1)), s)
+            p, o, m = checker.run(p, o, X, Y, idx)
+            if step_flags(m).any():
+                return p, o, s + 1
+        return p, o, None
+
+    bad = replay(flagged)[2] or flagged
+    p_leaves, o_leaves, _ = replay(bad - 1)
+    p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
+    params = jax.tree.unflatten(p_def, [np.asarray(v) for v in checker.get_state(p_leaves)])
+    opt_state = jax.tree.unflatten(o_def, [np.asarray(v) for v in checker.get_state(o_leaves)])
+    x, y = host_batch(r.data, sampler.batch(bad - 1))
+    what = first_nonfinite(loss_fn, r.optimizer, params, opt_state, x, y)
+    where = f"first in {what}" if what else "not reproducible on one device to name the leaf"
+    kept = (
+        f"the last good checkpoint is {good_ckpt} (step {good_step})"
+        if good_ckpt is not None
+        else "no checkpoint was written"
+    )
+    return (
+        f"non-finite values at step {bad} ({where}); training stopped and {kept}. "
+        "Lower optimizer.learning_rate, check the data, or set train.nonfinite=skip "
+        "to skip such steps"
+    )
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every leaf of a tree of host arrays is finite."""
+    import jax
+    import numpy as np
+
+    return all(np.all(np.isfinite(v)) for v in jax.tree.leaves(tree))
 
 
 # -- the watchdog: nothing waits on the device without a bound ---------------------------

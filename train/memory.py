@@ -78,12 +78,16 @@ class Estimate:
         return self.state + self.data + self.batch
 
 
-def estimate(cfg: Config, model, optimizer, data, n_local: int, n_global: int) -> Estimate:
-    """A lower bound of the memory ``cfg`` needs with ``n_local`` of ``n_global`` devices
-    in this process; nothing is allocated (shapes only)."""
+def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
+    """A lower bound of the memory ``cfg`` needs on ``strategy``'s devices (this process's
+    share of them); nothing is allocated (shapes only). What one device holds of the
+    params, gradients (placed like the params) and optimizer state is the strategy's
+    ``bytes_per_device``."""
+    n_local, n_global = len(strategy.local_devices), len(strategy.devices)
     p_avals = jax.eval_shape(model.init, jax.random.key(0))
     o_avals = jax.eval_shape(optimizer.init, p_avals)
     p, o = _nbytes(p_avals), _nbytes(o_avals)
+    p_dev, o_dev = strategy.bytes_per_device(p_avals), strategy.bytes_per_device(o_avals)
     local_batch = max(cfg.train.batch_size // n_global, 1)
     micro = max(local_batch // cfg.train.grad_accum_steps, 1)
     # What the step gathers: rows, or text windows of `window` tokens per example.
@@ -100,18 +104,18 @@ def estimate(cfg: Config, model, optimizer, data, n_local: int, n_global: int) -
     # host: the sampler's [steps_per_call, batch] int32 indices (and an epoch order the
     # size of the batch when the data set is smaller than one)
     indices = 4 * cfg.train.batch_size * (cfg.train.steps_per_call + 2)
-    devices = jax.local_devices()[:n_local]
+    devices = strategy.local_devices
     limit = device_memory_bytes(devices[0]) if devices else None
     if limit is None:  # CPU: every device and the host share this machine's memory
         return Estimate(
-            state=(p + o) + n_local * (2 * p + o),
+            state=(p + o) + n_local * (2 * p_dev + o_dev),
             data=data_bytes + n_local * (data.x.nbytes + data.y.nbytes),
             batch=indices + n_local * per_device_batch,
             limit=host_memory_bytes(),
             where="this machine",
         )
     return Estimate(  # one accelerator's share
-        state=2 * p + o,
+        state=2 * p_dev + o_dev,
         data=data.x.nbytes + data.y.nbytes,
         batch=per_device_batch,
         limit=limit,
@@ -119,9 +123,9 @@ def estimate(cfg: Config, model, optimizer, data, n_local: int, n_global: int) -
     )
 
 
-def check_fits(cfg: Config, model, optimizer, data, n_local: int, n_global: int) -> Estimate:
+def check_fits(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     """Raise ConfigError naming the key to change when ``cfg`` cannot fit in memory."""
-    est = estimate(cfg, model, optimizer, data, n_local, n_global)
+    est = estimate(cfg, model, optimizer, data, strategy)
     if est.total <= est.limit:
         return est
     parts = {"state": est.state, "data": est.data, "batch": est.batch}

@@ -1,4 +1,4 @@
-"""The compiled train step for each data-parallel strategy.
+"""The compiled train step, written once for every parallel strategy.
 
 The step carries *flat leaves* of the params and optimizer state (flattened once on the
 host, unflattened inside the compiled function), so dispatch never walks a ParamsDict. It
@@ -6,16 +6,11 @@ takes the whole (small) data set, already on the device(s), plus a ``[K, batch]`
 indices, and runs K optimizer steps with ``lax.scan`` (K=1 is a plain step). Params and
 optimizer state buffers are donated.
 
-Strategies:
-- ``none``: ``jax.jit`` on one device.
-- ``pmap``: params/opt state replicated with a leading device axis; each device takes its
-  share of the batch; gradients and metrics are averaged with ``lax.pmean``.
-- ``shard_map``: ``jax.shard_map`` over a 1-D ``batch`` mesh; params replicated (``P()``).
-  With ``check_vma=True`` the gradient of a replicated parameter is summed over the mesh
-  by autodiff, so we differentiate ``pmean(local_loss)`` rather than pmean-ing gradients.
+How the step is spread over devices (reductions, keys, placement, compilation) is the
+business of a strategy object (``train.parallel``); nothing here names a strategy.
 
-Multi-process (``jax.distributed``): ``devices`` lists the devices of every process; each
-process places only its own devices' data and passes its share of the batch indices.
+Multi-process (``jax.distributed``): the strategy's devices are those of every process;
+each process places only its own devices' data and passes its share of the batch indices.
 
 Non-finite steps: with ``nonfinite="stop"`` (the default) the step adds nothing: the loop
 reads the per-step losses it returns anyway (a step that breaks the params shows in the
@@ -38,12 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
 
-AXIS = "batch"
+from .parallel.base import Strategy
 
 
 def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
@@ -62,7 +55,7 @@ def uses_key(model) -> bool:
     return bool(getattr(model, "uses_key", False))
 
 
-def batch_grads_fn(model, grad: str, accum_steps: int, strategy: str) -> Callable:
+def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Callable:
     """``(params, x, y, key) -> (loss, metrics, grads)``: means over the global batch.
 
     ``x``/``y`` are this device's share; ``key`` is the step's random key (None for a
@@ -70,15 +63,14 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: str) -> Callabl
     split into k microbatches whose gradients are summed in one buffer (by the model's own
     accumulating pass when it has one for ``grad``, e.g. the MLP's fused mode) and divided
     by k: the same update as one step on the whole batch, in 1/k of the activation memory.
+    ``strategy`` reduces over devices (:class:`train.parallel.base.Strategy`).
     """
     loss_fn = mean_loss_fn(model, grad)
     keyed = uses_key(model)
 
     def objective(params, x, y, key):
         loss, metrics = loss_fn(params, x, y, key=key) if keyed else loss_fn(params, x, y)
-        if strategy == "shard_map":  # see the module docstring: differentiate the global mean
-            loss = jax.lax.pmean(loss, AXIS)
-        return loss, metrics
+        return strategy.global_loss(loss), metrics
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
     accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
@@ -90,8 +82,8 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: str) -> Callabl
             xs = x.reshape(accum_steps, -1, *x.shape[1:])
             ys = y.reshape(accum_steps, -1, *y.shape[1:])
             acc = jax.tree.map(jnp.zeros_like, params)
-            if accumulate is not None and strategy == "shard_map":
-                acc = jax.lax.pcast(acc, AXIS, to="varying")  # local sums until the pmean
+            if accumulate is not None:
+                acc = strategy.local_accumulator(acc)
 
             def micro(acc, xyi):
                 *xy, i = xyi
@@ -107,41 +99,57 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: str) -> Callabl
             acc, (losses, metrics) = jax.lax.scan(micro, acc, (xs, ys, micro_ids))
             grads = jax.tree.map(lambda g: g / accum_steps, acc)
             loss, metrics = jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
-            if accumulate is not None and strategy == "shard_map":
-                loss, grads = jax.lax.pmean((loss, grads), AXIS)
-        if strategy == "shard_map":
-            metrics = jax.lax.pmean(metrics, AXIS)
-        elif strategy == "pmap":
-            loss, metrics, grads = jax.lax.pmean((loss, metrics, grads), AXIS)
-        return loss, metrics, grads
+        return strategy.reduce(loss, metrics, grads, local_grads=accumulate is not None)
 
     return batch_grads
 
 
 @dataclass
 class Stepper:
-    """A compiled multi-step function plus the placement helpers that go with it."""
+    """A compiled multi-step function and the strategy that places its arguments.
 
-    strategy: str
-    devices: list
-    # (p_leaves, o_leaves, X, Y, batch) -> (p_leaves, o_leaves, metrics[K]); ``batch`` is
-    # what put_indices returns for a [K, B] block.
+    ``run(p_leaves, o_leaves, X, Y, batch) -> (p_leaves, o_leaves, metrics[K])``, where
+    ``batch`` is what :meth:`put_indices` returns for a ``[K, B]`` block.
+    """
+
+    strategy: Strategy
     run: Callable
-    put_state: Callable  # host/device leaves -> leaves placed for `run`
-    put_data: Callable  # numpy array -> placed for `run`
-    # (numpy [K, B] indices, number of the block's first step) -> placed for `run`
-    put_indices: Callable
-    get_state: Callable  # placed leaves -> single-copy leaves (for eval and checkpoints)
-    # Where put_state places every leaf (None: pmap, whose placement has no such sharding);
-    # abstract_state() uses it to compile `run` before the state exists.
-    state_sharding: Any = None
+    keyed: bool  # the indices travel with their step numbers (a model that takes a key)
+
+    @property
+    def devices(self) -> list:
+        return self.strategy.devices
+
+    def put_state(self, leaves: list) -> list:
+        return self.strategy.put_state(leaves)
+
+    def put_data(self, array: np.ndarray) -> Any:
+        return self.strategy.put_data(array)
+
+    def put_indices(self, idx: np.ndarray, first_step: int = 0) -> Any:
+        """This process's numpy ``[K, B]`` indices of the call whose first step is
+        ``first_step``, placed (paired with their step numbers when keyed)."""
+        placed = self.strategy.put_indices(idx)
+        if not self.keyed:
+            return placed
+        steps = np.arange(first_step, first_step + idx.shape[0], dtype=np.int32)
+        return placed, self.strategy.put_steps(steps)
+
+    def get_state(self, leaves: list) -> list:
+        """Placed leaves -> one copy each (for evaluation and checkpoints)."""
+        return self.strategy.get_state(leaves)
 
     def abstract_state(self, avals) -> list | None:
         """``ShapeDtypeStruct`` stand-ins for ``put_state(leaves)``, given the leaves' shapes
-        and dtypes: what ``run`` can be traced and compiled for ahead of time (None for pmap)."""
-        if self.state_sharding is None:
+        and dtypes: what ``run`` can be traced and compiled for ahead of time (None when the
+        strategy has no per-leaf sharding: it compiles on its first call)."""
+        shardings = [self.strategy.leaf_sharding(a) for a in avals]
+        if any(s is None for s in shardings):
             return None
-        return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.state_sharding) for a in avals]
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(avals, shardings, strict=True)
+        ]
 
 
 def gather_batch(X, Y, idx, window: int | None = None):
@@ -159,14 +167,13 @@ def gather_batch(X, Y, idx, window: int | None = None):
     return X.at[idx].get(mode="promise_in_bounds"), Y.at[idx].get(mode="promise_in_bounds")
 
 
-def step_key(seed: int, step, strategy: str = "none") -> jax.Array:
+def step_key(seed: int, step, strategy: Strategy | None = None) -> jax.Array:
     """The random key of training step ``step``: ``fold_in(key(seed), step)``, a pure
-    function of both, so a resumed run draws the same dropout masks. Under pmap/shard_map
-    each device folds in its index too (its share of the batch gets its own masks)."""
+    function of both, so a resumed run draws the same dropout masks. Under a data-parallel
+    ``strategy`` each device folds in its index too (its share of the batch gets its own
+    masks)."""
     key = jax.random.fold_in(jax.random.key(seed), step)
-    if strategy in ("pmap", "shard_map"):
-        key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
-    return key
+    return key if strategy is None else strategy.device_key(key)
 
 
 def build_stepper(
@@ -174,14 +181,13 @@ def build_stepper(
     optimizer: optax.GradientTransformation,
     params_def,
     opt_def,
-    strategy: str,
-    devices: list,
+    strategy: Strategy,
     nonfinite: str = "stop",
     *,
     window: int | None = None,
     key_seed: int | None = None,
 ) -> Stepper:
-    """Compile-ready step for ``strategy`` on ``devices`` (see the module docstring).
+    """The compiled step for ``strategy`` (see the module docstring).
 
     ``batch_grads`` is ``batch_grads_fn(model, grad, accum_steps, strategy)``. For
     ``nonfinite="skip"`` and ``"check"`` every step also returns a ``nonfinite`` flag (the
@@ -191,8 +197,6 @@ def build_stepper(
     takes a random key per step, :func:`step_key` of this seed and the step number (the
     indices then travel with their step numbers); None: it takes none.
     """
-    local = [d for d in devices if d.process_index == jax.process_index()]
-    n_local = len(local)
     keyed = key_seed is not None
 
     def one_step(p_leaves, o_leaves, X, Y, idx, step):
@@ -230,85 +234,7 @@ def build_stepper(
         (p_leaves, o_leaves), m = jax.lax.scan(body, (p_leaves, o_leaves), batch)
         return p_leaves, o_leaves, m
 
-    def with_steps(place_idx, place_steps=np.asarray):
-        """``put_indices``: placed indices, paired with their step numbers when keyed."""
-        if not keyed:
-            return lambda idx, first_step=0: place_idx(idx)
-
-        def put(idx, first_step=0):
-            steps = np.arange(first_step, first_step + idx.shape[0], dtype=np.int32)
-            return place_idx(idx), place_steps(steps)
-
-        return put
-
-    if strategy == "none":
-        dev = devices[0]
-        return Stepper(
-            strategy,
-            devices,
-            run=jax.jit(multi_step, donate_argnums=(0, 1)),
-            put_state=lambda leaves: [jax.device_put(v, dev) for v in leaves],
-            put_data=lambda a: jax.device_put(a, dev),
-            # Hand the numpy indices to the jitted call as they are: its C++ dispatch copies
-            # them to the device of the (committed) state, where jax.device_put's Python
-            # path costs tens of microseconds per call, as much as a whole small step.
-            put_indices=with_steps(np.asarray),
-            get_state=lambda leaves: leaves,
-            state_sharding=jax.sharding.SingleDeviceSharding(dev),
-        )
-
-    if strategy == "pmap":
-        replicate = jax.pmap(lambda v: v, devices=local)
-        n = n_local
-
-        def put_idx(idx):  # this process's [K, B] -> [local devices, K, B / local devices]
-            k, b = idx.shape
-            return np.ascontiguousarray(idx.reshape(k, n, b // n).transpose(1, 0, 2))
-
-        return Stepper(
-            strategy,
-            devices,
-            run=jax.pmap(multi_step, axis_name=AXIS, devices=devices, donate_argnums=(0, 1)),
-            put_state=lambda leaves: [
-                replicate(np.broadcast_to(np.asarray(v), (n, *np.shape(v)))) for v in leaves
-            ],
-            put_data=lambda a: replicate(np.broadcast_to(a, (n, *a.shape))),
-            put_indices=with_steps(put_idx, lambda s: np.broadcast_to(s, (n, *s.shape))),
-            get_state=lambda leaves: [v[0] for v in leaves],
-        )
-
-    if strategy == "shard_map":
-        n_proc = jax.process_count()
-        mesh = jax.make_mesh(
-            (len(devices),), (AXIS,), (jax.sharding.AxisType.Auto,), devices=devices
-        )
-        replicated = NamedSharding(mesh, P())
-        by_batch = NamedSharding(mesh, P(None, AXIS))
-        batch_spec = (P(None, AXIS), P()) if keyed else P(None, AXIS)
-        sharded = jax.shard_map(
-            multi_step,
-            mesh=mesh,
-            in_specs=(P(), P(), P(), P(), batch_spec),
-            out_specs=(P(), P(), P()),
-        )
-        return Stepper(
-            strategy,
-            devices,
-            run=jax.jit(sharded, donate_argnums=(0, 1)),
-            put_state=lambda leaves: [jax.device_put(v, replicated) for v in leaves],
-            put_data=lambda a: jax.device_put(a, replicated),
-            # idx is this process's share; the global batch is n_proc times wider.
-            put_indices=with_steps(
-                lambda idx: jax.make_array_from_process_local_data(
-                    by_batch, idx, (idx.shape[0], idx.shape[1] * n_proc)
-                ),
-                lambda s: jax.device_put(s, replicated),
-            ),
-            get_state=lambda leaves: [v.addressable_data(0) for v in leaves],
-            state_sharding=replicated,
-        )
-
-    raise ValueError(f"unknown strategy {strategy!r}")
+    return Stepper(strategy, strategy.compile(multi_step, keyed=keyed), keyed)
 
 
 def compile_async(executor: Executor, fn, *args) -> Future:

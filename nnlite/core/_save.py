@@ -1,21 +1,28 @@
-"""``nl.save`` / ``nl.load``: any pytree of arrays (params, optimizer state) as safetensors.
+"""``nl.save`` / ``nl.load``: any pytree of arrays (params, optimizer state, several named
+trees in one dict) as a safetensors file, the one checkpoint format of nnlite and its trainer.
 
-The file is the checkpoint format: one tensor per array leaf, keyed by nnlite's path of
-the leaf (``/layers[0]/W``, what ``ParamsDict.print`` shows; ``[0]/mu/layer/W`` inside an
-optax state), and string metadata. It is written to a temporary file beside the target,
-fsynced and renamed, so a crash leaves the old file or the new one, never half of one.
-No pickle: loading needs a template (``like=``) for the structure, or gives a ParamsDict.
+Keys are nnlite's paths of the leaves without the leading ``/``: ``layers[0]/W`` for a
+ParamsDict, ``[0]/mu/layer/W`` inside an optax state, ``params/ffn/W`` and
+``opt_state[0]/count`` for ``{"params": ..., "opt_state": ...}``; a tree that is one array
+has the key ``/``. Older nl.save files, whose keys began with ``/`` (``/layers[0]/W``),
+read the same. Metadata is ``str -> str``, beside nl.save's own ``format`` and
+``format_version``.
+
+A file is written to a temporary name beside the target, flushed, fsynced, renamed over
+the target and the directory fsynced, so a crash leaves the old file or the new one, never
+half of one. No pickle: loading restores into a template (``like=``), or gives a ParamsDict.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import struct
-import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +31,16 @@ import safetensors.numpy
 
 from ._params import ParamsDict, format_path
 
-__all__ = ["CheckpointError", "load", "save"]
+__all__ = ["CheckpointError", "load", "load_metadata", "save"]
 
 _FORMAT = "nnlite.save"
 _FORMAT_VERSION = "1"
 _ROOT = "/"  # the key of a tree that is a single array
+
+# Test hook, never set in normal runs: seconds that every nl.save pauses twice (its
+# temporary file half-written, then complete but not yet renamed), so that tests can kill
+# the process there. train.checkpoint.TEST_PAUSE_ENV names the same variable.
+TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
 
 # safetensors dtype names -> numpy (numpy's safetensors reader lacks bfloat16).
 _DTYPES = {
@@ -42,23 +54,30 @@ class CheckpointError(ValueError):
     """A file that ``nl.load`` cannot read, or whose contents do not match ``like``."""
 
 
-def _flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [(format_path(p) or _ROOT, leaf) for p, leaf in leaves], treedef
+def _key(path: tuple, subtree: str = "") -> str:
+    """The file's key of the leaf at JAX key path ``path`` (under ``subtree``)."""
+    p = format_path(path)
+    if subtree:
+        return subtree + p
+    return p.removeprefix("/") or _ROOT
 
 
-def _describe(a: Any) -> str:
-    return f"{np.dtype(a.dtype).name}{list(np.shape(a))}"
+def _describe(shape: tuple, dtype: Any) -> str:
+    return f"{np.dtype(dtype).name}{list(shape)}"
 
 
+# -- writing ----------------------------------------------------------------------------------
 def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | None = None):
     """Write the array leaves of ``tree`` to the safetensors file ``path``, atomically.
 
     Args:
-        path: the file to write (its directory must exist); replaced if it exists.
+        path: the file to write (its directory must exist); replaced if it exists. The
+            bytes go to ``<name>.<random>.tmp`` beside it first, renamed when complete.
         tree: a ParamsDict, or any pytree of arrays and numbers (an optimizer state, a
-            tuple of both). Strings in a ParamsDict are static, not saved.
-        metadata: extra ``str -> str`` entries for the file's header.
+            dict of several named trees such as ``{"params": p, "opt_state": s}``).
+            Strings in a ParamsDict are static, not saved.
+        metadata: extra ``str -> str`` entries for the file's header (``format`` and
+            ``format_version`` are nl.save's own); read back by ``nl.load_metadata``.
 
     Returns:
         The path written, as a ``pathlib.Path``.
@@ -77,132 +96,272 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | No
     if not path.parent.is_dir():
         raise CheckpointError(f"nl.save: directory {path.parent} does not exist")
     tensors = {}
-    for key, leaf in _flatten(tree)[0]:
+    for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = _key(p)
         a = np.asarray(leaf)
         if a.dtype.kind not in "biuf" and a.dtype != jnp.bfloat16:
             raise CheckpointError(
-                f"nl.save: {key} is a {type(leaf).__name__} of dtype {a.dtype}; only arrays "
+                f"nl.save: {key!r} is a {type(leaf).__name__} of dtype {a.dtype}; only arrays "
                 f"and numbers of bool, integer or float dtypes can be saved"
             )
+        if key in tensors:  # e.g. {"a/b": x, "a": {"b": y}}
+            raise CheckpointError(f"nl.save: two leaves of the tree have the path {key!r}")
         tensors[key] = np.array(a, order="C")  # (ascontiguousarray would make 0-d 1-d)
     meta = {"format": _FORMAT, "format_version": _FORMAT_VERSION}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise CheckpointError(f"nl.save: metadata must map str to str, got {k!r}: {v!r}")
+        if k in meta:
+            raise CheckpointError(f"nl.save: metadata key {k!r} is nl.save's own; rename it")
         meta[k] = v
-    data = safetensors.numpy.save(tensors, metadata=meta)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    _write_atomically(path, safetensors.numpy.save(tensors, metadata=meta))
+    return path
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or what it held before, whenever the process dies."""
+    pause = float(os.environ.get(TEST_PAUSE_ENV) or 0)
+    # A name of its own per write, so that two writers of one path never share a file;
+    # os.open (not mkstemp, whose files are 0600) gives the umask's permissions.
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
+            if pause:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                time.sleep(pause)
+                data = data[len(data) // 2 :]
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if pause:
+            time.sleep(pause)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself survives a crash
     finally:
         os.close(dir_fd)
-    return path
 
 
-def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Parse a safetensors file: ``({key: array}, metadata)``; anything else is refused."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"nl.load: no such file {path}") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"nl.load: {path} is a directory, not a safetensors file") from None
-    bad = f"nl.load: {path} is not a safetensors file"
-    if len(data) < 8:
-        raise CheckpointError(f"{bad} ({len(data)} bytes)")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise CheckpointError(f"{bad} (its first 8 bytes do not give a header length)")
-    try:
-        header = json.loads(data[8 : 8 + n])
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
-        body = memoryview(data)[8 + n :]
-        tensors = {}
-        for key, info in header.items():
-            dtype = np.dtype(_DTYPES[info["dtype"]])
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
-            if not 0 <= start <= end <= len(body) or end - start != dtype.itemsize * int(
-                np.prod(shape, dtype=np.int64)
+# -- reading ----------------------------------------------------------------------------------
+class _File:
+    """An open safetensors file: its metadata and each tensor's dtype, shape and offset;
+    tensors are read one at a time, so a part of a file costs only that part."""
+
+    def __init__(self, path: Path, f: BinaryIO):
+        self.path = path
+        self.f = f
+        size = os.fstat(f.fileno()).st_size
+        bad = f"checkpoint {path}: not a safetensors file"
+        if size < 8:
+            raise CheckpointError(f"{bad} ({size} bytes)")
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise CheckpointError(
+                f"{bad}, or truncated: its first 8 bytes give a header of {n} bytes, and the "
+                f"file has {size}"
+            )
+        self.start = 8 + n
+        try:
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+            meta = header.pop("__metadata__", None) or {}
+            if not isinstance(meta, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
             ):
-                raise ValueError(f"tensor {key!r}: data offsets do not match its shape")
-            tensors[key] = np.frombuffer(body[start:end], dtype).reshape(shape).copy()
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{bad} (bad header: {e})") from None
-    return tensors, meta
+                raise ValueError("__metadata__ is not a str -> str object")
+            self.entries = {k: _entry(k, info) for k, info in header.items()}
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{bad} (bad header: {e})") from None
+        self.meta: dict[str, str] = meta
+        end = max((e[3] for e in self.entries.values()), default=0)
+        if self.start + end > size:
+            raise CheckpointError(
+                f"checkpoint {path}: truncated: its header describes {end} bytes of tensors, "
+                f"the file holds {size - self.start}"
+            )
+        if meta.get("format") == _FORMAT and meta.get("format_version") != _FORMAT_VERSION:
+            raise CheckpointError(
+                f"checkpoint {path}: format_version {meta.get('format_version')!r} of a newer "
+                f"nnlite; this one reads format_version {_FORMAT_VERSION!r}; upgrade nnlite"
+            )
+        # Keys of files written before the leading "/" was dropped (see the module doc).
+        self.keys: dict[str, str] = {}
+        for raw in self.entries:
+            key = raw[1:] if raw.startswith("/") and raw != _ROOT else raw
+            if key in self.keys:
+                raise CheckpointError(f"checkpoint {path}: {raw!r} and {self.keys[key]!r} clash")
+            self.keys[key] = raw
+
+    def spec(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
+        dtype, shape, _, _ = self.entries[self.keys[key]]
+        return shape, dtype
+
+    def read(self, key: str) -> np.ndarray:
+        dtype, shape, start, end = self.entries[self.keys[key]]
+        out = np.empty(shape, dtype)
+        self.f.seek(self.start + start)
+        if self.f.readinto(out.reshape(-1).view(np.uint8)) != end - start:
+            raise CheckpointError(f"checkpoint {self.path}: truncated while reading {key!r}")
+        return out
 
 
-def load(path: str | os.PathLike, like: Any = None) -> Any:
-    """Read a file written by ``nl.save``, into the structure of ``like``.
+def _entry(key: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+        raise ValueError(f"tensor {key!r}: no known dtype")
+    dtype = np.dtype(_DTYPES[info["dtype"]])
+    shape = tuple(int(d) for d in info["shape"])
+    start, end = (int(x) for x in info["data_offsets"])
+    count = int(np.prod(shape, dtype=np.int64))
+    if min(shape, default=0) < 0 or not 0 <= start <= end or end - start != dtype.itemsize * count:
+        raise ValueError(f"tensor {key!r}: data offsets do not match its shape")
+    return dtype, shape, start, end
+
+
+def _open(path: Path):
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"checkpoint {path}: a directory, not a safetensors file") from None
+
+
+def load_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The ``str -> str`` metadata of the safetensors file ``path``, without its tensors.
+
+    Includes nl.save's own ``format`` and ``format_version`` (files nl.save wrote).
+
+    Raises:
+        CheckpointError: the file is missing, truncated or not a safetensors file.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> import nnlite as nl
+        >>> path = tempfile.mkdtemp() + "/w.safetensors"
+        >>> nl.load_metadata(nl.save(path, jnp.ones(3), metadata={"step": "7"}))["step"]
+        '7'
+    """
+    path = Path(path)
+    with _open(path) as f:
+        return dict(_File(path, f).meta)
+
+
+def load(path: str | os.PathLike, like: Any = None, *, subtree: str | None = None) -> Any:
+    """Read a safetensors file (written by ``nl.save``) into the structure of ``like``.
 
     Args:
         path: the safetensors file.
-        like: a tree with the structure, shapes and dtypes to restore (e.g. freshly
-            initialised params, or ``optimizer.init(params)``). ``None``: the file's paths
-            rebuilt as a ParamsDict of arrays (``ParamsDict.from_flat``).
+        like: the template: a tree with the structure, shapes and dtypes to restore (e.g.
+            freshly initialised params, ``optimizer.init(params)``, a dict of both, or
+            ``jax.eval_shape`` of them). ``None``: the file's paths rebuilt as a ParamsDict
+            of arrays (``ParamsDict.from_flat``), or one array.
+        subtree: read only the part of the file under this path, e.g. ``"params"`` of a
+            file saved from ``{"params": p, "opt_state": s}`` (what the trainer writes);
+            ``like`` is then that part's template.
 
     Returns:
-        A tree like ``like`` whose leaves are the file's arrays (``jax.Array`` where
-        ``like`` has one, numpy arrays and Python numbers where it has those).
+        A tree like ``like`` whose leaves are the file's arrays: ``jax.Array`` where
+        ``like`` has one or a ``jax.ShapeDtypeStruct`` (placed on its ``sharding`` if it has
+        one), numpy arrays and Python numbers where it has those.
 
     Raises:
-        CheckpointError: the file is missing or not a safetensors file; or it does not
-            match ``like``: the message names the first missing or unexpected path (and
-            how many there are), or a path whose shape or dtype differs.
+        CheckpointError: the file is missing, truncated or not a safetensors file; or it
+            does not match ``like``: the message names the first missing or unexpected path
+            (and how many there are), or a path whose shape or dtype differs.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> import nnlite as nl
+        >>> p = nl.ParamsDict(W=jnp.ones((2, 3)))
+        >>> path = nl.save(tempfile.mkdtemp() + "/c.safetensors", {"params": p, "step": 3})
+        >>> nl.load(path, subtree="params").W.shape
+        (2, 3)
+        >>> nl.load(path, like={"params": p, "step": 0})["step"]
+        3
     """
     path = Path(path)
-    tensors, _ = _read(path)
-    if like is None:
-        if _ROOT in tensors:
-            return jnp.asarray(tensors[_ROOT])
-        try:
-            flat = ParamsDict.from_flat({k: jnp.asarray(tensors[k]) for k in sorted(tensors)})
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(
-                f"nl.load: {path}: its keys are not ParamsDict paths ({e}); pass like= to load "
-                f"it into another structure"
-            ) from None
-        return flat
-    leaves, treedef = _flatten(like)
-    want = [k for k, _ in leaves]
-    missing = [k for k in want if k not in tensors]
-    extra = sorted(set(tensors) - set(want))
+    with _open(path) as f:
+        file = _File(path, f)
+        keys = list(file.keys)
+        prefix = ""
+        if subtree is not None:
+            prefix = subtree.removeprefix("/")
+            keys = [k for k in keys if k == prefix or k.startswith((prefix + "/", prefix + "["))]
+            if not prefix or not keys:
+                parts = sorted({k.split("/")[0].split("[")[0] for k in file.keys} - {""})
+                raise CheckpointError(
+                    f"checkpoint {path}: no subtree {subtree!r}; its top-level parts are "
+                    f"{', '.join(map(repr, parts)) or 'none'}"
+                )
+        if like is None:
+            return _as_params(file, keys, prefix)
+        return _restore(file, keys, prefix, like)
+
+
+def _as_params(file: _File, keys: list[str], prefix: str) -> Any:
+    """The arrays at ``keys`` as a ParamsDict keyed by their paths (below ``prefix``)."""
+    rel = {}
+    for k in keys:
+        r = k[len(prefix) :] if prefix else ("" if k == _ROOT else k)
+        rel["/" + r if r[:1] not in ("", "/", "[") else r] = k
+    if "" in rel and len(rel) == 1:
+        return jnp.asarray(file.read(rel[""]))
+    try:
+        return ParamsDict.from_flat({r: jnp.asarray(file.read(k)) for r, k in sorted(rel.items())})
+    except (ValueError, KeyError) as e:
+        parts = sorted({k.split("/")[0].split("[")[0] for k in file.keys} - {""})
+        raise CheckpointError(
+            f"checkpoint {file.path}: its paths do not make one ParamsDict ({e}); pass like= "
+            f"(a tree of the structure it was saved from) or subtree= (one of its parts: "
+            f"{', '.join(map(repr, parts))})"
+        ) from None
+
+
+def _restore(file: _File, keys: list[str], prefix: str, like: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    want = [(_key(p, prefix), leaf) for p, leaf in leaves]
+    have = set(keys)
+    missing = [k for k, _ in want if k not in have]
+    extra = sorted(have - {k for k, _ in want})
+    where = f"the file's {prefix!r}" if prefix else "the file"
     if missing or extra:
         parts = []
         if missing:
-            parts.append(
-                f"{len(missing)} path(s) of `like` missing from the file, first {missing[0]}"
-            )
+            parts.append(f"{len(missing)} path(s) of the template missing, first {missing[0]!r}")
         if extra:
-            parts.append(f"{len(extra)} unexpected path(s) in the file, first {extra[0]}")
+            parts.append(f"{len(extra)} unexpected path(s), first {extra[0]!r}")
         raise CheckpointError(
-            f"nl.load: {path} does not match `like`: {'; '.join(parts)} (the file has "
-            f"{len(tensors)} arrays, `like` {len(want)})"
+            f"checkpoint {file.path}: {where} does not match the template (like=): "
+            f"{'; '.join(parts)} ({where} has {len(keys)} arrays, the template {len(want)})"
         )
-    out = []
-    for key, leaf in leaves:
-        value = tensors[key]
-        ref = np.asarray(leaf)
-        if value.shape != ref.shape or value.dtype != ref.dtype:
+    for key, leaf in want:  # every check before any tensor is read
+        shape, dtype = file.spec(key)
+        ref_shape = tuple(np.shape(leaf))
+        ref_dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
+        if shape != ref_shape or dtype != ref_dtype:
             raise CheckpointError(
-                f"nl.load: {path}: {key} is {_describe(value)} in the file, `like` has "
-                f"{_describe(ref)}"
+                f"checkpoint {file.path}: {key!r} is {_describe(shape, dtype)} in the file, "
+                f"the template (like=) expects {_describe(ref_shape, ref_dtype)}"
             )
-        if isinstance(leaf, jax.Array):
-            value = jnp.asarray(value)
-        elif not isinstance(leaf, np.ndarray):  # a Python or numpy scalar
-            value = type(leaf)(value.item()) if isinstance(leaf, (bool, int, float)) else value[()]
-        out.append(value)
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, [_like(file.read(k), leaf) for k, leaf in want])
+
+
+def _like(value: np.ndarray, leaf: Any) -> Any:
+    """``value`` as the kind of leaf ``leaf`` is."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = getattr(leaf, "sharding", None)
+        return jnp.asarray(value) if sharding is None else jax.device_put(value, sharding)
+    if isinstance(leaf, jax.Array):
+        return jnp.asarray(value)
+    if isinstance(leaf, (bool, int, float)):
+        return type(leaf)(value.item())
+    if isinstance(leaf, np.generic):
+        return value[()]
+    return value

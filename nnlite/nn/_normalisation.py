@@ -1,8 +1,8 @@
 """Normalisation: LayerNorm, RMSNorm, GroupNorm (statistics always in float32).
 
 BatchNorm is left out on purpose: its running statistics are state that changes during the
-forward pass, which does not fit nnlite's params-only ``init``/``__call__`` design (see the
-README). GroupNorm and LayerNorm need no such state.
+forward pass, which does not fit nnlite's params-only ``init``/``__call__`` design (see
+docs/layers.md). GroupNorm and LayerNorm need no such state.
 """
 
 from __future__ import annotations

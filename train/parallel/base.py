@@ -1,0 +1,114 @@
+"""What every parallel strategy answers: the interface the stepper and the loop use."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+
+def nbytes(aval: Any) -> int:
+    """Bytes of an array or ``ShapeDtypeStruct``."""
+    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+class Strategy:
+    """How one training step is spread over devices.
+
+    The compiled step is written once (``train.step``); a strategy decides:
+
+    - **inside the step** (while it is traced): the loss that autodiff differentiates
+      (:meth:`global_loss`), how the loss, metrics and gradients are reduced over devices
+      (:meth:`reduce`), and each device's random key (:meth:`device_key`);
+    - **around it**: how the step is compiled (:meth:`compile`), where the state, the data
+      and each call's indices are placed (:meth:`put_state`, :meth:`put_data`,
+      :meth:`put_indices`, :meth:`put_steps`), how one copy of the state comes back for
+      evaluation and checkpoints (:meth:`get_state`), each leaf's sharding
+      (:meth:`leaf_sharding`, for compiling ahead of time) and bytes per device
+      (:meth:`bytes_per_device`, for the memory estimate and the banner).
+
+    Every strategy equals one device for the same global batch.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        self.devices = list(devices)
+        self.local_devices = [d for d in self.devices if d.process_index == jax.process_index()]
+
+    @classmethod
+    def select_devices(cls, parallel, batch_size: int) -> list[jax.Device]:
+        """The devices a config's ``parallel`` section selects (all processes)."""
+        raise NotImplementedError
+
+    # -- inside the compiled step ------------------------------------------------------
+
+    def global_loss(self, loss: jax.Array) -> jax.Array:
+        """The loss autodiff differentiates, from this device's mean loss."""
+        return loss
+
+    def local_accumulator(self, acc: Any) -> Any:
+        """A gradient accumulator that sums this device's own microbatch gradients."""
+        return acc
+
+    def reduce(self, loss, metrics, grads, *, local_grads: bool = False) -> tuple:
+        """``(loss, metrics, grads)`` over the global batch from this device's values.
+
+        ``local_grads``: ``grads`` are this device's own sums (a model's accumulating
+        pass), not the gradient of :meth:`global_loss`.
+        """
+        return loss, metrics, grads
+
+    def device_key(self, key: jax.Array) -> jax.Array:
+        """This device's random key from the step's key (its share gets its own masks)."""
+        return key
+
+    # -- compiling and placing ---------------------------------------------------------
+
+    def compile(self, multi_step: Callable, *, keyed: bool) -> Callable:
+        """The compiled ``(p_leaves, o_leaves, X, Y, batch) -> (p_leaves, o_leaves,
+        metrics)`` (params and optimizer state donated). ``keyed``: ``batch`` is
+        ``(indices, step numbers)``, else indices alone."""
+        raise NotImplementedError
+
+    def put_state(self, leaves: list) -> list:
+        """Host or device leaves of the params or optimizer state, placed for the step."""
+        raise NotImplementedError
+
+    def put_data(self, array: np.ndarray) -> Any:
+        """A whole (small) data set array, placed for the step."""
+        raise NotImplementedError
+
+    def put_indices(self, idx: np.ndarray) -> Any:
+        """This process's ``[K, B / processes]`` int indices of a call, placed."""
+        raise NotImplementedError
+
+    def put_steps(self, steps: np.ndarray) -> Any:
+        """The ``[K]`` step numbers of a call (keyed models), placed."""
+        raise NotImplementedError
+
+    def get_state(self, leaves: list) -> list:
+        """One whole copy of each placed leaf (for evaluation and checkpoints)."""
+        raise NotImplementedError
+
+    def leaf_sharding(self, aval: Any) -> jax.sharding.Sharding | None:
+        """Where :meth:`put_state` places a leaf of this shape, or None when the strategy
+        has no such sharding (its step then compiles on its first call)."""
+        return None
+
+    def bytes_per_device(self, avals: Any) -> int:
+        """Bytes that one device holds of a tree placed by :meth:`put_state`
+        (replicated: all of it)."""
+        return sum(nbytes(a) for a in jax.tree.leaves(avals))
+
+    @property
+    def eval_device(self) -> jax.Device:
+        """Where the held-out split is evaluated (process 0's first device)."""
+        return self.local_devices[0]
+
+    def describe(self) -> str:
+        """How the banner names the strategy."""
+        return self.name

@@ -1,0 +1,97 @@
+"""What a run shows a person: its first line, the progress bar and its closing line."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+from . import distributed as dist
+from .config import Config
+
+# Short names of metrics on the progress bar.
+BAR_NAMES = {"loss": "loss", "accuracy": "acc", "bits_per_char": "bpc"}
+
+
+def banner(r, num_params: int, start: int) -> str:
+    """The run's first line: devices, model size, data, run directory (``r``: a Run)."""
+    cfg = r.cfg
+    procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
+    per_proc = len(r.devices) // jax.process_count()
+    note = f"\n  note: {r.data.name}: {r.data.note}" if r.data.note else ""
+    return (
+        f"nnlite train: {cfg.name}  devices: {procs}{per_proc} x {r.devices[0].platform} "
+        f"({r.strategy.describe()})  model: {cfg.model.name} ({num_params:,} "
+        f"params)  data: {r.data.name} ({r.data.describe()})  "
+        f"run dir: {r.run_dir}" + (f"  resuming at step {start}" if start else "") + note
+    )
+
+
+def done(r, last_eval: dict, skipped: int, wall: float, rate: float) -> str:
+    """The closing line: final held-out metrics, skipped steps, wall time and speed."""
+    split, window = r.data.eval_split, r.data.window
+    more = "".join(
+        f", {split} {name.replace('_', ' ')} {last_eval[name]:.4f}"
+        for name in ("accuracy", "bits_per_char")
+        if name in last_eval
+    )
+    skip = f", {skipped} non-finite steps skipped" if skipped else ""
+    speed = f"{rate:,.0f} examples/s" if window is None else f"{rate * window:,.0f} tokens/s"
+    loss = last_eval.get("loss", float("nan"))
+    return f"done: step {r.step}, {split} loss {loss:.4f}{more}{skip}, wall {wall:.1f} s, {speed}"
+
+
+def already_finished(r, last_eval: dict) -> str:
+    """The line for a rerun of a run that has reached ``train.steps``."""
+    shown = ", ".join(
+        f"test {k} {v:.4f}" if isinstance(v, float) else f"test {k} {v}"
+        for k, v in sorted(last_eval.items(), key=lambda kv: kv[0] != "loss")
+    )
+    return (
+        f"already finished: step {r.step} of train.steps={r.cfg.train.steps}"
+        + (f", {shown}" if shown else "")
+        + f" (from {r.run_dir / 'metrics.jsonl'}); nothing to train. Raise train.steps "
+        "to train on, or use --fresh to start over"
+    )
+
+
+def bar_postfix(metrics: dict, rate: float, window: int | None) -> dict:
+    """What the progress bar shows after a log: the metrics and examples (tokens) per s."""
+    shown = {BAR_NAMES.get(k, k): f"{v:.4f}" for k, v in metrics.items()}
+    if window is not None:
+        shown["tok_s"] = f"{rate * window:,.0f}"
+    else:
+        shown["ex_s"] = f"{rate:,.0f}"
+    return shown
+
+
+class ProgressBar(Protocol):
+    """What the loop uses of a tqdm bar."""
+
+    def set_postfix(self, **kwargs: Any) -> None: ...
+
+    def update(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _NoBar:
+    def set_postfix(self, **_):
+        pass
+
+    def update(self, _):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(cfg: Config, start: int, *, show: bool = True) -> ProgressBar:
+    """A tqdm bar over ``train.steps`` (none when ``log.progress`` is off or not ``show``)."""
+    if not (cfg.log.progress and show):
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True
+    )

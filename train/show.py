@@ -1,0 +1,72 @@
+"""Debugging views of a config: its loss or train step decompiled to Python
+(``--show-jaxpr loss|step``) and its backward pass as hand VJP calls (``grad``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nnlite as nl
+
+from .build import build, make_stepper
+from .config import Config
+from .data import host_batch
+from .step import mean_loss_fn, uses_key
+
+
+def show_jaxpr(cfg: Config, what: str) -> str:
+    """Decompiled Python of the config's mean loss (``what="loss"``) or its compiled train step."""
+    if what == "grad":
+        return show_grad(cfg)
+    fn, args = traced_function(cfg, what)
+    return nl.show_jaxpr(fn, *args, name=what)
+
+
+def show_grad(cfg: Config) -> str:
+    """The config's backward pass as Python: each layer's hand VJP call, in reverse order
+    (``nnlite.show_grad``), on a batch of up to 4 examples (the code is the same for any
+    batch size but for the literal shapes)."""
+    r = build(cfg)
+    params = r.model.init(jax.random.key(cfg.seed))
+    b = min(cfg.train.batch_size, 4)
+    x, y = host_batch(r.data, np.arange(b) % r.data.num_indices)
+    if uses_key(r.model):
+        key = jax.random.key(cfg.seed)
+
+        def loss(params, x, y):
+            return r.model.objective(params, x, y, grad="manual", key=key)[0]
+    else:
+
+        def loss(params, x, y):
+            return r.model.objective(params, x, y, grad="manual")[0]
+
+    return nl.show_grad(loss, params, jnp.asarray(x), jnp.asarray(y))
+
+
+def traced_function(cfg: Config, what: str) -> tuple:
+    """``(fn, args)``: what ``show_jaxpr(cfg, what)`` decompiles, and its example arguments.
+
+    For ``what="step"``, ``fn`` is the compiled multi-step function of the config's
+    strategy and ``args`` are placed as training places them (its params and optimizer
+    state are donated: pass copies to call it more than once).
+    """
+    r = build(cfg)
+    params = r.model.init(jax.random.key(cfg.seed))
+    loss_fn = mean_loss_fn(r.model, cfg.loss.grad)
+    b = cfg.train.batch_size
+    if what == "loss":
+        x, y = host_batch(r.data, np.arange(b) % r.data.num_indices)
+        return (lambda p, x, y: loss_fn(p, x, y)[0]), (params, x, y)
+    opt_state = r.optimizer.init(params)
+    p_leaves, p_def = jax.tree.flatten(params)
+    o_leaves, o_def = jax.tree.flatten(opt_state)
+    stepper = make_stepper(r, p_def, o_def, cfg.train.nonfinite)
+    idx = np.zeros((cfg.train.steps_per_call, b), np.int32)
+    return stepper.run, (
+        stepper.put_state(p_leaves),
+        stepper.put_state(o_leaves),
+        stepper.put_data(r.data.x),
+        stepper.put_data(r.data.y),
+        stepper.put_indices(idx, 0),
+    )
