@@ -298,8 +298,8 @@ def test_equinox_layers_use_autodiff_and_say_so_once(caplog):
 def test_fused_on_another_model_is_a_config_error_naming_the_models_with_it():
     from pathlib import Path
 
-    from train.config import ConfigError, load_config
     from train.build import build
+    from train.config import ConfigError, load_config
 
     root = Path(__file__).resolve().parents[1]
     sets = ["data.name=digits", "model.channels=[4]", "model.kernel_size=3", "loss.grad=fused"]
