@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 import nnlite as nl
+from models import mlp_fused
 from models.contract import objective_fn
 
 # name: (layer sizes, batch)
@@ -96,7 +97,7 @@ def make_step(mode: str, activation: str):
     opt = optax.adam(1e-3)
 
     def step(params, opt_state, x, y):
-        loss, grads = nl.fused.loss_and_grad(mode, params, x, y, activation=activation)
+        loss, grads = mlp_fused.loss_and_grad(mode, params, x, y, activation=activation)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -107,7 +108,7 @@ def bench_size(
     sizes: tuple[int, ...],
     batch: int,
     *,
-    modes=nl.GRAD_MODES,
+    modes=mlp_fused.GRAD_MODES,
     activation: str = "relu",
     rounds: int = 7,
     steps: int = 3,
@@ -236,7 +237,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--size", action="append", choices=[*SIZES, *MODEL_SIZES], help="repeatable"
     )
-    parser.add_argument("--activation", default="relu", choices=nl.fused.HAND_ACTIVATIONS)
+    parser.add_argument("--activation", default="relu", choices=mlp_fused.HAND_ACTIVATIONS)
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
     args = parser.parse_args(argv)
 

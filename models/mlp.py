@@ -5,6 +5,8 @@ import jax.numpy as jnp
 
 import nnlite as nl
 
+from .mlp_fused import fused_grad_accum, mlp_loss
+
 
 class MLP(nl.Module):
     """``in_features -> hidden_sizes (activation after each) -> num_classes`` logits.
@@ -56,14 +58,14 @@ class MLP(nl.Module):
         """Mean loss and metrics, differentiable by ``jax.grad`` in gradient mode ``grad``
         (``manual``: the caller wraps this in ``nl.manual_grads``; ``fused``: one hand pass)."""
         if grad == "fused":
-            loss = nl.fused.mlp_loss(params, x, y, activation=self.activation, mode="fused")
+            loss = mlp_loss(params, x, y, activation=self.activation, mode="fused")
             return loss, {"accuracy": jnp.mean(self._correct(self(params, x), y))}
         per_example, metrics = self.loss(params, x, y)
         return nl.reduce(per_example, "mean"), {k: jnp.mean(v) for k, v in metrics.items()}
 
     def accumulate(self, params, x, y, grads_in, *, grad="fused"):
         """``(loss, metrics, grads_in + grads)`` by the fused, gradient-accumulating hand pass."""
-        loss, grads = nl.fused.fused_grad_accum(params, x, y, grads_in, activation=self.activation)
+        loss, grads = fused_grad_accum(params, x, y, grads_in, activation=self.activation)
         return loss, {"accuracy": jnp.mean(self._correct(self(params, x), y))}, grads
 
     @staticmethod

@@ -4,69 +4,78 @@ Parameters live in ``ParamsDict`` pytrees; layers are frozen dataclasses of
 hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 """
 
-from . import fused as fused
 from . import rules as rules
 from . import vjp as vjp
-from ._attention import MultiHeadAttention as MultiHeadAttention
-from ._attention import TransformerBlock as TransformerBlock
-from ._conv import Conv as Conv
-from ._dropout import Dropout as Dropout
-from ._embedding import Embedding as Embedding
-from ._equinox import EquinoxLayer as EquinoxLayer
-from ._equinox import from_equinox as from_equinox
-from ._grad_modes import GRAD_MODES as GRAD_MODES
-from ._linear import FFN as FFN
-from ._linear import Activation as Activation
-from ._linear import Linear as Linear
-from ._linear import Sequential as Sequential
-from ._linear import SoftmaxHead as SoftmaxHead
-from ._linear import linear as linear
-from ._losses import REDUCTIONS as REDUCTIONS
-from ._losses import accuracy as accuracy
-from ._losses import mse as mse
-from ._losses import nll as nll
-from ._losses import reduce as reduce
-from ._losses import softmax_cross_entropy as softmax_cross_entropy
-from ._manual import ManualGradError as ManualGradError
-from ._manual import hand_rule as hand_rule
-from ._manual import manual_grads as manual_grads
-from ._module import Module as Module
-from ._module import ParamsMismatchError as ParamsMismatchError
-from ._nn import ACTIVATIONS as ACTIVATIONS
-from ._nn import INITIALIZERS as INITIALIZERS
-from ._nn import gelu as gelu
-from ._nn import get_activation as get_activation
-from ._nn import get_initializer as get_initializer
-from ._nn import identity as identity
-from ._nn import relu as relu
-from ._nn import sigmoid as sigmoid
-from ._nn import softplus as softplus
-from ._nn import tanh as tanh
-from ._normalisation import GroupNorm as GroupNorm
-from ._normalisation import LayerNorm as LayerNorm
-from ._normalisation import RMSNorm as RMSNorm
-from ._ops import add as add
-from ._params import ParamsDict as ParamsDict
-from ._params import format_path as format_path
-from ._params import leaf_str as leaf_str
-from ._pool import AvgPool as AvgPool
-from ._pool import Flatten as Flatten
-from ._pool import MaxPool as MaxPool
-from ._save import CheckpointError as CheckpointError
-from ._save import load as load
-from ._save import load_metadata as load_metadata
-from ._save import save as save
-from ._show_grad import show_grad as show_grad
+from .core._module import Module as Module
+from .core._module import ParamsMismatchError as ParamsMismatchError
+from .core._params import ParamsDict as ParamsDict
+from .core._params import format_path as format_path
+from .core._params import leaf_str as leaf_str
+from .core._save import CheckpointError as CheckpointError
+from .core._save import load as load
+from .core._save import load_metadata as load_metadata
+from .core._save import save as save
+from .grad._manual import ManualGradError as ManualGradError
+from .grad._manual import hand_rule as hand_rule
+from .grad._manual import manual_grads as manual_grads
+from .grad._show_grad import show_grad as show_grad
+from .grad._vjp_batched import gelu as gelu
+from .grad._vjp_batched import identity as identity
+from .grad._vjp_batched import relu as relu
+from .grad._vjp_batched import sigmoid as sigmoid
+from .grad._vjp_batched import softplus as softplus
+from .grad._vjp_batched import tanh as tanh
+from .nn._attention import MultiHeadAttention as MultiHeadAttention
+from .nn._conv import Conv as Conv
+from .nn._dropout import Dropout as Dropout
+from .nn._embedding import Embedding as Embedding
+from .nn._equinox import EquinoxLayer as EquinoxLayer
+from .nn._equinox import from_equinox as from_equinox
+from .nn._linear import FFN as FFN
+from .nn._linear import Activation as Activation
+from .nn._linear import Linear as Linear
+from .nn._linear import Sequential as Sequential
+from .nn._linear import SoftmaxHead as SoftmaxHead
+from .nn._linear import linear as linear
+from .nn._losses import REDUCTIONS as REDUCTIONS
+from .nn._losses import accuracy as accuracy
+from .nn._losses import mse as mse
+from .nn._losses import nll as nll
+from .nn._losses import reduce as reduce
+from .nn._losses import softmax_cross_entropy as softmax_cross_entropy
+from .nn._names import ACTIVATIONS as ACTIVATIONS
+from .nn._names import INITIALIZERS as INITIALIZERS
+from .nn._names import get_activation as get_activation
+from .nn._names import get_initializer as get_initializer
+from .nn._normalisation import GroupNorm as GroupNorm
+from .nn._normalisation import LayerNorm as LayerNorm
+from .nn._normalisation import RMSNorm as RMSNorm
+from .nn._ops import add as add
+from .nn._pool import AvgPool as AvgPool
+from .nn._pool import Flatten as Flatten
+from .nn._pool import MaxPool as MaxPool
+from .nn._transformer import TransformerBlock as TransformerBlock
 
 # show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
 # loaded on first use (PEP 562, see __getattr__), so that training, which never prints,
 # does not pay it.
 _LAZY = {
-    "UnsupportedPrimitiveError": "._show_jaxpr",
-    "roundtrip": "._show_jaxpr",
-    "show_jaxpr": "._show_jaxpr",
-    "show_jaxpr_and_xla": "._show_jaxpr",
-    "show_xla": "._show_jaxpr",
+    "UnsupportedPrimitiveError": ".jaxpr._show_jaxpr",
+    "roundtrip": ".jaxpr._show_jaxpr",
+    "show_jaxpr": ".jaxpr._show_jaxpr",
+    "show_jaxpr_and_xla": ".jaxpr._show_jaxpr",
+    "show_xla": ".jaxpr._show_jaxpr",
+}
+
+# Names that left the library, with where they went: MLP-only code lives with the MLP
+# model, the training CLI's settings with the CLI. No shim can return them (nnlite never
+# imports models/ or train/), so the error says where to look.
+_MOVED_OUT = {
+    "fused": "the MLP's fused hand pass (fused_grad_accum, fused_loss_and_grad, mlp_loss, "
+    "loss_and_grad, mlp_layers, HAND_ACTIVATIONS) moved to models/mlp_fused.py",
+    "GRAD_MODES": "the gradient modes are the training CLI's setting (train.config.GRAD_MODES); "
+    "each model lists those it supports in its grad_modes (the MLP's: "
+    "models.mlp_fused.GRAD_MODES)",
 }
 
 __version__ = "0.1.0"
@@ -94,13 +103,14 @@ def __getattr__(name: str):
             stacklevel=2,
         )
         return jax.tree_util.DictKey
+    if name in _MOVED_OUT:
+        raise AttributeError(f"module 'nnlite' has no attribute {name!r}: {_MOVED_OUT[name]}")
     raise AttributeError(f"module 'nnlite' has no attribute {name!r}")
 
 
 __all__ = [
     "ACTIVATIONS",
     "FFN",
-    "GRAD_MODES",
     "INITIALIZERS",
     "REDUCTIONS",
     "Activation",
@@ -129,7 +139,6 @@ __all__ = [
     "add",
     "format_path",
     "from_equinox",
-    "fused",
     "gelu",
     "get_activation",
     "get_initializer",
@@ -160,4 +169,6 @@ __all__ = [
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    # The subpackages (core, nn, grad, jaxpr) are the library's layout, not its API: their
+    # names appear in globals() once imported, but every public name is re-exported here.
+    return sorted((set(globals()) | set(_LAZY)) - {"core", "grad", "jaxpr", "nn"})

@@ -15,7 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from ._show_jaxpr import show_jaxpr as _show_jaxpr
+from .jaxpr._show_jaxpr import show_jaxpr as _show_jaxpr
 
 __all__ = ["main", "parse_shape"]
 

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
+from models import mlp_fused as fused
 
 # (layer sizes, activation): several depths and widths, every hand-supported activation.
 CONFIGS = [
@@ -20,7 +21,7 @@ CONFIGS = [
     ((4, 9, 9, 3), "softplus"),
     ((4, 3), "identity"),  # a single Linear layer, no activation at all
 ]
-assert {a for _, a in CONFIGS} == set(nl.fused.HAND_ACTIVATIONS)
+assert {a for _, a in CONFIGS} == set(fused.HAND_ACTIVATIONS)
 
 
 def _problem(sizes, batch=16, seed=0):
@@ -48,16 +49,16 @@ def _close(a, b, rtol=1e-5):
 
 
 # one compile per (mode, activation), shared by every test
-_loss_and_grad = jax.jit(nl.fused.loss_and_grad, static_argnums=0, static_argnames="activation")
+_loss_and_grad = jax.jit(fused.loss_and_grad, static_argnums=0, static_argnames="activation")
 
 
 @functools.partial(jax.jit, static_argnames="act")
 def _every_mode(params, x, y, act):
     """loss_and_grad per mode, and jax.value_and_grad of mlp_loss (w.r.t. params and x)."""
     out = {}
-    for mode in nl.GRAD_MODES:
-        out[mode] = nl.fused.loss_and_grad(mode, params, x, y, activation=act)
-        vg = jax.value_and_grad(nl.fused.mlp_loss, argnums=(0, 1))
+    for mode in fused.GRAD_MODES:
+        out[mode] = fused.loss_and_grad(mode, params, x, y, activation=act)
+        vg = jax.value_and_grad(fused.mlp_loss, argnums=(0, 1))
         out["grad_" + mode] = vg(params, x, y, activation=act, mode=mode)
     return out
 
@@ -80,7 +81,7 @@ def test_float64_agreement():
     with jax.enable_x64(True):
         params, x, y = _problem((5, 7, 7, 3))
         params, x = jax.tree.map(lambda a: a.astype(jnp.float64), (params, x))
-        f = jax.jit(nl.fused.loss_and_grad, static_argnums=0, static_argnames="activation")
+        f = jax.jit(fused.loss_and_grad, static_argnums=0, static_argnames="activation")
         want = f("autodiff", params, x, y, activation="gelu")  # own jit: x64 traces differ
         for mode in ("manual", "fused"):
             got = f(mode, params, x, y, activation="gelu")
@@ -95,7 +96,7 @@ def test_ffn_plus_head_params_keep_their_structure():
         head=nl.SoftmaxHead(8, 4).init(k[1]),
     )
     x, y = jax.random.normal(k[2], (5, 6)), jnp.array([0, 1, 2, 3, 0])
-    assert [layer.W.shape for layer in nl.fused.mlp_layers(params)] == [(6, 8), (8, 8), (8, 4)]
+    assert [layer.W.shape for layer in fused.mlp_layers(params)] == [(6, 8), (8, 8), (8, 4)]
     f = _loss_and_grad
     want = f("autodiff", params, x, y, activation="tanh")
     for mode in ("manual", "fused"):
@@ -103,16 +104,16 @@ def test_ffn_plus_head_params_keep_their_structure():
         assert jax.tree.structure(grads) == jax.tree.structure(params)
         _close((loss, grads), want)
     # a plain list of layers works too and gives a list back
-    layers = nl.fused.mlp_layers(params)
-    _, g = jax.jit(nl.fused.fused_loss_and_grad, static_argnames="activation")(
+    layers = fused.mlp_layers(params)
+    _, g = jax.jit(fused.fused_loss_and_grad, static_argnames="activation")(
         layers, x, y, activation="tanh"
     )
-    _close(g, nl.fused.mlp_layers(want[1]))
+    _close(g, fused.mlp_layers(want[1]))
 
 
 def _pmap_step(mode, act):
     def step(params, x, y):
-        loss, grads = nl.fused.loss_and_grad(mode, params, x, y, activation=act)
+        loss, grads = fused.loss_and_grad(mode, params, x, y, activation=act)
         return jax.lax.pmean((loss, grads), "d")
 
     return jax.pmap(step, axis_name="d", in_axes=(None, 0, 0))
@@ -124,7 +125,7 @@ def test_modes_under_pmap_match_one_device(sizes, act):
     params, x, y = _problem(sizes, batch=4 * n)
     want = _loss_and_grad("autodiff", params, x, y, activation=act)
     xs, ys = x.reshape(n, 4, -1), y.reshape(n, 4)
-    for mode in nl.GRAD_MODES:
+    for mode in fused.GRAD_MODES:
         got = jax.tree.map(lambda v: v[0], _pmap_step(mode, act)(params, xs, ys))
         _close(got, want)
 
@@ -136,13 +137,13 @@ def test_modes_under_shard_map_match_one_device(sizes, act):
     params, x, y = _problem(sizes, batch=4 * n)
     want = _loss_and_grad("autodiff", params, x, y, activation=act)
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P("d"))) for a in (x, y))
-    for mode in nl.GRAD_MODES:
+    for mode in fused.GRAD_MODES:
 
         def local(params, x, y, mode=mode):
             # differentiate the global mean: with check_vma the replicated params'
             # gradient comes back already summed over the mesh
             def global_loss(p):
-                return jax.lax.pmean(nl.fused.mlp_loss(p, x, y, activation=act, mode=mode), "d")
+                return jax.lax.pmean(fused.mlp_loss(p, x, y, activation=act, mode=mode), "d")
 
             return jax.value_and_grad(global_loss)(params)
 
@@ -151,7 +152,7 @@ def test_modes_under_shard_map_match_one_device(sizes, act):
 
     # the direct fused pass inside shard_map: local grads, pmean-ed by hand
     def local_fused(params, x, y):
-        return jax.lax.pmean(nl.fused.fused_loss_and_grad(params, x, y, activation=act), "d")
+        return jax.lax.pmean(fused.fused_loss_and_grad(params, x, y, activation=act), "d")
 
     f = jax.jit(
         jax.shard_map(local_fused, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P())
@@ -163,7 +164,7 @@ def test_modes_under_shard_map_match_one_device(sizes, act):
 def test_fused_grad_accum_over_microbatches_equals_one_big_batch(sizes, act):
     k, b = 4, 6
     params, x, y = _problem(sizes, batch=k * b)
-    acc_fn = jax.jit(nl.fused.fused_grad_accum, static_argnames="activation", donate_argnums=3)
+    acc_fn = jax.jit(fused.fused_grad_accum, static_argnames="activation", donate_argnums=3)
     acc = jax.tree.map(jnp.zeros_like, params)
     losses = []
     for i in range(k):
@@ -181,7 +182,7 @@ def test_fused_grad_accum_over_microbatches_equals_one_big_batch(sizes, act):
 
 def test_autodiff_takes_any_activation_hand_modes_say_what_they_support():
     params, x, y = _problem((4, 6, 3))
-    loss, _ = jax.jit(nl.fused.loss_and_grad, static_argnums=0, static_argnames="activation")(
+    loss, _ = jax.jit(fused.loss_and_grad, static_argnums=0, static_argnames="activation")(
         "autodiff", params, x, y, activation=jnp.sin
     )
     assert np.isfinite(loss)
@@ -189,7 +190,7 @@ def test_autodiff_takes_any_activation_hand_modes_say_what_they_support():
         with pytest.raises(
             ValueError, match=f"mode '{mode}' supports activations relu, tanh, .*gelu"
         ):
-            nl.fused.loss_and_grad(mode, params, x, y, activation=jnp.sin)
+            fused.loss_and_grad(mode, params, x, y, activation=jnp.sin)
     # the library's activation functions are accepted by name or as themselves
     _close(
         _loss_and_grad("fused", params, x, y, activation=nl.tanh),
@@ -198,8 +199,15 @@ def test_autodiff_takes_any_activation_hand_modes_say_what_they_support():
     with pytest.raises(
         ValueError, match="unknown gradient mode 'adjoint'; valid: autodiff, manual, fused"
     ):
-        nl.fused.loss_and_grad("adjoint", params, x, y)
+        fused.loss_and_grad("adjoint", params, x, y)
     with pytest.raises(ValueError, match=r"expected integer labels of shape \(16,\)"):
-        nl.fused.loss_and_grad("fused", params, x, y.astype(jnp.float32))
+        fused.loss_and_grad("fused", params, x, y.astype(jnp.float32))
     with pytest.raises(ValueError, match="grads_in must have the structure of params"):
-        nl.fused.fused_grad_accum(params, x, y, nl.fused.mlp_layers(params))
+        fused.fused_grad_accum(params, x, y, fused.mlp_layers(params))
+
+
+def test_mlp_fused_doctests():
+    """pytest collects doctests from nnlite/ only; models/mlp_fused.py's examples run here."""
+    import doctest
+
+    assert doctest.testmod(fused, optionflags=doctest.ELLIPSIS).failed == 0

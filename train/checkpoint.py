@@ -35,7 +35,7 @@ _TMP_SUFFIX = ".tmp"
 
 # Test hook, never set in normal runs: seconds that nl.save pauses twice inside every
 # checkpoint write (half-written, then written but not renamed), so tests can SIGKILL a
-# process there. nl.save reads it (nnlite/_save.py's TEST_PAUSE_ENV).
+# process there. nl.save reads it (TEST_PAUSE_ENV in nnlite/core/_save.py).
 TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
 
 

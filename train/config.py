@@ -30,7 +30,7 @@ def choice(default: Any, choices: tuple) -> Any:
 
 
 DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
-GRAD_MODES = ("autodiff", "manual", "fused")  # = nnlite.GRAD_MODES (checked by a test)
+GRAD_MODES = ("autodiff", "manual", "fused")  # each model's grad_modes: a subset (tested)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py

@@ -27,36 +27,34 @@ Example:
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
-from .. import _vjp_column
-from .._vjp_column import *  # noqa: F403 -- the rules are this module's public surface
-from .._vjp_column import __all__ as _rule_names
-from .._vjp_tools import VJPCheckError as VJPCheckError
-from .._vjp_tools import allclose as allclose
-from .._vjp_tools import check as check
-from .._vjp_tools import check_vjp as check_vjp
-from .._vjp_tools import custom_vjp as custom_vjp
-from .._vjp_tools import default_tolerances as default_tolerances
-from .._vjp_tools import ensure_tuple as ensure_tuple
-from .._vjp_tools import randlike as randlike
-from .._vjp_tools import tree_all as tree_all
-from .._vjp_tools import tree_allclose as tree_allclose
-from .._vjp_tools import tree_close as tree_close
-from .._vjp_tools import with_vjp as with_vjp
+from ..grad import _vjp
+from ..grad._check import VJPCheckError as VJPCheckError
+from ..grad._check import allclose as allclose
+from ..grad._check import check as check
+from ..grad._check import check_vjp as check_vjp
+from ..grad._check import default_tolerances as default_tolerances
+from ..grad._check import ensure_tuple as ensure_tuple
+from ..grad._check import randlike as randlike
+from ..grad._check import tree_all as tree_all
+from ..grad._check import tree_allclose as tree_allclose
+from ..grad._check import tree_close as tree_close
+from ..grad._custom_vjp import custom_vjp as custom_vjp
+from ..grad._custom_vjp import match_primal as match_primal
+from ..grad._custom_vjp import with_vjp as with_vjp
+from ..grad._rule_table import hand_functions as _hand_functions
+from ..grad._rule_table import rule_table as _rule_table
+from ..grad._vjp import *  # noqa: F403 -- the rules are this module's public surface
+from ..grad._vjp import __all__ as _rule_names
 from . import batched as batched
 
 #: ``name -> (f, f_vjp)`` for every rule in this module.
-RULES: dict[str, tuple[Callable, Callable]] = {
-    name: (getattr(_vjp_column, name), getattr(_vjp_column, name + "_vjp"))
-    for name in _rule_names
-    if not name.endswith("_vjp") and name + "_vjp" in _rule_names
-}
+RULES: dict[str, tuple[Callable, Callable]] = _rule_table(vars(_vjp), _rule_names)
 
 #: Every rule as a ``jax.custom_vjp`` function: ``hand.mm(W, x)`` computes ``mm`` and is
 #: differentiated by ``mm_vjp``.
-hand = types.SimpleNamespace(**{name: custom_vjp(f, f_vjp) for name, (f, f_vjp) in RULES.items()})
+hand = _hand_functions(RULES)
 
 __all__ = [
     *_rule_names,
@@ -70,6 +68,7 @@ __all__ = [
     "default_tolerances",
     "ensure_tuple",
     "hand",
+    "match_primal",
     "randlike",
     "tree_all",
     "tree_allclose",

@@ -18,24 +18,20 @@ Example:
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
-from .. import _vjp
-from .._vjp import *  # noqa: F403 -- the rules are this module's public surface
-from .._vjp import __all__ as _rule_names
-from .._vjp import gelu_grad as gelu_grad
-from .._vjp_tools import custom_vjp as _custom_vjp
+from ..grad import _vjp_batched
+from ..grad._rule_table import hand_functions as _hand_functions
+from ..grad._rule_table import rule_table as _rule_table
+from ..grad._vjp_batched import *  # noqa: F403 -- the rules are this module's public surface
+from ..grad._vjp_batched import __all__ as _rule_names
+from ..grad._vjp_batched import gelu_grad as gelu_grad
 
 #: ``name -> (f, f_vjp)`` for every rule in this module.
-RULES: dict[str, tuple[Callable, Callable]] = {
-    name: (getattr(_vjp, name), getattr(_vjp, name + "_vjp"))
-    for name in _rule_names
-    if not name.endswith("_vjp") and name + "_vjp" in _rule_names
-}
+RULES: dict[str, tuple[Callable, Callable]] = _rule_table(vars(_vjp_batched), _rule_names)
 
 #: Every rule as a ``jax.custom_vjp`` function: ``hand.mm(x, W)`` computes ``mm`` and is
 #: differentiated by ``mm_vjp``.
-hand = types.SimpleNamespace(**{name: _custom_vjp(f, f_vjp) for name, (f, f_vjp) in RULES.items()})
+hand = _hand_functions(RULES)
 
 __all__ = [*_rule_names, "RULES", "gelu_grad", "hand"]

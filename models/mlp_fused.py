@@ -1,10 +1,24 @@
-"""Gradient modes for an MLP classifier: autodiff, composed hand VJPs, one fused hand pass.
+"""The MLP's gradient modes: autodiff, composed hand VJPs, one fused hand-written pass.
 
 The model is a chain of Linear layers ``h = act(h @ W + b)`` with no activation after the
 last layer, then mean softmax cross-entropy against integer labels. Parameters are a
 sequence of layers, each a ParamsDict (or dict) with ``W: [in, out]`` and ``b: [out]``, or
 a ParamsDict that holds such a chain (``ffn`` + ``head``, or ``layers``; see
 ``mlp_layers``). Gradients come back with the same tree structure as the parameters.
+
+``manual`` gradients for any model come from ``nl.manual_grads`` (every layer's hand VJP);
+the fused pass here is hand-optimised for this one model's shape, which is why it lives
+with the model (``models/mlp.py`` uses it for ``loss.grad=fused``) and uses only nnlite's
+public API.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import nnlite as nl
+    >>> params = nl.FFN(4, (8,), 3).init(jax.random.key(0))
+    >>> x, y = jnp.ones((2, 4)), jnp.array([0, 2])
+    >>> loss, grads = fused_loss_and_grad(params, x, y)
+    >>> grads.layers[0].W.shape
+    (4, 8)
 """
 
 from __future__ import annotations
@@ -15,11 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _vjp
-from ._losses import softmax_cross_entropy as _sce
-from ._nn import ACTIVATIONS, get_activation
-from ._vjp_tools import _match_primal
-from .vjp.batched import hand
+import nnlite as nl
+from nnlite.vjp import batched as V
 
 __all__ = [
     "GRAD_MODES",
@@ -32,6 +43,7 @@ __all__ = [
     "mlp_loss",
 ]
 
+#: The gradient modes of ``mlp_loss`` and ``loss_and_grad`` (the MLP's ``grad_modes``).
 GRAD_MODES = ("autodiff", "manual", "fused")
 
 # d act(z) / dz, from the pre-activation z and the output h = act(z). Every entry except
@@ -45,7 +57,7 @@ _ACT_GRADS: dict[str, tuple[bool, Callable]] = {
     # softplus' = sigmoid(z) = 1 - exp(-softplus(z)); expm1 keeps it exact for tiny h.
     "softplus": (False, lambda z, h: -jnp.expm1(-h)),
     "identity": (False, lambda z, h: None),
-    "gelu": (True, lambda z, h: _vjp.gelu_grad(z)),
+    "gelu": (True, lambda z, h: V.gelu_grad(z)),
 }
 
 #: Activations the hand-derived modes (manual, fused) support; autodiff takes any.
@@ -58,7 +70,7 @@ def _check_mode(mode: str, activation: Any) -> Any:
     if mode not in GRAD_MODES:
         raise ValueError(f"unknown gradient mode {mode!r}; valid: {', '.join(GRAD_MODES)}")
     if callable(activation):
-        activation = next((k for k, v in ACTIVATIONS.items() if v is activation), activation)
+        activation = next((k for k, v in nl.ACTIVATIONS.items() if v is activation), activation)
     if mode != "autodiff" and activation not in _ACT_GRADS:
         raise ValueError(
             f"gradient mode {mode!r} supports activations {', '.join(HAND_ACTIVATIONS)}; got "
@@ -141,7 +153,7 @@ def _check_inputs(layers: list, x: jax.Array, labels: jax.Array) -> None:
 def mlp_logits(params: Any, x: jax.Array, *, activation: str | Callable = "relu") -> jax.Array:
     """Logits of the MLP: ``act`` after every layer but the last. ``x: [batch, in]``."""
     layers = mlp_layers(params)
-    act = get_activation(activation)
+    act = nl.get_activation(activation)
     h = x
     for i, layer in enumerate(layers):
         h = h @ layer["W"] + layer["b"][None, :]
@@ -151,19 +163,21 @@ def mlp_logits(params: Any, x: jax.Array, *, activation: str | Callable = "relu"
 
 
 def _autodiff_loss(params, x, labels, activation):
-    return _sce(mlp_logits(params, x, activation=activation), labels, reduction="mean")
+    return nl.softmax_cross_entropy(
+        mlp_logits(params, x, activation=activation), labels, reduction="mean"
+    )
 
 
 def _manual_loss(params, x, labels, activation):
     # Every op is a hand.* function: jax.grad of this runs only the hand-derived rules.
     layers = mlp_layers(params)
-    act = getattr(hand, activation)
+    act = getattr(V.hand, activation)
     h = x
     for i, layer in enumerate(layers):
-        h = hand.bias_add(hand.mm(h, layer["W"]), layer["b"])
+        h = V.hand.bias_add(V.hand.mm(h, layer["W"]), layer["b"])
         if i < len(layers) - 1:
             h = act(h)
-    return hand.mean(hand.softmax_cross_entropy(h, labels))
+    return V.hand.mean(V.hand.softmax_cross_entropy(h, labels))
 
 
 # --- fused --------------------------------------------------------------------------------
@@ -173,7 +187,7 @@ def _fused_forward(layers, x, labels, activation):
     """Loss and the residuals the fused backward pass reuses: inputs of each layer, the
     pre-activations (gelu only), the softmax probabilities."""
     needs_z, _ = _ACT_GRADS[activation]
-    act = get_activation(activation)
+    act = nl.get_activation(activation)
     hs, zs = [x], []
     h = x
     for i, layer in enumerate(layers):
@@ -212,7 +226,7 @@ def _fused_backward(layers, activation, residuals, g, grads_in=None, want_dx=Fal
         if grads_in is None:
             dW, db = hs[i].T @ dz, jnp.sum(dz, axis=0)
         else:
-            dW = _vjp.xpyzt(grads_in[i][0], hs[i], dz)
+            dW = V.xpyzt(grads_in[i][0], hs[i], dz)
             db = grads_in[i][1] + jnp.sum(dz, axis=0)
         grads[i] = (dW, db)
         if i > 0:
@@ -299,8 +313,8 @@ def _fused_loss_bwd(activation, saved, g):
     params, x, res = saved
     layers = mlp_layers(params)
     grads, dx = _fused_backward(layers, activation, res, g, want_dx=True)
-    dparams = jax.tree.map(_match_primal, _grads_like(params, layers, grads), params)
-    return dparams, _match_primal(dx, x), None
+    dparams = jax.tree.map(nl.vjp.match_primal, _grads_like(params, layers, grads), params)
+    return dparams, nl.vjp.match_primal(dx, x), None
 
 
 _fused_loss = jax.custom_vjp(_fused_loss_impl, nondiff_argnums=(3,))
@@ -320,7 +334,7 @@ def mlp_loss(
 ) -> jax.Array:
     """Mean softmax cross-entropy of the MLP, differentiable in gradient mode ``mode``.
 
-    ``"autodiff"``: plain JAX ops. ``"manual"``: composed from ``nnlite.vjp.hand`` ops, so
+    ``"autodiff"``: plain JAX ops. ``"manual"``: composed from ``nnlite.vjp.batched.hand`` ops, so
     ``jax.grad`` runs only hand rules. ``"fused"``: a ``jax.custom_vjp`` whose backward
     pass is the fused hand pass of ``fused_loss_and_grad``.
 

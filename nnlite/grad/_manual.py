@@ -20,42 +20,26 @@ mode) and how to fix it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from ._vjp_tools import custom_vjp
+from ..core._mode import manual_active, manual_scope, manual_tape
+from ._custom_vjp import custom_vjp
 
-__all__ = ["ManualGradError", "hand_rule", "manual_active", "manual_grads"]
+__all__ = ["ManualGradError", "hand_rule", "manual_grads"]
 
 
 class ManualGradError(TypeError):
     """A loss in manual mode computes on the params outside any hand rule."""
 
 
-_state = threading.local()
-
-
-def manual_active() -> bool:
-    """True while a function wrapped by ``manual_grads`` is being traced or run."""
-    return getattr(_state, "on", False)
-
-
-@contextlib.contextmanager
-def _manual_scope(on: bool = True, tape: list | None = None) -> Iterator[None]:
-    prev = (getattr(_state, "on", False), getattr(_state, "tape", None))
-    _state.on, _state.tape = on, tape
-    try:
-        yield
-    finally:
-        _state.on, _state.tape = prev
+ManualGradError.__module__ = "nnlite"  # its public home, shown in tracebacks
 
 
 def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
@@ -89,7 +73,7 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
 
         @functools.wraps(f)
         def wrapped(*args, **static):
-            if not getattr(_state, "on", False):
+            if not manual_active():
                 return f(*args, **static)
             # Every positional parameter as an argument (defaults filled in: the rule gets
             # ``(*args, dret)`` in f's order); keyword-only ones are static hyperparameters.
@@ -108,12 +92,12 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
                 return merged
 
             def fn(*dyn):
-                with _manual_scope(False):  # the rule's own ops are plain JAX
+                with manual_scope(False):  # the rule's own ops are plain JAX
                     return f(*full(dyn), **static)
 
             def fn_vjp(*dyn_dret):
                 *dyn, dret = dyn_dret
-                with _manual_scope(False):
+                with manual_scope(False):
                     dargs = f_vjp(*full(dyn), dret, **static)
                 dargs = dargs if isinstance(dargs, tuple) else (dargs,)
                 return tuple(dargs[i] for i in dyn_idx) if len(dyn_idx) > 1 else dargs[dyn_idx[0]]
@@ -121,7 +105,7 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
             fn.__name__ = f.__name__
             fn_vjp.__name__ = f_vjp.__name__
             out = custom_vjp(fn, fn_vjp)(*(args[i] for i in dyn_idx))
-            tape = getattr(_state, "tape", None)
+            tape = manual_tape()
             if tape is not None:
                 tape.append((wrapped, args, static, out))
             return out
@@ -201,7 +185,7 @@ def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> None:
         return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) if _arrayish(a) else a
 
     p_spec, a_spec = jax.tree.map(spec, params), jax.tree.map(spec, args)
-    with _manual_scope(True):
+    with manual_scope(True):
         closed = jax.make_jaxpr(lambda p, a: fn(p, *a, **kwargs))(p_spec, a_spec)
     n_params = len(jax.tree.leaves(p_spec))
     tainted = [i < n_params for i in range(len(closed.jaxpr.invars))]
@@ -262,12 +246,7 @@ def manual_grads(fn: Callable, *, check: bool = True) -> Callable:
             if sig not in checked:
                 check_manual(fn, params, *args, **kwargs)
                 checked.add(sig)
-        with _manual_scope(True, getattr(_state, "tape", None)):
+        with manual_scope(True, manual_tape()):
             return fn(params, *args, **kwargs)
 
     return wrapped
-
-
-def module_scope(name: str):
-    """A ``jax.named_scope`` for a Module call in manual mode (so the check names it)."""
-    return jax.named_scope(name) if manual_active() else contextlib.nullcontext()

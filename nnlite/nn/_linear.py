@@ -7,11 +7,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from . import _vjp
-from ._manual import hand_rule
-from ._module import Module
-from ._nn import get_activation, get_initializer
-from ._params import ParamsDict
+from ..core._module import Module
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule
+from ..grad._vjp_batched import log_softmax, softmax
+from ._names import get_activation, get_initializer
 
 __all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead", "linear", "linear_vjp"]
 
@@ -218,9 +218,9 @@ class FFN(Module):
 
 
 _HEAD_OUTPUTS: dict[str, Callable] = {
-    # The seed's rules (nnlite.vjp.batched) are the hand VJPs of the head's outputs.
-    "log_softmax": hand_rule(_vjp.log_softmax_vjp)(_vjp.log_softmax),
-    "softmax": hand_rule(_vjp.softmax_vjp)(_vjp.softmax),
+    # Both carry their hand rule (log_softmax_vjp, softmax_vjp in nnlite.vjp.batched).
+    "log_softmax": log_softmax,
+    "softmax": softmax,
     "logits": lambda z: z,
 }
 

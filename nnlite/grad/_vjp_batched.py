@@ -8,6 +8,11 @@ their cotangent is ``None``.
 
 Batch conventions follow nnlite's: a leading batch axis (or several) on ``x``, the class or
 feature axis last, weights ``W: [in, out]`` shared across the batch.
+
+The functions nnlite's layers and losses call (the activations, ``softmax``,
+``log_softmax``, ``sum``, ``mean``, ``softmax_cross_entropy``) are declared with their rule
+by ``@hand_rule``: ``nl.relu`` is ``relu`` here, and in manual-gradient mode it is
+differentiated by ``relu_vjp``. Elsewhere the decorator calls the plain function.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from ._manual import hand_rule
 
 __all__ = [
     "add", "add_vjp", "axpy", "axpy_vjp", "bias_add", "bias_add_vjp", "dotall", "dotall_vjp",
@@ -208,22 +215,25 @@ def xpyzt_vjp(x, y, z, dret):
 # --- reductions and indexing --------------------------------------------------------------
 
 
-def sum(x):
-    """Sum of all elements, a scalar."""
-    return jnp.sum(x)
-
-
 def sum_vjp(x, dret):
     return jnp.broadcast_to(dret, x.shape).astype(x.dtype)
 
 
-def mean(x):
-    """Mean of all elements, a scalar (e.g. of a per-example loss)."""
-    return jnp.mean(x)
+@hand_rule(sum_vjp)
+def sum(x):
+    """Sum of all elements, a scalar; its VJP broadcasts ``dret``."""
+    return jnp.sum(x)
 
 
 def mean_vjp(x, dret):
     return jnp.broadcast_to(dret / x.size, x.shape).astype(x.dtype)
+
+
+@hand_rule(mean_vjp)
+def mean(x):
+    """Mean of all elements, a scalar (e.g. of a per-example loss); its VJP spreads
+    ``dret / size``."""
+    return jnp.mean(x)
 
 
 def index(x, i):
@@ -238,13 +248,14 @@ def index_vjp(x, i, dret):
 # --- elementwise --------------------------------------------------------------------------
 
 
-def identity(x):
-    """``x``."""
-    return x
-
-
 def identity_vjp(x, dret):
     return dret
+
+
+@hand_rule(identity_vjp)
+def identity(x):
+    """``x`` (the activation that is none)."""
+    return x
 
 
 def recip(x):
@@ -275,18 +286,14 @@ def exp_vjp(x, dret):
     return dret * jnp.exp(x)
 
 
-def relu(x):
-    """``max(x, 0)``; the VJP passes the cotangent where ``x > 0`` (0 at the kink, as JAX)."""
-    return jax.nn.relu(x)
-
-
 def relu_vjp(x, dret):
     return jnp.where(x > 0, dret, 0)
 
 
-def tanh(x):
-    """Hyperbolic tangent."""
-    return jnp.tanh(x)
+@hand_rule(relu_vjp)
+def relu(x):
+    """``max(x, 0)``; the VJP passes the cotangent where ``x > 0`` (0 at the kink, as JAX)."""
+    return jax.nn.relu(x)
 
 
 def tanh_vjp(x, dret):
@@ -294,9 +301,10 @@ def tanh_vjp(x, dret):
     return dret * (1 - t * t)
 
 
-def sigmoid(x):
-    """Logistic sigmoid ``1 / (1 + exp(-x))``."""
-    return jax.nn.sigmoid(x)
+@hand_rule(tanh_vjp)
+def tanh(x):
+    """Hyperbolic tangent."""
+    return jnp.tanh(x)
 
 
 def sigmoid_vjp(x, dret):
@@ -304,22 +312,24 @@ def sigmoid_vjp(x, dret):
     return dret * s * (1 - s)
 
 
-def softplus(x):
-    """``log(1 + exp(x))``."""
-    return jax.nn.softplus(x)
+@hand_rule(sigmoid_vjp)
+def sigmoid(x):
+    """Logistic sigmoid ``1 / (1 + exp(-x))``."""
+    return jax.nn.sigmoid(x)
 
 
 def softplus_vjp(x, dret):
     return dret * jax.nn.sigmoid(x)
 
 
+@hand_rule(softplus_vjp)
+def softplus(x):
+    """``log(1 + exp(x))``."""
+    return jax.nn.softplus(x)
+
+
 _GELU_C = math.sqrt(2 / math.pi)
 _GELU_A = 0.044715
-
-
-def gelu(x):
-    """GELU, tanh approximation: ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``, as ``nnlite.gelu``."""
-    return jax.nn.gelu(x, approximate=True)
 
 
 def gelu_grad(x):
@@ -332,36 +342,61 @@ def gelu_vjp(x, dret):
     return dret * gelu_grad(x)
 
 
+@hand_rule(gelu_vjp)
+def gelu(x):
+    """GELU, tanh approximation (as in GPT-2): ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``."""
+    return jax.nn.gelu(x, approximate=True)
+
+
 # --- softmax family (class axis last) -----------------------------------------------------
 
 
+def softmax_vjp(x, dret):
+    s = jax.nn.softmax(x, axis=-1)
+    return s * (dret - jnp.sum(s * dret, axis=-1, keepdims=True))
+
+
+@hand_rule(softmax_vjp)
 def softmax(x):
     """Softmax over the last axis."""
     return jax.nn.softmax(x, axis=-1)
 
 
-def softmax_vjp(x, dret):
-    s = softmax(x)
-    return s * (dret - jnp.sum(s * dret, axis=-1, keepdims=True))
+def log_softmax_vjp(x, dret):
+    return dret - jax.nn.softmax(x, axis=-1) * jnp.sum(dret, axis=-1, keepdims=True)
 
 
+@hand_rule(log_softmax_vjp)
 def log_softmax(x):
     """Log-softmax over the last axis."""
     return jax.nn.log_softmax(x, axis=-1)
 
 
-def log_softmax_vjp(x, dret):
-    return dret - softmax(x) * jnp.sum(dret, axis=-1, keepdims=True)
+def _class_hits(labels, num_classes):
+    """``labels[..., None] == [0, ..., num_classes - 1]``: a boolean one-hot.
+
+    A compare against an iota, laid out explicitly (rank promotion raises): XLA fuses it
+    into its consumer, so nothing ``[..., num_classes]`` is stored, and its gradient is an
+    elementwise select rather than a scatter.
+    """
+    return labels[..., None] == _lead(jnp.arange(num_classes, dtype=labels.dtype), labels.ndim + 1)
 
 
-def _one_hot(labels, num_classes, dtype):
-    # A compare against an iota: XLA fuses it into its consumer, nothing [B, C] is stored.
-    classes = _lead(jnp.arange(num_classes, dtype=labels.dtype), labels.ndim + 1)
-    return (labels[..., None] == classes).astype(dtype)
+def softmax_cross_entropy_vjp(logits, labels, dret):
+    """``(softmax(logits) - onehot(labels)) * dret``; ``None`` for the labels."""
+    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    hit = _class_hits(labels, logits.shape[-1])
+    return (probs - hit.astype(probs.dtype)) * dret[..., None], None
 
 
+@hand_rule(softmax_cross_entropy_vjp)
 def softmax_cross_entropy(logits, labels):
     """Per-example cross-entropy ``logsumexp(logits) - logits[label]`` (class axis last).
+
+    The max is subtracted first, so logits of magnitude 1e4 give exact, finite values; a
+    label out of range gives NaN. ``nl.softmax_cross_entropy`` checks its arguments and
+    reduces, then calls this.
 
     Args:
         logits: ``[..., num_classes]`` scores.
@@ -375,10 +410,10 @@ def softmax_cross_entropy(logits, labels):
         >>> softmax_cross_entropy(jnp.zeros((1, 2)), jnp.array([0]))
         Array([0.6931472], dtype=float32)
     """
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.sum(logp * _one_hot(labels, logits.shape[-1], logits.dtype), axis=-1)
-
-
-def softmax_cross_entropy_vjp(logits, labels, dret):
-    dlogits = (softmax(logits) - _one_hot(labels, logits.shape[-1], logits.dtype)) * dret[..., None]
-    return (dlogits, None)
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    # The label's logit by a one-hot select rather than a gather: it fuses with the
+    # logsumexp pass (in a small train step each gather/scatter is a kernel of its own).
+    picked = jnp.sum(jnp.where(_class_hits(labels, logits.shape[-1]), shifted, 0.0), axis=-1)
+    in_range = (labels >= 0) & (labels < logits.shape[-1])
+    return jnp.where(in_range, lse - picked, jnp.nan)

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._manual import hand_rule
-from ._module import Module
-from ._nn import get_initializer
-from ._params import ParamsDict
+from ..core._module import Module
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule
+from ._names import get_initializer
 
 __all__ = ["Embedding", "embed", "embed_attend", "embed_attend_vjp", "embed_vjp"]
 

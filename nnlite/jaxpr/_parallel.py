@@ -22,9 +22,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import AxisType
 
-from . import _jax_private
-from ._jaxpr_printer import register
-from ._jaxpr_rules import (
+from ..core import _jax_private
+from ._exprs import (
     Call,
     Rule,
     Tup,
@@ -35,9 +34,10 @@ from ._jaxpr_rules import (
     spec_expr,
     tuple_or_single,
 )
+from ._printer import register
 
 if TYPE_CHECKING:
-    from ._jaxpr_printer import Printer as _Printer
+    from ._printer import Printer as _Printer
 
 __all__ = ["COLLECTIVE_RULES", "shard_map"]
 

@@ -1,7 +1,7 @@
 """``show_grad``: a loss's backward pass as runnable Python, at the level of layers.
 
 The loss runs once, eagerly, in manual-gradient mode with a tape: every hand-rule call
-(``linear``, ``relu``, ``conv``, ``layer_norm``, ``cross_entropy_values``, ...) records its
+(``linear``, ``relu``, ``conv``, ``layer_norm``, ``softmax_cross_entropy``, ...) records its
 arguments and result. The tape is printed as a function: the forward calls, each result
 named after the layer path of the params it uses, then the hand VJPs in reverse order,
 summing cotangents where a value feeds several calls, and finally the ParamsDict of
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._manual import _manual_scope
+from ..core._mode import manual_scope
 
 __all__ = ["show_grad"]
 
@@ -124,7 +124,7 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
         True
     """
     tape: list = []
-    with _manual_scope(True, tape):
+    with manual_scope(True, tape):
         out = loss_fn(params, *batch, **kwargs)
     loss = out[0] if isinstance(out, tuple) else out
     if not tape or tape[-1][3] is not loss:

@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
-from . import _vjp
-from ._manual import hand_rule
+from ..grad._vjp_batched import gelu, identity, relu, sigmoid, softplus, tanh
 
 __all__ = ["ACTIVATIONS", "INITIALIZERS", "get_activation", "get_initializer"]
 
@@ -30,44 +28,9 @@ INITIALIZERS: dict[str, Callable] = {
 }
 
 
-@hand_rule(_vjp.relu_vjp)
-def relu(x):
-    """max(x, 0)."""
-    return jax.nn.relu(x)
-
-
-@hand_rule(_vjp.gelu_vjp)
-def gelu(x):
-    """GELU, tanh approximation (as in GPT-2)."""
-    return jax.nn.gelu(x, approximate=True)
-
-
-@hand_rule(_vjp.tanh_vjp)
-def tanh(x):
-    """Hyperbolic tangent."""
-    return jnp.tanh(x)
-
-
-@hand_rule(_vjp.sigmoid_vjp)
-def sigmoid(x):
-    """Logistic sigmoid."""
-    return jax.nn.sigmoid(x)
-
-
-@hand_rule(_vjp.softplus_vjp)
-def softplus(x):
-    """log(1 + exp(x))."""
-    return jax.nn.softplus(x)
-
-
-@hand_rule(_vjp.identity_vjp)
-def identity(x):
-    """x."""
-    return x
-
-
-# Each activation's hand VJP (``nnlite.vjp.relu_vjp``, ...) is declared with
-# ``hand_rule`` above: it is what manual-gradient mode differentiates with.
+# The activation functions live in the batched VJP library, each beside its hand rule
+# (relu and relu_vjp, ...), declared with @hand_rule there: manual-gradient mode
+# differentiates them with those rules.
 ACTIVATIONS: dict[str, Callable] = {
     "relu": relu,
     "gelu": gelu,

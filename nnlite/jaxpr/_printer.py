@@ -1,11 +1,10 @@
 """show_jaxpr's printer core: walks a jaxpr and prints one Python statement per equation.
 
-The core knows the first-order primitive table (``_jaxpr_rules.py``) and nothing else:
-modules for other kinds of equations register into it with ``register`` --
-``_jaxpr_nested.py`` (jit, cond, while, scan, custom_jvp/vjp, remat) and
-``_jaxpr_parallel.py`` (shard_map and collectives). Imports point one way:
-those modules import this one, never the reverse; ``_show_jaxpr.py`` (the public API)
-imports them all.
+The core holds empty tables and knows no primitive: rule modules register into it with
+``register`` when imported -- ``_rules.py`` (first-order primitives), ``_nested.py`` (jit,
+cond, while, scan, custom_jvp/vjp, remat) and ``_parallel.py`` (shard_map and
+collectives). Imports point one way: those modules import this one, never the reverse;
+``_show_jaxpr.py`` (the public API) imports them all. Expressions come from ``_exprs.py``.
 """
 
 from __future__ import annotations
@@ -21,11 +20,8 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-from . import _jax_private
-from ._jaxpr_rules import (
-    RULES as _FIRST_ORDER,
-)
-from ._jaxpr_rules import (
+from ..core import _jax_private
+from ._exprs import (
     Call,
     Rule,
     array_expr,
@@ -63,8 +59,8 @@ CONSTS_DICT = "LARGE_CONSTS"
 #: The import statements a printed module may start with.
 IMPORT_LINES = frozenset(_IMPORTS.values())
 
-#: primitive name -> rule printing one first-order equation (see ``_jaxpr_rules.py``).
-RULES: dict[str, Rule] = dict(_FIRST_ORDER)
+#: primitive name -> rule printing one first-order equation (see ``_rules.py``).
+RULES: dict[str, Rule] = {}
 #: primitive name -> ``handler(printer, eqn, args, env, scope, indent)`` for equations
 #: that carry jaxprs (or need statements of their own).
 HIGHER_ORDER: dict[str, Callable] = {}
@@ -290,7 +286,7 @@ class Printer:
 
     def eqn(self, eqn, env: dict, scope: _Scope, indent: int) -> None:
         name = eqn.primitive.name
-        # a folded cond index (see _jaxpr_nested.fold_index_eqns) has no name of its own
+        # a folded cond index (see _nested.fold_index_eqns) has no name of its own
         args = [
             None if isinstance(x, Var) and ("index", x) in env else self.atom(x, env)
             for x in eqn.invars

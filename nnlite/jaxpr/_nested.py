@@ -5,8 +5,8 @@
 function with its JVP rule; ``custom_vjp_call`` -> a ``jax.custom_vjp`` function with its
 forward and backward rules (rebuilt from the rules JAX recorded, so the decompiled function
 differentiates exactly like the original, not by autodiff of the primal); ``shard_map`` ->
-``jax.shard_map(fn, ...)(...)`` (in ``_jaxpr_parallel.py``). Registered into the printer
-core (``_jaxpr_printer.py``) on import.
+``jax.shard_map(fn, ...)(...)`` (in ``_parallel.py``). Registered into the printer
+core (``_printer.py``) on import.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-from . import _jax_private
-from ._jaxpr_printer import register, single_ret
-from ._jaxpr_rules import (
+from ..core import _jax_private
+from ._exprs import (
     Bare,
     Call,
     Tup,
@@ -29,9 +28,10 @@ from ._jaxpr_rules import (
     pystr,
     tuple_or_single,
 )
+from ._printer import register, single_ret
 
 if TYPE_CHECKING:
-    from ._jaxpr_printer import Printer as _Printer
+    from ._printer import Printer as _Printer
 
 __all__ = ["HIGHER_ORDER", "fold_index_eqns"]
 

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._jax_private import select_and_scatter_add
+from ..core._module import Module
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule
 from ._conv import explicit_padding, normalize_padding, to_tuple
-from ._jax_private import select_and_scatter_add
-from ._manual import hand_rule
-from ._module import Module
-from ._params import ParamsDict
 
 __all__ = [
     "AvgPool",

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._manual import hand_rule, manual_active
-from ._module import Module, ParamsMismatchError
-from ._params import ParamsDict
+from ..core._mode import manual_active
+from ..core._module import Module, ParamsMismatchError
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule
 
 __all__ = ["EquinoxLayer", "from_equinox"]
 

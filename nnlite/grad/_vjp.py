@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._vjp import (
+from ._vjp_batched import (
     add,
     add_vjp,
     dotall,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._manual import hand_rule
+from ..grad import _vjp_batched as V
+from ..grad._manual import hand_rule
 
 __all__ = ["REDUCTIONS", "accuracy", "mse", "nll", "reduce", "softmax_cross_entropy"]
 
@@ -16,31 +17,12 @@ def reduce(values: jax.Array, reduction: str) -> jax.Array:
     """Apply ``reduction`` ("none" keeps per-example values, "mean", "sum")."""
     if reduction == "none":
         return values
+    # V.mean and V.sum carry their hand rules (mean_vjp, sum_vjp).
     if reduction == "mean":
-        return mean(values)
+        return V.mean(values)
     if reduction == "sum":
-        return total(values)
+        return V.sum(values)
     raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
-
-
-def mean_vjp(values, dret):
-    return jnp.broadcast_to(dret / values.size, values.shape).astype(values.dtype)
-
-
-@hand_rule(mean_vjp)
-def mean(values: jax.Array) -> jax.Array:
-    """Mean of all elements (a scalar); its hand VJP spreads ``dret / size``."""
-    return jnp.mean(values)
-
-
-def total_vjp(values, dret):
-    return jnp.broadcast_to(dret, values.shape).astype(values.dtype)
-
-
-@hand_rule(total_vjp)
-def total(values: jax.Array) -> jax.Array:
-    """Sum of all elements (a scalar); its hand VJP broadcasts ``dret``."""
-    return jnp.sum(values)
 
 
 def _check_labels(fn: str, scores: jax.Array, labels: jax.Array) -> None:
@@ -111,31 +93,7 @@ def softmax_cross_entropy(
     """
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     _check_labels("softmax_cross_entropy", logits, labels)
-    return reduce(cross_entropy_values(logits, labels), reduction)
-
-
-def cross_entropy_values_vjp(logits, labels, dret):
-    """``(softmax(logits) - onehot(labels)) * dret``: the cross-entropy's hand VJP."""
-    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    probs = e / jnp.sum(e, axis=-1, keepdims=True)
-    hit = labels[..., None] == _class_ids(logits, labels.dtype)
-    return (probs - hit.astype(probs.dtype)) * dret[..., None], None
-
-
-@hand_rule(cross_entropy_values_vjp)
-def cross_entropy_values(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Per-example softmax cross-entropy (no checks, no reduction; NaN for a label out of
-    range)."""
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    shifted = logits - m
-    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
-    # The label's logit by a one-hot select rather than a gather: it fuses with the
-    # logsumexp pass, and its gradient is an elementwise select instead of a scatter
-    # (in a small train step each gather/scatter is a kernel of its own).
-    hit = labels[..., None] == _class_ids(logits, labels.dtype)
-    picked = jnp.sum(jnp.where(hit, shifted, 0.0), axis=-1)
-    in_range = (labels >= 0) & (labels < logits.shape[-1])
-    return jnp.where(in_range, lse - picked, jnp.nan)
+    return reduce(V.softmax_cross_entropy(logits, labels), reduction)
 
 
 def accuracy(scores: jax.Array, labels: jax.Array, *, reduction: str = "none") -> jax.Array:

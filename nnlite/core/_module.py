@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._manual import manual_active
+from ._mode import manual_active
 from ._params import ParamsDict
 
 __all__ = ["Module", "ParamsMismatchError"]
@@ -26,6 +26,9 @@ class ParamsMismatchError(ValueError):
     def __init__(self, owner: str, path: str, problem: str):
         self.owner, self.path, self.problem = owner, path, problem
         super().__init__(f"{owner}: params {path or '/'} {problem}")
+
+
+ParamsMismatchError.__module__ = "nnlite"  # its public home, shown in tracebacks
 
 
 class Module:
@@ -56,7 +59,7 @@ class Module:
         call = cls.__dict__.get("__call__")
         if call is not None and not getattr(call, "_scoped", False):
             # In manual-gradient mode each call is a named scope, so a param-dependent op
-            # without a hand rule is reported with the layer it sits in (see _manual).
+            # without a hand rule is reported with the layer it sits in (see grad/_manual.py).
             @functools.wraps(call)
             def scoped_call(self, *args, **kwargs):
                 if not manual_active():
@@ -124,7 +127,7 @@ class Module:
             >>> Linear(5, 7)(ParamsDict(W=jnp.zeros((5, 9)), b=jnp.zeros(9)), jnp.ones(5))
             Traceback (most recent call last):
             ...
-            nnlite._module.ParamsMismatchError: Linear(5, 7): params /W has shape (5, 9), expected (5, 7)
+            nnlite.ParamsMismatchError: Linear(5, 7): params /W has shape (5, 9), expected (5, 7)
         """
         owner = self._args_repr()
         if not isinstance(params, Mapping | ParamsDict):

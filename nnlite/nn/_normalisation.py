@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._manual import hand_rule
-from ._module import Module
-from ._params import ParamsDict
+from ..core._module import Module
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule
 
 __all__ = [
     "GroupNorm",

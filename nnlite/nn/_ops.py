@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._manual import hand_rule
+from ..grad._manual import hand_rule
 
 __all__ = ["add", "add_vjp"]
 

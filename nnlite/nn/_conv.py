@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._manual import hand_rule
-from ._module import Module
-from ._nn import get_initializer
-from ._params import ParamsDict
+from ..core._module import Module
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule
+from ._names import get_initializer
 
 __all__ = ["conv_vjp", "Conv", "conv", "normalize_padding", "to_tuple"]
 

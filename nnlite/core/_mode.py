@@ -1,0 +1,38 @@
+"""Manual-gradient mode's trace-time state: a flag, and show_grad's tape, per thread.
+
+``nl.manual_grads`` and ``nl.show_grad`` (the gradient part) set it; ``Module`` reads it
+(each call becomes a named scope, so a missing hand rule is reported with its layer) and
+so do layers that pick their path with a hand rule in manual mode. It lives in the core so
+that the core reads it without importing the gradient part, which builds on the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["manual_active", "manual_scope", "manual_tape"]
+
+_state = threading.local()
+
+
+def manual_active() -> bool:
+    """True while a function wrapped by ``manual_grads`` is being traced or run."""
+    return getattr(_state, "on", False)
+
+
+def manual_tape() -> list | None:
+    """The list ``show_grad`` records each hand-rule call on, or None."""
+    return getattr(_state, "tape", None)
+
+
+@contextlib.contextmanager
+def manual_scope(on: bool = True, tape: list | None = None) -> Iterator[None]:
+    """Turn manual mode ``on`` (or off) with ``tape`` for the block; restores both after."""
+    prev = (manual_active(), manual_tape())
+    _state.on, _state.tape = on, tape
+    try:
+        yield
+    finally:
+        _state.on, _state.tape = prev

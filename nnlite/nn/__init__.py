@@ -1,0 +1,1 @@
+"""Layers and losses, one family per file, each array function beside its hand VJP."""
