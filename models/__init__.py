@@ -36,7 +36,7 @@ def resolve(name: str, search: tuple[Path, ...] = ()) -> type:
                 f"{where} is not a shipped model ({', '.join(MODELS)}) and not an import path "
                 "'module:Class' of your own model"
             )
-        name = MODELS[name]
+        name, search = MODELS[name], ()  # a shipped model: this package, nothing else
     module_name, _, class_name = name.partition(":")
     if not module_name or not class_name.isidentifier():
         raise ModelError(f"{where}: expected 'module:Class', e.g. 'mymodels:ResMLP'")
