@@ -65,7 +65,7 @@ def test_registry_names_resolve_to_their_classes():
         (["model.depth=3"], r"unknown key 'model.depth'; model.name=mlp \(MLP\) takes in_features"),
         (
             ["model.hidden_sizes=[]"],
-            r"model.name=mlp \(MLP\): hidden_sizes must be a non-empty list of positive ints",
+            r"model.name=mlp \(MLP\): model.hidden_sizes must be a non-empty list of positive ints",
         ),
         (["data.name=npz"], r"data.path is required when data.name is npz"),
         (["data.test_fraction=1.5"], r"data.test_fraction must be in \(0, 1\), got 1.5"),

@@ -120,7 +120,7 @@ RES_YAML = """
 name: res
 seed: 0
 model:
-  name: mymodels:ResMLP
+  name: usermodels:ResMLP
   width: 16
 data:
   name: npz
@@ -140,7 +140,7 @@ log:
 LM_YAML = """
 name: lm
 model:
-  name: mymodels:TinyLM
+  name: usermodels:TinyLM
 data:
   name: text
   path: corpus.txt
@@ -161,7 +161,7 @@ log:
 def project(tmp_path_factory):
     """A user's project directory: their model module, configs and data, nothing else."""
     d = tmp_path_factory.mktemp("userproject")
-    (d / "mymodels.py").write_text(MODELS_PY)
+    (d / "usermodels.py").write_text(MODELS_PY)
     (d / "broken.py").write_text("raise RuntimeError('this module does not import')\n")
     (d / "res.yaml").write_text(RES_YAML)
     (d / "lm.yaml").write_text(LM_YAML)
@@ -228,7 +228,7 @@ def test_user_model_trains_from_its_directory_and_records_only_its_keys(project,
 
     saved = yaml.safe_load((ref_run / "config.yaml").read_text())
     assert saved["model"] == {
-        "name": "mymodels:ResMLP",
+        "name": "usermodels:ResMLP",
         "in_features": 8,
         "num_classes": 4,
         "width": 16,
@@ -318,10 +318,10 @@ def test_fit_with_a_model_instance_is_the_cli_run(project, ref_run, monkeypatch)
     monkeypatch.chdir(project)
     sys.path.insert(0, str(project))
     try:
-        import mymodels
+        import usermodels
 
         run = train.fit(
-            mymodels.ResMLP(in_features=None, num_classes=None, width=16),
+            usermodels.ResMLP(in_features=None, num_classes=None, width=16),
             project / "res.yaml",
             overrides={"log.dir": str(project / "fit_runs"), "name": "instance"},
             resume="fresh",
@@ -403,7 +403,7 @@ def test_user_model_show_jaxpr_and_manual_gradients(project, capsys, monkeypatch
     for a, b in zip(jax.tree.leaves(auto.params), jax.tree.leaves(manual.params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
     code = main(
-        ["--config", "res.yaml", *sets("model={name: 'mymodels:RawTanh'}", "loss.grad=manual")]
+        ["--config", "res.yaml", *sets("model={name: 'usermodels:RawTanh'}", "loss.grad=manual")]
     )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
@@ -434,14 +434,14 @@ def test_user_model_on_two_processes_equals_one_process(project, monkeypatch):
     "model, message",
     [
         (
-            "{name: 'mymodels:ResMLP', widht: 3}",
-            r"unknown key 'model.widht'; model.name=mymodels:ResMLP \(ResMLP\) takes in_features, num_classes, width, depth",
+            "{name: 'usermodels:ResMLP', widht: 3}",
+            r"unknown key 'model.widht'; model.name=usermodels:ResMLP \(ResMLP\) takes in_features, num_classes, width, depth",
         ),
         (
-            "{name: 'mymodels:NeedsDepth'}",
-            r"model.depth is required by model.name=mymodels:NeedsDepth \(NeedsDepth.depth: int\)",
+            "{name: 'usermodels:NeedsDepth'}",
+            r"model.depth is required by model.name=usermodels:NeedsDepth \(NeedsDepth.depth: int\)",
         ),
-        ("{name: 'mymodels:ResMLP', width: wide}", r"model.width: expected int, got 'wide'"),
+        ("{name: 'usermodels:ResMLP', width: wide}", r"model.width: expected int, got 'wide'"),
         (
             "{name: 'nosuchmodule:Model'}",
             r"model.name=nosuchmodule:Model: no module named 'nosuchmodule'",
@@ -451,26 +451,26 @@ def test_user_model_on_two_processes_equals_one_process(project, monkeypatch):
             r"model.name=broken:Model: importing broken failed: RuntimeError: this module does not import",
         ),
         (
-            "{name: 'mymodels:Missing'}",
-            r"model.name=mymodels:Missing: module mymodels \(.*mymodels.py\) has no Missing; its classes: NeedsDepth, NoTask, NotAModule",
+            "{name: 'usermodels:Missing'}",
+            r"model.name=usermodels:Missing: module usermodels \(.*usermodels.py\) has no Missing; its classes: NeedsDepth, NoTask, NotAModule",
         ),
         (
-            "{name: 'mymodels:NotAModule'}",
-            r"model.name=mymodels:NotAModule: class NotAModule is not an nnlite Module \(subclass nl.Module\)",
+            "{name: 'usermodels:NotAModule'}",
+            r"model.name=usermodels:NotAModule: class NotAModule is not an nnlite Module \(subclass nl.Module\)",
         ),
         (
-            "{name: 'mymodels:NoTask'}",
+            "{name: 'usermodels:NoTask'}",
             r"NoTask.task must be one of classification, regression, language_model \(a class attribute\), got None",
         ),
         (
-            "{name: 'mymodels:TinyLM'}",
-            r"model.name=mymodels:TinyLM is a language_model model but data.name=npz is a classification data set",
+            "{name: 'usermodels:TinyLM'}",
+            r"model.name=usermodels:TinyLM is a language_model model but data.name=npz is a classification data set",
         ),
         (
-            "{name: 'mymodels:ResMLP', num_classes: 2}",
+            "{name: 'usermodels:ResMLP', num_classes: 2}",
             r"model.num_classes=2 does not fit the data, which has num_classes=4",
         ),
-        ("{name: 'mymodels:ResMLP', width: 0}", None),  # the model's own check (Linear refuses)
+        ("{name: 'usermodels:ResMLP', width: 0}", None),  # the model's own check (Linear refuses)
     ],
 )
 def test_bad_model_config_is_one_line_exit_2(project, capsys, monkeypatch, model, message):
@@ -554,4 +554,4 @@ def test_plot_is_titled_with_the_run_and_the_losss_unit(project, ref_run):
     class R:
         cfg, model = loaded.config, loaded.model
 
-    assert plot_labels(R) == ("res (mymodels:ResMLP)", "cross-entropy, nats")
+    assert plot_labels(R) == ("res (usermodels:ResMLP)", "cross-entropy, nats")
