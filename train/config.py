@@ -6,6 +6,7 @@ raise ``ConfigError`` with one line naming the key, the file and what is valid.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import re
@@ -22,6 +23,14 @@ from . import parallel
 
 class ConfigError(ValueError):
     """Bad user input (config, CLI, data, checkpoint): the CLI prints it and exits 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the ``python -m train.*`` commands: a bad argument raises ConfigError
+    (one line, exit 2, like every other bad input) instead of printing usage."""
+
+    def error(self, message):
+        raise ConfigError(message)
 
 
 def choice(default: Any, choices: tuple) -> Any:

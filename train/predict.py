@@ -10,7 +10,6 @@ accuracy (or mean squared error). Bad arguments print one line and exit 2.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -20,16 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from . import faults
-from .config import ConfigError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other bad input
-        raise ConfigError(message)
+from .config import ArgumentParser, ConfigError
 
 
 def parse_args(argv):
-    ap = _Parser(
+    ap = ArgumentParser(
         prog="python -m train.predict",
         description="Predict with a trained classifier or regression from its run directory.",
     )

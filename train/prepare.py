@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from . import faults, staging
-from .config import ConfigError
+from .config import ArgumentParser, ConfigError
 from .sources import CHUNK_BYTES, Source, bpe_pieces, find_sources, read_blocks, read_text
 from .tokenizer import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, code_points
 
@@ -70,13 +70,8 @@ COPY_BYTES = 8 << 20  # block size when moving a file's validation tail out of t
 TEST_PAUSE_ENV = "NNLITE_TEST_PREPARE_PAUSE_S"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other bad input
-        raise ConfigError(message)
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = _Parser(
+    ap = ArgumentParser(
         prog="python -m train.prepare",
         description="Tokenise a text file or a directory of text files into train.bin / "
         "val.bin / meta.json (memmappable token ids), streaming in constant memory.",

@@ -13,22 +13,16 @@ than the context, bad numbers) print one line and exit 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 from . import faults
-from .config import MAX_SEED, ConfigError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other bad input
-        raise ConfigError(message)
+from .config import MAX_SEED, ArgumentParser, ConfigError
 
 
 def parse_args(argv):
-    ap = _Parser(
+    ap = ArgumentParser(
         prog="python -m train.sample",
         description="Generate text from a trained language model's newest checkpoint.",
     )
