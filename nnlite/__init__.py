@@ -25,6 +25,9 @@ from .grad._vjp_batched import relu as relu
 from .grad._vjp_batched import sigmoid as sigmoid
 from .grad._vjp_batched import softplus as softplus
 from .grad._vjp_batched import tanh as tanh
+from .nn._activations import elu as elu
+from .nn._activations import leaky_relu as leaky_relu
+from .nn._activations import silu as silu
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
 from .nn._conv import Conv as Conv
 from .nn._dropout import Dropout as Dropout
@@ -137,6 +140,7 @@ __all__ = [
     "UnsupportedPrimitiveError",
     "accuracy",
     "add",
+    "elu",
     "format_path",
     "from_equinox",
     "gelu",
@@ -145,6 +149,7 @@ __all__ = [
     "hand_rule",
     "identity",
     "leaf_str",
+    "leaky_relu",
     "linear",
     "load",
     "load_metadata",
@@ -161,6 +166,7 @@ __all__ = [
     "show_jaxpr_and_xla",
     "show_xla",
     "sigmoid",
+    "silu",
     "softmax_cross_entropy",
     "softplus",
     "tanh",

@@ -39,6 +39,12 @@ from .grad._vjp_batched import sum as sum
 from .grad._vjp_batched import sum_vjp as sum_vjp
 from .grad._vjp_batched import tanh as tanh
 from .grad._vjp_batched import tanh_vjp as tanh_vjp
+from .nn._activations import elu as elu
+from .nn._activations import elu_vjp as elu_vjp
+from .nn._activations import leaky_relu as leaky_relu
+from .nn._activations import leaky_relu_vjp as leaky_relu_vjp
+from .nn._activations import silu as silu
+from .nn._activations import silu_vjp as silu_vjp
 from .nn._attention import dot_product_attention as dot_product_attention
 from .nn._attention import dot_product_attention_vjp as dot_product_attention_vjp
 from .nn._attention import slot as slot
