@@ -30,6 +30,7 @@ from .nn._activations import leaky_relu as leaky_relu
 from .nn._activations import silu as silu
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
 from .nn._conv import Conv as Conv
+from .nn._conv_transpose import ConvTranspose as ConvTranspose
 from .nn._dropout import Dropout as Dropout
 from .nn._embedding import Embedding as Embedding
 from .nn._equinox import EquinoxLayer as EquinoxLayer
@@ -120,6 +121,7 @@ __all__ = [
     "AvgPool",
     "CheckpointError",
     "Conv",
+    "ConvTranspose",
     "Dropout",
     "Embedding",
     "EquinoxLayer",

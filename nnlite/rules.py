@@ -51,6 +51,8 @@ from .nn._attention import slot as slot
 from .nn._attention import slot_vjp as slot_vjp
 from .nn._conv import conv as conv
 from .nn._conv import conv_vjp as conv_vjp
+from .nn._conv_transpose import conv_transpose as conv_transpose
+from .nn._conv_transpose import conv_transpose_vjp as conv_transpose_vjp
 from .nn._dropout import dropout as dropout
 from .nn._dropout import dropout_vjp as dropout_vjp
 from .nn._embedding import embed as embed
