@@ -28,6 +28,8 @@ from .grad._vjp_batched import tanh as tanh
 from .nn._activations import elu as elu
 from .nn._activations import leaky_relu as leaky_relu
 from .nn._activations import silu as silu
+from .nn._adaptive_pool import AdaptiveAvgPool as AdaptiveAvgPool
+from .nn._adaptive_pool import AdaptiveMaxPool as AdaptiveMaxPool
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
 from .nn._conv import Conv as Conv
 from .nn._conv_transpose import ConvTranspose as ConvTranspose
@@ -118,6 +120,8 @@ __all__ = [
     "INITIALIZERS",
     "REDUCTIONS",
     "Activation",
+    "AdaptiveAvgPool",
+    "AdaptiveMaxPool",
     "AvgPool",
     "CheckpointError",
     "Conv",

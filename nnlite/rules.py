@@ -45,6 +45,10 @@ from .nn._activations import leaky_relu as leaky_relu
 from .nn._activations import leaky_relu_vjp as leaky_relu_vjp
 from .nn._activations import silu as silu
 from .nn._activations import silu_vjp as silu_vjp
+from .nn._adaptive_pool import adaptive_avg_pool as adaptive_avg_pool
+from .nn._adaptive_pool import adaptive_avg_pool_vjp as adaptive_avg_pool_vjp
+from .nn._adaptive_pool import adaptive_max_pool as adaptive_max_pool
+from .nn._adaptive_pool import adaptive_max_pool_vjp as adaptive_max_pool_vjp
 from .nn._attention import dot_product_attention as dot_product_attention
 from .nn._attention import dot_product_attention_vjp as dot_product_attention_vjp
 from .nn._attention import slot as slot
