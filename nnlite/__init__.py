@@ -60,6 +60,7 @@ from .nn._ops import add as add
 from .nn._pool import AvgPool as AvgPool
 from .nn._pool import Flatten as Flatten
 from .nn._pool import MaxPool as MaxPool
+from .nn._rotary import RotaryEmbedding as RotaryEmbedding
 from .nn._transformer import TransformerBlock as TransformerBlock
 
 # show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
@@ -140,6 +141,7 @@ __all__ = [
     "ParamsDict",
     "ParamsMismatchError",
     "RMSNorm",
+    "RotaryEmbedding",
     "Sequential",
     "SoftmaxHead",
     "TransformerBlock",

@@ -83,6 +83,8 @@ from .nn._pool import flatten as flatten
 from .nn._pool import flatten_vjp as flatten_vjp
 from .nn._pool import max_pool as max_pool
 from .nn._pool import max_pool_vjp as max_pool_vjp
+from .nn._rotary import rotary as rotary
+from .nn._rotary import rotary_vjp as rotary_vjp
 
 #: ``name -> (f, f_vjp)`` for every layer and loss rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())
