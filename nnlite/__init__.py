@@ -60,6 +60,9 @@ from .nn._ops import add as add
 from .nn._pool import AvgPool as AvgPool
 from .nn._pool import Flatten as Flatten
 from .nn._pool import MaxPool as MaxPool
+from .nn._rnn import RNN as RNN
+from .nn._rnn import GRUCell as GRUCell
+from .nn._rnn import LSTMCell as LSTMCell
 from .nn._rotary import RotaryEmbedding as RotaryEmbedding
 from .nn._transformer import TransformerBlock as TransformerBlock
 
@@ -120,6 +123,7 @@ __all__ = [
     "FFN",
     "INITIALIZERS",
     "REDUCTIONS",
+    "RNN",
     "Activation",
     "AdaptiveAvgPool",
     "AdaptiveMaxPool",
@@ -131,7 +135,9 @@ __all__ = [
     "Embedding",
     "EquinoxLayer",
     "Flatten",
+    "GRUCell",
     "GroupNorm",
+    "LSTMCell",
     "LayerNorm",
     "Linear",
     "ManualGradError",

@@ -83,6 +83,16 @@ from .nn._pool import flatten as flatten
 from .nn._pool import flatten_vjp as flatten_vjp
 from .nn._pool import max_pool as max_pool
 from .nn._pool import max_pool_vjp as max_pool_vjp
+from .nn._rnn import gru_cell as gru_cell
+from .nn._rnn import gru_cell_vjp as gru_cell_vjp
+from .nn._rnn import gru_scan as gru_scan
+from .nn._rnn import gru_scan_vjp as gru_scan_vjp
+from .nn._rnn import lstm_cell as lstm_cell
+from .nn._rnn import lstm_cell_vjp as lstm_cell_vjp
+from .nn._rnn import lstm_scan as lstm_scan
+from .nn._rnn import lstm_scan_vjp as lstm_scan_vjp
+from .nn._rnn import subarray as subarray
+from .nn._rnn import subarray_vjp as subarray_vjp
 from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
 

@@ -26,6 +26,7 @@ INITIALIZERS: dict[str, Callable] = {
     "glorot_uniform": _inits.glorot_uniform(),
     "he_normal": _inits.he_normal(),
     "he_uniform": _inits.he_uniform(),
+    "orthogonal": _inits.orthogonal(),  # recurrent weights (GRUCell, LSTMCell: per gate)
 }
 
 
