@@ -150,6 +150,11 @@ def test_recurrent_rules(rand):
     check(nl.rules.lstm_scan, xs, h0, c0, W4, U4, rand(4 * H))
     check(nl.rules.lstm_scan, rand(2, 1, F), h0, c0, W4, U4, None)  # one step
     check(nl.rules.subarray, rand(2, 6, 2, H), index=(slice(None), -1, 1, slice(None)))
+    # No state: a fresh sequence's zeros are made inside the rule (no cotangent).
+    check(nl.rules.gru_cell, rand(2, F), None, W3, U3, rand(3 * H), rand(H))
+    check(nl.rules.lstm_cell, rand(2, F), None, None, W4, U4, rand(4 * H))
+    check(nl.rules.gru_scan, xs, None, W3, U3, rand(3 * H), rand(H))
+    check(nl.rules.lstm_scan, xs, None, None, W4, U4, rand(4 * H))
 
 
 def test_the_rules_are_listed():
@@ -672,3 +677,57 @@ def test_gpt_with_rotary_positions(key):
     _assert_grads_close(auto, hand, terms=2 * 8 * 4 * 16)  # the MLP's [2, 8, 64] activations
     with pytest.raises(ValueError, match="GPT: unknown positional 'alibi'; valid: learned, rotary"):
         GPT(vocab_size=11, context=8, positional="alibi")
+
+
+def test_rnn_scans_any_cell_plainly_for_autodiff(key):
+    """A cell without a scan rule (here a user's Elman cell) is scanned by lax.scan."""
+
+    class Elman(nl.Module):
+        in_features: int = 3
+        hidden: int = 4
+
+        def init(self, key):
+            return nl.Linear(self.in_features + self.hidden, self.hidden).init(key)
+
+        def zero_carry(self, batch_shape=(), dtype=None):
+            return jnp.zeros((*batch_shape, self.hidden), dtype or jnp.float32)
+
+        def __call__(self, params, x, h, *, key=None):
+            lin = nl.Linear(self.in_features + self.hidden, self.hidden)
+            return jnp.tanh(lin(params, jnp.concatenate([x, h], axis=-1)))
+
+    rnn = nl.RNN(Elman(), return_carry=True)
+    p = rnn.init(key)
+    x = jnp.asarray(_np(2, 5, 3))
+    h, hs = jax.jit(rnn)(p, x)
+    assert hs.shape == (2, 5, 4)
+    np.testing.assert_allclose(h, hs[:, -1], rtol=1e-6)
+    grads = jax.grad(lambda p: jnp.sum(rnn(p, x)[1]))(p)
+    assert np.any(grads.W)
+
+
+def test_show_grad_prints_the_new_rules(key):
+    """nl.show_grad writes a model of the new layers as hand-rule calls, and the code runs
+    to jax.grad's gradients."""
+    lstm = nl.RNN(nl.LSTMCell(2, 4), return_carry=True)
+    gru = nl.RNN(nl.GRUCell(4, 4))
+    attn = nl.MultiHeadAttention(4, 2, causal=True, rotary=True)
+    up = nl.ConvTranspose(4, 2, 3, strides=2)
+    ks = jax.random.split(key, 4)
+    p = nl.ParamsDict(lstm=lstm.init(ks[0]), gru=gru.init(ks[1]), attn=attn.init(ks[2]))
+    p.up = up.init(ks[3])
+
+    def loss(p, x, t):
+        (h, c), hs = lstm(p.lstm, x)
+        hs = nl.add(hs, attn(p.attn, gru(p.gru, hs)))
+        y = nl.AdaptiveMaxPool(4)(nl.ParamsDict(), nl.elu(up(p.up, nl.silu(hs))))
+        return nl.add(nl.mse(y, t, reduction="mean"), nl.mse(c, h, reduction="mean"))
+
+    x, t = jnp.asarray(_np(2, 5, 2)), jnp.zeros((2, 4, 2))
+    src = nl.show_grad(loss, p, x, t)
+    for rule in ("lstm_scan_vjp(", "gru_scan_vjp(", "rotary_vjp(", "conv_transpose_vjp("):
+        assert rule in src
+    namespace: dict = {}
+    exec(src, namespace)  # noqa: S102 -- the point: the printed code runs
+    got = jax.jit(namespace["grad"])(p, x, t)
+    _assert_grads_close(jax.jit(jax.grad(loss))(p, x, t), got, terms=2 * 10 * 4)

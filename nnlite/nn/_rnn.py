@@ -75,6 +75,16 @@ def _time_major(a: jax.Array) -> jax.Array:
     return jnp.swapaxes(a, 0, 1)
 
 
+def _state(s: jax.Array | None, x: jax.Array, U: jax.Array) -> jax.Array:
+    """The state ``s``, or zeros ``[*x's batch axes, H]`` for ``None``: a fresh sequence's
+    state made inside the rule (a constant, with no cotangent to return)."""
+    return jnp.zeros((*x.shape[:-1], U.shape[0]), x.dtype) if s is None else s
+
+
+def _given(ds: jax.Array, s: jax.Array | None) -> jax.Array | None:
+    return None if s is None else ds
+
+
 def subarray_vjp(y, dret, *, index):
     """Hand VJP of ``subarray``: the cotangent put back in place, zeros elsewhere."""
     return jnp.zeros_like(y).at[index].set(dret)
@@ -137,24 +147,26 @@ def _gru_step_vjp(gx, h, U, b_n, dh_new):
 def gru_cell_vjp(x, h, W, U, b=None, b_n=None, dret=None):
     """Hand VJP of ``gru_cell``: ``(dx, dh, dW, dU, db, db_n)``: the recurrent step's rule,
     then the input projection's (a Linear's) cotangents."""
-    H = h.shape[-1]
+    H, h_in = U.shape[0], h
+    h = _state(h, x, U)
     dgx, dh, dhu = _gru_step_vjp(_bias(x @ W, b), h, U, b_n, dret)
     db = None if b is None else _sum_rows(dgx)
     db_n = None if b_n is None else _sum_rows(dhu[..., 2 * H :])
-    return dgx @ W.T, dh, _outer(x, dgx), _outer(h, dhu), db, db_n
+    return dgx @ W.T, _given(dh, h_in), _outer(x, dgx), _outer(h, dhu), db, db_n
 
 
 @hand_rule(gru_cell_vjp)
 def gru_cell(x, h, W, U, b=None, b_n=None):
-    """One GRU step: ``x: [..., in]``, ``h: [..., H]``, ``W: [in, 3H]``, ``U: [H, 3H]``,
-    ``b: [3H]``, ``b_n: [H]`` (or both None) -> the new ``h: [..., H]``."""
-    return _gru_step(_bias(x @ W, b), h, U, b_n)
+    """One GRU step: ``x: [..., in]``, ``h: [..., H]`` (``None``: zeros), ``W: [in, 3H]``,
+    ``U: [H, 3H]``, ``b: [3H]``, ``b_n: [H]`` (or both None) -> the new ``h: [..., H]``."""
+    return _gru_step(_bias(x @ W, b), _state(h, x, U), U, b_n)
 
 
 def gru_scan_vjp(xs, h0, W, U, b=None, b_n=None, dret=None):
     """Hand VJP of ``gru_scan``: backpropagation through time, the reverse scan of the
     step rule over states recomputed by a forward scan; ``(dxs, dh0, dW, dU, db, db_n)``."""
-    H = h0.shape[-1]
+    H, h0_in = U.shape[0], h0
+    h0 = _state(h0, xs[:, 0], U)
     gx = _time_major(_bias(xs @ W, b))  # [T, B, 3H]
 
     def forward(h, g):
@@ -173,14 +185,15 @@ def gru_scan_vjp(xs, h0, W, U, b=None, b_n=None, dret=None):
     dgx_b = _time_major(dgx)
     db = None if b is None else _sum_rows(dgx)
     db_n = None if b_n is None else _sum_rows(dhu[..., 2 * H :])
-    return dgx_b @ W.T, dh0, _outer(xs, dgx_b), _outer(h_prev, dhu), db, db_n
+    return dgx_b @ W.T, _given(dh0, h0_in), _outer(xs, dgx_b), _outer(h_prev, dhu), db, db_n
 
 
 @hand_rule(gru_scan_vjp)
 def gru_scan(xs, h0, W, U, b=None, b_n=None):
-    """The GRU over a sequence: ``xs: [B, T, in]``, ``h0: [B, H]`` -> every step's state
-    ``[B, T, H]``. The input projection is one matmul for all steps; the scan does the
-    recurrent part."""
+    """The GRU over a sequence: ``xs: [B, T, in]``, ``h0: [B, H]`` (``None``: zeros) ->
+    every step's state ``[B, T, H]``. The input projection is one matmul for all steps;
+    the scan does the recurrent part."""
+    h0 = _state(h0, xs[:, 0], U)
     gx = _time_major(_bias(xs @ W, b))
 
     def step(h, g):
@@ -236,21 +249,27 @@ def _stack(h: jax.Array, c: jax.Array) -> jax.Array:
 def lstm_cell_vjp(x, h, c, W, U, b=None, dret=None):
     """Hand VJP of ``lstm_cell``: ``(dx, dh, dc, dW, dU, db)``: the recurrent step's rule
     on the stacked cotangent's ``h`` and ``c`` parts, then the input projection's."""
+    h_in, c_in = h, c
+    h, c = _state(h, x, U), _state(c, x, U)
     da, dh, dc = _lstm_step_vjp(_bias(x @ W, b), h, c, U, dret[_H], dret[_C])
     db = None if b is None else _sum_rows(da)
-    return da @ W.T, dh, dc, _outer(x, da), _outer(h, da), db
+    dx, dW, dU = da @ W.T, _outer(x, da), _outer(h, da)
+    return dx, _given(dh, h_in), _given(dc, c_in), dW, dU, db
 
 
 @hand_rule(lstm_cell_vjp)
 def lstm_cell(x, h, c, W, U, b=None):
-    """One LSTM step: ``x: [..., in]``, ``h, c: [..., H]``, ``W: [in, 4H]``, ``U: [H, 4H]``,
-    ``b: [4H]`` (or None) -> the new ``h`` and ``c`` stacked, ``[..., 2, H]``."""
-    return _stack(*_lstm_step(_bias(x @ W, b), h, c, U))
+    """One LSTM step: ``x: [..., in]``, ``h, c: [..., H]`` (``None``: zeros), ``W: [in,
+    4H]``, ``U: [H, 4H]``, ``b: [4H]`` (or None) -> the new ``h`` and ``c`` stacked,
+    ``[..., 2, H]``."""
+    return _stack(*_lstm_step(_bias(x @ W, b), _state(h, x, U), _state(c, x, U), U))
 
 
 def lstm_scan_vjp(xs, h0, c0, W, U, b=None, dret=None):
     """Hand VJP of ``lstm_scan``: the reverse scan of the step rule over states recomputed
     by a forward scan; ``(dxs, dh0, dc0, dW, dU, db)``."""
+    h0_in, c0_in = h0, c0
+    h0, c0 = _state(h0, xs[:, 0], U), _state(c0, xs[:, 0], U)
     gx = _time_major(_bias(xs @ W, b))  # [T, B, 4H]
 
     def forward(hc, g):
@@ -268,13 +287,15 @@ def lstm_scan_vjp(xs, h0, c0, W, U, b=None, dret=None):
     (dh0, dc0), da = lax.scan(backward, zeros, steps, reverse=True)
     da_b = _time_major(da)
     db = None if b is None else _sum_rows(da)
-    return da_b @ W.T, dh0, dc0, _outer(xs, da_b), _outer(h_prev, da), db
+    dxs, dW, dU = da_b @ W.T, _outer(xs, da_b), _outer(h_prev, da)
+    return dxs, _given(dh0, h0_in), _given(dc0, c0_in), dW, dU, db
 
 
 @hand_rule(lstm_scan_vjp)
 def lstm_scan(xs, h0, c0, W, U, b=None):
-    """The LSTM over a sequence: ``xs: [B, T, in]``, ``h0, c0: [B, H]`` -> every step's
-    ``h`` and ``c`` stacked, ``[B, T, 2, H]``."""
+    """The LSTM over a sequence: ``xs: [B, T, in]``, ``h0, c0: [B, H]`` (``None``: zeros)
+    -> every step's ``h`` and ``c`` stacked, ``[B, T, 2, H]``."""
+    h0, c0 = _state(h0, xs[:, 0], U), _state(c0, xs[:, 0], U)
     gx = _time_major(_bias(xs @ W, b))
 
     def step(hc, g):
@@ -415,16 +436,19 @@ class GRUCell(_Cell):
         self.check_input(x, self.in_features)
         arrays = self._arrays(params)
         dtype = self.compute_dtype(x, *(a for a in arrays if a is not None))
-        h = self.zero_carry(x.shape[:-1], dtype) if h is None else h
-        self._check_state("h", h, x.shape[:-1])
-        return gru_cell(x.astype(dtype), h.astype(dtype), *_cast(arrays, dtype))
+        if h is not None:  # None: the rule starts from zeros itself
+            self._check_state("h", h, x.shape[:-1])
+            h = h.astype(dtype)
+        return gru_cell(x.astype(dtype), h, *_cast(arrays, dtype))
 
-    def scan(self, params: ParamsDict, xs: jax.Array, h0: jax.Array):
-        """Over a sequence ``xs: [B, T, in_features]`` from ``h0: [B, H]``: ``(h_T, hs)``
-        with ``hs: [B, T, H]`` every step's state (``RNN`` calls this)."""
+    def scan(self, params: ParamsDict, xs: jax.Array, h0: jax.Array | None):
+        """Over a sequence ``xs: [B, T, in_features]`` from ``h0: [B, H]`` (``None``:
+        zeros): ``(h_T, hs)`` with ``hs: [B, T, H]`` every step's state (``RNN`` calls
+        this)."""
         arrays = self._arrays(params)
         dtype = self.compute_dtype(xs, *(a for a in arrays if a is not None))
-        hs = gru_scan(xs.astype(dtype), h0.astype(dtype), *_cast(arrays, dtype))
+        h0 = None if h0 is None else h0.astype(dtype)
+        hs = gru_scan(xs.astype(dtype), h0, *_cast(arrays, dtype))
         return subarray(hs, index=(slice(None), -1)), hs
 
 
@@ -479,18 +503,22 @@ class LSTMCell(_Cell):
         self.check_input(x, self.in_features)
         arrays = self._arrays(params)
         dtype = self.compute_dtype(x, *(a for a in arrays if a is not None))
-        carry = self.zero_carry(x.shape[:-1], dtype) if carry is None else carry
-        self._check_carry(carry, x.shape[:-1])
-        h, c = (s.astype(dtype) for s in carry)
+        h = c = None  # None: the rule starts from zeros itself
+        if carry is not None:
+            self._check_carry(carry, x.shape[:-1])
+            h, c = (s.astype(dtype) for s in carry)
         hc = lstm_cell(x.astype(dtype), h, c, *_cast(arrays, dtype))
         return subarray(hc, index=_H), subarray(hc, index=_C)
 
     def scan(self, params: ParamsDict, xs: jax.Array, carry):
         """Over a sequence ``xs: [B, T, in_features]`` from ``carry = (h0, c0)``, each
-        ``[B, H]``: ``((h_T, c_T), hs)`` with ``hs: [B, T, H]`` (``RNN`` calls this)."""
+        ``[B, H]`` (``None``: zeros): ``((h_T, c_T), hs)`` with ``hs: [B, T, H]`` (``RNN``
+        calls this)."""
         arrays = self._arrays(params)
         dtype = self.compute_dtype(xs, *(a for a in arrays if a is not None))
-        h0, c0 = (s.astype(dtype) for s in carry)
+        h0 = c0 = None
+        if carry is not None:
+            h0, c0 = (s.astype(dtype) for s in carry)
         hcs = lstm_scan(xs.astype(dtype), h0, c0, *_cast(arrays, dtype))
         last = (slice(None), -1, 0, slice(None)), (slice(None), -1, 1, slice(None))
         final = subarray(hcs, index=last[0]), subarray(hcs, index=last[1])
@@ -571,14 +599,14 @@ class RNN(Module):
         self.check_numeric(x)
         batch, (t, f) = x.shape[:-2], x.shape[-2:]
         xs = x.reshape(-1, t, f)
-        if carry is None:
-            carry = self.cell.zero_carry((xs.shape[0],), None)
-        else:
+        if carry is not None:
             carry = self._flat_carry(carry, batch)
         with self.params_scope(""):
-            if hasattr(self.cell, "scan"):
+            if hasattr(self.cell, "scan"):  # None: the scan's rule starts from zeros
                 carry, hs = self.cell.scan(params, xs, carry)
             else:
+                if carry is None:
+                    carry = self.cell.zero_carry((xs.shape[0],), xs.dtype)
                 carry, hs = self._plain_scan(params, xs, carry)
         hs = hs.reshape(*batch, *hs.shape[1:])
         if not self.return_carry:
