@@ -389,8 +389,9 @@ class GRUCell(_Cell):
     __doc__ = (
         """One step of a gated recurrent unit, PyTorch's equations and gate order
     ``(r, z, n)`` (Flax ``nn.GRUCell``, Equinox ``eqx.nn.GRUCell``):
-    ``r = sigmoid(x W_r + b_r + h U_r)``, ``z = sigmoid(x W_z + b_z + h U_z)``,
-    ``n = tanh(x W_n + b_n' + r * (h U_n + b_n))``, ``h' = (1 - z) n + z h``.
+    with ``b = [b_r | b_z | b_in]``, ``r = sigmoid(x W_r + b_r + h U_r)``,
+    ``z = sigmoid(x W_z + b_z + h U_z)``, ``n = tanh(x W_n + b_in + r * (h U_n + b_n))``,
+    ``h' = (1 - z) n + z h``.
 
     Params: ``W: [in_features, 3H]`` (input weights, columns ``[r | z | n]``), ``U: [H, 3H]``
     (recurrent), ``b: [3H]`` and ``b_n: [H]`` (PyTorch's ``weight_ih.T``, ``weight_hh.T``,
