@@ -34,6 +34,10 @@ class GPT(nl.Module):
     Params: ``/wte/W [vocab, n_embd]``, ``/wpe/W [context, n_embd]``,
     ``/blocks[i]/...`` (one ``nl.TransformerBlock`` each), ``/ln_f/{scale,bias}`` and,
     unless ``tie_head``, ``/head/W [n_embd, vocab]``.
+
+    Positions (``positional``): ``"learned"`` (GPT-2's ``wpe`` table added to the token
+    embeddings) or ``"rotary"`` (no ``wpe``; every attention layer rotates its queries and
+    keys by position, ``nl.MultiHeadAttention(rotary=True)``).
     """
 
     vocab_size: int
@@ -43,6 +47,7 @@ class GPT(nl.Module):
     n_embd: int = 128
     dropout: float = 0.0
     tie_head: bool = True
+    positional: str = "learned"
 
     task = "language_model"
 
@@ -55,6 +60,11 @@ class GPT(nl.Module):
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.positional not in POSITIONAL:
+            raise ValueError(
+                f"positional must be one of {', '.join(POSITIONAL)}, got {self.positional!r}"
+            )
+        self.block  # validates rotary's even head_dim  # noqa: B018
 
     @property
     def uses_key(self) -> bool:
@@ -77,7 +87,12 @@ class GPT(nl.Module):
     @property
     def block(self) -> nl.TransformerBlock:
         return nl.TransformerBlock(
-            self.n_embd, self.n_head, mlp_ratio=4, dropout_rate=self.dropout, causal=True
+            self.n_embd,
+            self.n_head,
+            mlp_ratio=4,
+            dropout_rate=self.dropout,
+            causal=True,
+            rotary=self.positional == "rotary",
         )
 
     @property
@@ -91,12 +106,11 @@ class GPT(nl.Module):
     # -- parameters -------------------------------------------------------------------------
     def init(self, key: jax.Array) -> nl.ParamsDict:
         keys = jax.random.split(key, self.n_layer + 3)
-        p = nl.ParamsDict(
-            wte=self.wte.init(keys[0]),
-            wpe=self.wpe.init(keys[1]),
-            blocks=[self.block.init(k) for k in keys[3:]],
-            ln_f=self.ln_f.init(keys[2]),
-        )
+        p = nl.ParamsDict(wte=self.wte.init(keys[0]))
+        if self.positional == "learned":
+            p.wpe = self.wpe.init(keys[1])
+        p.blocks = [self.block.init(k) for k in keys[3:]]
+        p.ln_f = self.ln_f.init(keys[2])
         if not self.tie_head:
             p.head = self.head.init(keys[2])
         return gpt2_init(p, self.n_layer, jax.random.fold_in(key, 1))
@@ -112,7 +126,8 @@ class GPT(nl.Module):
         if key is not None and self.dropout > 0:
             keys = list(jax.random.split(key, self.n_layer + 1))
         x = self.wte(params.wte, tokens)
-        x = nl.add(x, self.wpe(params.wpe, np.arange(t)))  # position embeddings
+        if self.positional == "learned":
+            x = nl.add(x, self.wpe(params.wpe, np.arange(t)))  # position embeddings
         x = self.drop(nl.ParamsDict(), x, key=keys[-1])
         for p_block, k in zip(params.blocks, keys):
             x = self.block(p_block, x, key=k)
@@ -138,9 +153,11 @@ class GPT(nl.Module):
         block = self.block
         attn = block.attn
         x = self.wte(params.wte, token[:, None])  # [batch, 1, n_embd]
-        x = x + jnp.broadcast_to(params.wpe.W[pos].astype(x.dtype), x.shape)
+        if self.positional == "learned":
+            x = x + jnp.broadcast_to(params.wpe.W[pos].astype(x.dtype), x.shape)
         for i, p in enumerate(params.blocks):
-            q, k, v = attn.qkv(p.attn, block.ln1(p.ln1, x))  # [batch, 1, heads, head_dim]
+            # [batch, 1, heads, head_dim]; rotary: q and k rotated at position pos
+            q, k, v = attn.qkv(p.attn, block.ln1(p.ln1, x), offset=pos)
             at = (i, 0, pos, 0, 0)  # layer i, every row, position pos
             ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
             cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
@@ -220,6 +237,8 @@ def gpt2_init(params: nl.ParamsDict, n_layer: int, key) -> nl.ParamsDict:
         out.append(leaf)
     return jax.tree.unflatten(treedef, out)
 
+
+POSITIONAL = ("learned", "rotary")
 
 # Paths (suffixes) of the matrices that write into the residual stream.
 RESIDUAL_OUT = ("/attn/out/W", "/mlp/proj/W")

@@ -25,8 +25,14 @@ from .grad._vjp_batched import relu as relu
 from .grad._vjp_batched import sigmoid as sigmoid
 from .grad._vjp_batched import softplus as softplus
 from .grad._vjp_batched import tanh as tanh
+from .nn._activations import elu as elu
+from .nn._activations import leaky_relu as leaky_relu
+from .nn._activations import silu as silu
+from .nn._adaptive_pool import AdaptiveAvgPool as AdaptiveAvgPool
+from .nn._adaptive_pool import AdaptiveMaxPool as AdaptiveMaxPool
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
 from .nn._conv import Conv as Conv
+from .nn._conv_transpose import ConvTranspose as ConvTranspose
 from .nn._dropout import Dropout as Dropout
 from .nn._embedding import Embedding as Embedding
 from .nn._equinox import EquinoxLayer as EquinoxLayer
@@ -54,6 +60,10 @@ from .nn._ops import add as add
 from .nn._pool import AvgPool as AvgPool
 from .nn._pool import Flatten as Flatten
 from .nn._pool import MaxPool as MaxPool
+from .nn._rnn import RNN as RNN
+from .nn._rnn import GRUCell as GRUCell
+from .nn._rnn import LSTMCell as LSTMCell
+from .nn._rotary import RotaryEmbedding as RotaryEmbedding
 from .nn._transformer import TransformerBlock as TransformerBlock
 
 # show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
@@ -113,15 +123,21 @@ __all__ = [
     "FFN",
     "INITIALIZERS",
     "REDUCTIONS",
+    "RNN",
     "Activation",
+    "AdaptiveAvgPool",
+    "AdaptiveMaxPool",
     "AvgPool",
     "CheckpointError",
     "Conv",
+    "ConvTranspose",
     "Dropout",
     "Embedding",
     "EquinoxLayer",
     "Flatten",
+    "GRUCell",
     "GroupNorm",
+    "LSTMCell",
     "LayerNorm",
     "Linear",
     "ManualGradError",
@@ -131,12 +147,14 @@ __all__ = [
     "ParamsDict",
     "ParamsMismatchError",
     "RMSNorm",
+    "RotaryEmbedding",
     "Sequential",
     "SoftmaxHead",
     "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",
     "add",
+    "elu",
     "format_path",
     "from_equinox",
     "gelu",
@@ -145,6 +163,7 @@ __all__ = [
     "hand_rule",
     "identity",
     "leaf_str",
+    "leaky_relu",
     "linear",
     "load",
     "load_metadata",
@@ -161,6 +180,7 @@ __all__ = [
     "show_jaxpr_and_xla",
     "show_xla",
     "sigmoid",
+    "silu",
     "softmax_cross_entropy",
     "softplus",
     "tanh",

@@ -39,12 +39,24 @@ from .grad._vjp_batched import sum as sum
 from .grad._vjp_batched import sum_vjp as sum_vjp
 from .grad._vjp_batched import tanh as tanh
 from .grad._vjp_batched import tanh_vjp as tanh_vjp
+from .nn._activations import elu as elu
+from .nn._activations import elu_vjp as elu_vjp
+from .nn._activations import leaky_relu as leaky_relu
+from .nn._activations import leaky_relu_vjp as leaky_relu_vjp
+from .nn._activations import silu as silu
+from .nn._activations import silu_vjp as silu_vjp
+from .nn._adaptive_pool import adaptive_avg_pool as adaptive_avg_pool
+from .nn._adaptive_pool import adaptive_avg_pool_vjp as adaptive_avg_pool_vjp
+from .nn._adaptive_pool import adaptive_max_pool as adaptive_max_pool
+from .nn._adaptive_pool import adaptive_max_pool_vjp as adaptive_max_pool_vjp
 from .nn._attention import dot_product_attention as dot_product_attention
 from .nn._attention import dot_product_attention_vjp as dot_product_attention_vjp
 from .nn._attention import slot as slot
 from .nn._attention import slot_vjp as slot_vjp
 from .nn._conv import conv as conv
 from .nn._conv import conv_vjp as conv_vjp
+from .nn._conv_transpose import conv_transpose as conv_transpose
+from .nn._conv_transpose import conv_transpose_vjp as conv_transpose_vjp
 from .nn._dropout import dropout as dropout
 from .nn._dropout import dropout_vjp as dropout_vjp
 from .nn._embedding import embed as embed
@@ -71,6 +83,18 @@ from .nn._pool import flatten as flatten
 from .nn._pool import flatten_vjp as flatten_vjp
 from .nn._pool import max_pool as max_pool
 from .nn._pool import max_pool_vjp as max_pool_vjp
+from .nn._rnn import gru_cell as gru_cell
+from .nn._rnn import gru_cell_vjp as gru_cell_vjp
+from .nn._rnn import gru_scan as gru_scan
+from .nn._rnn import gru_scan_vjp as gru_scan_vjp
+from .nn._rnn import lstm_cell as lstm_cell
+from .nn._rnn import lstm_cell_vjp as lstm_cell_vjp
+from .nn._rnn import lstm_scan as lstm_scan
+from .nn._rnn import lstm_scan_vjp as lstm_scan_vjp
+from .nn._rnn import subarray as subarray
+from .nn._rnn import subarray_vjp as subarray_vjp
+from .nn._rotary import rotary as rotary
+from .nn._rotary import rotary_vjp as rotary_vjp
 
 #: ``name -> (f, f_vjp)`` for every layer and loss rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())

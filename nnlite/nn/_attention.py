@@ -20,6 +20,7 @@ from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ._dropout import check_rate, dropout
 from ._linear import Linear
+from ._rotary import RotaryEmbedding
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -133,6 +134,12 @@ class MultiHeadAttention(Module):
     projection, each with its own half of ``key`` (``jax.random.split``); ``key=None`` is
     inference.
 
+    Rotary position embeddings (``rotary=True``): ``qkv`` rotates q and k by their
+    positions (``RotaryEmbedding``), ``0 .. T - 1`` or, for a decoder with a key/value
+    cache, ``offset ..`` (``qkv(params, x, offset=pos)``): cached keys are stored rotated
+    at their absolute positions. No params are added; the default (``False``) adds no
+    position information, as before.
+
     Initialisers: ``W`` by ``w_init`` (LeCun normal, as Flax), ``b`` zeros.
 
     Args:
@@ -142,6 +149,8 @@ class MultiHeadAttention(Module):
         use_bias: biases in the q/k/v and output projections.
         dropout_rate: dropout probability, ``0 <= rate < 1``.
         w_init: initializer of the projection weights.
+        rotary: rotate q and k by position (RoPE); ``head_dim`` must be even.
+        rotary_base: RoPE's wavelength scale (``RotaryEmbedding.base``).
         implementation: ``None``/``"xla"``/``"cudnn"`` pass to
             ``jax.nn.dot_product_attention`` (``"cudnn"``: fused GPU kernel, fp16/bf16);
             ``"plain"`` uses the einsum path (also used whenever attention dropout is on).
@@ -181,6 +190,8 @@ class MultiHeadAttention(Module):
     implementation: str | None = None
     param_dtype: str = "float32"
     dtype: str | None = None
+    rotary: bool = False
+    rotary_base: float = 10000.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -197,10 +208,23 @@ class MultiHeadAttention(Module):
                 + ", ".join(map(repr, IMPLEMENTATIONS))
             )
         self.qkv_linear  # validates w_init and the dtypes  # noqa: B018
+        if self.rotary and self.head_dim % 2:
+            raise ValueError(
+                f"MultiHeadAttention: rotary=True needs an even head_dim, got features="
+                f"{self.features} // num_heads={self.num_heads} = {self.head_dim}"
+            )
+        if self.rotary:
+            self.rotary_embedding  # validates rotary_base  # noqa: B018
 
     @property
     def head_dim(self) -> int:
         return self.features // self.num_heads
+
+    @property
+    def rotary_embedding(self) -> RotaryEmbedding:
+        """The rotation ``qkv`` applies to q and k when ``rotary``: over ``head_dim``, the
+        positions along the T axis of ``[..., T, num_heads, head_dim]``."""
+        return RotaryEmbedding(self.head_dim, self.rotary_base, seq_axis=-3)
 
     def _linear(self, out_features: int) -> Linear:
         return Linear(
@@ -226,15 +250,23 @@ class MultiHeadAttention(Module):
         k_qkv, k_out = jax.random.split(key)
         return ParamsDict(qkv=self.qkv_linear.init(k_qkv), out=self.out_linear.init(k_out))
 
-    def qkv(self, params: ParamsDict, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(
+        self, params: ParamsDict, x: jax.Array, *, offset: Any = 0
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values of ``x: [..., T, features]``, each
-        ``[..., T, num_heads, head_dim]``."""
+        ``[..., T, num_heads, head_dim]``; with ``rotary``, q and k rotated at positions
+        ``offset .. offset + T - 1`` (``offset``: where ``x`` starts in the sequence, an
+        int that may be traced; a cached decoder passes the new token's position)."""
         self.check_input(x, self.features, min_rank=2)
         p_qkv = self.child(params, "qkv")
         with self.params_scope("/qkv"):
             y = self.qkv_linear(p_qkv, x)
         y = y.reshape(*x.shape[:-1], 3, self.num_heads, self.head_dim)
-        return slot(y, index=0), slot(y, index=1), slot(y, index=2)
+        q, k, v = slot(y, index=0), slot(y, index=1), slot(y, index=2)
+        if self.rotary:
+            rope = self.rotary_embedding
+            q, k = rope(ParamsDict(), q, offset=offset), rope(ParamsDict(), k, offset=offset)
+        return q, k, v
 
     def attend(
         self,

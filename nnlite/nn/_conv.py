@@ -14,7 +14,15 @@ from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ._names import get_initializer
 
-__all__ = ["conv_vjp", "Conv", "conv", "normalize_padding", "to_tuple"]
+__all__ = [
+    "Conv",
+    "conv",
+    "conv_input_grad",
+    "conv_kernel_grad",
+    "conv_vjp",
+    "normalize_padding",
+    "to_tuple",
+]
 
 PADDING_HELP = (
     "'SAME', 'VALID', an int (the same padding on both sides of every spatial axis), or one "
@@ -84,35 +92,30 @@ def _conv_dims(n: int) -> lax.ConvDimensionNumbers:
     )
 
 
-def conv_vjp(x, W, b=None, dret=None, *, strides, padding, dilation, groups=1):
-    """Hand VJP of ``conv``: ``(dx, dW, db)``, each cotangent a convolution itself.
+def conv_input_grad(dret, W, in_spatial, *, strides, pads, dilation, groups=1):
+    """``dx`` of ``conv``, the transposed convolution of ``dret: [B, *out, C_out]`` with
+    ``W: [*k, C_in // groups, C_out]`` back to ``[B, *in_spatial, C_in]``, for explicit
+    ``pads``.
 
     Per spatial axis (input length ``L``, kernel span ``K' = (K - 1) d + 1``, stride ``s``,
-    padding ``(lo, hi)``, output length ``M``):
-
-    * ``dx``: ``dy`` dilated by ``s`` (``lhs_dilation``), padded by ``K' - 1 - lo`` below
-      and whatever gives length ``L`` above, cross-correlated with the kernel flipped in
-      space and transposed in/out per group (``rhs_dilation = d``).
-    * ``dW``: ``x`` cross-correlated with ``dy`` as the kernel: the batch axis is the
-      contracted feature axis, ``dy`` dilated by ``s`` (``rhs_dilation``), window stride
-      ``d``; groups become ``batch_group_count``.
-    * ``db``: ``dy`` summed over batch and space.
+    padding ``(lo, hi)``, output length ``M``): ``dy`` dilated by ``s`` (``lhs_dilation``),
+    padded by ``K' - 1 - lo`` below and whatever gives length ``L`` above, cross-correlated
+    with the kernel flipped in space and transposed in/out per group (``rhs_dilation =
+    d``). ``ConvTranspose`` is this map as a layer.
     """
     n = W.ndim - 2
     ks = W.shape[:n]
-    pads = explicit_padding(padding, x.shape[1:-1], ks, strides, dilation)
     span = [(k - 1) * d + 1 for k, d in zip(ks, dilation, strict=True)]
-    in_len, out_len = x.shape[1:-1], dret.shape[1:-1]
-    # dx: transposed convolution.
     c_in_g, c_out = W.shape[-2], W.shape[-1]
     Wt = W.reshape(*ks, c_in_g, groups, c_out // groups)
     Wt = jnp.transpose(Wt, (*range(n), n + 2, n + 1, n)).reshape(*ks, c_out // groups, -1)
     Wt = jnp.flip(Wt, axis=tuple(range(n)))
     dx_pads = []
-    for L, M, K, s, (lo, _) in zip(in_len, out_len, span, strides, pads, strict=True):
+    out_len = dret.shape[1:-1]
+    for L, M, K, s, (lo, _) in zip(in_spatial, out_len, span, strides, pads, strict=True):
         plo = K - 1 - lo
         dx_pads.append((plo, L + K - 2 - (M - 1) * s - plo))
-    dx = lax.conv_general_dilated(
+    return lax.conv_general_dilated(
         dret,
         Wt.astype(dret.dtype),
         window_strides=(1,) * n,
@@ -121,13 +124,22 @@ def conv_vjp(x, W, b=None, dret=None, *, strides, padding, dilation, groups=1):
         rhs_dilation=tuple(dilation),
         dimension_numbers=_conv_dims(n),
         feature_group_count=groups,
-    ).astype(x.dtype)
-    # dW: correlate x with dy over the batch.
+    )
+
+
+def conv_kernel_grad(x, dret, kernel_size, *, strides, pads, dilation, groups=1):
+    """``dW`` of ``conv``: ``x: [B, *in, C_in]`` cross-correlated with ``dret: [B, *out,
+    C_out]`` as the kernel, giving ``[*kernel_size, C_in // groups, C_out]``, for explicit
+    ``pads``: the batch axis is the contracted feature axis, ``dy`` dilated by ``s``
+    (``rhs_dilation``), window stride ``d``; groups become ``batch_group_count``."""
+    n = len(kernel_size)
+    span = [(k - 1) * d + 1 for k, d in zip(kernel_size, dilation, strict=True)]
+    in_len, out_len = x.shape[1:-1], dret.shape[1:-1]
     dw_pads = []
     for L, M, K, s, (lo, _) in zip(in_len, out_len, span, strides, pads, strict=True):
         dw_pads.append((lo, K + (M - 1) * s - L - lo))
     spatial = tuple(range(1, n + 1))
-    dW = lax.conv_general_dilated(
+    return lax.conv_general_dilated(
         x,
         dret.astype(x.dtype),
         window_strides=tuple(dilation),
@@ -139,7 +151,19 @@ def conv_vjp(x, W, b=None, dret=None, *, strides, padding, dilation, groups=1):
             out_spec=(n, n + 1, *range(n)),  # [*k, C_in // groups, C_out]
         ),
         batch_group_count=groups,
-    ).astype(W.dtype)
+    )
+
+
+def conv_vjp(x, W, b=None, dret=None, *, strides, padding, dilation, groups=1):
+    """Hand VJP of ``conv``: ``(dx, dW, db)``, each cotangent a convolution itself:
+    ``dx`` the transposed convolution (``conv_input_grad``), ``dW`` the correlation of
+    ``x`` with ``dy`` (``conv_kernel_grad``), ``db`` ``dy`` summed over batch and space."""
+    n = W.ndim - 2
+    ks = W.shape[:n]
+    pads = explicit_padding(padding, x.shape[1:-1], ks, strides, dilation)
+    geometry = dict(strides=strides, pads=pads, dilation=dilation, groups=groups)
+    dx = conv_input_grad(dret, W, x.shape[1:-1], **geometry).astype(x.dtype)
+    dW = conv_kernel_grad(x, dret, ks, **geometry).astype(W.dtype)
     db = None if b is None else jnp.sum(dret, axis=tuple(range(n + 1))).astype(b.dtype)
     return dx, dW, db
 

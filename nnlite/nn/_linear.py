@@ -187,7 +187,7 @@ class FFN(Module):
 
     @property
     def layers(self) -> tuple[Linear, ...]:
-        relu_like = self.activation in ("relu", "gelu")
+        relu_like = self.activation in ("relu", "gelu", "silu", "leaky_relu", "elu")
         w_init = self.w_init or ("he_normal" if relu_like else "lecun_normal")
         s = self.sizes
         pairs = zip(s[:-1], s[1:], strict=True)

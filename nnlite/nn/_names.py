@@ -7,6 +7,7 @@ from collections.abc import Callable
 import jax
 
 from ..grad._vjp_batched import gelu, identity, relu, sigmoid, softplus, tanh
+from ._activations import elu, leaky_relu, silu
 
 __all__ = ["ACTIVATIONS", "INITIALIZERS", "get_activation", "get_initializer"]
 
@@ -25,12 +26,13 @@ INITIALIZERS: dict[str, Callable] = {
     "glorot_uniform": _inits.glorot_uniform(),
     "he_normal": _inits.he_normal(),
     "he_uniform": _inits.he_uniform(),
+    "orthogonal": _inits.orthogonal(),  # recurrent weights (GRUCell, LSTMCell: per gate)
 }
 
 
 # The activation functions live in the batched VJP library, each beside its hand rule
-# (relu and relu_vjp, ...), declared with @hand_rule there: manual-gradient mode
-# differentiates them with those rules.
+# (relu and relu_vjp, ...), and in nn/_activations.py (silu, leaky_relu, elu), declared
+# with @hand_rule there: manual-gradient mode differentiates them with those rules.
 ACTIVATIONS: dict[str, Callable] = {
     "relu": relu,
     "gelu": gelu,
@@ -38,6 +40,9 @@ ACTIVATIONS: dict[str, Callable] = {
     "sigmoid": sigmoid,
     "softplus": softplus,
     "identity": identity,
+    "silu": silu,
+    "leaky_relu": leaky_relu,  # negative_slope 0.01 (call nl.leaky_relu for another)
+    "elu": elu,  # alpha 1
 }
 
 

@@ -90,6 +90,8 @@ class TransformerBlock(Module):
         eps: LayerNorm epsilon.
         w_init: initializer of the projection weights.
         implementation: attention implementation (see ``MultiHeadAttention``).
+        rotary: rotary position embeddings on the attention's q and k (see
+            ``MultiHeadAttention``); adds no params.
         param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
 
     Params: ``/ln1/{scale,bias}``, ``/attn/qkv/{W,b}``, ``/attn/out/{W,b}``,
@@ -131,6 +133,7 @@ class TransformerBlock(Module):
     implementation: str | None = None
     param_dtype: str = "float32"
     dtype: str | None = None
+    rotary: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -164,6 +167,7 @@ class TransformerBlock(Module):
             dropout_rate=self.dropout_rate,
             w_init=self.w_init,
             implementation=self.implementation,
+            rotary=self.rotary,
             **self._dtypes,
         )
 

@@ -1,0 +1,727 @@
+"""The layers with hand rules added after the first set: silu/leaky_relu/elu, ConvTranspose,
+AdaptiveAvgPool/AdaptiveMaxPool, RotaryEmbedding (and attention with it), GRUCell,
+LSTMCell and RNN.
+
+Every rule against ``jax.vjp`` (``check_vjp``) in float32 and float64; every layer's shape,
+dtype, jit, grad and vmap; each layer under ``nl.manual_grads`` against ``jax.grad``;
+numpy references written from PyTorch's formulas; cached rotary decoding against the full
+forward.
+"""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nnlite as nl
+from nnlite.nn import _adaptive_pool
+from nnlite.vjp import check_vjp
+
+DTYPES = ["float32", "float64"]
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def check(rule, *args, **static):
+    """check_vjp of a hand_rule function's plain pair, hyperparameters bound."""
+    f = functools.partial(rule.f, **static)
+    f_vjp = functools.partial(rule.f_vjp, **static)
+    f.__name__, f_vjp.__name__ = rule.__name__, rule.f_vjp.__name__
+    check_vjp(f, f_vjp, *args)
+
+
+@pytest.fixture(params=DTYPES)
+def rand(request):
+    """``rand(*shape)`` in the test's dtype (float64 with x64 on for the test only)."""
+    dtype = request.param
+    with jax.enable_x64(dtype == "float64"):
+        rng = np.random.default_rng(0)
+        yield lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _np(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# -- every new rule against jax.vjp -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, static",
+    [
+        ("silu", {}),
+        ("leaky_relu", {}),
+        ("leaky_relu", {"negative_slope": 0.2}),
+        ("elu", {}),
+        ("elu", {"alpha": 0.5}),
+    ],
+)
+def test_activation_rules(rand, name, static):
+    check(getattr(nl.rules, name), rand(4, 5) * 3, **static)
+
+
+def test_activations_are_named_and_match_jax_nn():
+    x = jnp.linspace(-4, 4, 17)
+    for name, ref in [
+        ("silu", jax.nn.silu),
+        ("leaky_relu", jax.nn.leaky_relu),
+        ("elu", jax.nn.elu),
+    ]:
+        assert nl.get_activation(name) is getattr(nl, name)
+        np.testing.assert_allclose(nl.ACTIVATIONS[name](x), ref(x), rtol=1e-6)
+    # At the kinks the rules give jax.nn's gradients, so manual and autodiff agree there.
+    zero = jnp.zeros(3)
+    for name in ("leaky_relu", "elu", "silu"):
+        f = getattr(nl.rules, name)
+        auto = jax.grad(lambda x, f=f: jnp.sum(f(x)))(zero)
+        np.testing.assert_allclose(f.f_vjp(zero, jnp.ones(3)), auto)
+
+
+CONV_T_CASES = [
+    # kernel, strides, padding, dilation
+    ((3,), (2,), "SAME", (1,)),
+    ((4,), (2,), ((1, 2),), (1,)),  # explicit, asymmetric crop
+    ((2,), (3,), "VALID", (1,)),  # stride > kernel: gaps in the output
+    ((3,), (1,), ((2, 0),), (2,)),  # dilation
+    ((1,), (3,), "SAME", (1,)),  # kernel 1, SAME pads the high side with zeros
+    ((3, 2), (2, 1), "SAME", (1, 1)),  # 2-d
+    ((2, 3), (2, 2), ((0, 1), (1, 1)), (1, 1)),
+]
+
+
+@pytest.mark.parametrize("kernel, strides, padding, dilation", CONV_T_CASES)
+def test_conv_transpose_rule(rand, kernel, strides, padding, dilation):
+    n = len(kernel)
+    x = rand(2, *(5, 4)[:n], 3)
+    W = rand(*kernel, 3, 4)
+    static = dict(strides=strides, padding=padding, dilation=dilation)
+    check(nl.rules.conv_transpose, x, W, rand(4), **static)
+    check(nl.rules.conv_transpose, x, W, None, **static)
+
+
+ADAPTIVE_CASES = [
+    ((2, 7, 3), (3,)),  # overlapping bins
+    ((2, 9, 3), (3,)),  # exact tiling
+    ((2, 3, 2), (7,)),  # more outputs than inputs: inputs repeat
+    ((2, 5, 9, 3), (3, 4)),
+    ((3, 6, 2), (1, 5)),
+    ((4, 2), (1,)),  # unbatched, global
+    ((2, 3, 4, 5, 2), (2, 3, 3)),  # 3-d
+]
+
+
+@pytest.mark.parametrize("shape, out", ADAPTIVE_CASES)
+def test_adaptive_pool_rules(rand, shape, out):
+    x = rand(*shape)
+    check(nl.rules.adaptive_avg_pool, x, output_size=out)
+    check(nl.rules.adaptive_max_pool, x, output_size=out)
+
+
+def test_adaptive_max_pool_ties_go_to_the_first_maximum():
+    # After relu most entries tie at 0: the rule and JAX's autodiff both pick the first.
+    x = jax.nn.relu(jnp.asarray(_np(2, 7, 6, 3)) - 1.0)
+    check(nl.rules.adaptive_max_pool, x, output_size=(3, 2))
+    dx = nl.rules.adaptive_max_pool.f_vjp(
+        jnp.zeros((1, 4, 1)), jnp.ones((1, 2, 1)), output_size=(2,)
+    )
+    assert dx[0, :, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_rotary_rule(rand):
+    check(nl.rules.rotary, rand(2, 5, 3, 8), jnp.arange(5)[:, None])
+    check(nl.rules.rotary, rand(5, 6), jnp.arange(5) + 100, base=500.0)
+    check(nl.rules.rotary, rand(2, 4, 6), jnp.array([[0, 1, 2, 3], [5, 6, 7, 8]]))  # per row
+
+
+def test_recurrent_rules(rand):
+    F, H = 3, 4
+    W3, U3, W4, U4 = rand(F, 3 * H), rand(H, 3 * H), rand(F, 4 * H), rand(H, 4 * H)
+    for lead in [(), (2, 3)]:  # one example; two batch axes
+        x, h, c = rand(*lead, F), rand(*lead, H), rand(*lead, H)
+        check(nl.rules.gru_cell, x, h, W3, U3, rand(3 * H), rand(H))
+        check(nl.rules.lstm_cell, x, h, c, W4, U4, rand(4 * H))
+    check(nl.rules.gru_cell, rand(2, F), rand(2, H), W3, U3, None, None)  # no biases
+    check(nl.rules.lstm_cell, rand(2, F), rand(2, H), rand(2, H), W4, U4, None)
+    xs, h0, c0 = rand(2, 6, F), rand(2, H), rand(2, H)
+    check(nl.rules.gru_scan, xs, h0, W3, U3, rand(3 * H), rand(H))
+    check(nl.rules.gru_scan, xs, h0, W3, U3, None, None)
+    check(nl.rules.lstm_scan, xs, h0, c0, W4, U4, rand(4 * H))
+    check(nl.rules.lstm_scan, rand(2, 1, F), h0, c0, W4, U4, None)  # one step
+    check(nl.rules.subarray, rand(2, 6, 2, H), index=(slice(None), -1, 1, slice(None)))
+    # No state: a fresh sequence's zeros are made inside the rule (no cotangent).
+    check(nl.rules.gru_cell, rand(2, F), None, W3, U3, rand(3 * H), rand(H))
+    check(nl.rules.lstm_cell, rand(2, F), None, None, W4, U4, rand(4 * H))
+    check(nl.rules.gru_scan, xs, None, W3, U3, rand(3 * H), rand(H))
+    check(nl.rules.lstm_scan, xs, None, None, W4, U4, rand(4 * H))
+
+
+def test_the_rules_are_listed():
+    new = [
+        "adaptive_avg_pool", "adaptive_max_pool", "conv_transpose", "elu", "gru_cell",
+        "gru_scan", "leaky_relu", "lstm_cell", "lstm_scan", "rotary", "silu", "subarray",
+    ]  # fmt: skip
+    for name in new:
+        f, f_vjp = nl.rules.RULES[name]
+        assert f.f_vjp is f_vjp and name in nl.rules.__all__ and f"{name}_vjp" in nl.rules.__all__
+
+
+# -- numpy references (PyTorch's formulas) ----------------------------------------------------
+
+
+def _conv_transpose_ref(x, W, strides, pads, dilation):
+    """PyTorch's ConvTranspose as a scatter: input m and tap k land at m s + k d of the
+    full output, which the padding crops."""
+    n = W.ndim - 2
+    in_sp, ks = x.shape[1:-1], W.shape[:n]
+    full = [(m - 1) * s + (k - 1) * d + 1 for m, s, k, d in zip(in_sp, strides, ks, dilation)]
+    y = np.zeros((x.shape[0], *full, W.shape[-1]))
+    for m in itertools.product(*(range(v) for v in in_sp)):
+        for k in itertools.product(*(range(v) for v in ks)):
+            at = tuple(mi * s + ki * d for mi, s, ki, d in zip(m, strides, k, dilation))
+            y[(slice(None), *at)] += x[(slice(None), *m)] @ W[k]
+    crop = tuple(slice(lo, f - hi) for (lo, hi), f in zip(pads, full))
+    return y[(slice(None), *crop)]
+
+
+@pytest.mark.parametrize("kernel, strides, padding, dilation", CONV_T_CASES)
+def test_conv_transpose_matches_pytorch_formula(kernel, strides, padding, dilation):
+    n = len(kernel)
+    layer = nl.ConvTranspose(3, 4, kernel, strides, padding, dilation, use_bias=False)
+    x, W = _np(2, *(5, 4)[:n], 3), _np(*kernel, 3, 4, seed=1)
+    y = layer(nl.ParamsDict(W=jnp.asarray(W)), jnp.asarray(x))
+    if padding == "VALID":
+        pads = ((0, 0),) * n
+    elif padding == "SAME":  # out = in * stride; the conv it transposes pads as "SAME"
+        spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilation)]
+        totals = [max(k - s, 0) for k, s in zip(spans, strides)]
+        pads = tuple((t // 2, t - t // 2) for t in totals)
+    else:
+        pads = padding
+    ref = _conv_transpose_ref(x.astype(np.float64), W.astype(np.float64), strides, pads, dilation)
+    if padding == "SAME":
+        want = tuple(m * s for m, s in zip(x.shape[1:-1], strides))
+        # kernel < stride: the full output is short of in * stride; the rest is zeros.
+        ref = np.pad(ref, [(0, 0)] + [(0, w - r) for w, r in zip(want, ref.shape[1:-1])] + [(0, 0)])
+    assert y.shape == ref.shape
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_transpose_is_the_adjoint_of_conv(key):
+    # <conv(u), x> == <u, conv_transpose(x)> with the kernel's in/out swapped.
+    for kernel, strides, padding in [(3, 2, "SAME"), (4, 2, 1), (3, 2, "VALID")]:
+        ct = nl.ConvTranspose(3, 5, kernel, strides, padding, use_bias=False)
+        conv = nl.Conv(5, 3, kernel, strides, padding, use_bias=False)
+        x = jnp.asarray(_np(2, 6, 3))
+        W = jnp.asarray(_np(kernel, 3, 5, seed=1))
+        y = ct(nl.ParamsDict(W=W), x)
+        u = jnp.asarray(_np(*y.shape, seed=2))
+        cu = conv(nl.ParamsDict(W=jnp.swapaxes(W, -1, -2)), u)
+        assert cu.shape == x.shape
+        np.testing.assert_allclose(jnp.sum(cu * x), jnp.sum(u * y), rtol=1e-5)
+
+
+def _adaptive_ref(x, out, reduce):
+    n = len(out)
+    sp = x.shape[-n - 1 : -1]
+    y = np.zeros(x.shape[: -n - 1] + tuple(out) + x.shape[-1:])
+    axes = tuple(range(x.ndim - n - 1, x.ndim - 1))
+    for idx in itertools.product(*(range(o) for o in out)):
+        # PyTorch: start = floor(i L / O), end = ceil((i + 1) L / O)
+        box = tuple(
+            slice(int(np.floor(i * L / o)), int(np.ceil((i + 1) * L / o)))
+            for i, L, o in zip(idx, sp, out)
+        )
+        y[(Ellipsis, *idx, slice(None))] = reduce(x[(Ellipsis, *box, slice(None))], axis=axes)
+    return y
+
+
+@pytest.mark.parametrize("shape, out", ADAPTIVE_CASES)
+def test_adaptive_pools_match_pytorch_bins(shape, out):
+    x = _np(*shape)
+    for layer, reduce in [(nl.AdaptiveAvgPool(out), np.mean), (nl.AdaptiveMaxPool(out), np.max)]:
+        y = layer(nl.ParamsDict(), jnp.asarray(x))
+        np.testing.assert_allclose(y, _adaptive_ref(x, out, reduce), rtol=1e-6, atol=1e-6)
+    assert _adaptive_pool.adaptive_bins(10, 4) == [(0, 3), (2, 5), (5, 8), (7, 10)]
+
+
+def _sigmoid(a):
+    return 1 / (1 + np.exp(-a))
+
+
+def _torch_gru_step(x, h, w_ih, w_hh, b_ih, b_hh):
+    """torch.nn.GRUCell's documented equations, gate order (r, z, n)."""
+    gi, gh = x @ w_ih.T + b_ih, h @ w_hh.T + b_hh
+    (i_r, i_z, i_n), (h_r, h_z, h_n) = np.split(gi, 3, -1), np.split(gh, 3, -1)
+    r, z = _sigmoid(i_r + h_r), _sigmoid(i_z + h_z)
+    n = np.tanh(i_n + r * h_n)
+    return (1 - z) * n + z * h
+
+
+def _torch_lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh):
+    """torch.nn.LSTMCell's documented equations, gate order (i, f, g, o)."""
+    i, f, g, o = np.split(x @ w_ih.T + b_ih + h @ w_hh.T + b_hh, 4, -1)
+    c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
+    return _sigmoid(o) * np.tanh(c), c
+
+
+def test_gru_and_lstm_steps_match_pytorchs_equations():
+    F, H, B = 3, 5, 4
+    x, h, c = _np(B, F), _np(B, H, seed=1), _np(B, H, seed=2)
+    # GRU, from PyTorch's parameters: W = weight_ih.T, U = weight_hh.T, b = b_ih + b_hh
+    # with b_hh's n part moved to b_n.
+    w_ih, w_hh, b_ih, b_hh = (
+        _np(3 * H, F, seed=3),
+        _np(3 * H, H, seed=4),
+        _np(3 * H, seed=5),
+        _np(3 * H, seed=6),
+    )
+    b = b_ih + np.concatenate([b_hh[: 2 * H], np.zeros(H, np.float32)])
+    p = nl.ParamsDict(W=w_ih.T, U=w_hh.T, b=b, b_n=b_hh[2 * H :])
+    p = jax.tree.map(jnp.asarray, p)
+    got = nl.GRUCell(F, H)(p, jnp.asarray(x), jnp.asarray(h))
+    np.testing.assert_allclose(
+        got, _torch_gru_step(x, h, w_ih, w_hh, b_ih, b_hh), rtol=1e-5, atol=1e-6
+    )
+    # LSTM: W = weight_ih.T, U = weight_hh.T, b = b_ih + b_hh.
+    w_ih, w_hh, b_ih, b_hh = (
+        _np(4 * H, F, seed=7),
+        _np(4 * H, H, seed=8),
+        _np(4 * H, seed=9),
+        _np(4 * H, seed=10),
+    )
+    p = jax.tree.map(jnp.asarray, nl.ParamsDict(W=w_ih.T, U=w_hh.T, b=b_ih + b_hh))
+    got_h, got_c = nl.LSTMCell(F, H)(p, jnp.asarray(x), (jnp.asarray(h), jnp.asarray(c)))
+    want_h, want_c = _torch_lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh)
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_c, want_c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cell", [nl.GRUCell(3, 4), nl.LSTMCell(3, 4)], ids=["gru", "lstm"])
+def test_rnn_equals_the_cell_stepped_in_python(cell, key):
+    rnn = nl.RNN(cell, return_carry=True)
+    p = rnn.init(key)
+    x = jnp.asarray(_np(2, 7, 3))
+    carry, hs = jax.jit(rnn)(p, x)
+
+    @jax.jit
+    def stepped(p, x):  # the Python loop, unrolled under jit
+        state, hs = cell.zero_carry((2,)), []
+        for t in range(7):
+            state = cell(p, x[:, t], state)
+            hs.append(_out(state))
+        return state, jnp.stack(hs, axis=1)
+
+    state, want = stepped(p, x)
+    np.testing.assert_allclose(hs, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(carry), jax.tree.leaves(state)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The carry continues a sequence: two halves equal the whole.
+    first, hs1 = rnn(p, x[:, :3])
+    _, hs2 = rnn(p, x[:, 3:], first)
+    np.testing.assert_allclose(jnp.concatenate([hs1, hs2], axis=1), hs, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_matches_the_complex_rotation():
+    D, T = 8, 6
+    x, offset = _np(T, D), 11
+    pos = np.arange(T) + offset
+    theta = 10000.0 ** (-np.arange(D // 2) * 2 / D)
+    z = (x[:, : D // 2] + 1j * x[:, D // 2 :]) * np.exp(1j * pos[:, None] * theta)
+    want = np.concatenate([z.real, z.imag], axis=-1)
+    got = nl.RotaryEmbedding(D)(nl.ParamsDict(), jnp.asarray(x), offset=offset)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_scores_depend_on_relative_positions_only():
+    rope = nl.RotaryEmbedding(8)
+    q, k = jnp.asarray(_np(5, 8)), jnp.asarray(_np(5, 8, seed=1))
+
+    def scores(offset):
+        p = nl.ParamsDict()
+        return rope(p, q, offset=offset) @ rope(p, k, offset=offset).T
+
+    np.testing.assert_allclose(scores(0), scores(37), rtol=1e-4, atol=1e-4)
+
+
+# -- every layer: shape, dtype, jit, grad, vmap -----------------------------------------------
+
+LAYERS = {
+    # name: (layer, input shape with batch axis 2 first)
+    "ConvTranspose1d": (nl.ConvTranspose(3, 4, 3, strides=2), (2, 5, 3)),
+    "ConvTranspose2d": (nl.ConvTranspose(3, 4, (2, 3), strides=(2, 1), padding=1), (2, 5, 4, 3)),
+    "AdaptiveAvgPool": (nl.AdaptiveAvgPool((2, 3)), (2, 5, 7, 3)),
+    "AdaptiveMaxPool": (nl.AdaptiveMaxPool(3), (2, 7, 3)),
+    "RotaryEmbedding": (nl.RotaryEmbedding(4), (2, 5, 4)),
+    "GRUCell": (nl.GRUCell(3, 4), (2, 3)),
+    "LSTMCell": (nl.LSTMCell(3, 4), (2, 3)),
+    "RNN(GRU)": (nl.RNN(nl.GRUCell(3, 4)), (2, 5, 3)),
+    "RNN(LSTM)": (nl.RNN(nl.LSTMCell(3, 4)), (2, 5, 3)),
+    "MHA(rotary)": (nl.MultiHeadAttention(8, 2, causal=True, rotary=True), (2, 5, 8)),
+    "FFN(silu)": (nl.FFN(3, (4,), 2, activation="silu"), (2, 3)),
+    "FFN(leaky_relu)": (nl.FFN(3, (4,), 2, activation="leaky_relu"), (2, 3)),
+    "FFN(elu)": (nl.FFN(3, (4,), 2, activation="elu"), (2, 3)),
+}
+
+
+def _out(y):
+    """A layer's result as one array (an LSTM cell returns (h, c))."""
+    return y[0] if isinstance(y, tuple) else y
+
+
+def _random_params(layer, seed=0):
+    shapes = jax.eval_shape(layer.init, jax.random.key(0))
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jnp.asarray(0.5 * rng.standard_normal(s.shape), s.dtype), shapes)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_grid(name):
+    layer, shape = LAYERS[name]
+    p = _random_params(layer)
+    x = jnp.asarray(_np(*shape))
+
+    @jax.jit
+    def run(p, x):
+        y = _out(layer(p, x))
+        y_single = jax.vmap(lambda x: _out(layer(p, x)))(x)  # one example at a time
+        grads = jax.grad(lambda p, x: jnp.sum(_out(layer(p, x)) ** 2), argnums=(0, 1))(p, x)
+        return y, y_single, grads
+
+    y, y_single, (g_p, g_x) = run(p, x)
+    assert y.dtype == jnp.float32 and y.shape[0] == 2
+    assert jax.eval_shape(lambda: _out(layer(p, x[0]))).shape == y.shape[1:]  # unbatched
+    two = jax.eval_shape(lambda: _out(layer(p, jnp.stack([x, x]))))  # two batch axes
+    assert two.shape == (2, *y.shape)
+    np.testing.assert_allclose(y_single, y, rtol=1e-5, atol=1e-6)
+    assert jax.tree.structure(g_p) == jax.tree.structure(p)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves((g_p, g_x)))
+    assert float(jnp.abs(g_x).sum()) > 0
+    # bfloat16: a layer with params computes in its dtype, one without in the input's.
+    if hasattr(layer, "dtype"):
+        bf = dataclasses.replace(layer, dtype="bfloat16")
+        assert jax.eval_shape(lambda: _out(bf(p, x))).dtype == jnp.bfloat16
+    elif not jax.tree.leaves(p):
+        assert jax.eval_shape(lambda: _out(layer(p, x.astype(jnp.bfloat16)))).dtype == jnp.bfloat16
+
+
+def test_rnn_cells_in_bfloat16_compute(key):
+    rnn = nl.RNN(nl.LSTMCell(3, 4, dtype="bfloat16"))
+    hs = rnn(rnn.init(key), jnp.ones((2, 5, 3)))
+    assert hs.dtype == jnp.bfloat16 and hs.shape == (2, 5, 4)
+
+
+# -- manual mode: the hand rules give jax.grad's gradients --------------------------------------
+
+
+def _assert_grads_close(auto, hand, terms):
+    """Equal to float32 rounding. The two passes compute the same sums in different
+    orders; a sum of ``terms`` products rounds by at most ``terms * eps`` relative to its
+    scale (the bound for recursive summation), so that is the tolerance, with ``terms``
+    the size of the largest activation a gradient entry sums over."""
+    for path, a in jax.tree_util.tree_flatten_with_path(auto)[0]:
+        h = functools.reduce(lambda t, k: t[k.key if hasattr(k, "key") else k.idx], path, hand)
+        scale = float(jnp.max(jnp.abs(a)))
+        err = float(jnp.max(jnp.abs(a - h)))
+        assert err <= terms * EPS32 * scale, (jax.tree_util.keystr(path), err, scale)
+
+
+def _manual_vs_auto(layer, x):
+    p = _random_params(layer)
+    out = jax.eval_shape(lambda: _out(layer(p, x)))
+    target = jnp.asarray(_np(*out.shape, seed=9))
+
+    def loss(p, x):
+        return nl.mse(_out(layer(p, x)), target, reduction="mean")
+
+    auto = jax.jit(jax.grad(loss))(p, x)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x)
+    _assert_grads_close(auto, hand, terms=max(x.size, out.size))
+
+
+@pytest.mark.parametrize("name", [n for n in LAYERS if not n.startswith("Rotary")])
+def test_manual_grads_equal_autodiff(name):
+    layer, shape = LAYERS[name]
+    _manual_vs_auto(layer, jnp.asarray(_np(*shape)))
+
+
+def test_manual_grads_through_a_model_of_every_new_layer(key):
+    """One model of them all (ConvTranspose, the activations, both adaptive pools, rotary
+    attention, a GRU's final carry feeding an LSTM's): the manual check passes and every
+    param's gradient is autodiff's."""
+    layers = dict(
+        up=nl.ConvTranspose(2, 4, 3, strides=2),
+        pool=nl.AdaptiveAvgPool(6),
+        mpool=nl.AdaptiveMaxPool(6),
+        attn=nl.MultiHeadAttention(4, 2, causal=True, rotary=True),
+        gru=nl.RNN(nl.GRUCell(4, 5), return_carry=True),
+        lstm=nl.RNN(nl.LSTMCell(5, 3), return_carry=True),
+        head_gru=nl.Linear(5, 2),
+        head_lstm=nl.Linear(3, 2),
+    )
+    keys = jax.random.split(key, len(layers))
+    p = nl.ParamsDict(**{n: m.init(k) for (n, m), k in zip(layers.items(), keys)})
+    x, y = jnp.asarray(_np(3, 5, 2)), jnp.array([0, 1, 1])
+
+    def loss(p, x):
+        m = layers
+        h = nl.silu(m["up"](p.up, x))  # [3, 10, 4]
+        h = nl.add(nl.leaky_relu(m["pool"](p.pool, h)), nl.elu(m["mpool"](p.mpool, h)))
+        h = nl.add(h, m["attn"](p.attn, h))
+        gru_last, hs = m["gru"](p.gru, h)
+        (h_last, c_last), _ = m["lstm"](p.lstm, hs)
+        logits = nl.add(
+            m["head_gru"](p.head_gru, gru_last),
+            m["head_lstm"](p.head_lstm, nl.add(h_last, nl.tanh(c_last))),
+        )
+        return nl.softmax_cross_entropy(logits, y, reduction="mean")
+
+    auto = jax.jit(jax.grad(loss))(p, x)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x)
+    _assert_grads_close(auto, hand, terms=3 * 10 * 4)  # the largest activation, [3, 10, 4]
+
+
+def test_manual_grads_reach_the_initial_carry(key):
+    """The scan rules' cotangent of the initial state: h0 (and c0) held as params."""
+    for cell in (nl.GRUCell(3, 4), nl.LSTMCell(3, 4)):
+        rnn = nl.RNN(cell, return_carry=True)
+        p = nl.ParamsDict(cell=_random_params(rnn), h0=jnp.asarray(_np(2, 4, seed=3)))
+        p.c0 = jnp.asarray(_np(2, 4, seed=4))
+        x = jnp.asarray(_np(2, 6, 3))
+
+        def loss(p, x, rnn=rnn, cell=cell):
+            carry = (p.h0, p.c0) if isinstance(cell, nl.LSTMCell) else p.h0
+            last, hs = rnn(p.cell, x, carry)
+            last = last[1] if isinstance(last, tuple) else last  # the LSTM's final c
+            return nl.add(
+                nl.reduce(nl.mse(hs, jnp.zeros_like(hs)), "mean"),
+                nl.reduce(nl.mse(last, jnp.ones_like(last)), "mean"),
+            )
+
+        auto = jax.jit(jax.grad(loss))(p, x)
+        hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x)
+        _assert_grads_close(auto, hand, terms=2 * 6 * 4)  # hs: [2, 6, 4]
+        if isinstance(cell, nl.GRUCell):
+            assert not np.any(auto.c0)  # unused
+        assert np.any(auto.h0)
+
+
+# -- rotary attention: cached decoding is the full forward ------------------------------------
+
+
+def test_rotary_cached_decoding_equals_full_forward():
+    F, H, T = 16, 2, 7
+    mha = nl.MultiHeadAttention(F, H, causal=True, rotary=True)
+    p = _random_params(mha)
+    x = jnp.asarray(_np(2, T, F))
+    full = jax.jit(mha)(p, x)
+    assert not np.allclose(full, nl.MultiHeadAttention(F, H, causal=True)(p, x), atol=1e-3)
+
+    @jax.jit
+    def decode(p, x):
+        cache = jnp.zeros((2, 2, T, H, F // H))  # k, v: [2, batch, T, heads, head_dim]
+
+        def step(cache, t):  # t traced: the rotation's positions come from it
+            q, k, v = mha.qkv(p, jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1), offset=t)
+            cache = jax.lax.dynamic_update_slice(
+                cache, jnp.stack([k, v])[:, :, :1], (0, 0, t, 0, 0)
+            )
+            o = mha.project(p, mha.attend(q, cache[0], cache[1], q_offset=t))
+            return cache, o[:, 0]
+
+        _, ys = jax.lax.scan(step, cache, jnp.arange(T))
+        return jnp.swapaxes(ys, 0, 1)
+
+    np.testing.assert_allclose(decode(p, x), full, rtol=1e-5, atol=1e-5)
+    # A prompt in one call, then one token: the offset places it.
+    q, k, v = mha.qkv(p, x[:, :-1])
+    q1, k1, v1 = mha.qkv(p, x[:, -1:], offset=T - 1)
+    o = mha.attend(q1, jnp.concatenate([k, k1], 1), jnp.concatenate([v, v1], 1))
+    np.testing.assert_allclose(mha.project(p, o)[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_keeps_attention_params_and_default():
+    a, b = nl.MultiHeadAttention(8, 2), nl.MultiHeadAttention(8, 2, rotary=True)
+    key = jax.random.key(0)
+    assert jax.eval_shape(a.init, key) == jax.eval_shape(b.init, key)
+    assert not a.rotary and a == nl.MultiHeadAttention(8, 2, rotary=False)
+    block = nl.TransformerBlock(8, 2, rotary=True)
+    assert block.attn.rotary
+    out = jax.eval_shape(block, jax.eval_shape(block.init, key), jnp.ones((2, 3, 8)))
+    assert out.shape == (2, 3, 8)
+
+
+# -- errors name the layer, the expected and the actual shape -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "layer, x, match",
+    [
+        (
+            nl.ConvTranspose(3, 4, 3),
+            jnp.ones((2, 5, 2)),
+            r"ConvTranspose\(in_features=3\): expected input with last axis 3.*\(2, 5, 2\)",
+        ),
+        (nl.ConvTranspose(3, 4, 3, padding=5), jnp.ones((2, 2, 3)), r"ConvTranspose.*crops"),
+        (
+            nl.AdaptiveAvgPool((2, 2)),
+            jnp.ones((4, 3)),
+            r"AdaptiveAvgPool\(output_size=\(2, 2\)\): expected .*rank >= 3, got shape \(4, 3\)",
+        ),
+        (nl.AdaptiveMaxPool(2), jnp.ones((2, 0, 3)), r"AdaptiveMaxPool.*non-empty.*\(2, 0, 3\)"),
+        (
+            nl.RotaryEmbedding(8),
+            jnp.ones((5, 6)),
+            r"RotaryEmbedding\(features=8\): expected input with last axis 8.*\(5, 6\)",
+        ),
+        (
+            nl.GRUCell(3, 4),
+            jnp.ones((2, 5)),
+            r"GRUCell\(3, 4\): expected input with last axis 3, got shape \(2, 5\)",
+        ),
+        (
+            nl.RNN(nl.LSTMCell(3, 4)),
+            jnp.ones((2, 5, 2)),
+            r"RNN\(LSTMCell\(3, 4\)\): expected input \[..., T >= 1, 3\].*\(2, 5, 2\)",
+        ),
+        (nl.RNN(nl.LSTMCell(3, 4)), jnp.ones(3), r"RNN\(LSTMCell\(3, 4\)\).*got shape \(3,\)"),
+    ],
+)
+def test_shape_errors_name_the_layer(layer, x, match):
+    with pytest.raises(ValueError, match=match):
+        layer(_random_params(layer), x)
+
+
+def test_state_and_hyperparameter_errors(key):
+    cell = nl.LSTMCell(3, 4)
+    p = cell.init(key)
+    with pytest.raises(
+        ValueError, match=r"LSTMCell\(3, 4\): expected c of shape \(2, 4\).*got \(2, 5\)"
+    ):
+        cell(p, jnp.ones((2, 3)), (jnp.zeros((2, 4)), jnp.zeros((2, 5))))
+    with pytest.raises(ValueError, match=r"LSTMCell\(3, 4\): the carry is the pair \(h, c\)"):
+        cell(p, jnp.ones((2, 3)), jnp.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"GRUCell\(3, 4\): expected h of shape \(2, 4\)"):
+        nl.GRUCell(3, 4)(nl.GRUCell(3, 4).init(key), jnp.ones((2, 3)), jnp.zeros(4))
+    gru = nl.GRUCell(3, 4)
+    p_gru = gru.init(key)
+    p_gru.U = jnp.zeros((4, 10))
+    with pytest.raises(
+        nl.ParamsMismatchError,
+        match=r"GRUCell\(3, 4\): params /U has shape \(4, 10\), expected \(4, 12\)",
+    ):
+        gru(p_gru, jnp.ones(3))
+    with pytest.raises(ValueError, match=r"RNN\(GRUCell\(3, 4\)\): each carry array"):
+        nl.RNN(nl.GRUCell(3, 4))(nl.GRUCell(3, 4).init(key), jnp.ones((2, 5, 3)), jnp.zeros((3, 4)))
+    with pytest.raises(TypeError, match="RNN: cell must be an nnlite cell"):
+        nl.RNN(nl.Linear(3, 4))
+    with pytest.raises(ValueError, match="rotary=True needs an even head_dim"):
+        nl.MultiHeadAttention(6, 2, rotary=True)
+    with pytest.raises(ValueError, match="RotaryEmbedding: features must be even"):
+        nl.RotaryEmbedding(5)
+    with pytest.raises(ValueError, match="rotary: positions must be an integer array"):
+        nl.RotaryEmbedding(4)(nl.ParamsDict(), jnp.ones((3, 4)), positions=jnp.ones(3))
+    with pytest.raises(ValueError, match=r"AdaptiveAvgPool: output_size must hold positive ints"):
+        nl.AdaptiveAvgPool((2, 0))
+    with pytest.raises(ValueError, match=r"ConvTranspose: padding must be"):
+        nl.ConvTranspose(3, 4, 3, padding="FULL")
+
+
+def test_recurrent_init(key):
+    cell = nl.GRUCell(5, 6)
+    p = cell.init(key)
+    assert not np.any(p.b) and not np.any(p.b_n)
+    for g in range(3):  # each gate's recurrent block is orthogonal
+        block = np.asarray(p.U[:, 6 * g : 6 * (g + 1)], np.float64)
+        np.testing.assert_allclose(block.T @ block, np.eye(6), atol=1e-5)
+    assert set(nl.LSTMCell(5, 6, use_bias=False).init(key)) == {"W", "U"}
+    rnn = nl.RNN(nl.GRUCell(5, 6, use_bias=False))
+    assert rnn(rnn.init(key), jnp.ones((5, 5))).shape == (5, 6)  # unbatched, no biases
+
+
+def test_gpt_with_rotary_positions(key):
+    """The GPT's rotary option: no position table, and its cached decoding (each token's
+    q and k rotated at its position) equals the full forward; manual == autodiff."""
+    from models.gpt import GPT
+
+    gpt = GPT(vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=16, positional="rotary")
+    p = jax.jit(gpt.init)(key)
+    assert "wpe" not in p and gpt.block.attn.rotary
+    tokens = jax.random.randint(key, (2, 8), 0, 11)
+    full = jax.jit(gpt)(p, tokens)
+
+    @jax.jit
+    def decode(p, tokens):
+        def step(cache, pos):
+            logits, cache = gpt.decode_step(p, cache, tokens[:, pos], pos)
+            return cache, logits
+
+        return jnp.swapaxes(jax.lax.scan(step, gpt.empty_cache(2), jnp.arange(8))[1], 0, 1)
+
+    np.testing.assert_allclose(decode(p, tokens), full, rtol=1e-5, atol=1e-5)
+
+    def loss(p, x, y):
+        return gpt.objective(p, x, y)[0]
+
+    y = jnp.roll(tokens, -1, axis=1)
+    auto = jax.jit(jax.grad(loss))(p, tokens, y)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, tokens, y)
+    _assert_grads_close(auto, hand, terms=2 * 8 * 4 * 16)  # the MLP's [2, 8, 64] activations
+    with pytest.raises(ValueError, match="GPT: unknown positional 'alibi'; valid: learned, rotary"):
+        GPT(vocab_size=11, context=8, positional="alibi")
+
+
+def test_rnn_scans_any_cell_plainly_for_autodiff(key):
+    """A cell without a scan rule (here a user's Elman cell) is scanned by lax.scan."""
+
+    class Elman(nl.Module):
+        in_features: int = 3
+        hidden: int = 4
+
+        def init(self, key):
+            return nl.Linear(self.in_features + self.hidden, self.hidden).init(key)
+
+        def zero_carry(self, batch_shape=(), dtype=None):
+            return jnp.zeros((*batch_shape, self.hidden), dtype or jnp.float32)
+
+        def __call__(self, params, x, h, *, key=None):
+            lin = nl.Linear(self.in_features + self.hidden, self.hidden)
+            return jnp.tanh(lin(params, jnp.concatenate([x, h], axis=-1)))
+
+    rnn = nl.RNN(Elman(), return_carry=True)
+    p = rnn.init(key)
+    x = jnp.asarray(_np(2, 5, 3))
+    h, hs = jax.jit(rnn)(p, x)
+    assert hs.shape == (2, 5, 4)
+    np.testing.assert_allclose(h, hs[:, -1], rtol=1e-6)
+    grads = jax.grad(lambda p: jnp.sum(rnn(p, x)[1]))(p)
+    assert np.any(grads.W)
+
+
+def test_show_grad_prints_the_new_rules(key):
+    """nl.show_grad writes a model of the new layers as hand-rule calls, and the code runs
+    to jax.grad's gradients."""
+    lstm = nl.RNN(nl.LSTMCell(2, 4), return_carry=True)
+    gru = nl.RNN(nl.GRUCell(4, 4))
+    attn = nl.MultiHeadAttention(4, 2, causal=True, rotary=True)
+    up = nl.ConvTranspose(4, 2, 3, strides=2)
+    ks = jax.random.split(key, 4)
+    p = nl.ParamsDict(lstm=lstm.init(ks[0]), gru=gru.init(ks[1]), attn=attn.init(ks[2]))
+    p.up = up.init(ks[3])
+
+    def loss(p, x, t):
+        (h, c), hs = lstm(p.lstm, x)
+        hs = nl.add(hs, attn(p.attn, gru(p.gru, hs)))
+        y = nl.AdaptiveMaxPool(4)(nl.ParamsDict(), nl.elu(up(p.up, nl.silu(hs))))
+        return nl.add(nl.mse(y, t, reduction="mean"), nl.mse(c, h, reduction="mean"))
+
+    x, t = jnp.asarray(_np(2, 5, 2)), jnp.zeros((2, 4, 2))
+    src = nl.show_grad(loss, p, x, t)
+    for rule in ("lstm_scan_vjp(", "gru_scan_vjp(", "rotary_vjp(", "conv_transpose_vjp("):
+        assert rule in src
+    namespace: dict = {}
+    exec(src, namespace)  # noqa: S102 -- the point: the printed code runs
+    got = jax.jit(namespace["grad"])(p, x, t)
+    _assert_grads_close(jax.jit(jax.grad(loss))(p, x, t), got, terms=2 * 10 * 4)
