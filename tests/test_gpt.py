@@ -42,7 +42,9 @@ def test_kv_cache_decode_equals_the_full_forward(tiny_params):
     cache = TINY.empty_cache(3)
     for pos in range(TINY.context):
         logits, cache = step(tiny_params, cache, tokens[:, pos], jnp.int32(pos))
-        np.testing.assert_allclose(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+        # float32 rounding of the logits' scale along 2 blocks of 12 layers (see
+        # tests/test_hand_vjp.py), the embeddings, the final norm and the head
+        assert_close_f32(logits, full[:, pos], ops=ROUNDINGS_PER_LAYER * 28)
 
 
 def naive_generate(model, params, prompt, n, pick):
