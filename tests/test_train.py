@@ -84,6 +84,7 @@ def test_steps_per_call_matches_single_steps(tmp_path, strategy):
         "train.batch_size=64",
         "train.log_every=4",
         f"parallel.strategy={strategy}",
+        "parallel.devices=2",
     ]
     single = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=1", "name=a")
     multi = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=4", "name=b")
