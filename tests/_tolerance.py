@@ -25,7 +25,7 @@ prove:
 - a trajectory: :func:`assert_same_trajectory`, within one learning rate anywhere. A wrong
   rule moves params by about the learning rate per step in a wrong direction (an Adam
   step is ~lr whatever the gradient's size), so it breaks that bound within a few steps:
-  relu's VJP without its mask moves the digits MLP 10 lr away in 10 steps, 57 lr in 100
+  relu's VJP without its mask moves the digits MLP 18 lr away in 10 steps, 100 lr in 100
   (``tests/test_manual_train.py::test_the_checks_catch_wrong_rules``).
 
 A training run shows its first step's gradient (:func:`first_step_grads`): Adam's first
