@@ -15,8 +15,8 @@ gradient entry that is itself near zero becomes a difference of a sizeable fract
 learning rate in that step's update, and the two runs then take slightly different paths.
 After 100 Adam steps two correct programs differ by up to a few % of the learning rate
 (the CNN's manual and autodiff params by 8.4e-5 at lr 1e-2 on an AVX-512 EPYC, by 4.2e-7
-on another CPU; the tiny GPT's by 0.029 lr): how much is chaos, not correctness. Hence two checks, each for what it can
-prove:
+on another CPU; the tiny GPT's by 0.029 lr): how much is chaos, not correctness. Hence
+two checks, each for what it can prove:
 
 - one step's gradients (or a loss, a layer's output): :func:`assert_close_f32` with an op
   count. Tight: it sees any error a hand rule or a reduction can make, including a wrong
