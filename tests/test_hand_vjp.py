@@ -238,13 +238,14 @@ def test_show_grad_mlp_cnn_gpt_print_code_that_gives_jax_grad(key):
     mlp = MLP(6, (5, 4), 3, "tanh")
     x, y = jax.random.normal(key, (4, 6)), jnp.array([0, 1, 2, 0])
     loss = lambda p, x, y: mlp.objective(p, x, y)[0]
-    src = _show_grad_matches(6, loss, mlp.init(key), x, y)  # 3 linear, 2 tanh, loss
+    # inits jitted: one compile each rather than one per random op
+    src = _show_grad_matches(6, loss, jax.jit(mlp.init)(key), x, y)  # 3 linear, 2 tanh, loss
     assert "d_linear_ffn_layers_1 = tanh_vjp(linear_ffn_layers_1, d_tanh_out2)" in src
     assert "d_tanh_out2, d_p_head_W, d_p_head_b = linear_vjp(tanh_out2, p.head.W, p.head.b" in src
 
     cnn = CNN(12, 1, ((3, 3, 2, 1), (4, 1, 1, "SAME")), 3)  # stride 2, kernel 1
     loss = lambda p, x, y: cnn.objective(p, x, y)[0]  # 2 conv, 2 relu, flatten, linear, loss
-    src = _show_grad_matches(7, loss, cnn.init(key), jax.random.normal(key, (4, 12)), y)
+    src = _show_grad_matches(7, loss, jax.jit(cnn.init)(key), jax.random.normal(key, (4, 12)), y)
     assert "conv_vjp(" in src and "flatten_vjp(" in src
 
     # one block: the MLP above already repeats a layer (names stay apart)
@@ -253,7 +254,7 @@ def test_show_grad_mlp_cnn_gpt_print_code_that_gives_jax_grad(key):
     dkey = jax.random.key(1)
     loss = lambda p, x, y: gpt.objective(p, x, y, key=dkey)[0]
     # a block of 12 (see the transformer block's test), embeddings, final norm, head, loss
-    src = _show_grad_matches(16, loss, gpt.init(key), ids, jnp.roll(ids, 1))
+    src = _show_grad_matches(16, loss, jax.jit(gpt.init)(key), ids, jnp.roll(ids, 1))
     assert "dot_product_attention_vjp(" in src and "jnp.tril(" in src
 
 
