@@ -1,9 +1,10 @@
 """Strict defaults for every test: 8 host CPU devices, rank promotion raises.
 
 Tests compile hundreds of tiny programs and run each for a few steps, so compiling is most
-of the suite's time. One persistent compilation cache for the session, inherited by every
-subprocess through the environment, compiles a program that several tests build (the same
-tiny config through ``train()`` or ``python -m train``) once. (LLVM's -O0 would halve
+of the suite's time. One persistent compilation cache for the session, shared by the
+pytest-xdist workers and inherited by every subprocess through the environment, compiles a
+program that several tests build (the same tiny config through ``train()`` or
+``python -m train``, a 1-step and an N-step run of one config) once. (LLVM's -O0 would halve
 compile times too, but its code rounds differently from what users run: manual and
 autodiff gradients then drift apart by 1e-4 over 100 steps, and a subprocess compiled
 without it stops being bit-identical to the test's own run.)
@@ -18,6 +19,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The process that creates the cache (pytest's main process; under pytest-xdist the
+# controller, which loads this file before it starts its workers) is the one that deletes
+# it; the workers and every subprocess find it in the environment they inherit.
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(

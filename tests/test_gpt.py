@@ -8,6 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tolerance import (
+    ROUNDINGS_PER_LAYER,
+    SAME_PROGRAMS,
+    assert_close_f32,
+    assert_same_trajectory,
+    first_step_grads,
+    max_abs_diff,
+)
 
 from models.contract import objective_fn
 from models.gpt import GPT
@@ -35,7 +43,9 @@ def test_kv_cache_decode_equals_the_full_forward(tiny_params):
     cache = TINY.empty_cache(3)
     for pos in range(TINY.context):
         logits, cache = step(tiny_params, cache, tokens[:, pos], jnp.int32(pos))
-        np.testing.assert_allclose(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+        # float32 rounding of the logits' scale along 2 blocks of 12 layers (see
+        # tests/test_hand_vjp.py), the embeddings, the final norm and the head
+        assert_close_f32(logits, full[:, pos], ops=ROUNDINGS_PER_LAYER * 28)
 
 
 def naive_generate(model, params, prompt, n, pick):
@@ -134,10 +144,6 @@ def tiny_run(tmp_path, *overrides, name="g", resume="fresh"):
     return train(cfg, resume=resume, echo=lambda *_: None)
 
 
-def max_abs_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(tmp_path):
     r = tiny_run(tmp_path, "train.steps=24", "optimizer.learning_rate=0.003")
     records = [json.loads(ln) for ln in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -152,11 +158,18 @@ def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
 def test_gpt_parallel_equals_one_device(tmp_path, strategy):
-    ref = tiny_run(tmp_path, "parallel.strategy=none", name="ref")
-    init = ref.model.init(jax.random.key(ref.cfg.seed))
-    assert max_abs_diff(ref.params, init) > 1e-3
-    r = tiny_run(tmp_path, f"parallel.strategy={strategy}", "parallel.devices=2", name=strategy)
-    assert max_abs_diff(r.params, ref.params) <= 1e-5
+    def grads_and_trajectory(*overrides, name):  # the 12-step run reuses the 1-step's programs
+        one = tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, "train.steps=1", name=name)
+        return first_step_grads(one), tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, name=name)
+
+    ref = grads_and_trajectory("parallel.strategy=none", name="ref")
+    init = ref[1].model.init(jax.random.key(ref[1].cfg.seed))
+    assert max_abs_diff(ref[1].params, init) > 1e-3
+    got = grads_and_trajectory(f"parallel.strategy={strategy}", "parallel.devices=2", name=strategy)
+    # 16 layers: embeddings, norm, attention's 5 steps, residual, norm, MLP's 3, residual,
+    # final norm, tied head, loss
+    assert_close_f32(got[0], ref[0], ops=ROUNDINGS_PER_LAYER * 16)
+    assert_same_trajectory(got[1].params, ref[1].params, lr=ref[1].cfg.optimizer.learning_rate)
 
 
 def test_gpt_resume_with_dropout_is_bit_identical(tmp_path):

@@ -1,15 +1,15 @@
-"""loss.grad=manual trains every shipped model to the same params as autodiff.
+"""loss.grad=manual trains every shipped model like autodiff.
 
-100 steps, each strategy (none, pmap, shard_map over 4 host devices). The hand rules and
-JAX's autodiff compute the same gradient with different float32 operation orders (a
-weight gradient contracted in one matmul over the batch, a softmax VJP written as
-``p * (g - sum(p g))``...), so single steps agree to a few float32 ulps and Adam carries
-the differences through 100 steps. Measured worst case (params of magnitude ~1): 4.2e-7
-(cnn, none), 4.4e-6 (gpt, shard_map: more ops per step, and Adam divides each update by
-the gradient's running RMS, which magnifies the rounding of near-zero gradients, e.g. rows
-of rare characters); mlp under none/pmap is bit-identical. TOL is 5-10x the measured worst
-case (5e-6 is about 40 float32 ulps at 1.0), far below any real error: a wrong rule moves
-params by ~lr per step.
+Two checks (see tests/_tolerance.py for the reasoning):
+- one step's gradient, under each strategy (none, pmap, shard_map over 2 host devices),
+  equals autodiff's to float32 rounding: at most ``ops`` roundings of each leaf's scale,
+  ``ops`` = 8 per layer on the model's longest path. Measured worst case 7 (the CNN under
+  shard_map) against bounds of 32-128, and ~1e6 for a wrong rule;
+- 100 Adam steps on one device stay within one learning rate of autodiff's params: rounding
+  drifts them apart by up to a few % of it (measured: 0.029 lr for the GPT, 0.0084 lr for
+  the CNN on an AVX-512 EPYC, 0 for the MLP; Adam magnifies the rounding of near-zero
+  gradients), a wrong rule by ~lr per step.
+``test_the_checks_catch_wrong_rules`` shows both checks failing on wrong hand rules.
 """
 
 from pathlib import Path
@@ -17,7 +17,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _tolerance import (
+    ROUNDINGS_PER_LAYER,
+    SAME_PROGRAMS,
+    assert_close_f32,
+    assert_same_trajectory,
+    first_step_grads,
+    max_abs_diff,
+    rounding_errors,
+)
 
+import models
+import nnlite as nl
 from train.config import load_config
 from train.loop import train
 
@@ -28,7 +39,6 @@ CNN_TINY = [
     "model.channels=[4, 6]",
     "model.kernel_size=3",
     "train.batch_size=64",
-    "train.steps_per_call=10",
     "checkpoint.every=0",
 ]
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind\n" * 8
@@ -41,21 +51,19 @@ GPT_TINY = [
     "model.n_embd=16",
     "model.dropout=0.1",  # the same dropout masks in both modes (keys from the step number)
     "train.batch_size=8",
-    "train.steps_per_call=10",
-    "optimizer.warmup_steps=2",
     "checkpoint.every=0",
 ]
-MODELS = {
+MODELS = {  # each under SAME_PROGRAMS: a 100-step run reuses the 1-step run's programs
     "mlp": ("configs/digits_mlp.yaml", ["train.batch_size=64"]),
     "cnn": ("configs/mnist1d_cnn.yaml", CNN_TINY),
     "gpt": ("configs/shakespeare_gpt.yaml", GPT_TINY),
 }
-STEPS = ["train.steps=100", "train.eval_every=100", "train.log_every=50"]
-TOL = {"mlp": 5e-6, "cnn": 5e-6, "gpt": 2e-5}
-
-
-def max_abs_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+# Layers (rule calls) on each model's longest path from the loss to a parameter: MLP
+# linear, relu, linear, cross-entropy; CNN 2 x (conv, relu), flatten, linear, cross-entropy;
+# GPT embeddings, layer norm, attention (qkv, scores, softmax, values, projection),
+# residual, layer norm, MLP (linear, gelu, linear), residual, final norm, tied head, loss.
+LAYERS = {"mlp": 4, "cnn": 7, "gpt": 16}
+STEPS = ["train.eval_every=100", "train.log_every=50"]
 
 
 def run(tmp_path, config, *overrides):
@@ -66,19 +74,93 @@ def run(tmp_path, config, *overrides):
     return train(cfg, resume="fresh", echo=lambda *_: None)
 
 
-@pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
-@pytest.mark.parametrize("model", list(MODELS))
-def test_manual_trains_like_autodiff(tmp_path, model, strategy):
+def model_overrides(tmp_path, model):
     config, extra = MODELS[model]
     if model == "gpt":
         text = tmp_path / "tiny.txt"
         text.write_text(TEXT)
         extra = [*extra, f"data.path={text}"]
-    common = [*extra, *STEPS, f"parallel.strategy={strategy}", "parallel.devices=2"]
-    auto = run(tmp_path, config, *common, "loss.grad=autodiff", "name=auto")
-    hand = run(tmp_path, config, *common, "loss.grad=manual", "name=hand")
-    diff = max_abs_diff(auto.params, hand.params)
-    print(f"{model} {strategy}: max |manual - autodiff| = {diff:.3g}")
-    assert diff <= TOL[model], diff
-    scale = max(float(np.max(np.abs(p))) for p in jax.tree.leaves(auto.params))
-    assert scale > 1000 * TOL[model]  # the params did move: the comparison means something
+    return config, [*extra, *SAME_PROGRAMS, *STEPS]
+
+
+def one_step_grads(tmp_path, config, *overrides):
+    """``{grad mode: gradient of the first step}`` for autodiff and manual."""
+    return {
+        g: first_step_grads(
+            run(tmp_path, config, *overrides, "train.steps=1", f"loss.grad={g}", f"name={g}")
+        )
+        for g in ("autodiff", "manual")
+    }
+
+
+@pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_manual_gradient_equals_autodiff(tmp_path, model, strategy):
+    config, extra = model_overrides(tmp_path, model)
+    par = [f"parallel.strategy={strategy}", "parallel.devices=2"]
+    grads = one_step_grads(tmp_path, config, *extra, *par)
+    assert_close_f32(grads["manual"], grads["autodiff"], ops=ROUNDINGS_PER_LAYER * LAYERS[model])
+    # a real gradient in every leaf, or the comparison would prove little
+    assert all(np.max(np.abs(g)) > 1e-6 for g in jax.tree.leaves(grads["autodiff"]))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_manual_trains_like_autodiff(tmp_path, model):
+    config, extra = model_overrides(tmp_path, model)
+    auto = run(tmp_path, config, *extra, "train.steps=100", "loss.grad=autodiff", "name=auto")
+    hand = run(tmp_path, config, *extra, "train.steps=100", "loss.grad=manual", "name=hand")
+    lr = auto.cfg.optimizer.learning_rate
+    assert_same_trajectory(hand.params, auto.params, lr=lr)
+    init = auto.model.init(jax.random.key(auto.cfg.seed))
+    assert max_abs_diff(auto.params, init) > 10 * lr  # the params did move
+
+
+def relu_without_its_mask_vjp(x, dret):  # the classic slip: dret passes where x < 0 too
+    return dret
+
+
+def relu_doubled_vjp(x, dret):  # right direction, wrong scale: Adam all but ignores it
+    return 2 * dret * (x > 0)
+
+
+def mlp_with_relu_rule(rule):
+    """The digits MLP's build, its hidden relu differentiated by ``rule`` in manual mode."""
+
+    @nl.hand_rule(rule)
+    def relu(x):
+        return jax.nn.relu(x)
+
+    class MLP(models.mlp.MLP):
+        @property
+        def ffn(self):
+            (hidden,) = self.hidden_sizes
+            return nl.FFN(self.in_features, (), hidden, "identity", activate_final=True)
+
+        def __call__(self, params, x, *, key=None):
+            return self.head.logits(params.head, relu(self.ffn(params.ffn, x)))
+
+    return lambda cfg, data: MLP(data.in_features, tuple(cfg.hidden_sizes), data.num_classes)
+
+
+def test_the_checks_catch_wrong_rules(tmp_path, monkeypatch):
+    """Both checks above fail on a wrong rule, with room to spare: the gradient check by
+    ~1e6 roundings, the trajectory check for relu's VJP without its mask by ~100 lr (18 lr
+    after 10 steps). A rule off by a constant factor moves Adam's trajectory by less than
+    0.1 lr in 10 steps (its updates are invariant to a gradient's scale but for its eps):
+    only the gradient check sees it, which is why each model has both."""
+    config, extra = model_overrides(tmp_path, "mlp")
+    errors = {}
+    # the mask slip last: the trajectory below trains with it
+    for name, rule in [("double", relu_doubled_vjp), ("mask", relu_without_its_mask_vjp)]:
+        monkeypatch.setitem(models.MODELS, "mlp", mlp_with_relu_rule(rule))
+        grads = one_step_grads(tmp_path, config, *extra)
+        errors[name] = max(rounding_errors(grads["manual"], grads["autodiff"]).values())
+        with pytest.raises(AssertionError, match="roundings of its scale"):
+            assert_close_f32(
+                grads["manual"], grads["autodiff"], ops=ROUNDINGS_PER_LAYER * LAYERS["mlp"]
+            )
+    auto = run(tmp_path, config, *extra, "train.steps=100", "loss.grad=autodiff", "name=auto")
+    hand = run(tmp_path, config, *extra, "train.steps=100", "loss.grad=manual", "name=hand")
+    with pytest.raises(AssertionError, match="more than rounding can explain"):
+        assert_same_trajectory(hand.params, auto.params, lr=auto.cfg.optimizer.learning_rate)
+    assert min(errors.values()) > 1e5, errors

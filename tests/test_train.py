@@ -9,6 +9,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _tolerance import (
+    ROUNDINGS_PER_LAYER,
+    SAME_PROGRAMS,
+    assert_close_f32,
+    assert_same_trajectory,
+    first_step_grads,
+    max_abs_diff,
+)
 
 from train.__main__ import main
 from train.config import load_config
@@ -26,38 +34,48 @@ def run(tmp_path, config="configs/digits_mlp.yaml", *overrides, resume="fresh"):
     return train(cfg, resume=resume, echo=lambda *_: None)
 
 
-def max_abs_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def metrics_without_timings(path):
     records = [json.loads(line) for line in Path(path).read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
 SHORT = ["train.steps=10", "train.batch_size=64", "train.eval_every=5", "train.log_every=1"]
+# Layers on the longest path of each config's model (tests/_tolerance.py: the ops bound).
+LAYERS = {"configs/digits_mlp.yaml": 4, "configs/linreg_pmap.yaml": 2}  # + relu, loss
+
+
+def grads_and_trajectory(tmp_path, config, *overrides, steps=10):
+    """The first step's gradient of a config, and the run after ``steps`` steps (which
+    reuses the 1-step run's compiled programs: tests/_tolerance.py, SAME_PROGRAMS)."""
+    common = [*SHORT, *overrides, *SAME_PROGRAMS]
+    one = run(tmp_path, config, *common, "train.steps=1")
+    return first_step_grads(one), run(tmp_path, config, *common, f"train.steps={steps}")
+
+
+def assert_same_training(got, want, ops, what):
+    """``(grads, run)`` pairs: gradients to ``ops`` roundings, params within one lr."""
+    assert_close_f32(got[0], want[0], ops=ops, what=what)
+    assert_same_trajectory(got[1].params, want[1].params, lr=want[1].cfg.optimizer.learning_rate)
 
 
 @pytest.mark.parametrize(
     "config", ["configs/digits_mlp.yaml", "configs/linreg_pmap.yaml"], ids=["mlp", "linreg"]
 )
 def test_strategies_match_one_device(tmp_path, config):
-    ref = run(tmp_path, config, *SHORT, "parallel.strategy=none", "name=ref")
+    # adam for linreg too (it trains with sgd): adam's first moment shows the gradient
+    adam = "optimizer.name=adam"
+    ref = grads_and_trajectory(tmp_path, config, adam, "parallel.strategy=none", "name=ref")
     # The reference must have moved away from init, or equality would prove nothing.
-    init = ref.model.init(jax.random.key(ref.cfg.seed))
-    assert max_abs_diff(ref.params, init) > 1e-3
-    for strategy in ("pmap", "shard_map"):
-        for n in (2, 4, 8):
-            r = run(
-                tmp_path,
-                config,
-                *SHORT,
-                f"parallel.strategy={strategy}",
-                f"parallel.devices={n}",
-                f"name={strategy}{n}",
-            )
-            assert len(r.devices) == n
-            assert max_abs_diff(r.params, ref.params) <= 1e-5, (strategy, n)
+    init = ref[1].model.init(jax.random.key(ref[1].cfg.seed))
+    assert max_abs_diff(ref[1].params, init) > 1e-3
+    # One device count per strategy: any count splits the batch and reduces its gradient
+    # the same way (the count changes only the order of the sums).
+    for strategy, n in [("pmap", 8), ("shard_map", 2)]:
+        par = [f"parallel.strategy={strategy}", f"parallel.devices={n}", f"name={strategy}"]
+        got = grads_and_trajectory(tmp_path, config, adam, *par)
+        assert len(got[1].devices) == n
+        ops = ROUNDINGS_PER_LAYER * LAYERS[config]
+        assert_same_training(got, ref, ops, f"{strategy} x {n}: ")
 
 
 @pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
@@ -67,15 +85,21 @@ def test_steps_per_call_matches_single_steps(tmp_path, strategy):
         "train.batch_size=64",
         "train.log_every=4",
         f"parallel.strategy={strategy}",
+        "parallel.devices=2",
     ]
     single = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=1", "name=a")
     multi = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=4", "name=b")
-    assert max_abs_diff(single.params, multi.params) <= 1e-6
+    # The same steps, compiled in a loop or one by one: equal up to rounding (bit-identical
+    # on the CPUs measured, but XLA may compile a loop body differently). A step that took
+    # the wrong batch, or metrics logged for the wrong step, differ by ~lr in the params
+    # and by the loss's change per step (~2%) in the metrics.
+    assert_same_trajectory(multi.params, single.params, lr=single.cfg.optimizer.learning_rate)
     ra = metrics_without_timings(single.run_dir / "metrics.jsonl")
     rb = metrics_without_timings(multi.run_dir / "metrics.jsonl")
     assert [(r["step"], r["split"]) for r in ra] == [(r["step"], r["split"]) for r in rb]
     for x, y in zip(ra, rb):
-        assert x == pytest.approx(y, abs=1e-5)
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-3)
+        assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1 / 64)  # one example
 
 
 def test_resume_is_bit_identical(tmp_path):
@@ -214,14 +238,13 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
-def test_grad_modes_train_to_the_same_params(tmp_path, strategy):
-    common = [*SHORT, f"parallel.strategy={strategy}", "parallel.devices=4"]
-    runs = {
-        g: run(tmp_path, "configs/digits_mlp.yaml", *common, f"loss.grad={g}", f"name={g}")
-        for g in ("autodiff", "manual", "fused")
-    }
-    for g in ("manual", "fused"):
-        assert max_abs_diff(runs[g].params, runs["autodiff"].params) <= 1e-5, g
+def test_fused_mode_trains_like_autodiff(tmp_path, strategy):
+    # manual == autodiff for this model under every strategy: tests/test_manual_train.py
+    par = [f"parallel.strategy={strategy}", "parallel.devices=4"]
+    mlp = "configs/digits_mlp.yaml"
+    auto = grads_and_trajectory(tmp_path, mlp, *par, "loss.grad=autodiff", "name=auto")
+    fused = grads_and_trajectory(tmp_path, mlp, *par, "loss.grad=fused", "name=fused")
+    assert_same_training(fused, auto, ROUNDINGS_PER_LAYER * LAYERS[mlp], "fused: ")
 
 
 @pytest.mark.parametrize(
@@ -238,20 +261,17 @@ def test_grad_modes_train_to_the_same_params(tmp_path, strategy):
 def test_grad_accumulation_equals_one_big_batch(tmp_path, grad, strategy):
     # k microbatches of B/k summed into one update == one step on the batch of B.
     common = [
-        "train.steps=6",
         "train.batch_size=128",
         "train.log_every=3",
         f"loss.grad={grad}",
         f"parallel.strategy={strategy}",
         "parallel.devices=2",
     ]
-    whole = run(
-        tmp_path, "configs/digits_mlp.yaml", *common, "train.grad_accum_steps=1", "name=whole"
-    )
-    accum = run(
-        tmp_path, "configs/digits_mlp.yaml", *common, "train.grad_accum_steps=4", "name=accum"
-    )
-    assert max_abs_diff(whole.params, accum.params) <= 1e-5
+    mlp = "configs/digits_mlp.yaml"
+    whole = grads_and_trajectory(tmp_path, mlp, *common, "train.grad_accum_steps=1", "name=w")
+    accum = grads_and_trajectory(tmp_path, mlp, *common, "train.grad_accum_steps=4", "name=a")
+    # + 1 layer: the sum over microbatches
+    assert_same_training(accum, whole, ROUNDINGS_PER_LAYER * (LAYERS[mlp] + 1), "accum: ")
 
 
 def test_grad_modes_config_offers_every_model_mode():
@@ -270,8 +290,11 @@ def test_grad_modes_config_offers_every_model_mode():
 def test_fused_mode_reaches_autodiff_accuracy(tmp_path):
     auto = run(tmp_path, "configs/digits_mlp.yaml", "name=auto")
     fused = run(tmp_path, "configs/digits_mlp.yaml", "loss.grad=fused", "name=fused")
-    assert fused.summary["test_accuracy"] >= 0.97
-    assert abs(fused.summary["test_accuracy"] - auto.summary["test_accuracy"]) <= 1 / 360
+    assert fused.summary["test_accuracy"] >= 0.97 and auto.summary["test_accuracy"] >= 0.97
+    # 1500 Adam steps: runs that differ only in rounding end a few of the 360 test examples
+    # apart (1 here), not exactly level; that the two modes compute the same gradient is
+    # test_fused_mode_trains_like_autodiff's
+    assert abs(fused.summary["test_accuracy"] - auto.summary["test_accuracy"]) <= 4 / 360
 
 
 @pytest.mark.parametrize("strategy", ["none", "shard_map"])
