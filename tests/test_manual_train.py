@@ -12,6 +12,8 @@ Two checks (see tests/_tolerance.py for the reasoning):
 ``test_the_checks_catch_wrong_rules`` shows both checks failing on wrong hand rules.
 """
 
+import sys
+import types
 from pathlib import Path
 
 import jax
@@ -28,6 +30,7 @@ from _tolerance import (
 )
 
 import models
+import models.mlp
 import nnlite as nl
 from train.config import load_config
 from train.loop import train
@@ -107,8 +110,9 @@ def test_manual_gradient_equals_autodiff(tmp_path, model, strategy):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_manual_trains_like_autodiff(tmp_path, model):
     config, extra = model_overrides(tmp_path, model)
-    auto = run(tmp_path, config, *extra, "train.steps=100", "loss.grad=autodiff", "name=auto")
-    hand = run(tmp_path, config, *extra, "train.steps=100", "loss.grad=manual", "name=hand")
+    extra = [*extra, "model.name=wrong_rule_models:MLP", "train.steps=100"]
+    auto = run(tmp_path, config, *extra, "loss.grad=autodiff", "name=auto")
+    hand = run(tmp_path, config, *extra, "loss.grad=manual", "name=hand")
     lr = auto.cfg.optimizer.learning_rate
     assert_same_trajectory(hand.params, auto.params, lr=lr)
     init = auto.model.init(jax.random.key(auto.cfg.seed))
@@ -139,7 +143,10 @@ def mlp_with_relu_rule(rule):
         def __call__(self, params, x, *, key=None):
             return self.head.logits(params.head, relu(self.ffn(params.ffn, x)))
 
-    return lambda cfg, data: MLP(data.in_features, tuple(cfg.hidden_sizes), data.num_classes)
+    # A user's model module, as `model.name: wrong_rule_models:MLP` imports it.
+    module = types.ModuleType("wrong_rule_models")
+    MLP.__module__, module.MLP = module.__name__, MLP
+    return module
 
 
 def test_the_checks_catch_wrong_rules(tmp_path, monkeypatch):
@@ -152,15 +159,16 @@ def test_the_checks_catch_wrong_rules(tmp_path, monkeypatch):
     errors = {}
     # the mask slip last: the trajectory below trains with it
     for name, rule in [("double", relu_doubled_vjp), ("mask", relu_without_its_mask_vjp)]:
-        monkeypatch.setitem(models.MODELS, "mlp", mlp_with_relu_rule(rule))
-        grads = one_step_grads(tmp_path, config, *extra)
+        monkeypatch.setitem(sys.modules, "wrong_rule_models", mlp_with_relu_rule(rule))
+        grads = one_step_grads(tmp_path, config, *extra, "model.name=wrong_rule_models:MLP")
         errors[name] = max(rounding_errors(grads["manual"], grads["autodiff"]).values())
         with pytest.raises(AssertionError, match="roundings of its scale"):
             assert_close_f32(
                 grads["manual"], grads["autodiff"], ops=ROUNDINGS_PER_LAYER * LAYERS["mlp"]
             )
-    auto = run(tmp_path, config, *extra, "train.steps=100", "loss.grad=autodiff", "name=auto")
-    hand = run(tmp_path, config, *extra, "train.steps=100", "loss.grad=manual", "name=hand")
+    extra = [*extra, "model.name=wrong_rule_models:MLP", "train.steps=100"]
+    auto = run(tmp_path, config, *extra, "loss.grad=autodiff", "name=auto")
+    hand = run(tmp_path, config, *extra, "loss.grad=manual", "name=hand")
     with pytest.raises(AssertionError, match="more than rounding can explain"):
         assert_same_trajectory(hand.params, auto.params, lr=auto.cfg.optimizer.learning_rate)
     assert min(errors.values()) > 1e5, errors

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import nnlite as nl
+from models.contract import objective_fn
 from nnlite.nn import _adaptive_pool
 from nnlite.vjp import check_vjp
 
@@ -663,13 +664,13 @@ def test_gpt_with_rotary_positions(key):
     np.testing.assert_allclose(decode(p, tokens), full, rtol=1e-5, atol=1e-5)
 
     def loss(p, x, y):
-        return gpt.objective(p, x, y)[0]
+        return objective_fn(gpt)(p, x, y)[0]
 
     y = jnp.roll(tokens, -1, axis=1)
     auto = jax.jit(jax.grad(loss))(p, tokens, y)
     hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, tokens, y)
     _assert_grads_close(auto, hand, terms=2 * 8 * 4 * 16)  # the MLP's [2, 8, 64] activations
-    with pytest.raises(ValueError, match="GPT: unknown positional 'alibi'; valid: learned, rotary"):
+    with pytest.raises(ValueError, match="positional must be one of learned, rotary, got 'alibi'"):
         GPT(vocab_size=11, context=8, positional="alibi")
 
 
