@@ -110,7 +110,7 @@ def test_manual_gradient_equals_autodiff(tmp_path, model, strategy):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_manual_trains_like_autodiff(tmp_path, model):
     config, extra = model_overrides(tmp_path, model)
-    extra = [*extra, "model.name=wrong_rule_models:MLP", "train.steps=100"]
+    extra = [*extra, "train.steps=100"]
     auto = run(tmp_path, config, *extra, "loss.grad=autodiff", "name=auto")
     hand = run(tmp_path, config, *extra, "loss.grad=manual", "name=hand")
     lr = auto.cfg.optimizer.learning_rate
