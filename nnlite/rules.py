@@ -1,9 +1,14 @@
-"""Every nnlite layer's and loss's array function with its hand-derived VJP, by name.
+"""Every hand-derived VJP nnlite runs in manual mode, by name.
 
-``linear`` / ``linear_vjp``, ``conv`` / ``conv_vjp``, ``relu`` / ``relu_vjp``, ... : the
-pairs that ``nl.manual_grads`` plugs into ``jax.custom_vjp`` and that ``nl.show_grad``
-prints. ``RULES`` maps each name to its ``(f, f_vjp)``. Each rule has the seed's form
-``f_vjp(*args, dret, **hyperparameters) -> one cotangent per argument``.
+The layers' and losses' array functions (``linear`` / ``linear_vjp``, ``conv`` /
+``conv_vjp``, ``relu`` / ``relu_vjp``, ...), and the structural and linear primitives of
+JAX, named after the primitive (``broadcast_in_dim``, ``reshape``, ``transpose``,
+``reduce_sum``, ``add``, ``mul``, ``gather``, ``dynamic_slice``, ``concatenate``, ``pad``,
+``select_n``, ``convert_element_type``, ...), which ``nl.manual_grads`` applies to the plain
+``jnp`` between layers: the pairs that ``nl.manual_grads`` plugs into ``jax.custom_vjp``
+and that ``nl.show_grad`` prints. ``RULES`` maps each name to its ``(f, f_vjp)``. Each rule
+has the seed's form ``f_vjp(*args, dret, **hyperparameters) -> one cotangent per
+argument``; a primitive's rule takes the primitive's parameters as keywords.
 
 Example:
     >>> import jax.numpy as jnp
@@ -17,6 +22,62 @@ Example:
 from collections.abc import Callable
 
 from .grad._rule_table import rule_table as _rule_table
+from .grad._structural import broadcast_in_dim as broadcast_in_dim
+from .grad._structural import broadcast_in_dim_vjp as broadcast_in_dim_vjp
+from .grad._structural import concatenate as concatenate
+from .grad._structural import concatenate_vjp as concatenate_vjp
+from .grad._structural import convert_element_type as convert_element_type
+from .grad._structural import convert_element_type_vjp as convert_element_type_vjp
+from .grad._structural import copy as copy
+from .grad._structural import copy_vjp as copy_vjp
+from .grad._structural import cumsum as cumsum
+from .grad._structural import cumsum_vjp as cumsum_vjp
+from .grad._structural import div as div
+from .grad._structural import div_vjp as div_vjp
+from .grad._structural import dot_general as dot_general
+from .grad._structural import dot_general_vjp as dot_general_vjp
+from .grad._structural import dynamic_slice as dynamic_slice
+from .grad._structural import dynamic_slice_vjp as dynamic_slice_vjp
+from .grad._structural import dynamic_update_slice as dynamic_update_slice
+from .grad._structural import dynamic_update_slice_vjp as dynamic_update_slice_vjp
+from .grad._structural import gather as gather
+from .grad._structural import gather_vjp as gather_vjp
+from .grad._structural import mul as mul
+from .grad._structural import mul_vjp as mul_vjp
+from .grad._structural import neg as neg
+from .grad._structural import neg_vjp as neg_vjp
+from .grad._structural import pad as pad
+from .grad._structural import pad_vjp as pad_vjp
+from .grad._structural import pvary as pvary
+from .grad._structural import pvary_vjp as pvary_vjp
+from .grad._structural import reduce_sum as reduce_sum
+from .grad._structural import reduce_sum_vjp as reduce_sum_vjp
+from .grad._structural import reshape as reshape
+from .grad._structural import reshape_vjp as reshape_vjp
+from .grad._structural import rev as rev
+from .grad._structural import rev_vjp as rev_vjp
+from .grad._structural import scatter as scatter
+from .grad._structural import scatter_add as scatter_add
+from .grad._structural import scatter_add_vjp as scatter_add_vjp
+from .grad._structural import scatter_vjp as scatter_vjp
+from .grad._structural import select_n as select_n
+from .grad._structural import select_n_vjp as select_n_vjp
+from .grad._structural import slice as slice
+from .grad._structural import slice_vjp as slice_vjp
+from .grad._structural import split as split
+from .grad._structural import split_vjp as split_vjp
+from .grad._structural import squeeze as squeeze
+from .grad._structural import squeeze_vjp as squeeze_vjp
+from .grad._structural import stack as stack
+from .grad._structural import stack_vjp as stack_vjp
+from .grad._structural import stop_gradient as stop_gradient
+from .grad._structural import stop_gradient_vjp as stop_gradient_vjp
+from .grad._structural import sub as sub
+from .grad._structural import sub_vjp as sub_vjp
+from .grad._structural import tile as tile
+from .grad._structural import tile_vjp as tile_vjp
+from .grad._structural import transpose as transpose
+from .grad._structural import transpose_vjp as transpose_vjp
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import gelu_vjp as gelu_vjp
 from .grad._vjp_batched import identity as identity
@@ -72,7 +133,7 @@ from .nn._pool import flatten_vjp as flatten_vjp
 from .nn._pool import max_pool as max_pool
 from .nn._pool import max_pool_vjp as max_pool_vjp
 
-#: ``name -> (f, f_vjp)`` for every layer and loss rule.
+#: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())
 
 __all__ = ["RULES", *sorted(n for pair in RULES for n in (pair, pair + "_vjp"))]
