@@ -147,3 +147,280 @@ def test_structural_rule_matches_jax_vjp(rand, case):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             eps = np.finfo(w.dtype).eps  # the forward is the primitive: equal up to rounding
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=4 * eps, atol=4 * eps)
+
+
+# --- models written the natural way -------------------------------------------------------
+
+
+class TinyTransformer(nl.Module):
+    """The issue's classifier: token + position embeddings added with ``+``, two blocks,
+    mean pooling with ``jnp.mean``, a linear head. No wrapping for manual gradients."""
+
+    vocab_size: int = 13
+    context: int = 6
+    features: int = 8
+    num_classes: int = 3
+    param_dtype: str = "float32"
+
+    def init(self, key):
+        k = jax.random.split(key, 5)
+        emb = functools.partial(nl.Embedding, param_dtype=self.param_dtype)
+        return nl.ParamsDict(
+            tok=emb(self.vocab_size, self.features).init(k[0]),
+            pos=emb(self.context, self.features).init(k[1]),
+            blocks=[self.block.init(k[2]), self.block.init(k[3])],
+            head=self.head.init(k[4]),
+        )
+
+    @property
+    def block(self):
+        return nl.TransformerBlock(self.features, 2, param_dtype=self.param_dtype)
+
+    @property
+    def head(self):
+        return nl.Linear(self.features, self.num_classes, param_dtype=self.param_dtype)
+
+    def __call__(self, params, ids, *, key=None):
+        tok = params.tok.W[ids]  # [B, T, F]: a gather
+        pos = params.pos.W[: ids.shape[-1]]  # [T, F]: a slice
+        with jax.numpy_rank_promotion("allow"):  # as a user's default JAX config has it
+            h = tok + pos
+        for p_block in params.blocks:
+            h = self.block(p_block, h)
+        return self.head(params.head, jnp.mean(h, axis=-2))
+
+
+class ResidualCNN(nl.Module):
+    """Conv stem, one residual block added with ``+``, a global average pool (``jnp.mean``
+    over the spatial axes), a linear head."""
+
+    channels: int = 4
+    num_classes: int = 3
+    param_dtype: str = "float32"
+
+    def conv(self, cin):
+        return nl.Conv(cin, self.channels, (3, 3), padding="SAME", param_dtype=self.param_dtype)
+
+    def init(self, key):
+        k = jax.random.split(key, 4)
+        head = nl.Linear(self.channels, self.num_classes, param_dtype=self.param_dtype)
+        return nl.ParamsDict(
+            stem=self.conv(1).init(k[0]),
+            a=self.conv(self.channels).init(k[1]),
+            b=self.conv(self.channels).init(k[2]),
+            head=head.init(k[3]),
+        )
+
+    def __call__(self, params, x, *, key=None):
+        h = nl.relu(self.conv(1)(params.stem, x[..., None]))  # [B, H, W] -> [B, H, W, 1]
+        r = self.conv(self.channels)(params.b, nl.relu(self.conv(self.channels)(params.a, h)))
+        h = nl.relu(h + r)
+        pooled = jnp.mean(h, axis=(1, 2))
+        head = nl.Linear(self.channels, self.num_classes, param_dtype=self.param_dtype)
+        return head(params.head, pooled)
+
+
+def _grads_match_to_float32_rounding(model, batch, labels):
+    """manual_grads == jax.grad, judged by float32 rounding: the hand gradient is as close
+    to the exact (float64) gradient as JAX's own float32 gradient is, up to a factor of 4
+    (or a few float32 ulps of the gradient's scale where autodiff is exact)."""
+
+    def loss_of(m):
+        def loss(params, x, y):
+            return nl.softmax_cross_entropy(m(params, x), y, reduction="mean")
+
+        return loss
+
+    params = model.init(jax.random.key(0))
+    loss = loss_of(model)
+    auto = jax.jit(jax.grad(loss))(params, batch, labels)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params, batch, labels)
+    with jax.enable_x64(True):
+        m64 = type(model)(**{**model.__dict__, "param_dtype": "float64"})
+        p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+        x64 = batch.astype(jnp.float64) if jnp.issubdtype(batch.dtype, jnp.floating) else batch
+        exact = jax.tree.map(np.asarray, jax.jit(jax.grad(loss_of(m64)))(p64, x64, labels))
+    eps = np.finfo(np.float32).eps
+    for path, a, h, e in zip(
+        [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]],
+        jax.tree.leaves(auto),
+        jax.tree.leaves(hand),
+        jax.tree.leaves(exact),
+        strict=True,
+    ):
+        err_auto = np.max(np.abs(np.asarray(a, np.float64) - e))
+        err_hand = np.max(np.abs(np.asarray(h, np.float64) - e))
+        tol = 4 * max(err_auto, 8 * eps * np.max(np.abs(e)))
+        assert err_hand <= tol, (jax.tree_util.keystr(path), err_hand, err_auto)
+    return params, loss
+
+
+def test_transformer_classifier_written_the_natural_way():
+    model = TinyTransformer()
+    ids = jax.random.randint(jax.random.key(1), (5, model.context), 0, model.vocab_size)
+    params, loss = _grads_match_to_float32_rounding(model, ids, jnp.arange(5) % 3)
+    # the structural rules did the work: every tok + pos, mean, gather and slice is a
+    # custom_vjp in the manual loss, none of them a bare primitive on the params
+    traced = jax.make_jaxpr(nl.manual_grads(loss))(params, ids, jnp.arange(5) % 3)
+    names = [e.primitive.name for e in traced.jaxpr.eqns]
+    assert "reduce_sum" not in names and "gather" not in names and "div" not in names
+
+
+def test_residual_cnn_with_global_average_pool():
+    x = jax.random.normal(jax.random.key(1), (4, 6, 5))
+    _grads_match_to_float32_rounding(ResidualCNN(), x, jnp.array([0, 1, 2, 0]))
+
+
+# --- refusals name the place ---------------------------------------------------------------
+
+
+class Gated(nl.Module):
+    """A user layer with a nonlinear step and no rule: relu of a param-derived value."""
+
+    def init(self, key):
+        return nl.ParamsDict(lin=nl.Linear(3, 4).init(key))
+
+    def __call__(self, params, x, *, key=None):
+        h = nl.Linear(3, 4)(params.lin, x)
+        return jax.nn.relu(h)  # the refused line
+
+
+def test_a_nonlinear_step_without_a_rule_is_refused_with_its_source_line():
+    import inspect
+
+    src, first = inspect.getsourcelines(Gated.__call__)
+    line = first + next(i for i, s in enumerate(src) if "the refused line" in s)
+    net = Gated()
+
+    def loss(p, x):
+        return jnp.mean(net(p, x))
+
+    with pytest.raises(nl.ManualGradError) as e:
+        jax.grad(nl.manual_grads(loss))(net.init(jax.random.key(0)), jnp.ones((2, 3)))
+    msg = str(e.value)
+    assert f"`relu` (a jax.custom_jvp function) at tests/test_manual_structural.py:{line}" in msg
+    assert "in layer Gated" in msg and "nnlite has it with a rule: nl.relu" in msg
+    assert '@nl.hand_rule(f_vjp) (docs/gradients.md, "Your own rule: nl.hand_rule")' in msg
+    assert "jax.grad, without nl.manual_grads" in msg
+    assert "loss.grad" not in msg and "nl.with_vjp" not in msg
+
+
+def test_products_of_two_param_values_and_repeated_scatter_indices_are_refused():
+    w = jnp.ones((3,))
+
+    def square(p):  # outside any Module: "the loss function"
+        return jnp.sum(p * p)
+
+    with pytest.raises(nl.ManualGradError, match=r"`mul` at .*in the loss function.*both factors"):
+        jax.grad(nl.manual_grads(square))(w)
+
+    def overwrite(p):
+        return jnp.sum(jnp.zeros(4).at[jnp.array([1, 1, 2])].set(p))
+
+    with pytest.raises(nl.ManualGradError, match=r"`scatter` .*indices that may repeat"):
+        jax.grad(nl.manual_grads(overwrite))(w)
+    # check=False: JAX's autodiff differentiates what has no rule, silently
+    assert float(jax.grad(nl.manual_grads(square, check=False))(w)[0]) == 2.0
+
+
+def test_linear_ops_with_a_constant_side_and_inputs_gradients():
+    """x @ W with x the data, scaling by a data-dependent mask, a division by a constant;
+    the rules are exact in every operand, so the gradient with respect to x is right too."""
+
+    def loss(p, x):
+        h = x @ p["W"]  # linear in W: x is not differentiated by the params
+        h = jnp.where(x[:, :1] > 0, h, -h) / 3.0
+        return jnp.sum(jnp.concatenate([h, h[:, ::-1]], axis=-1) * x[:, :1])
+
+    p = {"W": jax.random.normal(jax.random.key(0), (3, 4))}
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    want = jax.grad(loss, argnums=(0, 1))(p, x)
+    got = jax.jit(jax.grad(nl.manual_grads(loss), argnums=(0, 1)))(p, x)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+# --- remat -----------------------------------------------------------------------------------
+
+
+_RELU_VJP_TRACES = []
+
+
+def _counted_relu_vjp(x, dret):
+    _RELU_VJP_TRACES.append(x.shape)  # at trace time: the backward pass uses this rule
+    return jnp.where(x > 0, dret, 0.0)
+
+
+@nl.hand_rule(_counted_relu_vjp)
+def _counted_relu(x):
+    return jnp.maximum(x, 0.0)
+
+
+def _stack(remat: bool, residual: bool, depth: int = 16, width: int = 128):
+    """``depth`` Linear+relu layers as a ``lax.scan`` over stacked params, each layer under
+    ``jax.checkpoint`` or not; ``residual`` adds ``h +`` (an add primitive inside the body,
+    so manual_grads rebuilds the scan and the checkpoint around its rules)."""
+    layer = nl.Linear(width, width)
+
+    def block(h, p):
+        out = _counted_relu(layer(p, h))
+        return (h + out if residual else out), None
+
+    step = jax.checkpoint(block) if remat else block
+
+    def loss(params, x):
+        h, _ = jax.lax.scan(step, x, params)
+        return nl.reduce(h, "mean")
+
+    layers = [layer.init(k) for k in jax.random.split(jax.random.key(0), depth)]
+    return loss, jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_checkpoint_recomputes_with_hand_rules_and_saves_memory(residual):
+    # A scan over the layers: on the CPU backend an unrolled stack shows the same temp
+    # bytes with or without jax.checkpoint even in plain JAX (XLA's CSE merges the
+    # recomputation back into the forward pass); across loop iterations it cannot.
+    x = jax.random.normal(jax.random.key(1), (256, 128))
+    temp, grads = {}, {}
+    for remat in (False, True):
+        loss, params = _stack(remat, residual)
+        f = jax.jit(jax.grad(nl.manual_grads(loss)))
+        _RELU_VJP_TRACES.clear()
+        temp[remat] = f.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+        assert _RELU_VJP_TRACES, "the backward pass did not run the hand rule"
+        grads[remat] = f(params, x)
+        assert ("remat" in str(jax.make_jaxpr(f)(params, x))) == remat
+    auto = jax.jit(jax.grad(_stack(False, residual)[0]))(params, x)
+    for a, plain, rematted in zip(*(jax.tree.leaves(g) for g in (auto, grads[False], grads[True]))):
+        np.testing.assert_allclose(plain, a, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(rematted, plain)  # same rules, same order
+    assert temp[True] < 0.6 * temp[False], temp
+
+
+def test_structural_ops_inside_jit_cond_and_scan_and_while_refused():
+    @jax.jit
+    def pool(h):  # a user's jitted helper: walked into
+        return jnp.mean(h, axis=0)
+
+    def loss(p, x, flag):
+        h = nl.linear(x, p["W"], None)
+        h = jax.lax.cond(flag, lambda h: h[:, ::-1] * 2.0, lambda h: h - 1.0, h)
+        h, _ = jax.lax.scan(lambda c, r: (c + r, None), jnp.zeros(4), h)  # rows summed
+        return jnp.sum(pool(h[None]) * jnp.arange(4.0))
+
+    p = {"W": jax.random.normal(jax.random.key(0), (3, 4))}
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    for flag in (True, False):
+        want = jax.grad(loss)(p, x, flag)
+        got = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, flag)
+        np.testing.assert_allclose(got["W"], want["W"], rtol=1e-6, atol=1e-6)
+
+    def looped(p, x):
+        h = nl.linear(x, p["W"], None)
+        return jnp.sum(
+            jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 0.5, c[1] + 1), (h, 0))[0]
+        )
+
+    with pytest.raises(nl.ManualGradError, match=r"`while` .*lax.scan"):
+        jax.grad(nl.manual_grads(looped))(p, x)

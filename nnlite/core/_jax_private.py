@@ -9,6 +9,7 @@ show_jaxpr lives here, so a JAX upgrade breaks one small file.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ __all__ = [
     "custom_jvp_rule",
     "custom_vjp_rules",
     "equation_context",
+    "manual_trace_state",
     "shape_dtype_struct",
     "shard_map_body",
     "tracer_var",
@@ -38,6 +40,23 @@ def user_frame(eqn) -> tuple[str, int, str] | None:
     if frame is None:
         return None
     return frame.file_name, frame.start_line, frame.function_name
+
+
+@functools.cache
+def manual_trace_state():
+    """A JAX config state that is part of JAX's trace context, set while manual mode is.
+
+    JAX caches what it traces (``jax.jit``, ``jax.checkpoint``) by function, argument types
+    and trace context; manual mode changes what nnlite layers trace to (their hand rules),
+    so it must be in that key, or a ``jax.checkpoint`` traced for autodiff first would be
+    reused in manual mode. Registered on first use.
+    """
+    return config.bool_state(
+        "nnlite_manual_grads",
+        False,
+        "nnlite: tracing in manual-gradient mode (set by nnlite.manual_grads, not by users)",
+        include_in_trace_context=True,
+    )
 
 
 def user_frames(eqn):

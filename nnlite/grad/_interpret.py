@@ -11,8 +11,9 @@ with a tainted input is then:
 * ``rule``: a structural or linear primitive with a library rule
   (``_structural.PRIMITIVE_RULES``) -- evaluated as a ``custom_vjp`` whose backward pass
   is that rule;
-* ``call`` / ``remat``: ``jit`` or ``jax.checkpoint`` -- walked into (the checkpoint kept
-  around the walked body, so it still recomputes its forward for the backward pass);
+* ``nested``: ``jit``, ``jax.checkpoint``, ``lax.scan``, ``lax.cond`` -- walked into; when a
+  body needs a rule, the construct is rebuilt around the evaluated body (a checkpoint still
+  recomputes its forward for the backward pass, a scan still loops);
 * ``block``: ``stop_gradient`` -- nothing flows back;
 * ``refuse``: anything else computing a float (``exp``, ``max``, a product of two
   param-derived values) -- JAX's autodiff would differentiate it; ``manual_grads`` refuses
@@ -41,7 +42,7 @@ from ._structural import PRIMITIVE_RULES
 __all__ = ["Evaluator", "Refusal", "analyse", "classify", "refusal_message"]
 
 CALLS = ("jit", "pjit", "closed_call", "core_call")
-REMAT = ("remat2", "checkpoint")
+NESTED = (*CALLS, "remat2", "checkpoint", "scan", "cond")
 HAND = ("custom_vjp_call", "custom_vjp_call_jaxpr")
 BLOCK = ("stop_gradient",)
 
@@ -63,16 +64,14 @@ def inner(eqn) -> tuple[Jaxpr, list]:
 
 
 def classify(eqn, tainted: Sequence[bool]) -> str:
-    """``plain``, ``block``, ``call``, ``remat``, ``hand``, ``rule`` or ``refuse``."""
+    """``plain``, ``block``, ``nested``, ``hand``, ``rule`` or ``refuse``."""
     name = eqn.primitive.name
     if not any(tainted):
         return "plain"
     if name in BLOCK:
         return "block"
-    if name in CALLS:
-        return "call"
-    if name in REMAT:
-        return "remat"
+    if name in NESTED:
+        return "nested"
     if name in HAND:
         return "hand"
     if not any(is_float(v) for v in eqn.outvars):
@@ -108,6 +107,17 @@ def _layer(eqn, outer: str) -> str:
     return parts[-1] if parts else ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """A ``jit`` / ``checkpoint`` / ``scan`` / ``cond`` equation with a tainted operand:
+    its results' taints, whether a body needs a structural rule, and each body with the
+    taints of its inputs (for ``scan``, the carry's taint at its fixed point)."""
+
+    out_tainted: list[bool]
+    uses_rules: bool
+    bodies: list[tuple[Jaxpr, list, list[bool]]]
+
+
 class Analysis:
     """What a traced loss needs: the first refusal, and whether any structural rule
     applies (if none does, the loss runs as written: nothing to interpret)."""
@@ -115,16 +125,17 @@ class Analysis:
     def __init__(self):
         self.refusal: Refusal | None = None
         self.uses_rules = False
-        self._calls: dict = {}  # (id(body), taints) -> (out taints, uses rules)
+        self._nested: dict = {}  # (id(eqn), taints) -> Nested
 
     def run(self, jaxpr: Jaxpr, tainted: Sequence[bool], scope: str = "") -> list[bool]:
         marks = {v: t and is_float(v) for v, t in zip(jaxpr.invars, tainted, strict=True)}
         for eqn in jaxpr.eqns:
             t_in = [_is_t(marks, v) for v in eqn.invars]
             kind = classify(eqn, t_in)
-            if kind in ("call", "remat"):
-                out_t, uses = self.call(eqn, t_in, scope)
-                self.uses_rules |= uses
+            if kind == "nested":
+                info = self.nested(eqn, t_in, scope)
+                out_t = info.out_tainted
+                self.uses_rules |= info.uses_rules
             elif kind in ("hand", "rule", "refuse"):
                 out_t = [True] * len(eqn.outvars)
                 self.uses_rules |= kind == "rule"
@@ -136,17 +147,46 @@ class Analysis:
                 marks[v] = t and is_float(v)
         return [_is_t(marks, v) for v in jaxpr.outvars]
 
-    def call(self, eqn, t_in: Sequence[bool], scope: str) -> tuple[list[bool], bool]:
-        """Out taints of a ``jit``/``checkpoint`` equation and whether its body uses rules."""
-        body, _ = inner(eqn)
-        key = (id(body), tuple(t_in))
-        if key not in self._calls:
-            sub = Analysis()
-            out_t = sub.run(body, t_in, f"{scope}/{eqn.source_info.name_stack}")
-            if self.refusal is None:
-                self.refusal = sub.refusal
-            self._calls[key] = (out_t, sub.uses_rules)
-        return self._calls[key]
+    def _body(self, body: Jaxpr, tainted: Sequence[bool], scope: str) -> tuple[list[bool], bool]:
+        sub = Analysis()
+        out_t = sub.run(body, tainted, scope)
+        if self.refusal is None:
+            self.refusal = sub.refusal
+        return out_t, sub.uses_rules
+
+    def nested(self, eqn, t_in: Sequence[bool], scope: str) -> Nested:
+        key = (id(eqn), tuple(t_in))
+        if key in self._nested:
+            return self._nested[key]
+        name, params = eqn.primitive.name, eqn.params
+        scope = f"{scope}/{eqn.source_info.name_stack}"
+        if name == "scan":
+            nc, nk, closed = params["num_consts"], params["num_carry"], params["jaxpr"]
+            carry_t = list(t_in[nc : nc + nk])
+            while True:  # a carry is tainted once any iteration makes it so
+                body_t = [*t_in[:nc], *carry_t, *t_in[nc + nk :]]
+                out_t, uses = self._body(closed.jaxpr, body_t, scope)
+                grown = [a or b for a, b in zip(carry_t, out_t[:nk], strict=True)]
+                if grown == carry_t:
+                    break
+                carry_t = grown
+            info = Nested(
+                [*carry_t, *out_t[nk:]], uses, [(closed.jaxpr, list(closed.consts), body_t)]
+            )
+        elif name == "cond":
+            ops_t, outs, bodies, uses = list(t_in[1:]), [], [], False
+            for branch in params["branches"]:
+                out_t, u = self._body(branch.jaxpr, ops_t, scope)
+                outs.append(out_t)
+                uses |= u
+                bodies.append((branch.jaxpr, list(branch.consts), ops_t))
+            info = Nested([any(ts) for ts in zip(*outs, strict=True)], uses, bodies)
+        else:  # jit, checkpoint
+            body, consts = inner(eqn)
+            out_t, uses = self._body(body, t_in, scope)
+            info = Nested(out_t, uses, [(body, consts, list(t_in))])
+        self._nested[key] = info
+        return info
 
 
 def analyse(jaxpr: Jaxpr, tainted: Sequence[bool]) -> Analysis:
@@ -158,8 +198,8 @@ def analyse(jaxpr: Jaxpr, tainted: Sequence[bool]) -> Analysis:
 class Evaluator:
     """Evaluate a traced loss, applying the structural rules (see the module docstring).
 
-    Equations without a tainted input, hand rules and the rest are bound as they are;
-    a ``jit`` whose body needs no rule stays one call.
+    Equations without a tainted input, hand rules and the rest are bound as they are; a
+    ``jit``, ``checkpoint``, ``scan`` or ``cond`` whose bodies need no rule stays as it is.
     """
 
     def __init__(self, analysis: Analysis):
@@ -178,9 +218,10 @@ class Evaluator:
             kind = classify(eqn, t_in)
             ins = [read(v) for v in eqn.invars]
             out_t = [kind in ("hand", "rule", "refuse")] * len(eqn.outvars)
-            if kind in ("call", "remat"):
-                out_t, uses = self.analysis.call(eqn, t_in, "")
-                outs = self.call(eqn, ins, t_in) if uses else bind_equation(eqn, ins)
+            if kind == "nested":
+                info = self.analysis.nested(eqn, t_in, "")
+                out_t = info.out_tainted
+                outs = self.nested(eqn, ins, info) if info.uses_rules else bind_equation(eqn, ins)
             elif kind == "rule":
                 outs = apply_rule(eqn, ins)
             else:
@@ -190,20 +231,42 @@ class Evaluator:
                 marks[v] = t and is_float(v)
         return [read(v) for v in jaxpr.outvars]
 
-    def call(self, eqn, ins: list, t_in: Sequence[bool]) -> list:
-        body, consts = inner(eqn)
-        if eqn.primitive.name in CALLS:
-            return self.run(body, consts, ins, t_in)  # inlined: the rules need the body
+    def nested(self, eqn, ins: list, info: Nested) -> list:
+        """The equation again, with its bodies evaluated by this interpreter."""
+        name, params = eqn.primitive.name, eqn.params
+        if name in CALLS:  # inlined: only the body's equations need rules
+            body, consts, body_t = info.bodies[0]
+            return self.run(body, consts, ins, body_t)
 
-        def remat_body(*xs):
-            return self.run(body, consts, xs, t_in)
+        def fn(body, consts, body_t):
+            return lambda *xs: self.run(body, consts, xs, body_t)
 
-        rematted = jax.checkpoint(
-            remat_body,
-            prevent_cse=eqn.params.get("prevent_cse", True),
-            policy=eqn.params.get("policy"),
-        )
         with equation_context(eqn):
+            if name == "scan":
+                nc, nk = params["num_consts"], params["num_carry"]
+                step = fn(*info.bodies[0])
+
+                def scan_step(carry, x):
+                    outs = step(*ins[:nc], *carry, *x)
+                    return outs[:nk], outs[nk:]
+
+                carry, ys = jax.lax.scan(
+                    scan_step,
+                    list(ins[nc : nc + nk]),
+                    list(ins[nc + nk :]),
+                    length=params["length"],
+                    reverse=params["reverse"],
+                    unroll=params["unroll"],
+                )
+                return [*carry, *ys]
+            if name == "cond":
+                branches = [fn(*b) for b in info.bodies]
+                return list(jax.lax.switch(ins[0], branches, *ins[1:]))
+            rematted = jax.checkpoint(
+                fn(*info.bodies[0]),
+                prevent_cse=params.get("prevent_cse", True),
+                policy=params.get("policy"),
+            )
             return list(rematted(*ins))
 
 
@@ -273,11 +336,17 @@ _HINTS = {
 }
 
 
+def _custom_jvp_name(eqn) -> str | None:
+    if eqn.primitive.name != "custom_jvp_call":
+        return None
+    body = eqn.params.get("call_jaxpr")
+    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
+    return getattr(info, "func_name", None)
+
+
 def _what(eqn) -> str:
-    name = eqn.primitive.name
-    if name == "custom_jvp_call" and eqn.params.get("name"):
-        return f"`{eqn.params['name']}` (a jax.custom_jvp function)"
-    return f"`{name}`"
+    name = _custom_jvp_name(eqn)
+    return f"`{name}` (a jax.custom_jvp function)" if name else f"`{eqn.primitive.name}`"
 
 
 def source_line(eqn) -> str | None:
@@ -310,8 +379,12 @@ def refusal_message(refusal: Refusal, who: str = "manual gradients") -> str:
     if rule is not None:
         why = rule.refusal(eqn.params, _diff(eqn, refusal.tainted))
         reason = f" Its library rule does not apply: {why}." if why else ""
-    hint_key = eqn.params.get("name") if eqn.primitive.name == "custom_jvp_call" else None
-    hint = _HINTS.get(hint_key or eqn.primitive.name)
+    elif eqn.primitive.name == "while":
+        reason = (
+            " Reverse-mode gradients of a while loop are not defined (jax.grad refuses it "
+            "too): use lax.scan, or lax.fori_loop with static bounds."
+        )
+    hint = _HINTS.get(_custom_jvp_name(eqn) or eqn.primitive.name)
     have = f" nnlite has it with a rule: {hint}." if hint else ""
     return (
         f"{who}: {_what(eqn)}{at}, {layer}, computes on values derived from the params and "

@@ -23,6 +23,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -558,11 +560,8 @@ def scatter_add(
     indices_are_sorted=False,
     unique_indices=False,
     mode=None,
-    update_jaxpr=None,
-    update_consts=(),
 ):
-    """``lax.scatter_add`` (``x.at[idx].add(u)``); ``update_jaxpr``/``update_consts`` are the
-    primitive's own (the add) and ignored."""
+    """``lax.scatter_add`` (``x.at[idx].add(u)``)."""
     return lax.scatter_add(
         operand,
         scatter_indices,
@@ -584,8 +583,6 @@ def scatter_add_vjp(
     indices_are_sorted=False,
     unique_indices=False,
     mode=None,
-    update_jaxpr=None,
-    update_consts=(),
 ):
     """The operand gets ``dret``; each update the piece of ``dret`` it was added to."""
     dupdates = _gather_back(
@@ -609,8 +606,6 @@ def scatter(
     indices_are_sorted=False,
     unique_indices=False,
     mode=None,
-    update_jaxpr=None,
-    update_consts=(),
 ):
     """``lax.scatter`` (``x.at[idx].set(u)``). Its rule below is exact for distinct indices
     (``unique_indices``: a static index, a slice); ``manual_grads`` checks that."""
@@ -635,8 +630,6 @@ def scatter_vjp(
     indices_are_sorted=False,
     unique_indices=False,
     mode=None,
-    update_jaxpr=None,
-    update_consts=(),
 ):
     """The operand gets ``dret`` with the overwritten places zeroed; each update the piece
     of ``dret`` at its place."""
@@ -705,14 +698,15 @@ class PrimitiveRule:
     ``linear_in``: operand positions the primitive is linear in *jointly*, or ``None`` for
     all of them. A rule applies when the differentiated operands are among ``linear_in``
     and, for a product (``mul``, ``dot_general``), at most one of them is differentiated.
-    ``ignored``: primitive parameters the rule functions do not take.
+    The rule functions take the primitive's parameters they need as keywords; others
+    (``out_dtype=None`` of an arithmetic primitive, the ``update_jaxpr`` of a scatter) are
+    not passed.
     """
 
     f: Callable
     f_vjp: Callable
     linear_in: tuple[int, ...] | None = None
     product: bool = False
-    ignored: tuple[str, ...] = ()
     requires: Callable | None = None  # params -> reason it does not apply, or None
 
     def refusal(self, params: dict, diff: Sequence[bool]) -> str | None:
@@ -728,7 +722,16 @@ class PrimitiveRule:
         return self.requires(params) if self.requires is not None else None
 
     def params(self, params: dict) -> dict:
-        return {k: v for k, v in params.items() if k not in self.ignored}
+        """The primitive's parameters that the rule functions take."""
+        names = _keywords(self.f_vjp)
+        return {k: v for k, v in params.items() if k in names}
+
+
+@functools.cache
+def _keywords(f: Callable) -> frozenset[str]:
+    return frozenset(
+        n for n, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY
+    )
 
 
 def _distinct_indices(params: dict) -> str | None:
@@ -739,8 +742,6 @@ def _distinct_indices(params: dict) -> str | None:
         "XLA decides; use distinct (static) indices, or .at[idx].add"
     )
 
-
-_SCATTER_IGNORED = ("update_jaxpr", "update_consts")
 
 #: primitive name -> its rule.
 PRIMITIVE_RULES: dict[str, PrimitiveRule] = {
@@ -771,16 +772,8 @@ PRIMITIVE_RULES: dict[str, PrimitiveRule] = {
     ),
     "pad": PrimitiveRule(pad, pad_vjp),
     "gather": PrimitiveRule(gather, gather_vjp, linear_in=(0,)),
-    "scatter-add": PrimitiveRule(
-        scatter_add, scatter_add_vjp, linear_in=(0, 2), ignored=_SCATTER_IGNORED
-    ),
-    "scatter": PrimitiveRule(
-        scatter,
-        scatter_vjp,
-        linear_in=(0, 2),
-        ignored=_SCATTER_IGNORED,
-        requires=_distinct_indices,
-    ),
+    "scatter-add": PrimitiveRule(scatter_add, scatter_add_vjp, linear_in=(0, 2)),
+    "scatter": PrimitiveRule(scatter, scatter_vjp, linear_in=(0, 2), requires=_distinct_indices),
     "select_n": PrimitiveRule(select_n, select_n_vjp, linear_in=None),
     "pvary": PrimitiveRule(pvary, pvary_vjp),
 }
