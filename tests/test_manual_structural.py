@@ -8,6 +8,9 @@ another batch size with the user's own rule.
 """
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -424,3 +427,132 @@ def test_structural_ops_inside_jit_cond_and_scan_and_while_refused():
 
     with pytest.raises(nl.ManualGradError, match=r"`while` .*lax.scan"):
         jax.grad(nl.manual_grads(looped))(p, x)
+
+
+# --- show_grad: code that runs for any model ---------------------------------------------
+
+_USER_MODULE = '''
+"""A user's model: its own hand rule (mean pooling), tok + pos, two nnlite blocks."""
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import nnlite as nl
+
+
+def seq_mean_vjp(h, dret):
+    return jnp.broadcast_to(dret[..., None, :], h.shape) / h.shape[-2]
+
+
+@nl.hand_rule(seq_mean_vjp)
+def seq_mean(h):
+    return jnp.mean(h, axis=-2)
+
+
+class TinyTransformer(nl.Module):
+    vocab_size: int = 13
+    context: int = 16
+    features: int = 32
+    param_dtype: str = "float32"
+
+    def init(self, key):
+        k = jax.random.split(key, 5)
+        emb = functools.partial(nl.Embedding, param_dtype=self.param_dtype)
+        return nl.ParamsDict(
+            tok=emb(self.vocab_size, self.features).init(k[0]),
+            pos=emb(self.context, self.features).init(k[1]),
+            blocks=[self.block.init(k[2]), self.block.init(k[3])],
+            head=nl.Linear(self.features, 3, param_dtype=self.param_dtype).init(k[4]),
+        )
+
+    @property
+    def block(self):
+        return nl.TransformerBlock(self.features, 4, param_dtype=self.param_dtype)
+
+    def __call__(self, params, ids, *, key=None):
+        emb = nl.Embedding(self.vocab_size, self.features, param_dtype=self.param_dtype)
+        tok = emb(params.tok, ids)
+        h = tok + params.pos.W[None, : ids.shape[-1]]
+        for p in params.blocks:
+            h = self.block(p, h)
+        head = nl.Linear(self.features, 3, param_dtype=self.param_dtype)
+        return head(params.head, seq_mean(h))
+
+
+def loss_of(model):
+    def loss(params, ids, y):
+        return nl.softmax_cross_entropy(model(params, ids), y, reduction="mean")
+
+    return loss
+
+
+def batch(n):
+    ids = jax.random.randint(jax.random.key(n), (n, 16), 0, 13)
+    return ids, jnp.arange(n) % 3
+'''
+
+_RUN_PRINTED = """
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import printed_grad
+import {module} as user
+
+model = user.TinyTransformer()
+params = model.init(jax.random.key(0))
+eps = np.finfo(np.float32).eps
+for n in (4, 8):  # traced at 4; 8 is the batch the issue's code broke at
+    ids, y = user.batch(n)
+    got = jax.jit(printed_grad.grad)(params, ids, y)
+    auto = jax.jit(jax.grad(user.loss_of(model)))(params, ids, y)
+    with jax.enable_x64(True):
+        m64 = user.TinyTransformer(param_dtype="float64")
+        p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+        exact = jax.grad(user.loss_of(m64))(p64, ids, y)
+        exact = jax.tree.map(np.asarray, exact)
+    for g, a, e in zip(*(jax.tree.leaves(t) for t in (got, auto, exact)), strict=True):
+        err_printed = np.max(np.abs(np.asarray(g, np.float64) - e))
+        err_auto = np.max(np.abs(np.asarray(a, np.float64) - e))
+        assert err_printed <= 4 * max(err_auto, 8 * eps * np.max(np.abs(e))), (n, err_printed, err_auto)
+    print("batch", n, "ok")
+"""
+
+
+def test_show_grad_code_runs_elsewhere_at_another_batch_size(tmp_path):
+    """The issue's model with its own @nl.hand_rule in its own module: show_grad imports the
+    rule from there, and the printed code, run in a fresh process, gives jax.grad's
+    gradients at the traced batch size and at twice it."""
+    module = "user_model_for_show_grad"
+    (tmp_path / f"{module}.py").write_text(_USER_MODULE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        user = __import__(module)
+        model = user.TinyTransformer()
+        src = nl.show_grad(user.loss_of(model), model.init(jax.random.key(0)), *user.batch(4))
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(module, None)
+    assert f"from {module} import seq_mean, seq_mean_vjp" in src
+    assert "B = ids.shape[0]" in src and "new_sizes=(B, 16, 3, 4, 8)" in src
+    assert "from nnlite.rules import " in src and " seq_mean" not in src.split(f"from {module}")[0]
+    (tmp_path / "printed_grad.py").write_text(src)
+    (tmp_path / "run.py").write_text(_RUN_PRINTED.format(module=module))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "run.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "batch 4 ok" in done.stdout and "batch 8 ok" in done.stdout
