@@ -445,7 +445,13 @@ def _inline_source(fn: Callable) -> str:
             f"variables ({', '.join(plain.__code__.co_freevars)}); define it at module level so "
             "that the printed code can import it"
         )
-    return textwrap.dedent(inspect.getsource(plain))
+    try:
+        return textwrap.dedent(inspect.getsource(plain))
+    except (OSError, TypeError):
+        raise ValueError(
+            f"show_grad: the rule {fn.__name__} is defined where neither an import nor its "
+            "source can reach it (exec'd code, the interactive prompt); define it in a module"
+        ) from None
 
 
 # --- show_grad --------------------------------------------------------------------------------
