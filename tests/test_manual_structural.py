@@ -556,3 +556,42 @@ def test_show_grad_code_runs_elsewhere_at_another_batch_size(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "batch 4 ok" in done.stdout and "batch 8 ok" in done.stdout
+
+
+def test_pvary_rule_and_tok_plus_pos_under_shard_map(rand):
+    """pvary (a replicated value meeting a device-varying one) needs shard_map: its rule
+    against jax.vjp there, and a user's tok + pos with manual_grads against one device."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    w, dret = rand(3), rand(8, 3)
+    f, f_vjp = nl.rules.RULES["pvary"]
+
+    def local(w, dret):  # per device: dret is this device's cotangent
+        want = jax.vjp(lambda w: f(w, axes=("d",)), w)[1](dret[0])[0]
+        return want, f_vjp(w, dret[0], axes=("d",))
+
+    want, got = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P()))
+    )(w, jax.device_put(dret[:4], NamedSharding(mesh, P("d"))))
+    np.testing.assert_allclose(got, want, rtol=default_rtol(w.dtype))
+
+    pos = {"pos": rand(5, 3), "W": rand(3, 2)}
+    tok = rand(8, 5, 3)
+
+    def loss(p, tok):
+        h = tok + p["pos"][None]  # tok varies per device, pos is replicated: a pvary
+        return jnp.mean(nl.linear(jnp.mean(h, axis=1), p["W"], None))
+
+    def step(p, tok):
+        return jax.grad(lambda p: jax.lax.pmean(nl.manual_grads(loss)(p, tok), "d"))(p)
+
+    sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
+    got = sharded(pos, jax.device_put(tok, NamedSharding(mesh, P("d"))))
+    for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(jax.grad(loss)(pos, tok)), strict=True):
+        np.testing.assert_allclose(g, w_, rtol=default_rtol(g.dtype), atol=default_rtol(g.dtype))
+
+
+def default_rtol(dtype) -> float:
+    return nl.vjp.default_tolerances(dtype)[0]
