@@ -1,9 +1,14 @@
-"""Every nnlite layer's and loss's array function with its hand-derived VJP, by name.
+"""Every hand-derived VJP nnlite runs in manual mode, by name.
 
-``linear`` / ``linear_vjp``, ``conv`` / ``conv_vjp``, ``relu`` / ``relu_vjp``, ... : the
-pairs that ``nl.manual_grads`` plugs into ``jax.custom_vjp`` and that ``nl.show_grad``
-prints. ``RULES`` maps each name to its ``(f, f_vjp)``. Each rule has the seed's form
-``f_vjp(*args, dret, **hyperparameters) -> one cotangent per argument``.
+The layers' and losses' array functions (``linear`` / ``linear_vjp``, ``conv`` /
+``conv_vjp``, ``relu`` / ``relu_vjp``, ...), and the structural and linear primitives of
+JAX, named after the primitive (``broadcast_in_dim``, ``reshape``, ``transpose``,
+``reduce_sum``, ``add``, ``mul``, ``gather``, ``dynamic_slice``, ``concatenate``, ``pad``,
+``select_n``, ``convert_element_type``, ...), which ``nl.manual_grads`` applies to the plain
+``jnp`` between layers: the pairs that ``nl.manual_grads`` plugs into ``jax.custom_vjp``
+and that ``nl.show_grad`` prints. ``RULES`` maps each name to its ``(f, f_vjp)``. Each rule
+has the seed's form ``f_vjp(*args, dret, **hyperparameters) -> one cotangent per
+argument``; a primitive's rule takes the primitive's parameters as keywords.
 
 Example:
     >>> import jax.numpy as jnp
@@ -16,6 +21,62 @@ Example:
 
 from collections.abc import Callable
 
+from .grad._prim_arith import div as div
+from .grad._prim_arith import div_vjp as div_vjp
+from .grad._prim_arith import dot_general as dot_general
+from .grad._prim_arith import dot_general_vjp as dot_general_vjp
+from .grad._prim_arith import mul as mul
+from .grad._prim_arith import mul_vjp as mul_vjp
+from .grad._prim_arith import neg as neg
+from .grad._prim_arith import neg_vjp as neg_vjp
+from .grad._prim_arith import sub as sub
+from .grad._prim_arith import sub_vjp as sub_vjp
+from .grad._prim_index import dynamic_slice as dynamic_slice
+from .grad._prim_index import dynamic_slice_vjp as dynamic_slice_vjp
+from .grad._prim_index import dynamic_update_slice as dynamic_update_slice
+from .grad._prim_index import dynamic_update_slice_vjp as dynamic_update_slice_vjp
+from .grad._prim_index import gather as gather
+from .grad._prim_index import gather_vjp as gather_vjp
+from .grad._prim_index import pad as pad
+from .grad._prim_index import pad_vjp as pad_vjp
+from .grad._prim_index import scatter as scatter
+from .grad._prim_index import scatter_add as scatter_add
+from .grad._prim_index import scatter_add_vjp as scatter_add_vjp
+from .grad._prim_index import scatter_vjp as scatter_vjp
+from .grad._prim_index import select_n as select_n
+from .grad._prim_index import select_n_vjp as select_n_vjp
+from .grad._prim_index import slice as slice
+from .grad._prim_index import slice_vjp as slice_vjp
+from .grad._prim_layout import broadcast_in_dim as broadcast_in_dim
+from .grad._prim_layout import broadcast_in_dim_vjp as broadcast_in_dim_vjp
+from .grad._prim_layout import concatenate as concatenate
+from .grad._prim_layout import concatenate_vjp as concatenate_vjp
+from .grad._prim_layout import convert_element_type as convert_element_type
+from .grad._prim_layout import convert_element_type_vjp as convert_element_type_vjp
+from .grad._prim_layout import copy as copy
+from .grad._prim_layout import copy_vjp as copy_vjp
+from .grad._prim_layout import cumsum as cumsum
+from .grad._prim_layout import cumsum_vjp as cumsum_vjp
+from .grad._prim_layout import pvary as pvary
+from .grad._prim_layout import pvary_vjp as pvary_vjp
+from .grad._prim_layout import reduce_sum as reduce_sum
+from .grad._prim_layout import reduce_sum_vjp as reduce_sum_vjp
+from .grad._prim_layout import reshape as reshape
+from .grad._prim_layout import reshape_vjp as reshape_vjp
+from .grad._prim_layout import rev as rev
+from .grad._prim_layout import rev_vjp as rev_vjp
+from .grad._prim_layout import split as split
+from .grad._prim_layout import split_vjp as split_vjp
+from .grad._prim_layout import squeeze as squeeze
+from .grad._prim_layout import squeeze_vjp as squeeze_vjp
+from .grad._prim_layout import stack as stack
+from .grad._prim_layout import stack_vjp as stack_vjp
+from .grad._prim_layout import stop_gradient as stop_gradient
+from .grad._prim_layout import stop_gradient_vjp as stop_gradient_vjp
+from .grad._prim_layout import tile as tile
+from .grad._prim_layout import tile_vjp as tile_vjp
+from .grad._prim_layout import transpose as transpose
+from .grad._prim_layout import transpose_vjp as transpose_vjp
 from .grad._rule_table import rule_table as _rule_table
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import gelu_vjp as gelu_vjp
@@ -96,7 +157,7 @@ from .nn._rnn import subarray_vjp as subarray_vjp
 from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
 
-#: ``name -> (f, f_vjp)`` for every layer and loss rule.
+#: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())
 
 __all__ = ["RULES", *sorted(n for pair in RULES for n in (pair, pair + "_vjp"))]

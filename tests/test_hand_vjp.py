@@ -162,8 +162,14 @@ def test_a_layer_without_rules_is_refused_by_name(key):
     def loss(p, x):
         return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="mean")
 
-    with pytest.raises(nl.ManualGradError, match=r"layer Scale computes .*nl.with_vjp.*autodiff"):
+    # x * s with both factors param-derived: nonlinear, so no library rule applies.
+    with pytest.raises(
+        nl.ManualGradError, match=r"`mul` at tests/test_hand_vjp.py:\d+ .*, in layer Scale, "
+    ) as e:
         jax.grad(nl.manual_grads(loss))(p, jnp.ones((2, 3)))
+    msg = str(e.value)
+    assert "@nl.hand_rule(f_vjp)" in msg and "jax.grad, without nl.manual_grads" in msg
+    assert "loss.grad" not in msg  # a library error, not CLI advice
 
 
 def test_a_layer_with_its_own_rule_passes(key):

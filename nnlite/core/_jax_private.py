@@ -9,6 +9,7 @@ show_jaxpr lives here, so a JAX upgrade breaks one small file.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -19,11 +20,16 @@ from jax._src.mesh import use_abstract_mesh
 from jax.extend.core import ClosedJaxpr
 
 __all__ = [
+    "bind_equation",
     "custom_jvp_rule",
     "custom_vjp_rules",
+    "equation_context",
+    "manual_trace_state",
     "shape_dtype_struct",
     "shard_map_body",
+    "tracer_var",
     "user_frame",
+    "user_frames",
     "varying_axes",
 ]
 
@@ -34,6 +40,55 @@ def user_frame(eqn) -> tuple[str, int, str] | None:
     if frame is None:
         return None
     return frame.file_name, frame.start_line, frame.function_name
+
+
+@functools.cache
+def manual_trace_state():
+    """A JAX config state that is part of JAX's trace context, set while manual mode is.
+
+    JAX caches what it traces (``jax.jit``, ``jax.checkpoint``) by function, argument types
+    and trace context; manual mode changes what nnlite layers trace to (their hand rules),
+    so it must be in that key, or a ``jax.checkpoint`` traced for autodiff first would be
+    reused in manual mode. Registered on first use.
+    """
+    return config.bool_state(
+        "nnlite_manual_grads",
+        False,
+        "nnlite: tracing in manual-gradient mode (set by nnlite.manual_grads, not by users)",
+        include_in_trace_context=True,
+    )
+
+
+def user_frames(eqn):
+    """``(file, line, function)`` of every user frame that created ``eqn``, innermost first
+    (JAX's own frames left out; the caller filters further)."""
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        yield frame.file_name, frame.start_line, frame.function_name
+
+
+@contextlib.contextmanager
+def equation_context(eqn):
+    """Trace in ``eqn``'s place: its source line, name stack and context (what
+    ``jax.core.eval_jaxpr`` does), so equations made here point at the user's code."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with eqn.ctx.manager:
+            yield
+
+
+def bind_equation(eqn, invals: list) -> list:
+    """Bind ``eqn``'s primitive to ``invals`` as ``jax.core.eval_jaxpr`` does (its params
+    made bindable); returns the list of outputs."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with equation_context(eqn):
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def tracer_var(x):
+    """The jaxpr variable a ``make_jaxpr`` tracer stands for (``None`` for anything else):
+    how show_grad finds, in the traced jaxpr, the values a hand-rule call recorded."""
+    return getattr(x, "val", None) if isinstance(x, jax.core.Tracer) else None
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+from ._jax_private import manual_trace_state
+
 __all__ = ["manual_active", "manual_scope", "manual_tape"]
 
 _state = threading.local()
@@ -29,10 +31,15 @@ def manual_tape() -> list | None:
 
 @contextlib.contextmanager
 def manual_scope(on: bool = True, tape: list | None = None) -> Iterator[None]:
-    """Turn manual mode ``on`` (or off) with ``tape`` for the block; restores both after."""
+    """Turn manual mode ``on`` (or off) with ``tape`` for the block; restores both after.
+
+    The flag is mirrored into JAX's trace context, so that what JAX caches by function
+    (a ``jax.checkpoint`` or ``jax.jit`` body) is traced once per mode.
+    """
     prev = (manual_active(), manual_tape())
     _state.on, _state.tape = on, tape
     try:
-        yield
+        with manual_trace_state()(on):
+            yield
     finally:
         _state.on, _state.tape = prev

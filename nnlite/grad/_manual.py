@@ -11,11 +11,14 @@ Why a trace-time flag rather than a ``grad=`` argument on every layer: a user's 
 composed of nnlite layers gets manual gradients without forwarding an argument through its
 own ``__call__``, and the choice is made once, where the loss is differentiated.
 
-``manual_grads`` also proves the claim: it traces the loss once and walks the jaxpr; any
-equation that computes a float from the params outside a ``custom_vjp`` call (a user layer
-doing ``x @ params.W`` with no rule) would be differentiated by JAX, and is refused with
-one error naming the Module it sits in (each Module call is a ``jax.named_scope`` in manual
-mode) and how to fix it.
+``manual_grads`` also traces the loss once per argument signature and walks the jaxpr
+(``_interpret.py``): the plain ``jnp`` between layers that computes on param-derived values
+-- structural and linear primitives (``tok + pos``, ``jnp.mean``, slicing, reshapes) -- gets
+the library's rule for its primitive (``_structural.py``); any other equation computing a
+float from the params outside a ``custom_vjp`` call (a user layer doing ``jnp.exp`` on
+``h @ params.W`` with no rule) would be differentiated by JAX, and is refused with one error
+naming the primitive, the user's source line, the Module it sits in (each Module call is a
+``jax.named_scope`` in manual mode) and how to fix it.
 """
 
 from __future__ import annotations
@@ -26,11 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.extend.core import Literal
 
 from ..core._mode import manual_active, manual_scope, manual_tape
 from ._custom_vjp import custom_vjp
+from ._interpret import Evaluator, analyse, refusal_message
 
 __all__ = ["ManualGradError", "hand_rule", "manual_grads"]
 
@@ -85,26 +87,41 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
             py = [_is_python_scalar(a) for a in args]
             dyn_idx = [i for i, p in enumerate(py) if not p]
 
+            # Arrays among the hyperparameters (a dropout key) enter the custom_vjp as
+            # arguments without a cotangent rather than closed over: a traced loss is then
+            # self-contained, and manual_grads can evaluate its jaxpr in another trace.
+            s_leaves, s_tree = jax.tree.flatten(static)
+            s_arr = [i for i, leaf in enumerate(s_leaves) if _arrayish(leaf)]
+            n_dyn = len(dyn_idx)
+
             def full(dyn):
                 merged = list(args)
-                for i, a in zip(dyn_idx, dyn, strict=True):
+                for i, a in zip(dyn_idx, dyn[:n_dyn], strict=True):
                     merged[i] = a
-                return merged
+                leaves = list(s_leaves)
+                for i, a in zip(s_arr, dyn[n_dyn:], strict=True):
+                    leaves[i] = a
+                return merged, jax.tree.unflatten(s_tree, leaves)
 
             def fn(*dyn):
+                merged, kw = full(dyn)
                 with manual_scope(False):  # the rule's own ops are plain JAX
-                    return f(*full(dyn), **static)
+                    return f(*merged, **kw)
 
             def fn_vjp(*dyn_dret):
                 *dyn, dret = dyn_dret
+                merged, kw = full(dyn)
                 with manual_scope(False):
-                    dargs = f_vjp(*full(dyn), dret, **static)
+                    dargs = f_vjp(*merged, dret, **kw)
                 dargs = dargs if isinstance(dargs, tuple) else (dargs,)
-                return tuple(dargs[i] for i in dyn_idx) if len(dyn_idx) > 1 else dargs[dyn_idx[0]]
+                picked = [dargs[i] for i in dyn_idx] + [None] * len(s_arr)
+                return tuple(picked) if len(picked) > 1 else picked[0]
 
             fn.__name__ = f.__name__
             fn_vjp.__name__ = f_vjp.__name__
-            out = custom_vjp(fn, fn_vjp)(*(args[i] for i in dyn_idx))
+            operands = [args[i] for i in dyn_idx] + [s_leaves[i] for i in s_arr]
+            nondiff = range(n_dyn, len(operands))
+            out = custom_vjp(fn, fn_vjp, nondiff=nondiff)(*operands)
             tape = manual_tape()
             if tape is not None:
                 tape.append((wrapped, args, static, out))
@@ -117,88 +134,63 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
     return decorate
 
 
-# --- the check: nothing param-dependent outside a hand rule ------------------------------
-
-# Equations that may touch param-derived floats outside a rule: calls (walked into), casts
-# and pure layout changes (a reshape's cotangent is the same numbers, reshaped back: layers
-# fold batch axes around their rule, as Conv does), and stop_gradient (no gradient flows).
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
-_HAND = ("custom_vjp_call", "custom_vjp_call_jaxpr")
-_PASS = ("convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims")
-_BLOCK = ("stop_gradient",)
+# --- the check and the structural rules: the traced loss, equation by equation ----------
 
 
-def _is_float(v) -> bool:
-    dtype = getattr(v.aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+def _flat_call(fn: Callable, params: Any, args: tuple, kwargs: dict):
+    """``(leaves, treedef, dyn)``: the loss's arguments as leaves, and which are arrays
+    (traced; the others -- Python numbers, strings -- are closed over)."""
+    leaves, treedef = jax.tree.flatten((params, args, kwargs))
+    dyn = [i for i, leaf in enumerate(leaves) if _arrayish(leaf)]
+    return leaves, treedef, dyn
 
 
-def _first_offender(jaxpr, tainted: list[bool]):
-    """The first equation computing a float from tainted inputs outside a hand rule."""
-    marks = {v: t for v, t in zip(jaxpr.invars, tainted, strict=True)}
+def _trace(fn: Callable, leaves: list, treedef, dyn: list[int]):
+    """The loss traced in manual mode: ``(closed jaxpr, output treedef)``."""
+    out_tree = []
 
-    def is_t(v) -> bool:
-        return not isinstance(v, Literal) and marks.get(v, False)
+    def flat(*xs):
+        merged = list(leaves)
+        for i, x in zip(dyn, xs, strict=True):
+            merged[i] = x
+        params, args, kwargs = jax.tree.unflatten(treedef, merged)
+        out, tree = jax.tree.flatten(fn(params, *args, **kwargs))
+        out_tree.append(tree)
+        return out
 
-    for eqn in jaxpr.eqns:
-        ins = [is_t(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        if not any(ins):
-            continue
-        if name in _BLOCK:
-            continue
-        if name in _CALLS:
-            inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-            inner = getattr(inner, "jaxpr", inner)
-            bad = _first_offender(inner, ins)
-            if bad is not None:
-                return bad
-            out_t = [True] * len(eqn.outvars)
-        elif name in _HAND or name in _PASS:
-            out_t = [True] * len(eqn.outvars)
-        elif any(_is_float(v) for v in eqn.outvars):
-            return eqn
-        else:
-            out_t = [False] * len(eqn.outvars)
-        for v, t in zip(eqn.outvars, out_t, strict=True):
-            marks[v] = t and _is_float(v)
-    return None
+    with manual_scope(True):
+        closed = jax.make_jaxpr(flat)(*(leaves[i] for i in dyn))
+    return closed, out_tree[0]
 
 
-def _where(eqn) -> str:
-    stack = str(eqn.source_info.name_stack)
-    parts = [p for p in stack.split("/") if p and not p.startswith(("jvp(", "transpose("))]
-    return parts[-1] if parts else ""
-
-
-MANUAL_FIX = (
-    "give it hand rules (decorate its array function with @nl.hand_rule(f_vjp), or wrap it "
-    "with nl.with_vjp / nl.vjp.custom_vjp) or use loss.grad=autodiff"
-)
+def _signature(leaves: list, treedef, dyn: list[int]):
+    """What the traced program depends on: the tree, each array's type, each other leaf's
+    value. ``None`` when a leaf is unhashable (then the loss is traced at every call)."""
+    dyn_set = set(dyn)
+    key = (
+        treedef,
+        tuple(
+            jax.typeof(leaf) if i in dyn_set else (type(leaf), leaf)
+            for i, leaf in enumerate(leaves)
+        ),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> None:
     """Raise ``ManualGradError`` unless every float computed from ``params`` by
-    ``fn(params, *args)`` in manual mode comes out of a hand rule (a ``custom_vjp``)."""
-
-    def spec(a):
-        return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) if _arrayish(a) else a
-
-    p_spec, a_spec = jax.tree.map(spec, params), jax.tree.map(spec, args)
-    with manual_scope(True):
-        closed = jax.make_jaxpr(lambda p, a: fn(p, *a, **kwargs))(p_spec, a_spec)
-    n_params = len(jax.tree.leaves(p_spec))
-    tainted = [i < n_params for i in range(len(closed.jaxpr.invars))]
-    eqn = _first_offender(closed.jaxpr, tainted)
-    if eqn is None:
-        return
-    where = _where(eqn)
-    who = f"layer {where}" if where else "the loss function (outside any nnlite Module)"
-    raise ManualGradError(
-        f"manual gradients: {who} computes `{eqn.primitive.name}` on values derived from "
-        f"the params without a hand-derived VJP, so JAX autodiff would differentiate it; "
-        f"{MANUAL_FIX}"
-    )
+    ``fn(params, *args)`` in manual mode comes out of a hand rule (a ``custom_vjp``) or an
+    operation with a library rule (structural and linear primitives)."""
+    leaves, treedef, dyn = _flat_call(fn, params, args, kwargs)
+    closed, _ = _trace(fn, leaves, treedef, dyn)
+    n_params = len(jax.tree.leaves(params))
+    analysis = analyse(closed.jaxpr, [i < n_params for i in dyn])
+    if analysis.refusal is not None:
+        raise ManualGradError(refusal_message(analysis.refusal))
 
 
 def _is_python_scalar(a: Any) -> bool:
@@ -210,13 +202,23 @@ def _arrayish(a: Any) -> bool:
 
 
 def manual_grads(fn: Callable, *, check: bool = True) -> Callable:
-    """``fn(params, *args)`` differentiated by the hand rules of nnlite's layers and losses.
+    """``fn(params, *args)`` differentiated by hand rules only.
 
     Calls ``fn`` in manual mode: every nnlite layer and loss inside it runs through
-    ``jax.custom_vjp`` with its hand-derived VJP, so ``jax.grad`` of the result uses no
-    autodiff of nnlite code. With ``check`` (default) the first call also traces ``fn``
-    once and raises ``ManualGradError`` naming the layer if anything computed from
-    ``params`` would still be differentiated by JAX (a user layer without rules).
+    ``jax.custom_vjp`` with its hand-derived VJP. The first call with given argument types
+    also traces ``fn``; the plain ``jnp`` operations between layers that compute on values
+    derived from the params (``tok + pos``, ``jnp.mean(h, axis=-2)``, ``h[:, 0]``,
+    ``x.reshape``, ``.astype``, a ``jnp.concatenate``) then run with the library's rule for
+    their primitive (``nnlite.rules``: ``add``, ``reduce_sum``, ``gather``, ...), so
+    ``jax.grad`` of the result uses no autodiff of anything computed from the params. A
+    model without such operations runs exactly as written. ``jax.checkpoint`` inside
+    ``fn`` keeps recomputing its forward pass, with the hand rules run backward.
+
+    Args:
+        fn: ``fn(params, *args, **kwargs)``; params is the first argument.
+        check: raise ``ManualGradError`` (naming the primitive, your source line and the
+            layer) when a nonlinear operation without a rule computes on the params; with
+            ``False`` JAX's autodiff differentiates it silently.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -231,22 +233,34 @@ def manual_grads(fn: Callable, *, check: bool = True) -> Callable:
         >>> bool(jnp.allclose(g_hand.layers[0].W, g_auto.layers[0].W, atol=1e-6))
         True
     """
-    checked: set = set()
+    plans: dict = {}  # argument signature -> whether structural rules apply
 
     @functools.wraps(fn)
     def wrapped(params, *args, **kwargs):
-        if check:
-            sig = (
-                jax.tree.structure((params, args)),
-                tuple(
-                    (jnp.shape(a), jnp.result_type(a)) if _arrayish(a) else None
-                    for a in jax.tree.leaves((params, args))
-                ),
-            )
-            if sig not in checked:
-                check_manual(fn, params, *args, **kwargs)
-                checked.add(sig)
-        with manual_scope(True, manual_tape()):
+        if manual_active():  # inside another manual_grads or show_grad: it does the work
             return fn(params, *args, **kwargs)
+        leaves, treedef, dyn = _flat_call(fn, params, args, kwargs)
+        sig = _signature(leaves, treedef, dyn)
+        if plans.get(sig) is False:
+            with manual_scope(True):
+                return fn(params, *args, **kwargs)
+        # The loss is traced at each call that needs the rules (a cached jaxpr could hold
+        # tracers that the caller's earlier trace closed over).
+        closed, out_tree = _trace(fn, leaves, treedef, dyn)
+        n_params = len(jax.tree.leaves(params))
+        tainted = [i < n_params for i in dyn]
+        analysis = analyse(closed.jaxpr, tainted)
+        if sig not in plans:
+            if check and analysis.refusal is not None:
+                raise ManualGradError(refusal_message(analysis.refusal))
+            if sig is not None:
+                plans[sig] = analysis.uses_rules
+        if not analysis.uses_rules:
+            with manual_scope(True):
+                return fn(params, *args, **kwargs)
+        outs = Evaluator(analysis).run(
+            closed.jaxpr, closed.consts, [leaves[i] for i in dyn], tainted
+        )
+        return jax.tree.unflatten(out_tree, outs)
 
     return wrapped

@@ -1,19 +1,26 @@
 """``show_grad``: a loss's backward pass as runnable Python, at the level of layers.
 
-The loss runs once, eagerly, in manual-gradient mode with a tape: every hand-rule call
-(``linear``, ``relu``, ``conv``, ``layer_norm``, ``softmax_cross_entropy``, ...) records its
-arguments and result. The tape is printed as a function: the forward calls, each result
-named after the layer path of the params it uses, then the hand VJPs in reverse order,
-summing cotangents where a value feeds several calls, and finally the ParamsDict of
-gradients. Arrays that no rule produced are matched by value to a known one seen through
-a reshape or cast (a layer folding its batch axes), or printed as literals when small and
-not differentiable (causal masks, dropout keys).
+The loss is traced once in manual-gradient mode with a tape (every hand-rule call --
+``linear``, ``relu``, ``conv``, ``layer_norm``, a user's ``@nl.hand_rule`` -- records its
+arguments and result) and with ``jax.disable_jit`` (a jitted helper is inlined, a
+``lax.scan`` unrolled). The jaxpr is then printed as a function: the forward calls, each
+result named after the layer path of the params it uses; the plain ``jnp`` between layers
+as calls of the primitive's library rule (``add``, ``reduce_sum``, ``reshape``, ...); then
+the hand VJPs in reverse order, summing cotangents where a value feeds several calls, and
+finally the ParamsDict of gradients. Values that depend on neither params nor batch
+(causal masks, position indices, dropout keys) print as literals.
+
+The printed code runs anywhere: each rule is imported from the module that defines it
+(``nnlite.rules`` for the library's, the user's own module for theirs), and it works at
+any batch size: the loss is traced a second time with the batch doubled, and every size
+that changed with it prints as an expression in ``B = <first batch array>.shape[0]``.
 """
 
 from __future__ import annotations
 
 import inspect
-import re
+import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -21,73 +28,60 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core._mode import manual_scope
+from ._show_grad_walk import (
+    _ident,
+    _is_float_dtype,
+    _literal,
+    _NotPortable,
+    _path_expr,
+    _Printer,
+    _trace,
+    _Val,
+    _Walk,
+)
 
 __all__ = ["show_grad"]
 
-_LITERAL_LIMIT = 4096  # elements: larger non-differentiable constants are refused
+# --- imports of the rules ---------------------------------------------------------------------
 
 
-def _path_expr(root: str, path) -> str:
-    out = root
-    for k in path:
-        if isinstance(k, jax.tree_util.SequenceKey):
-            out += f"[{k.idx}]"
-        else:
-            name = getattr(k, "key", getattr(k, "name", None))
-            out += f".{name}" if isinstance(name, str) and name.isidentifier() else f"[{name!r}]"
-    return out
+def _home(fn: Callable) -> str | None:
+    """The module to import ``fn`` from: ``nnlite.rules`` for the library's rules, else the
+    module defining it, if it is importable there under its name."""
+    from .. import rules
+
+    name = fn.__name__
+    public = getattr(rules, name, None)
+    if public is fn or getattr(public, "f", None) is fn:
+        return "nnlite.rules"
+    mod = getattr(fn, "__module__", None)
+    if mod and mod != "__main__" and fn.__qualname__ == name:
+        module = sys.modules.get(mod)
+        if module is not None and getattr(module, name, None) is fn:
+            return mod
+    return None
 
 
-def _ident(expr: str) -> str:
-    s = re.sub(r"[^0-9a-zA-Z]+", "_", expr).strip("_")
-    return s or "v"
-
-
-class _Names:
-    def __init__(self):
-        self.by_id: dict[int, tuple[str, Any]] = {}  # id(array) -> (name, array)
-        self.used: set[str] = set()
-
-    def fresh(self, base: str) -> str:
-        base = _ident(base)
-        name, i = base, 1
-        while name in self.used:
-            i += 1
-            name = f"{base}_{i}"
-        self.used.add(name)
-        return name
-
-    def add(self, arr, name: str) -> None:
-        self.by_id[id(arr)] = (name, arr)
-
-
-def _literal(a) -> str:
-    """Source for a small non-differentiable array: a lower-triangular (causal) mask or a
-    literal, broadcast to ``a``'s shape when it repeats along its leading axes."""
-    arr = np.asarray(a)
-    core = arr
-    while core.ndim > 1 and all(np.array_equal(core[0], c) for c in core[1:]):
-        core = core[0]
-    mod = "np" if isinstance(a, np.ndarray) else "jnp"
-    if core.ndim == 2 and core.dtype == np.bool_ and core.shape[0] == core.shape[1]:
-        if np.array_equal(core, np.tril(np.ones(core.shape, bool))):
-            src = f"{mod}.tril({mod}.ones({core.shape}, bool))"
-            return src if core.shape == arr.shape else f"{mod}.broadcast_to({src}, {arr.shape})"
-    if core.size > _LITERAL_LIMIT:
+def _inline_source(fn: Callable) -> str:
+    """The source of a rule that cannot be imported (defined in ``__main__`` or in a
+    function), to define it in the printed code."""
+    plain = inspect.unwrap(fn)
+    if plain.__code__.co_freevars:
         raise ValueError(
-            f"show_grad: a non-differentiable argument of shape {arr.shape} is too large to "
-            "print; call show_grad on a smaller batch"
+            f"show_grad: the rule {fn.__name__} is defined inside a function and uses its local "
+            f"variables ({', '.join(plain.__code__.co_freevars)}); define it at module level so "
+            "that the printed code can import it"
         )
-    if core.ndim == 1 and np.array_equal(core, np.arange(core.size)):
-        src = f"{mod}.arange({core.size}, dtype={mod}.{core.dtype})"
-    else:
-        src = f"{mod}.array({core.tolist()}, {mod}.{core.dtype})"
-    return src if core.shape == arr.shape else f"{mod}.broadcast_to({src}, {arr.shape})"
+    try:
+        return textwrap.dedent(inspect.getsource(plain))
+    except (OSError, TypeError):
+        raise ValueError(
+            f"show_grad: the rule {fn.__name__} is defined where neither an import nor its "
+            "source can reach it (exec'd code, the interactive prompt); define it in a module"
+        ) from None
 
 
-def _is_float(a) -> bool:
-    return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)
+# --- show_grad --------------------------------------------------------------------------------
 
 
 def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str:
@@ -95,13 +89,16 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
 
     Executing the source defines ``grad(params, <batch names>)`` returning the gradient
     ParamsDict, equal to ``jax.grad(loss_fn)(params, *batch)`` (for a loss returning
-    ``(loss, aux)``, of the loss). Every layer and loss inside must be an nnlite one (or
-    carry ``nl.hand_rule`` rules): it is traced in manual-gradient mode.
+    ``(loss, aux)``, of the loss), at this batch size or another. Every layer and loss
+    inside must carry hand rules (nnlite's, or a user's ``@nl.hand_rule``); the plain ``jnp``
+    between them prints as calls of the library's rules for their primitives, as
+    ``nl.manual_grads`` runs them. Rules are imported from the modules that define them.
 
     Args:
         loss_fn: ``loss_fn(params, *batch, **kwargs) -> scalar`` (or ``(scalar, aux)``).
-        params: the params (a ParamsDict); batch: the other arguments, concrete arrays.
-        kwargs: passed to ``loss_fn`` as they are (e.g. ``key=``).
+        params: the params (a ParamsDict); batch: the other arguments, concrete arrays
+            with the batch as their leading axis.
+        kwargs: passed to ``loss_fn`` as they are (e.g. ``key=``): constants of the code.
 
     Returns:
         Source text; ``exec`` it and call ``grad``.
@@ -115,25 +112,15 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
         ...     return nl.softmax_cross_entropy(net(params, x), y, reduction="mean")
         >>> x, y = jnp.ones((5, 3)), jnp.zeros(5, jnp.int32)
         >>> src = nl.show_grad(loss, p, x, y)
-        >>> print(src.splitlines()[8])
+        >>> print(src.splitlines()[9])
             linear_layers_0 = linear(x, params.layers[0].W, params.layers[0].b)
         >>> ns = {}
         >>> exec(src, ns)
-        >>> g = ns["grad"](p, x, y)
-        >>> bool(jnp.allclose(g.layers[0].W, jax.grad(loss)(p, x, y).layers[0].W, atol=1e-6))
+        >>> g = ns["grad"](p, jnp.ones((7, 3)), jnp.zeros(7, jnp.int32))  # another batch
+        >>> bool(jnp.allclose(g.layers[0].W, jax.grad(loss)(p, jnp.ones((7, 3)),
+        ...     jnp.zeros(7, jnp.int32)).layers[0].W, atol=1e-6))
         True
     """
-    tape: list = []
-    with manual_scope(True, tape):
-        out = loss_fn(params, *batch, **kwargs)
-    loss = out[0] if isinstance(out, tuple) else out
-    if not tape or tape[-1][3] is not loss:
-        raise ValueError(
-            "show_grad: the loss must be the result of an nnlite loss or reduction (a hand "
-            "rule such as nl.reduce(..., 'mean')), so that its backward pass starts there"
-        )
-
-    names = _Names()
     try:
         arg_names = list(inspect.signature(loss_fn).parameters)[: 1 + len(batch)]
     except (TypeError, ValueError):
@@ -141,128 +128,238 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
     if len(arg_names) < 1 + len(batch) or not all(n.isidentifier() for n in arg_names):
         arg_names = ["params", *(f"arg{i}" for i in range(len(batch)))]
     p_name, *b_names = arg_names
-    for n in arg_names:
-        names.used.add(n)
 
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    param_ids = {}
-    for path, leaf in leaves:
-        expr = _path_expr(p_name, path)
-        names.add(leaf, expr)
-        param_ids[id(leaf)] = expr
-    for n, b in zip(b_names, batch, strict=True):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(b)[0]:
-            names.add(leaf, _path_expr(n, path))
+    p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    b_leaves = [
+        (_path_expr(n, path), leaf)
+        for n, b in zip(b_names, batch, strict=True)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(b)[0]
+    ]
+    leaves = [leaf for _, leaf in p_leaves] + [leaf for _, leaf in b_leaves]
+    closed_a, tape_a = _trace(loss_fn, params, batch, kwargs, leaves)
+
+    # The same loss at twice the batch, abstractly: which sizes follow the batch.
+    batched = [(e, leaf) for e, leaf in b_leaves if np.ndim(leaf) >= 1]
+    trace_b = None
+    if batched:
+        first_expr, first = batched[0]
+        b0 = int(np.shape(first)[0])
+        spec = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
+        for i in range(len(p_leaves), len(leaves)):
+            shape = np.shape(leaves[i])
+            if len(shape) >= 1 and shape[0] == b0:
+                spec[i] = jax.ShapeDtypeStruct((2 * b0, *shape[1:]), jnp.result_type(leaves[i]))
+        try:
+            trace_b = _trace(loss_fn, params, batch, kwargs, spec)
+        except Exception:  # noqa: BLE001 -- a loss tied to its batch size: sizes stay literal
+            trace_b = None
+
+    for b_enabled in (True, False):
+        pr = _Printer(
+            p_name,
+            (b0, 2 * b0) if batched and trace_b is not None and b_enabled else None,
+            f"{first_expr}.shape[0]" if batched else None,
+        )
+        pr.names.update(arg_names)
+        try:
+            src = _print(
+                pr,
+                loss_fn,
+                closed_a,
+                tape_a,
+                trace_b if pr.batch_dim else None,
+                p_leaves,
+                b_leaves,
+                arg_names,
+            )
+            break
+        except _NotPortable:
+            continue
+    return src
+
+
+def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names) -> str:
+    closed_b, tape_b = trace_b if trace_b is not None else (None, None)
+    walk = _Walk(pr, tape_a, tape_b)
+    ins = []
+    jb = None if closed_b is None else closed_b.jaxpr
+    for k, v in enumerate(closed_a.jaxpr.invars):
+        b_aval = None if jb is None else jb.invars[k].aval
+        if k < len(p_leaves):
+            expr = _path_expr(pr.p_name, p_leaves[k][0])
+            ins.append(_Val(v.aval, b_aval, expr=expr, tainted=_is_float_dtype(v.aval.dtype)))
+        else:
+            ins.append(_Val(v.aval, b_aval, expr=b_leaves[k - len(p_leaves)][0]))
+    (loss,), _ = walk.body(
+        closed_a.jaxpr,
+        jb,
+        ins,
+        list(closed_a.consts),
+        None if closed_b is None else list(closed_b.consts),
+    )
+    if not loss.tainted or loss.node is None or loss.node.f_vjp is None:
+        raise ValueError(
+            "show_grad: the loss must be computed from the params by hand rules (nnlite's "
+            "layers and losses, @nl.hand_rule functions) and the plain jnp between them, so "
+            "that its backward pass starts there"
+        )
+
+    # Only the calls the loss needs, in order.
+    needed: set = set()
+    stack = [loss.node]
+    while stack:
+        node = stack.pop()
+        if id(node) in needed:
+            continue
+        needed.add(id(node))
+        for a in node.args + [v for _, v, _ in node.kwargs]:
+            if isinstance(a, _Val) and a.node is not None:
+                stack.append(a.node)
+    nodes = [n for n in walk.nodes if id(n) in needed]
+
+    functions = {n.fn for n in nodes if n.fn is not None}
+    functions |= {n.f_vjp for n in nodes if n.f_vjp is not None}
+    pr.names.update(f.__name__ for f in functions)  # never shadow a rule
+
+    consts: list[str] = []
+    literals: dict[str, str] = {}  # source -> name
+
+    def name_of(v: _Val) -> str:
+        if v.expr is None:
+            if v.const:
+                value = v.value()
+                if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+                    data = np.asarray(jax.random.key_data(value))
+                    impl = str(jax.random.key_impl(value))
+                    v.expr = pr.fresh("key")
+                    consts.append(
+                        f"{v.expr} = jax.random.wrap_key_data(jnp.array({data.tolist()}, "
+                        f"jnp.{data.dtype}), impl={impl!r})"
+                    )
+                else:
+                    src = _literal(pr, value, None if v.b_aval is None else v.b_aval.shape)
+                    if src not in literals:  # the same mask for every block: printed once
+                        literals[src] = pr.fresh("mask" if value.dtype == np.bool_ else "const")
+                        consts.append(f"{literals[src]} = {src}")
+                    v.expr = literals[src]
+            else:
+                raise AssertionError("show_grad: a value without a name")  # pragma: no cover
+        return v.expr
+
+    def arg_src(a) -> str:
+        if isinstance(a, tuple) and a[0] == "py":
+            return pr.pyval(a[1], a[2]) if not isinstance(a[1], str) else repr(a[1])
+        return name_of(a)
 
     fwd: list[str] = []
-    rules: set[str] = set()
-    consts: list[str] = []
-    entries = []  # (fn, arg exprs, arg bases for cotangents, static, out name)
-
-    def resolve(a) -> tuple[str, tuple[str, Any] | None]:
-        """Expression for argument ``a`` and, for a differentiable one, ``(base name, base
-        array)`` its cotangent flows back to."""
-        if a is None or isinstance(a, (bool, int, float, str)):
-            return repr(a), None
-        if id(a) in names.by_id:
-            name, arr = names.by_id[id(a)]
-            return name, (name, arr) if _is_float(a) else None
-        if _is_float(a):
-            for name, arr in list(names.by_id.values()):
-                if _is_float(arr) and arr.size == a.size and arr.dtype == a.dtype:
-                    if np.array_equal(np.asarray(arr).ravel(), np.asarray(a).ravel()):
-                        return f"{name}.reshape{tuple(a.shape)}", (name, arr)
-            raise ValueError(
-                f"show_grad: an argument of shape {tuple(a.shape)} was computed outside any "
-                "hand rule and is not a reshape of a known value; compute it with nnlite "
-                "layers or ops (nl.add, ...)"
-            )
-        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-            data = np.asarray(jax.random.key_data(a))
-            impl = str(jax.random.key_impl(a))
-            name = names.fresh("key")
-            consts.append(
-                f"{name} = jax.random.wrap_key_data(jnp.array({data.tolist()}, "
-                f"jnp.{data.dtype}), impl={impl!r})"
-            )
-            names.add(a, name)
-            return name, None
-        name = names.fresh("mask" if a.dtype == np.bool_ else "const")
-        consts.append(f"{name} = {_literal(a)}")
-        names.add(a, name)
-        return name, None
-
-    counts: dict[str, int] = {}
-    names.used.update(fn.__name__ for fn, *_ in tape)  # never shadow a rule
-    names.used.update(fn.f_vjp.__name__ for fn, *_ in tape)
-    for fn, args, static, out in tape:
-        exprs, bases = zip(*(resolve(a) for a in args), strict=True) if args else ((), ())
-        label = next((param_ids[id(a)] for a in args if id(a) in param_ids), None)
-        if label is not None:
-            label = label.rsplit(".", 1)[0] if "." in label[len(p_name) :] else label
-            label = label[len(p_name) :]
-        if label:
-            out_name = names.fresh(f"{fn.__name__}{label}")
-        else:
-            counts[fn.__name__] = counts.get(fn.__name__, 0) + 1
-            out_name = names.fresh(f"{fn.__name__}_out{counts[fn.__name__]}")
-        names.add(out, out_name)
-        rules.update({fn.__name__, fn.f_vjp.__name__})
+    for node in nodes:
+        args = [arg_src(a) for a in node.args]
         kw = "".join(
-            f", {k}={resolve(v)[0] if hasattr(v, 'shape') else repr(v)}" for k, v in static.items()
+            f", {k}={name_of(va) if isinstance(va, _Val) else pr.pyval(va, vb)}"
+            for k, va, vb in node.kwargs
         )
-        fwd.append(f"    {out_name} = {fn.__name__}({', '.join(exprs)}{kw})")
-        entries.append((fn, exprs, bases, kw, out_name))
+        node.call_args, node.call_kw = args, kw  # type: ignore[attr-defined]
+        if node.fn is None:
+            rhs = _expression(pr, node.expr, args)
+        else:
+            rhs = f"{node.name}({', '.join(args)}{kw})"
+        if node.label is None and node.f_vjp is not None:
+            node.label = walk.label(node.args)
+        if node.label:
+            base = f"{node.name}_{node.label}"
+        else:
+            pr.counts[node.name] = pr.counts.get(node.name, 0) + 1
+            base = f"{node.name}_out{pr.counts[node.name]}"
+        if len(node.outs) == 1:
+            node.outs[0].expr = pr.fresh(base)
+            fwd.append(f"    {node.outs[0].expr} = {rhs}")
+        else:
+            for i, o in enumerate(node.outs):
+                o.expr = pr.fresh(f"{base}_{i}")
+            fwd.append(f"    {', '.join(o.expr for o in node.outs)} = {rhs}")
 
+    # Backward: the hand VJPs in reverse, cotangents summed where a value fed several calls.
     bwd: list[str] = []
-    have_ct: set[str] = set()
-    last = entries[-1][4]
-    bwd.append(f"    d_{last} = jnp.ones_like({last})")
-    have_ct.add(last)
-    for fn, exprs, bases, kw, out_name in reversed(entries):
-        if out_name not in have_ct:
-            continue  # nothing downstream needs it (a metric)
+    have: set = set()
+    bwd.append(f"    d_{loss.expr} = jnp.ones_like({loss.expr})")
+    have.add(id(loss))
+    for node in reversed(nodes):
+        if node.f_vjp is None or not any(id(o) in have for o in node.outs):
+            continue
+        d_outs = [
+            f"d_{o.expr}" if id(o) in have else f"jnp.zeros_like({o.expr})" for o in node.outs
+        ]
         targets, adds = [], []
-        for i, base in enumerate(bases):
-            if base is None:
+        for i, a in enumerate(node.args):
+            if not (isinstance(a, _Val) and a.tainted):
                 targets.append("_")
                 continue
-            bname, barr = base
-            d = f"d_{_ident(bname)}"
-            if bname not in have_ct and exprs[i] == bname:
-                targets.append(d)  # first cotangent of this value: assign it directly
-                have_ct.add(bname)
-                continue
-            tmp = f"d{i}_{out_name}"
-            targets.append(tmp)
-            ct = tmp if exprs[i] == bname else f"{tmp}.reshape{tuple(barr.shape)}"
-            if bname in have_ct:
-                adds.append(f"    {d} = {d} + {ct}")
+            d = f"d_{_ident(a.expr)}"
+            if id(a) not in have:
+                targets.append(d)
+                have.add(id(a))
             else:
-                adds.append(f"    {d} = {ct}")
-                have_ct.add(bname)
-        call = f"{fn.f_vjp.__name__}({', '.join(exprs)}, d_{out_name}{kw})"
+                tmp = f"d{i}_{node.outs[0].expr}"
+                targets.append(tmp)
+                adds.append(f"    {d} = {d} + {tmp}")
+        call = f"{node.f_vjp.__name__}({', '.join(node.call_args + d_outs)}{node.call_kw})"  # type: ignore[attr-defined]
         bwd.append(f"    {', '.join(targets)} = {call}")
         bwd.extend(adds)
 
-    grads = []
-    for path, _leaf in leaves:
-        expr = _path_expr(p_name, path)
-        grads.append(f"d_{_ident(expr)}" if expr in have_ct else f"jnp.zeros_like({expr})")
-    header = [
-        "import jax",
-        "import jax.numpy as jnp",
-        "import numpy as np",
-        "",
-        f"from nnlite.rules import {', '.join(sorted(rules))}",
-        "",
-        f"def grad({', '.join(arg_names)}):",
+    grads = [
+        f"d_{_ident(v.expr)}" if id(v) in have else f"jnp.zeros_like({v.expr})"
+        for v in ins[: len(p_leaves)]
     ]
-    body = [f"    {c}" for c in consts] + ["    # forward: each layer's call, its result kept"]
-    body += fwd + ["    # backward: the hand VJPs in reverse"] + bwd
+
+    # Imports: each rule from its home; rules without one are defined in the code.
+    by_module: dict[str, list[str]] = {}
+    inline: list[Callable] = []
+    for f in sorted(functions, key=lambda f: f.__name__):
+        home = _home(f)
+        if home is None:
+            inline.append(f)
+        else:
+            by_module.setdefault(home, []).append(f.__name__)
+    header = ["import jax", "import jax.numpy as jnp", "import numpy as np"]
+    body_text = "\n".join(consts + fwd + bwd)
+    pr.note(body_text)
+    if "lax" in pr.used:
+        header.append("from jax import lax")
+    if "prims" in pr.used:
+        header.append("from jax.extend.core import primitives as prims")
+    if inline:
+        header.append("import nnlite as nl")
+    header.append("")
+    for mod in sorted(by_module, key=lambda m: (m != "nnlite.rules", m)):
+        header.append(f"from {mod} import {', '.join(sorted(set(by_module[mod])))}")
+    defs = []
+    # a rule's VJP before the function whose decorator names it
+    for f in sorted(inline, key=lambda f: f not in {n.f_vjp for n in nodes}):
+        defs += ["", _inline_source(f).rstrip()]
+    lines = header + defs + ["", "", f"def grad({', '.join(arg_names)}):"]
+    if not pr.portable:
+        lines.append("    # sizes below are those of the traced batch: trace again for another")
+    elif pr.uses_b:
+        lines.append(f"    B = {pr.batch_expr}  # the batch size: the code works for any")
+    lines += [f"    {c}" for c in consts]
+    lines += ["    # forward: each layer's call, its result kept"] + fwd
+    lines += ["    # backward: the hand VJPs in reverse"] + bwd
     leaves_src = ",\n        ".join(grads)
-    body.append(
-        f"    return jax.tree.unflatten(\n        jax.tree.structure({p_name}),\n"
+    lines.append(
+        f"    return jax.tree.unflatten(\n        jax.tree.structure({pr.p_name}),\n"
         f"        [\n        {leaves_src},\n        ],\n    )"
     )
-    return "\n".join(header + body) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def _expression(pr: _Printer, eqn, args: list[str]) -> str:
+    """An equation printed by show_jaxpr's table (``lax.ne(x, 0)``, ...)."""
+    from ..jaxpr import _show_jaxpr  # noqa: F401 -- registers every rule into the printer
+    from ..jaxpr._exprs import bind_expr, flat
+    from ..jaxpr._printer import RULES
+
+    rule = RULES.get(eqn.primitive.name)
+    expr = rule(eqn, args, None) if rule is not None else None
+    text = flat(expr if expr is not None else bind_expr(eqn, args))
+    pr.note(text)
+    return text

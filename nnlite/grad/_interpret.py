@@ -1,0 +1,393 @@
+"""Manual mode at the level of JAX's primitives: which equations of a traced loss need a
+rule, and the evaluation of the loss that applies the library's structural rules.
+
+A loss traced in manual mode is a jaxpr in which every nnlite layer and loss is one
+``custom_vjp_call`` (its hand rule) and everything the user wrote between layers in plain
+``jnp`` (``tok + pos``, ``jnp.mean(h, axis=-2)``, ``h[:, 0]``, ``x.reshape(...)``) is an
+equation of its own. Taint marks the float values computed from the params. Each equation
+with a tainted input is then:
+
+* ``hand``: a ``custom_vjp`` call (a hand rule) -- JAX runs the rule;
+* ``rule``: a structural or linear primitive with a library rule
+  (``_structural.PRIMITIVE_RULES``) -- evaluated as a ``custom_vjp`` whose backward pass
+  is that rule;
+* ``nested``: ``jit``, ``jax.checkpoint``, ``lax.scan``, ``lax.cond`` -- walked into; when a
+  body needs a rule, the construct is rebuilt around the evaluated body (a checkpoint still
+  recomputes its forward for the backward pass, a scan still loops);
+* ``block``: ``stop_gradient`` -- nothing flows back;
+* ``refuse``: anything else computing a float (``exp``, ``max``, a product of two
+  param-derived values) -- JAX's autodiff would differentiate it; ``manual_grads`` refuses
+  it, naming the primitive, the user's source line and the layer.
+
+Why a jaxpr interpreter rather than nnlite wrappers for ``+``, ``jnp.mean``, ...: users
+write plain ``jnp``; only the traced program sees every such operation, with its exact
+parameters, wherever it is in the user's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from ..core._jax_private import bind_equation, equation_context, user_frames
+from ._custom_vjp import match_primal
+from ._structural import PRIMITIVE_RULES
+
+__all__ = ["Evaluator", "Refusal", "analyse", "classify", "refusal_message"]
+
+CALLS = ("jit", "pjit", "closed_call", "core_call")
+NESTED = (*CALLS, "remat2", "checkpoint", "scan", "cond")
+HAND = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+BLOCK = ("stop_gradient",)
+
+_NNLITE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def is_float(v) -> bool:
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def inner(eqn) -> tuple[Jaxpr, list]:
+    """The body of a ``jit`` / ``checkpoint`` equation and its constants; its invars are
+    the equation's operands, its outvars the equation's results."""
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(body, ClosedJaxpr):
+        return body.jaxpr, list(body.consts)
+    return body, []
+
+
+def classify(eqn, tainted: Sequence[bool]) -> str:
+    """``plain``, ``block``, ``nested``, ``hand``, ``rule`` or ``refuse``."""
+    name = eqn.primitive.name
+    if not any(tainted):
+        return "plain"
+    if name in BLOCK:
+        return "block"
+    if name in NESTED:
+        return "nested"
+    if name in HAND:
+        return "hand"
+    if not any(is_float(v) for v in eqn.outvars):
+        return "plain"  # comparisons, argmax, casts to int: no gradient flows
+    rule = PRIMITIVE_RULES.get(name)
+    if rule is not None and rule.refusal(eqn.params, _diff(eqn, tainted)) is None:
+        return "rule"
+    return "refuse"
+
+
+def _diff(eqn, tainted: Sequence[bool]) -> list[bool]:
+    return [t and is_float(v) for v, t in zip(eqn.invars, tainted, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A param-dependent equation without a rule, and the layer it sits in."""
+
+    eqn: Any
+    layer: str
+    tainted: tuple[bool, ...]
+
+
+def _is_t(marks: dict, v) -> bool:
+    return not isinstance(v, Literal) and marks.get(v, False)
+
+
+def _layer(eqn, outer: str) -> str:
+    """The innermost nnlite Module around ``eqn`` (each Module call is a named scope in
+    manual mode), JAX's own transformation scopes left out."""
+    stack = f"{outer}/{eqn.source_info.name_stack}"
+    parts = [p for p in stack.split("/") if p and not p.startswith(("jvp(", "transpose("))]
+    return parts[-1] if parts else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """A ``jit`` / ``checkpoint`` / ``scan`` / ``cond`` equation with a tainted operand:
+    its results' taints, whether a body needs a structural rule, and each body with the
+    taints of its inputs (for ``scan``, the carry's taint at its fixed point)."""
+
+    out_tainted: list[bool]
+    uses_rules: bool
+    bodies: list[tuple[Jaxpr, list, list[bool]]]
+
+
+class Analysis:
+    """What a traced loss needs: the first refusal, and whether any structural rule
+    applies (if none does, the loss runs as written: nothing to interpret)."""
+
+    def __init__(self):
+        self.refusal: Refusal | None = None
+        self.uses_rules = False
+        self._nested: dict = {}  # (id(eqn), taints) -> Nested
+
+    def run(self, jaxpr: Jaxpr, tainted: Sequence[bool], scope: str = "") -> list[bool]:
+        marks = {v: t and is_float(v) for v, t in zip(jaxpr.invars, tainted, strict=True)}
+        for eqn in jaxpr.eqns:
+            t_in = [_is_t(marks, v) for v in eqn.invars]
+            kind = classify(eqn, t_in)
+            if kind == "nested":
+                info = self.nested(eqn, t_in, scope)
+                out_t = info.out_tainted
+                self.uses_rules |= info.uses_rules
+            elif kind in ("hand", "rule", "refuse"):
+                out_t = [True] * len(eqn.outvars)
+                self.uses_rules |= kind == "rule"
+                if kind == "refuse" and self.refusal is None:
+                    self.refusal = Refusal(eqn, _layer(eqn, scope), tuple(t_in))
+            else:
+                out_t = [False] * len(eqn.outvars)
+            for v, t in zip(eqn.outvars, out_t, strict=True):
+                marks[v] = t and is_float(v)
+        return [_is_t(marks, v) for v in jaxpr.outvars]
+
+    def _body(self, body: Jaxpr, tainted: Sequence[bool], scope: str) -> tuple[list[bool], bool]:
+        sub = Analysis()
+        out_t = sub.run(body, tainted, scope)
+        if self.refusal is None:
+            self.refusal = sub.refusal
+        return out_t, sub.uses_rules
+
+    def nested(self, eqn, t_in: Sequence[bool], scope: str) -> Nested:
+        key = (id(eqn), tuple(t_in))
+        if key in self._nested:
+            return self._nested[key]
+        name, params = eqn.primitive.name, eqn.params
+        scope = f"{scope}/{eqn.source_info.name_stack}"
+        if name == "scan":
+            nc, nk, closed = params["num_consts"], params["num_carry"], params["jaxpr"]
+            carry_t = list(t_in[nc : nc + nk])
+            while True:  # a carry is tainted once any iteration makes it so
+                body_t = [*t_in[:nc], *carry_t, *t_in[nc + nk :]]
+                out_t, uses = self._body(closed.jaxpr, body_t, scope)
+                grown = [a or b for a, b in zip(carry_t, out_t[:nk], strict=True)]
+                if grown == carry_t:
+                    break
+                carry_t = grown
+            info = Nested(
+                [*carry_t, *out_t[nk:]], uses, [(closed.jaxpr, list(closed.consts), body_t)]
+            )
+        elif name == "cond":
+            ops_t, outs, bodies, uses = list(t_in[1:]), [], [], False
+            for branch in params["branches"]:
+                out_t, u = self._body(branch.jaxpr, ops_t, scope)
+                outs.append(out_t)
+                uses |= u
+                bodies.append((branch.jaxpr, list(branch.consts), ops_t))
+            info = Nested([any(ts) for ts in zip(*outs, strict=True)], uses, bodies)
+        else:  # jit, checkpoint
+            body, consts = inner(eqn)
+            out_t, uses = self._body(body, t_in, scope)
+            info = Nested(out_t, uses, [(body, consts, list(t_in))])
+        self._nested[key] = info
+        return info
+
+
+def analyse(jaxpr: Jaxpr, tainted: Sequence[bool]) -> Analysis:
+    a = Analysis()
+    a.run(jaxpr, tainted)
+    return a
+
+
+class Evaluator:
+    """Evaluate a traced loss, applying the structural rules (see the module docstring).
+
+    Equations without a tainted input, hand rules and the rest are bound as they are; a
+    ``jit``, ``checkpoint``, ``scan`` or ``cond`` whose bodies need no rule stays as it is.
+    """
+
+    def __init__(self, analysis: Analysis):
+        self.analysis = analysis
+
+    def run(self, jaxpr: Jaxpr, consts: Sequence, args: Sequence, tainted: Sequence[bool]):
+        env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        marks = {v: t and is_float(v) for v, t in zip(jaxpr.invars, tainted, strict=True)}
+
+        def read(v):
+            return v.val if isinstance(v, Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            t_in = [_is_t(marks, v) for v in eqn.invars]
+            kind = classify(eqn, t_in)
+            ins = [read(v) for v in eqn.invars]
+            out_t = [kind in ("hand", "rule", "refuse")] * len(eqn.outvars)
+            if kind == "nested":
+                info = self.analysis.nested(eqn, t_in, "")
+                out_t = info.out_tainted
+                outs = self.nested(eqn, ins, info) if info.uses_rules else bind_equation(eqn, ins)
+            elif kind == "rule":
+                outs = apply_rule(eqn, ins)
+            else:
+                outs = bind_equation(eqn, ins)
+            for v, o, t in zip(eqn.outvars, outs, out_t, strict=True):
+                env[v] = o
+                marks[v] = t and is_float(v)
+        return [read(v) for v in jaxpr.outvars]
+
+    def nested(self, eqn, ins: list, info: Nested) -> list:
+        """The equation again, with its bodies evaluated by this interpreter."""
+        name, params = eqn.primitive.name, eqn.params
+        if name in CALLS:  # inlined: only the body's equations need rules
+            body, consts, body_t = info.bodies[0]
+            return self.run(body, consts, ins, body_t)
+
+        def fn(body, consts, body_t):
+            return lambda *xs: self.run(body, consts, xs, body_t)
+
+        with equation_context(eqn):
+            if name == "scan":
+                nc, nk = params["num_consts"], params["num_carry"]
+                step = fn(*info.bodies[0])
+
+                def scan_step(carry, x):
+                    outs = step(*ins[:nc], *carry, *x)
+                    return outs[:nk], outs[nk:]
+
+                carry, ys = jax.lax.scan(
+                    scan_step,
+                    list(ins[nc : nc + nk]),
+                    list(ins[nc + nk :]),
+                    length=params["length"],
+                    reverse=params["reverse"],
+                    unroll=params["unroll"],
+                )
+                return [*carry, *ys]
+            if name == "cond":
+                branches = [fn(*b) for b in info.bodies]
+                return list(jax.lax.switch(ins[0], branches, *ins[1:]))
+            rematted = jax.checkpoint(
+                fn(*info.bodies[0]),
+                prevent_cse=params.get("prevent_cse", True),
+                policy=params.get("policy"),
+            )
+            return list(rematted(*ins))
+
+
+def apply_rule(eqn, ins: list) -> list:
+    """``eqn`` as a ``custom_vjp``: forward, the primitive itself; backward, its library rule.
+
+    Every operand the user's values flow through is an argument (literals are closed over),
+    and every float operand gets the rule's cotangent (the rules are exact in each operand,
+    so a gradient with respect to the inputs is right too).
+    """
+    rule = PRIMITIVE_RULES[eqn.primitive.name]
+    params = rule.params(eqn.params)
+    dyn = [i for i, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
+
+    def merge(xs):
+        args = list(ins)
+        for i, x in zip(dyn, xs, strict=True):
+            args[i] = x
+        return args
+
+    @jax.custom_vjp
+    def prim(*xs):
+        return tuple(bind_equation(eqn, merge(xs)))
+
+    def fwd(*xs):
+        return prim(*xs), xs
+
+    def bwd(xs, cts):
+        args = merge(xs)
+        dargs = rule.f_vjp(*args, *cts, **params)
+        dargs = (dargs,) if len(args) == 1 else dargs
+        out = []
+        for i, x in zip(dyn, xs, strict=True):
+            float_ = jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+            out.append(match_primal(dargs[i], x) if float_ and dargs[i] is not None else None)
+        return tuple(out)
+
+    prim.defvjp(fwd, bwd)
+    with equation_context(eqn):
+        return list(prim(*(ins[i] for i in dyn)))
+
+
+# --- the refusal, in the user's terms -----------------------------------------------------
+
+STRUCTURAL_SUMMARY = (
+    "structural and linear operations (broadcasting, reshape, transpose, sums and means, "
+    "slices and indexing, concatenate/split, pad, +, -, scaling or matmul by a value that "
+    "is not differentiated, casts) carry library rules"
+)
+
+MANUAL_FIX = (
+    "compute it in a function declared with its hand VJP, @nl.hand_rule(f_vjp) "
+    '(docs/gradients.md, "Your own rule: nl.hand_rule"), or differentiate this model with '
+    "jax.grad, without nl.manual_grads"
+)
+
+# Nonlinear operations nnlite already has with a rule.
+_HINTS = {
+    "max": "nl.relu (max(x, 0))",
+    "relu": "nl.relu",
+    "tanh": "nl.tanh",
+    "logistic": "nl.sigmoid",
+    "gelu": "nl.gelu",
+    "logaddexp": "nl.softplus",
+    "dot_general": "nl.Linear or nl.linear (x @ W + b)",
+    "reduce_max": "nl.MaxPool (a max over windows)",
+}
+
+
+def _custom_jvp_name(eqn) -> str | None:
+    if eqn.primitive.name != "custom_jvp_call":
+        return None
+    body = eqn.params.get("call_jaxpr")
+    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
+    return getattr(info, "func_name", None)
+
+
+def _what(eqn) -> str:
+    name = _custom_jvp_name(eqn)
+    return f"`{name}` (a jax.custom_jvp function)" if name else f"`{eqn.primitive.name}`"
+
+
+def source_line(eqn) -> str | None:
+    """``file:line (function)`` of the innermost frame of the user's code (not JAX's, not
+    nnlite's) that created ``eqn``."""
+    for file, line, function in user_frames(eqn):
+        path = os.path.abspath(file)
+        if path.startswith(_NNLITE_DIR + os.sep):
+            continue
+        try:
+            rel = os.path.relpath(path)
+        except ValueError:
+            rel = path
+        shown = rel if not rel.startswith("..") else path
+        return f"{shown}:{line} ({function})"
+    return None
+
+
+def refusal_message(refusal: Refusal, who: str = "manual gradients") -> str:
+    eqn = refusal.eqn
+    where = source_line(eqn)
+    at = f" at {where}" if where else ""
+    layer = (
+        f"in layer {refusal.layer}"
+        if refusal.layer
+        else "in the loss function (outside any nnlite Module)"
+    )
+    rule = PRIMITIVE_RULES.get(eqn.primitive.name)
+    reason = ""
+    if rule is not None:
+        why = rule.refusal(eqn.params, _diff(eqn, refusal.tainted))
+        reason = f" Its library rule does not apply: {why}." if why else ""
+    elif eqn.primitive.name == "while":
+        reason = (
+            " Reverse-mode gradients of a while loop are not defined (jax.grad refuses it "
+            "too): use lax.scan, or lax.fori_loop with static bounds."
+        )
+    hint = _HINTS.get(_custom_jvp_name(eqn) or eqn.primitive.name)
+    have = f" nnlite has it with a rule: {hint}." if hint else ""
+    return (
+        f"{who}: {_what(eqn)}{at}, {layer}, computes on values derived from the params and "
+        f"has no hand-derived VJP, so JAX's autodiff would differentiate it.{reason}{have} "
+        f"Only {STRUCTURAL_SUMMARY}; for a nonlinear operation, {MANUAL_FIX}."
+    )
