@@ -26,8 +26,8 @@ def show_jaxpr(cfg: Config, what: str) -> str:
 
 def show_grad(cfg: Config) -> str:
     """The config's backward pass as Python: each layer's hand VJP call, in reverse order
-    (``nnlite.show_grad``), on a batch of up to 4 examples (the code is the same for any
-    batch size but for the literal shapes)."""
+    (``nnlite.show_grad``), traced on a batch of up to 4 examples; sizes that follow the
+    batch print in terms of the input's batch size, so the code runs at any batch."""
     r = build(cfg)
     params = r.model.init(jax.random.key(cfg.seed))
     b = min(cfg.train.batch_size, 4)
