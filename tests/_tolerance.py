@@ -135,3 +135,15 @@ def assert_same_trajectory(got, want, *, lr: float, what: str = "") -> None:
             f"{what}params differ by {diff:.3g} = {diff / lr:.3g} x the learning rate {lr:g}: "
             "more than rounding can explain"
         )
+
+
+def check_rule(rule, *args, **static):
+    """``check_vjp`` of an ``@nl.hand_rule`` function's plain pair, hyperparameters bound."""
+    import functools
+
+    from nnlite.vjp import check_vjp
+
+    f = functools.partial(rule.f, **static)
+    f_vjp = functools.partial(rule.f_vjp, **static)
+    f.__name__, f_vjp.__name__ = rule.__name__, rule.f_vjp.__name__
+    check_vjp(f, f_vjp, *args)

@@ -31,6 +31,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -67,3 +68,13 @@ def npz(tmp_path_factory) -> str:
         y_test=label(x_test),
     )
     return f"data.path={path}"
+
+
+@pytest.fixture(params=["float32", "float64"])
+def rand(request):
+    """``rand(*shape)``: standard normal values in the test's dtype (float64 with x64 on
+    for the test only); the rule checks run once per dtype."""
+    dtype = request.param
+    with jax.enable_x64(dtype == "float64"):
+        rng = np.random.default_rng(0)
+        yield lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)

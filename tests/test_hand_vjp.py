@@ -1,12 +1,10 @@
 """Every nnlite layer's and loss's hand-derived VJP against jax.vjp, and manual mode."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
+from _tolerance import check_rule as check
 
 import nnlite as nl
 from models.contract import objective_fn
@@ -15,23 +13,6 @@ from nnlite.nn import _normalisation as norm
 from nnlite.vjp import check_vjp
 
 DTYPES = ["float32", "float64"]
-
-
-def check(rule, *args, **static):
-    """check_vjp of a hand_rule function's plain pair, hyperparameters bound."""
-    f = functools.partial(rule.f, **static)
-    f_vjp = functools.partial(rule.f_vjp, **static)
-    f.__name__, f_vjp.__name__ = rule.__name__, rule.f_vjp.__name__
-    check_vjp(f, f_vjp, *args)
-
-
-@pytest.fixture(params=DTYPES)
-def rand(request):
-    """``rand(*shape)`` in the test's dtype (float64 with x64 on for the test only)."""
-    dtype = request.param
-    with jax.enable_x64(dtype == "float64"):
-        rng = np.random.default_rng(0)
-        yield lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
 
 
 def test_linear(rand):

@@ -25,15 +25,6 @@ from nnlite.vjp import check_vjp
 DTYPES = ["float32", "float64"]
 
 
-@pytest.fixture(params=DTYPES)
-def rand(request):
-    """``rand(*shape)`` in the test's dtype (float64 with x64 on for the test only)."""
-    dtype = request.param
-    with jax.enable_x64(dtype == "float64"):
-        rng = np.random.default_rng(0)
-        yield lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
-
-
 def check(name, *args, **params):
     """check_vjp of ``nnlite.rules.<name>`` with the primitive's parameters bound, and its
     forward against ``want`` when given."""

@@ -407,7 +407,8 @@ def test_user_model_show_jaxpr_and_manual_gradients(project, capsys, monkeypatch
     )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "layer RawTanh computes `tanh`" in err
+    assert "`tanh` at usermodels.py:" in err and "in layer RawTanh" in err
+    assert "loss.grad=autodiff" in err  # the trainer's words for the library's second fix
 
 
 def test_user_model_on_two_processes_equals_one_process(project, monkeypatch):

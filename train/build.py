@@ -279,7 +279,9 @@ def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     try:
         return compile_run(r, nonfinite, first_indices)
     except nl.ManualGradError as e:
-        raise ConfigError(f"loss.grad={r.cfg.loss.grad}: {e}") from None
+        raise ConfigError(
+            f"loss.grad={r.cfg.loss.grad}: {e} (in the trainer: loss.grad=autodiff)"
+        ) from None
 
 
 def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:

@@ -327,6 +327,10 @@ def pyval(v: Any, what: str = "parameter"):
             raise UnsupportedPrimitiveError(f"{what} {v!r}: {type(v).__name__} is not in jax.lax")
         fields = [(f, pyval(getattr(v, f), what)) for f in v._fields]
         return Call(f"lax.{type(v).__name__}", [], fields)
+    if isinstance(v, slice):  # a static index (e.g. a rule's subarray of a stacked output)
+        return f"slice({v.start!r}, {v.stop!r}, {v.step!r})"
+    if v is Ellipsis:
+        return "..."
     if isinstance(v, tuple):
         return Tup([pyval(x, what) for x in v])
     if isinstance(v, list):
