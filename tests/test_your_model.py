@@ -366,10 +366,14 @@ def test_load_run_and_predict(project, ref_run, tmp_path):
     assert "expected input with last axis 8" in bad.stderr
 
 
-def test_user_language_model_trains_samples_and_generates(project):
+def test_user_language_model_trains_samples_and_generates(project, monkeypatch):
     proc = run_cli(project, "--config", "lm.yaml", "--fresh")
     assert proc.returncode == 0, proc.stderr
     run_dir = project / "runs" / "lm"
+    monkeypatch.chdir(project)  # train.fit runs what the CLI ran, to the same params
+    fitted = train.fit(None, "lm.yaml", overrides={"name": "lm_fit"}, echo=lambda line: None)
+    assert "val_bits_per_char" in fitted.summary
+    assert_same_tree(fitted.params, nl.load(final_checkpoint(run_dir), subtree="params"))
     sample = run_cli(
         project, "--run", str(run_dir), "--prompt", "the ", "--tokens", "20", module="train.sample"
     )
