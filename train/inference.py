@@ -10,6 +10,7 @@ Example (after ``python -m train --config configs/digits_mlp.yaml``)::
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,7 +172,7 @@ def predict(model: Model, params, x: np.ndarray, batch_size: int = 1024) -> np.n
     x = np.asarray(x)
     if len(x) == 0:
         raise ConfigError("no examples to predict (x is empty)")
-    apply = jax.jit(lambda p, xb: model(p, xb))
+    apply = _apply(model)
     outs = []
     for i in range(0, len(x), batch_size):
         try:
@@ -179,6 +180,13 @@ def predict(model: Model, params, x: np.ndarray, batch_size: int = 1024) -> np.n
         except (TypeError, ValueError) as e:  # a shape the model refuses, named by the layer
             raise ConfigError(str(e).splitlines()[0]) from None
     return np.concatenate(outs)
+
+
+@functools.cache
+def _apply(model: Model):
+    """The jitted inference call of ``model`` (models are hashable: one per model, so
+    predicting again, or in batches, compiles nothing new)."""
+    return jax.jit(lambda params, x: model(params, x))
 
 
 def generate(

@@ -19,7 +19,7 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ._dropout import check_rate, dropout
-from ._linear import Linear
+from ._linear import Linear, linear_like
 from ._rotary import RotaryEmbedding
 
 __all__ = [
@@ -226,25 +226,15 @@ class MultiHeadAttention(Module):
         positions along the T axis of ``[..., T, num_heads, head_dim]``."""
         return RotaryEmbedding(self.head_dim, self.rotary_base, seq_axis=-3)
 
-    def _linear(self, out_features: int) -> Linear:
-        return Linear(
-            self.features,
-            out_features,
-            use_bias=self.use_bias,
-            w_init=self.w_init,
-            param_dtype=self.param_dtype,
-            dtype=self.dtype,
-        )
-
     @property
     def qkv_linear(self) -> Linear:
         """The fused q/k/v projection, ``features -> 3 * features``."""
-        return self._linear(3 * self.features)
+        return linear_like(self, self.features, 3 * self.features)
 
     @property
     def out_linear(self) -> Linear:
         """The output projection, ``features -> features``."""
-        return self._linear(self.features)
+        return linear_like(self, self.features, self.features)
 
     def init(self, key: jax.Array) -> ParamsDict:
         k_qkv, k_out = jax.random.split(key)

@@ -11,7 +11,7 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ._attention import MultiHeadAttention
 from ._dropout import dropout
-from ._linear import Linear
+from ._linear import Linear, linear_like
 from ._names import get_activation
 from ._normalisation import LayerNorm
 from ._ops import add
@@ -32,23 +32,13 @@ class _MLP(Module):
     param_dtype: str = "float32"
     dtype: str | None = None
 
-    def _linear(self, i: int, o: int) -> Linear:
-        return Linear(
-            i,
-            o,
-            use_bias=self.use_bias,
-            w_init=self.w_init,
-            param_dtype=self.param_dtype,
-            dtype=self.dtype,
-        )
-
     @property
     def fc(self) -> Linear:
-        return self._linear(self.features, self.hidden)
+        return linear_like(self, self.features, self.hidden)
 
     @property
     def proj(self) -> Linear:
-        return self._linear(self.hidden, self.features)
+        return linear_like(self, self.hidden, self.features)
 
     def init(self, key: jax.Array) -> ParamsDict:
         k_fc, k_proj = jax.random.split(key)
