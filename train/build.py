@@ -21,10 +21,18 @@ from models.contract import Model
 
 from . import memory, parallel, rundir
 from .config import Config, ConfigError, ModelConfig
-from .data import Dataset, load_dataset, text_context
+from .data import Dataset, batch_dtype, host_batch, load_dataset, text_context
 from .optim import build_optimizer
 from .parallel.base import Strategy
-from .step import Stepper, batch_grads_fn, build_split_eval, build_stepper, compile_async, uses_key
+from .step import (
+    Stepper,
+    batch_grads_fn,
+    build_chunk_eval,
+    build_split_eval,
+    build_stepper,
+    compile_async,
+    uses_key,
+)
 from .timings import Timings
 
 # Examples evaluated per chunk of a windowed (text) split: 32k tokens, e.g. 512 windows of
@@ -219,6 +227,7 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str) -> Stepper:
         nonfinite,
         window=r.data.window,
         key_seed=cfg.seed if uses_key(r.model) else None,
+        streamed=r.data.streamed,
     )
 
 
@@ -257,11 +266,13 @@ class Prepared:
     params0: nl.ParamsDict  # initial params and optimizer state, host copies
     opt0: Any
     stepper: Stepper
-    evaluate: Callable  # jitted (params, X, Y) -> {metric: mean}
-    X: jax.Array  # the train split, placed for the stepper
-    Y: jax.Array
-    X_test: jax.Array  # the test split, on eval_device
-    Y_test: jax.Array
+    # jitted (params, X, Y) -> {metric: mean}; streamed: (params, x, y, n) -> (sums, count)
+    # of one chunk (train.feed.evaluate)
+    evaluate: Callable
+    X: Any  # the train split, placed for the stepper (streamed: ())
+    Y: Any
+    X_test: Any  # the test split, on eval_device (streamed: None, read a chunk at a time)
+    Y_test: Any
     eval_device: jax.Device
 
     @property
@@ -302,17 +313,32 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     p_avals, o_avals = init.out_info
     p_def, o_def = jax.tree.structure(p_avals), jax.tree.structure(o_avals)
     stepper = make_stepper(r, p_def, o_def, nonfinite)
-    X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
     eval_dev = r.strategy.eval_device
-    X_test, Y_test = (
-        jax.device_put(r.data.x_test, eval_dev),
-        jax.device_put(r.data.y_test, eval_dev),
-    )
-    chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
-    if r.data.window is not None:
-        chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
-    evaluate = build_split_eval(r.model, chunk)
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
+    first_batch = None
+    if r.data.streamed:  # batches come from the host (train/feed.py): nothing placed whole
+        from .feed import eval_chunk
+
+        X = Y = ()
+        first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)
+        X_test = Y_test = None
+        chunk = eval_chunk(r.data)
+        evaluate = build_chunk_eval(r.model)
+        eval_args = [
+            jax.ShapeDtypeStruct((chunk, *a.shape[1:]), batch_dtype(a), sharding=on_eval_dev)
+            for a in (r.data.x_test, r.data.y_test)
+        ] + [jax.ShapeDtypeStruct((), np.int32, sharding=on_eval_dev)]
+    else:
+        X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
+        X_test, Y_test = (
+            jax.device_put(r.data.x_test, eval_dev),
+            jax.device_put(r.data.y_test, eval_dev),
+        )
+        chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
+        if r.data.window is not None:
+            chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
+        evaluate = build_split_eval(r.model, chunk)
+        eval_args = [X_test, Y_test]
     eval_params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), p_avals
     )
@@ -321,10 +347,10 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
         if p_abs is not None:  # pmap compiles on its first call
             o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
-            idx = stepper.put_indices(first_indices, 0)
-            jobs.append(compile_async(pool, stepper.run, p_abs, o_abs, X, Y, idx))
+            batch = first_batch if r.data.streamed else stepper.put_indices(first_indices, 0)
+            jobs.append(compile_async(pool, stepper.run, p_abs, o_abs, X, Y, batch))
         init_job = compile_async(pool, init)
-        jobs.append(compile_async(pool, evaluate, eval_params, X_test, Y_test))
+        jobs.append(compile_async(pool, evaluate, eval_params, *eval_args))
         # Host copies: the step donates its inputs, and these are needed again (resume, replay).
         params0, opt0 = jax.device_get(init_job.result()(seed))
         for job in jobs:

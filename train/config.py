@@ -38,7 +38,17 @@ def choice(default: Any, choices: tuple) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
-DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
+DATA_NAMES = (
+    "digits",
+    "mnist1d",
+    "linreg",
+    "npz",
+    "text",
+    "shakespeare_char",
+    "tokens",
+    "arrays",
+)
+PLACEMENTS = ("auto", "device", "host")
 GRAD_MODES = ("autodiff", "manual", "fused")  # each model's grad_modes: a subset (tested)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
@@ -66,13 +76,22 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     name: str = choice("digits", DATA_NAMES)  # data set (see train/data.py)
-    path: str | None = None  # npz: file with arrays x, y (x_test, y_test); text: a UTF-8 file
-    test_fraction: float = 0.2  # digits/npz without x_test: held-out share, stratified
+    # npz: file with arrays x, y (x_test, y_test); text: a UTF-8 file; tokens: a directory
+    # written by python -m train.prepare; arrays: a directory of x.npy, y.npy (x_test.npy,
+    # y_test.npy), memory-mapped
+    path: str | None = None
+    # Where the training set lives: "device" (whole, each step gathers its batch there),
+    # "host" (each batch read on the host and sent a call ahead, streamed), or "auto"
+    # (device when the training set takes at most 256 MiB there, else host)
+    placement: str = choice("auto", PLACEMENTS)
+    # digits/npz without x_test: held-out share, stratified; arrays without x_test.npy: the
+    # last rows
+    test_fraction: float = 0.2
     split_seed: int = 0  # seed of the fixed train/test split
     num_samples: int = 5000  # mnist1d: total examples generated (80% train)
     val_fraction: float = 0.1  # text, shakespeare_char: the tail of the text held out
-    eval_windows: int = 2400  # text, shakespeare_char: fixed validation windows evaluated
-    # text, shakespeare_char: tokens per training window; null: the model's context field
+    eval_windows: int = 2400  # text, shakespeare_char, tokens: fixed validation windows evaluated
+    # text, shakespeare_char, tokens: tokens per training window; null: the model's context field
     # when the config sets it, else 64. Fills the model's `context`.
     context: int | None = None
 
@@ -435,7 +454,7 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("distributed.num_processes", f"must be >= 1, got {dc.num_processes}")
     if dc.process_id is not None and dc.process_id < 0:
         raise bad("distributed.process_id", f"must be >= 0, got {dc.process_id}")
-    if cfg.data.name in ("npz", "text") and not cfg.data.path:
+    if cfg.data.name in ("npz", "text", "tokens", "arrays") and not cfg.data.path:
         raise bad("data.path", f"is required when data.name is {cfg.data.name}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise bad("data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")

@@ -1,7 +1,9 @@
 """Data sets and the seeded data order.
 
-Every data set is small enough to live on the device; each step the host sends only the
-indices of the batch. For example data sets the order is a function of (seed, epoch); for
+A small data set lives on the device and each step the host sends only the indices of
+the batch; a big one (``data.placement``: host, or auto above a size, see
+``train/streamed.py``) stays on disk or in host memory and each call's batches are read
+on the host and sent ahead (``train/feed.py``). For example data sets the order is a function of (seed, epoch); for
 text the batch of step ``s`` is ``batch_size`` random window starts drawn from
 ``default_rng([seed, s])``. Either way a checkpoint's step number is its data position.
 """
@@ -36,6 +38,10 @@ class Dataset:
     window: int | None = None
     vocab: str | None = None  # text only: the characters, in id order
     note: str = ""  # said when the data set is built (e.g. characters dropped)
+    # Batches are read on the host and sent per call (data.placement: host): x, y may be
+    # memory maps of any int/float dtype, converted per batch (see batch_dtype)
+    streamed: bool = False
+    tokenizer: str | None = None  # prepared tokens: train.tokenizer.to_spec of the tokenizer
 
     @property
     def task(self) -> str:
@@ -56,9 +62,11 @@ class Dataset:
     def describe(self) -> str:
         if self.window is None:
             return f"{len(self.x)} train / {len(self.x_test)} test"
+        unit = "chars" if self.tokenizer is None else "tokens"
         return (
-            f"{len(self.x) + 1:,} train chars / {len(self.x_test)} val windows of "
-            f"{self.window}, vocabulary {len(self.vocab)}"
+            f"{len(self.x) + 1:,} train {unit} / {len(self.x_test)} val windows of "
+            f"{self.window}, vocabulary {self.num_classes}"
+            + (", streamed" if self.streamed else "")
         )
 
     @property
@@ -82,11 +90,17 @@ def text_context(cfg) -> int:
 def load_dataset(cfg: DataConfig, context: int | None = None) -> Dataset:
     """Build the data set named by ``cfg.name``; text data sets need the model's
     ``context`` (the window length)."""
-    if cfg.name in _TEXT_LOADERS:
+    from . import streamed
+
+    if cfg.name in _TEXT_LOADERS or cfg.name == "tokens":
         if context is None:
             raise ConfigError(f"data.name={cfg.name} needs a model with a context length")
-        return _TEXT_LOADERS[cfg.name](cfg, context)
-    return _LOADERS[cfg.name](cfg)
+        if cfg.name == "tokens":
+            return streamed.place(streamed.tokens(cfg, context), cfg)
+        return streamed.place(_TEXT_LOADERS[cfg.name](cfg, context), cfg)
+    if cfg.name == "arrays":
+        return streamed.place(streamed.arrays(cfg), cfg)
+    return streamed.place(_LOADERS[cfg.name](cfg), cfg)
 
 
 def _split(x: np.ndarray, y: np.ndarray, cfg: DataConfig, stratify: bool):
@@ -406,12 +420,26 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
 
 
+def batch_dtype(a: np.ndarray) -> np.dtype:
+    """The dtype a batch of array ``a`` has in the step: int32 for integers (labels, token
+    ids stored as uint8/16/32), float32 for floats."""
+    return np.dtype(np.int32 if np.issubdtype(a.dtype, np.integer) else np.float32)
+
+
 def host_batch(data: Dataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The batch ``(x, y)`` that indices ``idx`` name, on the host (what the compiled step
-    gathers on the device: rows, or text windows starting at ``idx``)."""
-    if data.window is not None:
-        idx = np.asarray(idx)[:, None] + np.arange(data.window)
-    return data.x[idx], data.y[idx]
+    gathers on the device: rows, or text windows starting at ``idx``), in the step's dtypes.
+    Reads only those rows or windows (``x``/``y`` may be memory maps); any leading shape
+    of ``idx`` is kept."""
+    idx = np.asarray(idx)
+    x, y = data.x, data.y
+    if data.window is not None:  # [n - window + 1, window] views: no copy until indexed
+        x = np.lib.stride_tricks.sliding_window_view(x, data.window)
+        y = np.lib.stride_tricks.sliding_window_view(y, data.window)
+    flat = idx.reshape(-1)
+    xb = np.asarray(x[flat], batch_dtype(data.x))
+    yb = np.asarray(y[flat], batch_dtype(data.y))
+    return xb.reshape(*idx.shape, *xb.shape[1:]), yb.reshape(*idx.shape, *yb.shape[1:])
 
 
 class Sampler(Protocol):

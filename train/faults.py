@@ -167,14 +167,22 @@ def explain_nonfinite(
             saved = load_checkpoint(r.cfg, good_ckpt, params0, opt0)
             p_host, o_host = saved.p_leaves, saved.o_leaves
         p_host, o_host = dist.broadcast((p_host, o_host))
-    X, Y = checker.put_data(r.data.x), checker.put_data(r.data.y)
+    if checker.streamed:
+        from .feed import call_batch
+
+        X = Y = ()
+    else:
+        X, Y = checker.put_data(r.data.x), checker.put_data(r.data.y)
 
     def replay(upto: int):
         """State after steps good_step..upto-1, and the first flagged step on the way."""
         p, o = checker.put_state(p_host), checker.put_state(o_host)
         for s in range(good_step, upto):
-            idx = checker.put_indices(dist.process_share(sampler.batches(s, 1)), s)
-            p, o, m = checker.run(p, o, X, Y, idx)
+            if checker.streamed:
+                batch = checker.put_batch(*call_batch(r.data, sampler, s, 1), s)
+            else:
+                batch = checker.put_indices(dist.process_share(sampler.batches(s, 1)), s)
+            p, o, m = checker.run(p, o, X, Y, batch)
             if step_flags(m).any():
                 return p, o, s + 1
         return p, o, None

@@ -42,6 +42,8 @@ class LoadedRun:
     opt_state: Any = None  # the optimizer state (None unless asked for)
     vocab: str | None = None  # text runs: the characters, in id order
     metadata: dict = field(default_factory=dict)  # the checkpoint's metadata
+    # runs on prepared tokens (data.name: tokens): their tokenizer (train/tokenizer.py)
+    tokenizer: Any = None
 
     def predict(self, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
         """The model's outputs for inputs ``x`` (logits for a classifier, predictions for
@@ -50,7 +52,9 @@ class LoadedRun:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` in the run's vocabulary (a ConfigError names characters
-        it does not have)."""
+        it does not have); runs on prepared tokens encode with their tokenizer."""
+        if self.vocab is None and self.tokenizer is not None:
+            return self.tokenizer.encode(text).tolist()
         if self.vocab is None:
             raise ConfigError(f"run {self.run_dir} is not a text model: it has no vocabulary")
         lut = {c: i for i, c in enumerate(self.vocab)}
@@ -63,6 +67,8 @@ class LoadedRun:
         return [lut[c] for c in text]
 
     def decode(self, ids) -> str:
+        if self.vocab is None and self.tokenizer is not None:
+            return self.tokenizer.decode(ids)
         return "".join(self.vocab[int(i)] for i in ids)
 
     def generate(
@@ -126,8 +132,22 @@ def load_run(
             raise ConfigError(
                 f"checkpoint {checkpoint}: its vocabulary is not valid JSON"
             ) from None
+    tokenizer = None
+    if "tokenizer" in meta:
+        from .tokenizer import from_spec
+
+        try:
+            tokenizer = from_spec(meta["tokenizer"])
+        except (ValueError, KeyError, TypeError) as e:
+            if isinstance(e, ConfigError):
+                raise ConfigError(f"checkpoint {checkpoint}: {e}") from None
+            raise ConfigError(
+                f"checkpoint {checkpoint}: its tokenizer metadata is not readable ({e})"
+            ) from None
     step = int(meta.get("step", ckpt.step_of(checkpoint)))
-    return LoadedRun(run_dir, cfg, model, params, step, checkpoint, opt_state, vocab, meta)
+    return LoadedRun(
+        run_dir, cfg, model, params, step, checkpoint, opt_state, vocab, meta, tokenizer
+    )
 
 
 def model_of(spec: ModelConfig) -> Model:

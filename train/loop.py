@@ -16,10 +16,11 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from . import faults, report, rundir
+from . import faults, feed, report, rundir
 from .build import Prepared, Run, build, make_stepper, prepare
 from .config import Config
 from .data import Dataset, Sampler, make_sampler
+from .feed import BatchFeed, call_schedule
 from .optim import schedule
 from .plot import CurvePlotter, plot_curves
 from .resume import agree_on_start, metadata
@@ -136,6 +137,7 @@ class _Loop:
     plotter: CurvePlotter | None = None  # None: draw in finish()
     watchdog: faults.Watchdog | None = None
     in_flight: list = field(default_factory=list)  # outputs of calls not yet waited for
+    feed: BatchFeed | None = None  # streamed data: each call's batch, placed a call ahead
 
     @classmethod
     def begin(cls, r: Run, resume: str, echo, timings: Timings, plotter=None) -> _Loop:
@@ -183,6 +185,10 @@ class _Loop:
             cap=0.8 * settings.heartbeat_timeout if settings else None,
             fresh_line=cfg.log.progress and dist.is_main(),
         )
+        if r.data.streamed:
+            every = boundaries(cfg)
+            calls = call_schedule(start, cfg.train.steps, lambda s: steps_in_call(cfg, s, every))
+            loop.feed = BatchFeed(r.data, sampler, prep.stepper, calls)
         loop.t_start = loop.t_window = time.perf_counter()
         timings.lap("other")
         return loop
@@ -193,13 +199,18 @@ class _Loop:
         """One compiled call: up to ``train.steps_per_call`` steps, up to the next boundary."""
         cfg, stepper = self.r.cfg, self.prep.stepper
         k = steps_in_call(cfg, self.step, boundaries(cfg))
-        idx = stepper.put_indices(dist.process_share(self.sampler.batches(self.step, k)), self.step)
+        if self.feed is not None:  # streamed: read and placed while the last call ran
+            batch = self.feed.get(self.step, k)
+        else:
+            batch = stepper.put_indices(
+                dist.process_share(self.sampler.batches(self.step, k)), self.step
+            )
         if faults.stuck_here(self.step, k, jax.process_index()):  # test hook
             stuck = faults.StuckCall()
             self.watchdog.watch(self.step, stuck)
             stuck.block_until_ready()  # as at any sync point: never returns
         self.p_leaves, self.o_leaves, self.metrics = stepper.run(
-            self.p_leaves, self.o_leaves, self.prep.X, self.prep.Y, idx
+            self.p_leaves, self.o_leaves, self.prep.X, self.prep.Y, batch
         )
         self.watchdog.watch(self.step, self.metrics)
         # Several processes on CPU (gloo): every local device's part of a call runs on a
@@ -277,7 +288,12 @@ class _Loop:
         params = jax.tree.unflatten(
             prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
         )
-        result = prep.evaluate(params, prep.X_test, prep.Y_test)
+        if self.r.data.streamed:  # a chunk at a time from the host
+            result = feed.evaluate(
+                prep.evaluate, params, self.r.data, feed.eval_chunk(self.r.data), prep.eval_device
+            )
+        else:
+            result = prep.evaluate(params, prep.X_test, prep.Y_test)
         self.last_eval = {k: float(v) for k, v in result.items()}
         self._write(
             {
@@ -324,6 +340,8 @@ class _Loop:
         return r
 
     def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
         self.bar.close()
         if self.log is not None:
             self.log.close()

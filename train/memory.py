@@ -22,6 +22,7 @@ import numpy as np
 from models import contract
 
 from .config import Config, ConfigError
+from .data import batch_dtype
 
 
 def format_bytes(n: float) -> str:
@@ -94,8 +95,8 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     micro = max(local_batch // cfg.train.grad_accum_steps, 1)
     # What the step gathers: rows, or text windows of `window` tokens per example.
     lead = (micro,) if getattr(data, "window", None) is None else (micro, data.window)
-    x = jax.ShapeDtypeStruct((*lead, *data.x.shape[1:]), data.x.dtype)
-    y = jax.ShapeDtypeStruct((*lead, *data.y.shape[1:]), data.y.dtype)
+    x = jax.ShapeDtypeStruct((*lead, *data.x.shape[1:]), batch_dtype(data.x))
+    y = jax.ShapeDtypeStruct((*lead, *data.y.shape[1:]), batch_dtype(data.y))
 
     objective = contract.objective_fn(model)
 
@@ -104,7 +105,18 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
 
     jaxpr = jax.make_jaxpr(loss_and_grad)(p_avals, x, y).jaxpr
     per_device_batch = _nbytes((x, y)) + _largest_intermediate(jaxpr)
-    data_bytes = data.x.nbytes + data.y.nbytes + data.x_test.nbytes + data.y_test.nbytes
+    train_bytes = data.x.nbytes + data.y.nbytes
+    data_bytes = train_bytes + data.x_test.nbytes + data.y_test.nbytes
+    if getattr(data, "streamed", False):
+        # streamed: the training split stays on disk (memory maps) or in host memory, and
+        # the devices hold a few calls' batches (train/feed.py), never the split itself
+        from .feed import DEPTH
+
+        calls = (DEPTH + 2) * cfg.train.steps_per_call
+        train_bytes = calls * _nbytes((x, y)) * local_batch // micro
+        data_bytes = train_bytes + (data.x_test.nbytes + data.y_test.nbytes) * (
+            not isinstance(data.x_test, np.memmap)
+        )
     # host: the sampler's [steps_per_call, batch] int32 indices (and an epoch order the
     # size of the batch when the data set is smaller than one)
     indices = 4 * cfg.train.batch_size * (cfg.train.steps_per_call + 2)
@@ -113,14 +125,14 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     if limit is None:  # CPU: every device and the host share this machine's memory
         return Estimate(
             state=(p + o) + n_local * (2 * p_dev + o_dev),
-            data=data_bytes + n_local * (data.x.nbytes + data.y.nbytes),
+            data=data_bytes + n_local * train_bytes,
             batch=indices + n_local * per_device_batch,
             limit=host_memory_bytes(),
             where="this machine",
         )
     return Estimate(  # one accelerator's share
         state=2 * p_dev + o_dev,
-        data=data.x.nbytes + data.y.nbytes,
+        data=train_bytes,
         batch=per_device_batch,
         limit=limit,
         where=f"device {devices[0]}",

@@ -2,7 +2,8 @@
 [--top-k K] [--seed S]``: generate text from a run's newest checkpoint.
 
 The run directory holds what sampling needs: ``config.yaml`` (the model) and checkpoints
-whose metadata carry the character vocabulary; any language-model run samples, a user's
+whose metadata carry the character vocabulary, or the tokenizer of a run on prepared
+tokens (char, byte or BPE: the prompt is encoded and the output decoded with it); any language-model run samples, a user's
 own model included (``train.inference.generate``). Generation is one compiled program: the
 GPT's key/value cache (``GPT.generate``), or a sliding window for any other model; the
 text goes to stdout, timings to stderr. Text
@@ -28,7 +29,7 @@ def parse_args(argv):
     )
     ap.add_argument("--run", required=True, help="run directory, e.g. runs/shakespeare_gpt")
     ap.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
-    ap.add_argument("--tokens", type=int, default=500, help="characters to generate")
+    ap.add_argument("--tokens", type=int, default=500, help="tokens (characters) to generate")
     ap.add_argument(
         "--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy"
     )
@@ -47,12 +48,13 @@ def parse_args(argv):
 
 
 def load_model(run_dir: Path):
-    """``(loaded run, vocab)`` of the newest checkpoint of ``run_dir`` (a language model)."""
+    """``(loaded run, vocab)`` of the newest checkpoint of ``run_dir`` (a language model;
+    vocab is None for a run with a byte or BPE tokenizer, ``run.tokenizer``)."""
     from .inference import load_run
 
     run = load_run(run_dir)
     cfg = run.config
-    if run.vocab is None:
+    if run.vocab is None and run.tokenizer is None:
         raise ConfigError(
             f"checkpoint {run.checkpoint}: no vocabulary in its metadata; model.name="
             f"{cfg.model.name} with data.name={cfg.data.name} is not a text model"
@@ -64,20 +66,24 @@ def load_model(run_dir: Path):
     return run, run.vocab
 
 
-def encode_prompt(prompt: str, vocab: str, context: int) -> list[int]:
-    lut = {c: i for i, c in enumerate(vocab)}
-    unknown = sorted(set(prompt) - set(lut))
-    if unknown:
+def encode_prompt(prompt: str, run) -> list[int]:
+    """The prompt's ids in the run's vocabulary or tokenizer (at most a context of them)."""
+    context = run.model.context
+    if run.vocab is not None:
+        unknown = sorted(set(prompt) - set(run.vocab))
+        if unknown:
+            raise ConfigError(
+                f"--prompt has characters outside the model's vocabulary: "
+                f"{''.join(unknown)!r}; the vocabulary is {run.vocab!r}"
+            )
+    ids = run.encode(prompt)
+    if len(ids) > context:
+        unit = "characters" if run.vocab is not None else "tokens"
         raise ConfigError(
-            f"--prompt has characters outside the model's vocabulary: "
-            f"{''.join(unknown)!r}; the vocabulary is {vocab!r}"
-        )
-    if len(prompt) > context:
-        raise ConfigError(
-            f"--prompt is {len(prompt)} characters, longer than the model's context "
+            f"--prompt is {len(ids)} {unit}, longer than the model's context "
             f"of {context}; shorten it"
         )
-    return [lut[c] for c in prompt]
+    return ids
 
 
 def generate(model, params, ids, n_tokens, seed, temperature, top_k):
@@ -107,10 +113,10 @@ def main(argv=None) -> int:
         path = run.checkpoint
         prompt = args.prompt
         if prompt is None:
-            prompt = "\n" if "\n" in vocab else vocab[0]
+            prompt = "\n" if vocab is None or "\n" in vocab else vocab[0]
         if not prompt:
             raise ConfigError("--prompt must not be empty (omit it to start from a newline)")
-        ids = encode_prompt(prompt, vocab, run.model.context)
+        ids = encode_prompt(prompt, run)
         top_k = args.top_k or None
         out, t_compile, t_gen = generate(
             run.model, run.params, ids, args.tokens, args.seed, args.temperature, top_k
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_BAD_INPUT
-    print("".join(vocab[int(i)] for i in out))
+    print(run.decode(out))
     print(
         f"[{path.name}: {args.tokens} tokens in {t_gen:.3f} s, "
         f"{args.tokens / max(t_gen, 1e-9):,.0f} tokens/s; compiled in {t_compile:.2f} s]",

@@ -3,8 +3,10 @@
 The step carries *flat leaves* of the params and optimizer state (flattened once on the
 host, unflattened inside the compiled function), so dispatch never walks a ParamsDict. It
 takes the whole (small) data set, already on the device(s), plus a ``[K, batch]`` block of
-indices, and runs K optimizer steps with ``lax.scan`` (K=1 is a plain step). Params and
-optimizer state buffers are donated.
+indices, and runs K optimizer steps with ``lax.scan`` (K=1 is a plain step). Streamed
+data (``data.placement: host``) takes the batch itself instead: ``(x, y)`` of ``[K,
+batch, ...]``, read on the host and placed a call ahead (``train/feed.py``); the rest of
+the step is the same code. Params and optimizer state buffers are donated.
 
 How the step is spread over devices (reductions, keys, placement, compilation) is the
 business of a strategy object (``train.parallel``); nothing here names a strategy.
@@ -110,12 +112,14 @@ class Stepper:
     """A compiled multi-step function and the strategy that places its arguments.
 
     ``run(p_leaves, o_leaves, X, Y, batch) -> (p_leaves, o_leaves, metrics[K])``, where
-    ``batch`` is what :meth:`put_indices` returns for a ``[K, B]`` block.
+    ``batch`` is what :meth:`put_indices` returns for a ``[K, B]`` block, or, streamed,
+    what :meth:`put_batch` returns (``X``, ``Y`` are then empty tuples).
     """
 
     strategy: Strategy
     run: Callable
     keyed: bool  # the indices travel with their step numbers (a model that takes a key)
+    streamed: bool = False  # the step takes (x, y) batches, not indices into X, Y
 
     @property
     def devices(self) -> list:
@@ -134,6 +138,16 @@ class Stepper:
         if not self.keyed:
             return placed
         steps = np.arange(first_step, first_step + idx.shape[0], dtype=np.int32)
+        return placed, self.strategy.put_steps(steps)
+
+    def put_batch(self, x: np.ndarray, y: np.ndarray, first_step: int = 0) -> Any:
+        """This process's host batch ``x``, ``y`` ``[K, B, ...]`` of the call whose first
+        step is ``first_step``, placed (each device only its slice; paired with the step
+        numbers when keyed)."""
+        placed = self.strategy.put_batch((x, y))
+        if not self.keyed:
+            return placed
+        steps = np.arange(first_step, first_step + x.shape[0], dtype=np.int32)
         return placed, self.strategy.put_steps(steps)
 
     def get_state(self, leaves: list) -> list:
@@ -187,6 +201,7 @@ def build_stepper(
     *,
     window: int | None = None,
     key_seed: int | None = None,
+    streamed: bool = False,
 ) -> Stepper:
     """The compiled step for ``strategy`` (see the module docstring).
 
@@ -196,14 +211,15 @@ def build_stepper(
     ``"stop"`` adds nothing (see :func:`step_flags`). ``window``: the data are token
     streams and indices are window starts (:func:`gather_batch`). ``key_seed``: the model
     takes a random key per step, :func:`step_key` of this seed and the step number (the
-    indices then travel with their step numbers); None: it takes none.
+    indices then travel with their step numbers); None: it takes none. ``streamed``: the
+    step takes the batch ``(x, y)`` itself (:meth:`Stepper.put_batch`), not indices.
     """
     keyed = key_seed is not None
 
-    def one_step(p_leaves, o_leaves, X, Y, idx, step):
+    def one_step(p_leaves, o_leaves, X, Y, data, step):
         params = jax.tree.unflatten(params_def, p_leaves)
         opt_state = jax.tree.unflatten(opt_def, o_leaves)
-        x, y = gather_batch(X, Y, idx, window)
+        x, y = data if streamed else gather_batch(X, Y, data, window)
         key = step_key(key_seed, step, strategy) if keyed else None
         loss, metrics, grads = batch_grads(params, x, y, key)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -221,10 +237,11 @@ def build_stepper(
         return jax.tree.leaves(new_params), jax.tree.leaves(new_opt_state), metrics
 
     def multi_step(p_leaves, o_leaves, X, Y, batch):
-        idx, steps = batch if keyed else (batch, None)
-        if idx.shape[0] == 1:
+        data, steps = batch if keyed else (batch, None)
+        if jax.tree.leaves(data)[0].shape[0] == 1:
             s = None if steps is None else steps[0]
-            p_leaves, o_leaves, m = one_step(p_leaves, o_leaves, X, Y, idx[0], s)
+            first = jax.tree.map(lambda a: a[0], data)
+            p_leaves, o_leaves, m = one_step(p_leaves, o_leaves, X, Y, first, s)
             return p_leaves, o_leaves, jax.tree.map(lambda v: v[None], m)
 
         def body(carry, xs):
@@ -235,7 +252,7 @@ def build_stepper(
         (p_leaves, o_leaves), m = jax.lax.scan(body, (p_leaves, o_leaves), batch)
         return p_leaves, o_leaves, m
 
-    return Stepper(strategy, strategy.compile(multi_step, keyed=keyed), keyed)
+    return Stepper(strategy, strategy.compile(multi_step, keyed=keyed), keyed, streamed)
 
 
 def compile_async(executor: Executor, fn, *args) -> Future:
@@ -300,3 +317,24 @@ def build_split_eval(model, chunk: int) -> Callable:
         return jax.tree.map(jnp.mean, values)
 
     return evaluate
+
+
+def build_chunk_eval(model) -> Callable:
+    """Jitted ``(params, x, y, n) -> ({loss, metric: sum}, count)`` over the first ``n``
+    rows of one chunk of a split (the rest is padding, so every chunk has one shape): a
+    streamed split is evaluated a chunk at a time, its means summed up on the host."""
+
+    @jax.jit
+    def sums(params, x, y, n):
+        loss, metrics = contract.per_example_loss(model, params, x, y)
+        values = {"loss": loss, **metrics}
+        keep = jnp.arange(x.shape[0]) < n
+
+        def masked_sum(v):
+            v = v.reshape(v.shape[0], -1)
+            return jnp.sum(jnp.where(keep[:, None], v, 0).astype(jnp.float32))
+
+        per_row = loss.reshape(loss.shape[0], -1).shape[1]
+        return jax.tree.map(masked_sum, values), n * per_row
+
+    return sums

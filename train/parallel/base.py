@@ -24,8 +24,8 @@ class Strategy:
       (:meth:`global_loss`), how the loss, metrics and gradients are reduced over devices
       (:meth:`reduce`), and each device's random key (:meth:`device_key`);
     - **around it**: how the step is compiled (:meth:`compile`), where the state, the data
-      and each call's indices are placed (:meth:`put_state`, :meth:`put_data`,
-      :meth:`put_indices`, :meth:`put_steps`), how one copy of the state comes back for
+      and each call's indices or streamed batches are placed (:meth:`put_state`,
+      :meth:`put_data`, :meth:`put_indices`, :meth:`put_batch`, :meth:`put_steps`), how one copy of the state comes back for
       evaluation and checkpoints (:meth:`get_state`), each leaf's sharding
       (:meth:`leaf_sharding`, for compiling ahead of time) and bytes per device
       (:meth:`bytes_per_device`, for the memory estimate and the banner).
@@ -71,7 +71,9 @@ class Strategy:
     def compile(self, multi_step: Callable, *, keyed: bool) -> Callable:
         """The compiled ``(p_leaves, o_leaves, X, Y, batch) -> (p_leaves, o_leaves,
         metrics)`` (params and optimizer state donated). ``keyed``: ``batch`` is
-        ``(indices, step numbers)``, else indices alone."""
+        ``(data, step numbers)``, else data alone; data is a ``[K, B]`` index block, or a
+        streamed ``(x, y)`` of ``[K, B, ...]`` arrays split along axis 1 like indices
+        (then ``X``, ``Y`` are empty tuples)."""
         raise NotImplementedError
 
     def put_state(self, leaves: list) -> list:
@@ -84,6 +86,14 @@ class Strategy:
 
     def put_indices(self, idx: np.ndarray) -> Any:
         """This process's ``[K, B / processes]`` int indices of a call, placed."""
+        raise NotImplementedError
+
+    def put_batch(self, batch: Any) -> Any:
+        """This process's share of a call's streamed batch, a pytree of host arrays
+        ``[K, B / processes, ...]`` (the K steps' inputs and targets), placed so that each
+        device receives only its slice of axis 1 (as :meth:`put_indices` splits indices).
+        May be called on a background thread (the next call's batch is sent while the
+        current one runs)."""
         raise NotImplementedError
 
     def put_steps(self, steps: np.ndarray) -> Any:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .data_parallel import AXIS, DataParallel
 
@@ -19,6 +21,11 @@ class Pmap(DataParallel):
     def __init__(self, devices):
         super().__init__(devices)
         self._replicate = jax.pmap(lambda v: v, devices=self.local_devices)
+        # streamed batches: the leading (device) axis split over every process's devices
+        mesh = jax.make_mesh(
+            (len(self.devices),), (AXIS,), (jax.sharding.AxisType.Auto,), devices=self.devices
+        )
+        self._by_device = NamedSharding(mesh, P(AXIS))
 
     def reduce(self, loss, metrics, grads, *, local_grads=False):
         return jax.lax.pmean((loss, metrics, grads), AXIS)
@@ -41,6 +48,19 @@ class Pmap(DataParallel):
         n = len(self.local_devices)
         k, b = idx.shape
         return np.ascontiguousarray(idx.reshape(k, n, b // n).transpose(1, 0, 2))
+
+    def put_batch(self, batch):
+        # this process's [K, B, ...] -> [local devices, K, B / local devices, ...], each
+        # device's block placed on it alone (pmap takes it without another copy)
+        n, count = len(self.local_devices), jax.process_count()
+
+        def put(a):
+            k, b = a.shape[:2]
+            local = a.reshape(k, n, b // n, *a.shape[2:]).swapaxes(0, 1)
+            shape = (n * count, *local.shape[1:])
+            return jax.make_array_from_process_local_data(self._by_device, local, shape)
+
+        return jax.tree.map(put, batch)
 
     def put_steps(self, steps):
         return np.broadcast_to(steps, (len(self.local_devices), *steps.shape))

@@ -40,6 +40,9 @@ class Single(Strategy):
         # costs tens of microseconds per call, as much as a whole small step.
         return np.asarray(idx)
 
+    def put_batch(self, batch):
+        return jax.device_put(batch, self.device)  # asynchronous: the copy overlaps the step
+
     def put_steps(self, steps):
         return np.asarray(steps)
 

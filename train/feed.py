@@ -1,0 +1,109 @@
+"""Streamed batches (``data.placement: host``): read on the host, placed a call ahead.
+
+Each call of the loop runs K steps from step s. Its batch is a pure function of
+``(seed, s, K)``: the sampler's ``[K, global batch]`` indices (rows, or text window
+starts), this process's block of them (``train.distributed.process_share``), the rows or
+windows read from the data set's arrays (memory maps: only those pages are touched) and
+converted to the step's dtypes, then placed by the strategy so that each device receives
+only its slice (``Strategy.put_batch``). A :class:`~train.prefetch.Prefetcher` does all
+that on a thread, at most ``depth`` calls ahead, so the device does not wait for the disk
+in steady state; host memory holds at most ``depth + 2`` calls' batches whatever the
+size of the data set, and every wait is bounded (``PrefetchError`` names a stalled read).
+
+The held-out split streams too: :func:`evaluate` sends it to the evaluation device a
+chunk at a time and sums the chunks' metrics on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import jax
+import numpy as np
+
+from . import distributed as dist
+from .data import Dataset, Sampler, batch_dtype, host_batch
+from .prefetch import DEFAULT_TIMEOUT_S, Prefetcher
+
+DEPTH = 2  # calls prepared ahead of the one running: double-buffered
+# Rows of an example data set's held-out split per evaluation chunk, at most this many bytes
+EVAL_CHUNK_BYTES = 16 << 20
+
+
+def call_batch(data: Dataset, sampler: Sampler, step: int, k: int) -> tuple:
+    """This process's host batch ``(x, y)`` ``[k, B / processes, ...]`` of the call that
+    runs steps ``step .. step + k - 1``."""
+    return host_batch(data, dist.process_share(sampler.batches(step, k)))
+
+
+def call_schedule(start: int, stop: int, steps_in_call: Callable[[int], int]) -> Iterator:
+    """``(step, k)`` of each call from ``start`` to ``stop``, as the loop makes them."""
+    step = start
+    while step < stop:
+        k = steps_in_call(step)
+        yield step, k
+        step += k
+
+
+class BatchFeed:
+    """The placed batches of the calls ``calls`` (``(step, k)`` pairs, in order), prepared
+    on a thread (module docstring); :meth:`get` hands out the next one."""
+
+    def __init__(
+        self, data: Dataset, sampler: Sampler, stepper, calls, *, timeout=DEFAULT_TIMEOUT_S
+    ):
+        self.data, self.sampler, self.stepper = data, sampler, stepper
+
+        def load(call):
+            step, k = call
+            x, y = call_batch(data, sampler, step, k)
+            return step, k, stepper.put_batch(x, y, step)
+
+        self._items = Prefetcher(load, calls, depth=DEPTH, timeout=timeout, name="nnlite-batches")
+
+    def get(self, step: int, k: int):
+        """The placed batch of the call ``(step, k)`` (the next one of the schedule)."""
+        got_step, got_k, placed = self._items.get()
+        if (got_step, got_k) != (step, k):  # the loop and the schedule disagree: a bug
+            raise RuntimeError(
+                f"batch feed out of step: expected {(step, k)}, got {(got_step, got_k)}"
+            )
+        return placed
+
+    def close(self) -> None:
+        self._items.close()
+
+
+def eval_chunk(data: Dataset) -> int:
+    """Rows of the held-out split per evaluation chunk (text: 32k tokens of windows)."""
+    from .build import EVAL_TOKENS_PER_CHUNK
+
+    n = len(data.x_test)
+    if data.window is not None:
+        return max(1, min(n, EVAL_TOKENS_PER_CHUNK // data.window))
+    row = max(1, int(np.prod(data.x_test.shape[1:])) * 4)
+    return max(1, min(n, EVAL_CHUNK_BYTES // row))
+
+
+def evaluate(sums: Callable, params, data: Dataset, chunk: int, device) -> dict:
+    """Means of the model's per-example loss and metrics over ``data``'s held-out split,
+    ``chunk`` rows at a time on ``device`` (``sums``: ``train.step.build_chunk_eval``)."""
+    n = len(data.x_test)
+
+    def load(i):
+        x = np.asarray(data.x_test[i : i + chunk], batch_dtype(data.x_test))
+        y = np.asarray(data.y_test[i : i + chunk], batch_dtype(data.y_test))
+        valid = len(x)
+        if valid < chunk:  # pad the last chunk: one shape, one compiled program
+            x, y = (np.resize(a, (chunk, *a.shape[1:])) for a in (x, y))
+        return jax.device_put((x, y, np.int32(valid)), device)
+
+    totals: dict[str, float] = {}
+    count = 0
+    with Prefetcher(load, range(0, n, chunk), depth=DEPTH, name="nnlite-eval") as chunks:
+        for x, y, valid in chunks:
+            values, c = sums(params, x, y, valid)
+            for k, v in values.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+            count += int(c)
+    return {k: v / count for k, v in totals.items()}
