@@ -18,6 +18,8 @@ from .rundir import check_run_dir
 
 # Config sections that must match a checkpoint being resumed (train.steps may grow).
 RESUME_MUST_MATCH = ("seed", "model", "data", "loss", "optimizer")
+# Keys of those sections that may change: where the data lives does not change its order.
+RESUME_MAY_CHANGE = {"data": ("placement",)}
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ def check_resumable(cfg: Config, meta: dict, path: Path) -> None:
     now = to_dict(cfg)
     for section in RESUME_MUST_MATCH:
         was, is_ = saved.get(section), now[section]
+        for key in RESUME_MAY_CHANGE.get(section, ()):
+            if isinstance(was, dict):
+                was = {k: v for k, v in was.items() if k != key}
+            is_ = {k: v for k, v in is_.items() if k != key}
         if was == is_:
             continue
         key, was_v, is_v = section, was, is_
