@@ -1,0 +1,255 @@
+"""Data bigger than memory: host memory of streamed training and of prepare, and the
+baby GPT's step time streamed vs on the device.
+
+    python -m benchmarks.data rss [--big-mb 2048] [--small-mb 20] [--tokenizers char,byte,bpe]
+                                  [--steps 300] [--workdir /tmp/nnlite-data-bench] [--keep]
+    python -m benchmarks.data steps [--corpus-mb 20] [--calls 40] [--rounds 5]
+
+``rss`` generates two corpora under ``--workdir`` (random words of a generated
+vocabulary, streamed to disk in 4 MiB blocks: the generator holds one block), then, each
+in a fresh process whose peak RSS is read from ``wait4``:
+
+- ``python -m train.prepare`` of the big corpus with each tokenizer: peak RSS and MB/s of
+  input (bpe trains its vocabulary on a ``--bpe-sample-mb`` sample, 100 MB by default,
+  and encodes everything);
+- ``python -m train`` of the baby GPT (configs/shakespeare_gpt.yaml) on each corpus
+  prepared char-level, ``data.placement=host`` (streamed), ``--steps`` steps: peak RSS,
+  big vs small (target: within 10% and under 1 GB); and on the small corpus with
+  ``data.placement=device``, the baseline of JAX, XLA and the compiles themselves. Peak RSS counts the pages of
+  train.bin that the run's memory map touched (file-backed, reclaimable); the
+  ``rss_anon`` column is the run's own memory (``RssAnon`` sampled every 50 ms).
+
+The corpora are deleted at the end unless ``--keep``.
+
+``steps`` prepares one corpus (char) and builds the baby GPT twice in one process, on the
+device (``data.placement=device``: the training split on the device, indices per call)
+and streamed (``host``: batches read from the memory map a call ahead); it then times
+their compiled calls interleaved, round after round (``train.steps_per_call`` steps a
+call, each timed until its metrics are ready), and prints medians per step and the
+ratio (target: streamed within 5% of on-device).
+
+Each prints a Markdown table and writes ``benchmarks/results/data-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import _harness as h
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 4 << 20
+GPT_CONFIG = "configs/shakespeare_gpt.yaml"
+
+
+def generate_corpus(path: Path, megabytes: int, seed: int = 0) -> None:
+    """``megabytes`` MB of random words from a generated 20k-word vocabulary (Zipf-like
+    frequencies, punctuation, line breaks), written a 4 MiB block at a time."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"etaoinshrdlcumwfgypbvkjxqz", np.uint8)
+    lengths = rng.integers(1, 10, 20000)
+    words = [bytes(rng.choice(letters, n)) for n in lengths]
+    words += [b",", b".", b"\n", b"!", b"?", b";"]
+    p = 1.0 / np.arange(1, len(words) + 1)
+    p /= p.sum()
+    left = megabytes * 1_000_000
+    with open(path, "wb") as f:
+        while left > 0:
+            ids = rng.choice(len(words), BLOCK // 5, p=p)
+            block = b" ".join(words[i] for i in ids.tolist())[: min(BLOCK, left)]
+            f.write(block)
+            left -= len(block)
+
+
+def run_measured(args: list[str], env: dict | None = None) -> dict:
+    """Run ``args`` in a fresh process: wall seconds, peak RSS (``wait4``'s ru_maxrss) and
+    the peak of its RssAnon sampled every 50 ms."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    peak_anon = [0]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            try:
+                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                    if line.startswith("RssAnon:"):
+                        peak_anon[0] = max(peak_anon[0], int(line.split()[1]) * 1024)
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    done.set()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "peak_rss": usage.ru_maxrss * 1024,  # Linux: KiB
+        "rss_anon": peak_anon[0],
+    }
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def prepare_args(corpus: Path, out: Path, tokenizer: str) -> list[str]:
+    args = [sys.executable, "-m", "train.prepare", "--input", str(corpus), "--out", str(out)]
+    args += ["--tokenizer", tokenizer, "--force"]
+    return args + (["--vocab-size", "8192"] if tokenizer == "bpe" else [])
+
+
+def train_args(data_dir: Path, log_dir: Path, name: str, steps: int, placement: str) -> list:
+    sets = [
+        "data.name=tokens",
+        f"data.path={data_dir}",
+        f"data.placement={placement}",
+        f"train.steps={steps}",
+        f"train.eval_every={steps}",
+        f"train.log_every={min(100, steps)}",
+        f"checkpoint.every={steps}",
+        f"log.dir={log_dir}",
+        f"name={name}",
+        "log.progress=false",
+        "log.plot=false",
+        "optimizer.warmup_steps=10",
+    ]
+    args = [sys.executable, "-m", "train", "--config", GPT_CONFIG, "--fresh"]
+    return args + [a for s in sets for a in ("--set", s)]
+
+
+def cmd_rss(a) -> dict:
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    rows, raw = [], {}
+    try:
+        corpora = {}
+        for label, size in (("small", a.small_mb), ("big", a.big_mb)):
+            path = work / f"{label}.txt"
+            t0 = time.perf_counter()
+            generate_corpus(path, size)
+            print(
+                f"generated {path} ({size} MB) in {time.perf_counter() - t0:.0f} s", file=sys.stderr
+            )
+            corpora[label] = path
+        big_bytes = corpora["big"].stat().st_size
+        for tok in a.tokenizers.split(","):
+            out = work / f"big_{tok}"
+            m = run_measured(prepare_args(corpora["big"], out, tok), env)
+            m["mb_per_s"] = big_bytes / 1e6 / m["wall_s"]
+            raw[f"prepare {tok}"] = m
+            rows.append(
+                [f"prepare --tokenizer {tok} ({mb(big_bytes)})", mb(m["peak_rss"]),
+                 mb(m["rss_anon"]), f"{m['mb_per_s']:.1f} MB/s", f"{m['wall_s']:.0f} s"]
+            )  # fmt: skip
+            if tok != "char":
+                shutil.rmtree(out, ignore_errors=True)
+        small_dir = work / "small_char"
+        raw["prepare small char"] = run_measured(
+            prepare_args(corpora["small"], small_dir, "char"), env
+        )
+        runs = [("small", small_dir, "host"), ("big", work / "big_char", "host")]
+        runs.append(("small", small_dir, "device"))  # the baseline: JAX and XLA themselves
+        for label, d, placement in runs:
+            m = run_measured(train_args(d, work / "runs", label, a.steps, placement), env)
+            raw[f"train {label} {placement}"] = m
+            size = corpora[label].stat().st_size
+            how = "streamed" if placement == "host" else "on the device"
+            rows.append(
+                [f"train baby GPT, {a.steps} steps, {how} ({mb(size)} corpus)", mb(m["peak_rss"]),
+                 mb(m["rss_anon"]), "", f"{m['wall_s']:.0f} s"]
+            )  # fmt: skip
+        ratio = raw["train big host"]["peak_rss"] / raw["train small host"]["peak_rss"]
+        print(h.table(rows, ["what", "peak RSS", "peak RssAnon", "throughput", "wall"]))
+        print(f"\ntraining peak RSS, big / small corpus: {ratio:.3f} (target <= 1.10, < 1 GB)")
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return {"rows": rows, "raw": raw}
+
+
+def cmd_steps(a) -> dict:
+    import jax
+
+    from train.build import build
+    from train.config import load_config
+    from train.loop import _Loop
+    from train.prepare import main as prepare
+    from train.timings import Timings
+
+    work = Path(tempfile.mkdtemp(prefix="nnlite-steps-"))
+    try:
+        generate_corpus(work / "c.txt", a.corpus_mb)
+        assert prepare(["--input", str(work / "c.txt"), "--out", str(work / "tok")]) == 0
+        loops = {}
+        for placement in ("device", "host"):
+            sets = train_args(work / "tok", work / "runs", placement, 10**6, placement)[6:]
+            cfg = load_config(ROOT / GPT_CONFIG, sets[1::2])
+            r = build(cfg)
+            loops[placement] = _Loop.begin(r, "fresh", lambda *_: None, Timings())
+        k = next(iter(loops.values())).r.cfg.train.steps_per_call
+        times = {p: [] for p in loops}
+        for _ in range(2):  # warm up: compile, fill the prefetch queue
+            for loop in loops.values():
+                loop.run_call()
+                jax.block_until_ready(loop.metrics)
+        for _ in range(a.rounds):
+            for p, loop in loops.items():
+                for _ in range(a.calls):
+                    t0 = time.perf_counter()
+                    loop.run_call()
+                    jax.block_until_ready(loop.metrics)
+                    times[p].append((time.perf_counter() - t0) / k)
+        for loop in loops.values():
+            loop.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {p: statistics.median(t) for p, t in times.items()}
+    rows = [[p, f"{med[p] * 1e3:.2f} ms", f"{med[p] / med['device']:.3f}"] for p in loops]
+    print(h.table(rows, ["baby GPT, data.placement", "median step", "vs device"]))
+    return {"rows": rows, "raw": times}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.data", description=__doc__.split("\n")[0]
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rss = sub.add_parser("rss", help="peak RSS of prepare and of streamed training")
+    rss.add_argument("--big-mb", type=int, default=2048)
+    rss.add_argument("--small-mb", type=int, default=20)
+    rss.add_argument("--tokenizers", default="char,byte,bpe")
+    rss.add_argument("--steps", type=int, default=300)
+    rss.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "nnlite-data-bench"))
+    rss.add_argument("--keep", action="store_true", help="keep the generated corpora")
+    steps = sub.add_parser("steps", help="baby GPT step time, streamed vs on the device")
+    steps.add_argument("--corpus-mb", type=int, default=20)
+    steps.add_argument("--calls", type=int, default=40, help="calls timed per round and path")
+    steps.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args(argv)
+    result = cmd_rss(a) if a.cmd == "rss" else cmd_steps(a)
+    h.write_json(f"data-{a.cmd}", {"args": vars(a), **result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
