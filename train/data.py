@@ -60,13 +60,13 @@ class Dataset:
         return len(self.x) if self.window is None else len(self.x) - self.window + 1
 
     def describe(self) -> str:
+        streamed = ", streamed" if self.streamed else ""
         if self.window is None:
-            return f"{len(self.x)} train / {len(self.x_test)} test"
+            return f"{len(self.x)} train / {len(self.x_test)} test{streamed}"
         unit = "chars" if self.tokenizer is None else "tokens"
         return (
             f"{len(self.x) + 1:,} train {unit} / {len(self.x_test)} val windows of "
-            f"{self.window}, vocabulary {self.num_classes}"
-            + (", streamed" if self.streamed else "")
+            f"{self.window}, vocabulary {self.num_classes}{streamed}"
         )
 
     @property

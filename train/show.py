@@ -60,9 +60,11 @@ def traced_function(cfg: Config, what: str) -> tuple:
     o_leaves, o_def = jax.tree.flatten(opt_state)
     stepper = make_stepper(r, p_def, o_def, cfg.train.nonfinite)
     idx = np.zeros((cfg.train.steps_per_call, b), np.int32)
+    state = (stepper.put_state(p_leaves), stepper.put_state(o_leaves))
+    if r.data.streamed:  # the step takes the batch itself (train/feed.py)
+        return stepper.run, (*state, (), (), stepper.put_batch(*host_batch(r.data, idx), 0))
     return stepper.run, (
-        stepper.put_state(p_leaves),
-        stepper.put_state(o_leaves),
+        *state,
         stepper.put_data(r.data.x),
         stepper.put_data(r.data.y),
         stepper.put_indices(idx, 0),
