@@ -468,8 +468,11 @@ class WindowIndices:
         self.seed, self.n, self.batch_size = seed, n, batch_size
 
     def batch(self, step: int) -> np.ndarray:
+        # int32 draws while n fits (every text and Shakespeare), int64 for token files of
+        # more than 2**31 tokens: the same numbers as train.tokens.window_starts
+        dtype = np.int32 if self.n <= np.iinfo(np.int32).max else np.int64
         return np.random.default_rng([self.seed, step]).integers(
-            0, self.n, self.batch_size, dtype=np.int32
+            0, self.n, self.batch_size, dtype=dtype
         )
 
     def batches(self, step: int, count: int) -> np.ndarray:
