@@ -152,7 +152,7 @@ def cmd_rss(a) -> dict:
             )
             corpora[label] = path
         big_bytes = corpora["big"].stat().st_size
-        for tok in a.tokenizers.split(","):
+        for tok in [t for t in a.tokenizers.split(",") if t]:
             out = work / f"big_{tok}"
             m = run_measured(prepare_args(corpora["big"], out, tok), env)
             m["mb_per_s"] = big_bytes / 1e6 / m["wall_s"]
@@ -163,6 +163,8 @@ def cmd_rss(a) -> dict:
             )  # fmt: skip
             if tok != "char":
                 shutil.rmtree(out, ignore_errors=True)
+        if not (work / "big_char" / "meta.json").is_file():  # --tokenizers without char
+            run_measured(prepare_args(corpora["big"], work / "big_char", "char"), env)
         small_dir = work / "small_char"
         raw["prepare small char"] = run_measured(
             prepare_args(corpora["small"], small_dir, "char"), env

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import text
 from .config import ConfigError, DataConfig
+from .reader import read_rows
 from .split import split_indices
 
 
@@ -429,16 +430,16 @@ def batch_dtype(a: np.ndarray) -> np.dtype:
 def host_batch(data: Dataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The batch ``(x, y)`` that indices ``idx`` name, on the host (what the compiled step
     gathers on the device: rows, or text windows starting at ``idx``), in the step's dtypes.
-    Reads only those rows or windows (``x``/``y`` may be memory maps); any leading shape
-    of ``idx`` is kept."""
+    Reads only those rows or windows (``x``/``y`` may be memory maps, read with ``pread``:
+    train/reader.py); any leading shape of ``idx`` is kept."""
     idx = np.asarray(idx)
     x, y = data.x, data.y
     if data.window is not None:  # [n - window + 1, window] views: no copy until indexed
         x = np.lib.stride_tricks.sliding_window_view(x, data.window)
         y = np.lib.stride_tricks.sliding_window_view(y, data.window)
     flat = idx.reshape(-1)
-    xb = np.asarray(x[flat], batch_dtype(data.x))
-    yb = np.asarray(y[flat], batch_dtype(data.y))
+    xb = read_rows(x, flat).astype(batch_dtype(data.x), copy=False)  # memory maps: pread
+    yb = read_rows(y, flat).astype(batch_dtype(data.y), copy=False)
     return xb.reshape(*idx.shape, *xb.shape[1:]), yb.reshape(*idx.shape, *yb.shape[1:])
 
 

@@ -3,8 +3,8 @@
 Each call of the loop runs K steps from step s. Its batch is a pure function of
 ``(seed, s, K)``: the sampler's ``[K, global batch]`` indices (rows, or text window
 starts), this process's block of them (``train.distributed.process_share``), the rows or
-windows read from the data set's arrays (memory maps: only those pages are touched) and
-converted to the step's dtypes, then placed by the strategy so that each device receives
+windows read from the data set's arrays (memory maps: read with ``pread``, so the
+process maps none of the file, see train/reader.py) and converted to the step's dtypes, then placed by the strategy so that each device receives
 only its slice (``Strategy.put_batch``). A :class:`~train.prefetch.Prefetcher` does all
 that on a thread, at most ``depth`` calls ahead, so the device does not wait for the disk
 in steady state; host memory holds at most ``depth + 2`` calls' batches whatever the
@@ -24,6 +24,7 @@ import numpy as np
 from . import distributed as dist
 from .data import Dataset, Sampler, batch_dtype, host_batch
 from .prefetch import DEFAULT_TIMEOUT_S, Prefetcher
+from .reader import read_range
 
 DEPTH = 2  # calls prepared ahead of the one running: double-buffered
 # Rows of an example data set's held-out split per evaluation chunk, at most this many bytes
@@ -91,8 +92,8 @@ def evaluate(sums: Callable, params, data: Dataset, chunk: int, device) -> dict:
     n = len(data.x_test)
 
     def load(i):
-        x = np.asarray(data.x_test[i : i + chunk], batch_dtype(data.x_test))
-        y = np.asarray(data.y_test[i : i + chunk], batch_dtype(data.y_test))
+        x = read_range(data.x_test, i, i + chunk).astype(batch_dtype(data.x_test), copy=False)
+        y = read_range(data.y_test, i, i + chunk).astype(batch_dtype(data.y_test), copy=False)
         valid = len(x)
         if valid < chunk:  # pad the last chunk: one shape, one compiled program
             x, y = (np.resize(a, (chunk, *a.shape[1:])) for a in (x, y))

@@ -30,6 +30,7 @@ import numpy as np
 
 from .config import ConfigError, DataConfig
 from .data import MAX_UNUSED_CLASSES, Dataset, batch_dtype
+from .reader import read_rows
 
 # data.placement=auto: a training split up to this size (as the step reads it) lives on
 # the device. Shakespeare (1 MB of text) takes 8 MiB; a 2 GB corpus 16 GiB.
@@ -74,7 +75,9 @@ def tokens(cfg: DataConfig, context: int) -> Dataset:
         tok = files.tokenizer
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    x_test, y_test = files.windows(starts, context, "val")  # eval_windows of them: bounded
+    # data.eval_windows windows of val.bin (bounded), read without mapping its pages
+    w = read_rows(np.lib.stride_tricks.sliding_window_view(files.val, context + 1), starts)
+    x_test, y_test = w[:, :-1].astype(np.int32), w[:, 1:].astype(np.int32)
     vocab = tok.vocab if tok.kind == "char" else None
     dropped = files.meta.get("dropped_val_chars") or {}
     note = ""
