@@ -300,3 +300,27 @@ def test_bpe_prepare_train_sample_end_to_end(tmp_path, corpus, capsys):
     long = "the king " * 10
     assert sample(["--run", str(r.run_dir), "--prompt", long, "--tokens", "2"]) == 2
     assert "tokens, longer than the model's context of 16" in capsys.readouterr().err
+
+
+def test_reader_preads_exactly_what_indexing_the_memory_map_gives(tmp_path):
+    from train.reader import _file_offset, read_range, read_rows
+
+    a = np.arange(600, dtype="<u2").reshape(200, 3)
+    np.save(tmp_path / "a.npy", a)
+    m = np.load(tmp_path / "a.npy", mmap_mode="r")
+    rows = np.array([0, 7, 199, 7, 50])
+    for view, want in ((m, a), (m[:-20], a[:-20]), (m[20:], a[20:])):
+        assert _file_offset(view) is not None  # read from the file, not the mapping
+        np.testing.assert_array_equal(read_rows(view, rows % len(view)), want[rows % len(want)])
+        np.testing.assert_array_equal(read_range(view, 3, 9), want[3:9])
+    flat = np.memmap(tmp_path / "a.npy", "<u2", mode="r", offset=128, shape=(600,))
+    windows = np.lib.stride_tricks.sliding_window_view(flat[1:], 16)  # overlapping rows
+    np.testing.assert_array_equal(
+        read_rows(windows, [0, 5, 583]),
+        a.reshape(-1)[1:][np.array([0, 5, 583])[:, None] + np.arange(16)],
+    )
+    np.testing.assert_array_equal(read_rows(m[:, 1], [4, 2]), a[[4, 2], 1])  # 1 value a row
+    assert _file_offset(m[:, ::2]) is None  # gaps inside a row: indexed instead
+    np.testing.assert_array_equal(read_rows(m[:, ::2], [4, 2]), a[[4, 2], ::2])
+    with pytest.raises(IndexError, match="out of bounds"):
+        read_rows(m, [200])
