@@ -146,7 +146,9 @@ class _Loop:
         prep = prepare(r, cfg.train.nonfinite, first)
         timings.lap("compile")
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
-        begin = agree_on_start(cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0)
+        begin = agree_on_start(
+            cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0, r.grad_mode
+        )
         start = begin.step
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
@@ -305,7 +307,7 @@ class _Loop:
                 self.step,
                 *state,
                 metadata(cfg, self.r.data, self.step, self.sampler, self.skipped, self.r.model)
-                | {"log_window": json.dumps(self.means.state())},
+                | {"log_window": json.dumps(self.means.state()), "grad_mode": self.r.grad_mode},
                 cfg.checkpoint.keep,
             )
         self.timings.lap("checkpoint")
@@ -369,7 +371,7 @@ class _Loop:
     def _stop_nonfinite(self, flagged: int):
         r, prep = self.r, self.prep
         checker = make_stepper(r, prep.p_def, prep.o_def, "check")
-        loss_fn = mean_loss_fn(r.model, r.cfg.loss.grad)  # the replay names the bad leaf
+        loss_fn = mean_loss_fn(r.model, r.grad_mode)  # the replay names the bad leaf
         raise faults.NonFinite(
             faults.explain_nonfinite(
                 r,

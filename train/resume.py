@@ -54,30 +54,48 @@ def metadata(
     return meta
 
 
-def check_resumable(cfg: Config, meta: dict, path: Path) -> None:
-    """Refuse a checkpoint written with another seed, model, data, loss or optimizer."""
+def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None) -> None:
+    """Refuse a checkpoint written with another seed, model, data, loss or optimizer.
+
+    ``grad``: what ``loss.grad`` resolves to now (``auto``: train/gradmode.py). A resolved
+    ``auto`` matches the mode it resolves to, on either side (each checkpoint records its
+    ``grad_mode``): the step computes the same thing, so the resume stays exact.
+    """
     try:
         saved = json.loads(meta.get("config", "{}"))
     except json.JSONDecodeError:
         raise ConfigError(f"checkpoint {path}: its config metadata is not valid JSON") from None
     now = to_dict(cfg)
+    was_grad, is_grad = (saved.get("loss") or {}).get("grad"), now["loss"]["grad"]
+    ran, runs = _as_run(was_grad, meta.get("grad_mode")), _as_run(is_grad, grad)
+    if was_grad != is_grad and ran is not None and ran == runs:
+        saved = {**saved, "loss": {**saved["loss"], "grad": is_grad}}
     for section in RESUME_MUST_MATCH:
         was, is_ = saved.get(section), now[section]
         if was == is_:
             continue
         key, was_v, is_v = section, was, is_
         if isinstance(was, dict):
-            key = next(f"{section}.{k}" for k in is_ if was.get(k) != is_[k])
-            was_v, is_v = was.get(key.split(".")[1]), is_[key.split(".")[1]]
+            key = next(f"{section}.{k}" for k in {**was, **is_} if was.get(k) != is_.get(k))
+            was_v, is_v = was.get(key.split(".")[1]), is_.get(key.split(".")[1])
+        auto = ""
+        if key == "loss.grad" and is_v == "auto" and grad:
+            auto = f" (auto is {grad} for this model)"
         raise ConfigError(
-            f"checkpoint {path} was written with {key}={was_v!r} but the config has {key}={is_v!r}; "
-            "use --fresh to start over, or another run name"
+            f"checkpoint {path} was written with {key}={was_v!r} but the config has "
+            f"{key}={is_v!r}{auto}; use --fresh to start over, or another run name"
         )
 
 
-def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
-    """The state saved in ``path``, checked against ``cfg`` and the templates."""
-    check_resumable(cfg, ckpt.read_metadata(path), path)  # a changed config says so first
+def _as_run(grad: str | None, resolved: str | None) -> str | None:
+    """``loss.grad`` as the step ran it: ``auto`` is what it resolved to (None: unknown)."""
+    return resolved if grad == "auto" else grad
+
+
+def load_checkpoint(cfg: Config, path: Path, params0, opt0, grad: str | None = None) -> Start:
+    """The state saved in ``path``, checked against ``cfg`` (``grad``: see
+    :func:`check_resumable`) and the templates."""
+    check_resumable(cfg, ckpt.read_metadata(path), path, grad)  # a changed config says so first
     params_h, opt_h, meta = ckpt.restore(path, params0, opt0)
     start = int(meta["step"])
     if start > cfg.train.steps:
@@ -93,7 +111,9 @@ def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
     return Start(start, *leaves, skipped, path, window)
 
 
-def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> Start:
+def agree_on_start(
+    cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, grad: str | None = None
+) -> Start:
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad
@@ -109,7 +129,7 @@ def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> S
             if resume == "require" and not existing:
                 raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
             if existing:
-                start = load_checkpoint(cfg, existing[-1], params0, opt0)
+                start = load_checkpoint(cfg, existing[-1], params0, opt0, grad)
         except ConfigError as e:
             error = e
     if not dist.is_multiprocess():
