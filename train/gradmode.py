@@ -47,13 +47,27 @@ def resolve(cfg, model, data, strategy) -> GradMode:
     asked = cfg.loss.grad
     if asked != AUTO:
         return GradMode(asked, asked)
+    return resolve_auto(model, *microbatch(cfg, data, strategy))
+
+
+def resolve_auto(model, x, y) -> GradMode:
+    """``auto`` for ``model`` trained on batches like ``x``, ``y`` (arrays or
+    ``jax.ShapeDtypeStruct``s of one device's microbatch): manual if its hand rules cover
+    its objective, else autodiff. Traces the objective once; runs and compiles nothing."""
     if "manual" not in contract.grad_modes(model):
-        return GradMode(asked, "autodiff")
+        return GradMode(AUTO, "autodiff")
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    objective = contract.objective_fn(model, "manual")
+    if contract.uses_key(model):
+        key = jax.eval_shape(jax.random.key, 0)
+        fn, args = (lambda p, x, y, key: objective(p, x, y, key=key)), (x, y, key)
+    else:
+        fn, args = (lambda p, x, y: objective(p, x, y)), (x, y)
     try:
-        nl.check_manual(*_manual_objective(cfg, model, data, strategy))
+        nl.check_manual(fn, params, *args)
     except nl.ManualGradError as e:
-        return GradMode(asked, "autodiff", fallback_line(e))
-    return GradMode(asked, "manual")
+        return GradMode(AUTO, "autodiff", fallback_line(e))
+    return GradMode(AUTO, "manual")
 
 
 def fallback_line(e: nl.ManualGradError) -> str:
@@ -66,18 +80,12 @@ def fallback_line(e: nl.ManualGradError) -> str:
     )
 
 
-def _manual_objective(cfg, model, data, strategy) -> tuple:
-    """``(fn, params, x, y[, key])`` for ``nl.check_manual``: the objective the step
-    differentiates in manual mode, on abstract params and one device's microbatch."""
-    params = jax.eval_shape(model.init, jax.random.key(0))
+def microbatch(cfg, data, strategy) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """``(x, y)`` as ``ShapeDtypeStruct``s of one device's microbatch inside the step."""
     local = max(cfg.train.batch_size // len(strategy.devices), 1)
     micro = max(local // cfg.train.grad_accum_steps, 1)
     # What the step gathers: rows, or text windows of `window` tokens per example.
     lead = (micro,) if data.window is None else (micro, data.window)
     x = jax.ShapeDtypeStruct((*lead, *data.x.shape[1:]), data.x.dtype)
     y = jax.ShapeDtypeStruct((*lead, *data.y.shape[1:]), data.y.dtype)
-    objective = contract.objective_fn(model, "manual")
-    if not contract.uses_key(model):
-        return (lambda p, x, y: objective(p, x, y)), params, x, y
-    key = jax.eval_shape(jax.random.key, 0)
-    return (lambda p, x, y, key: objective(p, x, y, key=key)), params, x, y, key
+    return x, y
