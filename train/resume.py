@@ -93,21 +93,27 @@ def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
     return Start(start, *leaves, skipped, path, window)
 
 
-def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> Start:
+def agree_on_start(
+    cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, strategy=None
+) -> Start:
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad
     checkpoint or an unwritable run directory raises ConfigError on every process
     (process 0 says why).
+
+    A ``strategy`` whose state is sharded (``Strategy.sharded_state``) restores otherwise:
+    process 0 picks the checkpoint, then every process reads the parts its own devices
+    hold, placed by ``strategy.leaf_sharding`` (checkpoints written on any mesh, sharded
+    or whole); its leaves are then ``jax.Array`` s already placed.
     """
+    if strategy is not None and strategy.sharded_state:
+        return _agree_on_sharded_start(cfg, resume, ckpt_dir, params0, opt0, strategy)
     start = Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
     error = None
     if dist.is_main():
         try:
-            check_run_dir(ckpt_dir.parent)  # before anything is written
-            existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
-            if resume == "require" and not existing:
-                raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+            existing = _existing(resume, ckpt_dir)
             if existing:
                 start = load_checkpoint(cfg, existing[-1], params0, opt0)
         except ConfigError as e:
@@ -122,3 +128,44 @@ def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> S
     p_leaves, o_leaves = dist.broadcast((start.p_leaves, start.o_leaves))
     # (the log window matters on process 0 only: it alone writes metrics.jsonl)
     return Start(int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window)
+
+
+def _existing(resume: str, ckpt_dir: Path) -> list[Path]:
+    """Process 0: the checkpoints to resume from, newest last (none for ``--fresh``)."""
+    check_run_dir(ckpt_dir.parent)  # before anything is written
+    existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
+    if resume == "require" and not existing:
+        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+    return existing
+
+
+def _agree_on_sharded_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, strategy):
+    """:func:`agree_on_start` for a sharded state: process 0 picks, all processes read
+    their own parts (with several processes the checkpoint directory must be shared)."""
+    chosen, error = None, None
+    if dist.is_main():
+        try:
+            existing = _existing(resume, ckpt_dir)
+            chosen = existing[-1] if existing else None
+        except ConfigError as e:
+            error = e
+    if dist.is_multiprocess():
+        step, sharded = (ckpt.step_of(chosen), ckpt.is_sharded(chosen)) if chosen else (-1, 0)
+        head = dist.broadcast(np.array([step, sharded, error is not None], np.int32))
+        if head[2]:
+            raise error or ConfigError("process 0 could not resume this run (see its output)")
+        chosen = None if head[0] < 0 else ckpt.path_of(ckpt_dir, int(head[0]), sharded=bool(head[1]))
+    elif error is not None:
+        raise error
+    if chosen is None:
+        return Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
+
+    def placed(tree):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                np.shape(a), np.result_type(a), sharding=strategy.leaf_sharding(a)
+            ),
+            tree,
+        )
+
+    return load_checkpoint(cfg, chosen, placed(params0), placed(opt0))
