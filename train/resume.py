@@ -93,9 +93,7 @@ def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
     return Start(start, *leaves, skipped, path, window)
 
 
-def agree_on_start(
-    cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, strategy=None
-) -> Start:
+def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, strategy=None) -> Start:
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad
@@ -154,7 +152,9 @@ def _agree_on_sharded_start(cfg: Config, resume: str, ckpt_dir: Path, params0, o
         head = dist.broadcast(np.array([step, sharded, error is not None], np.int32))
         if head[2]:
             raise error or ConfigError("process 0 could not resume this run (see its output)")
-        chosen = None if head[0] < 0 else ckpt.path_of(ckpt_dir, int(head[0]), sharded=bool(head[1]))
+        chosen = (
+            None if head[0] < 0 else ckpt.path_of(ckpt_dir, int(head[0]), sharded=bool(head[1]))
+        )
     elif error is not None:
         raise error
     if chosen is None:

@@ -97,7 +97,9 @@ def _own_shards(tree: Any) -> tuple[dict, dict, dict]:
         if isinstance(leaf, jax.Array):
             shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
             pieces = [
-                (s.data, _bounds(s.index, shape)) for s in leaf.addressable_shards if s.replica_id == 0
+                (s.data, _bounds(s.index, shape))
+                for s in leaf.addressable_shards
+                if s.replica_id == 0
             ]
         else:
             whole = _host(leaf, key)
@@ -157,7 +159,9 @@ def save_sharded(
     meta = {"format": _FORMAT, "format_version": _FORMAT_VERSION}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise CheckpointError(f"nl.save_sharded: metadata must map str to str, got {k!r}: {v!r}")
+            raise CheckpointError(
+                f"nl.save_sharded: metadata must map str to str, got {k!r}: {v!r}"
+            )
         if k in _OWN_META:
             raise CheckpointError(f"nl.save_sharded: metadata key {k!r} is nl's own; rename it")
         meta[k] = v
@@ -227,7 +231,9 @@ class ShardedFile:
                 for k, (dtype, shape) in leaves.items()
             }
         except (KeyError, ValueError, TypeError) as e:
-            raise CheckpointError(f"checkpoint {path}: {INDEX} has a bad leaf table ({e})") from None
+            raise CheckpointError(
+                f"checkpoint {path}: {INDEX} has a bad leaf table ({e})"
+            ) from None
         self.meta = {k: v for k, v in meta.items() if k not in ("leaves",)}
         self.keys = {k: k for k in self.specs}
         self.pieces: dict[str, list] = {k: [] for k in self.specs}

@@ -1,0 +1,64 @@
+"""Test helper: one of several processes (``jax.distributed``) that write one sharded
+checkpoint together through the trainer's writer, each only the shards of its own devices.
+
+``python tests/_sharded_writer.py COORDINATOR NUM_PROCESSES PROCESS_ID CKPT_DIR``; the
+state is :func:`state` sharded over every process's devices (a 1-D mesh of all of them).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+STEP = 7
+
+
+def full_state() -> dict:
+    """The whole values (every process knows them; the test compares with them)."""
+    return {
+        "params": {
+            "W": np.arange(16 * 3, dtype=np.float32).reshape(16, 3),
+            "b": np.linspace(-1, 1, 3, dtype=np.float32),  # replicated
+        },
+        "opt_state": {"mu": np.arange(32, dtype=np.float32) / 7, "count": np.int32(STEP)},
+    }
+
+
+def state(mesh):
+    """:func:`full_state` placed: first dimensions split over the mesh where they divide;
+    each process builds only its own devices' parts (``make_array_from_callback``)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.devices.size
+
+    def place(v):
+        spec = P("x") if v.ndim and v.shape[0] % n == 0 else P()
+        return jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda i: v[i])
+
+    return jax.tree.map(place, full_state())
+
+
+def main(coordinator: str, num: int, pid: int, ckpt_dir: Path) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num, pid, initialization_timeout=60)
+    from train import checkpoint as ckpt
+    from train import distributed as dist
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",), devices=dist.global_devices(4))
+    s = state(mesh)
+    # np.asarray of an array spread over processes raises: gathering cannot happen quietly.
+    assert not s["params"]["W"].is_fully_addressable
+    ckpt.save_sharded(
+        ckpt_dir, STEP, s["params"], s["opt_state"], {"written_by": "test"}, 2, dist.barrier
+    )
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
