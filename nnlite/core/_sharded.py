@@ -210,8 +210,8 @@ class ShardedFile:
         index = path / INDEX
         if not index.is_file():
             raise CheckpointError(
-                f"checkpoint {path}: a directory without {INDEX}, so not a complete sharded "
-                "checkpoint (an interrupted write leaves <name>.tmp; this one has another name)"
+                f"checkpoint {path}: a directory, not a safetensors file nor a complete "
+                f"sharded checkpoint (it has no {INDEX})"
             )
         meta = self._file(index).meta
         if meta.get("format") != _FORMAT:
