@@ -3,11 +3,14 @@ checkpoint together through the trainer's writer, each only the shards of its ow
 
 ``python tests/_sharded_writer.py COORDINATOR NUM_PROCESSES PROCESS_ID CKPT_DIR``; the
 state is :func:`state` sharded over every process's devices (a 1-D mesh of all of them).
+Then process 0 starts the next checkpoint alone, with barriers of 1 s: it prints the
+barrier's error and how long it waited, while process 1 stays alive without joining.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +60,17 @@ def main(coordinator: str, num: int, pid: int, ckpt_dir: Path) -> None:
     ckpt.save_sharded(
         ckpt_dir, STEP, s["params"], s["opt_state"], {"written_by": "test"}, 2, dist.barrier
     )
+    t0 = time.monotonic()
+    if pid == 0:
+        try:
+            ckpt.save_sharded(
+                ckpt_dir, STEP + 1, s["params"], s["opt_state"], {}, 2,
+                lambda name: dist.barrier(name, timeout_s=1),
+            )  # fmt: skip
+        except dist.BarrierTimeout as e:
+            print(f"after {time.monotonic() - t0:.1f} s: {e}")
+    else:
+        time.sleep(2)  # alive, never at the barrier
     jax.distributed.shutdown()
 
 

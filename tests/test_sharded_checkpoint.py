@@ -4,6 +4,7 @@ read back whole (``nl.load``, ``train.load_run``) or placed onto another mesh.""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -284,6 +285,11 @@ def test_two_processes_write_their_own_shards_and_one_process_reads(tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
     path = ckpts / f"ckpt_{STEP:08d}.shards"
+    # The next checkpoint, which process 1 never joined: process 0's wait was bounded, and
+    # it left no checkpoint that looks complete.
+    waited = re.search(r"after ([\d.]+) s: barrier 'ckpt_00000008.shards:begin': not every "
+                       r"process arrived within 1 s", outs[0])  # fmt: skip
+    assert waited and float(waited.group(1)) < 10, outs[0]
     assert [p.name for p in ckpt.list_checkpoints(ckpts)] == [path.name]
     # Each process's file holds its own devices' parts only: process 0 rows 0-7 of W (its
     # 4 devices come first in the mesh), process 1 rows 8-15; replicated leaves once.
