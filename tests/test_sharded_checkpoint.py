@@ -60,6 +60,14 @@ def shard_tables(ckpt_path: Path) -> dict[str, dict]:
     return tables
 
 
+def script_env() -> dict:
+    """The environment of a test script run as ``python tests/<script>.py`` (its own
+    directory comes first on its path, so the repository is added)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def mesh_of(n: int, axes=("x",), shape=None):
     return jax.make_mesh(shape or (n,), axes, devices=jax.devices()[:n])
 
@@ -222,7 +230,7 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_and_resumes_bit_ident
     args = [sys.executable, "tests/_sharded_strategy.py", "--config", CONFIG]
     for o in (*COMMON, f"log.dir={tmp_path}", *over):
         args += ["--set", o]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env = script_env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env[ckpt.TEST_PAUSE_ENV] = "0.3"  # each file pauses twice, the directory once more
     ckpts = tmp_path / "run" / "checkpoints"
@@ -257,7 +265,7 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_and_resumes_bit_ident
 
 def test_two_processes_write_their_own_shards_and_one_process_reads(tmp_path):
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env = script_env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     ckpts = tmp_path / "checkpoints"
     procs = [
