@@ -3,8 +3,11 @@ checkpoint together through the trainer's writer, each only the shards of its ow
 
 ``python tests/_sharded_writer.py COORDINATOR NUM_PROCESSES PROCESS_ID CKPT_DIR``; the
 state is :func:`state` sharded over every process's devices (a 1-D mesh of all of them).
-Then process 0 starts the next checkpoint alone, with barriers of 1 s: it prints the
-barrier's error and how long it waited, while process 1 stays alive without joining.
+Then both resume from it as the trainer does (``train.resume.agree_on_start``) onto
+another mesh, the same devices in reverse order, so each process reads the rows the other
+process wrote, and print what they hold. Then process 0 starts the next checkpoint
+alone, with barriers of 1 s: it prints the barrier's error and how long it waited, while
+process 1 stays alive without joining.
 """
 
 from __future__ import annotations
@@ -57,9 +60,29 @@ def main(coordinator: str, num: int, pid: int, ckpt_dir: Path) -> None:
     s = state(mesh)
     # np.asarray of an array spread over processes raises: gathering cannot happen quietly.
     assert not s["params"]["W"].is_fully_addressable
-    ckpt.save_sharded(
-        ckpt_dir, STEP, s["params"], s["opt_state"], {"written_by": "test"}, 2, dist.barrier
-    )
+    from _sharded_strategy import ShardedParams
+
+    from train.config import load_config, to_dict
+    from train.resume import agree_on_start
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs/digits_mlp.yaml", ["train.steps=10"])
+    meta = {"written_by": "test", "config": to_dict(cfg)}
+    ckpt.save_sharded(ckpt_dir, STEP, s["params"], s["opt_state"], meta, 2, dist.barrier)
+
+    reversed_mesh = ShardedParams(dist.global_devices(4)[::-1])
+    want = full_state()
+    start = agree_on_start(cfg, "auto", ckpt_dir, want["params"], want["opt_state"], reversed_mesh)
+    W = start.p_leaves[0]  # params/W, placed by the strategy
+    rows = sorted({s.index[0].indices(16)[:2] for s in W.addressable_shards})
+    for leaf, whole in zip(
+        start.p_leaves + start.o_leaves,
+        jax.tree.leaves((want["params"], want["opt_state"])),
+        strict=True,
+    ):
+        for shard in leaf.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), whole[shard.index])
+    print(f"resumed at step {start.step} from {start.checkpoint.name}: W rows {rows}")
     t0 = time.monotonic()
     if pid == 0:
         try:

@@ -263,7 +263,7 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_and_resumes_bit_ident
         np.testing.assert_array_equal(a, b)
 
 
-def test_two_processes_write_their_own_shards_and_one_process_reads(tmp_path):
+def test_two_processes_write_their_own_shards_resume_on_another_mesh_and_one_reads(tmp_path):
     port = free_port()
     env = script_env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -293,6 +293,13 @@ def test_two_processes_write_their_own_shards_and_one_process_reads(tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
     path = ckpts / f"ckpt_{STEP:08d}.shards"
+    # Resumed onto the reversed mesh: process 0's devices hold the rows process 1 wrote.
+    for p, rows in (
+        (0, "(8, 10), (10, 12), (12, 14), (14, 16)"),
+        (1, "(0, 2), (2, 4), (4, 6), (6, 8)"),
+    ):
+        line = f"resumed at step {STEP} from {path.name}: W rows [{rows}]"
+        assert line in outs[p], outs[p]
     # The next checkpoint, which process 1 never joined: process 0's wait was bounded, and
     # it left no checkpoint that looks complete.
     waited = re.search(r"after ([\d.]+) s: barrier 'ckpt_00000008.shards:begin': not every "
