@@ -160,12 +160,13 @@ def _agree_on_sharded_start(cfg: Config, resume: str, ckpt_dir: Path, params0, o
     if chosen is None:
         return Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
 
-    def placed(tree):
-        return jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(
-                np.shape(a), np.result_type(a), sharding=strategy.leaf_sharding(a)
-            ),
-            tree,
-        )
+    def placed(tree):  # templates: host arrays, placed arrays or ShapeDtypeStructs
+        def leaf(a):
+            aval = jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.result_type(a))
+            return jax.ShapeDtypeStruct(
+                aval.shape, aval.dtype, sharding=strategy.leaf_sharding(aval)
+            )
+
+        return jax.tree.map(leaf, tree)
 
     return load_checkpoint(cfg, chosen, placed(params0), placed(opt0))
