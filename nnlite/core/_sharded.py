@@ -28,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -178,10 +179,7 @@ def save_sharded(
     if main:
         meta |= {"leaves": json.dumps(leaves), "processes": str(jax.process_count())}
         _write_atomically(tmp / INDEX, safetensors.numpy.save({}, metadata=meta))
-        if float(os.environ.get(TEST_PAUSE_ENV) or 0):  # complete but not yet renamed
-            import time
-
-            time.sleep(float(os.environ[TEST_PAUSE_ENV]))
+        time.sleep(float(os.environ.get(TEST_PAUSE_ENV) or 0))  # test hook: before the rename
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
