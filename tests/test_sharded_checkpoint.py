@@ -293,6 +293,9 @@ def test_two_processes_write_their_own_shards_resume_on_another_mesh_and_one_rea
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
     path = ckpts / f"ckpt_{STEP:08d}.shards"
+    for out in outs:
+        assert "nl.save: 'opt_state/mu' is spread over several processes" in out, out
+    assert not (tmp_path / "whole.safetensors").exists()
     # Resumed onto the reversed mesh: process 0's devices hold the rows process 1 wrote.
     for p, rows in (
         (0, "(8, 10), (10, 12), (12, 14), (14, 16)"),

@@ -99,6 +99,13 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | No
     tensors = {}
     for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         key = _key(p)
+        if isinstance(leaf, jax.Array) and not (
+            leaf.is_fully_addressable or leaf.is_fully_replicated
+        ):
+            raise CheckpointError(
+                f"nl.save: {key!r} is spread over several processes ({leaf.sharding}); "
+                "write it with nl.save_sharded, where each process writes its own shards"
+            )
         a = np.asarray(leaf)
         if a.dtype.kind not in "biuf" and a.dtype != jnp.bfloat16:
             raise CheckpointError(
