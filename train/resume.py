@@ -33,10 +33,17 @@ class Start:
 
 
 def metadata(
-    cfg: Config, data: Dataset, step: int, sampler: Sampler, skipped: int, model=None
+    cfg: Config,
+    data: Dataset,
+    step: int,
+    sampler: Sampler,
+    skipped: int,
+    model=None,
+    grad: str | None = None,
 ) -> dict:
     """What a checkpoint records besides the state: data position, RNG, config, vocabulary,
-    and where a user's model module was imported from (for ``train.load_run``)."""
+    where a user's model module was imported from (for ``train.load_run``), and ``grad``,
+    the mode the step ran (``loss.grad: auto`` resolved, see :func:`check_resumable`)."""
     from .inference import MODEL_SOURCE_KEY, model_source
 
     order = "[seed, step]" if data.window else "[seed, epoch]"
@@ -51,6 +58,8 @@ def metadata(
     source = model_source(model) if model is not None else None
     if source is not None:
         meta[MODEL_SOURCE_KEY] = source
+    if grad is not None:
+        meta["grad_mode"] = grad
     return meta
 
 
@@ -112,22 +121,32 @@ def load_checkpoint(cfg: Config, path: Path, params0, opt0, grad: str | None = N
 
 
 def agree_on_start(
-    cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, grad: str | None = None
+    cfg: Config,
+    resume: str,
+    ckpt_dir: Path,
+    params0,
+    opt0,
+    strategy=None,
+    grad: str | None = None,
 ) -> Start:
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad
     checkpoint or an unwritable run directory raises ConfigError on every process
     (process 0 says why).
+
+    A ``strategy`` whose state is sharded (``Strategy.sharded_state``) restores otherwise:
+    process 0 picks the checkpoint, then every process reads the parts its own devices
+    hold, placed by ``strategy.leaf_sharding`` (checkpoints written on any mesh, sharded
+    or whole); its leaves are then ``jax.Array`` s already placed.
     """
+    if strategy is not None and strategy.sharded_state:
+        return _agree_on_sharded_start(cfg, resume, ckpt_dir, params0, opt0, strategy, grad)
     start = Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
     error = None
     if dist.is_main():
         try:
-            check_run_dir(ckpt_dir.parent)  # before anything is written
-            existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
-            if resume == "require" and not existing:
-                raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+            existing = _existing(resume, ckpt_dir)
             if existing:
                 start = load_checkpoint(cfg, existing[-1], params0, opt0, grad)
         except ConfigError as e:
@@ -142,3 +161,49 @@ def agree_on_start(
     p_leaves, o_leaves = dist.broadcast((start.p_leaves, start.o_leaves))
     # (the log window matters on process 0 only: it alone writes metrics.jsonl)
     return Start(int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window)
+
+
+def _existing(resume: str, ckpt_dir: Path) -> list[Path]:
+    """Process 0: the checkpoints to resume from, newest last (none for ``--fresh``)."""
+    check_run_dir(ckpt_dir.parent)  # before anything is written
+    existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
+    if resume == "require" and not existing:
+        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+    return existing
+
+
+def _agree_on_sharded_start(
+    cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, strategy, grad: str | None = None
+):
+    """:func:`agree_on_start` for a sharded state: process 0 picks, all processes read
+    their own parts (with several processes the checkpoint directory must be shared)."""
+    chosen, error = None, None
+    if dist.is_main():
+        try:
+            existing = _existing(resume, ckpt_dir)
+            chosen = existing[-1] if existing else None
+        except ConfigError as e:
+            error = e
+    if dist.is_multiprocess():
+        step, sharded = (ckpt.step_of(chosen), ckpt.is_sharded(chosen)) if chosen else (-1, 0)
+        head = dist.broadcast(np.array([step, sharded, error is not None], np.int32))
+        if head[2]:
+            raise error or ConfigError("process 0 could not resume this run (see its output)")
+        chosen = (
+            None if head[0] < 0 else ckpt.path_of(ckpt_dir, int(head[0]), sharded=bool(head[1]))
+        )
+    elif error is not None:
+        raise error
+    if chosen is None:
+        return Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
+
+    def placed(tree):  # templates: host arrays, placed arrays or ShapeDtypeStructs
+        def leaf(a):
+            aval = jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.result_type(a))
+            return jax.ShapeDtypeStruct(
+                aval.shape, aval.dtype, sharding=strategy.leaf_sharding(aval)
+            )
+
+        return jax.tree.map(leaf, tree)
+
+    return load_checkpoint(cfg, chosen, placed(params0), placed(opt0), grad)
