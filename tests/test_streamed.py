@@ -62,6 +62,7 @@ def cfg_of(tmp_path, name, data, model=None, **train_keys):
         "name": name,
         "model": model or TINY_GPT,
         "data": data | ({"eval_windows": 64} if data["name"] in ("text", "tokens") else {}),
+        "loss": {"grad": "autodiff"},  # compiles faster than the hand rules auto would pick
         "train": t | train_keys,
         "log": {"dir": str(tmp_path), "progress": False, "plot": False},
     }
