@@ -25,8 +25,9 @@ class Strategy:
       (:meth:`reduce`), and each device's random key (:meth:`device_key`);
     - **around it**: how the step is compiled (:meth:`compile`), where the state, the data
       and each call's indices or streamed batches are placed (:meth:`put_state`,
-      :meth:`put_data`, :meth:`put_indices`, :meth:`put_batch`, :meth:`put_steps`), how one copy of the state comes back for
-      evaluation and checkpoints (:meth:`get_state`), each leaf's sharding
+      :meth:`put_data`, :meth:`put_indices`, :meth:`put_batch`, :meth:`put_steps`), how
+      one copy of the state comes back for evaluation and checkpoints (:meth:`get_state`),
+      each leaf's sharding
       (:meth:`leaf_sharding`, for compiling ahead of time) and bytes per device
       (:meth:`bytes_per_device`, for the memory estimate and the banner).
 
