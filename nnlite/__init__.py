@@ -6,6 +6,8 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 
 from . import rules as rules
 from . import vjp as vjp
+from .core._batch_axis import batch_axis as batch_axis
+from .core._batch_axis import current_batch_axis as current_batch_axis
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
@@ -31,6 +33,7 @@ from .nn._activations import silu as silu
 from .nn._adaptive_pool import AdaptiveAvgPool as AdaptiveAvgPool
 from .nn._adaptive_pool import AdaptiveMaxPool as AdaptiveMaxPool
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
+from .nn._batch_norm import BatchNorm as BatchNorm
 from .nn._conv import Conv as Conv
 from .nn._conv_transpose import ConvTranspose as ConvTranspose
 from .nn._dropout import Dropout as Dropout
@@ -128,6 +131,7 @@ __all__ = [
     "AdaptiveAvgPool",
     "AdaptiveMaxPool",
     "AvgPool",
+    "BatchNorm",
     "CheckpointError",
     "Conv",
     "ConvTranspose",
@@ -154,6 +158,8 @@ __all__ = [
     "UnsupportedPrimitiveError",
     "accuracy",
     "add",
+    "batch_axis",
+    "current_batch_axis",
     "elu",
     "format_path",
     "from_equinox",

@@ -9,8 +9,9 @@ strings) and its checks.
 
 A checkpoint is ``nl.save(path, {"params": params, "opt_state": opt_state})``: keys
 ``params/<path>`` and ``opt_state<path>`` (``params/ffn/layers[0]/W``,
-``opt_state[0]/mu/head/b``). For inference, ``nl.load(path, subtree="params")`` gives the
-params as a ParamsDict, and ``like=model.init(key)`` with it restores them checked.
+``opt_state[0]/mu/head/b``); a stateful model's state adds ``state/<path>``
+(``state/blocks[0]/bn1/mean``). For inference, ``nl.load(path, subtree="params")`` gives
+the params as a ParamsDict, and ``like=model.init(key)`` with it restores them checked.
 """
 
 from __future__ import annotations
@@ -46,24 +47,36 @@ def flatten_with_paths(prefix: str, tree: Any) -> dict[str, Any]:
     return {prefix + nl.format_path(path): leaf for path, leaf in leaves}
 
 
-def _tree(params: Any, opt_state: Any) -> OrderedDict:
+def _tree(params: Any, opt_state: Any, state: Any = None) -> OrderedDict:
     """The tree a checkpoint holds; ordered (JAX sorts a dict's keys), so that a mismatch
-    names a path of the params before one of the optimizer state derived from them."""
-    return OrderedDict(params=params, opt_state=opt_state)
+    names a path of the params before one of the optimizer state derived from them. A
+    stateless model's has no ``state`` entry (its files are as they were before state)."""
+    tree = OrderedDict(params=params, opt_state=opt_state)
+    if state is not None:
+        tree["state"] = state
+    return tree
 
 
 def save(
-    ckpt_dir: Path, step: int, params: Any, opt_state: Any, metadata: dict[str, Any], keep: int
+    ckpt_dir: Path,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    metadata: dict[str, Any],
+    keep: int,
+    *,
+    state: Any = None,
 ) -> Path:
     """Write ``ckpt_<step>.safetensors`` atomically (``nl.save``), keep the newest ``keep``.
 
-    ``metadata`` values that are not strings are stored as JSON."""
+    ``metadata`` values that are not strings are stored as JSON; ``state``: a stateful
+    model's state (None: stateless)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(step)}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
     final = nl.save(
         ckpt_dir / f"ckpt_{step:08d}.safetensors",
-        _tree(params, opt_state),
+        _tree(params, opt_state, state),
         metadata=meta,
     )
     for old in list_checkpoints(ckpt_dir)[:-keep]:
@@ -97,21 +110,26 @@ def read_metadata(path: Path) -> dict[str, str]:
         raise ConfigError(str(e)) from None
 
 
-def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, Any, dict[str, str]]:
-    """Load ``path`` into the structure of the templates (arrays or ``jax.ShapeDtypeStruct``s);
-    a mismatch names the first differing path. Raises ConfigError for a checkpoint that
-    cannot be resumed (unreadable, another structure, bad metadata, non-finite values)."""
+def restore(
+    path: Path, params_template: Any, opt_template: Any, state_template: Any = None
+) -> tuple[Any, Any, Any, dict[str, str]]:
+    """``(params, opt_state, state, metadata)``: ``path`` loaded into the structure of the
+    templates (arrays or ``jax.ShapeDtypeStruct``s; ``state_template`` None for a stateless
+    model, whose state is then None); a mismatch names the first differing path. Raises
+    ConfigError for a checkpoint that cannot be resumed (unreadable, another structure,
+    bad metadata, non-finite values)."""
     meta = read_metadata(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(
             f"checkpoint {path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION!r}"
         )
     _check_metadata(path, meta)
-    state = _load(path, _tree(params_template, opt_template))
+    state = _load(path, _tree(params_template, opt_template, state_template))
     bad = _first_nonfinite(
         {
             **flatten_with_paths("params", state["params"]),
             **flatten_with_paths("opt_state", state["opt_state"]),
+            **flatten_with_paths("state", state.get("state")),
         }
     )
     if bad is not None:
@@ -119,7 +137,7 @@ def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, A
             f"checkpoint {path}: {bad!r} holds non-finite values, so it cannot be resumed; "
             "delete it to resume from an older checkpoint, or use --fresh"
         )
-    return state["params"], state["opt_state"], meta
+    return state["params"], state["opt_state"], state.get("state"), meta
 
 
 def _load(path: Path, like: Any, subtree: str | None = None) -> Any:
@@ -166,3 +184,8 @@ def load_params(path: Path, params_template: Any) -> Any:
     """Only the params of checkpoint ``path``, in the structure of ``params_template``
     (arrays or ``jax.ShapeDtypeStruct``s): what inference needs (no optimizer state)."""
     return _load(path, params_template, subtree="params")
+
+
+def load_state(path: Path, state_template: Any) -> Any:
+    """Only a stateful model's state (running statistics) of checkpoint ``path``."""
+    return _load(path, state_template, subtree="state")

@@ -115,6 +115,7 @@ class _Loop:
     step: int  # steps done
     p_leaves: list  # params and optimizer state, placed for the stepper
     o_leaves: list
+    s_leaves: list  # a stateful model's state, placed ([] for a stateless model)
     skipped: int  # non-finite steps skipped (train.nonfinite=skip)
     good_step: int  # the last state known finite and saved (or the initial state)
     good_ckpt: Path | None
@@ -146,7 +147,9 @@ class _Loop:
         prep = prepare(r, cfg.train.nonfinite, first)
         timings.lap("compile")
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
-        begin = agree_on_start(cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0)
+        begin = agree_on_start(
+            cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0, prep.state0
+        )
         start = begin.step
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
@@ -160,6 +163,7 @@ class _Loop:
             step=start,
             p_leaves=put(begin.p_leaves),
             o_leaves=put(begin.o_leaves),
+            s_leaves=put(begin.s_leaves),
             skipped=begin.skipped,
             good_step=start,
             good_ckpt=begin.checkpoint,
@@ -198,8 +202,8 @@ class _Loop:
             stuck = faults.StuckCall()
             self.watchdog.watch(self.step, stuck)
             stuck.block_until_ready()  # as at any sync point: never returns
-        self.p_leaves, self.o_leaves, self.metrics = stepper.run(
-            self.p_leaves, self.o_leaves, self.prep.X, self.prep.Y, idx
+        self.p_leaves, self.o_leaves, self.s_leaves, self.metrics = stepper.run(
+            self.p_leaves, self.o_leaves, self.s_leaves, self.prep.X, self.prep.Y, idx
         )
         self.watchdog.watch(self.step, self.metrics)
         # Several processes on CPU (gloo): every local device's part of a call runs on a
@@ -277,7 +281,8 @@ class _Loop:
         params = jax.tree.unflatten(
             prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
         )
-        result = prep.evaluate(params, prep.X_test, prep.Y_test)
+        state = [] if prep.state0 is None else [self.model_state(prep.eval_device)]
+        result = prep.evaluate(params, prep.X_test, prep.Y_test, *state)
         self.last_eval = {k: float(v) for k, v in result.items()}
         self._write(
             {
@@ -307,6 +312,7 @@ class _Loop:
                 metadata(cfg, self.r.data, self.step, self.sampler, self.skipped, self.r.model)
                 | {"log_window": json.dumps(self.means.state())},
                 cfg.checkpoint.keep,
+                state=self.model_state(),
             )
         self.timings.lap("checkpoint")
 
@@ -315,6 +321,7 @@ class _Loop:
         r = self.r
         self.close()
         r.params, r.opt_state = self.host_state()
+        r.state = self.model_state()
         r.step = self.step
         records = [rec for _, rec in rundir.read_metrics(r.run_dir / "metrics.jsonl")]
         final = next((rec for rec in reversed(records) if rec.get("split") == "test"), {})
@@ -334,6 +341,7 @@ class _Loop:
         wall = time.perf_counter() - self.t_start
         self.timings.lap("train")
         r.params, r.opt_state = self.host_state()
+        r.state = self.model_state()
         r.step = self.step
         split, window = r.data.eval_split, r.data.window
         rate = (self.step - self.start_step) * tc.batch_size / max(wall, 1e-9)
@@ -366,9 +374,20 @@ class _Loop:
             jax.tree.unflatten(prep.o_def, [np.asarray(v) for v in get(self.o_leaves)]),
         )
 
+    def model_state(self, device=None):
+        """A stateful model's state as host numpy leaves in its tree (on ``device`` if
+        given), or None for a stateless model."""
+        prep = self.prep
+        if prep.state0 is None:
+            return None
+        leaves = [np.asarray(v) for v in prep.stepper.get_state(self.s_leaves)]
+        if device is not None:
+            leaves = jax.device_put(leaves, device)
+        return jax.tree.unflatten(prep.s_def, leaves)
+
     def _stop_nonfinite(self, flagged: int):
         r, prep = self.r, self.prep
-        checker = make_stepper(r, prep.p_def, prep.o_def, "check")
+        checker = make_stepper(r, prep.p_def, prep.o_def, "check", prep.s_def)
         loss_fn = mean_loss_fn(r.model, r.cfg.loss.grad)  # the replay names the bad leaf
         raise faults.NonFinite(
             faults.explain_nonfinite(
@@ -381,6 +400,7 @@ class _Loop:
                 flagged,
                 self.good_step,
                 self.good_ckpt,
+                prep.state0,
             )
         )
 

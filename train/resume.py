@@ -4,7 +4,7 @@ a checkpoint belongs to this config, and the processes' agreement on the startin
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -30,6 +30,7 @@ class Start:
     skipped: int  # non-finite steps skipped before it (train.nonfinite=skip)
     checkpoint: Path | None  # the checkpoint it came from
     log_window: dict | None = None  # the train metrics' partial sums since the last log
+    s_leaves: list = field(default_factory=list)  # a stateful model's state leaves (host)
 
 
 def metadata(
@@ -75,10 +76,11 @@ def check_resumable(cfg: Config, meta: dict, path: Path) -> None:
         )
 
 
-def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
-    """The state saved in ``path``, checked against ``cfg`` and the templates."""
+def load_checkpoint(cfg: Config, path: Path, params0, opt0, state0=None) -> Start:
+    """The state saved in ``path``, checked against ``cfg`` and the templates
+    (``state0``: a stateful model's initial state, None for a stateless one)."""
     check_resumable(cfg, ckpt.read_metadata(path), path)  # a changed config says so first
-    params_h, opt_h, meta = ckpt.restore(path, params0, opt0)
+    params_h, opt_h, state_h, meta = ckpt.restore(path, params0, opt0, state0)
     start = int(meta["step"])
     if start > cfg.train.steps:
         raise ConfigError(
@@ -90,17 +92,21 @@ def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
     except json.JSONDecodeError:
         raise ConfigError(f"checkpoint {path}: its log_window metadata is not valid JSON") from None
     leaves = jax.tree.leaves(params_h), jax.tree.leaves(opt_h)
-    return Start(start, *leaves, skipped, path, window)
+    return Start(start, *leaves, skipped, path, window, jax.tree.leaves(state_h))
 
 
-def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> Start:
+def agree_on_start(
+    cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, state0=None
+) -> Start:
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad
     checkpoint or an unwritable run directory raises ConfigError on every process
     (process 0 says why).
     """
-    start = Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
+    start = Start(
+        0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None, None, jax.tree.leaves(state0)
+    )
     error = None
     if dist.is_main():
         try:
@@ -109,7 +115,7 @@ def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> S
             if resume == "require" and not existing:
                 raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
             if existing:
-                start = load_checkpoint(cfg, existing[-1], params0, opt0)
+                start = load_checkpoint(cfg, existing[-1], params0, opt0, state0)
         except ConfigError as e:
             error = e
     if not dist.is_multiprocess():
@@ -119,6 +125,8 @@ def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> S
     head = dist.broadcast(np.array([start.step, start.skipped, error is not None], np.int32))
     if head[2]:
         raise error or ConfigError("process 0 could not resume this run (see its output)")
-    p_leaves, o_leaves = dist.broadcast((start.p_leaves, start.o_leaves))
+    p_leaves, o_leaves, s_leaves = dist.broadcast((start.p_leaves, start.o_leaves, start.s_leaves))
     # (the log window matters on process 0 only: it alone writes metrics.jsonl)
-    return Start(int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window)
+    return Start(
+        int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window, s_leaves
+    )

@@ -34,6 +34,10 @@ class Strategy:
     """
 
     name: ClassVar[str]
+    #: The mapped axis that splits the batch inside the step (``pmap``/``shard_map``), over
+    #: which layers average batch statistics (``nl.batch_axis``); None where the step sees
+    #: the global batch as one array (one device, or ``jit`` over a sharded batch).
+    axis: ClassVar[str | None] = None
 
     def __init__(self, devices: Sequence[jax.Device]):
         self.devices = list(devices)
