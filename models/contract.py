@@ -128,9 +128,7 @@ def init_state(model: Any) -> nl.ParamsDict | None:
     return model.init_state() if is_stateful(model) else None
 
 
-STATEFUL_CALL = (
-    "out, new_state = model(params, x, state=state, train=True) (see docs/state.md)"
-)
+STATEFUL_CALL = "out, new_state = model(params, x, state=state, train=True) (see docs/state.md)"
 
 
 def _check_stateful_class(cls: type, where: str) -> None:
@@ -185,9 +183,7 @@ def check_same_state(name: str, state, new_state) -> None:
     for path in [*was, *(p for p in now if p not in was)]:
         a, b = was.get(path), now.get(path)
         if a is None or b is None or a != b:
-            what = (
-                "is missing" if b is None else "is new" if a is None else f"is {b}, was {a}"
-            )
+            what = "is missing" if b is None else "is new" if a is None else f"is {b}, was {a}"
             raise ModelError(
                 f"{name}: the state it returns differs from the state it was given: "
                 f"{path} {what} (a stateful call returns the state with the structure, "

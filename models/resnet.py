@@ -184,7 +184,9 @@ class ResNet(nl.Module):
         image = self.image if len(self.image) == 3 else (*self.image, 1)
         x = x.reshape(*x.shape[: x.ndim - len(self.in_shape)], *image)
         conv, bn = self.stem()
-        h, stem_state = bn(params.stem.bn, conv(params.stem.conv, x), state=state.stem.bn, train=train)
+        h, stem_state = bn(
+            params.stem.bn, conv(params.stem.conv, x), state=state.stem.bn, train=train
+        )
         h = nl.relu(h)
         block_states = []
         for i, block in enumerate(self.residual_blocks()):

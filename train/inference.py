@@ -193,9 +193,7 @@ def predict(
     outs = []
     for i in range(0, len(x), batch_size):
         try:
-            outs.append(
-                np.asarray(apply(params, jnp.asarray(x[i : i + batch_size]), *state_args))
-            )
+            outs.append(np.asarray(apply(params, jnp.asarray(x[i : i + batch_size]), *state_args)))
         except (TypeError, ValueError) as e:  # a shape the model refuses, named by the layer
             raise ConfigError(str(e).splitlines()[0]) from None
     return np.concatenate(outs)

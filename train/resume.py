@@ -95,9 +95,7 @@ def load_checkpoint(cfg: Config, path: Path, params0, opt0, state0=None) -> Star
     return Start(start, *leaves, skipped, path, window, jax.tree.leaves(state_h))
 
 
-def agree_on_start(
-    cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, state0=None
-) -> Start:
+def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, state0=None) -> Start:
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad

@@ -118,9 +118,7 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
                 return (acc, state), (loss, metrics)
 
             micro_ids = jnp.arange(accum_steps)
-            (acc, state), (losses, metrics) = jax.lax.scan(
-                micro, (acc, state), (xs, ys, micro_ids)
-            )
+            (acc, state), (losses, metrics) = jax.lax.scan(micro, (acc, state), (xs, ys, micro_ids))
             grads = jax.tree.map(lambda g: g / accum_steps, acc)
             loss, metrics = jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
         loss, metrics, grads = strategy.reduce(

@@ -196,9 +196,7 @@ class BatchNorm(_Norm):
     def init_state(self) -> ParamsDict:
         """Running statistics before any training: mean zeros, variance ones."""
         dtype = jnp.promote_types(self.param_dtype, jnp.float32)
-        return ParamsDict(
-            mean=jnp.zeros(self.features, dtype), var=jnp.ones(self.features, dtype)
-        )
+        return ParamsDict(mean=jnp.zeros(self.features, dtype), var=jnp.ones(self.features, dtype))
 
     def check_state(self, state) -> None:
         """A ValueError naming this layer unless ``state`` is its ``init_state()``'s kind."""
