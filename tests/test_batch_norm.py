@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import nnlite as nl
 import train
 from models import contract
+from train import inference
 from train.config import load_config
 from train.loop import train as train_loop
 
@@ -324,7 +325,7 @@ def test_digits_resnet_trains_past_the_mlp_resumes_exactly_and_predicts(tmp_path
     accuracy = float(np.mean(np.argmax(loaded.predict(x), -1) == y))  # eval mode
     assert accuracy == pytest.approx(full.summary["test_accuracy"], abs=1e-6)
     with pytest.raises(train.ConfigError, match="is stateful .* predicting needs its state"):
-        train.inference.predict(loaded.model, loaded.params, x)
+        inference.predict(loaded.model, loaded.params, x)
 
 
 RESNET = "configs/digits_resnet.yaml"
@@ -336,3 +337,46 @@ def run(tmp_path, *overrides, config=RESNET, resume="fresh"):
         [f"log.dir={tmp_path}", "log.progress=false", "log.plot=false", *overrides],
     )
     return train_loop(cfg, resume=resume, echo=lambda *_: None)
+
+
+class BNLM(nl.Module):
+    """A stateful causal language model: embeddings, BatchNorm over batch and positions,
+    a linear head (each position sees only its own token: causal)."""
+
+    vocab_size: int
+    context: int
+    width: int = 8
+
+    task = "language_model"
+
+    def init(self, key):
+        k1, k2 = jax.random.split(key)
+        return nl.ParamsDict(
+            tok=nl.Embedding(self.vocab_size, self.width).init(k1),
+            bn=nl.BatchNorm(self.width).init(k1),
+            head=nl.Linear(self.width, self.vocab_size).init(k2),
+        )
+
+    def init_state(self):
+        return nl.ParamsDict(bn=nl.BatchNorm(self.width).init_state())
+
+    def __call__(self, params, x, *, state, train=False, key=None):
+        h = nl.Embedding(self.vocab_size, self.width)(params.tok, x)
+        h, bn = nl.BatchNorm(self.width)(params.bn, h, state=state.bn, train=train)
+        return nl.Linear(self.width, self.vocab_size)(params.head, h), nl.ParamsDict(bn=bn)
+
+
+def test_a_stateful_language_model_generates_in_eval_mode():
+    model = BNLM(vocab_size=7, context=4)
+    params = model.init(jax.random.key(0))
+    state = nl.ParamsDict(bn=nl.ParamsDict(mean=jnp.full(8, 0.3), var=jnp.full(8, 2.0)))
+    out = inference.generate(
+        model, params, [1, 2], 5, jax.random.key(0), temperature=0.0, state=state
+    )
+    ids = [1, 2]  # greedy by hand: the last token's logits in eval mode with this state
+    for _ in range(5):
+        logits, _ = model(params, jnp.array([ids[-4:]]), state=state)
+        ids.append(int(jnp.argmax(logits[0, -1])))
+    assert out.tolist() == ids
+    with pytest.raises(train.ConfigError, match="is stateful .* needs its state"):
+        inference.generate(model, params, [1], 2, jax.random.key(0))
