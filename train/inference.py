@@ -254,14 +254,7 @@ def generate(
         raise ConfigError(
             f"the prompt is {ids.shape[1]} tokens, longer than the model's context of {context}"
         )
-    state_args = _state_args(model, state)
-    if state_args:  # bind the state: the windowed loop calls the model in eval mode
-        bound = functools.partial(eval_call, model, state=state)
-        run = jax.jit(
-            lambda p, *a: generate_by_windows(_Bound(model, bound), p, *a), static_argnums=(2, 5)
-        )
-    else:
-        run = generator(model)
+    run = generator(model, state)
     return np.asarray(run(params, jnp.asarray(ids), n_tokens, key, temperature, top_k))[0]
 
 
@@ -276,10 +269,14 @@ class _Bound:
         return self._call(params, x)
 
 
-def generator(model: Model):
+def generator(model: Model, state=None):
     """The jitted ``(params, prompt [1, T], n_tokens, key, temperature, top_k) -> ids``
     of a language model: its own ``generate`` if it has one, else
-    :func:`generate_by_windows` (``n_tokens`` and ``top_k`` are static)."""
+    :func:`generate_by_windows` (``n_tokens`` and ``top_k`` are static). A stateful
+    model generates by windows in eval mode with ``state`` (closed over)."""
+    if _state_args(model, state):
+        bound = _Bound(model, functools.partial(eval_call, model, state=state))
+        return jax.jit(lambda p, *a: generate_by_windows(bound, p, *a), static_argnums=(2, 5))
     fn = getattr(model, "generate", None)
     if fn is None:
         fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731
