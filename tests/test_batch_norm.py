@@ -381,3 +381,19 @@ def test_a_stateful_language_model_generates_in_eval_mode():
     assert out.tolist() == ids
     with pytest.raises(train.ConfigError, match="is stateful .* needs its state"):
         inference.generate(model, params, [1], 2, jax.random.key(0))
+
+
+class LocalStats(BNMLP):
+    """A stateful layer of its own that stores its device's batch mean, not the global one."""
+
+    def __call__(self, params, x, *, state, train=False, key=None):
+        out, new = super().__call__(params, x, state=state, train=train)
+        if train:
+            mean = jax.lax.stop_gradient(jnp.mean(x, axis=0))
+            new = nl.ParamsDict(bn_in=nl.ParamsDict(mean=mean, var=new.bn_in.var), bn=new.bn)
+        return out, new
+
+
+def test_a_state_that_differs_between_devices_is_refused_by_name(tmp_path, npz):
+    with pytest.raises(train.ConfigError, match=r"state /bn_in/mean differs between devices"):
+        fit(tmp_path, npz, "train.steps=1", "parallel.strategy=shard_map", model=LocalStats)

@@ -300,6 +300,8 @@ def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         raise ConfigError(
             f"loss.grad={r.cfg.loss.grad}: {e} (in the trainer: loss.grad=autodiff)"
         ) from None
+    except contract.ModelError as e:  # a stateful model's state that breaks the contract
+        raise ConfigError(f"model.name={r.cfg.model.name}: {e}") from None
 
 
 def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:

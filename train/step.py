@@ -296,7 +296,9 @@ def check_replicated(state) -> None:
     over ``nl.batch_axis``). Refuse, at trace time, a state leaf that varies over the
     mesh, naming it (``pmap`` and ``jit`` have no such types: nothing to check)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        varying = getattr(jax.typeof(leaf), "vma", frozenset())
+        aval = jax.typeof(leaf)
+        manual = getattr(aval, "manual_axis_type", None)  # where JAX 0.10 keeps the axes
+        varying = manual.varying if manual is not None else getattr(aval, "vma", ())
         if varying:
             raise contract.ModelError(
                 f"the model's state {nl.format_path(path)} differs between devices (it "
