@@ -17,7 +17,9 @@ from .core._save import CheckpointError as CheckpointError
 from .core._save import load as load
 from .core._save import load_metadata as load_metadata
 from .core._save import save as save
+from .core._sharded import save_sharded as save_sharded
 from .grad._manual import ManualGradError as ManualGradError
+from .grad._manual import check_manual as check_manual
 from .grad._manual import hand_rule as hand_rule
 from .grad._manual import manual_grads as manual_grads
 from .grad._show_grad import show_grad as show_grad
@@ -159,6 +161,7 @@ __all__ = [
     "accuracy",
     "add",
     "batch_axis",
+    "check_manual",
     "current_batch_axis",
     "elu",
     "format_path",
@@ -181,6 +184,7 @@ __all__ = [
     "roundtrip",
     "rules",
     "save",
+    "save_sharded",
     "show_grad",
     "show_jaxpr",
     "show_jaxpr_and_xla",

@@ -52,7 +52,7 @@ def traced_function(cfg: Config, what: str) -> tuple:
     """
     r = build(cfg)
     params = r.model.init(jax.random.key(cfg.seed))
-    loss_fn = mean_loss_fn(r.model, cfg.loss.grad)
+    loss_fn = mean_loss_fn(r.model, r.grad_mode)
     state = contract.init_state(r.model)
     b = cfg.train.batch_size
     if what == "loss":
