@@ -150,7 +150,8 @@ class _Loop:
         start = begin.step
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
-        echo(report.banner(r, prep.params0.num_params(), start))
+        state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
+        echo(report.banner(r, prep.params0.num_params(), start, state_bytes))
         put = prep.stepper.put_state
         loop = cls(
             r,

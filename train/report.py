@@ -11,21 +11,27 @@ import numpy as np
 
 from . import distributed as dist
 from .config import Config
+from .memory import format_bytes
 
 # Short names of metrics on the progress bar.
 BAR_NAMES = {"loss": "loss", "accuracy": "acc", "bits_per_char": "bpc"}
 
 
-def banner(r, num_params: int, start: int) -> str:
-    """The run's first line: devices, model size, data, run directory (``r``: a Run)."""
+def banner(r, num_params: int, start: int, state_bytes: int | None = None) -> str:
+    """The run's first line: devices, model size (and ``state_bytes``, the params and
+    optimizer state one device holds), data, run directory (``r``: a Run)."""
+
     cfg = r.cfg
     procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
     per_proc = len(r.devices) // jax.process_count()
     note = f"\n  note: {r.data.name}: {r.data.note}" if r.data.note else ""
+    per_device = ""
+    if state_bytes is not None:
+        per_device = f", params + optimizer {format_bytes(state_bytes)} per device"
     return (
         f"nnlite train: {cfg.name}  devices: {procs}{per_proc} x {r.devices[0].platform} "
         f"({r.strategy.describe()})  model: {cfg.model.name} ({num_params:,} "
-        f"params)  data: {r.data.name} ({r.data.describe()})  "
+        f"params{per_device})  data: {r.data.name} ({r.data.describe()})  "
         f"run dir: {r.run_dir}" + (f"  resuming at step {start}" if start else "") + note
     )
 

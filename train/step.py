@@ -144,8 +144,8 @@ class Stepper:
         """``ShapeDtypeStruct`` stand-ins for ``put_state(leaves)``, given the leaves' shapes
         and dtypes: what ``run`` can be traced and compiled for ahead of time (None when the
         strategy has no per-leaf sharding: it compiles on its first call)."""
-        shardings = [self.strategy.leaf_sharding(a) for a in avals]
-        if any(s is None for s in shardings):
+        shardings = self.strategy.state_shardings(avals)
+        if shardings is None:
             return None
         return [
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)

@@ -34,6 +34,8 @@ class Strategy:
     """
 
     name: ClassVar[str]
+    #: whether ``parallel.tensor > 1`` (a tensor-parallel mesh axis) is accepted
+    tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, devices: Sequence[jax.Device]):
         self.devices = list(devices)
@@ -43,6 +45,20 @@ class Strategy:
     def select_devices(cls, parallel, batch_size: int) -> list[jax.Device]:
         """The devices a config's ``parallel`` section selects (all processes)."""
         raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, parallel, batch_size: int) -> Strategy:
+        """The strategy on the devices a config's ``parallel`` section selects."""
+        return cls(cls.select_devices(parallel, batch_size))
+
+    def plan(self, model, optimizer) -> None:
+        """Learn where each leaf of ``model``'s params and ``optimizer``'s state goes (a
+        strategy that shards by the layers' logical axes); nothing to learn by default."""
+
+    def init_shardings(self) -> tuple | None:
+        """``(params, opt_state)`` trees of shardings that init creates the state with (the
+        state is then never whole on one device), or None: init on the default device."""
+        return None
 
     # -- inside the compiled step ------------------------------------------------------
 
@@ -98,6 +114,12 @@ class Strategy:
         """Where :meth:`put_state` places a leaf of this shape, or None when the strategy
         has no such sharding (its step then compiles on its first call)."""
         return None
+
+    def state_shardings(self, avals: Sequence[Any]) -> list | None:
+        """:meth:`leaf_sharding` of each of a tree's leaves (a strategy whose placement
+        depends on the leaf's place in the tree overrides this), or None."""
+        shardings = [self.leaf_sharding(a) for a in avals]
+        return None if any(s is None for s in shardings) else shardings
 
     def bytes_per_device(self, avals: Any) -> int:
         """Bytes that one device holds of a tree placed by :meth:`put_state`
