@@ -13,16 +13,15 @@ from _tolerance import (
     ROUNDINGS_PER_LAYER,
     assert_close_f32,
     assert_same_trajectory,
-    first_step_grads,
     max_abs_diff,
 )
 from jax.sharding import PartitionSpec as P
-from test_train import assert_same_training, grads_and_trajectory
 
 import nnlite as nl
 from train import memory, parallel
-from train.build import build, init_program, prepare
+from train.build import build, init_program, make_stepper
 from train.config import ConfigError, load_config
+from train.data import make_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every sharded layout of 8 devices: FSDP over 8, tensor parallelism in pairs with the
@@ -199,42 +198,6 @@ def test_bad_sharding_config_names_the_key(tmp_path, overrides, message, npz):
         build(load_config(ROOT / "configs/digits_mlp.yaml", [npz, "data.name=npz", *overrides]))
 
 
-def test_fsdp_run_keeps_params_and_both_adam_moments_split_8_ways(npz):
-    cfg = load_config(
-        ROOT / "configs/digits_mlp.yaml",
-        [npz, "data.name=npz", "model.hidden_sizes=[64]", "parallel.strategy=fsdp", ALL_LEAVES],
-    )
-    r = build(cfg)
-    idx = np.arange(cfg.train.batch_size, dtype=np.int32)[None]
-    prep = prepare(r, "stop", idx)
-    st = prep.stepper
-    # init creates the state sharded: its outputs already carry the plan's shardings
-    p_init, o_init = init_program(r.model, r.optimizer, r.strategy.init_shardings())(cfg.seed)
-    p, o, _ = st.run(
-        st.put_state(jax.tree.leaves(prep.params0)),
-        st.put_state(jax.tree.leaves(prep.opt0)),
-        prep.X,
-        prep.Y,
-        st.put_indices(idx),
-    )
-    params = jax.tree.unflatten(prep.p_def, p)
-    opt = jax.tree.unflatten(prep.o_def, o)
-    mu, nu = (jax.tree.leaves(optax_get(opt, k)) for k in ("mu", "nu"))
-    for tree in (params, p_init):
-        w = tree.ffn.layers[0].W  # [8, 64]: split along 64
-        assert w.sharding.spec == P(None, "data")
-        assert {s.data.shape for s in w.addressable_shards} == {(8, 8)}
-    for got, leaves in (("params", p), ("mu", mu), ("nu", nu), ("init", jax.tree.leaves(p_init))):
-        specs = [v.sharding.spec for v in leaves]
-        # every leaf with a dimension that 8 divides is split 8 ways; the head's 4 classes not
-        assert specs == [P(None, "data"), P("data"), P("data"), P()], (got, specs)
-    counts = optax.tree_utils.tree_get_all_with_path(opt, "count")  # adam's and the schedule's
-    assert counts and all(v.sharding.spec == P() for _, v in counts)
-    full = sum(np.asarray(v).nbytes for v in jax.tree.leaves((prep.params0, prep.opt0)))
-    per_device = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
-    assert per_device < full / 6  # 1/8 but for the head's bias and Adam's step count
-
-
 def optax_get(tree, key):
     return optax.tree_utils.tree_get(tree, key)
 
@@ -252,57 +215,118 @@ def test_a_model_too_big_to_replicate_fits_under_fsdp(monkeypatch, npz):
 
 
 # -- equal to one device -----------------------------------------------------------------
-# (config, overrides, layers on the longest path: the rounding bound of tests/_tolerance.py)
+def train_steps(config, overrides, steps=6):
+    """``steps`` Adam steps of ``config`` by its strategy's compiled step (what the loop
+    calls, without the loop's evaluation and run directory): ``(first step's gradient,
+    params after steps, the placed state after them, the init's placed params, run)``."""
+    cfg = load_config(ROOT / config, [*overrides, "log.progress=false", "log.plot=false"])
+    r = build(cfg)
+    init = init_program(r.model, r.optimizer, r.strategy.init_shardings())(np.int32(cfg.seed))
+    p_def, o_def = (jax.tree.structure(t) for t in init)
+    st = make_stepper(r, p_def, o_def, "stop")
+    p, o = (st.put_state(jax.tree.leaves(t)) for t in init)
+    p_init = jax.tree.unflatten(p_def, [np.asarray(v) for v in st.get_state(p)])
+    X, Y = st.put_data(r.data.x), st.put_data(r.data.y)
+    sampler = make_sampler(cfg.seed, r.data, cfg.train.batch_size)
+    for step in range(steps):
+        p, o, _ = st.run(p, o, X, Y, st.put_indices(sampler.batches(step, 1), step))
+        if step == 0:  # Adam's first moment after one step: (1 - b1) * grad
+            mu = optax_get(jax.tree.unflatten(o_def, st.get_state(o)), "mu")
+            grads = jax.tree.map(lambda m: np.asarray(m, np.float64) / (1 - 0.9), mu)
+    params = jax.tree.unflatten(p_def, [np.asarray(v) for v in st.get_state(p)])
+    return grads, params, (p, o), p_init, r
+
+
+# (config, overrides, layers on the longest path: the rounding bound of tests/_tolerance.py,
+# layouts). The CNN (no tensor-parallel axes: whole along "model") and the user's model
+# take the layout that exercises both rules at once, to keep the suite's time.
 MODELS = {
-    # hidden 64: the Megatron pair (ffn column-parallel, head row-parallel); manual rules
+    # hidden 64: a Megatron pair (the ffn column-parallel, the head row-parallel), by the
+    # hand rules of loss.grad=manual inside the sharded jit
     "mlp": (
         "configs/digits_mlp.yaml",
         ["data.name=npz", "model.hidden_sizes=[64]", "loss.grad=manual"],
         4,
+        LAYOUTS,
     ),
     "cnn": (
         "configs/mnist1d_cnn.yaml",
-        ["data.name=digits", "model.channels=[4, 8]", "model.kernel_size=3", "checkpoint.every=0"],
+        ["data.name=npz", "model.channels=[4, 8]", "model.kernel_size=3", "train.batch_size=64"],
         7,
+        LAYOUTS[2:],
     ),
     "user": (
         "configs/digits_mlp.yaml",
         ["data.name=npz", "model={name: 'test_sharding:UserNet'}"],
         8,
+        LAYOUTS[2:],
+    ),
+    # the shipped config's hand rules (loss.grad=manual) inside the sharded jit
+    "gpt": (
+        "configs/shakespeare_gpt.yaml",
+        [
+            "data.name=text",
+            "data.eval_windows=16",
+            "model.context=16",
+            "model.n_layer=1",
+            "model.n_head=2",
+            "model.n_embd=16",
+            "train.batch_size=8",
+            "optimizer.warmup_steps=2",
+        ],
+        16,
+        LAYOUTS,
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sharded_training_equals_one_device(tmp_path, name, npz):
-    config, overrides, layers = MODELS[name]
-    common = [npz, *overrides, ALL_LEAVES]
-    ref = grads_and_trajectory(
-        tmp_path, config, *common, "parallel.strategy=none", "name=ref", steps=6
-    )
-    init = ref[1].model.init(jax.random.key(ref[1].cfg.seed))
-    assert max_abs_diff(ref[1].params, init) > 1e-3  # training moved the params
-    for i, layout in enumerate(LAYOUTS):
-        got = grads_and_trajectory(tmp_path, config, *common, *layout, f"name=s{i}", steps=6)
-        assert len(got[1].devices) == 8
-        assert_same_training(got, ref, ROUNDINGS_PER_LAYER * layers, f"{name} {layout}: ")
+    config, overrides, layers, layouts = MODELS[name]
+    common = [npz, f"log.dir={tmp_path}", *overrides, ALL_LEAVES]
+    if name == "gpt":
+        from test_gpt import text_file
+
+        common.append(f"data.path={text_file(tmp_path)}")
+    grads, params, _, init, ref = train_steps(config, [*common, "parallel.strategy=none"])
+    assert max_abs_diff(params, init) > 1e-3  # training moved the params
+    lr = ref.cfg.optimizer.learning_rate
+    for layout in layouts:
+        got = train_steps(config, [*common, *layout])
+        what = f"{name} {' '.join(layout)}: "
+        assert len(got[4].devices) == 8
+        # created sharded, the same values (threefry's partitionable keys)
+        np.testing.assert_array_equal(
+            *(np.concatenate([np.ravel(v) for v in jax.tree.leaves(t)]) for t in (got[3], init))
+        )
+        assert_close_f32(got[0], grads, ops=ROUNDINGS_PER_LAYER * layers, what=what)
+        assert_same_trajectory(got[1], params, lr=lr, what=what)
+        if name == "mlp" and layout == LAYOUTS[0]:
+            check_fsdp_shardings(*got[2], got[4])
 
 
-def test_sharded_gpt_with_manual_rules_equals_one_device(tmp_path):
-    from _tolerance import SAME_PROGRAMS
-    from test_gpt import tiny_run
-
-    def grads_and_run(*overrides, name):
-        common = [*overrides, *SAME_PROGRAMS, ALL_LEAVES, "checkpoint.every=0"]
-        one = tiny_run(tmp_path, *common, "train.steps=1", name=name)
-        return first_step_grads(one), tiny_run(tmp_path, *common, "train.steps=6", name=name)
-
-    ref = grads_and_run("parallel.strategy=none", name="ref")
-    assert ref[1].cfg.loss.grad == "manual"  # the shipped config's hand rules
-    for i, layout in enumerate(LAYOUTS):
-        got = grads_and_run(*layout, name=f"s{i}")
-        assert_close_f32(got[0], ref[0], ops=ROUNDINGS_PER_LAYER * 16, what=f"{layout}: ")
-        assert_same_trajectory(got[1].params, ref[1].params, lr=ref[1].cfg.optimizer.learning_rate)
+def check_fsdp_shardings(p, o, r):
+    """The per-leaf shardings a fsdp run's step leaves: params and both Adam moments split
+    8 ways wherever 8 divides a dimension, Adam's step count whole."""
+    p_avals = jax.eval_shape(r.model.init, jax.random.key(0))
+    params = jax.tree.unflatten(jax.tree.structure(p_avals), p)
+    opt = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(r.optimizer.init, p_avals)), o)
+    for what, tree in (
+        ("params", params),
+        ("mu", optax_get(opt, "mu")),
+        ("nu", optax_get(opt, "nu")),
+    ):
+        specs = [v.sharding.spec for v in jax.tree.leaves(tree)]
+        # ffn W [8, 64] and b [64], head W [64, 4] split along 64; the head's 4 biases whole
+        assert specs == [P(None, "data"), P("data"), P("data"), P()], (what, specs)
+        w = tree.ffn.layers[0].W
+        assert {s.data.shape for s in w.addressable_shards} == {(8, 8)} and len(
+            w.addressable_shards
+        ) == 8
+    counts = optax.tree_utils.tree_get_all_with_path(opt, "count")  # adam's and the schedule's
+    assert counts and all(v.sharding.spec == P() for _, v in counts)
+    per_device = r.strategy.bytes_per_device([*p, *o])
+    assert per_device < sum(v.nbytes for v in [*p, *o]) / 6  # 1/8 but for biases and counts
 
 
 def test_two_processes_fsdp_with_tensor_equal_one_device(tmp_path, npz):
