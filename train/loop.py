@@ -270,14 +270,15 @@ class _Loop:
     def evaluate(self) -> None:
         """Metrics on the whole held-out split (process 0): a "test" record, or "val" for
         text (its fixed set of validation windows)."""
-        if not dist.is_main():
-            return
         prep = self.prep
         jax.block_until_ready(self.p_leaves)  # the training so far is charged to "train"
         self.timings.lap("train")
-        params = jax.tree.unflatten(
-            prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
-        )
+        # Every process takes part in gathering a state sharded across processes (fsdp: a
+        # collective); process 0 alone evaluates.
+        leaves = prep.stepper.get_state(self.p_leaves)
+        if not dist.is_main():
+            return
+        params = jax.tree.unflatten(prep.p_def, jax.device_put(leaves, prep.eval_device))
         result = prep.evaluate(params, prep.X_test, prep.Y_test)
         self.last_eval = {k: float(v) for k, v in result.items()}
         self._write(

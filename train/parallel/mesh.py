@@ -117,6 +117,8 @@ class Sharded(Strategy):
             free = [i for i, d in enumerate(shape) if names[i] is None and d % self.data == 0]
             if free:
                 names[max(free, key=lambda i: shape[i])] = DATA
+        while names and names[-1] is None:  # P(None, "data"), P(): the shortest spelling
+            names.pop()
         return P(*names)
 
     def sharding(self, aval: Any, axes: tuple | None = None) -> NamedSharding:
