@@ -70,6 +70,7 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
     keyed = uses_key(model)
 
     def objective(params, x, y, key):
+        params = strategy.compute_params(params)
         loss, metrics = loss_fn(params, x, y, key=key) if keyed else loss_fn(params, x, y)
         return strategy.global_loss(loss), metrics
 

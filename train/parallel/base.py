@@ -62,6 +62,12 @@ class Strategy:
 
     # -- inside the compiled step ------------------------------------------------------
 
+    def compute_params(self, params: Any) -> Any:
+        """The params as the forward and backward pass use them (FSDP: each weight
+        gathered whole along the data axis; autodiff turns that into a reduce-scatter of
+        its gradient)."""
+        return params
+
     def global_loss(self, loss: jax.Array) -> jax.Array:
         """The loss autodiff differentiates, from this device's mean loss."""
         return loss

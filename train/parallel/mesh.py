@@ -165,6 +165,29 @@ class Sharded(Strategy):
             for a, s in zip(leaves, self.state_shardings(leaves), strict=True)
         )
 
+    # -- inside the compiled step ------------------------------------------------------
+
+    def compute_params(self, params):
+        # ZeRO-3: the forward and backward pass see each weight whole along the data axis
+        # (one all-gather per sharded weight; its gradient is reduce-scattered back), and
+        # the batch stays split. Without this, XLA's cost model gathered the activations
+        # of small batches instead, a different algorithm with more collectives.
+        if self._trees is None or not self.shard_data:
+            return params
+        gathered = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, P(*(None if a == DATA else a for a in s.spec))),
+            self._trees[0],
+        )
+        return jax.lax.with_sharding_constraint(params, gathered)
+
+    def reduce(self, loss, metrics, grads, *, local_grads=False):
+        # Each gradient where its param lives: a sharded one reduce-scattered, a whole one
+        # all-reduced. Left to itself, XLA computed small whole params' updates sharded and
+        # all-gathered them afterwards (3 per leaf: param, mu, nu).
+        if self._trees is not None:
+            grads = jax.lax.with_sharding_constraint(grads, self._trees[0])
+        return loss, metrics, grads
+
     # -- compiling and placing ---------------------------------------------------------
 
     def compile(self, multi_step, *, keyed):
