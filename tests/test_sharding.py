@@ -261,7 +261,8 @@ MODELS = {
         8,
         LAYOUTS[2:],
     ),
-    # the shipped config's hand rules (loss.grad=manual) inside the sharded jit
+    # the shipped config's hand rules (loss.grad=manual) inside the sharded jit; dropout
+    # masks drawn for the global batch, as on one device
     "gpt": (
         "configs/shakespeare_gpt.yaml",
         [
@@ -273,6 +274,7 @@ MODELS = {
             "model.n_embd=16",
             "train.batch_size=8",
             "optimizer.warmup_steps=2",
+            "model.dropout=0.1",
         ],
         16,
         LAYOUTS,
