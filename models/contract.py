@@ -21,7 +21,9 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
   softmax cross-entropy + accuracy, mean squared error, next-token cross-entropy + bits
   per character;
 - optionally ``grad_modes``: the ``loss.grad`` modes beyond ``autodiff`` and ``manual``
-  that its ``objective(..., grad=...)`` implements (the MLP's ``fused``).
+  that its ``objective(..., grad=...)`` implements (the MLP's ``fused``); a list that
+  names ``autodiff`` is the complete list (``("autodiff",)``: a model that must not run
+  with hand rules; ``loss.grad: auto`` then resolves to autodiff).
 
 Example (a residual MLP classifier in a user's own file, ``model.name:
 "mymodels:ResMLP"`` in the config):
@@ -134,8 +136,12 @@ def data_fields(cls: type) -> list[str]:
 
 
 def grad_modes(model: Any) -> tuple[str, ...]:
-    """The ``loss.grad`` modes ``model`` supports."""
+    """The ``loss.grad`` modes ``model`` supports (``auto`` aside: it resolves to one of
+    these): autodiff, manual and the model's own, or its list alone when that names
+    autodiff."""
     extra = tuple(getattr(model, "grad_modes", ()))
+    if "autodiff" in extra:
+        return extra
     return BASE_GRAD_MODES + tuple(m for m in extra if m not in BASE_GRAD_MODES)
 
 

@@ -18,7 +18,9 @@ from .core._save import CheckpointError as CheckpointError
 from .core._save import load as load
 from .core._save import load_metadata as load_metadata
 from .core._save import save as save
+from .core._sharded import save_sharded as save_sharded
 from .grad._manual import ManualGradError as ManualGradError
+from .grad._manual import check_manual as check_manual
 from .grad._manual import hand_rule as hand_rule
 from .grad._manual import manual_grads as manual_grads
 from .grad._show_grad import show_grad as show_grad
@@ -160,6 +162,7 @@ __all__ = [
     "UnsupportedPrimitiveError",
     "accuracy",
     "add",
+    "check_manual",
     "elu",
     "format_path",
     "from_equinox",
@@ -183,6 +186,7 @@ __all__ = [
     "roundtrip",
     "rules",
     "save",
+    "save_sharded",
     "show_grad",
     "show_jaxpr",
     "show_jaxpr_and_xla",

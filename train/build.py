@@ -19,7 +19,7 @@ import nnlite as nl
 from models import contract
 from models.contract import Model
 
-from . import memory, parallel, rundir
+from . import gradmode, memory, parallel, rundir
 from .config import Config, ConfigError, ModelConfig
 from .data import Dataset, load_dataset, text_context
 from .optim import build_optimizer
@@ -46,10 +46,18 @@ class Run:
     opt_state: Any = None  # final optimizer state (host numpy leaves)
     step: int = 0
     summary: dict = field(default_factory=dict)
+    grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
 
     @property
     def devices(self) -> list[jax.Device]:
         return self.strategy.devices
+
+    @property
+    def grad_mode(self) -> str:
+        """What the step differentiates with: ``loss.grad``, ``auto`` resolved."""
+        if self.grad is None:
+            self.grad = gradmode.resolve(self.cfg, self.model, self.data, self.strategy)
+        return self.grad.mode
 
 
 def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | None = None) -> Run:
@@ -68,18 +76,18 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
         data = data.result()
     timings.lap("data")
     model, cfg = make_model(cfg, data)
-    if cfg.loss.grad not in contract.grad_modes(model):
+    if cfg.loss.grad != gradmode.AUTO and cfg.loss.grad not in contract.grad_modes(model):
         having = [
             n for n in models.MODELS if cfg.loss.grad in contract.grad_modes(models.resolve(n))
         ]
+        why = ""
+        if cfg.loss.grad in contract.BASE_GRAD_MODES:
+            why = " (its grad_modes leave it out)"
+        elif having:
+            why = f" ({cfg.loss.grad} is a hand-written pass of model.name={'/'.join(having)})"
         raise ConfigError(
             f"loss.grad={cfg.loss.grad} is not available for model.name={cfg.model.name}; "
-            f"it supports {', '.join(contract.grad_modes(model))}"
-            + (
-                f" ({cfg.loss.grad} is a hand-written pass of model.name={'/'.join(having)})"
-                if having
-                else ""
-            )
+            f"it supports {', '.join(contract.grad_modes(model))}{why}"
         )
     local_batch = cfg.train.batch_size // len(devices)
     if local_batch % cfg.train.grad_accum_steps:
@@ -111,7 +119,9 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
             f"examples several times; use at most {len(data.x)}"
         )
     run_dir = Path(cfg.log.dir) / cfg.name
-    return Run(cfg, data, model, optimizer, strategy, run_dir)
+    run = Run(cfg, data, model, optimizer, strategy, run_dir)
+    run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
+    return run
 
 
 def make_model(cfg: Config, data: Dataset) -> tuple[Model, Config]:
@@ -210,7 +220,7 @@ def _fits(key: str, given: Any, value: Any) -> bool:
 def make_stepper(r: Run, p_def, o_def, nonfinite: str) -> Stepper:
     """The compiled train step that ``r.cfg`` describes (strategy, grad mode, accumulation)."""
     cfg = r.cfg
-    grads_fn = batch_grads_fn(r.model, cfg.loss.grad, cfg.train.grad_accum_steps, r.strategy)
+    grads_fn = batch_grads_fn(r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
     return build_stepper(
         grads_fn,
         r.optimizer,
@@ -282,9 +292,8 @@ def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     try:
         return compile_run(r, nonfinite, first_indices)
     except nl.ManualGradError as e:
-        raise ConfigError(
-            f"loss.grad={r.cfg.loss.grad}: {e} (in the trainer: loss.grad=autodiff)"
-        ) from None
+        asked = r.grad.describe() if r.grad else r.cfg.loss.grad
+        raise ConfigError(f"loss.grad={asked}: {e} (in the trainer: loss.grad=autodiff)") from None
 
 
 def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:

@@ -1,4 +1,6 @@
-"""Checkpoints of a run: ``ckpt_<step>.safetensors`` files written by ``nl.save``.
+"""Checkpoints of a run: ``ckpt_<step>.safetensors`` files written by ``nl.save``, or
+``ckpt_<step>.shards`` directories written by ``nl.save_sharded`` when the strategy's
+state is sharded (each process writes its own shards; nothing is gathered).
 
 Every byte goes through ``nl.save`` / ``nl.load`` (atomic write: temporary name, fsync,
 rename, directory fsync), so a process killed at any moment leaves either the complete
@@ -11,12 +13,18 @@ A checkpoint is ``nl.save(path, {"params": params, "opt_state": opt_state})``: k
 ``params/<path>`` and ``opt_state<path>`` (``params/ffn/layers[0]/W``,
 ``opt_state[0]/mu/head/b``). For inference, ``nl.load(path, subtree="params")`` gives the
 params as a ParamsDict, and ``like=model.init(key)`` with it restores them checked.
+
+A sharded checkpoint holds the same keys, split into shards (see ``nnlite/core/_sharded.py``):
+written under ``ckpt_<step>.shards.tmp`` with the index last, then renamed. ``nl.load``
+reads it whole, or places each device's part straight onto another sharding (a restore
+onto another mesh), so resuming, ``train.load_run`` and the library read either kind.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -27,10 +35,12 @@ import numpy as np
 
 import nnlite as nl
 
+from . import distributed as dist
 from .config import ConfigError
 
 FORMAT_VERSION = "1"  # nl.save's format_version that resuming accepts
-_NAME = re.compile(r"^ckpt_(\d{8,})\.safetensors$")  # 8 digits or more (steps >= 10^8)
+# 8 digits or more (steps >= 10^8); a file, or a sharded checkpoint's directory
+_NAME = re.compile(r"^ckpt_(\d{8,})\.(safetensors|shards)$")
 _TMP_SUFFIX = ".tmp"
 
 # Test hook, never set in normal runs: seconds that nl.save pauses twice inside every
@@ -61,18 +71,67 @@ def save(
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(step)}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
-    final = nl.save(
-        ckpt_dir / f"ckpt_{step:08d}.safetensors",
-        _tree(params, opt_state),
-        metadata=meta,
-    )
-    for old in list_checkpoints(ckpt_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+    final = nl.save(path_of(ckpt_dir, step, sharded=False), _tree(params, opt_state), metadata=meta)
+    _keep_newest(ckpt_dir, final, keep)
     return final
 
 
+def save_sharded(
+    ckpt_dir: Path,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    metadata: dict[str, Any],
+    keep: int,
+    barrier=None,
+) -> Path:
+    """Write ``ckpt_<step>.shards`` (``nl.save_sharded``): every process calls this with its
+    placed, sharded state and writes the shards its devices hold; process 0 writes the
+    index (the metadata) last, renames the directory and keeps the newest ``keep``.
+
+    ``barrier``: ``train.distributed.barrier`` (bounded waits) with several processes."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"step": str(step)}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+    final = nl.save_sharded(
+        path_of(ckpt_dir, step, sharded=True),
+        _tree(params, opt_state),
+        metadata=meta,
+        barrier=barrier,
+    )
+    if dist.is_main():
+        _keep_newest(ckpt_dir, final, keep)
+    return final
+
+
+def path_of(ckpt_dir: Path, step: int, *, sharded: bool) -> Path:
+    """The name of the checkpoint of ``step``: a file, or a sharded checkpoint's directory."""
+    return ckpt_dir / f"ckpt_{step:08d}.{'shards' if sharded else 'safetensors'}"
+
+
+def is_sharded(path: Path) -> bool:
+    return path.name.endswith(".shards")
+
+
+def _keep_newest(ckpt_dir: Path, written: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints, and one of the other kind at the
+    step just written (a run that changed strategy)."""
+    found = list_checkpoints(ckpt_dir)
+    old = [p for p in found if step_of(p) == step_of(written) and p != written]
+    for p in old + [p for p in found if p not in old][:-keep]:
+        _remove(p)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary files are not checkpoints)."""
+    """Complete checkpoints, oldest first (temporary files and directories are not
+    checkpoints; a ``.shards`` directory is renamed to its name once complete)."""
     if not ckpt_dir.is_dir():
         return []
     found = [p for p in ckpt_dir.iterdir() if _NAME.match(p.name)]
@@ -80,12 +139,13 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def clean_temporary(ckpt_dir: Path) -> list[Path]:
-    """Remove temporary files left by an interrupted write; return what was removed."""
+    """Remove temporary files and directories left by an interrupted write; return what
+    was removed."""
     if not ckpt_dir.is_dir():
         return []
     removed = [p for p in ckpt_dir.iterdir() if p.name.endswith(_TMP_SUFFIX)]
     for p in removed:
-        p.unlink(missing_ok=True)
+        _remove(p)
     return removed
 
 
@@ -98,9 +158,13 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 
 def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, Any, dict[str, str]]:
-    """Load ``path`` into the structure of the templates (arrays or ``jax.ShapeDtypeStruct``s);
+    """Load ``path`` into the structure of the templates (arrays or ``jax.ShapeDtypeStruct``s;
+    a template with a sharding is placed on it part by part: a restore onto another mesh);
     a mismatch names the first differing path. Raises ConfigError for a checkpoint that
-    cannot be resumed (unreadable, another structure, bad metadata, non-finite values)."""
+    cannot be resumed (unreadable, another structure, bad metadata, non-finite values).
+
+    With several processes and templates sharded over all of them, every process calls it
+    (the check for non-finite values is a computation over the placed arrays)."""
     meta = read_metadata(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(
@@ -132,9 +196,15 @@ def _load(path: Path, like: Any, subtree: str | None = None) -> Any:
 def _first_nonfinite(tensors: dict[str, Any]) -> str | None:
     for key, v in tensors.items():
         # jnp.issubdtype: numpy's does not count bfloat16 as inexact
-        if jnp.issubdtype(v.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(v))):
+        if jnp.issubdtype(v.dtype, jnp.inexact) and not _finite(v):
             return key
     return None
+
+
+def _finite(v: Any) -> bool:
+    if isinstance(v, jax.Array):  # where it is placed: a sharded leaf is never gathered
+        return bool(jnp.isfinite(v).all())
+    return bool(np.all(np.isfinite(np.asarray(v))))
 
 
 def _check_metadata(path: Path, meta: dict[str, str]) -> None:

@@ -23,7 +23,7 @@ from .data import Dataset, Sampler, make_sampler
 from .optim import schedule
 from .plot import CurvePlotter, plot_curves
 from .resume import agree_on_start, metadata
-from .step import mean_loss_fn, step_flags
+from .step import all_finite, mean_loss_fn, step_flags
 from .timings import Timings
 
 
@@ -146,7 +146,9 @@ class _Loop:
         prep = prepare(r, cfg.train.nonfinite, first)
         timings.lap("compile")
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
-        begin = agree_on_start(cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0)
+        begin = agree_on_start(
+            cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0, r.strategy, r.grad_mode
+        )
         start = begin.step
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
@@ -295,6 +297,8 @@ class _Loop:
         """Save the state (process 0 writes), after checking it is finite."""
         jax.block_until_ready(self.p_leaves)
         self.timings.lap("train")
+        if self.r.strategy.sharded_state:
+            return self.checkpoint_sharded()
         state = self.host_state()
         # The loss-only flag cannot see a last step that broke the params.
         if self.r.cfg.train.nonfinite == "stop" and not faults.all_finite(state[0]):
@@ -306,10 +310,28 @@ class _Loop:
                 self.r.run_dir / "checkpoints",
                 self.step,
                 *state,
-                metadata(cfg, self.r.data, self.step, self.sampler, self.skipped, self.r.model)
-                | {"log_window": json.dumps(self.means.state())},
+                self._metadata() | {"log_window": json.dumps(self.means.state())},
                 cfg.checkpoint.keep,
             )
+        self.timings.lap("checkpoint")
+
+    def checkpoint_sharded(self) -> None:
+        """Save a sharded state: every process writes the shards its devices hold (never
+        gathered: no ``get_state``), process 0 the metadata last (``ckpt.save_sharded``)."""
+        prep, cfg = self.prep, self.r.cfg
+        params = jax.tree.unflatten(prep.p_def, self.p_leaves)
+        if cfg.train.nonfinite == "stop" and not bool(all_finite(params)):  # on the devices
+            self._stop_nonfinite(self.step)
+        self.good_step = self.step
+        self.good_ckpt = ckpt.save_sharded(
+            self.r.run_dir / "checkpoints",
+            self.step,
+            params,
+            jax.tree.unflatten(prep.o_def, self.o_leaves),
+            self._metadata() | {"log_window": json.dumps(self.means.state())},
+            cfg.checkpoint.keep,
+            barrier=dist.barrier,
+        )
         self.timings.lap("checkpoint")
 
     def already_finished(self) -> Run:
@@ -359,6 +381,10 @@ class _Loop:
 
     # -- helpers -----------------------------------------------------------------------
 
+    def _metadata(self) -> dict:
+        r = self.r
+        return metadata(r.cfg, r.data, self.step, self.sampler, self.skipped, r.model, r.grad_mode)
+
     def host_state(self) -> tuple:
         """``(params, opt_state)`` as host numpy leaves in their trees."""
         prep = self.prep
@@ -371,7 +397,7 @@ class _Loop:
     def _stop_nonfinite(self, flagged: int):
         r, prep = self.r, self.prep
         checker = make_stepper(r, prep.p_def, prep.o_def, "check")
-        loss_fn = mean_loss_fn(r.model, r.cfg.loss.grad)  # the replay names the bad leaf
+        loss_fn = mean_loss_fn(r.model, r.grad_mode)  # the replay names the bad leaf
         raise faults.NonFinite(
             faults.explain_nonfinite(
                 r,

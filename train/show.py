@@ -50,7 +50,7 @@ def traced_function(cfg: Config, what: str) -> tuple:
     """
     r = build(cfg)
     params = r.model.init(jax.random.key(cfg.seed))
-    loss_fn = mean_loss_fn(r.model, cfg.loss.grad)
+    loss_fn = mean_loss_fn(r.model, r.grad_mode)
     b = cfg.train.batch_size
     if what == "loss":
         x, y = host_batch(r.data, np.arange(b) % r.data.num_indices)

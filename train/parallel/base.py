@@ -31,9 +31,18 @@ class Strategy:
       (:meth:`bytes_per_device`, for the memory estimate and the banner).
 
     Every strategy equals one device for the same global batch.
+
+    **Sharded state** (:attr:`sharded_state` true): the placed leaves are split over the
+    devices, not replicated. Checkpoints are then written shard by shard from the placed
+    leaves (``nl.save_sharded``: each process writes what its devices hold; :meth:`get_state`
+    is never called for them), and a resume places each leaf straight onto its
+    :meth:`state_shardings` entry (by default :meth:`leaf_sharding`, which must then
+    return a sharding for every leaf), reading
+    only the parts this process's devices hold, whatever mesh wrote the checkpoint.
     """
 
     name: ClassVar[str]
+    sharded_state: ClassVar[bool] = False  # see the class docstring
     #: whether ``parallel.tensor > 1`` (a tensor-parallel mesh axis) is accepted
     tensor_parallel: ClassVar[bool] = False
 

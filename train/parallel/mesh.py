@@ -51,6 +51,7 @@ class Sharded(Strategy):
     on a ``(data, model)`` mesh; the step is one ``jax.jit`` with donated state."""
 
     tensor_parallel = True
+    sharded_state = True  # checkpoints written shard by shard, resumed onto state_shardings
     shard_data: ClassVar[bool]  # FSDP: split leaves over the data axis too
     rules: ClassVar[dict[str, str]] = TENSOR_RULES
 
