@@ -365,3 +365,51 @@ def test_two_processes_fsdp_with_tensor_equal_one_device(tmp_path, npz):
     assert_close_f32(grads, ref_grads, ops=ROUNDINGS_PER_LAYER * 4)  # linear, relu, linear, loss
     assert max_abs_diff(ref_params, ref.model.init(jax.random.key(0))) > 1e-3
     assert_same_trajectory(params, ref_params, lr=ref.cfg.optimizer.learning_rate)
+
+
+def test_fsdp_resume_is_bit_identical_and_restores_onto_another_mesh(tmp_path, npz):
+    from test_train import run
+
+    common = [npz, "data.name=npz", "model.hidden_sizes=[64]", ALL_LEAVES, "train.log_every=3"]
+    common += ["train.eval_every=3", "checkpoint.every=3", "parallel.strategy=fsdp"]
+    common.append("optimizer.schedule=constant")  # the first part stops at 3 of train.steps
+    whole = run(
+        tmp_path,
+        "configs/digits_mlp.yaml",
+        *common,
+        "parallel.tensor=2",
+        "train.steps=6",
+        "name=whole",
+    )
+    run(
+        tmp_path,
+        "configs/digits_mlp.yaml",
+        *common,
+        "parallel.tensor=2",
+        "train.steps=3",
+        "name=split",
+    )
+    import shutil
+
+    shutil.copytree(tmp_path / "split", tmp_path / "moved")
+    resumed = run(
+        tmp_path,
+        "configs/digits_mlp.yaml",
+        *common,
+        "parallel.tensor=2",
+        "train.steps=6",
+        "name=split",
+        resume="require",
+    )
+    assert resumed.step == 6 and max_abs_diff(resumed.params, whole.params) == 0.0
+    # written on a (4, 2) mesh, continued on (8, 1): the same training to float rounding
+    moved = run(
+        tmp_path,
+        "configs/digits_mlp.yaml",
+        *common,
+        "parallel.tensor=1",
+        "train.steps=6",
+        "name=moved",
+        resume="require",
+    )
+    assert_same_trajectory(moved.params, whole.params, lr=whole.cfg.optimizer.learning_rate)
