@@ -229,7 +229,7 @@ def train_steps(config, overrides, steps=6):
     X, Y = st.put_data(r.data.x), st.put_data(r.data.y)
     sampler = make_sampler(cfg.seed, r.data, cfg.train.batch_size)
     for step in range(steps):
-        p, o, _ = st.run(p, o, X, Y, st.put_indices(sampler.batches(step, 1), step))
+        p, o, _, _ = st.run(p, o, [], X, Y, st.put_indices(sampler.batches(step, 1), step))
         if step == 0:  # Adam's first moment after one step: (1 - b1) * grad
             mu = optax_get(jax.tree.unflatten(o_def, st.get_state(o)), "mu")
             grads = jax.tree.map(lambda m: np.asarray(m, np.float64) / (1 - 0.9), mu)
@@ -357,7 +357,7 @@ def test_two_processes_fsdp_with_tensor_equal_one_device(tmp_path, npz):
     def saved(run_dir):  # the first step's gradient and the final params of a run
         paths = ckpt.list_checkpoints(run_dir / "checkpoints")
         assert [ckpt.step_of(p) for p in paths] == [1, 2, 3, 4, 5, 6]
-        _, opt1, _ = ckpt.restore(paths[0], ref.params, ref.opt_state)
+        _, opt1, _, _ = ckpt.restore(paths[0], ref.params, ref.opt_state)
         grads = jax.tree.map(lambda m: np.asarray(m, np.float64) / 0.1, optax_get(opt1, "mu"))
         return grads, ckpt.restore(paths[-1], ref.params, ref.opt_state)[0]
 
