@@ -391,7 +391,8 @@ def test_fsdp_resume_is_bit_identical_and_restores_onto_another_mesh(tmp_path, n
     )
     import shutil
 
-    shutil.copytree(tmp_path / "split", tmp_path / "moved")
+    for name in ("moved", "four", "one"):
+        shutil.copytree(tmp_path / "split", tmp_path / name)
     resumed = run(
         tmp_path,
         "configs/digits_mlp.yaml",
@@ -413,3 +414,16 @@ def test_fsdp_resume_is_bit_identical_and_restores_onto_another_mesh(tmp_path, n
         resume="require",
     )
     assert_same_trajectory(moved.params, whole.params, lr=whole.cfg.optimizer.learning_rate)
+    # ... on 4 devices, and on one device with no strategy (the shards read back whole)
+    for name, strategy in (("four", ["parallel.devices=4"]), ("one", ["parallel.strategy=none"])):
+        other = run(
+            tmp_path,
+            "configs/digits_mlp.yaml",
+            *common,
+            *strategy,
+            "train.steps=6",
+            f"name={name}",
+            resume="require",
+        )
+        assert other.step == 6
+        assert_same_trajectory(other.params, whole.params, lr=whole.cfg.optimizer.learning_rate)
