@@ -64,6 +64,7 @@ from .nn._rnn import RNN as RNN
 from .nn._rnn import GRUCell as GRUCell
 from .nn._rnn import LSTMCell as LSTMCell
 from .nn._rotary import RotaryEmbedding as RotaryEmbedding
+from .nn._stack import REMAT_POLICIES as REMAT_POLICIES
 from .nn._stack import Remat as Remat
 from .nn._stack import Stack as Stack
 from .nn._transformer import TransformerBlock as TransformerBlock
@@ -125,6 +126,7 @@ __all__ = [
     "FFN",
     "INITIALIZERS",
     "REDUCTIONS",
+    "REMAT_POLICIES",
     "RNN",
     "Activation",
     "AdaptiveAvgPool",
