@@ -73,6 +73,9 @@ class GPT(nl.Module):
     dtype: str = "float32"
 
     task = "language_model"
+    # Options that change neither the params' values nor the math: a run may resume with
+    # them changed (the checkpoint's params are converted to the new layout).
+    resume_may_change = ("scan_layers", "remat")
 
     def __post_init__(self):
         super().__post_init__()

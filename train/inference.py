@@ -113,11 +113,11 @@ def load_run(
     opt_state = None
     if with_opt_state:
         optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
-        params, opt_state, _ = ckpt.restore(
-            checkpoint, template, jax.eval_shape(optimizer.init, template)
+        params, opt_state, _ = ckpt.restore_model(
+            model, checkpoint, template, jax.eval_shape(optimizer.init, template)
         )
     else:
-        params = ckpt.load_params(checkpoint, template)
+        params = ckpt.load_model_params(model, checkpoint, template)
     vocab = None
     if "vocab" in meta:
         try:
