@@ -105,6 +105,12 @@ def stack_scan_vjp(params, x, keys=None, dret=None, *, layer: Module):
     return dparams, dx, None
 
 
+# The pair as every rule carries it (``check_vjp(rule.f, rule.f_vjp, ...)``); the stack
+# applies it through ``_manual_stack``, which keeps the residuals instead of recomputing.
+stack_scan.f = stack_scan  # type: ignore[attr-defined]
+stack_scan.f_vjp = stack_scan_vjp  # type: ignore[attr-defined]
+
+
 @functools.lru_cache(maxsize=256)
 def _manual_stack(layer: Module):
     """``stack_scan`` for ``layer`` as a ``jax.custom_vjp`` whose forward pass keeps the
