@@ -133,17 +133,23 @@ def part_compile(tiny: bool, grad: str, rounds: int) -> dict:
         for scan in (False, True):
             secs[scan] = Step(size, grad, scan_layers=scan).compile()[0]
         out[n] = secs
-        rows.append([n, f"{secs[False]:.2f}", f"{secs[True]:.2f}", f"{secs[False] / secs[True]:.2f}"])
+        rows.append(
+            [n, f"{secs[False]:.2f}", f"{secs[True]:.2f}", f"{secs[False] / secs[True]:.2f}"]
+        )
     print(f"\ncompile time of the GPT step ({grad}; width {base.n_embd}, context {base.context})")
     print(_table(rows, ["n_layer", "unrolled s", "scan_layers s", "unrolled / scan"]))
     first, last = depths[0], depths[-1]
-    print(f"scan_layers: {last} layers compile in {out[last][True] / out[first][True]:.2f}x "
-          f"the time of {first}")
+    print(
+        f"scan_layers: {last} layers compile in {out[last][True] / out[first][True]:.2f}x "
+        f"the time of {first}"
+    )
     steps = {f"scan_layers={s}": Step(base, grad, scan_layers=s) for s in (False, True)}
     t = _times({k: v for k, v in steps.items()}, rounds)
-    print(f"\nstep time at n_layer={base.n_layer}: unrolled {t['scan_layers=False'] * 1e3:.2f} ms, "
-          f"scanned {t['scan_layers=True'] * 1e3:.2f} ms "
-          f"(scanned / unrolled {t['scan_layers=True'] / t['scan_layers=False']:.3f})")
+    print(
+        f"\nstep time at n_layer={base.n_layer}: unrolled {t['scan_layers=False'] * 1e3:.2f} ms, "
+        f"scanned {t['scan_layers=True'] * 1e3:.2f} ms "
+        f"(scanned / unrolled {t['scan_layers=True'] / t['scan_layers=False']:.3f})"
+    )
     return {"compile_s": out, "step_s": t}
 
 
@@ -152,8 +158,9 @@ def part_remat(tiny: bool, grad: str, rounds: int) -> dict:
     from .train_step import gemm_case
 
     size = TINY if tiny else LARGE
-    spec = GPTSpec("gpt", size.vocab, size.context, size.n_layer, size.n_head, size.n_embd,
-                   size.batch)
+    spec = GPTSpec(
+        "gpt", size.vocab, size.context, size.n_layer, size.n_head, size.n_embd, size.batch
+    )
     steps, mem = {}, {}
     for remat in ("none", "block", "full"):
         steps[remat] = Step(size, grad, remat=remat, scan_layers=True)
@@ -167,12 +174,25 @@ def part_remat(tiny: bool, grad: str, rounds: int) -> dict:
     for remat, secs in t.items():
         rate = spec.matmul_flops() / secs
         mib = "n/a" if mem[remat] is None else f"{mem[remat] / 2**20:.1f}"
-        rows.append([remat, mib, f"{secs * 1e3:.1f}", f"{secs / t['none']:.2f}",
-                     f"{rate / 1e9:.1f}", f"{rate / gemm_rate:.0%}"])
-    print(f"\nGPT-large step ({grad}, scan_layers) with remat; GEMM {'256' if tiny else '2048'}: "
-          f"{gemm_rate / 1e9:.1f} GFLOP/s")
-    print(_table(rows, ["remat", "peak temp MiB", "ms/step", "x none", "model GFLOP/s",
-                        "of GEMM rate"]))
+        rows.append(
+            [
+                remat,
+                mib,
+                f"{secs * 1e3:.1f}",
+                f"{secs / t['none']:.2f}",
+                f"{rate / 1e9:.1f}",
+                f"{rate / gemm_rate:.0%}",
+            ]
+        )
+    print(
+        f"\nGPT-large step ({grad}, scan_layers) with remat; GEMM {'256' if tiny else '2048'}: "
+        f"{gemm_rate / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        _table(
+            rows, ["remat", "peak temp MiB", "ms/step", "x none", "model GFLOP/s", "of GEMM rate"]
+        )
+    )
     return {"temp_bytes": mem, "step_s": t, "gemm_flops_per_s": gemm_rate}
 
 
@@ -180,15 +200,30 @@ def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path) -> float:
     from train.config import load_config
     from train.loop import train
 
-    sets = [f"log.dir={run_dir}", "log.progress=false", "log.plot=false", f"name=bf16_{dtype}",
-            f"model.dtype={dtype}", f"train.steps={steps}", f"train.eval_every={steps}",
-            f"checkpoint.every={steps}"]
+    sets = [
+        f"log.dir={run_dir}",
+        "log.progress=false",
+        "log.plot=false",
+        f"name=bf16_{dtype}",
+        f"model.dtype={dtype}",
+        f"train.steps={steps}",
+        f"train.eval_every={steps}",
+        f"checkpoint.every={steps}",
+    ]
     if tiny:
         text = run_dir / "tiny.txt"
         text.write_text("To be, or not to be, that is the question.\n" * 40)
-        sets += ["data.name=text", f"data.path={text}", "data.eval_windows=16",
-                 "model.context=16", "model.n_layer=1", "model.n_embd=16", "model.n_head=2",
-                 "train.steps_per_call=1", "optimizer.warmup_steps=1"]
+        sets += [
+            "data.name=text",
+            f"data.path={text}",
+            "data.eval_windows=16",
+            "model.context=16",
+            "model.n_layer=1",
+            "model.n_embd=16",
+            "model.n_head=2",
+            "train.steps_per_call=1",
+            "optimizer.warmup_steps=1",
+        ]
     cfg = load_config(ROOT / "configs/shakespeare_gpt.yaml", sets)
     return float(train(cfg, resume="fresh", echo=lambda *_: None).summary["val_loss"])
 
@@ -201,10 +236,13 @@ def part_bf16(tiny: bool, grad: str, rounds: int, train_steps: int) -> dict:
     t = _times(steps, rounds)
     with tempfile.TemporaryDirectory() as d:
         val = {dt: _train_val_loss(dt, train_steps, tiny, Path(d)) for dt in steps}
-    rows = [[dt, f"{t[dt] * 1e3:.2f}", f"{t[dt] / t['float32']:.2f}", f"{val[dt]:.4f}"]
-            for dt in steps]
-    print(f"\nbfloat16 vs float32, shipped GPT ({grad}); val loss after {train_steps} steps of "
-          "the shipped config")
+    rows = [
+        [dt, f"{t[dt] * 1e3:.2f}", f"{t[dt] / t['float32']:.2f}", f"{val[dt]:.4f}"] for dt in steps
+    ]
+    print(
+        f"\nbfloat16 vs float32, shipped GPT ({grad}); val loss after {train_steps} steps of "
+        "the shipped config"
+    )
     print(_table(rows, ["dtype", "ms/step", "x float32", "val loss"]))
     print(f"val loss bfloat16 - float32: {val['bfloat16'] - val['float32']:+.4f} nats")
     return {"step_s": t, "val_loss": val}
@@ -230,8 +268,15 @@ def flags_child(tiny: bool, grad: str, rounds: int, large_rounds: int) -> dict:
 def part_flags(tiny: bool, grad: str, rounds: int, large_rounds: int) -> dict:
     from . import _harness as h
 
-    args = ["--flags-child", "--grad", grad, "--rounds", str(rounds), "--large-rounds",
-            str(large_rounds)] + (["--tiny"] if tiny else [])
+    args = [
+        "--flags-child",
+        "--grad",
+        grad,
+        "--rounds",
+        str(rounds),
+        "--large-rounds",
+        str(large_rounds),
+    ] + (["--tiny"] if tiny else [])
     base_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     res = {}
     for label, flags in (("default", None), ("oneDNN", ONEDNN_FLAGS)):
@@ -243,11 +288,28 @@ def part_flags(tiny: bool, grad: str, rounds: int, large_rounds: int) -> dict:
         a, b = res["default"][size], res["oneDNN"][size]
         worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(b["losses"], a["losses"]))
         n = len(a["losses"])
-        rows.append([size, f"{a['step_s'] * 1e3:.1f}", f"{b['step_s'] * 1e3:.1f}",
-                     f"{b['step_s'] / a['step_s']:.3f}", f"{worst:.1e}"])
+        rows.append(
+            [
+                size,
+                f"{a['step_s'] * 1e3:.1f}",
+                f"{b['step_s'] * 1e3:.1f}",
+                f"{b['step_s'] / a['step_s']:.3f}",
+                f"{worst:.1e}",
+            ]
+        )
     print(f"\nthe GPT step with XLA's oneDNN dot path ({grad}), each in its own process")
-    print(_table(rows, ["size", "default ms", "oneDNN ms", "oneDNN / default",
-                        f"max rel. loss diff ({n} steps)"]))
+    print(
+        _table(
+            rows,
+            [
+                "size",
+                "default ms",
+                "oneDNN ms",
+                "oneDNN / default",
+                f"max rel. loss diff ({n} steps)",
+            ],
+        )
+    )
     return res
 
 
@@ -257,8 +319,12 @@ def main(argv=None) -> int:
     ap.add_argument("--grad", default="manual", choices=("manual", "autodiff"))
     ap.add_argument("--rounds", type=int, default=5, help="timed steps, shipped size")
     ap.add_argument("--large-rounds", type=int, default=2, help="timed steps, GPT-large")
-    ap.add_argument("--train-steps", type=int, default=500,
-                    help="bf16 part: steps of the shipped config per dtype (2000 = the recipe)")
+    ap.add_argument(
+        "--train-steps",
+        type=int,
+        default=500,
+        help="bf16 part: steps of the shipped config per dtype (2000 = the recipe)",
+    )
     ap.add_argument("--tiny", action="store_true", help="tiny sizes: check that it runs")
     ap.add_argument("--flags-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -168,9 +168,7 @@ class GPT(nl.Module):
         blocks = params.blocks if "blocks" in params else None
         if isinstance(blocks, list | tuple):
             if len(blocks) != self.n_layer:
-                raise ValueError(
-                    f"GPT(n_layer={self.n_layer}): params hold {len(blocks)} blocks"
-                )
+                raise ValueError(f"GPT(n_layer={self.n_layer}): params hold {len(blocks)} blocks")
             return stack_blocks(params) if self.scan_layers else params
         if isinstance(blocks, nl.ParamsDict):
             n = {a.shape[0] for a in jax.tree.leaves(blocks)}

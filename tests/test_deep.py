@@ -73,8 +73,11 @@ def test_stack_rule_passes_check_vjp():
 
 
 def test_stack_refuses_wrong_params_and_a_layer_that_changes_shape(stack_params):
-    with pytest.raises(ValueError, match=r"Stack\(TransformerBlock, 4\): params must .* "
-                       r"leading axis of 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"Stack\(TransformerBlock, 4\): params must .* "
+        r"leading axis of 4",
+    ):
         nl.Stack(BLOCK, 4)(stack_params, X)
     grow = nl.Stack(nl.Linear(8, 6), 2)
     with pytest.raises(ValueError, match=r"must return its input's shape and dtype"):
@@ -145,8 +148,9 @@ def test_gpt_bfloat16_computes_in_bfloat16_with_float32_params_and_gradients(gpt
     assert {a.dtype for a in jax.tree.leaves(p)} == {jnp.dtype(jnp.float32)}
     tokens = TOKENS[:, :-1]
     # the residual stream is bfloat16 through the blocks, the logits float32
-    h = jax.eval_shape(lambda p, t: bf16.stack(p.blocks, bf16.wte(p.wte, t).astype("bfloat16")),
-                       p, tokens)
+    h = jax.eval_shape(
+        lambda p, t: bf16.stack(p.blocks, bf16.wte(p.wte, t).astype("bfloat16")), p, tokens
+    )
     assert h.dtype == jnp.bfloat16
     assert jax.eval_shape(bf16, p, tokens).dtype == jnp.float32
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):

@@ -199,7 +199,9 @@ class Stack(Module):
         """The stacked params of a list of ``n`` copies' params (the unrolled layout)."""
         copies = list(copies)
         if len(copies) != self.n:
-            raise ValueError(f"{self._args_repr()}: expected {self.n} copies' params, got {len(copies)}")
+            raise ValueError(
+                f"{self._args_repr()}: expected {self.n} copies' params, got {len(copies)}"
+            )
         return jax.tree.map(lambda *a: jax.numpy.stack(a), *copies)
 
     def unstack(self, params: Any) -> list:
