@@ -234,6 +234,8 @@ class GPT(nl.Module):
         x = self.wte(params.wte, token[:, None])  # [batch, 1, n_embd]
         if self.positional == "learned":
             x = x + jnp.broadcast_to(params.wpe.W[pos].astype(x.dtype), x.shape)
+        if self.dtype != "float32":
+            x = x.astype(self.dtype)  # as in __call__: the residual stream in the compute dtype
         blocks = params.blocks
         if self.scan_layers:
             blocks = self.stack.unstack(blocks)  # decoding indexes the cache per layer
@@ -285,7 +287,8 @@ class GPT(nl.Module):
 
             return jax.lax.fori_loop(0, half, refeed, cache), jnp.int32(half)
 
-        cache = self.empty_cache(batch, params.wte.W.dtype)
+        dtype = params.wte.W.dtype if self.dtype == "float32" else jnp.dtype(self.dtype)
+        cache = self.empty_cache(batch, dtype)
         buf, _, _ = jax.lax.fori_loop(0, total - 1, feed, (buf, cache, jnp.int32(0)))
         return buf
 

@@ -157,6 +157,12 @@ def test_gpt_bfloat16_computes_in_bfloat16_with_float32_params_and_gradients(gpt
         dataclasses.replace(model, dtype="float16")
     with pytest.raises(ValueError, match="remat must be one of none, block, full, "):
         dataclasses.replace(model, remat="all")
+    # decoding with the key/value cache: the cache in bfloat16, each layer's params
+    # sliced out of the stack
+    out = jax.jit(bf16.generate, static_argnames=("n_tokens", "top_k"))(
+        p, TOKENS[:, :3], n_tokens=6, key=KEY
+    )
+    assert out.shape == (2, 9) and bool(jnp.all((out >= 0) & (out < 11)))
     loss, g = gpt_grads(bf16, p, manual=True)
     assert {a.dtype for a in jax.tree.leaves(g)} == {jnp.dtype(jnp.float32)}
     assert loss.dtype == jnp.float32
