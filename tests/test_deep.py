@@ -64,6 +64,27 @@ def test_stack_equals_the_unrolled_loop_in_both_gradient_modes(stack_params):
     assert text.count("dot_general") < 3 * 10  # one block's matmuls (forward + backward)
 
 
+def test_show_jaxpr_prints_the_stack_as_a_scan_and_show_grad_runs():
+    ffn = nl.FFN(4, (8,), 4)
+    stack = nl.Stack(ffn, 3)
+    head = nl.Linear(4, 3)
+    p = nl.ParamsDict(stack=stack.init(jax.random.key(0)), head=head.init(jax.random.key(1)))
+    x, y = X[0, :, :4], jnp.array([0, 1, 2, 0, 1])
+
+    def loss(p, x, y):
+        return nl.softmax_cross_entropy(head(p.head, stack(p.stack, x)), y, reduction="mean")
+
+    src = nl.show_jaxpr(loss, p, x, y)
+    assert src.count("lax.scan(") == 1  # one loop, not three copies
+    ns: dict = {}
+    exec(src, ns)
+    assert_close_f32(ns["loss"](*jax.tree.leaves(p), x, y), loss(p, x, y), ops=8)
+    # show_grad prints straight-line code: the copies one after the other
+    ns = {}
+    exec(nl.show_grad(loss, p, x, y), ns)
+    assert_close_f32(ns["grad"](p, x, y), jax.grad(loss)(p, x, y), ops=ROUNDINGS_PER_LAYER * 8)
+
+
 def test_stack_rule_passes_check_vjp():
     layer = nl.FFN(4, (8,), 4)
     p = nl.Stack(layer, 3).init(jax.random.key(0))
