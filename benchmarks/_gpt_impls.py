@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._impls import Equinox, FlaxNNX, Impl, RawJax
+from ._impls import Equinox, FlaxNNX, Impl, RawJax, nnlite_name, resolve_grad
 
 
 @dataclass(frozen=True)
@@ -396,9 +396,7 @@ class NnliteGPT(Impl):
 
     def __init__(self, *args, steps_per_call: int = 1, grad: str = "autodiff", **kwargs):
         self.steps_per_call, self.grad = steps_per_call, grad
-        mode = "" if grad == "autodiff" else f" {grad}"
-        k = f" K={steps_per_call}" if steps_per_call > 1 else ""
-        self.name = f"nnlite{mode}{k}"
+        self.name = nnlite_name(grad, steps_per_call)
         super().__init__(*args, **kwargs)
 
     def setup(self, X, Y, idx):
@@ -410,8 +408,11 @@ class NnliteGPT(Impl):
         self.p_def = jax.tree.structure(p0)
         self.o_def = jax.tree.structure(self.tx.init(p0))
         single = parallel.get("none", jax.devices()[:1])
+        # windows of `context` tokens and their next tokens, as the step gathers them
+        w = jax.ShapeDtypeStruct((len(idx[0]), self.spec.context), X.dtype)
+        grad = resolve_grad(self.model, self.grad, w, w)
         self.stepper = build_stepper(
-            batch_grads_fn(self.model, self.grad, 1, single),
+            batch_grads_fn(self.model, grad, 1, single),
             self.tx,
             self.p_def,
             self.o_def,
@@ -442,7 +443,7 @@ class NnliteGPT(Impl):
         p, o, t, end = self.p_leaves, self.o_leaves, self.t, self.t + n
         while t < end:
             k = min(self.steps_per_call, end - t)
-            p, o, metrics = st.run(p, o, X, Y, st.put_indices(block(t, k), t))
+            p, o, _, metrics = st.run(p, o, [], X, Y, st.put_indices(block(t, k), t))
             t += k
         self.p_leaves, self.o_leaves, self.t = p, o, t
         return float(metrics["loss"][-1])
@@ -649,10 +650,12 @@ def build_all_gpt(
     ]
     if steps_per_call > 1:
         impls.append(NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call))
-    # every layer's hand-derived VJP (``loss.grad: manual``), what configs/shakespeare_gpt uses
-    impls.append(
-        NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call, grad="manual")
-    )
+    # every layer's hand-derived VJP (``loss.grad: manual``), and the trainer's default
+    # (``auto``, manual for the GPT), side by side
+    for grad in ("manual", "auto"):
+        impls.append(
+            NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call, grad=grad)
+        )
     if pytorch and torch_available():
         impls.append(TorchGPT(spec, weights, X, None, idx, None))
     if matmul_floor:

@@ -12,6 +12,7 @@ the device and each call sends a ``[K, batch]`` block of indices, gathered insid
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -57,6 +58,26 @@ TINY = Spec("tiny", 16, (8, 8), 4, 8)
 
 def nnlite_model(spec: Spec):
     return spec.nnlite_model()
+
+
+def nnlite_name(grad: str, steps_per_call: int) -> str:
+    """An nnlite row's name: ``nnlite``, ``nnlite manual K=20``, ``nnlite auto K=20``."""
+    mode = "" if grad == "autodiff" else f" {grad}"
+    k = f" K={steps_per_call}" if steps_per_call > 1 else ""
+    return f"nnlite{mode}{k}"
+
+
+def resolve_grad(model, grad: str, x, y) -> str:
+    """The mode the trainer's step uses for ``loss.grad=grad`` on batches like ``x``, ``y``:
+    ``auto`` resolved as ``python -m train`` resolves it (train/gradmode.py)."""
+    if grad != "auto":
+        return grad
+    from train import gradmode
+
+    resolved = gradmode.resolve_auto(model, x, y)
+    if resolved.note:
+        print(resolved.note, file=sys.stderr)
+    return resolved.mode
 
 
 def init_weights(spec: Spec, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -271,10 +292,9 @@ class Nnlite(Impl):
 
     name = "nnlite"
 
-    def __init__(self, *args, steps_per_call: int = 1, **kwargs):
-        self.steps_per_call = steps_per_call
-        if steps_per_call > 1:
-            self.name = f"nnlite K={steps_per_call}"
+    def __init__(self, *args, steps_per_call: int = 1, grad: str = "autodiff", **kwargs):
+        self.steps_per_call, self.grad = steps_per_call, grad
+        self.name = nnlite_name(grad, steps_per_call)
         super().__init__(*args, **kwargs)
 
     def setup(self, X, Y, idx):
@@ -287,8 +307,12 @@ class Nnlite(Impl):
         self.p_def = jax.tree.structure(p0)
         self.o_def = jax.tree.structure(o0)
         single = parallel.get("none", jax.devices()[:1])
+        b = len(idx[0])  # the batch, as the step gathers it
+        x = jax.ShapeDtypeStruct((b, *X.shape[1:]), X.dtype)
+        y = jax.ShapeDtypeStruct((b, *Y.shape[1:]), Y.dtype)
+        grad = resolve_grad(self.model, self.grad, x, y)
         self.stepper = build_stepper(
-            batch_grads_fn(self.model, "autodiff", 1, single),
+            batch_grads_fn(self.model, grad, 1, single),
             self.tx,
             self.p_def,
             self.o_def,
@@ -327,7 +351,7 @@ class Nnlite(Impl):
         p, o, t, end = self.p_leaves, self.o_leaves, self.t, self.t + n
         while t < end:
             k = min(self.steps_per_call, end - t)
-            p, o, metrics = st.run(p, o, X, Y, st.put_indices(block(t, k)))
+            p, o, _, metrics = st.run(p, o, [], X, Y, st.put_indices(block(t, k)))
             t += k
         self.p_leaves, self.o_leaves, self.t = p, o, t
         return float(metrics["loss"][-1])

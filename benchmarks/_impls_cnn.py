@@ -202,4 +202,9 @@ def build_all_cnn(spec: CnnSpec, *, n_batches: int = 10, steps_per_call: int = 1
     ]
     if steps_per_call > 1:
         impls.append(NnliteCnn(spec, weights, X, Y, idx, tx, steps_per_call=steps_per_call))
+    # every layer's hand VJP (loss.grad: manual) and the trainer's default (auto), side by
+    # side with autodiff, one step per call as configs/mnist1d_cnn.yaml runs (XLA:CPU runs
+    # convolutions inside a lax.scan ~8x slower)
+    for grad in ("manual", "auto"):
+        impls.append(NnliteCnn(spec, weights, X, Y, idx, tx, grad=grad))
     return impls

@@ -1,7 +1,9 @@
 """Train-step time of the gradient modes (autodiff, manual, fused), under jit.
 
-MLP sizes run every mode; the CNN (MNIST-1D ConvBase) and GPT sizes run autodiff and
-manual (every layer's hand VJP through ``nl.manual_grads``; target manual <= 1.05x).
+MLP sizes run every mode; the CNN (MNIST-1D ConvBase) and GPT sizes run autodiff, manual
+(every layer's hand VJP through ``nl.manual_grads``; target manual <= 1.05x) and auto,
+the trainer's default (``loss.grad: auto``, resolved as ``python -m train`` resolves it:
+manual for both; its row should time as manual's).
 
 Run from the repository root:
 
@@ -61,6 +63,8 @@ MODEL_SIZES: dict[str, tuple[str, dict, int]] = {
     ),
 }
 DEFAULT_SIZES = [*SIZES, "cnn-convbase/b100", "gpt-4x128/T64/b12"]
+# The modes of the CNN and GPT sizes: auto is the trainer's default (loss.grad: auto)
+MODEL_MODES = ("autodiff", "manual", "auto")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -74,13 +78,18 @@ def make_model(kind: str, kwargs: dict):
     return GPT(**kwargs)
 
 
-def make_model_step(model, mode: str):
-    """A jitted train step of ``model.objective`` in gradient mode ``mode``."""
+def make_model_step(model, mode: str, x, y):
+    """A jitted train step of ``model.objective`` in gradient mode ``mode`` (``auto``: as
+    the trainer resolves it for batches like ``x``, ``y``)."""
     opt = optax.adam(1e-3)
 
     def loss(params, x, y):
         return objective_fn(model)(params, x, y)[0]
 
+    if mode == "auto":
+        from train import gradmode
+
+        mode = gradmode.resolve_auto(model, x, y).mode
     if mode == "manual":
         loss = nl.manual_grads(loss)
 
@@ -117,7 +126,7 @@ def bench_size(
     model=None,
 ) -> dict:
     """Median seconds per train step for each mode on one MLP size (or, with ``model``,
-    on that model: ``sizes`` is then ignored and ``modes`` autodiff and manual)."""
+    on that model: ``sizes`` is then ignored and ``modes`` from :data:`MODEL_MODES`)."""
     key = jax.random.key(seed)
     kp, kx, ky = jax.random.split(key, 3)
     state, steps_fn = {}, {}
@@ -135,7 +144,10 @@ def bench_size(
             y = jax.random.randint(ky, (batch,), 0, model.num_classes)
         init = model.init
     for mode in modes:
-        opt, step = make_step(mode, activation) if model is None else make_model_step(model, mode)
+        if model is None:
+            opt, step = make_step(mode, activation)
+        else:
+            opt, step = make_model_step(model, mode, x, y)
         params = init(kp)  # same initial values for every mode
         state[mode] = (params, opt.init(params))
         steps_fn[mode] = step
@@ -191,7 +203,7 @@ def run_all(*, quick: bool = False, sizes=None, activation: str = "relu") -> dic
             results[name] = bench_size(
                 (),
                 batch,
-                modes=("autodiff", "manual"),
+                modes=MODEL_MODES,
                 rounds=rounds,
                 steps=steps,
                 model=model,

@@ -6,6 +6,8 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 
 from . import rules as rules
 from . import vjp as vjp
+from .core._batch_axis import batch_axis as batch_axis
+from .core._batch_axis import current_batch_axis as current_batch_axis
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
@@ -15,7 +17,9 @@ from .core._save import CheckpointError as CheckpointError
 from .core._save import load as load
 from .core._save import load_metadata as load_metadata
 from .core._save import save as save
+from .core._sharded import save_sharded as save_sharded
 from .grad._manual import ManualGradError as ManualGradError
+from .grad._manual import check_manual as check_manual
 from .grad._manual import hand_rule as hand_rule
 from .grad._manual import manual_grads as manual_grads
 from .grad._show_grad import show_grad as show_grad
@@ -31,6 +35,7 @@ from .nn._activations import silu as silu
 from .nn._adaptive_pool import AdaptiveAvgPool as AdaptiveAvgPool
 from .nn._adaptive_pool import AdaptiveMaxPool as AdaptiveMaxPool
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
+from .nn._batch_norm import BatchNorm as BatchNorm
 from .nn._conv import Conv as Conv
 from .nn._conv_transpose import ConvTranspose as ConvTranspose
 from .nn._dropout import Dropout as Dropout
@@ -132,6 +137,7 @@ __all__ = [
     "AdaptiveAvgPool",
     "AdaptiveMaxPool",
     "AvgPool",
+    "BatchNorm",
     "CheckpointError",
     "Conv",
     "ConvTranspose",
@@ -160,6 +166,9 @@ __all__ = [
     "UnsupportedPrimitiveError",
     "accuracy",
     "add",
+    "batch_axis",
+    "check_manual",
+    "current_batch_axis",
     "elu",
     "format_path",
     "from_equinox",
@@ -181,6 +190,7 @@ __all__ = [
     "roundtrip",
     "rules",
     "save",
+    "save_sharded",
     "show_grad",
     "show_jaxpr",
     "show_jaxpr_and_xla",

@@ -114,6 +114,10 @@ from .nn._attention import dot_product_attention as dot_product_attention
 from .nn._attention import dot_product_attention_vjp as dot_product_attention_vjp
 from .nn._attention import slot as slot
 from .nn._attention import slot_vjp as slot_vjp
+from .nn._batch_norm import batch_norm_eval as batch_norm_eval
+from .nn._batch_norm import batch_norm_eval_vjp as batch_norm_eval_vjp
+from .nn._batch_norm import batch_norm_train as batch_norm_train
+from .nn._batch_norm import batch_norm_train_vjp as batch_norm_train_vjp
 from .nn._conv import conv as conv
 from .nn._conv import conv_vjp as conv_vjp
 from .nn._conv_transpose import conv_transpose as conv_transpose

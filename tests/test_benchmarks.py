@@ -71,14 +71,18 @@ PEERS = ["raw JAX", "Equinox", "Flax NNX", "nnlite", "nnlite K=2"]
 def _build_cnn():
     from benchmarks._impls_cnn import CNN_TINY, build_all_cnn
 
-    return build_all_cnn(CNN_TINY, n_batches=3, steps_per_call=2), PEERS
+    # loss.grad manual and the trainer's default, auto (manual here: the same program, so
+    # the compile cache has it), one step per call as the CNN's config trains
+    hand = ["nnlite manual", "nnlite auto"]
+    return build_all_cnn(CNN_TINY, n_batches=3, steps_per_call=2), [*PEERS, *hand]
 
 
 def _build_gpt():
     from benchmarks._gpt_impls import GPT_TINY, build_all_gpt, torch_available
 
     # nanoGPT's PyTorch model is a row only where torch is installed (an optional extra)
-    names = [*PEERS, "nnlite manual K=2", *(["PyTorch"] if torch_available() else [])]
+    hand = ["nnlite manual K=2", "nnlite auto K=2"]
+    names = [*PEERS, *hand, *(["PyTorch"] if torch_available() else [])]
     return build_all_gpt(GPT_TINY, n_batches=3, steps_per_call=2, pytorch=True), names
 
 

@@ -402,7 +402,7 @@ def test_user_model_show_jaxpr_and_manual_gradients(project, capsys, monkeypatch
     monkeypatch.chdir(project)
     assert main(["--config", "res.yaml", "--show-jaxpr", "loss"]) == 0
     assert "def loss(" in capsys.readouterr().out
-    auto = _fit(project, "auto", "train.steps=3", "checkpoint.every=0")
+    auto = _fit(project, "auto", "train.steps=3", "checkpoint.every=0", "loss.grad=autodiff")
     manual = _fit(project, "manual", "train.steps=3", "checkpoint.every=0", "loss.grad=manual")
     for a, b in zip(jax.tree.leaves(auto.params), jax.tree.leaves(manual.params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)

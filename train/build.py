@@ -19,7 +19,7 @@ import nnlite as nl
 from models import contract
 from models.contract import Model
 
-from . import memory, parallel, rundir
+from . import gradmode, memory, parallel, rundir
 from .config import Config, ConfigError, ModelConfig
 from .data import Dataset, load_dataset, text_context
 from .optim import build_optimizer
@@ -44,12 +44,21 @@ class Run:
     run_dir: Path
     params: nl.ParamsDict | None = None  # final params (host numpy leaves)
     opt_state: Any = None  # final optimizer state (host numpy leaves)
+    state: nl.ParamsDict | None = None  # a stateful model's final state (None: stateless)
     step: int = 0
     summary: dict = field(default_factory=dict)
+    grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
 
     @property
     def devices(self) -> list[jax.Device]:
         return self.strategy.devices
+
+    @property
+    def grad_mode(self) -> str:
+        """What the step differentiates with: ``loss.grad``, ``auto`` resolved."""
+        if self.grad is None:
+            self.grad = gradmode.resolve(self.cfg, self.model, self.data, self.strategy)
+        return self.grad.mode
 
 
 def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | None = None) -> Run:
@@ -68,18 +77,18 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
         data = data.result()
     timings.lap("data")
     model, cfg = make_model(cfg, data)
-    if cfg.loss.grad not in contract.grad_modes(model):
+    if cfg.loss.grad != gradmode.AUTO and cfg.loss.grad not in contract.grad_modes(model):
         having = [
             n for n in models.MODELS if cfg.loss.grad in contract.grad_modes(models.resolve(n))
         ]
+        why = ""
+        if cfg.loss.grad in contract.BASE_GRAD_MODES:
+            why = " (its grad_modes leave it out)"
+        elif having:
+            why = f" ({cfg.loss.grad} is a hand-written pass of model.name={'/'.join(having)})"
         raise ConfigError(
             f"loss.grad={cfg.loss.grad} is not available for model.name={cfg.model.name}; "
-            f"it supports {', '.join(contract.grad_modes(model))}"
-            + (
-                f" ({cfg.loss.grad} is a hand-written pass of model.name={'/'.join(having)})"
-                if having
-                else ""
-            )
+            f"it supports {', '.join(contract.grad_modes(model))}{why}"
         )
     local_batch = cfg.train.batch_size // len(devices)
     if local_batch % cfg.train.grad_accum_steps:
@@ -110,7 +119,9 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
             f"examples several times; use at most {len(data.x)}"
         )
     run_dir = Path(cfg.log.dir) / cfg.name
-    return Run(cfg, data, model, optimizer, strategy, run_dir)
+    run = Run(cfg, data, model, optimizer, strategy, run_dir)
+    run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
+    return run
 
 
 def make_model(cfg: Config, data: Dataset) -> tuple[Model, Config]:
@@ -206,10 +217,14 @@ def _fits(key: str, given: Any, value: Any) -> bool:
     return tuple(given) == tuple(value) if isinstance(value, tuple) else given == value
 
 
-def make_stepper(r: Run, p_def, o_def, nonfinite: str) -> Stepper:
-    """The compiled train step that ``r.cfg`` describes (strategy, grad mode, accumulation)."""
+def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
+    """The compiled train step that ``r.cfg`` describes (strategy, grad mode, accumulation);
+    ``s_def``: the structure of a stateful model's state (None: stateless)."""
     cfg = r.cfg
-    grads_fn = batch_grads_fn(r.model, cfg.loss.grad, cfg.train.grad_accum_steps, r.strategy)
+    try:
+        grads_fn = batch_grads_fn(r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
+    except contract.ModelError as e:
+        raise ConfigError(f"model.name={cfg.model.name}: {e}") from None
     return build_stepper(
         grads_fn,
         r.optimizer,
@@ -219,6 +234,7 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str) -> Stepper:
         nonfinite,
         window=r.data.window,
         key_seed=cfg.seed if uses_key(r.model) else None,
+        state_def=s_def,
     )
 
 
@@ -250,6 +266,13 @@ def init_state_compiled(model, optimizer, seed: int):
     return init_program(model, optimizer)(seed)
 
 
+def model_state_program(model):
+    """A stateful model's ``init_state`` as one jitted program (None: stateless)."""
+    if not contract.is_stateful(model):
+        return None
+    return jax.jit(model.init_state, compiler_options=INIT_COMPILER_OPTIONS)
+
+
 @dataclass
 class Prepared:
     """What a run computes with, compiled and placed (see :func:`prepare`)."""
@@ -263,6 +286,7 @@ class Prepared:
     X_test: jax.Array  # the test split, on eval_device
     Y_test: jax.Array
     eval_device: jax.Device
+    state0: nl.ParamsDict | None = None  # a stateful model's initial state (host copy)
 
     @property
     def p_def(self):
@@ -272,6 +296,10 @@ class Prepared:
     def o_def(self):
         return jax.tree.structure(self.opt0)
 
+    @property
+    def s_def(self):
+        return jax.tree.structure(self.state0)
+
 
 def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     """:func:`compile_run`, with a model that ``loss.grad=manual`` cannot differentiate
@@ -279,9 +307,10 @@ def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     try:
         return compile_run(r, nonfinite, first_indices)
     except nl.ManualGradError as e:
-        raise ConfigError(
-            f"loss.grad={r.cfg.loss.grad}: {e} (in the trainer: loss.grad=autodiff)"
-        ) from None
+        asked = r.grad.describe() if r.grad else r.cfg.loss.grad
+        raise ConfigError(f"loss.grad={asked}: {e} (in the trainer: loss.grad=autodiff)") from None
+    except contract.ModelError as e:  # a stateful model's state that breaks the contract
+        raise ConfigError(f"model.name={r.cfg.model.name}: {e}") from None
 
 
 def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
@@ -301,7 +330,9 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     init = init_program(r.model, r.optimizer).trace(seed)
     p_avals, o_avals = init.out_info
     p_def, o_def = jax.tree.structure(p_avals), jax.tree.structure(o_avals)
-    stepper = make_stepper(r, p_def, o_def, nonfinite)
+    state_init = model_state_program(r.model)
+    s_avals = None if state_init is None else jax.eval_shape(state_init)
+    stepper = make_stepper(r, p_def, o_def, nonfinite, jax.tree.structure(s_avals))
     X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
     eval_dev = r.strategy.eval_device
     X_test, Y_test = (
@@ -313,20 +344,23 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
     evaluate = build_split_eval(r.model, chunk)
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
-    eval_params = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), p_avals
+    eval_params, eval_state = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)
     )
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="nnlite-compile") as pool:
         jobs = []
         p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
         if p_abs is not None:  # pmap compiles on its first call
             o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
+            s_abs = stepper.abstract_state(jax.tree.leaves(s_avals))
             idx = stepper.put_indices(first_indices, 0)
-            jobs.append(compile_async(pool, stepper.run, p_abs, o_abs, X, Y, idx))
+            jobs.append(compile_async(pool, stepper.compiled, p_abs, (o_abs, s_abs), X, Y, idx))
         init_job = compile_async(pool, init)
-        jobs.append(compile_async(pool, evaluate, eval_params, X_test, Y_test))
+        state_args = () if s_avals is None else (eval_state,)
+        jobs.append(compile_async(pool, evaluate, eval_params, X_test, Y_test, *state_args))
         # Host copies: the step donates its inputs, and these are needed again (resume, replay).
         params0, opt0 = jax.device_get(init_job.result()(seed))
+        state0 = None if state_init is None else jax.device_get(state_init())
         for job in jobs:
             job.result()  # the first calls must find them compiled, not compile them again
-    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev)
+    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0)

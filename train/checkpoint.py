@@ -1,4 +1,6 @@
-"""Checkpoints of a run: ``ckpt_<step>.safetensors`` files written by ``nl.save``.
+"""Checkpoints of a run: ``ckpt_<step>.safetensors`` files written by ``nl.save``, or
+``ckpt_<step>.shards`` directories written by ``nl.save_sharded`` when the strategy's
+state is sharded (each process writes its own shards; nothing is gathered).
 
 Every byte goes through ``nl.save`` / ``nl.load`` (atomic write: temporary name, fsync,
 rename, directory fsync), so a process killed at any moment leaves either the complete
@@ -9,14 +11,21 @@ strings) and its checks.
 
 A checkpoint is ``nl.save(path, {"params": params, "opt_state": opt_state})``: keys
 ``params/<path>`` and ``opt_state<path>`` (``params/ffn/layers[0]/W``,
-``opt_state[0]/mu/head/b``). For inference, ``nl.load(path, subtree="params")`` gives the
-params as a ParamsDict, and ``like=model.init(key)`` with it restores them checked.
+``opt_state[0]/mu/head/b``); a stateful model's state adds ``state/<path>``
+(``state/blocks[0]/bn1/mean``). For inference, ``nl.load(path, subtree="params")`` gives
+the params as a ParamsDict, and ``like=model.init(key)`` with it restores them checked.
+
+A sharded checkpoint holds the same keys, split into shards (see ``nnlite/core/_sharded.py``):
+written under ``ckpt_<step>.shards.tmp`` with the index last, then renamed. ``nl.load``
+reads it whole, or places each device's part straight onto another sharding (a restore
+onto another mesh), so resuming, ``train.load_run`` and the library read either kind.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -27,10 +36,12 @@ import numpy as np
 
 import nnlite as nl
 
+from . import distributed as dist
 from .config import ConfigError
 
 FORMAT_VERSION = "1"  # nl.save's format_version that resuming accepts
-_NAME = re.compile(r"^ckpt_(\d{8,})\.safetensors$")  # 8 digits or more (steps >= 10^8)
+# 8 digits or more (steps >= 10^8); a file, or a sharded checkpoint's directory
+_NAME = re.compile(r"^ckpt_(\d{8,})\.(safetensors|shards)$")
 _TMP_SUFFIX = ".tmp"
 
 # Test hook, never set in normal runs: seconds that nl.save pauses twice inside every
@@ -46,33 +57,99 @@ def flatten_with_paths(prefix: str, tree: Any) -> dict[str, Any]:
     return {prefix + nl.format_path(path): leaf for path, leaf in leaves}
 
 
-def _tree(params: Any, opt_state: Any) -> OrderedDict:
+def _tree(params: Any, opt_state: Any, state: Any = None) -> OrderedDict:
     """The tree a checkpoint holds; ordered (JAX sorts a dict's keys), so that a mismatch
-    names a path of the params before one of the optimizer state derived from them."""
-    return OrderedDict(params=params, opt_state=opt_state)
+    names a path of the params before one of the optimizer state derived from them. A
+    stateless model's has no ``state`` entry (its files are as they were before state)."""
+    tree = OrderedDict(params=params, opt_state=opt_state)
+    if state is not None:
+        tree["state"] = state
+    return tree
 
 
 def save(
-    ckpt_dir: Path, step: int, params: Any, opt_state: Any, metadata: dict[str, Any], keep: int
+    ckpt_dir: Path,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    metadata: dict[str, Any],
+    keep: int,
+    *,
+    state: Any = None,
 ) -> Path:
     """Write ``ckpt_<step>.safetensors`` atomically (``nl.save``), keep the newest ``keep``.
 
-    ``metadata`` values that are not strings are stored as JSON."""
+    ``metadata`` values that are not strings are stored as JSON; ``state``: a stateful
+    model's state (None: stateless)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(step)}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
     final = nl.save(
-        ckpt_dir / f"ckpt_{step:08d}.safetensors",
-        _tree(params, opt_state),
-        metadata=meta,
+        path_of(ckpt_dir, step, sharded=False), _tree(params, opt_state, state), metadata=meta
     )
-    for old in list_checkpoints(ckpt_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+    _keep_newest(ckpt_dir, final, keep)
     return final
 
 
+def save_sharded(
+    ckpt_dir: Path,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    metadata: dict[str, Any],
+    keep: int,
+    barrier=None,
+    *,
+    state: Any = None,
+) -> Path:
+    """Write ``ckpt_<step>.shards`` (``nl.save_sharded``): every process calls this with its
+    placed, sharded state and writes the shards its devices hold; process 0 writes the
+    index (the metadata) last, renames the directory and keeps the newest ``keep``.
+
+    ``barrier``: ``train.distributed.barrier`` (bounded waits) with several processes;
+    ``state``: a stateful model's (placed) state, None for a stateless model."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"step": str(step)}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+    final = nl.save_sharded(
+        path_of(ckpt_dir, step, sharded=True),
+        _tree(params, opt_state, state),
+        metadata=meta,
+        barrier=barrier,
+    )
+    if dist.is_main():
+        _keep_newest(ckpt_dir, final, keep)
+    return final
+
+
+def path_of(ckpt_dir: Path, step: int, *, sharded: bool) -> Path:
+    """The name of the checkpoint of ``step``: a file, or a sharded checkpoint's directory."""
+    return ckpt_dir / f"ckpt_{step:08d}.{'shards' if sharded else 'safetensors'}"
+
+
+def is_sharded(path: Path) -> bool:
+    return path.name.endswith(".shards")
+
+
+def _keep_newest(ckpt_dir: Path, written: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints, and one of the other kind at the
+    step just written (a run that changed strategy)."""
+    found = list_checkpoints(ckpt_dir)
+    old = [p for p in found if step_of(p) == step_of(written) and p != written]
+    for p in old + [p for p in found if p not in old][:-keep]:
+        _remove(p)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary files are not checkpoints)."""
+    """Complete checkpoints, oldest first (temporary files and directories are not
+    checkpoints; a ``.shards`` directory is renamed to its name once complete)."""
     if not ckpt_dir.is_dir():
         return []
     found = [p for p in ckpt_dir.iterdir() if _NAME.match(p.name)]
@@ -80,12 +157,13 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def clean_temporary(ckpt_dir: Path) -> list[Path]:
-    """Remove temporary files left by an interrupted write; return what was removed."""
+    """Remove temporary files and directories left by an interrupted write; return what
+    was removed."""
     if not ckpt_dir.is_dir():
         return []
     removed = [p for p in ckpt_dir.iterdir() if p.name.endswith(_TMP_SUFFIX)]
     for p in removed:
-        p.unlink(missing_ok=True)
+        _remove(p)
     return removed
 
 
@@ -97,21 +175,30 @@ def read_metadata(path: Path) -> dict[str, str]:
         raise ConfigError(str(e)) from None
 
 
-def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, Any, dict[str, str]]:
-    """Load ``path`` into the structure of the templates (arrays or ``jax.ShapeDtypeStruct``s);
-    a mismatch names the first differing path. Raises ConfigError for a checkpoint that
-    cannot be resumed (unreadable, another structure, bad metadata, non-finite values)."""
+def restore(
+    path: Path, params_template: Any, opt_template: Any, state_template: Any = None
+) -> tuple[Any, Any, Any, dict[str, str]]:
+    """``(params, opt_state, state, metadata)``: ``path`` loaded into the structure of the
+    templates (arrays or ``jax.ShapeDtypeStruct``s; a template with a sharding is placed on
+    it part by part: a restore onto another mesh; ``state_template`` None for a stateless
+    model, whose state is then None); a mismatch names the first differing path. Raises
+    ConfigError for a checkpoint that cannot be resumed (unreadable, another structure,
+    bad metadata, non-finite values).
+
+    With several processes and templates sharded over all of them, every process calls it
+    (the check for non-finite values is a computation over the placed arrays)."""
     meta = read_metadata(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(
             f"checkpoint {path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION!r}"
         )
     _check_metadata(path, meta)
-    state = _load(path, _tree(params_template, opt_template))
+    state = _load(path, _tree(params_template, opt_template, state_template))
     bad = _first_nonfinite(
         {
             **flatten_with_paths("params", state["params"]),
             **flatten_with_paths("opt_state", state["opt_state"]),
+            **flatten_with_paths("state", state.get("state")),
         }
     )
     if bad is not None:
@@ -119,7 +206,7 @@ def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, A
             f"checkpoint {path}: {bad!r} holds non-finite values, so it cannot be resumed; "
             "delete it to resume from an older checkpoint, or use --fresh"
         )
-    return state["params"], state["opt_state"], meta
+    return state["params"], state["opt_state"], state.get("state"), meta
 
 
 def _load(path: Path, like: Any, subtree: str | None = None) -> Any:
@@ -132,9 +219,15 @@ def _load(path: Path, like: Any, subtree: str | None = None) -> Any:
 def _first_nonfinite(tensors: dict[str, Any]) -> str | None:
     for key, v in tensors.items():
         # jnp.issubdtype: numpy's does not count bfloat16 as inexact
-        if jnp.issubdtype(v.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(v))):
+        if jnp.issubdtype(v.dtype, jnp.inexact) and not _finite(v):
             return key
     return None
+
+
+def _finite(v: Any) -> bool:
+    if isinstance(v, jax.Array):  # where it is placed: a sharded leaf is never gathered
+        return bool(jnp.isfinite(v).all())
+    return bool(np.all(np.isfinite(np.asarray(v))))
 
 
 def _check_metadata(path: Path, meta: dict[str, str]) -> None:
@@ -168,6 +261,11 @@ def load_params(path: Path, params_template: Any) -> Any:
     return _load(path, params_template, subtree="params")
 
 
+def load_state(path: Path, state_template: Any) -> Any:
+    """Only a stateful model's state (running statistics) of checkpoint ``path``."""
+    return _load(path, state_template, subtree="state")
+
+
 # --- a checkpoint of the model's other params layout ------------------------------------------
 # A model may hold the same parameters in two layouts (the GPT's blocks as a list, or stacked
 # for ``scan_layers``). Such a model has ``other_layout()`` (the same model in the other
@@ -197,11 +295,14 @@ def _other_layout(model: Any, params_template: Any):
     return other, alt
 
 
-def restore_model(model: Any, path: Path, params_template: Any, opt_template: Any):
+def restore_model(
+    model: Any, path: Path, params_template: Any, opt_template: Any, state_template: Any = None
+):
     """``restore`` for ``model``, also from a checkpoint of its other params layout
-    (converted); otherwise the error names the first path that differs from this layout."""
+    (converted, on the default device: the caller places it); otherwise the error names
+    the first path that differs from this layout."""
     try:
-        return restore(path, params_template, opt_template)
+        return restore(path, params_template, opt_template, state_template)
     except ConfigError:
         found = _other_layout(model, params_template)
         if found is None:
@@ -211,13 +312,13 @@ def restore_model(model: Any, path: Path, params_template: Any, opt_template: An
             lambda o: _convert_like(o, params_template, other.convert_params), opt_template
         )
         try:
-            params, opt_state, meta = restore(path, alt, alt_opt)
+            params, opt_state, state, meta = restore(path, alt, alt_opt, state_template)
         except ConfigError:
             pass
         else:
             back = model.convert_params
-            return back(params), _convert_like(opt_state, alt, back), meta
-    return restore(path, params_template, opt_template)  # raises this layout's error
+            return back(params), _convert_like(opt_state, alt, back), state, meta
+    return restore(path, params_template, opt_template, state_template)  # this layout's error
 
 
 def load_model_params(model: Any, path: Path, params_template: Any) -> Any:

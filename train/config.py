@@ -39,7 +39,9 @@ def choice(default: Any, choices: tuple) -> Any:
 
 
 DATA_NAMES = ("digits", "mnist1d", "linreg", "npz", "text", "shakespeare_char")
-GRAD_MODES = ("autodiff", "manual", "fused")  # each model's grad_modes: a subset (tested)
+# auto resolves to one of the others at build time (train/gradmode.py); each model's
+# grad_modes are a subset (tested)
+GRAD_MODES = ("auto", "autodiff", "manual", "fused")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
@@ -81,8 +83,9 @@ class DataConfig:
 class LossConfig:
     # How gradients are computed: jax.value_and_grad (autodiff), every layer's hand VJP
     # composed (manual: any model built from layers with hand rules), or a model's own
-    # hand-written pass (fused: models that list it in grad_modes, the mlp).
-    grad: str = choice("autodiff", GRAD_MODES)
+    # hand-written pass (fused: models that list it in grad_modes, the mlp). auto: manual
+    # when hand rules cover the model's objective, else autodiff (resolved once, at build).
+    grad: str = choice("auto", GRAD_MODES)
 
 
 @dataclass(frozen=True)

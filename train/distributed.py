@@ -142,3 +142,39 @@ def broadcast(tree):
     from jax.experimental import multihost_utils
 
     return multihost_utils.broadcast_one_to_all(tree)
+
+
+# A checkpoint's barriers wait for the slowest process to write its shards: bounded, and
+# long enough for a large model's shards on a slow disk.
+BARRIER_TIMEOUT_S = 600.0
+_barriers = 0  # every process passes the same barriers in the same order: a shared count
+
+
+class BarrierTimeout(RuntimeError):
+    """A barrier that not every process reached in time (a dead or stuck peer)."""
+
+
+def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Return once every process has called ``barrier(name)``; raise
+    :class:`BarrierTimeout` after ``timeout_s`` seconds (a no-op for one process).
+
+    Waits in the coordination service (``jax.distributed``), not in a device collective,
+    so the wait has a time limit whatever the devices are doing.
+    """
+    global _barriers
+    if not is_multiprocess():
+        return
+    # JAX has no public barrier with a time limit (multihost_utils.sync_global_devices is
+    # a device collective without one); the coordination client's is the one orbax uses.
+    from jax._src.distributed import global_state
+
+    _barriers += 1
+    key = f"nnlite/{_barriers}/{name}"
+    try:
+        global_state.client.wait_at_barrier(key, int(timeout_s * 1000))
+    except Exception as e:  # the client raises JaxRuntimeError (DEADLINE_EXCEEDED, ...)
+        raise BarrierTimeout(
+            f"barrier {name!r}: not every process arrived within {timeout_s:g} s "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a peer died or is "
+            "stuck; the last complete checkpoint is intact, rerun every process to resume"
+        ) from None

@@ -23,7 +23,7 @@ from .data import Dataset, Sampler, make_sampler
 from .optim import schedule
 from .plot import CurvePlotter, plot_curves
 from .resume import agree_on_start, metadata
-from .step import mean_loss_fn, step_flags
+from .step import all_finite, mean_loss_fn, step_flags
 from .timings import Timings
 
 
@@ -115,6 +115,7 @@ class _Loop:
     step: int  # steps done
     p_leaves: list  # params and optimizer state, placed for the stepper
     o_leaves: list
+    s_leaves: list  # a stateful model's state, placed ([] for a stateless model)
     skipped: int  # non-finite steps skipped (train.nonfinite=skip)
     good_step: int  # the last state known finite and saved (or the initial state)
     good_ckpt: Path | None
@@ -146,7 +147,16 @@ class _Loop:
         prep = prepare(r, cfg.train.nonfinite, first)
         timings.lap("compile")
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
-        begin = agree_on_start(cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0)
+        begin = agree_on_start(
+            cfg,
+            resume,
+            r.run_dir / "checkpoints",
+            prep.params0,
+            prep.opt0,
+            r.strategy,
+            r.grad_mode,
+            prep.state0,
+        )
         start = begin.step
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
@@ -160,6 +170,7 @@ class _Loop:
             step=start,
             p_leaves=put(begin.p_leaves),
             o_leaves=put(begin.o_leaves),
+            s_leaves=put(begin.s_leaves),
             skipped=begin.skipped,
             good_step=start,
             good_ckpt=begin.checkpoint,
@@ -198,8 +209,8 @@ class _Loop:
             stuck = faults.StuckCall()
             self.watchdog.watch(self.step, stuck)
             stuck.block_until_ready()  # as at any sync point: never returns
-        self.p_leaves, self.o_leaves, self.metrics = stepper.run(
-            self.p_leaves, self.o_leaves, self.prep.X, self.prep.Y, idx
+        self.p_leaves, self.o_leaves, self.s_leaves, self.metrics = stepper.run(
+            self.p_leaves, self.o_leaves, self.s_leaves, self.prep.X, self.prep.Y, idx
         )
         self.watchdog.watch(self.step, self.metrics)
         # Several processes on CPU (gloo): every local device's part of a call runs on a
@@ -277,7 +288,8 @@ class _Loop:
         params = jax.tree.unflatten(
             prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
         )
-        result = prep.evaluate(params, prep.X_test, prep.Y_test)
+        state = [] if prep.state0 is None else [self.model_state(prep.eval_device)]
+        result = prep.evaluate(params, prep.X_test, prep.Y_test, *state)
         self.last_eval = {k: float(v) for k, v in result.items()}
         self._write(
             {
@@ -293,6 +305,8 @@ class _Loop:
         """Save the state (process 0 writes), after checking it is finite."""
         jax.block_until_ready(self.p_leaves)
         self.timings.lap("train")
+        if self.r.strategy.sharded_state:
+            return self.checkpoint_sharded()
         state = self.host_state()
         # The loss-only flag cannot see a last step that broke the params.
         if self.r.cfg.train.nonfinite == "stop" and not faults.all_finite(state[0]):
@@ -304,10 +318,30 @@ class _Loop:
                 self.r.run_dir / "checkpoints",
                 self.step,
                 *state,
-                metadata(cfg, self.r.data, self.step, self.sampler, self.skipped, self.r.model)
-                | {"log_window": json.dumps(self.means.state())},
+                self._metadata() | {"log_window": json.dumps(self.means.state())},
                 cfg.checkpoint.keep,
+                state=self.model_state(),
             )
+        self.timings.lap("checkpoint")
+
+    def checkpoint_sharded(self) -> None:
+        """Save a sharded state: every process writes the shards its devices hold (never
+        gathered: no ``get_state``), process 0 the metadata last (``ckpt.save_sharded``)."""
+        prep, cfg = self.prep, self.r.cfg
+        params = jax.tree.unflatten(prep.p_def, self.p_leaves)
+        if cfg.train.nonfinite == "stop" and not bool(all_finite(params)):  # on the devices
+            self._stop_nonfinite(self.step)
+        self.good_step = self.step
+        self.good_ckpt = ckpt.save_sharded(
+            self.r.run_dir / "checkpoints",
+            self.step,
+            params,
+            jax.tree.unflatten(prep.o_def, self.o_leaves),
+            self._metadata() | {"log_window": json.dumps(self.means.state())},
+            cfg.checkpoint.keep,
+            barrier=dist.barrier,
+            state=None if prep.state0 is None else jax.tree.unflatten(prep.s_def, self.s_leaves),
+        )
         self.timings.lap("checkpoint")
 
     def already_finished(self) -> Run:
@@ -315,6 +349,7 @@ class _Loop:
         r = self.r
         self.close()
         r.params, r.opt_state = self.host_state()
+        r.state = self.model_state()
         r.step = self.step
         records = [rec for _, rec in rundir.read_metrics(r.run_dir / "metrics.jsonl")]
         final = next((rec for rec in reversed(records) if rec.get("split") == "test"), {})
@@ -334,6 +369,7 @@ class _Loop:
         wall = time.perf_counter() - self.t_start
         self.timings.lap("train")
         r.params, r.opt_state = self.host_state()
+        r.state = self.model_state()
         r.step = self.step
         split, window = r.data.eval_split, r.data.window
         rate = (self.step - self.start_step) * tc.batch_size / max(wall, 1e-9)
@@ -357,6 +393,10 @@ class _Loop:
 
     # -- helpers -----------------------------------------------------------------------
 
+    def _metadata(self) -> dict:
+        r = self.r
+        return metadata(r.cfg, r.data, self.step, self.sampler, self.skipped, r.model, r.grad_mode)
+
     def host_state(self) -> tuple:
         """``(params, opt_state)`` as host numpy leaves in their trees."""
         prep = self.prep
@@ -366,10 +406,21 @@ class _Loop:
             jax.tree.unflatten(prep.o_def, [np.asarray(v) for v in get(self.o_leaves)]),
         )
 
+    def model_state(self, device=None):
+        """A stateful model's state as host numpy leaves in its tree (on ``device`` if
+        given), or None for a stateless model."""
+        prep = self.prep
+        if prep.state0 is None:
+            return None
+        leaves = [np.asarray(v) for v in prep.stepper.get_state(self.s_leaves)]
+        if device is not None:
+            leaves = jax.device_put(leaves, device)
+        return jax.tree.unflatten(prep.s_def, leaves)
+
     def _stop_nonfinite(self, flagged: int):
         r, prep = self.r, self.prep
-        checker = make_stepper(r, prep.p_def, prep.o_def, "check")
-        loss_fn = mean_loss_fn(r.model, r.cfg.loss.grad)  # the replay names the bad leaf
+        checker = make_stepper(r, prep.p_def, prep.o_def, "check", prep.s_def)
+        loss_fn = mean_loss_fn(r.model, r.grad_mode)  # the replay names the bad leaf
         raise faults.NonFinite(
             faults.explain_nonfinite(
                 r,
@@ -381,6 +432,7 @@ class _Loop:
                 flagged,
                 self.good_step,
                 self.good_ckpt,
+                prep.state0,
             )
         )
 

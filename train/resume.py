@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,21 @@ class Start:
     skipped: int  # non-finite steps skipped before it (train.nonfinite=skip)
     checkpoint: Path | None  # the checkpoint it came from
     log_window: dict | None = None  # the train metrics' partial sums since the last log
+    s_leaves: list = field(default_factory=list)  # a stateful model's state leaves (host)
 
 
 def metadata(
-    cfg: Config, data: Dataset, step: int, sampler: Sampler, skipped: int, model=None
+    cfg: Config,
+    data: Dataset,
+    step: int,
+    sampler: Sampler,
+    skipped: int,
+    model=None,
+    grad: str | None = None,
 ) -> dict:
     """What a checkpoint records besides the state: data position, RNG, config, vocabulary,
-    and where a user's model module was imported from (for ``train.load_run``)."""
+    where a user's model module was imported from (for ``train.load_run``), and ``grad``,
+    the mode the step ran (``loss.grad: auto`` resolved, see :func:`check_resumable`)."""
     from .inference import MODEL_SOURCE_KEY, model_source
 
     order = "[seed, step]" if data.window else "[seed, epoch]"
@@ -53,16 +61,27 @@ def metadata(
     source = model_source(model) if model is not None else None
     if source is not None:
         meta[MODEL_SOURCE_KEY] = source
+    if grad is not None:
+        meta["grad_mode"] = grad
     return meta
 
 
-def check_resumable(cfg: Config, meta: dict, path: Path) -> None:
-    """Refuse a checkpoint written with another seed, model, data, loss or optimizer."""
+def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None) -> None:
+    """Refuse a checkpoint written with another seed, model, data, loss or optimizer.
+
+    ``grad``: what ``loss.grad`` resolves to now (``auto``: train/gradmode.py). A resolved
+    ``auto`` matches the mode it resolves to, on either side (each checkpoint records its
+    ``grad_mode``): the step computes the same thing, so the resume stays exact.
+    """
     try:
         saved = json.loads(meta.get("config", "{}"))
     except json.JSONDecodeError:
         raise ConfigError(f"checkpoint {path}: its config metadata is not valid JSON") from None
     now = to_dict(cfg)
+    was_grad, is_grad = (saved.get("loss") or {}).get("grad"), now["loss"]["grad"]
+    ran, runs = _as_run(was_grad, meta.get("grad_mode")), _as_run(is_grad, grad)
+    if was_grad != is_grad and ran is not None and ran == runs:
+        saved = {**saved, "loss": {**saved["loss"], "grad": is_grad}}
     for section in RESUME_MUST_MATCH:
         was, is_ = saved.get(section), now[section]
         if section == "model" and isinstance(was, dict):
@@ -71,11 +90,14 @@ def check_resumable(cfg: Config, meta: dict, path: Path) -> None:
             continue
         key, was_v, is_v = section, was, is_
         if isinstance(was, dict):
-            key = next(f"{section}.{k}" for k in is_ if was.get(k) != is_[k])
-            was_v, is_v = was.get(key.split(".")[1]), is_[key.split(".")[1]]
+            key = next(f"{section}.{k}" for k in {**was, **is_} if was.get(k) != is_.get(k))
+            was_v, is_v = was.get(key.split(".")[1]), is_.get(key.split(".")[1])
+        auto = ""
+        if key == "loss.grad" and is_v == "auto" and grad:
+            auto = f" (auto is {grad} for this model)"
         raise ConfigError(
-            f"checkpoint {path} was written with {key}={was_v!r} but the config has {key}={is_v!r}; "
-            "use --fresh to start over, or another run name"
+            f"checkpoint {path} was written with {key}={was_v!r} but the config has "
+            f"{key}={is_v!r}{auto}; use --fresh to start over, or another run name"
         )
 
 
@@ -98,14 +120,23 @@ def _comparable_model(cls: Any, was: dict, is_: dict) -> tuple[dict, dict]:
     )
 
 
-def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
-    """The state saved in ``path``, checked against ``cfg`` and the templates."""
-    check_resumable(cfg, ckpt.read_metadata(path), path)  # a changed config says so first
+def _as_run(grad: str | None, resolved: str | None) -> str | None:
+    """``loss.grad`` as the step ran it: ``auto`` is what it resolved to (None: unknown)."""
+    return resolved if grad == "auto" else grad
+
+
+def load_checkpoint(
+    cfg: Config, path: Path, params0, opt0, grad: str | None = None, state0=None
+) -> Start:
+    """The state saved in ``path``, checked against ``cfg`` (``grad``: see
+    :func:`check_resumable`) and the templates (``state0``: a stateful model's initial
+    state, None for a stateless one)."""
+    check_resumable(cfg, ckpt.read_metadata(path), path, grad)  # a changed config says so first
     try:
         model = cfg.model.cls(**cfg.model.options)
     except Exception:  # noqa: BLE001 -- no model, no layout conversion: restore reports it
         model = None
-    params_h, opt_h, meta = ckpt.restore_model(model, path, params0, opt0)
+    params_h, opt_h, state_h, meta = ckpt.restore_model(model, path, params0, opt0, state0)
     start = int(meta["step"])
     if start > cfg.train.steps:
         raise ConfigError(
@@ -117,26 +148,41 @@ def load_checkpoint(cfg: Config, path: Path, params0, opt0) -> Start:
     except json.JSONDecodeError:
         raise ConfigError(f"checkpoint {path}: its log_window metadata is not valid JSON") from None
     leaves = jax.tree.leaves(params_h), jax.tree.leaves(opt_h)
-    return Start(start, *leaves, skipped, path, window)
+    return Start(start, *leaves, skipped, path, window, jax.tree.leaves(state_h))
 
 
-def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> Start:
+def agree_on_start(
+    cfg: Config,
+    resume: str,
+    ckpt_dir: Path,
+    params0,
+    opt0,
+    strategy=None,
+    grad: str | None = None,
+    state0=None,
+) -> Start:
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
     Only process 0 reads the run directory, so hosts need no shared file system. A bad
     checkpoint or an unwritable run directory raises ConfigError on every process
     (process 0 says why).
+
+    A ``strategy`` whose state is sharded (``Strategy.sharded_state``) restores otherwise:
+    process 0 picks the checkpoint, then every process reads the parts its own devices
+    hold, placed by ``strategy.leaf_sharding`` (checkpoints written on any mesh, sharded
+    or whole); its leaves are then ``jax.Array`` s already placed.
     """
-    start = Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
+    if strategy is not None and strategy.sharded_state:
+        return _agree_on_sharded_start(cfg, resume, ckpt_dir, params0, opt0, strategy, grad, state0)
+    start = Start(
+        0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None, None, jax.tree.leaves(state0)
+    )
     error = None
     if dist.is_main():
         try:
-            check_run_dir(ckpt_dir.parent)  # before anything is written
-            existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
-            if resume == "require" and not existing:
-                raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+            existing = _existing(resume, ckpt_dir)
             if existing:
-                start = load_checkpoint(cfg, existing[-1], params0, opt0)
+                start = load_checkpoint(cfg, existing[-1], params0, opt0, grad, state0)
         except ConfigError as e:
             error = e
     if not dist.is_multiprocess():
@@ -146,6 +192,71 @@ def agree_on_start(cfg: Config, resume: str, ckpt_dir: Path, params0, opt0) -> S
     head = dist.broadcast(np.array([start.step, start.skipped, error is not None], np.int32))
     if head[2]:
         raise error or ConfigError("process 0 could not resume this run (see its output)")
-    p_leaves, o_leaves = dist.broadcast((start.p_leaves, start.o_leaves))
+    p_leaves, o_leaves, s_leaves = dist.broadcast((start.p_leaves, start.o_leaves, start.s_leaves))
     # (the log window matters on process 0 only: it alone writes metrics.jsonl)
-    return Start(int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window)
+    return Start(
+        int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window, s_leaves
+    )
+
+
+def _existing(resume: str, ckpt_dir: Path) -> list[Path]:
+    """Process 0: the checkpoints to resume from, newest last (none for ``--fresh``)."""
+    check_run_dir(ckpt_dir.parent)  # before anything is written
+    existing = [] if resume == "fresh" else ckpt.list_checkpoints(ckpt_dir)
+    if resume == "require" and not existing:
+        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+    return existing
+
+
+def _agree_on_sharded_start(
+    cfg: Config,
+    resume: str,
+    ckpt_dir: Path,
+    params0,
+    opt0,
+    strategy,
+    grad: str | None = None,
+    state0=None,
+):
+    """:func:`agree_on_start` for a sharded state: process 0 picks, all processes read
+    their own parts (with several processes the checkpoint directory must be shared)."""
+    chosen, error = None, None
+    if dist.is_main():
+        try:
+            existing = _existing(resume, ckpt_dir)
+            chosen = existing[-1] if existing else None
+        except ConfigError as e:
+            error = e
+    if dist.is_multiprocess():
+        step, sharded = (ckpt.step_of(chosen), ckpt.is_sharded(chosen)) if chosen else (-1, 0)
+        head = dist.broadcast(np.array([step, sharded, error is not None], np.int32))
+        if head[2]:
+            raise error or ConfigError("process 0 could not resume this run (see its output)")
+        chosen = (
+            None if head[0] < 0 else ckpt.path_of(ckpt_dir, int(head[0]), sharded=bool(head[1]))
+        )
+    elif error is not None:
+        raise error
+    if chosen is None:
+        return Start(
+            0,
+            jax.tree.leaves(params0),
+            jax.tree.leaves(opt0),
+            0,
+            None,
+            None,
+            jax.tree.leaves(state0),
+        )
+
+    def placed(tree):  # templates: host arrays, placed arrays or ShapeDtypeStructs
+        def leaf(a):
+            aval = jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.result_type(a))
+            return jax.ShapeDtypeStruct(
+                aval.shape, aval.dtype, sharding=strategy.leaf_sharding(aval)
+            )
+
+        return jax.tree.map(leaf, tree)
+
+    return load_checkpoint(
+        cfg, chosen, placed(params0), placed(opt0), grad, None if state0 is None else placed(state0)
+    )

@@ -15,6 +15,7 @@ half of one. No pickle: loading restores into a template (``like=``), or gives a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -98,6 +99,13 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | No
     tensors = {}
     for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         key = _key(p)
+        if isinstance(leaf, jax.Array) and not (
+            leaf.is_fully_addressable or leaf.is_fully_replicated
+        ):
+            raise CheckpointError(
+                f"nl.save: {key!r} is spread over several processes ({leaf.sharding}); "
+                "write it with nl.save_sharded, where each process writes its own shards"
+            )
         a = np.asarray(leaf)
         if a.dtype.kind not in "biuf" and a.dtype != jnp.bfloat16:
             raise CheckpointError(
@@ -141,9 +149,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)  # the rename itself survives a crash
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
+        os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
@@ -203,13 +215,17 @@ class _File:
         dtype, shape, _, _ = self.entries[self.keys[key]]
         return shape, dtype
 
-    def read(self, key: str) -> np.ndarray:
+    def read(self, key: str, region: tuple | None = None) -> np.ndarray:
+        """Tensor ``key``, or its ``region`` (a tuple of slices, as a sharding's index)."""
         dtype, shape, start, end = self.entries[self.keys[key]]
         out = np.empty(shape, dtype)
         self.f.seek(self.start + start)
         if self.f.readinto(out.reshape(-1).view(np.uint8)) != end - start:
             raise CheckpointError(f"checkpoint {self.path}: truncated while reading {key!r}")
-        return out
+        return out if region is None else np.asarray(out[region])
+
+    def close(self) -> None:
+        self.f.close()
 
 
 def _entry(key: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
@@ -224,17 +240,33 @@ def _entry(key: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
     return dtype, shape, start, end
 
 
-def _open(path: Path):
+@contextlib.contextmanager
+def _checkpoint(path: Path):
+    """The open checkpoint at ``path``: a safetensors file (``nl.save``) or a sharded
+    checkpoint directory (``nl.save_sharded``), with one reading interface."""
+    if path.is_dir():
+        from ._sharded import ShardedFile
+
+        file = ShardedFile(path)
+    else:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path}: no such file") from None
+        try:
+            file = _File(path, f)
+        except BaseException:
+            f.close()
+            raise
     try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: no such file") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"checkpoint {path}: a directory, not a safetensors file") from None
+        yield file
+    finally:
+        file.close()
 
 
 def load_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The ``str -> str`` metadata of the safetensors file ``path``, without its tensors.
+    """The ``str -> str`` metadata of the safetensors file ``path`` (or of the sharded
+    checkpoint directory ``path``, ``nl.save_sharded``), without its tensors.
 
     Includes nl.save's own ``format`` and ``format_version`` (files nl.save wrote).
 
@@ -249,15 +281,16 @@ def load_metadata(path: str | os.PathLike) -> dict[str, str]:
         '7'
     """
     path = Path(path)
-    with _open(path) as f:
-        return dict(_File(path, f).meta)
+    with _checkpoint(path) as file:
+        return dict(file.meta)
 
 
 def load(path: str | os.PathLike, like: Any = None, *, subtree: str | None = None) -> Any:
     """Read a safetensors file (written by ``nl.save``) into the structure of ``like``.
 
     Args:
-        path: the safetensors file.
+        path: the safetensors file, or a sharded checkpoint directory (``nl.save_sharded``,
+            written by any number of processes): read whole, or placed shard by shard.
         like: the template: a tree with the structure, shapes and dtypes to restore (e.g.
             freshly initialised params, ``optimizer.init(params)``, a dict of both, or
             ``jax.eval_shape`` of them). ``None``: the file's paths rebuilt as a ParamsDict
@@ -269,7 +302,9 @@ def load(path: str | os.PathLike, like: Any = None, *, subtree: str | None = Non
     Returns:
         A tree like ``like`` whose leaves are the file's arrays: ``jax.Array`` where
         ``like`` has one or a ``jax.ShapeDtypeStruct`` (placed on its ``sharding`` if it has
-        one), numpy arrays and Python numbers where it has those.
+        one: each device's part is read on its own, from the shards that overlap it, so a
+        sharded leaf is never whole in memory), numpy arrays and Python numbers where it
+        has those.
 
     Raises:
         CheckpointError: the file is missing, truncated or not a safetensors file; or it
@@ -287,8 +322,7 @@ def load(path: str | os.PathLike, like: Any = None, *, subtree: str | None = Non
         3
     """
     path = Path(path)
-    with _open(path) as f:
-        file = _File(path, f)
+    with _checkpoint(path) as file:
         keys = list(file.keys)
         prefix = ""
         if subtree is not None:
@@ -350,7 +384,25 @@ def _restore(file: _File, keys: list[str], prefix: str, like: Any) -> Any:
                 f"checkpoint {file.path}: {key!r} is {_describe(shape, dtype)} in the file, "
                 f"the template (like=) expects {_describe(ref_shape, ref_dtype)}"
             )
-    return jax.tree.unflatten(treedef, [_like(file.read(k), leaf) for k, leaf in want])
+    return jax.tree.unflatten(treedef, [_read_like(file, k, leaf) for k, leaf in want])
+
+
+def _read_like(file: Any, key: str, leaf: Any) -> Any:
+    """Tensor ``key`` as the kind of leaf ``leaf`` is; a template with a sharding gets
+    each device's part read on its own (the regions of several devices read once)."""
+    sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.ShapeDtypeStruct) else None
+    if sharding is None:
+        return _like(file.read(key), leaf)
+    shape = file.spec(key)[0]
+    parts: dict = {}
+
+    def part(index):
+        at = tuple((s.start, s.stop) for s in index)
+        if at not in parts:
+            parts[at] = file.read(key, index)
+        return parts[at]
+
+    return jax.make_array_from_callback(shape, sharding, part)
 
 
 def _like(value: np.ndarray, leaf: Any) -> Any:

@@ -39,7 +39,7 @@ from ..core._jax_private import bind_equation, equation_context, user_frames
 from ._custom_vjp import match_primal
 from ._structural import PRIMITIVE_RULES
 
-__all__ = ["Evaluator", "Refusal", "analyse", "classify", "refusal_message"]
+__all__ = ["Evaluator", "Refusal", "analyse", "classify", "refusal_message", "refusal_place"]
 
 CALLS = ("jit", "pjit", "closed_call", "core_call")
 NESTED = (*CALLS, "remat2", "checkpoint", "scan", "cond")
@@ -363,6 +363,15 @@ def source_line(eqn) -> str | None:
         shown = rel if not rel.startswith("..") else path
         return f"{shown}:{line} ({function})"
     return None
+
+
+def refusal_place(refusal: Refusal) -> tuple[str, str | None, str]:
+    """``(operation, "file:line" or None, layer or "")`` of a refusal: the primitive (or
+    the ``jax.custom_jvp`` function's name), where the user's code computes it, and the
+    innermost nnlite Module around it."""
+    where = source_line(refusal.eqn)
+    at = where.rsplit(" (", 1)[0] if where else None
+    return _custom_jvp_name(refusal.eqn) or refusal.eqn.primitive.name, at, refusal.layer
 
 
 def refusal_message(refusal: Refusal, who: str = "manual gradients") -> str:

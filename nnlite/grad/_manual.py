@@ -32,13 +32,22 @@ import jax
 
 from ..core._mode import manual_active, manual_scope, manual_tape
 from ._custom_vjp import custom_vjp
-from ._interpret import Evaluator, analyse, refusal_message
+from ._interpret import Evaluator, Refusal, analyse, refusal_message, refusal_place
 
-__all__ = ["ManualGradError", "hand_rule", "manual_grads"]
+__all__ = ["ManualGradError", "check_manual", "hand_rule", "manual_grads"]
 
 
 class ManualGradError(TypeError):
-    """A loss in manual mode computes on the params outside any hand rule."""
+    """A loss in manual mode computes on the params outside any hand rule.
+
+    ``primitive`` (the operation without a rule), ``where`` (the user's ``file:line``)
+    and ``layer`` (the nnlite Module around it) say the same as the message, for a caller
+    that reports it in its own words; None where unknown.
+    """
+
+    def __init__(self, message: str, *, primitive=None, where=None, layer=None):
+        super().__init__(message)
+        self.primitive, self.where, self.layer = primitive, where, layer
 
 
 ManualGradError.__module__ = "nnlite"  # its public home, shown in tracebacks
@@ -109,10 +118,11 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
                     return f(*merged, **kw)
 
             def fn_vjp(*dyn_dret):
-                *dyn, dret = dyn_dret
+                # a tuple result's cotangents come one by one after the operands
+                dyn, drets = dyn_dret[: len(operands)], dyn_dret[len(operands) :]
                 merged, kw = full(dyn)
                 with manual_scope(False):
-                    dargs = f_vjp(*merged, dret, **kw)
+                    dargs = f_vjp(*merged, *drets, **kw)
                 dargs = dargs if isinstance(dargs, tuple) else (dargs,)
                 picked = [dargs[i] for i in dyn_idx] + [None] * len(s_arr)
                 return tuple(picked) if len(picked) > 1 else picked[0]
@@ -184,13 +194,38 @@ def _signature(leaves: list, treedef, dyn: list[int]):
 def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> None:
     """Raise ``ManualGradError`` unless every float computed from ``params`` by
     ``fn(params, *args)`` in manual mode comes out of a hand rule (a ``custom_vjp``) or an
-    operation with a library rule (structural and linear primitives)."""
+    operation with a library rule (structural and linear primitives).
+
+    Traces ``fn`` once and runs nothing, so the arguments may be ``jax.ShapeDtypeStruct``s:
+    whether ``manual_grads(fn)`` can differentiate a model is known before any compile
+    (the trainer's ``loss.grad: auto`` asks this).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import nnlite as nl
+        >>> net = nl.Linear(3, 2)
+        >>> p = jax.eval_shape(net.init, jax.random.key(0))
+        >>> x = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+        >>> nl.check_manual(lambda p, x: jnp.sum(net(p, x)), p, x)  # covered: no error
+        >>> try:
+        ...     nl.check_manual(lambda p, x: jnp.sum(jnp.sin(net(p, x))), p, x)
+        ... except nl.ManualGradError as e:
+        ...     print(e.primitive, e.where is not None)
+        sin True
+    """
     leaves, treedef, dyn = _flat_call(fn, params, args, kwargs)
     closed, _ = _trace(fn, leaves, treedef, dyn)
     n_params = len(jax.tree.leaves(params))
     analysis = analyse(closed.jaxpr, [i < n_params for i in dyn])
     if analysis.refusal is not None:
-        raise ManualGradError(refusal_message(analysis.refusal))
+        raise _refused(analysis.refusal)
+
+
+def _refused(refusal: Refusal) -> ManualGradError:
+    primitive, where, layer = refusal_place(refusal)
+    return ManualGradError(
+        refusal_message(refusal), primitive=primitive, where=where, layer=layer or None
+    )
 
 
 def _is_python_scalar(a: Any) -> bool:
@@ -252,7 +287,7 @@ def manual_grads(fn: Callable, *, check: bool = True) -> Callable:
         analysis = analyse(closed.jaxpr, tainted)
         if sig not in plans:
             if check and analysis.refusal is not None:
-                raise ManualGradError(refusal_message(analysis.refusal))
+                raise _refused(analysis.refusal)
             if sig is not None:
                 plans[sig] = analysis.uses_rules
         if not analysis.uses_rules:

@@ -1,8 +1,8 @@
 """Normalisation: LayerNorm, RMSNorm, GroupNorm (statistics always in float32).
 
-BatchNorm is left out on purpose: its running statistics are state that changes during the
-forward pass, which does not fit nnlite's params-only ``init``/``__call__`` design (see
-docs/layers.md). GroupNorm and LayerNorm need no such state.
+These normalise each example on its own, so they need no state. BatchNorm, whose running
+statistics are state (``init_state``, passed in and returned), lives in ``_batch_norm.py``
+and builds on the helpers here.
 """
 
 from __future__ import annotations

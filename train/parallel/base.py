@@ -31,9 +31,21 @@ class Strategy:
       (:meth:`bytes_per_device`, for the memory estimate and the banner).
 
     Every strategy equals one device for the same global batch.
+
+    **Sharded state** (:attr:`sharded_state` true): the placed leaves are split over the
+    devices, not replicated. Checkpoints are then written shard by shard from the placed
+    leaves (``nl.save_sharded``: each process writes what its devices hold; :meth:`get_state`
+    is never called for them), and a resume places each leaf straight onto
+    :meth:`leaf_sharding` (which must then return a sharding for every leaf), reading
+    only the parts this process's devices hold, whatever mesh wrote the checkpoint.
     """
 
     name: ClassVar[str]
+    #: The mapped axis that splits the batch inside the step (``pmap``/``shard_map``), over
+    #: which layers average batch statistics (``nl.batch_axis``); None where the step sees
+    #: the global batch as one array (one device, or ``jit`` over a sharded batch).
+    axis: ClassVar[str | None] = None
+    sharded_state: ClassVar[bool] = False  # see the class docstring
 
     def __init__(self, devices: Sequence[jax.Device]):
         self.devices = list(devices)
