@@ -103,6 +103,20 @@ def test_stack_refuses_wrong_params_and_a_layer_that_changes_shape(stack_params)
     grow = nl.Stack(nl.Linear(8, 6), 2)
     with pytest.raises(ValueError, match=r"must return its input's shape and dtype"):
         grow(grow.init(jax.random.key(0)), X)
+
+    # a copy computing outside the hand rules is refused by the loss's manual-mode check
+    # (what loss.grad: auto asks), not only when its backward pass is traced
+    class Sine(nl.Module):
+        def init(self, key):
+            return nl.ParamsDict(w=jnp.ones(8))
+
+        def __call__(self, params, x, *, key=None):
+            return x + jnp.broadcast_to(jnp.sin(params.w), x.shape)
+
+    sines = nl.Stack(Sine(), 2)
+    p_sin = sines.init(jax.random.key(0))
+    with pytest.raises(nl.ManualGradError, match="`sin`"):
+        nl.check_manual(lambda p, x: jnp.sum(sines(p, x)), p_sin, X)
     with pytest.raises(ValueError, match="n must be a positive int, got 0"):
         nl.Stack(BLOCK, 0)
     with pytest.raises(ValueError, match="policy must be None or one of"):

@@ -60,6 +60,26 @@ def _manual_body(layer: Module):
     return run
 
 
+def _check_body(layer: Module, params: Any, x: jax.Array, keys: Any) -> None:
+    """Raise ``ManualGradError`` when one copy computes on the params outside the rules.
+    The stack's ``custom_vjp`` is a closed hand rule to the analysis of the loss around
+    it (``nl.check_manual``, ``loss.grad: auto``), so the copy is analysed here, at trace
+    time, rather than only when the backward pass is traced."""
+    from ..grad._manual import check_manual
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+
+    one = jax.tree.map(spec, params)
+    k = None if keys is None else spec(keys)
+    with manual_scope(False):
+        check_manual(
+            lambda ph, k: _body(layer, ph[0], ph[1], k),
+            (one, jax.ShapeDtypeStruct(x.shape, x.dtype)),
+            k,
+        )
+
+
 def stack_scan(params: Any, x: jax.Array, keys: Any = None, *, layer: Module) -> jax.Array:
     """``layer`` applied ``n`` times: ``params`` are its params with a leading axis n,
     ``keys`` (``None`` or n keys) the copies' random keys; ``x -> x'`` of the same shape
@@ -224,6 +244,7 @@ class Stack(Module):
             for i, p in enumerate(copies):
                 x = _body(self.layer, p, x, None if keys is None else keys[i])
             return x
+        _check_body(self.layer, params, x, keys)
         return _manual_stack(self.layer)(params, x, keys)
 
     def _check(self, params: Any, x: jax.Array, keys: Any) -> None:
