@@ -187,6 +187,18 @@ class GPT(nl.Module):
         checkpoint written by it holds, for :meth:`convert_params`."""
         return dataclasses.replace(self, scan_layers=not self.scan_layers)
 
+    def param_axes(self) -> nl.ParamsDict:
+        """Where each param's dimensions shard: the blocks' Megatron layout, the token table
+        by vocabulary rows, the position table by positions (never split by a tensor axis)."""
+        p = nl.ParamsDict(wte=nl.param_axes(self.wte))
+        if self.positional == "learned":
+            p.wpe = nl.ParamsDict(W=nl.Axes(("position", "embed")))
+        p.blocks = [nl.param_axes(self.block)] * self.n_layer
+        p.ln_f = nl.param_axes(self.ln_f)
+        if not self.tie_head:
+            p.head = nl.linear_axes(self.head, "embed", "vocab")
+        return p
+
     # -- forward ----------------------------------------------------------------------------
     def __call__(self, params, tokens, *, key=None):
         """Logits ``[..., T, vocab_size]`` of integer ``tokens [..., T]``, ``T <= context``;

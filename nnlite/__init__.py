@@ -8,6 +8,9 @@ from . import rules as rules
 from . import vjp as vjp
 from .core._batch_axis import batch_axis as batch_axis
 from .core._batch_axis import current_batch_axis as current_batch_axis
+from .core._axes import AXIS_NAMES as AXIS_NAMES
+from .core._axes import Axes as Axes
+from .core._axes import param_axes as param_axes
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
@@ -48,6 +51,7 @@ from .nn._linear import Linear as Linear
 from .nn._linear import Sequential as Sequential
 from .nn._linear import SoftmaxHead as SoftmaxHead
 from .nn._linear import linear as linear
+from .nn._linear import linear_axes as linear_axes
 from .nn._losses import REDUCTIONS as REDUCTIONS
 from .nn._losses import accuracy as accuracy
 from .nn._losses import mse as mse
@@ -128,6 +132,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "ACTIVATIONS",
+    "AXIS_NAMES",
+    "Axes",
     "FFN",
     "INITIALIZERS",
     "REDUCTIONS",
@@ -180,11 +186,13 @@ __all__ = [
     "leaf_str",
     "leaky_relu",
     "linear",
+    "linear_axes",
     "load",
     "load_metadata",
     "manual_grads",
     "mse",
     "nll",
+    "param_axes",
     "reduce",
     "relu",
     "roundtrip",

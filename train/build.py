@@ -102,6 +102,7 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
+        strategy.plan(model, optimizer)  # where each leaf goes (shapes only)
         memory.check_fits(cfg, model, optimizer, data, strategy)  # traces init and the loss
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
@@ -250,15 +251,17 @@ def init_state(model, optimizer, key):
 INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
-def init_program(model, optimizer):
+def init_program(model, optimizer, out_shardings=None):
     """``init_state`` as one jitted program, ``seed -> (params, opt_state)`` with the key
     ``jax.random.key(seed)``. Run eagerly, each random/initializer op (the key's creation
-    too) compiles a tiny XLA program of its own (2.5 s in all for the digits MLP, vs 0.1 s)."""
+    too) compiles a tiny XLA program of its own (2.5 s in all for the digits MLP, vs 0.1 s).
+    ``out_shardings``: ``(params, opt_state)`` trees of shardings (a sharded strategy's
+    ``init_shardings``): each device computes only its own shards."""
 
     def init(seed):
         return init_state(model, optimizer, jax.random.key(seed))
 
-    return jax.jit(init, compiler_options=INIT_COMPILER_OPTIONS)
+    return jax.jit(init, out_shardings=out_shardings, compiler_options=INIT_COMPILER_OPTIONS)
 
 
 def init_state_compiled(model, optimizer, seed: int):
@@ -327,7 +330,8 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     """
     cfg = r.cfg
     seed = np.int32(cfg.seed)
-    init = init_program(r.model, r.optimizer).trace(seed)
+    init_shardings = r.strategy.init_shardings()
+    init = init_program(r.model, r.optimizer, init_shardings).trace(seed)
     p_avals, o_avals = init.out_info
     p_def, o_def = jax.tree.structure(p_avals), jax.tree.structure(o_avals)
     state_init = model_state_program(r.model)
@@ -359,7 +363,15 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         state_args = () if s_avals is None else (eval_state,)
         jobs.append(compile_async(pool, evaluate, eval_params, X_test, Y_test, *state_args))
         # Host copies: the step donates its inputs, and these are needed again (resume, replay).
-        params0, opt0 = jax.device_get(init_job.result()(seed))
+        state = init_job.result()(seed)
+        if init_shardings is not None:  # created sharded: the strategy gathers the shards
+            state = [
+                jax.tree.unflatten(
+                    d, [np.asarray(v) for v in r.strategy.get_state(jax.tree.leaves(s))]
+                )
+                for d, s in zip((p_def, o_def), state, strict=True)
+            ]
+        params0, opt0 = jax.device_get(state)
         state0 = None if state_init is None else jax.device_get(state_init())
         for job in jobs:
             job.result()  # the first calls must find them compiled, not compile them again

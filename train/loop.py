@@ -160,7 +160,8 @@ class _Loop:
         start = begin.step
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
-        echo(report.banner(r, prep.params0.num_params(), start))
+        state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
+        echo(report.banner(r, prep.params0.num_params(), start, state_bytes))
         put = prep.stepper.put_state
         loop = cls(
             r,
@@ -280,15 +281,16 @@ class _Loop:
     def evaluate(self) -> None:
         """Metrics on the whole held-out split (process 0): a "test" record, or "val" for
         text (its fixed set of validation windows)."""
-        if not dist.is_main():
-            return
         prep = self.prep
         jax.block_until_ready(self.p_leaves)  # the training so far is charged to "train"
         self.timings.lap("train")
-        params = jax.tree.unflatten(
-            prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
-        )
+        # Every process takes part in gathering a state sharded across processes (fsdp: a
+        # collective); process 0 alone evaluates.
+        leaves = prep.stepper.get_state(self.p_leaves)
         state = [] if prep.state0 is None else [self.model_state(prep.eval_device)]
+        if not dist.is_main():
+            return
+        params = jax.tree.unflatten(prep.p_def, jax.device_put(leaves, prep.eval_device))
         result = prep.evaluate(params, prep.X_test, prep.Y_test, *state)
         self.last_eval = {k: float(v) for k, v in result.items()}
         self._write(

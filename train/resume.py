@@ -169,7 +169,7 @@ def agree_on_start(
 
     A ``strategy`` whose state is sharded (``Strategy.sharded_state``) restores otherwise:
     process 0 picks the checkpoint, then every process reads the parts its own devices
-    hold, placed by ``strategy.leaf_sharding`` (checkpoints written on any mesh, sharded
+    hold, placed by ``strategy.state_shardings`` (checkpoints written on any mesh, sharded
     or whole); its leaves are then ``jax.Array`` s already placed.
     """
     if strategy is not None and strategy.sharded_state:
@@ -249,13 +249,16 @@ def _agree_on_sharded_start(
         )
 
     def placed(tree):  # templates: host arrays, placed arrays or ShapeDtypeStructs
-        def leaf(a):
-            aval = jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.result_type(a))
-            return jax.ShapeDtypeStruct(
-                aval.shape, aval.dtype, sharding=strategy.leaf_sharding(aval)
-            )
-
-        return jax.tree.map(leaf, tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        avals = [
+            jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.result_type(a))
+            for a in leaves
+        ]
+        # per leaf of the tree: fsdp places a leaf by its layer's logical axes, not its shape
+        shardings = strategy.state_shardings(avals)
+        return treedef.unflatten(
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
+        )
 
     return load_checkpoint(
         cfg, chosen, placed(params0), placed(opt0), grad, None if state0 is None else placed(state0)

@@ -81,6 +81,7 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
     stateful = contract.is_stateful(model)
 
     def objective(params, state, x, y, key):
+        params = strategy.compute_params(params)
         kw = {"key": key} if keyed else {}
         if stateful:
             loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
@@ -184,8 +185,8 @@ class Stepper:
         """``ShapeDtypeStruct`` stand-ins for ``put_state(leaves)``, given the leaves' shapes
         and dtypes: what ``run`` can be traced and compiled for ahead of time (None when the
         strategy has no per-leaf sharding: it compiles on its first call)."""
-        shardings = [self.strategy.leaf_sharding(a) for a in avals]
-        if any(s is None for s in shardings):
+        shardings = self.strategy.state_shardings(avals)
+        if shardings is None:
             return None
         return [
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..core._axes import Axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
@@ -144,6 +145,12 @@ class _Norm(Module):
         fill = {"scale": jnp.ones, "bias": jnp.zeros}
         shapes = self.param_shapes()
         return ParamsDict(**{n: fill[n](shape, self.param_dtype) for n, shape in shapes.items()})
+
+    def param_axes(self) -> ParamsDict:
+        """Every ``scale`` and ``bias`` dimension is ``"norm"`` (small: replicated)."""
+        return ParamsDict(
+            **{n: Axes(("norm",) * len(shape)) for n, shape in self.param_shapes().items()}
+        )
 
     def _cast(self, x, params, names):
         arrays = [params[n] for n in names]

@@ -7,11 +7,12 @@ from typing import Any
 
 import jax
 
+from ..core._axes import param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ._attention import MultiHeadAttention
 from ._dropout import dropout
-from ._linear import Linear, linear_like
+from ._linear import Linear, linear_axes, linear_like
 from ._names import get_activation
 from ._normalisation import LayerNorm
 from ._ops import add
@@ -39,6 +40,12 @@ class _MLP(Module):
     @property
     def proj(self) -> Linear:
         return linear_like(self, self.hidden, self.features)
+
+    def param_axes(self) -> ParamsDict:
+        """Megatron's MLP: ``fc`` column-parallel, ``proj`` row-parallel."""
+        return ParamsDict(
+            fc=linear_axes(self.fc, "embed", "mlp"), proj=linear_axes(self.proj, "mlp", "embed")
+        )
 
     def init(self, key: jax.Array) -> ParamsDict:
         k_fc, k_proj = jax.random.split(key)
@@ -183,6 +190,10 @@ class TransformerBlock(Module):
     @property
     def _dtypes(self) -> dict[str, Any]:
         return {"param_dtype": self.param_dtype, "dtype": self.dtype}
+
+    def param_axes(self) -> ParamsDict:
+        ln = param_axes(self.ln1)
+        return ParamsDict(ln1=ln, attn=param_axes(self.attn), ln2=ln, mlp=param_axes(self.mlp))
 
     def init(self, key: jax.Array) -> ParamsDict:
         k_attn, k_mlp = jax.random.split(key)
