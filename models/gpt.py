@@ -193,7 +193,10 @@ class GPT(nl.Module):
         p = nl.ParamsDict(wte=nl.param_axes(self.wte))
         if self.positional == "learned":
             p.wpe = nl.ParamsDict(W=nl.Axes(("position", "embed")))
-        p.blocks = [nl.param_axes(self.block)] * self.n_layer
+        if self.scan_layers:
+            p.blocks = nl.param_axes(self.stack)  # the block's, with the copies' axis first
+        else:
+            p.blocks = [nl.param_axes(self.block)] * self.n_layer
         p.ln_f = nl.param_axes(self.ln_f)
         if not self.tie_head:
             p.head = nl.linear_axes(self.head, "embed", "vocab")

@@ -163,6 +163,9 @@ def test_gpt_layouts_and_remat_give_the_same_loss_and_gradients(gpt_ref, options
 
 def test_gpt_params_convert_both_ways(gpt_ref):
     model, params, _ = gpt_ref
+    # the scanned layout's logical axes (for fsdp/tensor): the block's, the copies first
+    axes = nl.param_axes(dataclasses.replace(model, scan_layers=True, remat="block"))
+    assert axes.blocks.attn.qkv.W == nl.Axes((None, "embed", "qkv"))
     stacked = stack_blocks(params)
     assert stacked.blocks.attn.qkv.W.shape == (2, 16, 48)
     assert max_abs_diff(unstack_blocks(stacked), params) == 0.0

@@ -215,6 +215,15 @@ class Stack(Module):
     def init(self, key: jax.Array) -> ParamsDict:
         return jax.vmap(self.layer.init)(jax.random.split(key, self.n))
 
+    def param_axes(self) -> Any:
+        """The layer's logical axes with an unnamed leading axis (the copies: never
+        sharded, each device holds its share of every copy)."""
+        from ..core._axes import Axes, param_axes
+
+        inner = param_axes(self.layer)
+        is_axes = lambda a: isinstance(a, Axes)  # noqa: E731
+        return jax.tree.map(lambda a: Axes((None, *a)), inner, is_leaf=is_axes)
+
     def stack(self, copies: Any) -> ParamsDict:
         """The stacked params of a list of ``n`` copies' params (the unrolled layout)."""
         copies = list(copies)
@@ -322,6 +331,12 @@ class Remat(Module):
 
     def init(self, key: jax.Array) -> ParamsDict:
         return self.layer.init(key)
+
+    def param_axes(self) -> Any:
+        """The layer's logical axes (``Remat`` adds no params)."""
+        from ..core._axes import param_axes
+
+        return param_axes(self.layer)
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         policy = None if self.policy is None else getattr(jax.checkpoint_policies, self.policy)
