@@ -73,6 +73,9 @@ from .nn._rnn import RNN as RNN
 from .nn._rnn import GRUCell as GRUCell
 from .nn._rnn import LSTMCell as LSTMCell
 from .nn._rotary import RotaryEmbedding as RotaryEmbedding
+from .nn._stack import REMAT_POLICIES as REMAT_POLICIES
+from .nn._stack import Remat as Remat
+from .nn._stack import Stack as Stack
 from .nn._transformer import TransformerBlock as TransformerBlock
 
 # show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
@@ -134,6 +137,7 @@ __all__ = [
     "FFN",
     "INITIALIZERS",
     "REDUCTIONS",
+    "REMAT_POLICIES",
     "RNN",
     "Activation",
     "AdaptiveAvgPool",
@@ -159,9 +163,11 @@ __all__ = [
     "ParamsDict",
     "ParamsMismatchError",
     "RMSNorm",
+    "Remat",
     "RotaryEmbedding",
     "Sequential",
     "SoftmaxHead",
+    "Stack",
     "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",

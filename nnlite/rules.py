@@ -160,6 +160,8 @@ from .nn._rnn import subarray as subarray
 from .nn._rnn import subarray_vjp as subarray_vjp
 from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
+from .nn._stack import stack_scan as stack_scan
+from .nn._stack import stack_scan_vjp as stack_scan_vjp
 
 #: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())

@@ -264,3 +264,73 @@ def load_params(path: Path, params_template: Any) -> Any:
 def load_state(path: Path, state_template: Any) -> Any:
     """Only a stateful model's state (running statistics) of checkpoint ``path``."""
     return _load(path, state_template, subtree="state")
+
+
+# --- a checkpoint of the model's other params layout ------------------------------------------
+# A model may hold the same parameters in two layouts (the GPT's blocks as a list, or stacked
+# for ``scan_layers``). Such a model has ``other_layout()`` (the same model in the other
+# layout) and ``convert_params(params)`` (params of either layout in its own); a checkpoint
+# that does not fit the model's template is then tried in the other layout and converted:
+# the params, and each subtree of the optimizer state shaped like them (Adam's moments).
+
+
+def _convert_like(tree: Any, like: Any, fn: Any) -> Any:
+    """``tree`` with every subtree of ``like``'s structure replaced by ``fn(subtree)``."""
+    struct = jax.tree.structure(like)
+
+    def match(t):
+        return jax.tree.structure(t) == struct
+
+    return jax.tree.map(lambda t: fn(t) if match(t) else t, tree, is_leaf=match)
+
+
+def _other_layout(model: Any, params_template: Any):
+    """``(the model in its other layout, that layout's params template)``, or None for a
+    model with one layout."""
+    other_of = getattr(model, "other_layout", None)
+    if other_of is None or not hasattr(model, "convert_params"):
+        return None
+    other = other_of()
+    alt = jax.eval_shape(other.convert_params, params_template)
+    return other, alt
+
+
+def restore_model(
+    model: Any, path: Path, params_template: Any, opt_template: Any, state_template: Any = None
+):
+    """``restore`` for ``model``, also from a checkpoint of its other params layout
+    (converted, on the default device: the caller places it); otherwise the error names
+    the first path that differs from this layout."""
+    try:
+        return restore(path, params_template, opt_template, state_template)
+    except ConfigError:
+        found = _other_layout(model, params_template)
+        if found is None:
+            raise
+        other, alt = found
+        alt_opt = jax.eval_shape(
+            lambda o: _convert_like(o, params_template, other.convert_params), opt_template
+        )
+        try:
+            params, opt_state, state, meta = restore(path, alt, alt_opt, state_template)
+        except ConfigError:
+            pass
+        else:
+            back = model.convert_params
+            return back(params), _convert_like(opt_state, alt, back), state, meta
+    return restore(path, params_template, opt_template, state_template)  # this layout's error
+
+
+def load_model_params(model: Any, path: Path, params_template: Any) -> Any:
+    """``load_params`` for ``model``, also from a checkpoint of its other params layout."""
+    try:
+        return load_params(path, params_template)
+    except ConfigError:
+        found = _other_layout(model, params_template)
+        if found is None:
+            raise
+        try:
+            return model.convert_params(load_params(path, found[1]))
+        except ConfigError:
+            pass
+    return load_params(path, params_template)

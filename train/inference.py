@@ -124,11 +124,11 @@ def load_run(
     opt_state = state = None
     if with_opt_state:
         optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
-        params, opt_state, state, _ = ckpt.restore(
-            checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
+        params, opt_state, state, _ = ckpt.restore_model(
+            model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
         )
     else:
-        params = ckpt.load_params(checkpoint, template)
+        params = ckpt.load_model_params(model, checkpoint, template)
         if s_template is not None:
             state = ckpt.load_state(checkpoint, s_template)
     vocab = None

@@ -3,9 +3,11 @@ a checkpoint belongs to this config, and the processes' agreement on the startin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -82,6 +84,8 @@ def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None
         saved = {**saved, "loss": {**saved["loss"], "grad": is_grad}}
     for section in RESUME_MUST_MATCH:
         was, is_ = saved.get(section), now[section]
+        if section == "model" and isinstance(was, dict):
+            was, is_ = _comparable_model(cfg.model.cls, was, is_)
         if was == is_:
             continue
         key, was_v, is_v = section, was, is_
@@ -97,6 +101,25 @@ def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None
         )
 
 
+def _comparable_model(cls: Any, was: dict, is_: dict) -> tuple[dict, dict]:
+    """The saved and current model sections as resuming compares them: a field the
+    checkpoint predates counts as its default (a model option added since), and the
+    fields the model lists in ``resume_may_change`` (a layout or memory option, such as
+    the GPT's ``scan_layers`` and ``remat``: the checkpoint's params are converted) are
+    left out."""
+    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    was = dict(was)
+    for k in is_:
+        f = fields.get(k)
+        if k not in was and f is not None and f.default is not dataclasses.MISSING:
+            was[k] = f.default
+    free = set(getattr(cls, "resume_may_change", ()))
+    return (
+        {k: v for k, v in was.items() if k not in free},
+        {k: v for k, v in is_.items() if k not in free},
+    )
+
+
 def _as_run(grad: str | None, resolved: str | None) -> str | None:
     """``loss.grad`` as the step ran it: ``auto`` is what it resolved to (None: unknown)."""
     return resolved if grad == "auto" else grad
@@ -109,7 +132,11 @@ def load_checkpoint(
     :func:`check_resumable`) and the templates (``state0``: a stateful model's initial
     state, None for a stateless one)."""
     check_resumable(cfg, ckpt.read_metadata(path), path, grad)  # a changed config says so first
-    params_h, opt_h, state_h, meta = ckpt.restore(path, params0, opt0, state0)
+    try:
+        model = cfg.model.cls(**cfg.model.options)
+    except Exception:  # noqa: BLE001 -- no model, no layout conversion: restore reports it
+        model = None
+    params_h, opt_h, state_h, meta = ckpt.restore_model(model, path, params0, opt0, state0)
     start = int(meta["step"])
     if start > cfg.train.steps:
         raise ConfigError(

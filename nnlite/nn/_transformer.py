@@ -89,7 +89,13 @@ class TransformerBlock(Module):
         implementation: attention implementation (see ``MultiHeadAttention``).
         rotary: rotary position embeddings on the attention's q and k (see
             ``MultiHeadAttention``); adds no params.
-        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
+        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote). With
+            ``dtype`` set the residual stream is cast to it, so the block returns ``dtype``
+            (LayerNorm statistics and the attention softmax stay float32 inside).
+        remat: checkpoint the attention half and the MLP half separately
+            (``jax.checkpoint``): the backward pass recomputes each half's internals and
+            holds one half's at a time. Inside an outer ``nl.Remat`` of the block this is
+            ``remat: full`` of the GPT.
 
     Params: ``/ln1/{scale,bias}``, ``/attn/qkv/{W,b}``, ``/attn/out/{W,b}``,
     ``/ln2/{scale,bias}``, ``/mlp/fc/{W,b}``, ``/mlp/proj/{W,b}``.
@@ -131,6 +137,7 @@ class TransformerBlock(Module):
     param_dtype: str = "float32"
     dtype: str | None = None
     rotary: bool = False
+    remat: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -206,16 +213,30 @@ class TransformerBlock(Module):
         key: jax.Array | None = None,
     ) -> jax.Array:
         self.check_input(x, self.features, min_rank=2)
+        if self.dtype is not None:
+            # The residual stream follows the compute dtype: a bfloat16 block returns
+            # bfloat16 (a float32 stream would make each add promote back to float32).
+            x = x.astype(self.dtype)
         k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
+        attn_half, mlp_half = self._attn_half, self._mlp_half
+        if self.remat:
+            attn_half, mlp_half = jax.checkpoint(attn_half), jax.checkpoint(mlp_half)
+        return mlp_half(params, attn_half(params, x, mask, k_attn), k_mlp)
+
+    def _attn_half(self, params: ParamsDict, x: jax.Array, mask, key) -> jax.Array:
+        """``x + attn(ln1(x))``."""
         p_ln1 = self.child(params, "ln1")
         with self.params_scope("/ln1"):
             h = self.ln1(p_ln1, x)
         p_attn = self.child(params, "attn")
         with self.params_scope("/attn"):
-            x = add(x, self.attn(p_attn, h, mask=mask, key=k_attn).astype(x.dtype))
+            return add(x, self.attn(p_attn, h, mask=mask, key=key).astype(x.dtype))
+
+    def _mlp_half(self, params: ParamsDict, x: jax.Array, key) -> jax.Array:
+        """``x + mlp(ln2(x))``."""
         p_ln2 = self.child(params, "ln2")
         with self.params_scope("/ln2"):
             h = self.ln2(p_ln2, x)
         p_mlp = self.child(params, "mlp")
         with self.params_scope("/mlp"):
-            return add(x, self.mlp(p_mlp, h, key=k_mlp).astype(x.dtype))
+            return add(x, self.mlp(p_mlp, h, key=key).astype(x.dtype))
