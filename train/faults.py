@@ -168,7 +168,7 @@ def explain_nonfinite(
     s_host = jax.tree.leaves(state0)
     if good_step > 0:  # process 0 wrote (or resumed from) a checkpoint at good_step
         if dist.is_main():
-            saved = load_checkpoint(r.cfg, good_ckpt, params0, opt0, state0)
+            saved = load_checkpoint(r.cfg, good_ckpt, params0, opt0, r.grad_mode, state0=state0)
             p_host, o_host, s_host = saved.p_leaves, saved.o_leaves, saved.s_leaves
         p_host, o_host, s_host = dist.broadcast((p_host, o_host, s_host))
     X, Y = checker.put_data(r.data.x), checker.put_data(r.data.y)
