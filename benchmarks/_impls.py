@@ -351,7 +351,7 @@ class Nnlite(Impl):
         p, o, t, end = self.p_leaves, self.o_leaves, self.t, self.t + n
         while t < end:
             k = min(self.steps_per_call, end - t)
-            p, o, metrics = st.run(p, o, X, Y, st.put_indices(block(t, k)))
+            p, o, _, metrics = st.run(p, o, [], X, Y, st.put_indices(block(t, k)))
             t += k
         self.p_leaves, self.o_leaves, self.t = p, o, t
         return float(metrics["loss"][-1])

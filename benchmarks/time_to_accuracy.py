@@ -94,7 +94,7 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
     while step < tc.steps:
         k = steps_in_call(cfg, step, every)
         idx = st.put_indices(sampler.batches(step, k))
-        p_leaves, o_leaves, _ = st.run(p_leaves, o_leaves, prep.X, prep.Y, idx)
+        p_leaves, o_leaves, _, _ = st.run(p_leaves, o_leaves, [], prep.X, prep.Y, idx)
         step += k
         if step % eval_every == 0:
             params = jax.tree.unflatten(p_def, st.get_state(p_leaves))

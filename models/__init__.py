@@ -22,6 +22,7 @@ MODELS = {
     "linreg": "models.linreg:LinReg",
     "cnn": "models.cnn:CNN",
     "gpt": "models.gpt:GPT",
+    "resnet": "models.resnet:ResNet",
 }
 
 

@@ -23,7 +23,14 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
 - optionally ``grad_modes``: the ``loss.grad`` modes beyond ``autodiff`` and ``manual``
   that its ``objective(..., grad=...)`` implements (the MLP's ``fused``); a list that
   names ``autodiff`` is the complete list (``("autodiff",)``: a model that must not run
-  with hand rules; ``loss.grad: auto`` then resolves to autodiff).
+  with hand rules; ``loss.grad: auto`` then resolves to autodiff);
+- optionally state (BatchNorm's running statistics, see docs/state.md): a model that
+  defines ``init_state() -> ParamsDict`` is *stateful*; its call is ``__call__(params, x,
+  *, state, train=False, key=None) -> (output, new_state)``, training calls it with
+  ``train=True`` and carries the state from step to step (the optimizer never sees it),
+  evaluation and inference with ``train=False``. Its own ``objective`` then takes
+  ``state=`` and returns ``(mean_loss, metrics, new_state)``, its own ``loss`` takes
+  ``state=`` (eval mode).
 
 Example (a residual MLP classifier in a user's own file, ``model.name:
 "mymodels:ResMLP"`` in the config):
@@ -109,6 +116,89 @@ def check_model_class(cls: Any, where: str) -> None:
         )
     if cls.init is nl.Module.init:
         raise ModelError(f"{where}: {cls.__name__} does not define init(self, key)")
+    if is_stateful(cls):
+        _check_stateful_class(cls, where)
+
+
+def is_stateful(model: Any) -> bool:
+    """Whether ``model`` (an instance or a class) has state: it defines ``init_state``."""
+    return callable(getattr(model, "init_state", None))
+
+
+def init_state(model: Any) -> nl.ParamsDict | None:
+    """The model's initial state, or None for a stateless model."""
+    return model.init_state() if is_stateful(model) else None
+
+
+STATEFUL_CALL = "out, new_state = model(params, x, state=state, train=True) (see docs/state.md)"
+
+
+def _check_stateful_class(cls: type, where: str) -> None:
+    name = cls.__name__
+    try:
+        required = [
+            p.name
+            for p in list(inspect.signature(cls.init_state).parameters.values())[1:]
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        required = []
+    if required:
+        raise ModelError(
+            f"{where}: {name}.init_state must take no arguments (it returns the initial "
+            f"state ParamsDict), but it requires {', '.join(required)}"
+        )
+    missing = [k for k in ("state", "train") if not _accepts(cls.__call__, k)]
+    if missing:
+        raise ModelError(
+            f"{where}: {name} defines init_state, so it is stateful and its __call__ must "
+            f"take the keyword argument(s) {', '.join(missing)}: {STATEFUL_CALL}"
+        )
+    own = getattr(cls, "objective", None)
+    if own is not None and not _accepts(own, "state"):
+        raise ModelError(
+            f"{where}: {name} is stateful (it defines init_state), so its objective must "
+            "take state= and return (mean_loss, metrics, new_state)"
+        )
+
+
+def call_stateful(model: Any, params, x, state, *, train: bool, **kwargs) -> tuple:
+    """``model(params, x, state=state, train=train)`` -> ``(out, new_state)``, with a
+    ModelError (at trace time) when the model does not return a pair whose state has the
+    structure of the state it was given."""
+    result = model(params, x, state=state, train=train, **kwargs)
+    name = type(model).__name__
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ModelError(
+            f"{name} is stateful (it defines init_state), so its __call__ must return "
+            f"(output, new_state); it returned {type(result).__name__}: {STATEFUL_CALL}"
+        )
+    check_same_state(name, state, result[1])
+    return result
+
+
+def check_same_state(name: str, state, new_state) -> None:
+    """A ModelError naming the first path where ``new_state`` differs in structure,
+    shape or dtype from ``state``."""
+    was = dict(_state_items(state))
+    now = dict(_state_items(new_state))
+    for path in [*was, *(p for p in now if p not in was)]:
+        a, b = was.get(path), now.get(path)
+        if a is None or b is None or a != b:
+            what = "is missing" if b is None else "is new" if a is None else f"is {b}, was {a}"
+            raise ModelError(
+                f"{name}: the state it returns differs from the state it was given: "
+                f"{path} {what} (a stateful call returns the state with the structure, "
+                "shapes and dtypes of init_state())"
+            )
+
+
+def _state_items(state):
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return [
+        (nl.format_path(path) or "/", (tuple(jnp.shape(v)), jnp.result_type(v).name))
+        for path, v in leaves
+    ]
 
 
 def fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -179,29 +269,54 @@ def task_objective(task: str, out: jax.Array, y: jax.Array) -> tuple[jax.Array, 
     return nl.reduce(per_example, "mean"), {k: jnp.mean(v) for k, v in metrics.items()}
 
 
-def per_example_loss(model: Any, params, x, y) -> tuple[jax.Array, dict]:
+def per_example_loss(model: Any, params, x, y, state=None) -> tuple[jax.Array, dict]:
     """``model.loss`` if it has one, else its task's: per-example loss and metrics
-    (inference: no key)."""
+    (inference: no key; a stateful model in eval mode with ``state``)."""
+    stateful = is_stateful(model)
     if hasattr(model, "loss"):
-        return model.loss(params, x, y)
-    return task_loss(model.task, model(params, x), y)
+        return model.loss(params, x, y, state=state) if stateful else model.loss(params, x, y)
+    if stateful:
+        out = call_stateful(model, params, x, state, train=False)[0]
+    else:
+        out = model(params, x)
+    return task_loss(model.task, out, y)
 
 
 def objective_fn(model: Any, grad: str = "autodiff") -> Callable:
     """``(params, x, y, *, key=None) -> (mean loss, {metric: mean})``: ``model.objective``
-    if it has one (given ``grad=`` when it takes it), else the task's on ``model(...)``."""
+    if it has one (given ``grad=`` when it takes it), else the task's on ``model(...)``.
+
+    A stateful model's (see :func:`is_stateful`) is ``(params, x, y, *, state, key=None)
+    -> (mean loss, {metric: mean}, new_state)``, its call in train mode."""
     own = getattr(model, "objective", None)
+    stateful = is_stateful(model)
     if own is not None:
         pass_grad = _accepts(own, "grad")
         pass_key = _accepts(own, "key")
 
-        def objective(params, x, y, *, key=None):
+        def objective(params, x, y, *, key=None, **state):
             kw = {"grad": grad} if pass_grad else {}
             if pass_key:
                 kw["key"] = key
-            return own(params, x, y, **kw)
+            result = own(params, x, y, **kw, **state)
+            if stateful and not (isinstance(result, tuple) and len(result) == 3):
+                raise ModelError(
+                    f"{type(model).__name__} is stateful, so its objective must return "
+                    f"(mean_loss, metrics, new_state); it returned a {type(result).__name__}"
+                    + (f" of {len(result)}" if isinstance(result, tuple) else "")
+                )
+            return result
 
         return objective
+
+    if stateful:
+
+        def stateful_default(params, x, y, *, state, key=None):
+            kw = {"key": key} if key is not None else {}
+            out, new_state = call_stateful(model, params, x, state, train=True, **kw)
+            return (*task_objective(model.task, out, y), new_state)
+
+        return stateful_default
 
     def default(params, x, y, *, key=None):
         out = model(params, x, key=key) if key is not None else model(params, x)

@@ -19,6 +19,7 @@ for every new token).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -38,6 +39,25 @@ class GPT(nl.Module):
     Positions (``positional``): ``"learned"`` (GPT-2's ``wpe`` table added to the token
     embeddings) or ``"rotary"`` (no ``wpe``; every attention layer rotates its queries and
     keys by position, ``nl.MultiHeadAttention(rotary=True)``).
+
+    Deep-model options (docs/deep.md):
+
+    * ``scan_layers``: the blocks as one ``nl.Stack`` (``/blocks/...`` with a leading
+      axis ``n_layer``, applied by ``lax.scan``: compile time flat in depth) instead of a
+      list (``/blocks[i]/...``). Same init, same outputs, same dropout keys;
+      :func:`stack_blocks` / :func:`unstack_blocks` (and :meth:`convert_params`) convert
+      params, and a checkpoint of one layout loads into the other.
+    * ``remat``: ``"none"``; ``"block"`` (each block under ``jax.checkpoint``: only the
+      residual stream between blocks is kept for the backward pass, each block's forward
+      recomputed); ``"full"`` (``block``, and inside it the attention half and the MLP
+      half checkpointed separately: the recomputation holds one half's internals at a
+      time); or a ``jax.checkpoint_policies`` name (each block checkpointed with that
+      policy, e.g. ``"dots_saveable"``: keep the matmul results).
+    * ``dtype``: compute dtype, ``"float32"`` or ``"bfloat16"``. The params (and so the
+      optimizer state and the gradients) stay float32; the embeddings' sum is cast to
+      ``dtype`` and the residual stream stays in it through the blocks (LayerNorm
+      statistics and the attention softmax in float32 inside); the final LayerNorm, the
+      head, the logits and the loss are float32.
     """
 
     vocab_size: int
@@ -48,8 +68,14 @@ class GPT(nl.Module):
     dropout: float = 0.0
     tie_head: bool = True
     positional: str = "learned"
+    scan_layers: bool = False
+    remat: str = "none"
+    dtype: str = "float32"
 
     task = "language_model"
+    # Options that change neither the params' values nor the math: a run may resume with
+    # them changed (the checkpoint's params are converted to the new layout).
+    resume_may_change = ("scan_layers", "remat")
 
     def __post_init__(self):
         super().__post_init__()
@@ -64,6 +90,10 @@ class GPT(nl.Module):
             raise ValueError(
                 f"positional must be one of {', '.join(POSITIONAL)}, got {self.positional!r}"
             )
+        if self.remat not in REMAT:
+            raise ValueError(f"remat must be one of {', '.join(REMAT)}, got {self.remat!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         self.block  # validates rotary's even head_dim  # noqa: B018
 
     @property
@@ -93,7 +123,23 @@ class GPT(nl.Module):
             dropout_rate=self.dropout,
             causal=True,
             rotary=self.positional == "rotary",
+            dtype=None if self.dtype == "float32" else self.dtype,
+            remat=self.remat == "full",
         )
+
+    @property
+    def layer(self) -> nl.Module:
+        """One block as the model applies it: the block, under ``nl.Remat`` unless
+        ``remat`` is ``"none"``."""
+        if self.remat == "none":
+            return self.block
+        policy = self.remat if self.remat in nl.REMAT_POLICIES else None
+        return nl.Remat(self.block, policy)
+
+    @property
+    def stack(self) -> nl.Stack:
+        """The blocks as one ``nl.Stack`` (the ``scan_layers`` layout)."""
+        return nl.Stack(self.layer, self.n_layer)
 
     @property
     def ln_f(self) -> nl.LayerNorm:
@@ -113,7 +159,48 @@ class GPT(nl.Module):
         p.ln_f = self.ln_f.init(keys[2])
         if not self.tie_head:
             p.head = self.head.init(keys[2])
-        return gpt2_init(p, self.n_layer, jax.random.fold_in(key, 1))
+        p = gpt2_init(p, self.n_layer, jax.random.fold_in(key, 1))
+        return stack_blocks(p) if self.scan_layers else p  # the same numbers either way
+
+    def convert_params(self, params: nl.ParamsDict) -> nl.ParamsDict:
+        """``params`` in this model's block layout, from either layout (a list of
+        ``n_layer`` blocks or one stacked block); other params are refused."""
+        blocks = params.blocks if "blocks" in params else None
+        if isinstance(blocks, list | tuple):
+            if len(blocks) != self.n_layer:
+                raise ValueError(f"GPT(n_layer={self.n_layer}): params hold {len(blocks)} blocks")
+            return stack_blocks(params) if self.scan_layers else params
+        if isinstance(blocks, nl.ParamsDict):
+            n = {a.shape[0] for a in jax.tree.leaves(blocks)}
+            if n != {self.n_layer}:
+                raise ValueError(
+                    f"GPT(n_layer={self.n_layer}): stacked blocks with leading axes {sorted(n)}"
+                )
+            return params if self.scan_layers else unstack_blocks(params)
+        raise ValueError(
+            "GPT: params have no /blocks (a list of blocks or a stacked block); they are "
+            "not a GPT's"
+        )
+
+    def other_layout(self) -> GPT:
+        """This model with the other block layout (``scan_layers`` flipped): what a
+        checkpoint written by it holds, for :meth:`convert_params`."""
+        return dataclasses.replace(self, scan_layers=not self.scan_layers)
+
+    def param_axes(self) -> nl.ParamsDict:
+        """Where each param's dimensions shard: the blocks' Megatron layout, the token table
+        by vocabulary rows, the position table by positions (never split by a tensor axis)."""
+        p = nl.ParamsDict(wte=nl.param_axes(self.wte))
+        if self.positional == "learned":
+            p.wpe = nl.ParamsDict(W=nl.Axes(("position", "embed")))
+        if self.scan_layers:
+            p.blocks = nl.param_axes(self.stack)  # the block's, with the copies' axis first
+        else:
+            p.blocks = [nl.param_axes(self.block)] * self.n_layer
+        p.ln_f = nl.param_axes(self.ln_f)
+        if not self.tie_head:
+            p.head = nl.linear_axes(self.head, "embed", "vocab")
+        return p
 
     # -- forward ----------------------------------------------------------------------------
     def __call__(self, params, tokens, *, key=None):
@@ -124,13 +211,20 @@ class GPT(nl.Module):
             raise ValueError(f"GPT: sequence length {t} exceeds context={self.context}")
         keys = [None] * (self.n_layer + 1)
         if key is not None and self.dropout > 0:
-            keys = list(jax.random.split(key, self.n_layer + 1))
+            keys = jax.random.split(key, self.n_layer + 1)
         x = self.wte(params.wte, tokens)
         if self.positional == "learned":
             x = nl.add(x, self.wpe(params.wpe, np.arange(t)))  # position embeddings
+        if self.dtype != "float32":
+            x = x.astype(self.dtype)  # the residual stream in the compute dtype
         x = self.drop(nl.ParamsDict(), x, key=keys[-1])
-        for p_block, k in zip(params.blocks, keys):
-            x = self.block(p_block, x, key=k)
+        if self.scan_layers:
+            # block i gets keys[i], as in the loop below
+            x = self.stack.scan(params.blocks, x, None if keys[0] is None else keys[:-1])
+        else:
+            for i, p_block in enumerate(params.blocks):
+                x = self.layer(p_block, x, key=keys[i])
+        # ln_f's float32 params promote the stream back: the head and logits in float32
         return self.logits(params, self.ln_f(params.ln_f, x))
 
     def logits(self, params, h):
@@ -155,7 +249,12 @@ class GPT(nl.Module):
         x = self.wte(params.wte, token[:, None])  # [batch, 1, n_embd]
         if self.positional == "learned":
             x = x + jnp.broadcast_to(params.wpe.W[pos].astype(x.dtype), x.shape)
-        for i, p in enumerate(params.blocks):
+        if self.dtype != "float32":
+            x = x.astype(self.dtype)  # as in __call__: the residual stream in the compute dtype
+        blocks = params.blocks
+        if self.scan_layers:
+            blocks = self.stack.unstack(blocks)  # decoding indexes the cache per layer
+        for i, p in enumerate(blocks):
             # [batch, 1, heads, head_dim]; rotary: q and k rotated at position pos
             q, k, v = attn.qkv(p.attn, block.ln1(p.ln1, x), offset=pos)
             at = (i, 0, pos, 0, 0)  # layer i, every row, position pos
@@ -203,7 +302,8 @@ class GPT(nl.Module):
 
             return jax.lax.fori_loop(0, half, refeed, cache), jnp.int32(half)
 
-        cache = self.empty_cache(batch, params.wte.W.dtype)
+        dtype = params.wte.W.dtype if self.dtype == "float32" else jnp.dtype(self.dtype)
+        cache = self.empty_cache(batch, dtype)
         buf, _, _ = jax.lax.fori_loop(0, total - 1, feed, (buf, cache, jnp.int32(0)))
         return buf
 
@@ -238,7 +338,25 @@ def gpt2_init(params: nl.ParamsDict, n_layer: int, key) -> nl.ParamsDict:
     return jax.tree.unflatten(treedef, out)
 
 
+def stack_blocks(params: nl.ParamsDict) -> nl.ParamsDict:
+    """GPT params with ``/blocks[i]/...`` (a list) turned into ``/blocks/...`` stacked
+    along a leading axis (the ``scan_layers`` layout); the other params shared."""
+    out = nl.ParamsDict(**{k: params[k] for k in params})
+    out.blocks = jax.tree.map(lambda *a: jnp.stack(a), *params.blocks)
+    return out
+
+
+def unstack_blocks(params: nl.ParamsDict) -> nl.ParamsDict:
+    """The inverse of :func:`stack_blocks`: a list of one ParamsDict per block."""
+    out = nl.ParamsDict(**{k: params[k] for k in params})
+    n = jax.tree.leaves(params.blocks)[0].shape[0]
+    out.blocks = [jax.tree.map(lambda a, i=i: a[i], params.blocks) for i in range(n)]
+    return out
+
+
 POSITIONAL = ("learned", "rotary")
+REMAT = ("none", "block", "full", *nl.REMAT_POLICIES)
+DTYPES = ("float32", "bfloat16")
 
 # Paths (suffixes) of the matrices that write into the residual stream.
 RESIDUAL_OUT = ("/attn/out/W", "/mlp/proj/W")

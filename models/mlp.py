@@ -44,6 +44,13 @@ class MLP(nl.Module):
         k_ffn, k_head = jax.random.split(key)
         return nl.ParamsDict(ffn=self.ffn.init(k_ffn), head=self.head.init(k_head))
 
+    def param_axes(self) -> nl.ParamsDict:
+        """The body's Megatron pairs (``nl.FFN``), and the head continuing them: row-parallel
+        after a column-parallel last layer (its input is then split across a tensor axis)."""
+        column_last = len(self.ffn.layers) % 2 == 1
+        head = nl.linear_axes(self.head.linear, "mlp" if column_last else "embed", None)
+        return nl.ParamsDict(ffn=nl.param_axes(self.ffn), head=head)
+
     def __call__(self, params, x, *, key=None):
         """Logits ``[batch, num_classes]``."""
         return self.head.logits(params.head, self.ffn(params.ffn, x))

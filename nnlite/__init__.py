@@ -6,6 +6,11 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 
 from . import rules as rules
 from . import vjp as vjp
+from .core._batch_axis import batch_axis as batch_axis
+from .core._batch_axis import current_batch_axis as current_batch_axis
+from .core._axes import AXIS_NAMES as AXIS_NAMES
+from .core._axes import Axes as Axes
+from .core._axes import param_axes as param_axes
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
@@ -33,6 +38,7 @@ from .nn._activations import silu as silu
 from .nn._adaptive_pool import AdaptiveAvgPool as AdaptiveAvgPool
 from .nn._adaptive_pool import AdaptiveMaxPool as AdaptiveMaxPool
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
+from .nn._batch_norm import BatchNorm as BatchNorm
 from .nn._conv import Conv as Conv
 from .nn._conv_transpose import ConvTranspose as ConvTranspose
 from .nn._dropout import Dropout as Dropout
@@ -45,6 +51,7 @@ from .nn._linear import Linear as Linear
 from .nn._linear import Sequential as Sequential
 from .nn._linear import SoftmaxHead as SoftmaxHead
 from .nn._linear import linear as linear
+from .nn._linear import linear_axes as linear_axes
 from .nn._losses import REDUCTIONS as REDUCTIONS
 from .nn._losses import accuracy as accuracy
 from .nn._losses import mse as mse
@@ -66,6 +73,9 @@ from .nn._rnn import RNN as RNN
 from .nn._rnn import GRUCell as GRUCell
 from .nn._rnn import LSTMCell as LSTMCell
 from .nn._rotary import RotaryEmbedding as RotaryEmbedding
+from .nn._stack import REMAT_POLICIES as REMAT_POLICIES
+from .nn._stack import Remat as Remat
+from .nn._stack import Stack as Stack
 from .nn._transformer import TransformerBlock as TransformerBlock
 
 # show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
@@ -122,14 +132,18 @@ def __getattr__(name: str):
 
 __all__ = [
     "ACTIVATIONS",
+    "AXIS_NAMES",
+    "Axes",
     "FFN",
     "INITIALIZERS",
     "REDUCTIONS",
+    "REMAT_POLICIES",
     "RNN",
     "Activation",
     "AdaptiveAvgPool",
     "AdaptiveMaxPool",
     "AvgPool",
+    "BatchNorm",
     "CheckpointError",
     "Conv",
     "ConvTranspose",
@@ -149,14 +163,18 @@ __all__ = [
     "ParamsDict",
     "ParamsMismatchError",
     "RMSNorm",
+    "Remat",
     "RotaryEmbedding",
     "Sequential",
     "SoftmaxHead",
+    "Stack",
     "TransformerBlock",
     "UnsupportedPrimitiveError",
     "accuracy",
     "add",
+    "batch_axis",
     "check_manual",
+    "current_batch_axis",
     "elu",
     "format_path",
     "from_equinox",
@@ -168,11 +186,13 @@ __all__ = [
     "leaf_str",
     "leaky_relu",
     "linear",
+    "linear_axes",
     "load",
     "load_metadata",
     "manual_grads",
     "mse",
     "nll",
+    "param_axes",
     "reduce",
     "relu",
     "roundtrip",

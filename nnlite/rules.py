@@ -114,6 +114,10 @@ from .nn._attention import dot_product_attention as dot_product_attention
 from .nn._attention import dot_product_attention_vjp as dot_product_attention_vjp
 from .nn._attention import slot as slot
 from .nn._attention import slot_vjp as slot_vjp
+from .nn._batch_norm import batch_norm_eval as batch_norm_eval
+from .nn._batch_norm import batch_norm_eval_vjp as batch_norm_eval_vjp
+from .nn._batch_norm import batch_norm_train as batch_norm_train
+from .nn._batch_norm import batch_norm_train_vjp as batch_norm_train_vjp
 from .nn._conv import conv as conv
 from .nn._conv import conv_vjp as conv_vjp
 from .nn._conv_transpose import conv_transpose as conv_transpose
@@ -156,6 +160,8 @@ from .nn._rnn import subarray as subarray
 from .nn._rnn import subarray_vjp as subarray_vjp
 from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
+from .nn._stack import stack_scan as stack_scan
+from .nn._stack import stack_scan_vjp as stack_scan_vjp
 
 #: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())

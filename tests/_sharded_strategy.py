@@ -26,6 +26,7 @@ from train.parallel.shard_map import ShardMap
 
 class ShardedParams(ShardMap):
     sharded_state = True
+    axis = None  # one jit over the global batch: batch statistics are global already
     gathered = 0  # calls of get_state (evaluation may gather; checkpoints must not)
 
     def leaf_sharding(self, aval):
@@ -48,9 +49,10 @@ class ShardedParams(ShardMap):
 
     def compile(self, multi_step, *, keyed):
         def constrained(p_leaves, o_leaves, X, Y, batch):
+            # o_leaves: the optimizer's leaves and the model state's, ([...], [...])
             p_leaves, o_leaves, metrics = multi_step(p_leaves, o_leaves, X, Y, batch)
             keep = lambda v: jax.lax.with_sharding_constraint(v, self.leaf_sharding(v))
-            return [keep(v) for v in p_leaves], [keep(v) for v in o_leaves], metrics
+            return jax.tree.map(keep, p_leaves), jax.tree.map(keep, o_leaves), metrics
 
         return jax.jit(constrained, donate_argnums=(0, 1))
 

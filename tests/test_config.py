@@ -57,8 +57,8 @@ def test_registry_names_resolve_to_their_classes():
             r"parallel.devices must be 'all' or a positive int, got 'many'",
         ),
         (
-            ["model.name=resnet"],
-            r"model.name=resnet is not a shipped model \(mlp, linreg, cnn, gpt\) and not an "
+            ["model.name=vit"],
+            r"model.name=vit is not a shipped model \(mlp, linreg, cnn, gpt, resnet\) and not an "
             r"import path 'module:Class'",
         ),
         (["model.hidden_sizes=12"], r"model.hidden_sizes: expected list of int, got 12"),

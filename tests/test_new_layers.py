@@ -145,7 +145,7 @@ def test_recurrent_rules(rand):
 def test_the_rules_are_listed():
     new = [
         "adaptive_avg_pool", "adaptive_max_pool", "conv_transpose", "elu", "gru_cell",
-        "gru_scan", "leaky_relu", "lstm_cell", "lstm_scan", "rotary", "silu", "subarray",
+        "gru_scan", "leaky_relu", "lstm_cell", "lstm_scan", "rotary", "silu", "subarray", "stack_scan",
     ]  # fmt: skip
     for name in new:
         f, f_vjp = nl.rules.RULES[name]

@@ -335,7 +335,7 @@ def test_two_processes_write_their_own_shards_resume_on_another_mesh_and_one_rea
         ),
         want,
     )
-    params, opt_state, _ = ckpt.restore(path, like["params"], like["opt_state"])
+    params, opt_state, _, _ = ckpt.restore(path, like["params"], like["opt_state"])
     assert params["W"].sharding.spec == P("x")
     want = (want["params"], want["opt_state"])
     for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves(want), strict=True):

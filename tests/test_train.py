@@ -322,7 +322,7 @@ def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
-        p_leaves, o_leaves, metrics = st.run(p_leaves, o_leaves, prep.X, prep.Y, idx)
+        p_leaves, o_leaves, _, metrics = st.run(p_leaves, o_leaves, [], prep.X, prep.Y, idx)
         params = jax.tree.unflatten(jax.tree.structure(prep.params0), st.get_state(p_leaves))
         evaluated = prep.evaluate(
             jax.device_put(params, prep.eval_device), prep.X_test, prep.Y_test

@@ -52,6 +52,7 @@ class Run:
     run_dir: Path
     params: nl.ParamsDict | None = None  # final params (host numpy leaves)
     opt_state: Any = None  # final optimizer state (host numpy leaves)
+    state: nl.ParamsDict | None = None  # a stateful model's final state (None: stateless)
     step: int = 0
     summary: dict = field(default_factory=dict)
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
@@ -109,6 +110,7 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
+        strategy.plan(model, optimizer)  # where each leaf goes (shapes only)
         memory.check_fits(cfg, model, optimizer, data, strategy)  # traces init and the loss
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
@@ -224,10 +226,14 @@ def _fits(key: str, given: Any, value: Any) -> bool:
     return tuple(given) == tuple(value) if isinstance(value, tuple) else given == value
 
 
-def make_stepper(r: Run, p_def, o_def, nonfinite: str) -> Stepper:
-    """The compiled train step that ``r.cfg`` describes (strategy, grad mode, accumulation)."""
+def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
+    """The compiled train step that ``r.cfg`` describes (strategy, grad mode, accumulation);
+    ``s_def``: the structure of a stateful model's state (None: stateless)."""
     cfg = r.cfg
-    grads_fn = batch_grads_fn(r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
+    try:
+        grads_fn = batch_grads_fn(r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
+    except contract.ModelError as e:
+        raise ConfigError(f"model.name={cfg.model.name}: {e}") from None
     return build_stepper(
         grads_fn,
         r.optimizer,
@@ -238,6 +244,7 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str) -> Stepper:
         window=r.data.window,
         key_seed=cfg.seed if uses_key(r.model) else None,
         streamed=r.data.streamed,
+        state_def=s_def,
     )
 
 
@@ -253,20 +260,29 @@ def init_state(model, optimizer, key):
 INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
-def init_program(model, optimizer):
+def init_program(model, optimizer, out_shardings=None):
     """``init_state`` as one jitted program, ``seed -> (params, opt_state)`` with the key
     ``jax.random.key(seed)``. Run eagerly, each random/initializer op (the key's creation
-    too) compiles a tiny XLA program of its own (2.5 s in all for the digits MLP, vs 0.1 s)."""
+    too) compiles a tiny XLA program of its own (2.5 s in all for the digits MLP, vs 0.1 s).
+    ``out_shardings``: ``(params, opt_state)`` trees of shardings (a sharded strategy's
+    ``init_shardings``): each device computes only its own shards."""
 
     def init(seed):
         return init_state(model, optimizer, jax.random.key(seed))
 
-    return jax.jit(init, compiler_options=INIT_COMPILER_OPTIONS)
+    return jax.jit(init, out_shardings=out_shardings, compiler_options=INIT_COMPILER_OPTIONS)
 
 
 def init_state_compiled(model, optimizer, seed: int):
     """``init_state`` for ``jax.random.key(seed)``, run as one compiled program."""
     return init_program(model, optimizer)(seed)
+
+
+def model_state_program(model):
+    """A stateful model's ``init_state`` as one jitted program (None: stateless)."""
+    if not contract.is_stateful(model):
+        return None
+    return jax.jit(model.init_state, compiler_options=INIT_COMPILER_OPTIONS)
 
 
 @dataclass
@@ -284,6 +300,7 @@ class Prepared:
     X_test: Any  # the test split, on eval_device (streamed: None, read a chunk at a time)
     Y_test: Any
     eval_device: jax.Device
+    state0: nl.ParamsDict | None = None  # a stateful model's initial state (host copy)
 
     @property
     def p_def(self):
@@ -292,6 +309,10 @@ class Prepared:
     @property
     def o_def(self):
         return jax.tree.structure(self.opt0)
+
+    @property
+    def s_def(self):
+        return jax.tree.structure(self.state0)
 
 
 def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
@@ -302,6 +323,8 @@ def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     except nl.ManualGradError as e:
         asked = r.grad.describe() if r.grad else r.cfg.loss.grad
         raise ConfigError(f"loss.grad={asked}: {e} (in the trainer: loss.grad=autodiff)") from None
+    except contract.ModelError as e:  # a stateful model's state that breaks the contract
+        raise ConfigError(f"model.name={r.cfg.model.name}: {e}") from None
 
 
 def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
@@ -318,50 +341,40 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     """
     cfg = r.cfg
     seed = np.int32(cfg.seed)
-    init = init_program(r.model, r.optimizer).trace(seed)
+    init_shardings = r.strategy.init_shardings()
+    init = init_program(r.model, r.optimizer, init_shardings).trace(seed)
     p_avals, o_avals = init.out_info
     p_def, o_def = jax.tree.structure(p_avals), jax.tree.structure(o_avals)
-    stepper = make_stepper(r, p_def, o_def, nonfinite)
+    state_init = model_state_program(r.model)
+    s_avals = None if state_init is None else jax.eval_shape(state_init)
+    stepper = make_stepper(r, p_def, o_def, nonfinite, jax.tree.structure(s_avals))
     eval_dev = r.strategy.eval_device
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
-    first_batch = None
-    if r.data.streamed:  # batches come from the host (train/feed.py): nothing placed whole
-        from .feed import eval_chunk
-
-        X = Y = ()
-        first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)
-        X_test = Y_test = None
-        chunk = eval_chunk(r.data)
-        evaluate = build_chunk_eval(r.model)
-        eval_args = [
-            jax.ShapeDtypeStruct((chunk, *a.shape[1:]), batch_dtype(a), sharding=on_eval_dev)
-            for a in (r.data.x_test, r.data.y_test)
-        ] + [jax.ShapeDtypeStruct((), np.int32, sharding=on_eval_dev)]
-    else:
-        X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
-        X_test, Y_test = (
-            jax.device_put(r.data.x_test, eval_dev),
-            jax.device_put(r.data.y_test, eval_dev),
-        )
-        chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
-        if r.data.window is not None:
-            chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
-        evaluate = build_split_eval(r.model, chunk)
-        eval_args = [X_test, Y_test]
-    eval_params = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), p_avals
+    eval_params, eval_state = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)
     )
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="nnlite-compile") as pool:
         jobs = []
         p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
         if p_abs is not None:  # pmap compiles on its first call
             o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
+            s_abs = stepper.abstract_state(jax.tree.leaves(s_avals))
             batch = first_batch if r.data.streamed else stepper.put_indices(first_indices, 0)
-            jobs.append(compile_async(pool, stepper.run, p_abs, o_abs, X, Y, batch))
+            jobs.append(compile_async(pool, stepper.compiled, p_abs, (o_abs, s_abs), X, Y, batch))
         init_job = compile_async(pool, init)
-        jobs.append(compile_async(pool, evaluate, eval_params, *eval_args))
+        state_args = () if s_avals is None else (eval_state,)
+        jobs.append(compile_async(pool, evaluate, eval_params, *eval_args, *state_args))
         # Host copies: the step donates its inputs, and these are needed again (resume, replay).
-        params0, opt0 = jax.device_get(init_job.result()(seed))
+        state = init_job.result()(seed)
+        if init_shardings is not None:  # created sharded: the strategy gathers the shards
+            state = [
+                jax.tree.unflatten(
+                    d, [np.asarray(v) for v in r.strategy.get_state(jax.tree.leaves(s))]
+                )
+                for d, s in zip((p_def, o_def), state, strict=True)
+            ]
+        params0, opt0 = jax.device_get(state)
+        state0 = None if state_init is None else jax.device_get(state_init())
         for job in jobs:
             job.result()  # the first calls must find them compiled, not compile them again
-    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev)
+    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0)

@@ -11,8 +11,9 @@ strings) and its checks.
 
 A checkpoint is ``nl.save(path, {"params": params, "opt_state": opt_state})``: keys
 ``params/<path>`` and ``opt_state<path>`` (``params/ffn/layers[0]/W``,
-``opt_state[0]/mu/head/b``). For inference, ``nl.load(path, subtree="params")`` gives the
-params as a ParamsDict, and ``like=model.init(key)`` with it restores them checked.
+``opt_state[0]/mu/head/b``); a stateful model's state adds ``state/<path>``
+(``state/blocks[0]/bn1/mean``). For inference, ``nl.load(path, subtree="params")`` gives
+the params as a ParamsDict, and ``like=model.init(key)`` with it restores them checked.
 
 A sharded checkpoint holds the same keys, split into shards (see ``nnlite/core/_sharded.py``):
 written under ``ckpt_<step>.shards.tmp`` with the index last, then renamed. ``nl.load``
@@ -56,22 +57,36 @@ def flatten_with_paths(prefix: str, tree: Any) -> dict[str, Any]:
     return {prefix + nl.format_path(path): leaf for path, leaf in leaves}
 
 
-def _tree(params: Any, opt_state: Any) -> OrderedDict:
+def _tree(params: Any, opt_state: Any, state: Any = None) -> OrderedDict:
     """The tree a checkpoint holds; ordered (JAX sorts a dict's keys), so that a mismatch
-    names a path of the params before one of the optimizer state derived from them."""
-    return OrderedDict(params=params, opt_state=opt_state)
+    names a path of the params before one of the optimizer state derived from them. A
+    stateless model's has no ``state`` entry (its files are as they were before state)."""
+    tree = OrderedDict(params=params, opt_state=opt_state)
+    if state is not None:
+        tree["state"] = state
+    return tree
 
 
 def save(
-    ckpt_dir: Path, step: int, params: Any, opt_state: Any, metadata: dict[str, Any], keep: int
+    ckpt_dir: Path,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    metadata: dict[str, Any],
+    keep: int,
+    *,
+    state: Any = None,
 ) -> Path:
     """Write ``ckpt_<step>.safetensors`` atomically (``nl.save``), keep the newest ``keep``.
 
-    ``metadata`` values that are not strings are stored as JSON."""
+    ``metadata`` values that are not strings are stored as JSON; ``state``: a stateful
+    model's state (None: stateless)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(step)}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
-    final = nl.save(path_of(ckpt_dir, step, sharded=False), _tree(params, opt_state), metadata=meta)
+    final = nl.save(
+        path_of(ckpt_dir, step, sharded=False), _tree(params, opt_state, state), metadata=meta
+    )
     _keep_newest(ckpt_dir, final, keep)
     return final
 
@@ -84,18 +99,21 @@ def save_sharded(
     metadata: dict[str, Any],
     keep: int,
     barrier=None,
+    *,
+    state: Any = None,
 ) -> Path:
     """Write ``ckpt_<step>.shards`` (``nl.save_sharded``): every process calls this with its
     placed, sharded state and writes the shards its devices hold; process 0 writes the
     index (the metadata) last, renames the directory and keeps the newest ``keep``.
 
-    ``barrier``: ``train.distributed.barrier`` (bounded waits) with several processes."""
+    ``barrier``: ``train.distributed.barrier`` (bounded waits) with several processes;
+    ``state``: a stateful model's (placed) state, None for a stateless model."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(step)}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
     final = nl.save_sharded(
         path_of(ckpt_dir, step, sharded=True),
-        _tree(params, opt_state),
+        _tree(params, opt_state, state),
         metadata=meta,
         barrier=barrier,
     )
@@ -157,11 +175,15 @@ def read_metadata(path: Path) -> dict[str, str]:
         raise ConfigError(str(e)) from None
 
 
-def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, Any, dict[str, str]]:
-    """Load ``path`` into the structure of the templates (arrays or ``jax.ShapeDtypeStruct``s;
-    a template with a sharding is placed on it part by part: a restore onto another mesh);
-    a mismatch names the first differing path. Raises ConfigError for a checkpoint that
-    cannot be resumed (unreadable, another structure, bad metadata, non-finite values).
+def restore(
+    path: Path, params_template: Any, opt_template: Any, state_template: Any = None
+) -> tuple[Any, Any, Any, dict[str, str]]:
+    """``(params, opt_state, state, metadata)``: ``path`` loaded into the structure of the
+    templates (arrays or ``jax.ShapeDtypeStruct``s; a template with a sharding is placed on
+    it part by part: a restore onto another mesh; ``state_template`` None for a stateless
+    model, whose state is then None); a mismatch names the first differing path. Raises
+    ConfigError for a checkpoint that cannot be resumed (unreadable, another structure,
+    bad metadata, non-finite values).
 
     With several processes and templates sharded over all of them, every process calls it
     (the check for non-finite values is a computation over the placed arrays)."""
@@ -171,11 +193,12 @@ def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, A
             f"checkpoint {path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION!r}"
         )
     _check_metadata(path, meta)
-    state = _load(path, _tree(params_template, opt_template))
+    state = _load(path, _tree(params_template, opt_template, state_template))
     bad = _first_nonfinite(
         {
             **flatten_with_paths("params", state["params"]),
             **flatten_with_paths("opt_state", state["opt_state"]),
+            **flatten_with_paths("state", state.get("state")),
         }
     )
     if bad is not None:
@@ -183,7 +206,7 @@ def restore(path: Path, params_template: Any, opt_template: Any) -> tuple[Any, A
             f"checkpoint {path}: {bad!r} holds non-finite values, so it cannot be resumed; "
             "delete it to resume from an older checkpoint, or use --fresh"
         )
-    return state["params"], state["opt_state"], meta
+    return state["params"], state["opt_state"], state.get("state"), meta
 
 
 def _load(path: Path, like: Any, subtree: str | None = None) -> Any:
@@ -236,3 +259,78 @@ def load_params(path: Path, params_template: Any) -> Any:
     """Only the params of checkpoint ``path``, in the structure of ``params_template``
     (arrays or ``jax.ShapeDtypeStruct``s): what inference needs (no optimizer state)."""
     return _load(path, params_template, subtree="params")
+
+
+def load_state(path: Path, state_template: Any) -> Any:
+    """Only a stateful model's state (running statistics) of checkpoint ``path``."""
+    return _load(path, state_template, subtree="state")
+
+
+# --- a checkpoint of the model's other params layout ------------------------------------------
+# A model may hold the same parameters in two layouts (the GPT's blocks as a list, or stacked
+# for ``scan_layers``). Such a model has ``other_layout()`` (the same model in the other
+# layout) and ``convert_params(params)`` (params of either layout in its own); a checkpoint
+# that does not fit the model's template is then tried in the other layout and converted:
+# the params, and each subtree of the optimizer state shaped like them (Adam's moments).
+
+
+def _convert_like(tree: Any, like: Any, fn: Any) -> Any:
+    """``tree`` with every subtree of ``like``'s structure replaced by ``fn(subtree)``."""
+    struct = jax.tree.structure(like)
+
+    def match(t):
+        return jax.tree.structure(t) == struct
+
+    return jax.tree.map(lambda t: fn(t) if match(t) else t, tree, is_leaf=match)
+
+
+def _other_layout(model: Any, params_template: Any):
+    """``(the model in its other layout, that layout's params template)``, or None for a
+    model with one layout."""
+    other_of = getattr(model, "other_layout", None)
+    if other_of is None or not hasattr(model, "convert_params"):
+        return None
+    other = other_of()
+    alt = jax.eval_shape(other.convert_params, params_template)
+    return other, alt
+
+
+def restore_model(
+    model: Any, path: Path, params_template: Any, opt_template: Any, state_template: Any = None
+):
+    """``restore`` for ``model``, also from a checkpoint of its other params layout
+    (converted, on the default device: the caller places it); otherwise the error names
+    the first path that differs from this layout."""
+    try:
+        return restore(path, params_template, opt_template, state_template)
+    except ConfigError:
+        found = _other_layout(model, params_template)
+        if found is None:
+            raise
+        other, alt = found
+        alt_opt = jax.eval_shape(
+            lambda o: _convert_like(o, params_template, other.convert_params), opt_template
+        )
+        try:
+            params, opt_state, state, meta = restore(path, alt, alt_opt, state_template)
+        except ConfigError:
+            pass
+        else:
+            back = model.convert_params
+            return back(params), _convert_like(opt_state, alt, back), state, meta
+    return restore(path, params_template, opt_template, state_template)  # this layout's error
+
+
+def load_model_params(model: Any, path: Path, params_template: Any) -> Any:
+    """``load_params`` for ``model``, also from a checkpoint of its other params layout."""
+    try:
+        return load_params(path, params_template)
+    except ConfigError:
+        found = _other_layout(model, params_template)
+        if found is None:
+            raise
+        try:
+            return model.convert_params(load_params(path, found[1]))
+        except ConfigError:
+            pass
+    return load_params(path, params_template)

@@ -145,8 +145,16 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    strategy: str = choice("none", STRATEGIES)  # data parallelism
+    # none (one device), pmap / shard_map (data parallel), tensor (jit over a 2-D mesh,
+    # params replicated over its data axis), fsdp (params and optimizer state sharded too)
+    strategy: str = choice("none", STRATEGIES)
     devices: int | str = "all"  # per process: "all" local devices or a count
+    # devices per tensor-parallel group (the mesh's "model" axis, Megatron layout); the
+    # other devices / tensor form the data axis. > 1 needs strategy tensor or fsdp.
+    tensor: int = 1
+    # fsdp: params smaller than this many bytes stay whole on every device (their
+    # all-gather would cost more time than they save memory)
+    fsdp_min_bytes: int = 16384
 
 
 @dataclass(frozen=True)
@@ -452,6 +460,10 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
     d = cfg.parallel.devices
     if isinstance(d, str) and d != "all" or isinstance(d, int) and d < 1:
         raise bad("parallel.devices", f"must be 'all' or a positive int, got {d!r}")
+    if cfg.parallel.tensor < 1:
+        raise bad("parallel.tensor", f"must be a positive int, got {cfg.parallel.tensor}")
+    if cfg.parallel.fsdp_min_bytes < 0:
+        raise bad("parallel.fsdp_min_bytes", f"must be >= 0, got {cfg.parallel.fsdp_min_bytes}")
     dc = cfg.distributed
     if dc.num_processes is not None and dc.num_processes < 1:
         raise bad("distributed.num_processes", f"must be >= 1, got {dc.num_processes}")

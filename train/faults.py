@@ -113,7 +113,7 @@ class PreemptionWatch:
         return False
 
 
-def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y) -> str | None:
+def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y, state=None) -> str | None:
     """Name the first non-finite value of one step: ``loss``, ``grads/<path>``, ``params/<path>``.
 
     Runs the step once more on one device on the host's copy of the state before the bad
@@ -126,13 +126,15 @@ def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y) -> str | None:
 
     import nnlite as nl
 
+    kw = {} if state is None else {"state": state}  # a stateful model's, in train mode
+
     @jax.jit
-    def step(params, opt_state, x, y):
-        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y)
+    def step(params, opt_state, x, y, kw):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x, y, **kw)[0])(params)
         updates, _ = optimizer.update(grads, opt_state, params)
         return loss, grads, optax.apply_updates(params, updates)
 
-    loss, grads, new_params = jax.device_get(step(params, opt_state, x, y))
+    loss, grads, new_params = jax.device_get(step(params, opt_state, x, y, kw))
     if not np.isfinite(loss):
         return "loss"
     for prefix, tree in (("grads", grads), ("params", new_params)):
@@ -143,7 +145,7 @@ def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y) -> str | None:
 
 
 def explain_nonfinite(
-    r, sampler, checker, loss_fn, params0, opt0, flagged, good_step, good_ckpt
+    r, sampler, checker, loss_fn, params0, opt0, flagged, good_step, good_ckpt, state0=None
 ) -> str:
     """The message for a run stopped at step ``flagged``: replay from the last good state
     with ``checker`` (a stepper whose flag covers the new params as well as the loss), find
@@ -151,7 +153,8 @@ def explain_nonfinite(
     name the first non-finite value that step produces.
 
     ``r`` is the ``train.build.Run``; ``params0``/``opt0`` the initial state (the replay's
-    start when no checkpoint was written); ``good_ckpt`` the checkpoint at ``good_step``.
+    start when no checkpoint was written); ``good_ckpt`` the checkpoint at ``good_step``;
+    ``state0`` a stateful model's initial state (None: stateless).
     """
     import jax
     import numpy as np
@@ -162,11 +165,12 @@ def explain_nonfinite(
     from .step import step_flags
 
     p_host, o_host = jax.tree.leaves(params0), jax.tree.leaves(opt0)
+    s_host = jax.tree.leaves(state0)
     if good_step > 0:  # process 0 wrote (or resumed from) a checkpoint at good_step
         if dist.is_main():
-            saved = load_checkpoint(r.cfg, good_ckpt, params0, opt0)
-            p_host, o_host = saved.p_leaves, saved.o_leaves
-        p_host, o_host = dist.broadcast((p_host, o_host))
+            saved = load_checkpoint(r.cfg, good_ckpt, params0, opt0, r.grad_mode, state0=state0)
+            p_host, o_host, s_host = saved.p_leaves, saved.o_leaves, saved.s_leaves
+        p_host, o_host, s_host = dist.broadcast((p_host, o_host, s_host))
     if checker.streamed:
         from .feed import call_batch
 
@@ -176,24 +180,27 @@ def explain_nonfinite(
 
     def replay(upto: int):
         """State after steps good_step..upto-1, and the first flagged step on the way."""
-        p, o = checker.put_state(p_host), checker.put_state(o_host)
+        p, o, st = checker.put_state(p_host), checker.put_state(o_host), checker.put_state(s_host)
         for s in range(good_step, upto):
             if checker.streamed:
                 batch = checker.put_batch(*call_batch(r.data, sampler, s, 1), s)
             else:
                 batch = checker.put_indices(dist.process_share(sampler.batches(s, 1)), s)
-            p, o, m = checker.run(p, o, X, Y, batch)
+            p, o, st, m = checker.run(p, o, st, X, Y, batch)
             if step_flags(m).any():
-                return p, o, s + 1
-        return p, o, None
+                return p, o, st, s + 1
+        return p, o, st, None
 
-    bad = replay(flagged)[2] or flagged
-    p_leaves, o_leaves, _ = replay(bad - 1)
+    bad = replay(flagged)[3] or flagged
+    p_leaves, o_leaves, s_leaves, _ = replay(bad - 1)
     p_def, o_def = jax.tree.structure(params0), jax.tree.structure(opt0)
     params = jax.tree.unflatten(p_def, [np.asarray(v) for v in checker.get_state(p_leaves)])
     opt_state = jax.tree.unflatten(o_def, [np.asarray(v) for v in checker.get_state(o_leaves)])
+    state = jax.tree.unflatten(
+        jax.tree.structure(state0), [np.asarray(v) for v in checker.get_state(s_leaves)]
+    )
     x, y = host_batch(r.data, sampler.batch(bad - 1))
-    what = first_nonfinite(loss_fn, r.optimizer, params, opt_state, x, y)
+    what = first_nonfinite(loss_fn, r.optimizer, params, opt_state, x, y, state)
     where = f"first in {what}" if what else "not reproducible on one device to name the leaf"
     kept = (
         f"the last good checkpoint is {good_ckpt} (step {good_step})"

@@ -86,9 +86,10 @@ def eval_chunk(data: Dataset) -> int:
     return max(1, min(n, EVAL_CHUNK_BYTES // row))
 
 
-def evaluate(sums: Callable, params, data: Dataset, chunk: int, device) -> dict:
+def evaluate(sums: Callable, params, data: Dataset, chunk: int, device, *state) -> dict:
     """Means of the model's per-example loss and metrics over ``data``'s held-out split,
-    ``chunk`` rows at a time on ``device`` (``sums``: ``train.step.build_chunk_eval``)."""
+    ``chunk`` rows at a time on ``device`` (``sums``: ``train.step.build_chunk_eval``;
+    ``state``: a stateful model's, in eval mode)."""
     n = len(data.x_test)
 
     def load(i):
@@ -103,7 +104,7 @@ def evaluate(sums: Callable, params, data: Dataset, chunk: int, device) -> dict:
     count = 0
     with Prefetcher(load, range(0, n, chunk), depth=DEPTH, name="nnlite-eval") as chunks:
         for x, y, valid in chunks:
-            values, c = sums(params, x, y, valid)
+            values, c = sums(params, x, y, valid, *state)
             for k, v in values.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
             count += int(c)

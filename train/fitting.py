@@ -29,7 +29,8 @@ def fit(
     echo: Callable[[str], None] = print,
 ):
     """Train ``model`` per ``config`` exactly as the CLI does; return the ``train.build.Run``
-    (``params``, ``opt_state``, ``summary`` of final metrics, ``run_dir``, ``cfg``).
+    (``params``, ``opt_state``, a stateful model's ``state``, ``summary`` of final metrics,
+    ``run_dir``, ``cfg``).
 
     Args:
         model: an ``nl.Module`` instance (its fields are the model section; those left

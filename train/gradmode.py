@@ -58,11 +58,15 @@ def resolve_auto(model, x, y) -> GradMode:
         return GradMode(AUTO, "autodiff")
     params = jax.eval_shape(model.init, jax.random.key(0))
     objective = contract.objective_fn(model, "manual")
-    if contract.uses_key(model):
-        key = jax.eval_shape(jax.random.key, 0)
-        fn, args = (lambda p, x, y, key: objective(p, x, y, key=key)), (x, y, key)
-    else:
-        fn, args = (lambda p, x, y: objective(p, x, y)), (x, y)
+    key = jax.eval_shape(jax.random.key, 0) if contract.uses_key(model) else None
+    # a stateful model's state is an argument beside the params, never differentiated
+    state = jax.eval_shape(model.init_state) if contract.is_stateful(model) else None
+
+    def fn(p, x, y, key, state):
+        kw = {} if key is None else {"key": key}
+        return objective(p, x, y, **kw, **({} if state is None else {"state": state}))
+
+    args = (x, y, key, state)
     try:
         nl.check_manual(fn, params, *args)
     except nl.ManualGradError as e:

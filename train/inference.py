@@ -22,7 +22,7 @@ import numpy as np
 
 import models
 import nnlite as nl
-from models.contract import Model
+from models.contract import Model, call_stateful, is_stateful
 
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, ModelConfig, load_config
@@ -42,13 +42,15 @@ class LoadedRun:
     opt_state: Any = None  # the optimizer state (None unless asked for)
     vocab: str | None = None  # text runs: the characters, in id order
     metadata: dict = field(default_factory=dict)  # the checkpoint's metadata
+    state: nl.ParamsDict | None = None  # a stateful model's state (running statistics)
     # runs on prepared tokens (data.name: tokens): their tokenizer (train/tokenizer.py)
     tokenizer: Any = None
 
     def predict(self, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
         """The model's outputs for inputs ``x`` (logits for a classifier, predictions for
-        a regression), computed ``batch_size`` rows at a time; no dropout."""
-        return predict(self.model, self.params, x, batch_size)
+        a regression), computed ``batch_size`` rows at a time; no dropout, and a stateful
+        model in eval mode (BatchNorm with its running statistics)."""
+        return predict(self.model, self.params, x, batch_size, state=self.state)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` in the run's vocabulary (a ConfigError names characters
@@ -83,7 +85,14 @@ class LoadedRun:
         """``prompt`` continued by ``n_tokens`` sampled tokens (the prompt included)."""
         ids = self.encode(prompt)
         out = generate(
-            self.model, self.params, ids, n_tokens, jax.random.key(seed), temperature, top_k
+            self.model,
+            self.params,
+            ids,
+            n_tokens,
+            jax.random.key(seed),
+            temperature,
+            top_k,
+            state=self.state,
         )
         return self.decode(out)
 
@@ -91,8 +100,9 @@ class LoadedRun:
 def load_run(
     run_dir: str | Path, *, checkpoint: str | Path | None = None, with_opt_state: bool = False
 ) -> LoadedRun:
-    """The model, params (and optimizer state), config and vocabulary of a training run,
-    from its ``config.yaml`` and its newest checkpoint (or ``checkpoint``).
+    """The model, params (and optimizer state), a stateful model's state, config and
+    vocabulary of a training run, from its ``config.yaml`` and its newest checkpoint (or
+    ``checkpoint``).
 
     A user's model class is imported as the run names it (``module:Class``): from the
     directory its module was in when the run trained, the current directory, or
@@ -116,14 +126,17 @@ def load_run(
     cfg = load_config(cfg_path)
     model = model_of(cfg.model)
     template = jax.eval_shape(model.init, jax.random.key(0))
-    opt_state = None
+    s_template = jax.eval_shape(model.init_state) if is_stateful(model) else None
+    opt_state = state = None
     if with_opt_state:
         optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
-        params, opt_state, _ = ckpt.restore(
-            checkpoint, template, jax.eval_shape(optimizer.init, template)
+        params, opt_state, state, _ = ckpt.restore_model(
+            model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
         )
     else:
-        params = ckpt.load_params(checkpoint, template)
+        params = ckpt.load_model_params(model, checkpoint, template)
+        if s_template is not None:
+            state = ckpt.load_state(checkpoint, s_template)
     vocab = None
     if "vocab" in meta:
         try:
@@ -146,7 +159,7 @@ def load_run(
             ) from None
     step = int(meta.get("step", ckpt.step_of(checkpoint)))
     return LoadedRun(
-        run_dir, cfg, model, params, step, checkpoint, opt_state, vocab, meta, tokenizer
+        run_dir, cfg, model, params, step, checkpoint, opt_state, vocab, meta, state, tokenizer
     )
 
 
@@ -187,16 +200,20 @@ def _add_model_source(meta: dict) -> None:
         sys.path.append(source)
 
 
-def predict(model: Model, params, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
-    """``model(params, x)`` in batches of ``batch_size`` rows, as one numpy array."""
+def predict(
+    model: Model, params, x: np.ndarray, batch_size: int = 1024, *, state=None
+) -> np.ndarray:
+    """``model(params, x)`` in batches of ``batch_size`` rows, as one numpy array (a
+    stateful model: ``model(params, x, state=state)[0]``, eval mode)."""
     x = np.asarray(x)
     if len(x) == 0:
         raise ConfigError("no examples to predict (x is empty)")
     apply = _apply(model)
+    state_args = _state_args(model, state)
     outs = []
     for i in range(0, len(x), batch_size):
         try:
-            outs.append(np.asarray(apply(params, jnp.asarray(x[i : i + batch_size]))))
+            outs.append(np.asarray(apply(params, jnp.asarray(x[i : i + batch_size]), *state_args)))
         except (TypeError, ValueError) as e:  # a shape the model refuses, named by the layer
             raise ConfigError(str(e).splitlines()[0]) from None
     return np.concatenate(outs)
@@ -206,7 +223,26 @@ def predict(model: Model, params, x: np.ndarray, batch_size: int = 1024) -> np.n
 def _apply(model: Model):
     """The jitted inference call of ``model`` (models are hashable: one per model, so
     predicting again, or in batches, compiles nothing new)."""
+    if is_stateful(model):
+        return jax.jit(lambda params, x, state: eval_call(model, params, x, state))
     return jax.jit(lambda params, x: model(params, x))
+
+
+def eval_call(model: Model, params, x, state):
+    """A stateful model's output in eval mode (its running statistics)."""
+    return call_stateful(model, params, x, state, train=False)[0]
+
+
+def _state_args(model: Model, state) -> tuple:
+    """``(state,)`` for a stateful model (which needs it), ``()`` for a stateless one."""
+    if not is_stateful(model):
+        return ()
+    if state is None:
+        raise ConfigError(
+            f"{type(model).__name__} is stateful (it defines init_state): predicting needs "
+            "its state, e.g. train.load_run(dir).state"
+        )
+    return (state,)
 
 
 def generate(
@@ -217,13 +253,16 @@ def generate(
     key: jax.Array,
     temperature: float = 1.0,
     top_k: int | None = None,
+    *,
+    state=None,
 ) -> np.ndarray:
     """``prompt`` ids followed by ``n_tokens`` sampled ones, from a language model.
 
     A model with its own ``generate(params, prompt [1, T], n_tokens, key, temperature,
     top_k)`` (the GPT's key/value cache) runs that; any other causal language model runs
     :func:`generate_by_windows`: one compiled loop over a fixed ``context``-long window.
-    ``temperature=0`` is greedy; ``top_k`` samples among the k most likely.
+    ``temperature=0`` is greedy; ``top_k`` samples among the k most likely. A stateful
+    model generates in eval mode with ``state`` (by windows).
     """
     if getattr(model, "task", None) != "language_model":
         raise ConfigError(f"{type(model).__name__} is not a language model; it cannot generate")
@@ -235,14 +274,29 @@ def generate(
         raise ConfigError(
             f"the prompt is {ids.shape[1]} tokens, longer than the model's context of {context}"
         )
-    run = generator(model)
+    run = generator(model, state)
     return np.asarray(run(params, jnp.asarray(ids), n_tokens, key, temperature, top_k))[0]
 
 
-def generator(model: Model):
+class _Bound:
+    """A stateful language model seen as a stateless one: ``(params, x) -> logits`` in eval
+    mode with a fixed state (what :func:`generate_by_windows` calls)."""
+
+    def __init__(self, model, call):
+        self.context, self._call = model.context, call
+
+    def __call__(self, params, x):
+        return self._call(params, x)
+
+
+def generator(model: Model, state=None):
     """The jitted ``(params, prompt [1, T], n_tokens, key, temperature, top_k) -> ids``
     of a language model: its own ``generate`` if it has one, else
-    :func:`generate_by_windows` (``n_tokens`` and ``top_k`` are static)."""
+    :func:`generate_by_windows` (``n_tokens`` and ``top_k`` are static). A stateful
+    model generates by windows in eval mode with ``state`` (closed over)."""
+    if _state_args(model, state):
+        bound = _Bound(model, functools.partial(eval_call, model, state=state))
+        return jax.jit(lambda p, *a: generate_by_windows(bound, p, *a), static_argnums=(2, 5))
     fn = getattr(model, "generate", None)
     if fn is None:
         fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731

@@ -116,6 +116,7 @@ class _Loop:
     step: int  # steps done
     p_leaves: list  # params and optimizer state, placed for the stepper
     o_leaves: list
+    s_leaves: list  # a stateful model's state, placed ([] for a stateless model)
     skipped: int  # non-finite steps skipped (train.nonfinite=skip)
     good_step: int  # the last state known finite and saved (or the initial state)
     good_ckpt: Path | None
@@ -149,12 +150,20 @@ class _Loop:
         timings.lap("compile")
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
         begin = agree_on_start(
-            cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0, r.strategy, r.grad_mode
+            cfg,
+            resume,
+            r.run_dir / "checkpoints",
+            prep.params0,
+            prep.opt0,
+            r.strategy,
+            r.grad_mode,
+            prep.state0,
         )
         start = begin.step
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
-        echo(report.banner(r, prep.params0.num_params(), start))
+        state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
+        echo(report.banner(r, prep.params0.num_params(), start, state_bytes))
         put = prep.stepper.put_state
         loop = cls(
             r,
@@ -164,6 +173,7 @@ class _Loop:
             step=start,
             p_leaves=put(begin.p_leaves),
             o_leaves=put(begin.o_leaves),
+            s_leaves=put(begin.s_leaves),
             skipped=begin.skipped,
             good_step=start,
             good_ckpt=begin.checkpoint,
@@ -211,8 +221,8 @@ class _Loop:
             stuck = faults.StuckCall()
             self.watchdog.watch(self.step, stuck)
             stuck.block_until_ready()  # as at any sync point: never returns
-        self.p_leaves, self.o_leaves, self.metrics = stepper.run(
-            self.p_leaves, self.o_leaves, self.prep.X, self.prep.Y, batch
+        self.p_leaves, self.o_leaves, self.s_leaves, self.metrics = stepper.run(
+            self.p_leaves, self.o_leaves, self.s_leaves, self.prep.X, self.prep.Y, batch
         )
         self.watchdog.watch(self.step, self.metrics)
         # Several processes on CPU (gloo): every local device's part of a call runs on a
@@ -282,20 +292,23 @@ class _Loop:
     def evaluate(self) -> None:
         """Metrics on the whole held-out split (process 0): a "test" record, or "val" for
         text (its fixed set of validation windows)."""
-        if not dist.is_main():
-            return
         prep = self.prep
         jax.block_until_ready(self.p_leaves)  # the training so far is charged to "train"
         self.timings.lap("train")
-        params = jax.tree.unflatten(
-            prep.p_def, jax.device_put(prep.stepper.get_state(self.p_leaves), prep.eval_device)
-        )
+        # Every process takes part in gathering a state sharded across processes (fsdp: a
+        # collective); process 0 alone evaluates.
+        leaves = prep.stepper.get_state(self.p_leaves)
+        state = [] if prep.state0 is None else [self.model_state(prep.eval_device)]
+        if not dist.is_main():
+            return
+        params = jax.tree.unflatten(prep.p_def, jax.device_put(leaves, prep.eval_device))
         if self.r.data.streamed:  # a chunk at a time from the host
+            chunk = feed.eval_chunk(self.r.data)
             result = feed.evaluate(
-                prep.evaluate, params, self.r.data, feed.eval_chunk(self.r.data), prep.eval_device
+                prep.evaluate, params, self.r.data, chunk, prep.eval_device, *state
             )
         else:
-            result = prep.evaluate(params, prep.X_test, prep.Y_test)
+            result = prep.evaluate(params, prep.X_test, prep.Y_test, *state)
         self.last_eval = {k: float(v) for k, v in result.items()}
         self._write(
             {
@@ -326,6 +339,7 @@ class _Loop:
                 *state,
                 self._metadata() | {"log_window": json.dumps(self.means.state())},
                 cfg.checkpoint.keep,
+                state=self.model_state(),
             )
         self.timings.lap("checkpoint")
 
@@ -345,6 +359,7 @@ class _Loop:
             self._metadata() | {"log_window": json.dumps(self.means.state())},
             cfg.checkpoint.keep,
             barrier=dist.barrier,
+            state=None if prep.state0 is None else jax.tree.unflatten(prep.s_def, self.s_leaves),
         )
         self.timings.lap("checkpoint")
 
@@ -353,6 +368,7 @@ class _Loop:
         r = self.r
         self.close()
         r.params, r.opt_state = self.host_state()
+        r.state = self.model_state()
         r.step = self.step
         records = [rec for _, rec in rundir.read_metrics(r.run_dir / "metrics.jsonl")]
         final = next((rec for rec in reversed(records) if rec.get("split") == "test"), {})
@@ -374,6 +390,7 @@ class _Loop:
         wall = time.perf_counter() - self.t_start
         self.timings.lap("train")
         r.params, r.opt_state = self.host_state()
+        r.state = self.model_state()
         r.step = self.step
         split, window = r.data.eval_split, r.data.window
         rate = (self.step - self.start_step) * tc.batch_size / max(wall, 1e-9)
@@ -410,9 +427,20 @@ class _Loop:
             jax.tree.unflatten(prep.o_def, [np.asarray(v) for v in get(self.o_leaves)]),
         )
 
+    def model_state(self, device=None):
+        """A stateful model's state as host numpy leaves in its tree (on ``device`` if
+        given), or None for a stateless model."""
+        prep = self.prep
+        if prep.state0 is None:
+            return None
+        leaves = [np.asarray(v) for v in prep.stepper.get_state(self.s_leaves)]
+        if device is not None:
+            leaves = jax.device_put(leaves, device)
+        return jax.tree.unflatten(prep.s_def, leaves)
+
     def _stop_nonfinite(self, flagged: int):
         r, prep = self.r, self.prep
-        checker = make_stepper(r, prep.p_def, prep.o_def, "check")
+        checker = make_stepper(r, prep.p_def, prep.o_def, "check", prep.s_def)
         loss_fn = mean_loss_fn(r.model, r.grad_mode)  # the replay names the bad leaf
         raise faults.NonFinite(
             faults.explain_nonfinite(
@@ -425,6 +453,7 @@ class _Loop:
                 flagged,
                 self.good_step,
                 self.good_ckpt,
+                prep.state0,
             )
         )
 

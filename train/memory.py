@@ -99,11 +99,13 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     y = jax.ShapeDtypeStruct((*lead, *data.y.shape[1:]), batch_dtype(data.y))
 
     objective = contract.objective_fn(model)
+    s_avals = jax.eval_shape(model.init_state) if contract.is_stateful(model) else None
 
-    def loss_and_grad(params, x, y):
-        return jax.value_and_grad(lambda q: objective(q, x, y)[0])(params)
+    def loss_and_grad(params, x, y, state):
+        kw = {} if state is None else {"state": state}
+        return jax.value_and_grad(lambda q: objective(q, x, y, **kw)[0])(params)
 
-    jaxpr = jax.make_jaxpr(loss_and_grad)(p_avals, x, y).jaxpr
+    jaxpr = jax.make_jaxpr(loss_and_grad)(p_avals, x, y, s_avals).jaxpr
     per_device_batch = _nbytes((x, y)) + _largest_intermediate(jaxpr)
     train_bytes = data.x.nbytes + data.y.nbytes
     data_bytes = train_bytes + data.x_test.nbytes + data.y_test.nbytes

@@ -11,24 +11,29 @@ import numpy as np
 
 from . import distributed as dist
 from .config import Config
+from .memory import format_bytes
 
 # Short names of metrics on the progress bar.
 BAR_NAMES = {"loss": "loss", "accuracy": "acc", "bits_per_char": "bpc"}
 
 
-def banner(r, num_params: int, start: int) -> str:
-    """The run's first line: devices, model size, gradient mode (``auto`` as resolved),
-    data, run directory (``r``: a Run whose step is built), and notes on lines below."""
+def banner(r, num_params: int, start: int, state_bytes: int | None = None) -> str:
+    """The run's first line: devices, model size (and ``state_bytes``, the params and
+    optimizer state one device holds), gradient mode (``auto`` as resolved), data, run
+    directory (``r``: a Run whose step is built), and notes on lines below."""
     cfg = r.cfg
     procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
     per_proc = len(r.devices) // jax.process_count()
     note = f"\n  note: {r.data.name}: {r.data.note}" if r.data.note else ""
     if r.grad.note:  # why auto fell back to autodiff: the operation without a rule
         note += f"\n  {r.grad.note}"
+    per_device = ""
+    if state_bytes is not None:
+        per_device = f", params + optimizer {format_bytes(state_bytes)} per device"
     return (
         f"nnlite train: {cfg.name}  devices: {procs}{per_proc} x {r.devices[0].platform} "
         f"({r.strategy.describe()})  model: {cfg.model.name} ({num_params:,} "
-        f"params)  grad: {r.grad.describe()}  data: {r.data.name} ({r.data.describe()})  "
+        f"params{per_device})  grad: {r.grad.describe()}  data: {r.data.name} ({r.data.describe()})  "
         f"run dir: {r.run_dir}" + (f"  resuming at step {start}" if start else "") + note
     )
 

@@ -3,9 +3,11 @@ a checkpoint belongs to this config, and the processes' agreement on the startin
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,6 +34,7 @@ class Start:
     skipped: int  # non-finite steps skipped before it (train.nonfinite=skip)
     checkpoint: Path | None  # the checkpoint it came from
     log_window: dict | None = None  # the train metrics' partial sums since the last log
+    s_leaves: list = field(default_factory=list)  # a stateful model's state leaves (host)
 
 
 def metadata(
@@ -89,6 +92,8 @@ def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None
             if isinstance(was, dict):
                 was = {k: v for k, v in was.items() if k != key}
             is_ = {k: v for k, v in is_.items() if k != key}
+        if section == "model" and isinstance(was, dict):
+            was, is_ = _comparable_model(cfg.model.cls, was, is_)
         if was == is_:
             continue
         key, was_v, is_v = section, was, is_
@@ -104,16 +109,42 @@ def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None
         )
 
 
+def _comparable_model(cls: Any, was: dict, is_: dict) -> tuple[dict, dict]:
+    """The saved and current model sections as resuming compares them: a field the
+    checkpoint predates counts as its default (a model option added since), and the
+    fields the model lists in ``resume_may_change`` (a layout or memory option, such as
+    the GPT's ``scan_layers`` and ``remat``: the checkpoint's params are converted) are
+    left out."""
+    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    was = dict(was)
+    for k in is_:
+        f = fields.get(k)
+        if k not in was and f is not None and f.default is not dataclasses.MISSING:
+            was[k] = f.default
+    free = set(getattr(cls, "resume_may_change", ()))
+    return (
+        {k: v for k, v in was.items() if k not in free},
+        {k: v for k, v in is_.items() if k not in free},
+    )
+
+
 def _as_run(grad: str | None, resolved: str | None) -> str | None:
     """``loss.grad`` as the step ran it: ``auto`` is what it resolved to (None: unknown)."""
     return resolved if grad == "auto" else grad
 
 
-def load_checkpoint(cfg: Config, path: Path, params0, opt0, grad: str | None = None) -> Start:
+def load_checkpoint(
+    cfg: Config, path: Path, params0, opt0, grad: str | None = None, state0=None
+) -> Start:
     """The state saved in ``path``, checked against ``cfg`` (``grad``: see
-    :func:`check_resumable`) and the templates."""
+    :func:`check_resumable`) and the templates (``state0``: a stateful model's initial
+    state, None for a stateless one)."""
     check_resumable(cfg, ckpt.read_metadata(path), path, grad)  # a changed config says so first
-    params_h, opt_h, meta = ckpt.restore(path, params0, opt0)
+    try:
+        model = cfg.model.cls(**cfg.model.options)
+    except Exception:  # noqa: BLE001 -- no model, no layout conversion: restore reports it
+        model = None
+    params_h, opt_h, state_h, meta = ckpt.restore_model(model, path, params0, opt0, state0)
     start = int(meta["step"])
     if start > cfg.train.steps:
         raise ConfigError(
@@ -125,7 +156,7 @@ def load_checkpoint(cfg: Config, path: Path, params0, opt0, grad: str | None = N
     except json.JSONDecodeError:
         raise ConfigError(f"checkpoint {path}: its log_window metadata is not valid JSON") from None
     leaves = jax.tree.leaves(params_h), jax.tree.leaves(opt_h)
-    return Start(start, *leaves, skipped, path, window)
+    return Start(start, *leaves, skipped, path, window, jax.tree.leaves(state_h))
 
 
 def agree_on_start(
@@ -136,6 +167,7 @@ def agree_on_start(
     opt0,
     strategy=None,
     grad: str | None = None,
+    state0=None,
 ) -> Start:
     """Process 0 picks the starting state (latest checkpoint or init); all processes get it.
 
@@ -145,18 +177,20 @@ def agree_on_start(
 
     A ``strategy`` whose state is sharded (``Strategy.sharded_state``) restores otherwise:
     process 0 picks the checkpoint, then every process reads the parts its own devices
-    hold, placed by ``strategy.leaf_sharding`` (checkpoints written on any mesh, sharded
+    hold, placed by ``strategy.state_shardings`` (checkpoints written on any mesh, sharded
     or whole); its leaves are then ``jax.Array`` s already placed.
     """
     if strategy is not None and strategy.sharded_state:
-        return _agree_on_sharded_start(cfg, resume, ckpt_dir, params0, opt0, strategy, grad)
-    start = Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
+        return _agree_on_sharded_start(cfg, resume, ckpt_dir, params0, opt0, strategy, grad, state0)
+    start = Start(
+        0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None, None, jax.tree.leaves(state0)
+    )
     error = None
     if dist.is_main():
         try:
             existing = _existing(resume, ckpt_dir)
             if existing:
-                start = load_checkpoint(cfg, existing[-1], params0, opt0, grad)
+                start = load_checkpoint(cfg, existing[-1], params0, opt0, grad, state0)
         except ConfigError as e:
             error = e
     if not dist.is_multiprocess():
@@ -166,9 +200,11 @@ def agree_on_start(
     head = dist.broadcast(np.array([start.step, start.skipped, error is not None], np.int32))
     if head[2]:
         raise error or ConfigError("process 0 could not resume this run (see its output)")
-    p_leaves, o_leaves = dist.broadcast((start.p_leaves, start.o_leaves))
+    p_leaves, o_leaves, s_leaves = dist.broadcast((start.p_leaves, start.o_leaves, start.s_leaves))
     # (the log window matters on process 0 only: it alone writes metrics.jsonl)
-    return Start(int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window)
+    return Start(
+        int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window, s_leaves
+    )
 
 
 def _existing(resume: str, ckpt_dir: Path) -> list[Path]:
@@ -181,7 +217,14 @@ def _existing(resume: str, ckpt_dir: Path) -> list[Path]:
 
 
 def _agree_on_sharded_start(
-    cfg: Config, resume: str, ckpt_dir: Path, params0, opt0, strategy, grad: str | None = None
+    cfg: Config,
+    resume: str,
+    ckpt_dir: Path,
+    params0,
+    opt0,
+    strategy,
+    grad: str | None = None,
+    state0=None,
 ):
     """:func:`agree_on_start` for a sharded state: process 0 picks, all processes read
     their own parts (with several processes the checkpoint directory must be shared)."""
@@ -203,15 +246,28 @@ def _agree_on_sharded_start(
     elif error is not None:
         raise error
     if chosen is None:
-        return Start(0, jax.tree.leaves(params0), jax.tree.leaves(opt0), 0, None)
+        return Start(
+            0,
+            jax.tree.leaves(params0),
+            jax.tree.leaves(opt0),
+            0,
+            None,
+            None,
+            jax.tree.leaves(state0),
+        )
 
     def placed(tree):  # templates: host arrays, placed arrays or ShapeDtypeStructs
-        def leaf(a):
-            aval = jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.result_type(a))
-            return jax.ShapeDtypeStruct(
-                aval.shape, aval.dtype, sharding=strategy.leaf_sharding(aval)
-            )
+        leaves, treedef = jax.tree.flatten(tree)
+        avals = [
+            jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.result_type(a))
+            for a in leaves
+        ]
+        # per leaf of the tree: fsdp places a leaf by its layer's logical axes, not its shape
+        shardings = strategy.state_shardings(avals)
+        return treedef.unflatten(
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
+        )
 
-        return jax.tree.map(leaf, tree)
-
-    return load_checkpoint(cfg, chosen, placed(params0), placed(opt0), grad)
+    return load_checkpoint(
+        cfg, chosen, placed(params0), placed(opt0), grad, None if state0 is None else placed(state0)
+    )

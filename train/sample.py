@@ -86,16 +86,17 @@ def encode_prompt(prompt: str, run) -> list[int]:
     return ids
 
 
-def generate(model, params, ids, n_tokens, seed, temperature, top_k):
+def generate(model, params, ids, n_tokens, seed, temperature, top_k, state=None):
     """``(all ids, compile seconds, generate seconds)``: one compiled call of the model's
-    generator (``train.inference.generator``) for a batch of one."""
+    generator (``train.inference.generator``) for a batch of one (``state``: a stateful
+    model's)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from .inference import generator
 
-    fn = generator(model)
+    fn = generator(model, state)
     prompt = jnp.asarray(np.asarray(ids, np.int32)[None, :])
     key = jax.random.key(seed)
     t0 = time.perf_counter()
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         ids = encode_prompt(prompt, run)
         top_k = args.top_k or None
         out, t_compile, t_gen = generate(
-            run.model, run.params, ids, args.tokens, args.seed, args.temperature, top_k
+            run.model, run.params, ids, args.tokens, args.seed, args.temperature, top_k, run.state
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,9 +34,11 @@ def show_grad(cfg: Config) -> str:
     x, y = host_batch(r.data, np.arange(b) % r.data.num_indices)
     objective = contract.objective_fn(r.model, "manual")
     key = jax.random.key(cfg.seed) if uses_key(r.model) else None
+    state = contract.init_state(r.model)
+    kw = {} if state is None else {"state": state}
 
     def loss(params, x, y):
-        return objective(params, x, y, key=key)[0]
+        return objective(params, x, y, key=key, **kw)[0]
 
     return nl.show_grad(loss, params, jnp.asarray(x), jnp.asarray(y))
 
@@ -51,20 +53,23 @@ def traced_function(cfg: Config, what: str) -> tuple:
     r = build(cfg)
     params = r.model.init(jax.random.key(cfg.seed))
     loss_fn = mean_loss_fn(r.model, r.grad_mode)
+    state = contract.init_state(r.model)
     b = cfg.train.batch_size
     if what == "loss":
         x, y = host_batch(r.data, np.arange(b) % r.data.num_indices)
-        return (lambda p, x, y: loss_fn(p, x, y)[0]), (params, x, y)
+        kw = {} if state is None else {"state": state}
+        return (lambda p, x, y: loss_fn(p, x, y, **kw)[0]), (params, x, y)
     opt_state = r.optimizer.init(params)
     p_leaves, p_def = jax.tree.flatten(params)
     o_leaves, o_def = jax.tree.flatten(opt_state)
-    stepper = make_stepper(r, p_def, o_def, cfg.train.nonfinite)
+    s_leaves, s_def = jax.tree.flatten(state)
+    stepper = make_stepper(r, p_def, o_def, cfg.train.nonfinite, s_def)
     idx = np.zeros((cfg.train.steps_per_call, b), np.int32)
-    state = (stepper.put_state(p_leaves), stepper.put_state(o_leaves))
+    placed = [stepper.put_state(leaves) for leaves in (p_leaves, o_leaves, s_leaves)]
     if r.data.streamed:  # the step takes the batch itself (train/feed.py)
-        return stepper.run, (*state, (), (), stepper.put_batch(*host_batch(r.data, idx), 0))
+        return stepper.run, (*placed, (), (), stepper.put_batch(*host_batch(r.data, idx), 0))
     return stepper.run, (
-        *state,
+        *placed,
         stepper.put_data(r.data.x),
         stepper.put_data(r.data.y),
         stepper.put_indices(idx, 0),

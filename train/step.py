@@ -1,7 +1,10 @@
 """The compiled train step, written once for every parallel strategy.
 
 The step carries *flat leaves* of the params and optimizer state (flattened once on the
-host, unflattened inside the compiled function), so dispatch never walks a ParamsDict. It
+host, unflattened inside the compiled function), so dispatch never walks a ParamsDict,
+and of the model's state (a stateful model's, e.g. BatchNorm's running statistics: updated
+by the forward pass, never by the optimizer; an empty list for a stateless model, whose
+compiled step is then what it was without state). It
 takes the whole (small) data set, already on the device(s), plus a ``[K, batch]`` block of
 indices, and runs K optimizer steps with ``lax.scan`` (K=1 is a plain step). Streamed
 data (``data.placement: host``) takes the batch itself instead: ``(x, y)`` of ``[K,
@@ -59,7 +62,9 @@ def uses_key(model) -> bool:
 
 
 def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Callable:
-    """``(params, x, y, key) -> (loss, metrics, grads)``: means over the global batch.
+    """``(params, state, x, y, key) -> (loss, metrics, grads, state)``: means over the
+    global batch, and the model's state after the step's forward pass (None, passed
+    through, for a stateless model).
 
     ``x``/``y`` are this device's share; ``key`` is the step's random key (None for a
     model that takes none, see :func:`uses_key`). With ``accum_steps = k > 1`` the share is
@@ -67,20 +72,36 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
     accumulating pass when it has one for ``grad``, e.g. the MLP's fused mode) and divided
     by k: the same update as one step on the whole batch, in 1/k of the activation memory.
     ``strategy`` reduces over devices (:class:`train.parallel.base.Strategy`).
+
+    A stateful model runs in train mode inside ``nl.batch_axis(strategy.axis)``, so its
+    batch statistics are those of the global batch on every strategy; with ``accum_steps
+    > 1`` its state is threaded through the microbatches (k updates per step, as k
+    smaller steps would make).
     """
     loss_fn = mean_loss_fn(model, grad)
     keyed = uses_key(model)
+    stateful = contract.is_stateful(model)
 
-    def objective(params, x, y, key):
-        loss, metrics = loss_fn(params, x, y, key=key) if keyed else loss_fn(params, x, y)
-        return strategy.global_loss(loss), metrics
+    def objective(params, state, x, y, key):
+        params = strategy.compute_params(params)
+        kw = {"key": key} if keyed else {}
+        if stateful:
+            loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
+        else:
+            loss, metrics = loss_fn(params, x, y, **kw)
+        return strategy.global_loss(loss), (metrics, state)
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
     accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
+    if accumulate is not None and stateful:
+        raise contract.ModelError(
+            f"{type(model).__name__} is stateful: its accumulate() pass cannot carry state; "
+            f"use loss.grad=autodiff or manual"
+        )
 
-    def batch_grads(params, x, y, key=None):
+    def batch_grads(params, state, x, y, key=None):
         if accum_steps == 1:
-            (loss, metrics), grads = value_and_grad(params, x, y, key)
+            (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key)
         else:
             xs = x.reshape(accum_steps, -1, *x.shape[1:])
             ys = y.reshape(accum_steps, -1, *y.shape[1:])
@@ -88,38 +109,58 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
             if accumulate is not None:
                 acc = strategy.local_accumulator(acc)
 
-            def micro(acc, xyi):
+            def micro(carry, xyi):
+                acc, state = carry
                 *xy, i = xyi
                 if accumulate is not None:
                     loss, metrics, acc = accumulate(params, *xy, acc, grad=grad)
                 else:
                     k = None if key is None else jax.random.fold_in(key, i)
-                    (loss, metrics), g = value_and_grad(params, *xy, k)
+                    (loss, (metrics, state)), g = value_and_grad(params, state, *xy, k)
                     acc = jax.tree.map(jnp.add, acc, g)
-                return acc, (loss, metrics)
+                return (acc, state), (loss, metrics)
 
             micro_ids = jnp.arange(accum_steps)
-            acc, (losses, metrics) = jax.lax.scan(micro, acc, (xs, ys, micro_ids))
+            (acc, state), (losses, metrics) = jax.lax.scan(micro, (acc, state), (xs, ys, micro_ids))
             grads = jax.tree.map(lambda g: g / accum_steps, acc)
             loss, metrics = jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
-        return strategy.reduce(loss, metrics, grads, local_grads=accumulate is not None)
+        loss, metrics, grads = strategy.reduce(
+            loss, metrics, grads, local_grads=accumulate is not None
+        )
+        return loss, metrics, grads, state
 
-    return batch_grads
+    if not stateful:
+        return batch_grads
+
+    def stateful_batch_grads(params, state, x, y, key=None):
+        with nl.batch_axis(strategy.axis):  # trace time: BatchNorm pmeans over it
+            return batch_grads(params, state, x, y, key)
+
+    return stateful_batch_grads
 
 
 @dataclass
 class Stepper:
     """A compiled multi-step function and the strategy that places its arguments.
 
-    ``run(p_leaves, o_leaves, X, Y, batch) -> (p_leaves, o_leaves, metrics[K])``, where
-    ``batch`` is what :meth:`put_indices` returns for a ``[K, B]`` block, or, streamed,
-    what :meth:`put_batch` returns (``X``, ``Y`` are then empty tuples).
+    ``run(p_leaves, o_leaves, s_leaves, X, Y, batch) -> (p_leaves, o_leaves, s_leaves,
+    metrics[K])``, where ``s_leaves`` are the model state's (``[]`` for a stateless
+    model) and ``batch`` is what :meth:`put_indices` returns for a ``[K, B]`` block, or,
+    streamed, what :meth:`put_batch` returns (``X``, ``Y`` are then empty tuples).
     """
 
     strategy: Strategy
-    run: Callable
+    compiled: Callable  # (p_leaves, (o_leaves, s_leaves), X, Y, batch), as strategies compile
     keyed: bool  # the indices travel with their step numbers (a model that takes a key)
     streamed: bool = False  # the step takes (x, y) batches, not indices into X, Y
+
+    def run(self, p_leaves, o_leaves, s_leaves, X, Y, batch):
+        # The optimizer and model states travel as one argument (donated together), so a
+        # strategy compiles the same five-argument step with or without model state.
+        p_leaves, (o_leaves, s_leaves), metrics = self.compiled(
+            p_leaves, (o_leaves, s_leaves), X, Y, batch
+        )
+        return p_leaves, o_leaves, s_leaves, metrics
 
     @property
     def devices(self) -> list:
@@ -158,8 +199,8 @@ class Stepper:
         """``ShapeDtypeStruct`` stand-ins for ``put_state(leaves)``, given the leaves' shapes
         and dtypes: what ``run`` can be traced and compiled for ahead of time (None when the
         strategy has no per-leaf sharding: it compiles on its first call)."""
-        shardings = [self.strategy.leaf_sharding(a) for a in avals]
-        if any(s is None for s in shardings):
+        shardings = self.strategy.state_shardings(avals)
+        if shardings is None:
             return None
         return [
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
@@ -202,10 +243,12 @@ def build_stepper(
     window: int | None = None,
     key_seed: int | None = None,
     streamed: bool = False,
+    state_def=None,
 ) -> Stepper:
     """The compiled step for ``strategy`` (see the module docstring).
 
-    ``batch_grads`` is ``batch_grads_fn(model, grad, accum_steps, strategy)``. For
+    ``batch_grads`` is ``batch_grads_fn(model, grad, accum_steps, strategy)``;
+    ``state_def`` the tree structure of a stateful model's state (None: stateless). For
     ``nonfinite="skip"`` and ``"check"`` every step also returns a ``nonfinite`` flag (the
     loss and the new params tested), and ``"skip"`` keeps the old state when it is set;
     ``"stop"`` adds nothing (see :func:`step_flags`). ``window``: the data are token
@@ -215,13 +258,16 @@ def build_stepper(
     step takes the batch ``(x, y)`` itself (:meth:`Stepper.put_batch`), not indices.
     """
     keyed = key_seed is not None
+    state_def = jax.tree.structure(None) if state_def is None else state_def
 
-    def one_step(p_leaves, o_leaves, X, Y, data, step):
+    def one_step(p_leaves, o_leaves, s_leaves, X, Y, data, step):
         params = jax.tree.unflatten(params_def, p_leaves)
         opt_state = jax.tree.unflatten(opt_def, o_leaves)
+        state = jax.tree.unflatten(state_def, s_leaves)
         x, y = data if streamed else gather_batch(X, Y, data, window)
         key = step_key(key_seed, step, strategy) if keyed else None
-        loss, metrics, grads = batch_grads(params, x, y, key)
+        loss, metrics, grads, new_state = batch_grads(params, state, x, y, key)
+        check_replicated(new_state)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, **metrics}
@@ -234,25 +280,49 @@ def build_stepper(
             keep = lambda new, old: jnp.where(finite, new, old)
             new_params = jax.tree.map(keep, new_params, params)
             new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-        return jax.tree.leaves(new_params), jax.tree.leaves(new_opt_state), metrics
+            new_state = jax.tree.map(keep, new_state, state)
+        leaves = jax.tree.leaves
+        return leaves(new_params), leaves(new_opt_state), leaves(new_state), metrics
 
-    def multi_step(p_leaves, o_leaves, X, Y, batch):
+    def multi_step(p_leaves, os_leaves, X, Y, batch):
+        o_leaves, s_leaves = os_leaves
         data, steps = batch if keyed else (batch, None)
         if jax.tree.leaves(data)[0].shape[0] == 1:
             s = None if steps is None else steps[0]
             first = jax.tree.map(lambda a: a[0], data)
-            p_leaves, o_leaves, m = one_step(p_leaves, o_leaves, X, Y, first, s)
-            return p_leaves, o_leaves, jax.tree.map(lambda v: v[None], m)
+            p_leaves, o_leaves, s_leaves, m = one_step(
+                p_leaves, o_leaves, s_leaves, X, Y, first, s
+            )
+            return p_leaves, (o_leaves, s_leaves), jax.tree.map(lambda v: v[None], m)
 
         def body(carry, xs):
             i, s = xs if keyed else (xs, None)
-            p, o, m = one_step(*carry, X, Y, i, s)
-            return (p, o), m
+            p, o, st, m = one_step(*carry, X, Y, i, s)
+            return (p, o, st), m
 
-        (p_leaves, o_leaves), m = jax.lax.scan(body, (p_leaves, o_leaves), batch)
-        return p_leaves, o_leaves, m
+        (p_leaves, o_leaves, s_leaves), m = jax.lax.scan(
+            body, (p_leaves, o_leaves, s_leaves), batch
+        )
+        return p_leaves, (o_leaves, s_leaves), m
 
     return Stepper(strategy, strategy.compile(multi_step, keyed=keyed), keyed, streamed)
+
+
+def check_replicated(state) -> None:
+    """Under ``shard_map`` the model state comes out replicated (``P()``): a stateful
+    layer must make the same update on every device (BatchNorm averages its statistics
+    over ``nl.batch_axis``). Refuse, at trace time, a state leaf that varies over the
+    mesh, naming it (``pmap`` and ``jit`` have no such types: nothing to check)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        aval = jax.typeof(leaf)
+        manual = getattr(aval, "manual_axis_type", None)  # where JAX 0.10 keeps the axes
+        varying = manual.varying if manual is not None else getattr(aval, "vma", ())
+        if varying:
+            raise contract.ModelError(
+                f"the model's state {nl.format_path(path)} differs between devices (it "
+                f"varies over mesh axis {', '.join(sorted(varying))}): a stateful layer "
+                "must average what it stores over nl.current_batch_axis(), as BatchNorm does"
+            )
 
 
 def compile_async(executor: Executor, fn, *args) -> Future:
@@ -295,15 +365,15 @@ def build_split_eval(model, chunk: int) -> Callable:
     """Jitted ``(params, X, Y) -> {loss, metric: mean}`` over a whole split: the means of
     the model's per-example loss and metrics, computed ``chunk`` examples at a time (a
     ``lax.map``), so a large split (thousands of text windows) never materialises all its
-    activations at once."""
+    activations at once. A stateful model's is ``(params, X, Y, state)``, in eval mode."""
 
     @jax.jit
-    def evaluate(params, X, Y):
+    def evaluate(params, X, Y, *state):
         n = X.shape[0]
         full = n - n % chunk
 
         def per_example(xy):
-            loss, metrics = contract.per_example_loss(model, params, *xy)
+            loss, metrics = contract.per_example_loss(model, params, *xy, *state)
             return {"loss": loss, **metrics}
 
         parts = []
@@ -322,11 +392,12 @@ def build_split_eval(model, chunk: int) -> Callable:
 def build_chunk_eval(model) -> Callable:
     """Jitted ``(params, x, y, n) -> ({loss, metric: sum}, count)`` over the first ``n``
     rows of one chunk of a split (the rest is padding, so every chunk has one shape): a
-    streamed split is evaluated a chunk at a time, its means summed up on the host."""
+    streamed split is evaluated a chunk at a time, its means summed up on the host. A
+    stateful model's is ``(params, x, y, n, state)``, in eval mode."""
 
     @jax.jit
-    def sums(params, x, y, n):
-        loss, metrics = contract.per_example_loss(model, params, x, y)
+    def sums(params, x, y, n, *state):
+        loss, metrics = contract.per_example_loss(model, params, x, y, *state)
         values = {"loss": loss, **metrics}
         keep = jnp.arange(x.shape[0]) < n
 

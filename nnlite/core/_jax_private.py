@@ -24,6 +24,7 @@ __all__ = [
     "custom_jvp_rule",
     "custom_vjp_rules",
     "equation_context",
+    "batch_axis_trace_state",
     "manual_trace_state",
     "shape_dtype_struct",
     "shard_map_body",
@@ -55,6 +56,19 @@ def manual_trace_state():
         "nnlite_manual_grads",
         False,
         "nnlite: tracing in manual-gradient mode (set by nnlite.manual_grads, not by users)",
+        include_in_trace_context=True,
+    )
+
+
+@functools.cache
+def batch_axis_trace_state():
+    """A JAX config state in JAX's trace context: the mapped axis the batch is split over
+    (``nnlite.batch_axis``). Batch statistics trace to a ``pmean`` over it, so it must key
+    JAX's caches as manual mode does. Registered on first use."""
+    return config.string_or_object_state(
+        "nnlite_batch_axis",
+        None,
+        "nnlite: the mapped axis the batch is split over (set by nnlite.batch_axis)",
         include_in_trace_context=True,
     )
 

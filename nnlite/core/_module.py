@@ -116,6 +116,13 @@ class Module:
         params are checked by the children. Layers with params override this."""
         return {}
 
+    def param_axes(self) -> ParamsDict | None:
+        """Logical axis names of each param dimension, for sharding: a tree like the
+        params with an ``nl.Axes`` per array (``Linear``: ``W: ("in", "out")``), or None
+        (the default): not declared, and a parallel strategy falls back to its own rule.
+        Read it through ``nl.param_axes(module)``, which fills in undeclared layers."""
+        return None
+
     def check_params(self, params: Any, expected: Mapping[str, tuple] | None = None) -> None:
         """Check that ``params`` holds each leaf of ``expected`` (default:
         ``param_shapes()``) with that shape and this module's ``param_dtype``. Shapes are

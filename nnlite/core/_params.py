@@ -388,7 +388,11 @@ def _walk(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     if isinstance(node, ParamsDict):
         for k, v in node._data.items():
             yield from _walk(v, f"{prefix}/{k}")
-    elif isinstance(node, (list, tuple)) and not _is_namedtuple(node):
+    elif (
+        isinstance(node, (list, tuple))
+        and not _is_namedtuple(node)
+        and not getattr(node, "_pytree_leaf", False)  # nl.Axes: one leaf of names
+    ):
         for i, v in enumerate(node):
             yield from _walk(v, f"{prefix}[{i}]")
     else:

@@ -118,10 +118,11 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
                     return f(*merged, **kw)
 
             def fn_vjp(*dyn_dret):
-                *dyn, dret = dyn_dret
+                # a tuple result's cotangents come one by one after the operands
+                dyn, drets = dyn_dret[: len(operands)], dyn_dret[len(operands) :]
                 merged, kw = full(dyn)
                 with manual_scope(False):
-                    dargs = f_vjp(*merged, dret, **kw)
+                    dargs = f_vjp(*merged, *drets, **kw)
                 dargs = dargs if isinstance(dargs, tuple) else (dargs,)
                 picked = [dargs[i] for i in dyn_idx] + [None] * len(s_arr)
                 return tuple(picked) if len(picked) > 1 else picked[0]

@@ -19,7 +19,7 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ._dropout import check_rate, dropout
-from ._linear import Linear, linear_like
+from ._linear import Linear, linear_axes, linear_like
 from ._rotary import RotaryEmbedding
 
 __all__ = [
@@ -235,6 +235,14 @@ class MultiHeadAttention(Module):
     def out_linear(self) -> Linear:
         """The output projection, ``features -> features``."""
         return linear_like(self, self.features, self.features)
+
+    def param_axes(self) -> ParamsDict:
+        """Megatron's attention: ``qkv`` column-parallel (``W: ("embed", "qkv")``), ``out``
+        row-parallel (``W: ("heads", "embed")``), so a tensor axis splits the heads."""
+        return ParamsDict(
+            qkv=linear_axes(self.qkv_linear, "embed", "qkv"),
+            out=linear_axes(self.out_linear, "heads", "embed"),
+        )
 
     def init(self, key: jax.Array) -> ParamsDict:
         k_qkv, k_out = jax.random.split(key)

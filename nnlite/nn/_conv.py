@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._axes import Axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
@@ -295,6 +296,13 @@ class Conv(Module):
         if self.use_bias:
             shapes["b"] = (self.out_features,)
         return shapes
+
+    def param_axes(self) -> ParamsDict:
+        """``W: ("kernel", ..., "in", "out")``, ``b: ("out",)``."""
+        p = ParamsDict(W=Axes(("kernel",) * self.num_spatial_axes + ("in", "out")))
+        if self.use_bias:
+            p.b = Axes(("out",))
+        return p
 
     def init(self, key: jax.Array) -> ParamsDict:
         shapes = self.param_shapes()

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._axes import Axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
@@ -96,6 +97,10 @@ class Embedding(Module):
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"W": (self.num_embeddings, self.features)}
+
+    def param_axes(self) -> ParamsDict:
+        """``W: ("vocab", "embed")``: a tensor axis splits the table by rows (token ids)."""
+        return ParamsDict(W=Axes(("vocab", "embed")))
 
     def init(self, key: jax.Array) -> ParamsDict:
         shape = (self.num_embeddings, self.features)

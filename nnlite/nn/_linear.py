@@ -7,13 +7,23 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ..core._axes import Axes, param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ..grad._vjp_batched import log_softmax, softmax
 from ._names import get_activation, get_initializer
 
-__all__ = ["Activation", "FFN", "Linear", "Sequential", "SoftmaxHead", "linear", "linear_vjp"]
+__all__ = [
+    "Activation",
+    "FFN",
+    "Linear",
+    "Sequential",
+    "SoftmaxHead",
+    "linear",
+    "linear_axes",
+    "linear_vjp",
+]
 
 
 def linear_vjp(x: jax.Array, W: jax.Array, b: jax.Array | None, dret: jax.Array):
@@ -97,12 +107,28 @@ class Linear(Module):
             shapes["b"] = (self.out_features,)
         return shapes
 
+    def param_axes(self) -> ParamsDict:
+        """``W: ("in", "out")``, ``b: ("out",)``; a parent layer that knows this Linear's
+        role renames them (:func:`linear_axes`)."""
+        return linear_axes(self, "in", "out")
+
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
         self.check_params(params)
         arrays = [params["W"], params["b"]] if self.use_bias else [params["W"]]
         dtype = self.compute_dtype(x, *arrays)
         return linear(x.astype(dtype), *(a.astype(dtype) for a in arrays))
+
+
+def linear_axes(layer: Linear, in_name: str | None, out_name: str | None) -> ParamsDict:
+    """The logical axes of ``layer``'s params with its input and output dimensions named
+    ``in_name`` and ``out_name``: ``W: (in, out)``, ``b: (out,)``. Megatron's
+    column-parallel Linear is ``linear_axes(l, "embed", "mlp")``, row-parallel
+    ``linear_axes(l, "mlp", "embed")``."""
+    p = ParamsDict(W=Axes((in_name, out_name)))
+    if layer.use_bias:
+        p.b = Axes((out_name,))
+    return p
 
 
 def linear_like(owner: Module, in_features: int, out_features: int) -> Linear:
@@ -207,6 +233,18 @@ class FFN(Module):
         dtypes = {"param_dtype": self.param_dtype, "dtype": self.dtype}
         return tuple(Linear(a, b, w_init=w_init, **dtypes) for a, b in pairs)
 
+    def param_axes(self) -> ParamsDict:
+        """Megatron's pairs: even layers column-parallel (``("embed", "mlp")``), odd layers
+        row-parallel (``("mlp", "embed")``), so a hidden activation is split across the
+        tensor axis between the two layers of a pair and whole after it."""
+        names = ("embed", "mlp")
+        return ParamsDict(
+            layers=[
+                linear_axes(layer, *(names if i % 2 == 0 else names[::-1]))
+                for i, layer in enumerate(self.layers)
+            ]
+        )
+
     def init(self, key: jax.Array) -> ParamsDict:
         layers = self.layers
         keys = jax.random.split(key, len(layers))
@@ -279,6 +317,9 @@ class SoftmaxHead(Module):
     def init(self, key: jax.Array) -> ParamsDict:
         return self.linear.init(key)
 
+    def param_axes(self) -> ParamsDict:
+        return self.linear.param_axes()
+
     def logits(self, params: ParamsDict, x: jax.Array) -> jax.Array:
         """The pre-softmax scores, ``[..., num_classes]``."""
         self.check_input(x, self.in_features)
@@ -326,6 +367,10 @@ class Sequential(Module):
         # split() needs n >= 1; zip stops at the layers for an empty Sequential.
         pairs = zip(self.layers, keys, strict=False)
         return ParamsDict(layers=[layer.init(k) for layer, k in pairs])
+
+    def param_axes(self) -> ParamsDict:
+        """Each layer's own declaration (unnamed where it declares none)."""
+        return ParamsDict(layers=[param_axes(layer) for layer in self.layers])
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         layer_params = self.child(params, "layers")

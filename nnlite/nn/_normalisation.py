@@ -1,8 +1,8 @@
 """Normalisation: LayerNorm, RMSNorm, GroupNorm (statistics always in float32).
 
-BatchNorm is left out on purpose: its running statistics are state that changes during the
-forward pass, which does not fit nnlite's params-only ``init``/``__call__`` design (see
-docs/layers.md). GroupNorm and LayerNorm need no such state.
+These normalise each example on its own, so they need no state. BatchNorm, whose running
+statistics are state (``init_state``, passed in and returned), lives in ``_batch_norm.py``
+and builds on the helpers here.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..core._axes import Axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
@@ -144,6 +145,12 @@ class _Norm(Module):
         fill = {"scale": jnp.ones, "bias": jnp.zeros}
         shapes = self.param_shapes()
         return ParamsDict(**{n: fill[n](shape, self.param_dtype) for n, shape in shapes.items()})
+
+    def param_axes(self) -> ParamsDict:
+        """Every ``scale`` and ``bias`` dimension is ``"norm"`` (small: replicated)."""
+        return ParamsDict(
+            **{n: Axes(("norm",) * len(shape)) for n, shape in self.param_shapes().items()}
+        )
 
     def _cast(self, x, params, names):
         arrays = [params[n] for n in names]

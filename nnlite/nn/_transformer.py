@@ -7,11 +7,12 @@ from typing import Any
 
 import jax
 
+from ..core._axes import param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ._attention import MultiHeadAttention
 from ._dropout import dropout
-from ._linear import Linear, linear_like
+from ._linear import Linear, linear_axes, linear_like
 from ._names import get_activation
 from ._normalisation import LayerNorm
 from ._ops import add
@@ -39,6 +40,12 @@ class _MLP(Module):
     @property
     def proj(self) -> Linear:
         return linear_like(self, self.hidden, self.features)
+
+    def param_axes(self) -> ParamsDict:
+        """Megatron's MLP: ``fc`` column-parallel, ``proj`` row-parallel."""
+        return ParamsDict(
+            fc=linear_axes(self.fc, "embed", "mlp"), proj=linear_axes(self.proj, "mlp", "embed")
+        )
 
     def init(self, key: jax.Array) -> ParamsDict:
         k_fc, k_proj = jax.random.split(key)
@@ -82,7 +89,13 @@ class TransformerBlock(Module):
         implementation: attention implementation (see ``MultiHeadAttention``).
         rotary: rotary position embeddings on the attention's q and k (see
             ``MultiHeadAttention``); adds no params.
-        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
+        param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote). With
+            ``dtype`` set the residual stream is cast to it, so the block returns ``dtype``
+            (LayerNorm statistics and the attention softmax stay float32 inside).
+        remat: checkpoint the attention half and the MLP half separately
+            (``jax.checkpoint``): the backward pass recomputes each half's internals and
+            holds one half's at a time. Inside an outer ``nl.Remat`` of the block this is
+            ``remat: full`` of the GPT.
 
     Params: ``/ln1/{scale,bias}``, ``/attn/qkv/{W,b}``, ``/attn/out/{W,b}``,
     ``/ln2/{scale,bias}``, ``/mlp/fc/{W,b}``, ``/mlp/proj/{W,b}``.
@@ -124,6 +137,7 @@ class TransformerBlock(Module):
     param_dtype: str = "float32"
     dtype: str | None = None
     rotary: bool = False
+    remat: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -177,6 +191,10 @@ class TransformerBlock(Module):
     def _dtypes(self) -> dict[str, Any]:
         return {"param_dtype": self.param_dtype, "dtype": self.dtype}
 
+    def param_axes(self) -> ParamsDict:
+        ln = param_axes(self.ln1)
+        return ParamsDict(ln1=ln, attn=param_axes(self.attn), ln2=ln, mlp=param_axes(self.mlp))
+
     def init(self, key: jax.Array) -> ParamsDict:
         k_attn, k_mlp = jax.random.split(key)
         return ParamsDict(
@@ -195,16 +213,30 @@ class TransformerBlock(Module):
         key: jax.Array | None = None,
     ) -> jax.Array:
         self.check_input(x, self.features, min_rank=2)
+        if self.dtype is not None:
+            # The residual stream follows the compute dtype: a bfloat16 block returns
+            # bfloat16 (a float32 stream would make each add promote back to float32).
+            x = x.astype(self.dtype)
         k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
+        attn_half, mlp_half = self._attn_half, self._mlp_half
+        if self.remat:
+            attn_half, mlp_half = jax.checkpoint(attn_half), jax.checkpoint(mlp_half)
+        return mlp_half(params, attn_half(params, x, mask, k_attn), k_mlp)
+
+    def _attn_half(self, params: ParamsDict, x: jax.Array, mask, key) -> jax.Array:
+        """``x + attn(ln1(x))``."""
         p_ln1 = self.child(params, "ln1")
         with self.params_scope("/ln1"):
             h = self.ln1(p_ln1, x)
         p_attn = self.child(params, "attn")
         with self.params_scope("/attn"):
-            x = add(x, self.attn(p_attn, h, mask=mask, key=k_attn).astype(x.dtype))
+            return add(x, self.attn(p_attn, h, mask=mask, key=key).astype(x.dtype))
+
+    def _mlp_half(self, params: ParamsDict, x: jax.Array, key) -> jax.Array:
+        """``x + mlp(ln2(x))``."""
         p_ln2 = self.child(params, "ln2")
         with self.params_scope("/ln2"):
             h = self.ln2(p_ln2, x)
         p_mlp = self.child(params, "mlp")
         with self.params_scope("/mlp"):
-            return add(x, self.mlp(p_mlp, h, key=k_mlp).astype(x.dtype))
+            return add(x, self.mlp(p_mlp, h, key=key).astype(x.dtype))

@@ -17,6 +17,8 @@ REGISTRY = {
     "none": "single:Single",
     "pmap": "pmap:Pmap",
     "shard_map": "shard_map:ShardMap",
+    "tensor": "tensor:Tensor",
+    "fsdp": "fsdp:FSDP",
 }
 NAMES = tuple(REGISTRY)
 
@@ -39,5 +41,14 @@ def get(name: str, devices: list):
 def from_config(parallel, batch_size: int):
     """The strategy a config's ``parallel`` section asks for, on the devices it selects
     (raises ConfigError when they cannot split ``batch_size`` or do not exist)."""
+    from ..config import ConfigError
+
     cls = strategy_class(parallel.strategy)
-    return cls(cls.select_devices(parallel, batch_size))
+    if parallel.tensor > 1 and not cls.tensor_parallel:
+        able = [n for n in NAMES if strategy_class(n).tensor_parallel]
+        raise ConfigError(
+            f"parallel.tensor={parallel.tensor} needs a strategy that shards params over a "
+            f"mesh ({' or '.join(able)}); parallel.strategy={parallel.strategy} keeps a whole "
+            "copy of the model on every device"
+        )
+    return cls.from_config(parallel, batch_size)

@@ -36,13 +36,20 @@ class Strategy:
     **Sharded state** (:attr:`sharded_state` true): the placed leaves are split over the
     devices, not replicated. Checkpoints are then written shard by shard from the placed
     leaves (``nl.save_sharded``: each process writes what its devices hold; :meth:`get_state`
-    is never called for them), and a resume places each leaf straight onto
-    :meth:`leaf_sharding` (which must then return a sharding for every leaf), reading
+    is never called for them), and a resume places each leaf straight onto its
+    :meth:`state_shardings` entry (by default :meth:`leaf_sharding`, which must then
+    return a sharding for every leaf), reading
     only the parts this process's devices hold, whatever mesh wrote the checkpoint.
     """
 
     name: ClassVar[str]
+    #: The mapped axis that splits the batch inside the step (``pmap``/``shard_map``), over
+    #: which layers average batch statistics (``nl.batch_axis``); None where the step sees
+    #: the global batch as one array (one device, or ``jit`` over a sharded batch).
+    axis: ClassVar[str | None] = None
     sharded_state: ClassVar[bool] = False  # see the class docstring
+    #: whether ``parallel.tensor > 1`` (a tensor-parallel mesh axis) is accepted
+    tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, devices: Sequence[jax.Device]):
         self.devices = list(devices)
@@ -53,7 +60,27 @@ class Strategy:
         """The devices a config's ``parallel`` section selects (all processes)."""
         raise NotImplementedError
 
+    @classmethod
+    def from_config(cls, parallel, batch_size: int) -> Strategy:
+        """The strategy on the devices a config's ``parallel`` section selects."""
+        return cls(cls.select_devices(parallel, batch_size))
+
+    def plan(self, model, optimizer) -> None:
+        """Learn where each leaf of ``model``'s params and ``optimizer``'s state goes (a
+        strategy that shards by the layers' logical axes); nothing to learn by default."""
+
+    def init_shardings(self) -> tuple | None:
+        """``(params, opt_state)`` trees of shardings that init creates the state with (the
+        state is then never whole on one device), or None: init on the default device."""
+        return None
+
     # -- inside the compiled step ------------------------------------------------------
+
+    def compute_params(self, params: Any) -> Any:
+        """The params as the forward and backward pass use them (FSDP: each weight
+        gathered whole along the data axis; autodiff turns that into a reduce-scatter of
+        its gradient)."""
+        return params
 
     def global_loss(self, loss: jax.Array) -> jax.Array:
         """The loss autodiff differentiates, from this device's mean loss."""
@@ -117,6 +144,12 @@ class Strategy:
         """Where :meth:`put_state` places a leaf of this shape, or None when the strategy
         has no such sharding (its step then compiles on its first call)."""
         return None
+
+    def state_shardings(self, avals: Sequence[Any]) -> list | None:
+        """:meth:`leaf_sharding` of each of a tree's leaves (a strategy whose placement
+        depends on the leaf's place in the tree overrides this), or None."""
+        shardings = [self.leaf_sharding(a) for a in avals]
+        return None if any(s is None for s in shardings) else shardings
 
     def bytes_per_device(self, avals: Any) -> int:
         """Bytes that one device holds of a tree placed by :meth:`put_state`

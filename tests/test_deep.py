@@ -1,0 +1,249 @@
+"""Deep models: nl.Stack equals the unrolled loop (outputs and gradients, autodiff and
+manual, dropout keys), its hand rule, the GPT's scan_layers / remat / dtype options, and a
+checkpoint of one block layout loading into the other."""
+
+import dataclasses
+import functools
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import (
+    ROUNDINGS_PER_LAYER,
+    SAME_PROGRAMS,
+    assert_close_f32,
+    assert_same_trajectory,
+    first_step_grads,
+    max_abs_diff,
+)
+from test_gpt import tiny_run
+
+import nnlite as nl
+from models.contract import objective_fn
+from models.gpt import GPT, stack_blocks, unstack_blocks
+from nnlite.rules import stack_scan, stack_scan_vjp
+from nnlite.vjp import check_vjp
+from train import load_run
+
+BLOCK = nl.TransformerBlock(8, num_heads=2, mlp_ratio=2, dropout_rate=0.25)
+STACK = nl.Stack(BLOCK, 3)
+X = jax.random.normal(jax.random.key(1), (2, 5, 8))
+C = jax.random.normal(jax.random.key(2), (2, 5, 8))  # a linear loss: sum(y * C)
+KEY = jax.random.key(3)
+
+
+@pytest.fixture(scope="module")
+def stack_params():
+    return STACK.init(jax.random.key(0))
+
+
+def stacked_loss(p, x):
+    return jnp.sum(STACK(p, x, key=KEY) * C)
+
+
+def unrolled_loss(blocks, x):
+    for p, k in zip(blocks, jax.random.split(KEY, STACK.n)):
+        x = BLOCK(p, x, key=k)
+    return jnp.sum(x * C)
+
+
+def test_stack_equals_the_unrolled_loop_in_both_gradient_modes(stack_params):
+    p = stack_params
+    ref_loss, ref = jax.jit(jax.value_and_grad(unrolled_loss))(STACK.unstack(p), X)
+    ref = STACK.stack(ref)
+    for grad_mode in (lambda f: f, nl.manual_grads):
+        loss, g = jax.jit(jax.value_and_grad(grad_mode(stacked_loss), argnums=(0, 1)))(p, X)
+        assert_close_f32(loss, ref_loss, ops=ROUNDINGS_PER_LAYER * 3 * 5)
+        # 3 blocks of ~5 layers each, forward and backward
+        assert_close_f32(g[0], ref, ops=ROUNDINGS_PER_LAYER * 3 * 5)
+    # the manual backward pass is a reverse scan, not 3 copies of the block's rules
+    text = str(jax.make_jaxpr(jax.grad(nl.manual_grads(stacked_loss)))(p, X))
+    assert text.count("reverse=True") == 1
+    assert text.count("dot_general") < 3 * 10  # one block's matmuls (forward + backward)
+
+
+def test_show_jaxpr_prints_the_stack_as_a_scan_and_show_grad_runs():
+    ffn = nl.FFN(4, (8,), 4)
+    stack = nl.Stack(ffn, 3)
+    head = nl.Linear(4, 3)
+    p = nl.ParamsDict(stack=stack.init(jax.random.key(0)), head=head.init(jax.random.key(1)))
+    x, y = X[0, :, :4], jnp.array([0, 1, 2, 0, 1])
+
+    def loss(p, x, y):
+        return nl.softmax_cross_entropy(head(p.head, stack(p.stack, x)), y, reduction="mean")
+
+    src = nl.show_jaxpr(loss, p, x, y)
+    assert src.count("lax.scan(") == 1  # one loop, not three copies
+    ns: dict = {}
+    exec(src, ns)
+    assert_close_f32(ns["loss"](*jax.tree.leaves(p), x, y), loss(p, x, y), ops=8)
+    # show_grad prints straight-line code: the copies one after the other
+    ns = {}
+    exec(nl.show_grad(loss, p, x, y), ns)
+    assert_close_f32(ns["grad"](p, x, y), jax.grad(loss)(p, x, y), ops=ROUNDINGS_PER_LAYER * 8)
+
+
+def test_stack_rule_passes_check_vjp():
+    layer = nl.FFN(4, (8,), 4)
+    p = nl.Stack(layer, 3).init(jax.random.key(0))
+    f = functools.partial(stack_scan, layer=layer)
+    f_vjp = functools.partial(stack_scan_vjp, layer=layer)
+    check_vjp(f, f_vjp, p, X[..., :4], None)
+
+
+def test_stack_refuses_wrong_params_and_a_layer_that_changes_shape(stack_params):
+    with pytest.raises(
+        ValueError,
+        match=r"Stack\(TransformerBlock, 4\): params must .* "
+        r"leading axis of 4",
+    ):
+        nl.Stack(BLOCK, 4)(stack_params, X)
+    grow = nl.Stack(nl.Linear(8, 6), 2)
+    with pytest.raises(ValueError, match=r"must return its input's shape and dtype"):
+        grow(grow.init(jax.random.key(0)), X)
+
+    # a copy computing outside the hand rules is refused by the loss's manual-mode check
+    # (what loss.grad: auto asks), not only when its backward pass is traced
+    class Sine(nl.Module):
+        def init(self, key):
+            return nl.ParamsDict(w=jnp.ones(8))
+
+        def __call__(self, params, x, *, key=None):
+            return x + jnp.broadcast_to(jnp.sin(params.w), x.shape)
+
+    sines = nl.Stack(Sine(), 2)
+    p_sin = sines.init(jax.random.key(0))
+    with pytest.raises(nl.ManualGradError, match="`sin`"):
+        nl.check_manual(lambda p, x: jnp.sum(sines(p, x)), p_sin, X)
+    with pytest.raises(ValueError, match="n must be a positive int, got 0"):
+        nl.Stack(BLOCK, 0)
+    with pytest.raises(ValueError, match="policy must be None or one of"):
+        nl.Remat(BLOCK, "most")
+
+
+# -- the GPT -----------------------------------------------------------------------------------
+GPT_KW = dict(vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
+TOKENS = jax.random.randint(jax.random.key(4), (2, 9), 0, 11)
+
+
+def gpt_grads(model, params, manual: bool):
+    def loss(p, tokens):
+        return objective_fn(model)(p, tokens[:, :-1], tokens[:, 1:], key=KEY)[0]
+
+    f = nl.manual_grads(loss) if manual else loss
+    return jax.jit(jax.value_and_grad(f))(params, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def gpt_ref():
+    model = GPT(**GPT_KW)
+    params = model.init(jax.random.key(0))
+    return model, params, gpt_grads(model, params, manual=False)
+
+
+@pytest.mark.parametrize(
+    "options, manual",
+    [
+        ({"scan_layers": True, "remat": "full"}, True),
+        ({"remat": "dots_saveable"}, False),
+    ],
+)
+def test_gpt_layouts_and_remat_give_the_same_loss_and_gradients(gpt_ref, options, manual):
+    model, params, (ref_loss, ref) = gpt_ref
+    other = dataclasses.replace(model, **options)
+    p = other.init(jax.random.key(0))
+    assert max_abs_diff(other.convert_params(params), p) == 0.0  # the same init
+    loss, g = gpt_grads(other, p, manual)
+    # dropout on: equal losses mean each block got the loop's key
+    assert_close_f32(loss, ref_loss, ops=ROUNDINGS_PER_LAYER * 2 * 5)
+    assert_close_f32(model.convert_params(g), ref, ops=ROUNDINGS_PER_LAYER * (2 * 5 + 4))
+
+
+def test_gpt_params_convert_both_ways(gpt_ref):
+    model, params, _ = gpt_ref
+    # the scanned layout's logical axes (for fsdp/tensor): the block's, the copies first
+    axes = nl.param_axes(dataclasses.replace(model, scan_layers=True, remat="block"))
+    assert axes.blocks.attn.qkv.W == nl.Axes((None, "embed", "qkv"))
+    stacked = stack_blocks(params)
+    assert stacked.blocks.attn.qkv.W.shape == (2, 16, 48)
+    assert max_abs_diff(unstack_blocks(stacked), params) == 0.0
+    assert jax.tree.structure(unstack_blocks(stacked)) == jax.tree.structure(params)
+    scanned = dataclasses.replace(model, scan_layers=True)
+    assert jax.tree.structure(scanned.convert_params(params)) == jax.tree.structure(stacked)
+    with pytest.raises(ValueError, match=r"GPT\(n_layer=4\): params hold 2 blocks"):
+        dataclasses.replace(model, n_layer=4).convert_params(params)
+    with pytest.raises(ValueError, match="no /blocks"):
+        model.convert_params(nl.ParamsDict(wte=params.wte))
+
+
+def test_gpt_bfloat16_computes_in_bfloat16_with_float32_params_and_gradients(gpt_ref):
+    model, params, (ref_loss, _) = gpt_ref
+    bf16 = dataclasses.replace(model, dtype="bfloat16", scan_layers=True)
+    p = bf16.init(jax.random.key(0))
+    assert {a.dtype for a in jax.tree.leaves(p)} == {jnp.dtype(jnp.float32)}
+    tokens = TOKENS[:, :-1]
+    # the residual stream is bfloat16 through the blocks, the logits float32
+    h = jax.eval_shape(
+        lambda p, t: bf16.stack(p.blocks, bf16.wte(p.wte, t).astype("bfloat16")), p, tokens
+    )
+    assert h.dtype == jnp.bfloat16
+    assert jax.eval_shape(bf16, p, tokens).dtype == jnp.float32
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
+        dataclasses.replace(model, dtype="float16")
+    with pytest.raises(ValueError, match="remat must be one of none, block, full, "):
+        dataclasses.replace(model, remat="all")
+    # decoding with the key/value cache in bfloat16, each layer's params sliced out
+    cache = bf16.empty_cache(2, jnp.bfloat16)
+    logits, cache = jax.jit(bf16.decode_step)(p, cache, TOKENS[:, 0], jnp.int32(0))
+    assert logits.dtype == jnp.float32 and cache[0].dtype == jnp.bfloat16
+    loss, g = gpt_grads(bf16, p, manual=True)
+    assert {a.dtype for a in jax.tree.leaves(g)} == {jnp.dtype(jnp.float32)}
+    assert loss.dtype == jnp.float32
+    assert abs(float(loss) - float(ref_loss)) < 0.02  # bfloat16 rounding, not another model
+
+
+# -- checkpoints of the other layout -------------------------------------------------------------
+def test_a_checkpoint_of_one_layout_resumes_and_loads_in_the_other(tmp_path):
+    whole = tiny_run(tmp_path, name="whole")  # 1 block, unrolled: a list of 1; 12 steps
+    split = tmp_path / "split"
+    shutil.copytree(whole.run_dir, split)
+    (split / "checkpoints" / "ckpt_00000012.safetensors").unlink()
+    # resumed from the unrolled step-6 checkpoint with the blocks scanned
+    resumed = tiny_run(tmp_path, "model.scan_layers=true", name="split", resume="require")
+    assert resumed.step == 12
+    assert resumed.params.blocks.attn.qkv.W.shape[0] == 1
+    lr = whole.cfg.optimizer.learning_rate
+    assert_same_trajectory(whole.model.convert_params(resumed.params), whole.params, lr=lr)
+    # the unrolled run's directory, loaded with the scanned run's checkpoint (and optimizer
+    # state): converted into the unrolled layout
+    ckpt = split / "checkpoints" / "ckpt_00000012.safetensors"
+    loaded = load_run(whole.run_dir, checkpoint=ckpt, with_opt_state=True)
+    assert isinstance(loaded.params.blocks, list)
+    np.testing.assert_array_equal(
+        loaded.params.blocks[0].mlp.fc.W, resumed.params.blocks.mlp.fc.W[0]
+    )
+    mu = loaded.opt_state
+    assert any(
+        isinstance(getattr(s, "mu", None), nl.ParamsDict) and isinstance(s.mu.blocks, list)
+        for s in jax.tree.leaves(mu, is_leaf=lambda s: hasattr(s, "mu"))
+    )
+
+
+def test_gpt_scanned_and_rematted_under_shard_map_equals_one_device(tmp_path):
+    """The stack's manual rule inside shard_map: the replicated params' gradients summed
+    over the devices as one device computes them (the shipped config's manual mode)."""
+    one = ["train.steps=1", *SAME_PROGRAMS]
+    ref = tiny_run(tmp_path, *one, "parallel.strategy=none", name="ref")
+    got = tiny_run(
+        tmp_path,
+        *one,
+        "parallel.strategy=shard_map",
+        "parallel.devices=2",
+        "model.scan_layers=true",
+        "model.remat=block",
+        name="shard_map",
+    )
+    g = got.model.other_layout().convert_params(first_step_grads(got))
+    assert_close_f32(g, first_step_grads(ref), ops=ROUNDINGS_PER_LAYER * 16)
