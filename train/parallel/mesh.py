@@ -221,6 +221,15 @@ class Sharded(Strategy):
         shape = (idx.shape[0], idx.shape[1] * jax.process_count())
         return jax.make_array_from_process_local_data(self.by_batch, idx, shape)
 
+    def put_batch(self, batch):
+        # Each device gets its own slice of this process's share along the batch axis
+        # (the model axis holds copies of it), nothing more.
+        def put(a):
+            shape = (a.shape[0], a.shape[1] * jax.process_count(), *a.shape[2:])
+            return jax.make_array_from_process_local_data(self.by_batch, a, shape)
+
+        return jax.tree.map(put, batch)
+
     def put_steps(self, steps):
         return self._put(steps, self.replicated)
 
