@@ -107,15 +107,8 @@ def test_prepared_chars_stream_exactly_as_the_in_memory_text(tmp_path, corpus, m
     assert load_dataset(cfg.data, context=16).streamed
 
 
-@pytest.mark.parametrize("strategy", ["shard_map", "pmap", "sharded"])
-def test_streamed_batches_equal_the_on_device_gather_on_8_devices(
-    tmp_path, arrays, strategy, monkeypatch
-):
-    if strategy == "sharded":  # the fsdp stand-in: sharded params, one jit (put_batch inherited)
-        from _sharded_strategy import use_sharded_strategy
-
-        use_sharded_strategy(monkeypatch)
-        strategy = "shard_map"
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap", "fsdp"])
+def test_streamed_batches_equal_the_on_device_gather_on_8_devices(tmp_path, arrays, strategy):
     data = {"name": "arrays", "path": str(arrays)}
     mlp = {"name": "mlp", "hidden_sizes": [16]}
     keys = {"strategy": strategy, "batch_size": 64}

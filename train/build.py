@@ -350,6 +350,30 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     stepper = make_stepper(r, p_def, o_def, nonfinite, jax.tree.structure(s_avals))
     eval_dev = r.strategy.eval_device
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
+    first_batch = None
+    if r.data.streamed:  # batches come from the host (train/feed.py): nothing placed whole
+        from .feed import eval_chunk
+
+        X = Y = ()
+        first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)
+        X_test = Y_test = None
+        chunk = eval_chunk(r.data)
+        evaluate = build_chunk_eval(r.model)
+        eval_args = [
+            jax.ShapeDtypeStruct((chunk, *a.shape[1:]), batch_dtype(a), sharding=on_eval_dev)
+            for a in (r.data.x_test, r.data.y_test)
+        ] + [jax.ShapeDtypeStruct((), np.int32, sharding=on_eval_dev)]
+    else:
+        X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
+        X_test, Y_test = (
+            jax.device_put(r.data.x_test, eval_dev),
+            jax.device_put(r.data.y_test, eval_dev),
+        )
+        chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
+        if r.data.window is not None:
+            chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
+        evaluate = build_split_eval(r.model, chunk)
+        eval_args = [X_test, Y_test]
     eval_params, eval_state = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)
     )
