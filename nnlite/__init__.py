@@ -6,11 +6,11 @@ hyperparameters with ``init(key)`` and ``__call__(params, x)``.
 
 from . import rules as rules
 from . import vjp as vjp
-from .core._batch_axis import batch_axis as batch_axis
-from .core._batch_axis import current_batch_axis as current_batch_axis
 from .core._axes import AXIS_NAMES as AXIS_NAMES
 from .core._axes import Axes as Axes
 from .core._axes import param_axes as param_axes
+from .core._batch_axis import batch_axis as batch_axis
+from .core._batch_axis import current_batch_axis as current_batch_axis
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
