@@ -64,25 +64,43 @@ def test_stack_equals_the_unrolled_loop_in_both_gradient_modes(stack_params):
     assert text.count("dot_general") < 3 * 10  # one block's matmuls (forward + backward)
 
 
-def test_show_jaxpr_prints_the_stack_as_a_scan_and_show_grad_runs():
+def _stack_loss(n):
     ffn = nl.FFN(4, (8,), 4)
-    stack = nl.Stack(ffn, 3)
+    stack = nl.Stack(ffn, n)
     head = nl.Linear(4, 3)
     p = nl.ParamsDict(stack=stack.init(jax.random.key(0)), head=head.init(jax.random.key(1)))
-    x, y = X[0, :, :4], jnp.array([0, 1, 2, 0, 1])
 
     def loss(p, x, y):
         return nl.softmax_cross_entropy(head(p.head, stack(p.stack, x)), y, reduction="mean")
 
+    return loss, p
+
+
+def test_show_jaxpr_and_show_grad_print_the_stack_as_a_loop():
+    loss, p = _stack_loss(3)
+    x, y = X[0, :, :4], jnp.array([0, 1, 2, 0, 1])
     src = nl.show_jaxpr(loss, p, x, y)
     assert src.count("lax.scan(") == 1  # one loop, not three copies
     ns: dict = {}
     exec(src, ns)
     assert_close_f32(ns["loss"](*jax.tree.leaves(p), x, y), loss(p, x, y), ops=8)
-    # show_grad prints straight-line code: the copies one after the other
-    ns = {}
-    exec(nl.show_grad(loss, p, x, y), ns)
-    assert_close_f32(ns["grad"](p, x, y), jax.grad(loss)(p, x, y), ops=ROUNDINGS_PER_LAYER * 8)
+
+    # show_grad: a forward scan keeping what the copy's rules need, a reverse scan of
+    # its hand VJPs, the copy's calls printed once; the code does not grow with n
+    sources = {}
+    for n in (2, 6):
+        loss, p = _stack_loss(n)
+        src = sources[n] = nl.show_grad(loss, p, x, y)
+        assert src.count("lax.scan(") == 2 and src.count("reverse=True") == 1
+        assert src.count("def stack_forward(") == 1 and src.count("def stack_backward(") == 1
+        assert src.count("= linear(") == 3 and src.count("linear_vjp(") == 3  # 2 in the body
+        ns = {}
+        exec(src, ns)
+        for xb, yb in ((x, y), (X[1, :3, :4], y[:3])):  # at another batch size too
+            assert_close_f32(
+                ns["grad"](p, xb, yb), jax.grad(loss)(p, xb, yb), ops=ROUNDINGS_PER_LAYER * 8
+            )
+    assert len(sources[2]) == len(sources[6])
 
 
 def test_stack_rule_passes_check_vjp():

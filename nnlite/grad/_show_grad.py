@@ -19,6 +19,7 @@ that changed with it prints as an expression in ``B = <first batch array>.shape[
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from ._show_grad_walk import (
     _NotPortable,
     _path_expr,
     _Printer,
+    _StackBody,
     _trace,
     _Val,
     _Walk,
@@ -204,21 +206,10 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
             "that its backward pass starts there"
         )
 
-    # Only the calls the loss needs, in order.
-    needed: set = set()
-    stack = [loss.node]
-    while stack:
-        node = stack.pop()
-        if id(node) in needed:
-            continue
-        needed.add(id(node))
-        for a in node.args + [v for _, v, _ in node.kwargs]:
-            if isinstance(a, _Val) and a.node is not None:
-                stack.append(a.node)
-    nodes = [n for n in walk.nodes if id(n) in needed]
-
-    functions = {n.fn for n in nodes if n.fn is not None}
-    functions |= {n.f_vjp for n in nodes if n.f_vjp is not None}
+    nodes = _needed(walk, loss)
+    functions: set = set()
+    for n in _all_nodes(nodes):
+        functions |= {f for f in (n.fn, n.f_vjp) if f is not None}
     pr.names.update(f.__name__ for f in functions)  # never shadow a rule
 
     consts: list[str] = []
@@ -251,61 +242,140 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
             return pr.pyval(a[1], a[2]) if not isinstance(a[1], str) else repr(a[1])
         return name_of(a)
 
-    fwd: list[str] = []
-    for node in nodes:
-        args = [arg_src(a) for a in node.args]
-        kw = "".join(
-            f", {k}={name_of(va) if isinstance(va, _Val) else pr.pyval(va, vb)}"
-            for k, va, vb in node.kwargs
-        )
-        node.call_args, node.call_kw = args, kw  # type: ignore[attr-defined]
-        if node.fn is None:
-            rhs = _expression(pr, node.expr, args)
-        else:
-            rhs = f"{node.name}({', '.join(args)}{kw})"
-        if node.label is None and node.f_vjp is not None:
-            node.label = walk.label(node.args)
-        if node.label:
-            base = f"{node.name}_{node.label}"
-        else:
-            pr.counts[node.name] = pr.counts.get(node.name, 0) + 1
-            base = f"{node.name}_out{pr.counts[node.name]}"
-        if len(node.outs) == 1:
-            node.outs[0].expr = pr.fresh(base)
-            fwd.append(f"    {node.outs[0].expr} = {rhs}")
-        else:
-            for i, o in enumerate(node.outs):
-                o.expr = pr.fresh(f"{base}_{i}")
-            fwd.append(f"    {', '.join(o.expr for o in node.outs)} = {rhs}")
+    def forward(nodes: list, walk: _Walk) -> list[str]:
+        fwd: list[str] = []
+        for node in nodes:
+            args = [arg_src(a) for a in node.args]
+            kw = "".join(
+                f", {k}={name_of(va) if isinstance(va, _Val) else pr.pyval(va, vb)}"
+                for k, va, vb in node.kwargs
+            )
+            node.call_args, node.call_kw = args, kw  # type: ignore[attr-defined]
+            if node.stack is not None:
+                fwd += stack_forward(node, args)
+                continue
+            if node.fn is None:
+                rhs = _expression(pr, node.expr, args)
+            else:
+                rhs = f"{node.name}({', '.join(args)}{kw})"
+            if node.label is None and node.f_vjp is not None:
+                node.label = walk.label(node.args)
+            if node.label:
+                base = f"{node.name}_{node.label}"
+            else:
+                pr.counts[node.name] = pr.counts.get(node.name, 0) + 1
+                base = f"{node.name}_out{pr.counts[node.name]}"
+            if len(node.outs) == 1:
+                node.outs[0].expr = pr.fresh(base)
+                fwd.append(f"    {node.outs[0].expr} = {rhs}")
+            else:
+                for i, o in enumerate(node.outs):
+                    o.expr = pr.fresh(f"{base}_{i}")
+                fwd.append(f"    {', '.join(o.expr for o in node.outs)} = {rhs}")
+        return fwd
 
     # Backward: the hand VJPs in reverse, cotangents summed where a value fed several calls.
-    bwd: list[str] = []
-    have: set = set()
-    bwd.append(f"    d_{loss.expr} = jnp.ones_like({loss.expr})")
-    have.add(id(loss))
-    for node in reversed(nodes):
-        if node.f_vjp is None or not any(id(o) in have for o in node.outs):
-            continue
-        d_outs = [
-            f"d_{o.expr}" if id(o) in have else f"jnp.zeros_like({o.expr})" for o in node.outs
-        ]
-        targets, adds = [], []
-        for i, a in enumerate(node.args):
-            if not (isinstance(a, _Val) and a.tainted):
-                targets.append("_")
+    def backward(nodes: list, have: set) -> list[str]:
+        bwd: list[str] = []
+        for node in reversed(nodes):
+            has_bwd = node.f_vjp is not None or node.stack is not None
+            if not has_bwd or not any(id(o) in have for o in node.outs):
                 continue
-            d = f"d_{_ident(a.expr)}"
-            if id(a) not in have:
-                targets.append(d)
-                have.add(id(a))
+            d_outs = [
+                f"d_{o.expr}" if id(o) in have else f"jnp.zeros_like({o.expr})" for o in node.outs
+            ]
+            targets, adds = [], []
+            for i, a in enumerate(node.args):
+                if not (isinstance(a, _Val) and a.tainted):
+                    targets.append("_")
+                    continue
+                d = f"d_{_ident(a.expr)}"
+                if id(a) not in have:
+                    targets.append(d)
+                    have.add(id(a))
+                else:
+                    tmp = f"d{i}_{node.outs[0].expr}"
+                    targets.append(tmp)
+                    adds.append(f"    {d} = {d} + {tmp}")
+            if node.stack is not None:
+                bwd += stack_backward(node, d_outs[0], targets)
             else:
-                tmp = f"d{i}_{node.outs[0].expr}"
-                targets.append(tmp)
-                adds.append(f"    {d} = {d} + {tmp}")
-        call = f"{node.f_vjp.__name__}({', '.join(node.call_args + d_outs)}{node.call_kw})"  # type: ignore[attr-defined]
-        bwd.append(f"    {', '.join(targets)} = {call}")
-        bwd.extend(adds)
+                call = f"{node.f_vjp.__name__}({', '.join(node.call_args + d_outs)}{node.call_kw})"  # type: ignore[attr-defined]
+                bwd.append(f"    {', '.join(targets)} = {call}")
+            bwd.extend(adds)
+        return bwd
 
+    # A Stack: the body (one copy's calls) printed once, in a forward scan that keeps
+    # what the copy's backward needs and a reverse scan of the copy's hand VJPs.
+    def stack_forward(node, args: list[str]) -> list[str]:
+        body: _StackBody = node.stack
+        saved, pr.p_name = pr.p_name, body.p_name
+        try:
+            sub_nodes = _needed(body.walk, body.y)
+            sub_fwd = forward(sub_nodes, body.walk)
+            have: set = {id(body.y)}
+            d_y = f"d_{body.y.expr}"
+            sub_bwd = backward(sub_nodes, have)
+        finally:
+            pr.p_name = saved
+        # the body's values the backward pass reads: kept, one per copy
+        defined = [body.h.expr] + [o.expr for n in sub_nodes for o in n.outs]
+        text = "\n".join(sub_bwd)
+        kept = [e for e in dict.fromkeys(defined) if re.search(rf"\b{re.escape(e)}\b", text)]
+        p_src, carry_src = _stacked_params(pr, body, args[:-1]), args[-1]
+        base = _ident(p_src[len(pr.p_name) :]) if p_src.startswith(pr.p_name) else ""
+        base = base if base and base != "v" else "stack"
+        f_fwd, f_bwd = pr.fresh(f"{base}_forward"), pr.fresh(f"{base}_backward")
+        kept_name = pr.fresh(f"{base}_kept")
+        (out,) = node.outs
+        out.expr = pr.fresh(f"{base}_out")
+        kept_tuple = f"({', '.join(kept)}{',' if len(kept) == 1 else ''})"
+        d_p = [
+            f"d_{_ident(v.expr)}" if id(v) in have else f"jnp.zeros_like({v.expr})"
+            for v in body.p_vals
+        ]
+        d_h = f"d_{_ident(body.h.expr)}" if id(body.h) in have else f"jnp.zeros_like({body.h.expr})"
+        # the reverse scan's body, written now that its names are known
+        node.stack_backward_def = (  # type: ignore[attr-defined]
+            [
+                f"    def {f_bwd}({d_y}, xs):",
+                f"        {body.p_name}, {kept_tuple} = xs",
+            ]
+            + [f"    {line}" for line in sub_bwd]
+            + [
+                f"        return {d_h}, jax.tree.unflatten(",
+                f"            jax.tree.structure({body.p_name}),",
+                "            [",
+                *(f"            {d}," for d in d_p),
+                "            ],",
+                "        )",
+            ]
+        )
+        node.stack_names = (f_bwd, kept_name, p_src)  # type: ignore[attr-defined]
+        return (
+            [f"    def {f_fwd}({body.h.expr}, {body.p_name}):"]
+            + [f"    {line}" for line in sub_fwd]
+            + [f"        return {body.y.expr}, {kept_tuple}"]
+            + [f"    {out.expr}, {kept_name} = lax.scan({f_fwd}, {carry_src}, {p_src})"]
+        )
+
+    def stack_backward(node, d_out: str, targets: list[str]) -> list[str]:
+        body: _StackBody = node.stack
+        f_bwd, kept_name, p_src = node.stack_names  # type: ignore[attr-defined]
+        d_stacked = pr.fresh(f"d_{f_bwd.removesuffix('_backward')}_params")
+        lines = list(node.stack_backward_def)  # type: ignore[attr-defined]
+        lines.append(
+            f"    {targets[-1]}, {d_stacked} = lax.scan("
+            f"{f_bwd}, {d_out}, ({p_src}, {kept_name}), reverse=True)"
+        )
+        for t, path in zip(targets[:-1], body.paths, strict=True):
+            if t != "_":
+                lines.append(f"    {t} = {_path_expr(d_stacked, path)}")
+        return lines
+
+    fwd = forward(nodes, walk)
+    have: set = {id(loss)}
+    bwd = [f"    d_{loss.expr} = jnp.ones_like({loss.expr})"] + backward(nodes, have)
     grads = [
         f"d_{_ident(v.expr)}" if id(v) in have else f"jnp.zeros_like({v.expr})"
         for v in ins[: len(p_leaves)]
@@ -334,7 +404,7 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         header.append(f"from {mod} import {', '.join(sorted(set(by_module[mod])))}")
     defs = []
     # a rule's VJP before the function whose decorator names it
-    for f in sorted(inline, key=lambda f: f not in {n.f_vjp for n in nodes}):
+    for f in sorted(inline, key=lambda f: f not in {n.f_vjp for n in _all_nodes(nodes)}):
         defs += ["", _inline_source(f).rstrip()]
     lines = header + defs + ["", "", f"def grad({', '.join(arg_names)}):"]
     if not pr.portable:
@@ -350,6 +420,43 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         f"        [\n        {leaves_src},\n        ],\n    )"
     )
     return "\n".join(lines) + "\n"
+
+
+def _needed(walk: _Walk, out: _Val) -> list:
+    """The calls ``out`` needs, in order."""
+    needed: set = set()
+    todo = [out.node] if out.node is not None else []
+    while todo:
+        node = todo.pop()
+        if id(node) in needed:
+            continue
+        needed.add(id(node))
+        for a in node.args + [v for _, v, _ in node.kwargs]:
+            if isinstance(a, _Val) and a.node is not None:
+                todo.append(a.node)
+    return [n for n in walk.nodes if id(n) in needed]
+
+
+def _all_nodes(nodes: list) -> list:
+    """``nodes`` and, for each Stack among them, the calls of its body."""
+    out = []
+    for n in nodes:
+        out.append(n)
+        if n.stack is not None:
+            out += _all_nodes(_needed(n.stack.walk, n.stack.y))
+    return out
+
+
+def _stacked_params(pr: _Printer, body: _StackBody, args: list[str]) -> str:
+    """The stacked params as the scan's ``xs``: their common ParamsDict when the leaves
+    are one subtree's (``params.stack``), else the leaves rebuilt into the tree."""
+    prefixes = set()
+    for a, path in zip(args, body.paths, strict=True):
+        suffix = _path_expr("", path)
+        prefixes.add(a[: len(a) - len(suffix)] if suffix and a.endswith(suffix) else None)
+    if len(prefixes) == 1 and None not in prefixes and "" not in prefixes:
+        return prefixes.pop()
+    raise ValueError("show_grad: a Stack's params must be one subtree of the params")
 
 
 def _expression(pr: _Printer, eqn, args: list[str]) -> str:

@@ -90,6 +90,19 @@ class _Node:
     outs: list
     label: str | None = None
     expr: str | None = None  # the printed right-hand side of an expression node
+    stack: _StackBody | None = None  # a Stack printed as two scans over this body
+
+
+@dataclasses.dataclass(eq=False)
+class _StackBody:
+    """One copy of a Stack's layer, walked on its own: the body of the printed scans."""
+
+    walk: _Walk
+    p_name: str  # the copy's params in the body
+    paths: list  # the params' leaf paths
+    p_vals: list  # the body's param leaves
+    h: _Val  # the body's input (the carry)
+    y: _Val  # its output
 
 
 class _Printer:
@@ -333,6 +346,8 @@ class _Walk:
         entry_b = None if eb is None or self.tape_b is None else self.tape_b.get(eb.outvars[0])
         if eb is not None and entry_b is None:
             raise _NotPortable
+        if getattr(wrapped, "layer", None) is not None:
+            return self.stack(wrapped.layer, ea, entry_b, ins, b_avals)
         operands = iter(ins[ea.params.get("num_consts", 0) :])
         b_args = [None] * len(args) if entry_b is None else list(entry_b[1])
         node_args = []
@@ -360,6 +375,71 @@ class _Walk:
         ]
         node = _Node(wrapped.__name__, wrapped, wrapped.f_vjp, node_args, kwargs, outs)
         node.label = self.label(node_args)
+        return self.add(node)
+
+    def stack(self, layer, ea, entry_b, ins, b_avals) -> list[_Val]:
+        """A ``Stack`` without keys: one node whose body, one copy of ``layer`` on the
+        params of one copy, is walked apart (traced again, at both batch sizes) and
+        printed once inside a forward and a reverse ``lax.scan``."""
+        ins = ins[ea.params.get("num_consts", 0) :]
+        *p_vals, x = ins
+        p_tree = jax.tree.structure(self.tape_a[ea.outvars[0]][1][0])
+        paths = [
+            path
+            for path, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(p_tree, p_vals))[
+                0
+            ]
+        ]
+
+        def spec(aval, drop: int):
+            return jax.ShapeDtypeStruct(tuple(aval.shape[drop:]), aval.dtype)
+
+        def copy(p, h):
+            return layer(p, h)
+
+        def trace(avals, h_aval):
+            one = jax.tree.unflatten(p_tree, [spec(a, 1) for a in avals])
+            h = spec(h_aval, 0)
+            return _trace(copy, one, (h,), {}, [*jax.tree.leaves(one), h])
+
+        closed_a, tape_a = trace([v.aval for v in p_vals], x.aval)
+        closed_b, tape_b = None, None
+        if entry_b is not None:
+            closed_b, tape_b = trace([v.b_aval for v in p_vals], x.b_aval)
+        saved = self.pr.p_name
+        self.pr.p_name = p_name = self.pr.fresh("p_copy")
+        try:
+            sub = _Walk(self.pr, tape_a, tape_b)
+            sub_ins = [
+                _Val(
+                    v.aval,
+                    None if v.b_aval is None else v.b_aval,
+                    tainted=v.tainted,
+                    expr=_path_expr(p_name, path),
+                )
+                for v, path in zip(p_vals, paths, strict=True)
+            ]
+            # the carry has a cotangent whenever the copies' params do: the previous copy's
+            tainted = x.tainted or any(v.tainted for v in p_vals)
+            h = _Val(x.aval, x.b_aval, tainted=tainted, expr=self.pr.fresh("h"))
+            jb = None if closed_b is None else closed_b.jaxpr
+            (y,), _ = sub.body(
+                closed_a.jaxpr,
+                jb,
+                [*sub_ins, h],
+                list(closed_a.consts),
+                None if closed_b is None else list(closed_b.consts),
+            )
+        finally:
+            self.pr.p_name = saved
+        tainted = any(v.tainted for v in ins)
+        outs = [
+            _Val(v.aval, b, tainted=tainted and _is_float_dtype(v.aval.dtype))
+            for v, b in zip(ea.outvars, b_avals, strict=True)
+        ]
+        node = _Node("stack", None, None, [*p_vals, x], [], outs)
+        node.stack = _StackBody(sub, p_name, paths, sub_ins, h, y)
+        node.label = self.label(p_vals)
         return self.add(node)
 
     def label(self, args: list) -> str | None:

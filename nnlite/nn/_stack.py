@@ -160,6 +160,17 @@ def _no_cotangent(k):
     return np.zeros(k.shape, jax.dtypes.float0)
 
 
+class StackCall:
+    """show_grad's tape entry for a stack applied without keys: the walk prints it as a
+    forward ``lax.scan`` and a reverse one, the layer's calls printed once as their body."""
+
+    __name__ = "stack"
+    f_vjp = None
+
+    def __init__(self, layer: Module):
+        self.layer = layer
+
+
 class Stack(Module):
     """``n`` copies of ``layer`` applied one after the other, with stacked params and
     ``lax.scan`` (levanter's ``Stacked``, Flax's ``nn.scan``): the compiled program holds
@@ -247,11 +258,17 @@ class Stack(Module):
         self._check(params, x, keys)
         if not manual_active():
             return stack_scan(params, x, keys, layer=self.layer)
-        if manual_tape() is not None:
-            # show_grad records hand rules one call at a time: the copies in order.
+        tape = manual_tape()
+        if tape is not None:
+            if keys is None:
+                # show_grad prints the stack as a loop: one call, its body traced apart
+                out = _manual_stack(self.layer)(params, x, keys)
+                tape.append((StackCall(self.layer), (params, x), {}, out))
+                return out
+            # random keys per copy: show_grad prints the copies in order
             copies = _split_copies(params, self.n)
             for i, p in enumerate(copies):
-                x = _body(self.layer, p, x, None if keys is None else keys[i])
+                x = _body(self.layer, p, x, keys[i])
             return x
         _check_body(self.layer, params, x, keys)
         return _manual_stack(self.layer)(params, x, keys)
