@@ -103,6 +103,20 @@ def test_show_jaxpr_and_show_grad_print_the_stack_as_a_loop():
     assert len(sources[2]) == len(sources[6])
 
 
+def test_show_grad_prints_a_stack_with_dropout_keys_as_a_loop(stack_params):
+    # each copy's key is scanned beside its params; the dropout masks equal jax.grad's
+    src = nl.show_grad(stacked_loss, stack_params, X)
+    assert src.count("lax.scan(") == 2 and src.count("def stack_forward(") == 1
+    assert src.count("= layer_norm(") == 2  # one block's two, not three blocks'
+    ns: dict = {}
+    exec(src, ns)
+    assert_close_f32(
+        ns["grad"](stack_params, X),
+        jax.grad(stacked_loss)(stack_params, X),
+        ops=ROUNDINGS_PER_LAYER * 3 * 5,
+    )
+
+
 def test_stack_rule_passes_check_vjp():
     layer = nl.FFN(4, (8,), 4)
     p = nl.Stack(layer, 3).init(jax.random.key(0))

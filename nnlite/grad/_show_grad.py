@@ -3,7 +3,9 @@
 The loss is traced once in manual-gradient mode with a tape (every hand-rule call --
 ``linear``, ``relu``, ``conv``, ``layer_norm``, a user's ``@nl.hand_rule`` -- records its
 arguments and result) and with ``jax.disable_jit`` (a jitted helper is inlined, a
-``lax.scan`` unrolled). The jaxpr is then printed as a function: the forward calls, each
+``lax.scan`` unrolled). An ``nl.Stack`` records one call: one copy of its layer is traced
+and walked apart and printed once, as the body of a forward ``lax.scan`` that keeps what
+the copy's VJPs read and of a reverse scan of those VJPs. The jaxpr is then printed as a function: the forward calls, each
 result named after the layer path of the params it uses; the plain ``jnp`` between layers
 as calls of the primitive's library rule (``add``, ``reduce_sum``, ``reshape``, ...); then
 the hand VJPs in reverse order, summing cotangents where a value feeds several calls, and
@@ -319,10 +321,13 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         finally:
             pr.p_name = saved
         # the body's values the backward pass reads: kept, one per copy
-        defined = [body.h.expr] + [o.expr for n in sub_nodes for o in n.outs]
+        keyed = body.key is not None
+        defined = [body.h.expr] + ([body.key.expr] if keyed else [])
+        defined += [o.expr for n in sub_nodes for o in n.outs]
         text = "\n".join(sub_bwd)
         kept = [e for e in dict.fromkeys(defined) if re.search(rf"\b{re.escape(e)}\b", text)]
-        p_src, carry_src = _stacked_params(pr, body, args[:-1]), args[-1]
+        n_p = len(body.paths)
+        p_src, carry_src = _stacked_params(pr, body, args[:n_p]), args[n_p]
         base = _ident(p_src[len(pr.p_name) :]) if p_src.startswith(pr.p_name) else ""
         base = base if base and base != "v" else "stack"
         f_fwd, f_bwd = pr.fresh(f"{base}_forward"), pr.fresh(f"{base}_backward")
@@ -352,11 +357,19 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
             ]
         )
         node.stack_names = (f_bwd, kept_name, p_src)  # type: ignore[attr-defined]
+        if keyed:  # the scan runs over the params and the copies' keys
+            head = [
+                f"    def {f_fwd}({body.h.expr}, xs):",
+                f"        {body.p_name}, {body.key.expr} = xs",
+            ]
+            xs_src = f"({p_src}, {args[n_p + 1]})"
+        else:
+            head, xs_src = [f"    def {f_fwd}({body.h.expr}, {body.p_name}):"], p_src
         return (
-            [f"    def {f_fwd}({body.h.expr}, {body.p_name}):"]
+            head
             + [f"    {line}" for line in sub_fwd]
             + [f"        return {body.y.expr}, {kept_tuple}"]
-            + [f"    {out.expr}, {kept_name} = lax.scan({f_fwd}, {carry_src}, {p_src})"]
+            + [f"    {out.expr}, {kept_name} = lax.scan({f_fwd}, {carry_src}, {xs_src})"]
         )
 
     def stack_backward(node, d_out: str, targets: list[str]) -> list[str]:
@@ -364,11 +377,12 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         f_bwd, kept_name, p_src = node.stack_names  # type: ignore[attr-defined]
         d_stacked = pr.fresh(f"d_{f_bwd.removesuffix('_backward')}_params")
         lines = list(node.stack_backward_def)  # type: ignore[attr-defined]
+        n_p = len(body.paths)
         lines.append(
-            f"    {targets[-1]}, {d_stacked} = lax.scan("
+            f"    {targets[n_p]}, {d_stacked} = lax.scan("
             f"{f_bwd}, {d_out}, ({p_src}, {kept_name}), reverse=True)"
         )
-        for t, path in zip(targets[:-1], body.paths, strict=True):
+        for t, path in zip(targets[:n_p], body.paths, strict=True):
             if t != "_":
                 lines.append(f"    {t} = {_path_expr(d_stacked, path)}")
         return lines

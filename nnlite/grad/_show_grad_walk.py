@@ -103,6 +103,7 @@ class _StackBody:
     p_vals: list  # the body's param leaves
     h: _Val  # the body's input (the carry)
     y: _Val  # its output
+    key: _Val | None = None  # the copy's random key, when the stack has keys
 
 
 class _Printer:
@@ -378,29 +379,27 @@ class _Walk:
         return self.add(node)
 
     def stack(self, layer, ea, entry_b, ins, b_avals) -> list[_Val]:
-        """A ``Stack`` without keys: one node whose body, one copy of ``layer`` on the
-        params of one copy, is walked apart (traced again, at both batch sizes) and
-        printed once inside a forward and a reverse ``lax.scan``."""
+        """A ``Stack``: one node whose body, one copy of ``layer`` on the params (and key)
+        of one copy, is walked apart (traced again, at both batch sizes) and printed once
+        inside a forward and a reverse ``lax.scan``."""
         ins = ins[ea.params.get("num_consts", 0) :]
-        *p_vals, x = ins
-        p_tree = jax.tree.structure(self.tape_a[ea.outvars[0]][1][0])
-        paths = [
-            path
-            for path, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(p_tree, p_vals))[
-                0
-            ]
-        ]
+        params, _, keys = self.tape_a[ea.outvars[0]][1]
+        p_tree = jax.tree.structure(params)
+        n_p = p_tree.num_leaves
+        p_vals, x, k_vals = ins[:n_p], ins[n_p], ins[n_p + 1 :]
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
         def spec(aval, drop: int):
             return jax.ShapeDtypeStruct(tuple(aval.shape[drop:]), aval.dtype)
 
-        def copy(p, h):
-            return layer(p, h)
+        def copy(p, h, *k):
+            return layer(p, h, key=k[0] if k else None)
 
         def trace(avals, h_aval):
             one = jax.tree.unflatten(p_tree, [spec(a, 1) for a in avals])
             h = spec(h_aval, 0)
-            return _trace(copy, one, (h,), {}, [*jax.tree.leaves(one), h])
+            k = [spec(v.aval, 1) for v in k_vals]
+            return _trace(copy, one, (h, *k), {}, [*jax.tree.leaves(one), h, *k])
 
         closed_a, tape_a = trace([v.aval for v in p_vals], x.aval)
         closed_b, tape_b = None, None
@@ -422,11 +421,12 @@ class _Walk:
             # the carry has a cotangent whenever the copies' params do: the previous copy's
             tainted = x.tainted or any(v.tainted for v in p_vals)
             h = _Val(x.aval, x.b_aval, tainted=tainted, expr=self.pr.fresh("h"))
+            k = [_Val(v.aval, v.aval, expr=self.pr.fresh("k")) for v in k_vals]
             jb = None if closed_b is None else closed_b.jaxpr
             (y,), _ = sub.body(
                 closed_a.jaxpr,
                 jb,
-                [*sub_ins, h],
+                [*sub_ins, h, *k],
                 list(closed_a.consts),
                 None if closed_b is None else list(closed_b.consts),
             )
@@ -437,8 +437,8 @@ class _Walk:
             _Val(v.aval, b, tainted=tainted and _is_float_dtype(v.aval.dtype))
             for v, b in zip(ea.outvars, b_avals, strict=True)
         ]
-        node = _Node("stack", None, None, [*p_vals, x], [], outs)
-        node.stack = _StackBody(sub, p_name, paths, sub_ins, h, y)
+        node = _Node("stack", None, None, [*p_vals, x, *k_vals], [], outs)
+        node.stack = _StackBody(sub, p_name, paths, sub_ins, h, y, k[0] if k else None)
         node.label = self.label(p_vals)
         return self.add(node)
 

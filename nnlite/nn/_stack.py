@@ -161,7 +161,7 @@ def _no_cotangent(k):
 
 
 class StackCall:
-    """show_grad's tape entry for a stack applied without keys: the walk prints it as a
+    """show_grad's tape entry for a stack: the walk prints it as a
     forward ``lax.scan`` and a reverse one, the layer's calls printed once as their body."""
 
     __name__ = "stack"
@@ -260,16 +260,10 @@ class Stack(Module):
             return stack_scan(params, x, keys, layer=self.layer)
         tape = manual_tape()
         if tape is not None:
-            if keys is None:
-                # show_grad prints the stack as a loop: one call, its body traced apart
-                out = _manual_stack(self.layer)(params, x, keys)
-                tape.append((StackCall(self.layer), (params, x), {}, out))
-                return out
-            # random keys per copy: show_grad prints the copies in order
-            copies = _split_copies(params, self.n)
-            for i, p in enumerate(copies):
-                x = _body(self.layer, p, x, keys[i])
-            return x
+            # show_grad prints the stack as a loop: one call, its body traced apart
+            out = _manual_stack(self.layer)(params, x, keys)
+            tape.append((StackCall(self.layer), (params, x, keys), {}, out))
+            return out
         _check_body(self.layer, params, x, keys)
         return _manual_stack(self.layer)(params, x, keys)
 
