@@ -506,7 +506,7 @@ for n in (4, 8):  # traced at 4; 8 is the batch the issue's code broke at
     with jax.enable_x64(True):
         m64 = user.TinyTransformer(param_dtype="float64")
         p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
-        exact = jax.grad(user.loss_of(m64))(p64, ids, y)
+        exact = jax.jit(jax.grad(user.loss_of(m64)))(p64, ids, y)
         exact = jax.tree.map(np.asarray, exact)
     for g, a, e in zip(*(jax.tree.leaves(t) for t in (got, auto, exact)), strict=True):
         err_printed = np.max(np.abs(np.asarray(g, np.float64) - e))
