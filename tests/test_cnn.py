@@ -161,7 +161,10 @@ def cli_error(capsys, tmp_path, *sets):
     [
         (["model.channels=[]"], r"model.channels must be a non-empty list of positive ints"),
         (["model.channels=[25, 0]"], r"model.channels must be .* got \[25, 0\]"),
-        (["model.kernel_size=[5, 3]"], r"model.kernel_size has 2 entries but channels has 3 layers"),
+        (
+            ["model.kernel_size=[5, 3]"],
+            r"model.kernel_size has 2 entries but channels has 3 layers",
+        ),
         (["model.kernel_size=0"], r"model.kernel_size must be >= 1, got 0 \(layer 0\)"),
         (["model.strides=[2, 0, 2]"], r"model.strides must be >= 1, got 0 \(layer 1\)"),
         (["model.padding=-1"], r"model.padding must be >= 0, got -1"),

@@ -543,7 +543,9 @@ def test_tensorboard_scalars_match_metrics_jsonl(project, monkeypatch):
     monkeypatch.chdir(project)
     run = _fit(project, "tb", "train.steps=20", "checkpoint.every=0", "log.tensorboard=true")
     scalars = {
-        (v.tag, e.step): v.simple_value for e in _events(run.run_dir / "tensorboard") for v in e.summary.value
+        (v.tag, e.step): v.simple_value
+        for e in _events(run.run_dir / "tensorboard")
+        for v in e.summary.value
     }
     for record in metrics(run.run_dir):
         for k in ("loss", "accuracy"):

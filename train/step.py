@@ -290,9 +290,7 @@ def build_stepper(
         if jax.tree.leaves(data)[0].shape[0] == 1:
             s = None if steps is None else steps[0]
             first = jax.tree.map(lambda a: a[0], data)
-            p_leaves, o_leaves, s_leaves, m = one_step(
-                p_leaves, o_leaves, s_leaves, X, Y, first, s
-            )
+            p_leaves, o_leaves, s_leaves, m = one_step(p_leaves, o_leaves, s_leaves, X, Y, first, s)
             return p_leaves, (o_leaves, s_leaves), jax.tree.map(lambda v: v[None], m)
 
         def body(carry, xs):
