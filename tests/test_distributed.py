@@ -172,9 +172,11 @@ def test_a_dead_peer_makes_the_other_exit_with_a_clear_error(tmp_path):
     assert procs[0].returncode != 0
     # Either a collective fails at once (our message, exit 1) or it hangs and the watchdog,
     # whose automatic limit is capped below the heartbeat timeout, ends it (exit 5).
+    # (the watchdog's limit: half the heartbeat timeout, so it fires well before JAX's own
+    # heartbeat abort even when the machine is busy)
     assert (
         "error: this process (multi-process run) failed, most likely because another" in err
-        or "error: no compiled call finished within 4 s (train.step_timeout)" in err
+        or "error: no compiled call finished within 2.5 s (train.step_timeout)" in err
     ), err[-2000:]
     assert took < 5 + 10
 

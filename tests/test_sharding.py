@@ -277,7 +277,7 @@ MODELS = {
             "model.dropout=0.1",
         ],
         16,
-        LAYOUTS,
+        [LAYOUTS[0], LAYOUTS[2]],  # tensor alone: the mlp's Megatron pair
     ),
 }
 

@@ -194,7 +194,7 @@ class _Loop:
             cfg.train.step_timeout,
             multiprocess=dist.is_multiprocess(),
             # automatic: fire before JAX's heartbeat abort does (a C++ stack, status -6)
-            cap=0.8 * settings.heartbeat_timeout if settings else None,
+            cap=0.5 * settings.heartbeat_timeout if settings else None,
             fresh_line=cfg.log.progress and dist.is_main(),
         )
         if r.data.streamed:
