@@ -10,6 +10,18 @@ import jax
 import numpy as np
 
 
+def place_by_batch(sharding: jax.sharding.Sharding, tree: Any) -> Any:
+    """This process's ``[K, B / processes, ...]`` leaves of ``tree`` as global arrays of
+    ``[K, B, ...]`` placed on ``sharding`` (axis 1 split over the batch's devices): each
+    device receives its own slice, nothing more."""
+
+    def put(a):
+        shape = (a.shape[0], a.shape[1] * jax.process_count(), *a.shape[2:])
+        return jax.make_array_from_process_local_data(sharding, a, shape)
+
+    return jax.tree.map(put, tree)
+
+
 def nbytes(aval: Any) -> int:
     """Bytes of an array or ``ShapeDtypeStruct``."""
     return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize

@@ -32,7 +32,7 @@ import nnlite as nl
 
 from .. import distributed as dist
 from ..config import ConfigError
-from .base import Strategy, nbytes
+from .base import Strategy, nbytes, place_by_batch
 
 DATA, MODEL = "data", "model"  # the mesh's axes: the batch (and FSDP) and tensor parallelism
 
@@ -217,18 +217,10 @@ class Sharded(Strategy):
         return self._put(array, self.replicated)
 
     def put_indices(self, idx):
-        # idx is this process's share; the global batch is process_count times wider.
-        shape = (idx.shape[0], idx.shape[1] * jax.process_count())
-        return jax.make_array_from_process_local_data(self.by_batch, idx, shape)
+        return place_by_batch(self.by_batch, idx)  # this process's share, each device its slice
 
     def put_batch(self, batch):
-        # Each device gets its own slice of this process's share along the batch axis
-        # (the model axis holds copies of it), nothing more.
-        def put(a):
-            shape = (a.shape[0], a.shape[1] * jax.process_count(), *a.shape[2:])
-            return jax.make_array_from_process_local_data(self.by_batch, a, shape)
-
-        return jax.tree.map(put, batch)
+        return place_by_batch(self.by_batch, batch)
 
     def put_steps(self, steps):
         return self._put(steps, self.replicated)

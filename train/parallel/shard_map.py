@@ -12,6 +12,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .base import place_by_batch
 from .data_parallel import AXIS, DataParallel
 
 
@@ -54,17 +55,10 @@ class ShardMap(DataParallel):
         return jax.device_put(array, self.replicated)
 
     def put_indices(self, idx):
-        # idx is this process's share; the global batch is process_count times wider.
-        shape = (idx.shape[0], idx.shape[1] * jax.process_count())
-        return jax.make_array_from_process_local_data(self.by_batch, idx, shape)
+        return place_by_batch(self.by_batch, idx)  # this process's share, each device its slice
 
     def put_batch(self, batch):
-        # Each device gets its own slice of this process's share, nothing more.
-        def put(a):
-            shape = (a.shape[0], a.shape[1] * jax.process_count(), *a.shape[2:])
-            return jax.make_array_from_process_local_data(self.by_batch, a, shape)
-
-        return jax.tree.map(put, batch)
+        return place_by_batch(self.by_batch, batch)
 
     def put_steps(self, steps):
         return jax.device_put(steps, self.replicated)
