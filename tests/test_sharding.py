@@ -427,3 +427,33 @@ def test_fsdp_resume_is_bit_identical_and_restores_onto_another_mesh(tmp_path, n
         )
         assert other.step == 6
         assert_same_trajectory(other.params, whole.params, lr=whole.cfg.optimizer.learning_rate)
+
+
+def test_the_finiteness_check_finds_a_nan_on_any_device_in_one_program():
+    """The checkpoint's check of sharded params (``finite_on_devices``): one compiled
+    program over every leaf where it is placed, a NaN held by the last device only found
+    in its leaf and no other, replicated and host-shaped leaves checked too."""
+    from jax.sharding import NamedSharding
+
+    from train.step import finite_flags, finite_on_devices
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
+    specs = [P("data"), P(None, "model"), P("data", "model"), P()]
+    leaves = []
+    for i in range(24):
+        a = np.full((8, 4), float(i), np.float32)
+        leaves.append(jax.device_put(a, NamedSharding(mesh, specs[i % 4])))
+    bad = 14  # P("data", "model"): its [-1, -1] element lives on the mesh's last device
+    a = np.array(leaves[bad])
+    a[-1, -1] = np.nan
+    leaves[bad] = jax.device_put(a, leaves[bad].sharding)
+    shards = leaves[bad].addressable_shards
+    (last,) = {s.device for s in shards if (s.index[0].start, s.index[1].start) == (6, 2)}
+    assert last == mesh.devices[-1, -1] and last != jax.devices()[0]
+
+    before = finite_flags._cache_size()
+    flags = finite_on_devices(leaves)
+    assert flags.tolist() == [i != bad for i in range(24)]
+    assert finite_flags._cache_size() == before + 1  # one program for the whole tree
+    assert finite_on_devices(leaves[:bad] + leaves[bad + 1 :]).all()
+    assert finite_on_devices([]).shape == (0,)

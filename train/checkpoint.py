@@ -38,6 +38,7 @@ import nnlite as nl
 
 from . import distributed as dist
 from .config import ConfigError
+from .step import finite_on_devices
 
 FORMAT_VERSION = "1"  # nl.save's format_version that resuming accepts
 # 8 digits or more (steps >= 10^8); a file, or a sharded checkpoint's directory
@@ -217,17 +218,15 @@ def _load(path: Path, like: Any, subtree: str | None = None) -> Any:
 
 
 def _first_nonfinite(tensors: dict[str, Any]) -> str | None:
-    for key, v in tensors.items():
-        # jnp.issubdtype: numpy's does not count bfloat16 as inexact
-        if jnp.issubdtype(v.dtype, jnp.inexact) and not _finite(v):
+    # jnp.issubdtype: numpy's does not count bfloat16 as inexact
+    floats = {k: v for k, v in tensors.items() if jnp.issubdtype(v.dtype, jnp.inexact)}
+    placed = [k for k, v in floats.items() if isinstance(v, jax.Array)]
+    # where they are placed (a sharded leaf is never gathered), in one program
+    flags = dict(zip(placed, finite_on_devices([floats[k] for k in placed])))
+    for key, v in floats.items():
+        if not (flags[key] if key in flags else np.all(np.isfinite(np.asarray(v)))):
             return key
     return None
-
-
-def _finite(v: Any) -> bool:
-    if isinstance(v, jax.Array):  # where it is placed: a sharded leaf is never gathered
-        return bool(jnp.isfinite(v).all())
-    return bool(np.all(np.isfinite(np.asarray(v))))
 
 
 def _check_metadata(path: Path, meta: dict[str, str]) -> None:

@@ -24,7 +24,7 @@ from .feed import BatchFeed, call_schedule
 from .optim import schedule
 from .plot import CurvePlotter, plot_curves
 from .resume import agree_on_start, metadata
-from .step import all_finite, mean_loss_fn, step_flags
+from .step import finite_on_devices, mean_loss_fn, step_flags
 from .timings import Timings
 
 
@@ -348,7 +348,7 @@ class _Loop:
         gathered: no ``get_state``), process 0 the metadata last (``ckpt.save_sharded``)."""
         prep, cfg = self.prep, self.r.cfg
         params = jax.tree.unflatten(prep.p_def, self.p_leaves)
-        if cfg.train.nonfinite == "stop" and not bool(all_finite(params)):  # on the devices
+        if cfg.train.nonfinite == "stop" and not finite_on_devices(self.p_leaves).all():
             self._stop_nonfinite(self.step)
         self.good_step = self.step
         self.good_ckpt = ckpt.save_sharded(
