@@ -116,6 +116,8 @@ def test_cnn_strategies_match_one_device(tmp_path):
         ("loss", []),
         ("step", []),
         ("step", ["parallel.strategy=shard_map", "train.steps_per_call=2"]),
+        # sharding constraints (the gathered params, the gradients' shards), grad's reshard
+        ("step", ["parallel.strategy=fsdp", "parallel.tensor=2", "parallel.fsdp_min_bytes=0"]),
     ],
 )
 def test_show_jaxpr_roundtrips(what, overrides):
@@ -124,6 +126,7 @@ def test_show_jaxpr_roundtrips(what, overrides):
     cfg = load_config(ROOT / CONFIG, [*TINY, *overrides])
     text = show_jaxpr(cfg, what)  # what python -m train --show-jaxpr prints
     assert "conv_general_dilated" in text
+    assert ("jax.lax.with_sharding_constraint(" in text) == ("parallel.strategy=fsdp" in overrides)
     f, args = traced_function(cfg, what)
     g = nl.roundtrip(f, *args, name=what)
     copy = lambda a: jax.tree.map(jnp.copy, a)  # the step donates its state

@@ -30,7 +30,9 @@ from ._exprs import (
     UnsupportedPrimitiveError,
     flat,
     mesh_expr,
+    named_sharding_expr,
     pystr,
+    pyval,
     spec_expr,
     tuple_or_single,
 )
@@ -192,6 +194,29 @@ def _pvary(eqn, args, _mesh):
     return Call("lax.pcast", [args[0], _names(axes)], [("to", '"varying"')])
 
 
+def _sharding_constraint(eqn, args, _mesh):
+    """``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(...)))`` over a concrete
+    mesh (what ``jax.jit`` programs such as the fsdp step place on their arrays)."""
+    p = eqn.params
+    sharding = named_sharding_expr(p["sharding"])
+    if sharding is None or p.get("layout") is not None:
+        return None
+    return Call("jax.lax.with_sharding_constraint", [args[0], sharding])
+
+
+def _reshard(eqn, args, _mesh):
+    """``jax.sharding.reshard(x, NamedSharding(...))``: e.g. the ones that ``jax.grad``
+    seeds its backward pass with, placed like the loss, inside a ``jax.jit`` over a mesh."""
+    p = eqn.params
+    if p.get("concrete_mesh") is not None:
+        return None
+    dst = p["dst_sharding"]
+    sharding = named_sharding_expr(dst)
+    if sharding is None:
+        sharding = pyval(dst, "dst_sharding")  # over an abstract mesh
+    return Call("jax.sharding.reshard", [args[0], sharding])
+
+
 COLLECTIVE_RULES: dict[str, Rule] = {
     "psum": _psum,
     "psum_invariant": _psum,
@@ -204,6 +229,8 @@ COLLECTIVE_RULES: dict[str, Rule] = {
     "pbroadcast": _pbroadcast,
     "axis_index": _axis_index,
     "pvary": _pvary,
+    "sharding_constraint": _sharding_constraint,
+    "reshard": _reshard,
 }
 
 
