@@ -225,7 +225,7 @@ def _grads_match_to_float32_rounding(model, batch, labels):
 
         return loss
 
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))  # one compile, not one per random op
     loss = loss_of(model)
     auto = jax.jit(jax.grad(loss))(params, batch, labels)
     hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params, batch, labels)
