@@ -446,10 +446,7 @@ def test_manual_grads_through_a_model_of_every_new_layer(key):
         head_lstm=nl.Linear(3, 2),
     )
     keys = jax.random.split(key, len(layers))
-    # the inits jitted: one compile, not one per random op
-    p = jax.jit(
-        lambda keys: nl.ParamsDict(**{n: m.init(k) for (n, m), k in zip(layers.items(), keys)})
-    )(keys)
+    p = nl.ParamsDict(**{n: m.init(k) for (n, m), k in zip(layers.items(), keys)})
     x, y = jnp.asarray(_np(3, 5, 2)), jnp.array([0, 1, 1])
 
     def loss(p, x):
@@ -695,14 +692,8 @@ def test_show_grad_prints_the_new_rules(key):
     attn = nl.MultiHeadAttention(4, 2, causal=True, rotary=True)
     up = nl.ConvTranspose(4, 2, 3, strides=2)
     ks = jax.random.split(key, 4)
-
-    @jax.jit  # one compile, not one per random op
-    def init(ks):
-        p = nl.ParamsDict(lstm=lstm.init(ks[0]), gru=gru.init(ks[1]), attn=attn.init(ks[2]))
-        p.up = up.init(ks[3])
-        return p
-
-    p = init(ks)
+    p = nl.ParamsDict(lstm=lstm.init(ks[0]), gru=gru.init(ks[1]), attn=attn.init(ks[2]))
+    p.up = up.init(ks[3])
 
     def loss(p, x, t):
         (h, c), hs = lstm(p.lstm, x)
