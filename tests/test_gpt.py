@@ -156,16 +156,28 @@ def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(tmp_path):
     assert r.summary["val_loss"] == val[-1]["loss"]
 
 
-@pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
-def test_gpt_parallel_equals_one_device(tmp_path, strategy):
-    def grads_and_trajectory(*overrides, name):  # the 12-step run reuses the 1-step's programs
-        one = tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, "train.steps=1", name=name)
-        return first_step_grads(one), tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, name=name)
+def grads_and_trajectory(tmp_path, *overrides, name):
+    """The first step's gradient and the 12-step run (which reuses the 1-step run's
+    programs)."""
+    one = tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, "train.steps=1", name=name)
+    return first_step_grads(one), tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, name=name)
 
-    ref = grads_and_trajectory("parallel.strategy=none", name="ref")
+
+@pytest.fixture(scope="module")
+def one_device_ref(tmp_path_factory):
+    """One device's gradient and run, trained once for both strategies' tests."""
+    ref = grads_and_trajectory(tmp_path_factory.mktemp("ref"), "parallel.strategy=none", name="ref")
     init = ref[1].model.init(jax.random.key(ref[1].cfg.seed))
     assert max_abs_diff(ref[1].params, init) > 1e-3
-    got = grads_and_trajectory(f"parallel.strategy={strategy}", "parallel.devices=2", name=strategy)
+    return ref
+
+
+@pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
+def test_gpt_parallel_equals_one_device(tmp_path, strategy, one_device_ref):
+    ref = one_device_ref
+    got = grads_and_trajectory(
+        tmp_path, f"parallel.strategy={strategy}", "parallel.devices=2", name=strategy
+    )
     # 16 layers: embeddings, norm, attention's 5 steps, residual, norm, MLP's 3, residual,
     # final norm, tied head, loss
     assert_close_f32(got[0], ref[0], ops=ROUNDINGS_PER_LAYER * 16)

@@ -225,7 +225,7 @@ def _grads_match_to_float32_rounding(model, batch, labels):
 
         return loss
 
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))  # one compile, not one per random op
     loss = loss_of(model)
     auto = jax.jit(jax.grad(loss))(params, batch, labels)
     hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params, batch, labels)
@@ -497,7 +497,7 @@ import printed_grad
 import {module} as user
 
 model = user.TinyTransformer()
-params = model.init(jax.random.key(0))
+params = jax.jit(model.init)(jax.random.key(0))  # one compile, not one per random op
 eps = np.finfo(np.float32).eps
 for n in (4, 8):  # traced at 4; 8 is the batch the code broke at
     ids, y = user.batch(n)
@@ -526,7 +526,8 @@ def test_show_grad_code_runs_elsewhere_at_another_batch_size(tmp_path):
     try:
         user = __import__(module)
         model = user.TinyTransformer()
-        src = nl.show_grad(user.loss_of(model), model.init(jax.random.key(0)), *user.batch(4))
+        params = jax.jit(model.init)(jax.random.key(0))  # one compile, not one per op
+        src = nl.show_grad(user.loss_of(model), params, *user.batch(4))
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop(module, None)

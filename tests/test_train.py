@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,9 +112,11 @@ def test_resume_is_bit_identical(tmp_path):
         "train.eval_every=10",
     ]
     full = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=full")
-    part = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part")
-    # Simulate a crash right after step 20: later checkpoints never happened.
-    ckpts = sorted((part.run_dir / "checkpoints").iterdir())
+    # The same run's directory, then a crash right after step 20: later checkpoints never
+    # happened.
+    part_dir = tmp_path / "part"
+    shutil.copytree(full.run_dir, part_dir)
+    ckpts = sorted((part_dir / "checkpoints").iterdir())
     assert [p.name for p in ckpts][-1] == "ckpt_00000040.safetensors"
     for p in ckpts[2:]:
         p.unlink()
