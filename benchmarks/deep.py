@@ -143,13 +143,16 @@ def part_compile(tiny: bool, grad: str, rounds: int) -> dict:
         f"scan_layers: {last} layers compile in {out[last][True] / out[first][True]:.2f}x "
         f"the time of {first}"
     )
-    steps = {f"scan_layers={s}": Step(base, grad, scan_layers=s) for s in (False, True)}
-    t = _times({k: v for k, v in steps.items()}, rounds)
-    print(
-        f"\nstep time at n_layer={base.n_layer}: unrolled {t['scan_layers=False'] * 1e3:.2f} ms, "
-        f"scanned {t['scan_layers=True'] * 1e3:.2f} ms "
-        f"(scanned / unrolled {t['scan_layers=True'] / t['scan_layers=False']:.3f})"
-    )
+    # the GPT's default remat ("auto": dots_saveable when scanned) and the scan without it
+    steps = {
+        "unrolled": Step(base, grad),
+        "scanned": Step(base, grad, scan_layers=True),
+        "scanned, remat none": Step(base, grad, scan_layers=True, remat="none"),
+    }
+    t = _times(steps, rounds)
+    rows = [[k, f"{v * 1e3:.2f}", f"{v / t['unrolled']:.3f}"] for k, v in t.items()]
+    print(f"\nstep time at n_layer={base.n_layer} ({grad}; remat auto unless named)")
+    print(_table(rows, ["layout", "ms/step", "x unrolled"]))
     return {"compile_s": out, "step_s": t}
 
 

@@ -47,7 +47,8 @@ class GPT(nl.Module):
       list (``/blocks[i]/...``). Same init, same outputs, same dropout keys;
       :func:`stack_blocks` / :func:`unstack_blocks` (and :meth:`convert_params`) convert
       params, and a checkpoint of one layout loads into the other.
-    * ``remat``: ``"none"``; ``"block"`` (each block under ``jax.checkpoint``: only the
+    * ``remat``: ``"auto"`` (the default: ``"dots_saveable"`` with ``scan_layers``,
+      ``"none"`` without; see :attr:`remat_policy`); ``"none"``; ``"block"`` (each block under ``jax.checkpoint``: only the
       residual stream between blocks is kept for the backward pass, each block's forward
       recomputed); ``"full"`` (``block``, and inside it the attention half and the MLP
       half checkpointed separately: the recomputation holds one half's internals at a
@@ -69,7 +70,7 @@ class GPT(nl.Module):
     tie_head: bool = True
     positional: str = "learned"
     scan_layers: bool = False
-    remat: str = "none"
+    remat: str = "auto"
     dtype: str = "float32"
 
     task = "language_model"
@@ -128,13 +129,29 @@ class GPT(nl.Module):
         )
 
     @property
+    def remat_policy(self) -> str:
+        """``remat`` with ``"auto"`` resolved: ``"dots_saveable"`` when the blocks are
+        scanned, else ``"none"``.
+
+        Why scanned blocks rematerialise by default: a ``lax.scan`` keeps each block's
+        residuals for the backward pass as slices of stacked buffers (zero-filled, copied
+        in by the forward loop, copied out by the backward one), where unrolled blocks
+        keep them where they were computed. Keeping only the matmul results and
+        recomputing the elementwise work (LayerNorms, GELU, softmax, the adds) from them
+        moves far fewer bytes: on a 2-core CPU the scanned GPT's step is then faster than
+        the unrolled one, and without it slower (benchmarks/README.md, deep models)."""
+        if self.remat == "auto":
+            return "dots_saveable" if self.scan_layers else "none"
+        return self.remat
+
+    @property
     def layer(self) -> nl.Module:
         """One block as the model applies it: the block, under ``nl.Remat`` unless
-        ``remat`` is ``"none"``."""
-        if self.remat == "none":
+        :attr:`remat_policy` is ``"none"``."""
+        remat = self.remat_policy
+        if remat == "none":
             return self.block
-        policy = self.remat if self.remat in nl.REMAT_POLICIES else None
-        return nl.Remat(self.block, policy)
+        return nl.Remat(self.block, remat if remat in nl.REMAT_POLICIES else None)
 
     @property
     def stack(self) -> nl.Stack:
@@ -355,7 +372,7 @@ def unstack_blocks(params: nl.ParamsDict) -> nl.ParamsDict:
 
 
 POSITIONAL = ("learned", "rotary")
-REMAT = ("none", "block", "full", *nl.REMAT_POLICIES)
+REMAT = ("auto", "none", "block", "full", *nl.REMAT_POLICIES)
 DTYPES = ("float32", "bfloat16")
 
 # Paths (suffixes) of the matrices that write into the residual stream.

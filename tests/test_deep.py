@@ -224,7 +224,7 @@ def test_gpt_bfloat16_computes_in_bfloat16_with_float32_params_and_gradients(gpt
     assert jax.eval_shape(bf16, p, tokens).dtype == jnp.float32
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
         dataclasses.replace(model, dtype="float16")
-    with pytest.raises(ValueError, match="remat must be one of none, block, full, "):
+    with pytest.raises(ValueError, match="remat must be one of auto, none, block, full, "):
         dataclasses.replace(model, remat="all")
     # decoding with the key/value cache in bfloat16, each layer's params sliced out
     cache = bf16.empty_cache(2, jnp.bfloat16)
