@@ -101,12 +101,7 @@ def one_step_grads(tmp_path, config, *overrides):
 # and tests/test_grad_auto.py, and the strategies' reductions by the other models here.
 @pytest.mark.parametrize(
     "model, strategy",
-    [
-        (m, s)
-        for m in MODELS
-        for s in ("none", "pmap", "shard_map")
-        if m != "gpt" or s == "none"
-    ],
+    [(m, s) for m in MODELS for s in ("none", "pmap", "shard_map") if m != "gpt" or s == "none"],
 )
 def test_manual_gradient_equals_autodiff(tmp_path, model, strategy):
     config, extra = model_overrides(tmp_path, model)
