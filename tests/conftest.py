@@ -4,20 +4,20 @@ Tests compile hundreds of tiny programs and run each for a few steps, so compili
 of the suite's time. One persistent compilation cache for the session, shared by the
 pytest-xdist workers and inherited by every subprocess through the environment, compiles a
 program that several tests build (the same tiny config through ``train()`` or
-``python -m train``, a 1-step and an N-step run of one config) once. (LLVM's -O0 would halve
-compile times too, but its code rounds differently from what users run: manual and
-autodiff gradients then drift apart by 1e-4 over 100 steps, and a subprocess compiled
-without it stops being bit-identical to the test's own run.)
+``python -m train``, a 1-step and an N-step run of one config) once. Every test process
+compiles with LLVM's optimisation level 0 (tests/_xla.py says why, and what that asks of
+a test that starts a subprocess).
 """
 
 import os
 import shutil
 import tempfile
 
+from _xla import xla_flags
+
 # Must happen before jax is imported anywhere.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The process that creates the cache (pytest's main process; under pytest-xdist the
 # controller, which loads this file before it starts its workers) is the one that deletes

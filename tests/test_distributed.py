@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
+from _xla import xla_flags
 
 from train.checkpoint import flatten_with_paths
 from train.config import load_config
@@ -43,7 +44,7 @@ def env_with_devices(n: int) -> dict:
     # Every test starts fresh processes that compile the same steps: share JAX's cache.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/nnlite-test-jax-cache")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    env["XLA_FLAGS"] = xla_flags(n)
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(k, None)
     return env

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 import safetensors.numpy
+from _xla import xla_flags
 
 import nnlite as nl
 from train import faults
@@ -52,7 +53,7 @@ def spawn(args, **env_extra) -> subprocess.Popen:
     # Restarted runs compile the same step: share JAX's persistent cache to start faster.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["XLA_FLAGS"] = xla_flags(1)
     return subprocess.Popen(
         [sys.executable, "-m", "train", *args],
         cwd=ROOT,

@@ -18,6 +18,7 @@ import pytest
 import safetensors
 from _sharded_strategy import ShardedParams, use_sharded_strategy
 from _sharded_writer import STEP, full_state
+from _xla import xla_flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -231,7 +232,7 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_and_resumes_bit_ident
     for o in (*COMMON, f"log.dir={tmp_path}", *over):
         args += ["--set", o]
     env = script_env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags(8)
     env[ckpt.TEST_PAUSE_ENV] = "0.3"  # each file pauses twice, the directory once more
     ckpts = tmp_path / "run" / "checkpoints"
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -266,7 +267,7 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_and_resumes_bit_ident
 def test_two_processes_write_their_own_shards_resume_on_another_mesh_and_one_reads(tmp_path):
     port = free_port()
     env = script_env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = xla_flags(4)
     ckpts = tmp_path / "checkpoints"
     procs = [
         subprocess.Popen(

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _xla import xla_flags
 
 import nnlite as nl
 import train
@@ -177,7 +178,7 @@ def project(tmp_path_factory):
 def env(devices: int = 1) -> dict:
     e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    e["XLA_FLAGS"] = xla_flags(devices)
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         e.pop(k, None)
     return e
