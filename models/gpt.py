@@ -48,12 +48,13 @@ class GPT(nl.Module):
       :func:`stack_blocks` / :func:`unstack_blocks` (and :meth:`convert_params`) convert
       params, and a checkpoint of one layout loads into the other.
     * ``remat``: ``"auto"`` (the default: ``"dots_saveable"`` with ``scan_layers``,
-      ``"none"`` without; see :attr:`remat_policy`); ``"none"``; ``"block"`` (each block under ``jax.checkpoint``: only the
-      residual stream between blocks is kept for the backward pass, each block's forward
-      recomputed); ``"full"`` (``block``, and inside it the attention half and the MLP
-      half checkpointed separately: the recomputation holds one half's internals at a
-      time); or a ``jax.checkpoint_policies`` name (each block checkpointed with that
-      policy, e.g. ``"dots_saveable"``: keep the matmul results).
+      ``"none"`` without; see :attr:`remat_policy`); ``"none"``; ``"block"`` (each block
+      under ``jax.checkpoint``: only the residual stream between blocks is kept for the
+      backward pass, each block's forward recomputed); ``"full"`` (``block``, and inside
+      it the attention half and the MLP half checkpointed separately: the recomputation
+      holds one half's internals at a time); or a ``jax.checkpoint_policies`` name
+      (each block checkpointed with that policy, e.g. ``"dots_saveable"``: keep the
+      matmul results).
     * ``dtype``: compute dtype, ``"float32"`` or ``"bfloat16"``. The params (and so the
       optimizer state and the gradients) stay float32; the embeddings' sum is cast to
       ``dtype`` and the residual stream stays in it through the blocks (LayerNorm
