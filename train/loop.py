@@ -348,7 +348,8 @@ class _Loop:
         gathered: no ``get_state``), process 0 the metadata last (``ckpt.save_sharded``)."""
         prep, cfg = self.prep, self.r.cfg
         params = jax.tree.unflatten(prep.p_def, self.p_leaves)
-        if cfg.train.nonfinite == "stop" and not finite_on_devices(self.p_leaves).all():
+        watch = lambda flags: self.watchdog.watch(self.step, flags)  # noqa: E731
+        if cfg.train.nonfinite == "stop" and not finite_on_devices(self.p_leaves, watch).all():
             self._stop_nonfinite(self.step)
         self.good_step = self.step
         self.good_ckpt = ckpt.save_sharded(

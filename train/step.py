@@ -338,22 +338,25 @@ def compile_async(executor: Executor, fn, *args) -> Future:
     return executor.submit(traced.lower().compile)
 
 
-def all_finite(tree: Any) -> jax.Array:
-    """A scalar bool: every element of every leaf of ``tree`` is finite."""
-    flags = [jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(tree)]
-    return jnp.stack(flags).all()
-
-
-@jax.jit
-def finite_flags(leaves: list) -> jax.Array:
+def leaf_flags(leaves: list) -> jax.Array:
     """``[len(leaves)]`` bools, one per leaf: all its elements are finite."""
     return jnp.stack([jnp.all(jnp.isfinite(v)) for v in leaves])
 
 
-def finite_on_devices(leaves: list) -> np.ndarray:
-    """:func:`finite_flags` of arrays where they are placed (a sharded leaf is never
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool: every element of every leaf of ``tree`` is finite."""
+    return leaf_flags(jax.tree.leaves(tree)).all()
+
+
+finite_flags = jax.jit(leaf_flags)  # outside a step: one compiled program for all leaves
+
+
+def finite_on_devices(leaves: list, watch: Callable[[jax.Array], None] | None = None):
+    """:func:`leaf_flags` of arrays where they are placed (a sharded leaf is never
     gathered), as host bools, computed by **one** compiled program that has finished on
-    every device when this returns.
+    every device when this returns. ``watch`` (the training loop's watchdog) is handed
+    the program's output before the wait, so a wait that never ends is bounded like a
+    step's.
 
     Not one eager ``isfinite(v).all()`` per leaf: on a sharded leaf each is a program with
     collectives, and XLA:CPU runs the programs in flight on a bounded thread pool where a
@@ -364,6 +367,8 @@ def finite_on_devices(leaves: list) -> np.ndarray:
     if not leaves:
         return np.ones(0, bool)
     flags = finite_flags(list(leaves))
+    if watch is not None:
+        watch(flags)
     jax.block_until_ready(flags)  # every device's copy, before the next program goes out
     return np.asarray(flags)
 
