@@ -299,6 +299,12 @@ class Watchdog:
     def __exit__(self, *exc):
         self._stop.set()
         self._queue.put(None)
+        # Let the threads end before the interpreter does: a daemon thread still inside a
+        # C++ wait (jax.block_until_ready) while Python finalizes is unwound by force and
+        # the process aborts ("FATAL: exception not rethrown", status -6, seen once at the
+        # end of a resumed run). Bounded: a call stuck for good leaves its thread behind.
+        for t in self._threads:
+            t.join(EXIT_JOIN_S)
 
     def watch(self, step: int, output) -> None:
         """The call that runs steps ``step + 1 ...`` was dispatched; ``output``: its result."""
@@ -352,6 +358,9 @@ class Watchdog:
             f"step {step}: {cause}; the last checkpoint is intact, rerun to resume "
             "(train.step_timeout: seconds, 0 to disable)"
         )
+
+
+EXIT_JOIN_S = 5.0  # how long leaving the watchdog waits for its threads
 
 
 def _exit_stuck(message: str) -> None:
