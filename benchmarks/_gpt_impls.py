@@ -401,7 +401,7 @@ class NnliteGPT(Impl):
 
     def setup(self, X, Y, idx):
         from train import parallel
-        from train.step import batch_grads_fn, build_stepper
+        from train.loop.step import batch_grads_fn, build_stepper
 
         self.model = nnlite_model(self.spec)
         p0 = nnlite_params(self.weights)

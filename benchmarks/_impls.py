@@ -72,7 +72,7 @@ def resolve_grad(model, grad: str, x, y) -> str:
     ``auto`` resolved as ``python -m train`` resolves it (train/gradmode.py)."""
     if grad != "auto":
         return grad
-    from train import gradmode
+    from train.model import gradmode
 
     resolved = gradmode.resolve_auto(model, x, y)
     if resolved.note:
@@ -299,7 +299,7 @@ class Nnlite(Impl):
 
     def setup(self, X, Y, idx):
         from train import parallel
-        from train.step import batch_grads_fn, build_stepper
+        from train.loop.step import batch_grads_fn, build_stepper
 
         self.model = nnlite_model(self.spec)
         p0 = self.model.init(jax.random.key(0))

@@ -103,7 +103,7 @@ from pathlib import Path
 t_main = time.time()
 t = time.perf_counter()
 import train.__main__ as cli
-import train.loop as loop
+import train.loop.trainer as loop
 laps = {"imports": time.perf_counter() - t}
 
 def timed(owner, name, phase):

@@ -192,11 +192,11 @@ def cmd_rss(a) -> dict:
 def cmd_steps(a) -> dict:
     import jax
 
-    from train.build import build
     from train.config import load_config
-    from train.loop import _Loop
-    from train.prepare import main as prepare
-    from train.timings import Timings
+    from train.data.text.prepare import main as prepare
+    from train.loop.build import build
+    from train.loop.trainer import _Loop
+    from train.report.timings import Timings
 
     work = Path(tempfile.mkdtemp(prefix="nnlite-steps-"))
     try:

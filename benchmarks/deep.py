@@ -71,7 +71,7 @@ class Step:
         import optax
 
         import nnlite as nl
-        from models.contract import objective_fn
+        from train.model.contract import objective_fn
 
         self.size, self.model = size, gpt(size, **options)
         self.tx = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
@@ -201,7 +201,7 @@ def part_remat(tiny: bool, grad: str, rounds: int) -> dict:
 
 def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path) -> float:
     from train.config import load_config
-    from train.loop import train
+    from train.loop.trainer import train
 
     sets = [
         f"log.dir={run_dir}",

@@ -40,7 +40,7 @@ import optax
 
 import nnlite as nl
 from models import mlp_fused
-from models.contract import objective_fn
+from train.model.contract import objective_fn
 
 # name: (layer sizes, batch)
 SIZES: dict[str, tuple[tuple[int, ...], int]] = {
@@ -87,7 +87,7 @@ def make_model_step(model, mode: str, x, y):
         return objective_fn(model)(params, x, y)[0]
 
     if mode == "auto":
-        from train import gradmode
+        from train.model import gradmode
 
         mode = gradmode.resolve_auto(model, x, y).mode
     if mode == "manual":

@@ -36,11 +36,11 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from models import contract  # noqa: E402
-from models.gpt import GPT  # noqa: E402
-from train.memory import format_bytes  # noqa: E402
-from train.parallel import strategy_class  # noqa: E402
-from train.step import batch_grads_fn, build_stepper  # noqa: E402
+from models.gpt import GPT
+from train.loop.memory import format_bytes
+from train.loop.step import batch_grads_fn, build_stepper
+from train.model import contract
+from train.parallel import strategy_class
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 LAYOUTS = {  # name -> (strategy, parallel.tensor, parallel.fsdp_min_bytes)

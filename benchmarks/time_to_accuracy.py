@@ -69,9 +69,9 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
     import jax
 
     from train import parallel
-    from train.build import Run, make_model, prepare
-    from train.data import BatchIndices
-    from train.loop import boundaries, steps_in_call
+    from train.data.dataset import BatchIndices
+    from train.loop.build import Run, make_model, prepare
+    from train.loop.trainer import boundaries, steps_in_call
     from train.optim import build_optimizer
 
     tc = dataclasses.replace(cfg.train, steps_per_call=steps_per_call, eval_every=eval_every)
@@ -111,7 +111,7 @@ def _equinox(cfg, data, weights, eval_every: int) -> dict:
     import jax.numpy as jnp
     import optax
 
-    from train.data import BatchIndices
+    from train.data.dataset import BatchIndices
     from train.optim import build_optimizer
 
     model = eqx.nn.MLP(64, 10, 128, 1, jax.nn.relu, key=jax.random.key(cfg.seed))
@@ -156,7 +156,7 @@ def _flax_nnx(cfg, data, weights, eval_every: int) -> dict:
     import optax
     from flax import nnx
 
-    from train.data import BatchIndices
+    from train.data.dataset import BatchIndices
     from train.optim import build_optimizer
 
     class MLP(nnx.Module):
@@ -211,7 +211,7 @@ def worker(impl: str, weights_path: str, eval_every: int) -> dict:
 
     import jax
 
-    from train.data import load_dataset
+    from train.data.builtin import load_dataset
 
     cfg = _config()
     data = load_dataset(cfg.data)
@@ -244,8 +244,8 @@ def worker(impl: str, weights_path: str, eval_every: int) -> dict:
 def write_weights(path: Path) -> None:
     """nnlite's initial weights of the digits MLP, for the other frameworks to copy."""
 
-    from train.build import init_state_compiled, make_model
-    from train.data import load_dataset
+    from train.data.builtin import load_dataset
+    from train.loop.build import init_state_compiled, make_model
     from train.optim import build_optimizer
 
     cfg = _config()

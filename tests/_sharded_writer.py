@@ -54,8 +54,8 @@ def main(coordinator: str, num: int, pid: int, ckpt_dir: Path) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num, pid, initialization_timeout=60)
     import nnlite as nl
-    from train import checkpoint as ckpt
-    from train import distributed as dist
+    from train.checkpoint import store as ckpt
+    from train.parallel import distributed as dist
 
     mesh = jax.make_mesh((len(jax.devices()),), ("x",), devices=dist.global_devices(4))
     s = state(mesh)
@@ -63,8 +63,8 @@ def main(coordinator: str, num: int, pid: int, ckpt_dir: Path) -> None:
     assert not s["params"]["W"].is_fully_addressable
     from _sharded_strategy import ShardedParams
 
+    from train.checkpoint.resume import agree_on_start
     from train.config import load_config, to_dict
-    from train.resume import agree_on_start
 
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs/digits_mlp.yaml", ["train.steps=10"])

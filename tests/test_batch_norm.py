@@ -23,10 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
 import train
-from models import contract
 from train import inference
 from train.config import load_config
-from train.loop import train as train_loop
+from train.loop.trainer import train as train_loop
+from train.model import contract
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -270,7 +270,7 @@ def test_user_model_with_batch_norm_data_parallel_equals_one_device(tmp_path, np
 
 
 def test_grad_accumulation_threads_the_state_through_the_microbatches(tmp_path, npz):
-    from train.data import make_sampler
+    from train.data.dataset import make_sampler
 
     r = fit(tmp_path, npz, "train.steps=1", "train.grad_accum_steps=2", "model.momentum=0.5")
     x = r.data.x[make_sampler(r.cfg.seed, r.data, 64).batch(0)]

@@ -121,7 +121,7 @@ def test_cnn_strategies_match_one_device(tmp_path):
     ],
 )
 def test_show_jaxpr_roundtrips(what, overrides):
-    from train.show import show_jaxpr, traced_function
+    from train.loop.show import show_jaxpr, traced_function
 
     cfg = load_config(ROOT / CONFIG, [*TINY, *overrides])
     text = show_jaxpr(cfg, what)  # what python -m train --show-jaxpr prints
@@ -187,6 +187,6 @@ def test_conv_stack_too_deep_for_the_data_is_a_config_error(capsys, tmp_path):
     assert "model.kernel_size/model.strides/model.padding" in err and "length 40" in err, err
     assert "[9, 2, 0]" in err, err
     with pytest.raises(ConfigError, match="conv layers of channels"):
-        from train.build import build
+        from train.loop.build import build
 
         build(load_config(ROOT / CONFIG, sets))

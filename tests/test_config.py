@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import models
 from train import config as config_mod
 from train.__main__ import main
+from train.model import registry as models
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "configs/digits_mlp.yaml")
@@ -391,7 +391,7 @@ def test_untrusted_checkpoint_metadata_and_nan_checkpoints_are_refused(tmp_path,
 
 
 def test_checkpoints_past_step_99999999_are_found_in_step_order(tmp_path):
-    from train.checkpoint import list_checkpoints
+    from train.checkpoint.store import list_checkpoints
 
     for step in (99999999, 100000000, 7):
         (tmp_path / f"ckpt_{step:08d}.safetensors").write_bytes(b"")
@@ -430,7 +430,7 @@ def test_absurd_sizes_are_refused_before_allocating(capsys, tmp_path, overrides,
 def test_memory_estimate_is_a_lower_bound_that_passes_real_configs():
     import jax
 
-    from train import build, memory
+    from train.loop import build, memory
 
     cfg = config_mod.load_config(DIGITS, ["parallel.strategy=shard_map"])
     r = build.build(cfg)

@@ -21,11 +21,11 @@ from _tolerance import (
 from test_gpt import tiny_run
 
 import nnlite as nl
-from models.contract import objective_fn
 from models.gpt import GPT, stack_blocks, unstack_blocks
 from nnlite.rules import stack_scan, stack_scan_vjp
 from nnlite.vjp import check_vjp
 from train import load_run
+from train.model.contract import objective_fn
 
 BLOCK = nl.TransformerBlock(8, num_heads=2, mlp_ratio=2, dropout_rate=0.25)
 STACK = nl.Stack(BLOCK, 3)

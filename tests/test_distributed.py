@@ -18,10 +18,10 @@ import safetensors.numpy
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from _xla import xla_flags
 
-from train.checkpoint import flatten_with_paths
+from train.checkpoint.store import flatten_with_paths
 from train.config import load_config
-from train.launch import free_port
-from train.loop import train
+from train.loop.trainer import train
+from train.parallel.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/digits_mlp.yaml"

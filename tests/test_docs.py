@@ -267,9 +267,9 @@ def test_readme_commands_match_ci():
 
 def test_readme_own_data_recipe(tmp_path, monkeypatch):
     """The README's npz recipe writes a file the CLI accepts for the model it names."""
-    from train.build import make_model
     from train.config import load_config
-    from train.data import load_dataset
+    from train.data.builtin import load_dataset
+    from train.loop.build import make_model
 
     readme = README.read_text()
     section = readme[readme.index("## Your own data") :]
@@ -477,9 +477,9 @@ def test_reference_checks_catch_mistakes(tmp_path):
 def test_shipped_model_tables_list_each_models_fields_and_defaults():
     import dataclasses
 
-    import models
-    from models.contract import DATA_FIELDS, fields
     from train.config import to_dict
+    from train.model import registry as models
+    from train.model.contract import DATA_FIELDS, fields
 
     text = (ROOT / "docs" / "training.md").read_text()
     for name in models.MODELS:

@@ -22,11 +22,12 @@ from _xla import xla_flags
 import nnlite as nl
 from train import faults
 from train.__main__ import main
-from train.checkpoint import TEST_PAUSE_ENV, flatten_with_paths
+from train.checkpoint.rundir import TIMING_KEYS
+from train.checkpoint.store import TEST_PAUSE_ENV, flatten_with_paths
 from train.config import load_config
-from train.data import epoch_order
-from train.loop import train
-from train.rundir import TIMING_KEYS
+from train.data.dataset import epoch_order
+from train.loop import nonfinite
+from train.loop.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/digits_mlp.yaml"
@@ -275,7 +276,7 @@ def test_first_nonfinite_names_grads_and_params_by_nnlite_path():
         return jnp.sum(jnp.sqrt(p.ffn.layers[0].W)), {}
 
     p = layers([0.0, 1.0])
-    what = faults.first_nonfinite(sqrt_loss, opt, p, opt.init(p), x, y)
+    what = nonfinite.first_nonfinite(sqrt_loss, opt, p, opt.init(p), x, y)
     assert what == "grads/ffn/layers[0]/W"
 
     def linear_loss(p, x, y):  # loss and gradient finite; the update overflows
@@ -284,7 +285,7 @@ def test_first_nonfinite_names_grads_and_params_by_nnlite_path():
     opt = optax.sgd(1e38)
     p = layers([2e38])
     assert (
-        faults.first_nonfinite(linear_loss, opt, p, opt.init(p), x, y) == "params/ffn/layers[0]/W"
+        nonfinite.first_nonfinite(linear_loss, opt, p, opt.init(p), x, y) == "params/ffn/layers[0]/W"
     )
 
 

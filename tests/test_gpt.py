@@ -17,11 +17,11 @@ from _tolerance import (
     max_abs_diff,
 )
 
-from models.contract import objective_fn
 from models.gpt import GPT
 from train import sample as sample_cli
 from train.config import load_config
-from train.loop import train
+from train.loop.trainer import train
+from train.model.contract import objective_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = GPT(vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=16)

@@ -18,11 +18,11 @@ import pytest
 from _tolerance import ROUNDINGS_PER_LAYER, SAME_PROGRAMS, assert_close_f32, first_step_grads
 from test_manual_train import CNN_TINY, GPT_TINY, STEPS, TEXT
 
-from train import checkpoint as ckpt
-from train.build import build
+from train.checkpoint import store as ckpt
+from train.checkpoint.resume import check_resumable
 from train.config import ConfigError, LossConfig, load_config
-from train.loop import train
-from train.resume import check_resumable
+from train.loop.build import build
+from train.loop.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,10 +7,10 @@ from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from _tolerance import check_rule as check
 
 import nnlite as nl
-from models.contract import objective_fn
 from nnlite.nn import _conv, _dropout, _embedding, _linear, _losses, _pool
 from nnlite.nn import _normalisation as norm
 from nnlite.vjp import check_vjp
+from train.model.contract import objective_fn
 
 DTYPES = ["float32", "float64"]
 
@@ -292,8 +292,8 @@ def test_equinox_layers_use_autodiff_and_say_so_once(caplog):
 def test_fused_on_another_model_is_a_config_error_naming_the_models_with_it():
     from pathlib import Path
 
-    from train.build import build
     from train.config import ConfigError, load_config
+    from train.loop.build import build
 
     root = Path(__file__).resolve().parents[1]
     sets = ["data.name=digits", "model.channels=[4]", "model.kernel_size=3", "loss.grad=fused"]

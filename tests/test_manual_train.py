@@ -29,11 +29,10 @@ from _tolerance import (
     rounding_errors,
 )
 
-import models
-import models.mlp
 import nnlite as nl
+from models import mlp as mlp_model
 from train.config import load_config
-from train.loop import train
+from train.loop.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +138,7 @@ def mlp_with_relu_rule(rule):
     def relu(x):
         return jax.nn.relu(x)
 
-    class MLP(models.mlp.MLP):
+    class MLP(mlp_model.MLP):
         @property
         def ffn(self):
             (hidden,) = self.hidden_sizes

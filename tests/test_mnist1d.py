@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-import train.data as data_mod
 from train.config import ConfigError, DataConfig
-from train.data import load_dataset
+from train.data import builtin as data_mod
+from train.data.builtin import load_dataset
 
 mnist1d_data = pytest.importorskip("mnist1d.data")
 

@@ -19,8 +19,8 @@ import pytest
 from _tolerance import check_rule as check
 
 import nnlite as nl
-from models.contract import objective_fn
 from nnlite.nn import _adaptive_pool
+from train.model.contract import objective_fn
 
 DTYPES = ["float32", "float64"]
 EPS32 = float(np.finfo(np.float32).eps)

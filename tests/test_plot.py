@@ -4,7 +4,7 @@ without one (or with one it should not have)."""
 import json
 import sys
 
-from train.plot import CurvePlotter, plot_curves
+from train.report.plot import CurvePlotter, plot_curves
 
 
 def _metrics(tmp_path, accuracy=True):

@@ -16,11 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import prefetch, prepare, sources, staging, text, tokenizer, tokens
 from train.config import ConfigError, DataConfig
-from train.data import WindowIndices, host_batch, text_dataset
-from train.prefetch import Prefetcher, PrefetchError
-from train.tokens import TokenFiles, process_share, window_starts
+from train.data import prefetch
+from train.data.builtin import text_dataset
+from train.data.dataset import WindowIndices, host_batch
+from train.data.prefetch import Prefetcher, PrefetchError
+from train.data.text import corpus as text
+from train.data.text import prepare, sources, staging, tokenizer, tokens
+from train.data.text.tokens import TokenFiles, process_share, window_starts
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = (

@@ -24,10 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
 import train
-from train import checkpoint as ckpt
+from train.checkpoint import store as ckpt
 from train.config import load_config
-from train.launch import free_port
-from train.loop import train as train_run
+from train.loop.trainer import train as train_run
+from train.parallel.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/digits_mlp.yaml"

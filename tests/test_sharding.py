@@ -18,10 +18,11 @@ from _tolerance import (
 from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
-from train import memory, parallel
-from train.build import build, init_program, make_stepper
+from train import parallel
 from train.config import ConfigError, load_config
-from train.data import make_sampler
+from train.data.dataset import make_sampler
+from train.loop import memory
+from train.loop.build import build, init_program, make_stepper
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every sharded layout of 8 devices: FSDP over 8, tensor parallelism in pairs with the
@@ -334,7 +335,7 @@ def check_fsdp_shardings(p, o, r):
 def test_two_processes_fsdp_with_tensor_equal_one_device(tmp_path, npz):
     from test_distributed import cli, env_with_devices
 
-    from train import checkpoint as ckpt
+    from train.checkpoint import store as ckpt
 
     steps = [npz, "train.steps=6", "train.log_every=3", "train.eval_every=6", "loss.grad=manual"]
     steps += ["model.hidden_sizes=[64]", ALL_LEAVES, "checkpoint.every=1", "checkpoint.keep=6"]
@@ -435,7 +436,7 @@ def test_the_finiteness_check_finds_a_nan_on_any_device_in_one_program():
     in its leaf and no other, replicated and host-shaped leaves checked too."""
     from jax.sharding import NamedSharding
 
-    from train.step import finite_flags, finite_on_devices
+    from train.loop.step import finite_flags, finite_on_devices
 
     mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
     specs = [P("data"), P(None, "model"), P("data", "model"), P()]

@@ -561,7 +561,7 @@ def test_ruff_format_leaves_output_unchanged():
 )
 def test_train_step_roundtrips(config, overrides):
     from train.config import load_config
-    from train.show import show_jaxpr, traced_function
+    from train.loop.show import show_jaxpr, traced_function
 
     path = os.path.join(ROOT, "configs", f"{config}.yaml")
     cfg = load_config(path, ["train.batch_size=64", *overrides])
@@ -574,7 +574,7 @@ def test_train_step_roundtrips(config, overrides):
 
 
 def test_train_cli_unsupported_primitive_is_one_line_exit_2(monkeypatch, capsys):
-    import train.show
+    import train.loop.show
     from train.__main__ import main
 
     def show_jaxpr(cfg, what):
@@ -584,7 +584,7 @@ def test_train_cli_unsupported_primitive_is_one_line_exit_2(monkeypatch, capsys)
             + "  in (b,) }): it has no rule in nnlite"
         )
 
-    monkeypatch.setattr(train.show, "show_jaxpr", show_jaxpr)
+    monkeypatch.setattr(train.loop.show, "show_jaxpr", show_jaxpr)
     argv = ["--config", os.path.join(ROOT, "configs", "linreg_pmap.yaml"), "--show-jaxpr", "step"]
     assert main(argv) == 2
     out, err = capsys.readouterr()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from train.config import ConfigError, DataConfig
-from train.data import load_dataset
-from train.split import split_indices
+from train.data.builtin import load_dataset
+from train.data.split import split_indices
 
 sk_split = pytest.importorskip("sklearn.model_selection").train_test_split
 

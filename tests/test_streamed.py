@@ -16,13 +16,14 @@ import safetensors.numpy
 from test_distributed import env_with_devices
 
 import train
-from train import parallel, streamed
+from train import parallel
 from train.__main__ import main
-from train.checkpoint import flatten_with_paths
+from train.checkpoint.store import flatten_with_paths
 from train.config import config_from_dict, load_config
-from train.data import load_dataset
-from train.loop import train as train_run
-from train.prepare import main as prepare
+from train.data import streamed
+from train.data.builtin import load_dataset
+from train.data.text.prepare import main as prepare
+from train.loop.trainer import train as train_run
 from train.sample import main as sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +305,7 @@ def test_bpe_prepare_train_sample_end_to_end(tmp_path, corpus, capsys):
 
 
 def test_reader_preads_exactly_what_indexing_the_memory_map_gives(tmp_path):
-    from train.reader import _file_offset, read_range, read_rows
+    from train.data.reader import _file_offset, read_range, read_rows
 
     a = np.arange(600, dtype="<u2").reshape(200, 3)
     np.save(tmp_path / "a.npy", a)

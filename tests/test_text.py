@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import text
 from train.__main__ import main
 from train.config import ConfigError, DataConfig
-from train.data import WindowIndices, load_dataset
+from train.data.builtin import load_dataset
+from train.data.dataset import WindowIndices
+from train.data.text import corpus as text
 
 HEADER = (
     "The Project Gutenberg EBook of Something\n\nThis eBook is for the use of anyone...\n\n"

@@ -20,9 +20,9 @@ from _tolerance import (
 )
 
 from train.__main__ import main
+from train.checkpoint.rundir import TIMING_KEYS
 from train.config import load_config
-from train.loop import train
-from train.rundir import TIMING_KEYS
+from train.loop.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,9 +278,9 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, grad, strategy):
 
 
 def test_grad_modes_config_offers_every_model_mode():
-    import models
-    from models.contract import grad_modes
     from train.config import GRAD_MODES
+    from train.model import registry as models
+    from train.model.contract import grad_modes
 
     # The trainer keeps its own tuple (nnlite has no CLI settings); every mode a shipped
     # model supports must be a choice the config accepts.
@@ -302,8 +302,8 @@ def test_fused_mode_reaches_autodiff_accuracy(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["none", "shard_map"])
 def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
-    from train.build import build, prepare
-    from train.loop import boundaries, steps_in_call
+    from train.loop.build import build, prepare
+    from train.loop.trainer import boundaries, steps_in_call
 
     cfg = load_config(
         ROOT / "configs/digits_mlp.yaml",

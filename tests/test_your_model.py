@@ -21,7 +21,7 @@ from _xla import xla_flags
 import nnlite as nl
 import train
 from train.__main__ import main
-from train.rundir import TIMING_KEYS
+from train.checkpoint.rundir import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -555,7 +555,7 @@ def test_tensorboard_scalars_match_metrics_jsonl(project, monkeypatch):
 
 
 def test_plot_is_titled_with_the_run_and_the_losss_unit(project, ref_run):
-    from train.report import plot_labels
+    from train.report.console import plot_labels
 
     loaded = train.load_run(ref_run)
 

@@ -20,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import faults
-from .config import ConfigError, dump_yaml, load_config
-from .timings import Timings
+from .config import dump_yaml, load_config
+from .errors import ConfigError
+from .report.timings import Timings
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,7 +94,7 @@ def resume_command(argv: list[str]) -> str:
 def _show_jaxpr(cfg, what: str) -> int:
     from nnlite import UnsupportedPrimitiveError
 
-    from .show import show_jaxpr
+    from .loop.show import show_jaxpr
 
     try:
         src = show_jaxpr(cfg, what)
@@ -176,7 +177,7 @@ def main(
         if args.processes is not None:
             if args.processes < 1:
                 raise ConfigError(f"--processes must be >= 1, got {args.processes}")
-            from .launch import launch
+            from .parallel.launch import launch
 
             return launch(cfg, _without_processes(argv), args.processes, echo=print)
         if args.show_jaxpr:
@@ -184,23 +185,23 @@ def main(
                 enable_compile_cache(cfg.compile_cache)
             return _show_jaxpr(cfg, args.show_jaxpr)
 
-        from . import distributed as dist
+        from .parallel import distributed as dist
 
         settings = dist.resolve(cfg.distributed)
         multiprocess = settings is not None
         if cfg.log.plot and (settings is None or settings.process_id == 0):
-            from .plot import CurvePlotter
+            from .report.plot import CurvePlotter
 
             # Imports matplotlib in another process while this one imports JAX and trains.
             plotter = CurvePlotter(accuracy=cfg.data.name != "linreg")
-        from .data import load_dataset, text_context
+        from .data.builtin import load_dataset, text_context
 
         with ThreadPoolExecutor(1, thread_name_prefix="nnlite-data") as pool:
             # The data loads while JAX imports (numpy, gzip and file reads release the GIL).
             data = pool.submit(load_dataset, cfg.data, text_context(cfg))
             if compile_cache:
                 enable_compile_cache(cfg.compile_cache)  # imports jax
-            from .loop import train  # imports jax: keep --print-config and config errors fast
+            from .loop.trainer import train
 
             timings.lap("imports")
             if standalone:

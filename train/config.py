@@ -19,10 +19,7 @@ from typing import Any
 import yaml
 
 from . import parallel
-
-
-class ConfigError(ValueError):
-    """Bad user input (config, CLI, data, checkpoint): the CLI prints it and exits 2."""
+from .errors import ConfigError
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -338,8 +335,8 @@ def _build_model(
     class's fields and types, and the fields the config leaves out that have defaults
     filled in (those the data determines stay out until the data set is loaded). ``cls``:
     the class itself (``train.fit``), instead of resolving the name."""
-    from models import ModelError, resolve
-    from models.contract import DATA_FIELDS, check_model_class, field_types, fields, has_default
+    from .model.contract import DATA_FIELDS, check_model_class, field_types, fields, has_default
+    from .model.registry import ModelError, resolve
 
     if raw is None:
         raw = {}

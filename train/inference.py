@@ -20,12 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
 import nnlite as nl
-from models.contract import Model, call_stateful, is_stateful
 
-from . import checkpoint as ckpt
-from .config import Config, ConfigError, ModelConfig, load_config
+from .checkpoint import store as ckpt
+from .config import Config, ModelConfig, load_config
+from .errors import ConfigError
+from .model import registry as models
+from .model.contract import Model, call_stateful, is_stateful
+from .model.registry import MODEL_SOURCE_KEY
 from .optim import build_optimizer
 
 
@@ -147,7 +149,7 @@ def load_run(
             ) from None
     tokenizer = None
     if "tokenizer" in meta:
-        from .tokenizer import from_spec
+        from .data.text.tokenizer import from_spec
 
         try:
             tokenizer = from_spec(meta["tokenizer"])
@@ -169,27 +171,6 @@ def model_of(spec: ModelConfig) -> Model:
         return spec.cls(**spec.options)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"model.name={spec.name}: {e}") from None
-
-
-MODEL_SOURCE_KEY = "model_source"  # checkpoint metadata: where a user's module was found
-
-
-def model_source(model: Any) -> str | None:
-    """The directory to import a user's model module from again (None: a shipped model or
-    an installed package)."""
-    cls = type(model)
-    if models.class_path(cls) in models.MODELS:
-        return None
-    import sys
-
-    module = sys.modules.get(cls.__module__)
-    file = getattr(module, "__file__", None)
-    if not file:
-        return None
-    top = Path(file).resolve().parent
-    for _ in cls.__module__.split(".")[1:]:  # a package module: up to the package's parent
-        top = top.parent
-    return str(top)
 
 
 def _add_model_source(meta: dict) -> None:
@@ -308,7 +289,9 @@ def generate_by_windows(model, params, prompt, n_tokens: int, key, temperature, 
     ``context`` tokens (right-padded until it is full, which a causal model never looks at),
     the logits at its last real position give the next token, and a full window slides
     by one. One compiled program; each token costs a forward pass over ``context``."""
-    from models.gpt import sample
+    import importlib
+
+    sample = importlib.import_module(f"{models.SHIPPED}.gpt").sample
 
     context, t0 = model.context, prompt.shape[1]
     window = jnp.zeros((1, context), jnp.int32).at[:, :t0].set(prompt)

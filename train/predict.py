@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from . import faults
-from .config import ArgumentParser, ConfigError
+from .config import ArgumentParser
+from .errors import ConfigError
 
 
 def parse_args(argv):

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from . import faults
-from .config import MAX_SEED, ArgumentParser, ConfigError
+from .config import MAX_SEED, ArgumentParser
+from .errors import ConfigError
 
 
 def parse_args(argv):

@@ -41,7 +41,7 @@ def get(name: str, devices: list):
 def from_config(parallel, batch_size: int):
     """The strategy a config's ``parallel`` section asks for, on the devices it selects
     (raises ConfigError when they cannot split ``batch_size`` or do not exist)."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
 
     cls = strategy_class(parallel.strategy)
     if parallel.tensor > 1 and not cls.tensor_parallel:

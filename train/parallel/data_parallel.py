@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from .. import distributed as dist
-from ..config import ConfigError
+from ..errors import ConfigError
+from . import distributed as dist
 from .base import Strategy
 
 AXIS = "batch"  # the pmap / mesh axis that splits the batch

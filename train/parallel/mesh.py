@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
 
-from .. import distributed as dist
-from ..config import ConfigError
+from ..errors import ConfigError
+from . import distributed as dist
 from .base import Strategy, nbytes, place_by_batch
 
 DATA, MODEL = "data", "model"  # the mesh's axes: the batch (and FSDP) and tensor parallelism

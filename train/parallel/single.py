@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .base import Strategy
 
 

@@ -14,8 +14,9 @@ from typing import TextIO
 
 import numpy as np
 
-from . import checkpoint as ckpt
-from .config import Config, ConfigError, dump_yaml
+from ..config import Config, dump_yaml
+from ..errors import ConfigError
+from . import store as ckpt
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
 TIMING_KEYS = ("time", "examples_per_s", "tokens_per_s")

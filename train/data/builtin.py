@@ -15,69 +15,15 @@ import importlib.util
 import os
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
-from . import text
-from .config import ConfigError, DataConfig
-from .reader import read_rows
+from ..config import DataConfig
+from ..errors import ConfigError
+from .dataset import MAX_UNUSED_CLASSES, Dataset
 from .split import split_indices
-
-
-@dataclass(frozen=True)
-class Dataset:
-    name: str
-    x: np.ndarray  # [n, features] float32; text: the training token stream [n] int32
-    y: np.ndarray  # [n] int32 labels, [n, outputs] float32 targets; text: x shifted by one
-    x_test: np.ndarray  # text: the fixed validation windows [m, window] int32
-    y_test: np.ndarray
-    num_classes: int | None  # None for regression; text: the vocabulary size
-    # Text only: the context length; a batch index is the start of a window of x (and y)
-    window: int | None = None
-    vocab: str | None = None  # text only: the characters, in id order
-    note: str = ""  # said when the data set is built (e.g. characters dropped)
-    # Batches are read on the host and sent per call (data.placement: host): x, y may be
-    # memory maps of any int/float dtype, converted per batch (see batch_dtype)
-    streamed: bool = False
-    tokenizer: str | None = None  # prepared tokens: train.tokenizer.to_spec of the tokenizer
-
-    @property
-    def task(self) -> str:
-        if self.window is not None:
-            return "language_model"
-        return "regression" if self.num_classes is None else "classification"
-
-    @property
-    def eval_split(self) -> str:
-        """What the held-out split is called in logs: "val" for text, else "test"."""
-        return "val" if self.window is not None else "test"
-
-    @property
-    def num_indices(self) -> int:
-        """How many distinct batch indices there are: examples, or text window starts."""
-        return len(self.x) if self.window is None else len(self.x) - self.window + 1
-
-    def describe(self) -> str:
-        streamed = ", streamed" if self.streamed else ""
-        if self.window is None:
-            return f"{len(self.x)} train / {len(self.x_test)} test{streamed}"
-        unit = "chars" if self.tokenizer is None else "tokens"
-        return (
-            f"{len(self.x) + 1:,} train {unit} / {len(self.x_test)} val windows of "
-            f"{self.window}, vocabulary {self.num_classes}{streamed}"
-        )
-
-    @property
-    def in_features(self) -> int:
-        return self.x.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.num_classes if self.num_classes is not None else self.y.shape[1]
-
+from .text import corpus as text
 
 DEFAULT_CONTEXT = 64  # text windows when neither data.context nor model.context is set
 
@@ -155,7 +101,7 @@ def _mnist1d(cfg: DataConfig) -> Dataset:
     """The ``mnist1d`` package's data set (its default recipe, ``num_samples`` examples,
     seed ``split_seed + 42``), cached as an npz: importing the package (matplotlib, scipy,
     requests) and generating 5000 examples cost ~3 s of CPU, reading the cache ~10 ms."""
-    from .memory import format_bytes, host_memory_bytes
+    from ..report.units import format_bytes, host_memory_bytes
 
     need, have = cfg.num_samples * _MNIST1D_BYTES_PER_EXAMPLE, host_memory_bytes()
     if need > have:
@@ -289,7 +235,6 @@ def _can_stratify(y: np.ndarray, cfg: DataConfig) -> bool:
 
 # Labels are class indices: a gap this much larger than the labels in use is a mistake
 # (ids, not indices), not classes that happen to be missing from the data.
-MAX_UNUSED_CLASSES = 1000
 
 _NPZ_MAGIC = b"PK\x03\x04"  # an .npz is a zip archive
 _NPY_MAGIC = b"\x93NUMPY"
@@ -410,109 +355,3 @@ def text_dataset(name: str, corpus: str, cfg: DataConfig, context: int) -> Datas
         vocab=enc.vocab,
         note=note,
     )
-
-
-def steps_per_epoch(n: int, batch_size: int) -> int:
-    return max(n // batch_size, 1)
-
-
-def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The permutation of the training set used in ``epoch`` (a pure function of both)."""
-    return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
-
-
-def batch_dtype(a: np.ndarray) -> np.dtype:
-    """The dtype a batch of array ``a`` has in the step: int32 for integers (labels, token
-    ids stored as uint8/16/32), float32 for floats."""
-    return np.dtype(np.int32 if np.issubdtype(a.dtype, np.integer) else np.float32)
-
-
-def host_batch(data: Dataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The batch ``(x, y)`` that indices ``idx`` name, on the host (what the compiled step
-    gathers on the device: rows, or text windows starting at ``idx``), in the step's dtypes.
-    Reads only those rows or windows (``x``/``y`` may be memory maps, read with ``pread``:
-    train/reader.py); any leading shape of ``idx`` is kept."""
-    idx = np.asarray(idx)
-    x, y = data.x, data.y
-    if data.window is not None:  # [n - window + 1, window] views: no copy until indexed
-        x = np.lib.stride_tricks.sliding_window_view(x, data.window)
-        y = np.lib.stride_tricks.sliding_window_view(y, data.window)
-    flat = idx.reshape(-1)
-    xb = read_rows(x, flat).astype(batch_dtype(data.x), copy=False)  # memory maps: pread
-    yb = read_rows(y, flat).astype(batch_dtype(data.y), copy=False)
-    return xb.reshape(*idx.shape, *xb.shape[1:]), yb.reshape(*idx.shape, *yb.shape[1:])
-
-
-class Sampler(Protocol):
-    """Host-side batch indices as a pure function of (seed, step): a step is a data position."""
-
-    def batch(self, step: int) -> np.ndarray: ...
-
-    def batches(self, step: int, count: int) -> np.ndarray: ...
-
-    def position(self, step: int) -> dict: ...
-
-
-def make_sampler(seed: int, data: Dataset, batch_size: int) -> Sampler:
-    """The host-side sampler of ``data``: epochs of examples, or random text windows."""
-    if data.window is None:
-        return BatchIndices(seed, data.num_indices, batch_size)
-    return WindowIndices(seed, data.num_indices, batch_size)
-
-
-class WindowIndices:
-    """Host-side sampler for text: step ``s``'s batch is ``batch_size`` window starts drawn
-    uniformly from ``[0, n)`` by ``default_rng([seed, s])``, a pure function of both (as
-    nanoGPT draws its batches, with replacement), so a resumed run sees the same windows."""
-
-    def __init__(self, seed: int, n: int, batch_size: int):
-        self.seed, self.n, self.batch_size = seed, n, batch_size
-
-    def batch(self, step: int) -> np.ndarray:
-        # int32 draws while n fits (every text and Shakespeare), int64 for token files of
-        # more than 2**31 tokens: the same numbers as train.tokens.window_starts
-        dtype = np.int32 if self.n <= np.iinfo(np.int32).max else np.int64
-        return np.random.default_rng([self.seed, step]).integers(
-            0, self.n, self.batch_size, dtype=dtype
-        )
-
-    def batches(self, step: int, count: int) -> np.ndarray:
-        """``[count, batch_size]`` window starts for steps ``step .. step+count-1``."""
-        return np.stack([self.batch(s) for s in range(step, step + count)])
-
-    def position(self, step: int) -> dict:
-        return {"step": step, "windows": f"numpy default_rng([seed, step]) over {self.n}"}
-
-
-class BatchIndices:
-    """Host-side sampler: the indices of global batches ``step, step+1, ...``.
-
-    Batches are consecutive slices of each epoch's permutation (the tail that does not
-    fill a batch is dropped); a data set smaller than the batch is sampled with wraparound.
-    """
-
-    def __init__(self, seed: int, n: int, batch_size: int):
-        self.seed, self.n, self.batch_size = seed, n, batch_size
-        self.per_epoch = steps_per_epoch(n, batch_size)
-        self._cache: tuple[int, np.ndarray] | None = None
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._cache is None or self._cache[0] != epoch:
-            order = epoch_order(self.seed, epoch, self.n)
-            if self.n < self.batch_size:
-                order = np.resize(order, self.batch_size)
-            self._cache = (epoch, order)
-        return self._cache[1]
-
-    def batch(self, step: int) -> np.ndarray:
-        epoch, i = divmod(step, self.per_epoch)
-        b = self.batch_size
-        return self._order(epoch)[i * b : (i + 1) * b]
-
-    def batches(self, step: int, count: int) -> np.ndarray:
-        """``[count, batch_size]`` indices for steps ``step .. step+count-1``."""
-        return np.stack([self.batch(s) for s in range(step, step + count)])
-
-    def position(self, step: int) -> dict:
-        epoch, i = divmod(step, self.per_epoch)
-        return {"epoch": epoch, "batch_in_epoch": i, "steps_per_epoch": self.per_epoch}

@@ -13,29 +13,16 @@ host's copies. If even that exceeds the memory there is, the run cannot fit.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
-from models import contract
-
-from .config import Config, ConfigError
-from .data import batch_dtype
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # unreachable
-
-
-def host_memory_bytes() -> int:
-    """Physical memory of this machine (what every CPU device of the process shares)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+from ..config import Config
+from ..data.dataset import batch_dtype
+from ..errors import ConfigError
+from ..model import contract
+from ..report.units import format_bytes, host_memory_bytes
 
 
 def device_memory_bytes(device) -> int | None:
@@ -112,7 +99,7 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     if getattr(data, "streamed", False):
         # streamed: the training split stays on disk (memory maps) or in host memory, and
         # the devices hold a few calls' batches (train/feed.py), never the split itself
-        from .feed import DEPTH
+        from ..data.feed import DEPTH
 
         calls = (DEPTH + 2) * cfg.train.steps_per_call
         train_bytes = calls * _nbytes((x, y)) * local_batch // micro

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError
+from ...errors import ConfigError
 from .prepare import DTYPES, FORMAT, FORMAT_VERSION
 from .tokenizer import from_meta
 

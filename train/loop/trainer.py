@@ -14,18 +14,23 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from . import checkpoint as ckpt
-from . import distributed as dist
-from . import faults, feed, report, rundir
+from .. import faults
+from ..checkpoint import rundir
+from ..checkpoint import store as ckpt
+from ..checkpoint.resume import agree_on_start, metadata
+from ..config import Config
+from ..data import feed
+from ..data.dataset import Dataset, Sampler, make_sampler
+from ..data.feed import BatchFeed, call_schedule
+from ..optim import schedule
+from ..parallel import distributed as dist
+from ..parallel.finite import finite_on_devices
+from ..report import console as report
+from ..report.plot import CurvePlotter, plot_curves
+from ..report.timings import Timings
+from . import nonfinite
 from .build import Prepared, Run, build, make_stepper, prepare
-from .config import Config
-from .data import Dataset, Sampler, make_sampler
-from .feed import BatchFeed, call_schedule
-from .optim import schedule
-from .plot import CurvePlotter, plot_curves
-from .resume import agree_on_start, metadata
-from .step import finite_on_devices, mean_loss_fn, step_flags
-from .timings import Timings
+from .step import mean_loss_fn, step_flags
 
 
 def boundaries(cfg: Config) -> list[int]:
@@ -328,7 +333,7 @@ class _Loop:
             return self.checkpoint_sharded()
         state = self.host_state()
         # The loss-only flag cannot see a last step that broke the params.
-        if self.r.cfg.train.nonfinite == "stop" and not faults.all_finite(state[0]):
+        if self.r.cfg.train.nonfinite == "stop" and not nonfinite.all_finite(state[0]):
             self._stop_nonfinite(self.step)
         self.good_step = self.step
         if dist.is_main():
@@ -444,7 +449,7 @@ class _Loop:
         checker = make_stepper(r, prep.p_def, prep.o_def, "check", prep.s_def)
         loss_fn = mean_loss_fn(r.model, r.grad_mode)  # the replay names the bad leaf
         raise faults.NonFinite(
-            faults.explain_nonfinite(
+            nonfinite.explain_nonfinite(
                 r,
                 self.sampler,
                 checker,

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError, DataConfig
-from .data import MAX_UNUSED_CLASSES, Dataset, batch_dtype
+from ..config import DataConfig
+from ..errors import ConfigError
+from .dataset import MAX_UNUSED_CLASSES, Dataset, batch_dtype
 from .reader import read_rows
 
 # data.placement=auto: a training split up to this size (as the step reads it) lives on
@@ -63,8 +64,8 @@ def place(data: Dataset, cfg: DataConfig) -> Dataset:
 
 def tokens(cfg: DataConfig, context: int) -> Dataset:
     """``data.name: tokens``: a prepared directory, memory-mapped (module docstring)."""
-    from .tokenizer import to_spec
-    from .tokens import TokenFiles
+    from .text.tokenizer import to_spec
+    from .text.tokens import TokenFiles
 
     path = Path(cfg.path)
     where = f"data.path {str(path)!r}"

@@ -14,16 +14,21 @@ import jax
 import numpy as np
 import optax
 
-import models
 import nnlite as nl
-from models import contract
-from models.contract import Model
 
-from . import gradmode, memory, parallel, rundir
-from .config import Config, ConfigError, ModelConfig
-from .data import Dataset, batch_dtype, host_batch, load_dataset, text_context
-from .optim import build_optimizer
-from .parallel.base import Strategy
+from .. import parallel
+from ..checkpoint import rundir
+from ..config import Config, ModelConfig
+from ..data.builtin import load_dataset, text_context
+from ..data.dataset import Dataset, batch_dtype, host_batch
+from ..errors import ConfigError
+from ..model import contract, gradmode
+from ..model import registry as models
+from ..model.contract import Model
+from ..optim import build_optimizer
+from ..parallel.base import Strategy
+from ..report.timings import Timings
+from . import memory
 from .step import (
     Stepper,
     batch_grads_fn,
@@ -33,11 +38,9 @@ from .step import (
     compile_async,
     uses_key,
 )
-from .timings import Timings
 
 # Examples evaluated per chunk of a windowed (text) split: 32k tokens, e.g. 512 windows of
 # 64, so evaluating thousands of windows never holds all their activations at once.
-EVAL_TOKENS_PER_CHUNK = 2**15
 
 
 @dataclass
@@ -352,7 +355,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
     first_batch = None
     if r.data.streamed:  # batches come from the host (train/feed.py): nothing placed whole
-        from .feed import eval_chunk
+        from ..data.feed import EVAL_TOKENS_PER_CHUNK, eval_chunk
 
         X = Y = ()
         first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)

@@ -36,9 +36,9 @@ import numpy as np
 
 import nnlite as nl
 
-from . import distributed as dist
-from .config import ConfigError
-from .step import finite_on_devices
+from ..errors import ConfigError
+from ..parallel import distributed as dist
+from ..parallel.finite import finite_on_devices
 
 FORMAT_VERSION = "1"  # nl.save's format_version that resuming accepts
 # 8 digits or more (steps >= 10^8); a file, or a sharded checkpoint's directory

@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .config import ConfigError
+from ...errors import ConfigError
 
 _STAGING = re.compile(r"^\.(?P<name>.+)\.(prepare|replaced)-(?P<pid>\d+)-[0-9a-f]+$")
 

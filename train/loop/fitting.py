@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError, config_from_dict, read_yaml
+from ..config import Config, config_from_dict, read_yaml
+from ..errors import ConfigError
 
 
 def fit(
@@ -46,7 +47,7 @@ def fit(
 
     Raises ``ConfigError`` for bad input, as the CLI's exit 2.
     """
-    from .loop import train
+    from .trainer import train
 
     if isinstance(overrides, Mapping):
         overrides = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
@@ -55,13 +56,14 @@ def fit(
 
 
 def _config(model: Any, config: Any, overrides: list[str]) -> Config:
-    import models
     import nnlite as nl
+
+    from ..model import registry as models
 
     if isinstance(config, Config):
         if model is None and not overrides:
             return config
-        from .config import to_dict
+        from ..config import to_dict
 
         config = to_dict(config)
     base_dir, source = None, "train.fit(config=...)"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError
+from ...errors import ConfigError
 
 KINDS = ("char", "byte", "bpe")
 EOT = "<|endoftext|>"  # bpe's special token: id 0, the end of each file in the token stream

@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterator
 import jax
 import numpy as np
 
-from . import distributed as dist
-from .data import Dataset, Sampler, batch_dtype, host_batch
+from ..parallel import distributed as dist
+from .dataset import Dataset, Sampler, batch_dtype, host_batch
 from .prefetch import DEFAULT_TIMEOUT_S, Prefetcher
 from .reader import read_range
+
+EVAL_TOKENS_PER_CHUNK = 2**15  # evaluation: tokens per compiled chunk
 
 DEPTH = 2  # calls prepared ahead of the one running: double-buffered
 # Rows of an example data set's held-out split per evaluation chunk, at most this many bytes
@@ -77,7 +79,6 @@ class BatchFeed:
 
 def eval_chunk(data: Dataset) -> int:
     """Rows of the held-out split per evaluation chunk (text: 32k tokens of windows)."""
-    from .build import EVAL_TOKENS_PER_CHUNK
 
     n = len(data.x_test)
     if data.window is not None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from ...errors import ConfigError
 
 CHUNK_BYTES = 4 << 20  # read size; prepare's peak memory is a small multiple of it
 BPE_PIECE_CHARS = 64 << 10  # bpe encodes chunks as pieces of this size (at newlines), in parallel

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import jax
 
 import nnlite as nl
-from models import contract
+
+from . import contract
 
 AUTO = "auto"
 #: Where a user reads how to give an operation its rule.

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import nnlite as nl
-from models import contract
 
+from ..config import Config
+from ..data.dataset import host_batch
+from ..model import contract
 from .build import build, make_stepper
-from .config import Config
-from .data import host_batch
 from .step import mean_loss_fn, uses_key
 
 

@@ -19,9 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import distributed as dist
-from .config import Config
-from .faults import (
+from ..config import Config
+from ..faults import (
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
     EXIT_NONFINITE,
@@ -29,6 +28,7 @@ from .faults import (
     EXIT_PREEMPTED,
     EXIT_STUCK,
 )
+from . import distributed as dist
 
 # Statuses that every process reaches together (they agree through collectives, or each
 # one's watchdog fires on the same stuck call): wait for the others to reach them too

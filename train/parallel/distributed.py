@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ConfigError, DistributedConfig
+from ..config import DistributedConfig
+from ..errors import ConfigError
 
 # The environment variables read for unset fields of the ``distributed`` section. JAX
 # itself reads only JAX_COORDINATOR_ADDRESS; the other two are ours, named to match.

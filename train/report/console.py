@@ -9,9 +9,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from . import distributed as dist
-from .config import Config
-from .memory import format_bytes
+from ..config import Config
+from ..parallel import distributed as dist
+from ..report.units import format_bytes
 
 # Short names of metrics on the progress bar.
 BAR_NAMES = {"loss": "loss", "accuracy": "acc", "bits_per_char": "bpc"}

@@ -12,10 +12,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import checkpoint as ckpt
-from . import distributed as dist
-from .config import Config, ConfigError, to_dict
-from .data import Dataset, Sampler
+from ..config import Config, to_dict
+from ..data.dataset import Dataset, Sampler
+from ..errors import ConfigError
+from ..parallel import distributed as dist
+from . import store as ckpt
 from .rundir import check_run_dir
 
 # Config sections that must match a checkpoint being resumed (train.steps may grow).
@@ -49,7 +50,7 @@ def metadata(
     """What a checkpoint records besides the state: data position, RNG, config, vocabulary,
     where a user's model module was imported from (for ``train.load_run``), and ``grad``,
     the mode the step ran (``loss.grad: auto`` resolved, see :func:`check_resumable`)."""
-    from .inference import MODEL_SOURCE_KEY, model_source
+    from ..model.registry import MODEL_SOURCE_KEY, model_source
 
     order = "[seed, step]" if data.window else "[seed, epoch]"
     meta = {

@@ -1,0 +1,1 @@
+"""Run directories and checkpoints: the files a run writes, resuming from them exactly."""

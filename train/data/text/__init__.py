@@ -1,0 +1,1 @@
+"""Text: corpora, tokenizers, prepared token files (``python -m train.prepare``)."""

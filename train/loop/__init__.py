@@ -1,0 +1,1 @@
+"""The training loop: building a run, the compiled step, the loop and its events."""

@@ -1,0 +1,1 @@
+"""What a run tells its user: the console lines, loggers, curves and timings."""
