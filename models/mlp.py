@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 import nnlite as nl
 
-from models.mlp_fused import fused_grad_accum, mlp_loss
+from .mlp_fused import fused_grad_accum, mlp_loss
 
 
 class MLP(nl.Module):

@@ -28,7 +28,6 @@ from typing import Any, BinaryIO
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors.numpy
 
 from ._params import ParamsDict, format_path
 
@@ -68,6 +67,20 @@ def _describe(shape: tuple, dtype: Any) -> str:
 
 
 # -- writing ----------------------------------------------------------------------------------
+
+def safetensors_bytes(tensors: Mapping[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """``tensors`` and ``metadata`` in the safetensors format (the ``safetensors`` package,
+    imported on first use: ``import nnlite`` needs only the design card's packages)."""
+    try:
+        import safetensors.numpy
+    except ImportError:
+        raise ImportError(
+            "writing a checkpoint needs safetensors: pip install safetensors "
+            "(or pip install 'nnlite[train]')"
+        ) from None
+    return safetensors.numpy.save(dict(tensors), metadata=metadata)
+
+
 def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | None = None):
     """Write the array leaves of ``tree`` to the safetensors file ``path``, atomically.
 
@@ -122,7 +135,7 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | No
         if k in meta:
             raise CheckpointError(f"nl.save: metadata key {k!r} is nl.save's own; rename it")
         meta[k] = v
-    _write_atomically(path, safetensors.numpy.save(tensors, metadata=meta))
+    _write_atomically(path, safetensors_bytes(tensors, meta))
     return path
 
 
@@ -240,14 +253,19 @@ def _entry(key: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
     return dtype, shape, start, end
 
 
+#: The reader of a checkpoint directory: ``_sharded.ShardedFile`` registers itself here (the
+#: sharded format extends this one, so this module never imports it).
+DIRECTORY_READER = None
+
+
 @contextlib.contextmanager
 def _checkpoint(path: Path):
     """The open checkpoint at ``path``: a safetensors file (``nl.save``) or a sharded
     checkpoint directory (``nl.save_sharded``), with one reading interface."""
     if path.is_dir():
-        from ._sharded import ShardedFile
-
-        file = ShardedFile(path)
+        if DIRECTORY_READER is None:
+            raise CheckpointError(f"checkpoint {path}: a directory, and no sharded reader loaded")
+        file = DIRECTORY_READER(path)
     else:
         try:
             f = open(path, "rb")

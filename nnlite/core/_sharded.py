@@ -36,8 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors.numpy
 
+from . import _save
 from ._save import (
     TEST_PAUSE_ENV,
     CheckpointError,
@@ -45,6 +45,7 @@ from ._save import (
     _fsync_dir,
     _key,
     _write_atomically,
+    safetensors_bytes,
 )
 
 __all__ = ["INDEX", "is_sharded", "save_sharded"]
@@ -173,12 +174,12 @@ def save_sharded(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     sync(f"{path.name}:begin")
-    data = safetensors.numpy.save(tensors, metadata={"shards": json.dumps(shards)})
+    data = safetensors_bytes(tensors, {"shards": json.dumps(shards)})
     _write_atomically(tmp / _shard_file(jax.process_index()), data)
     sync(f"{path.name}:shards")
     if main:
         meta |= {"leaves": json.dumps(leaves), "processes": str(jax.process_count())}
-        _write_atomically(tmp / INDEX, safetensors.numpy.save({}, metadata=meta))
+        _write_atomically(tmp / INDEX, safetensors_bytes({}, meta))
         time.sleep(float(os.environ.get(TEST_PAUSE_ENV) or 0))  # test hook: before the rename
         if path.is_dir():
             shutil.rmtree(path)
@@ -281,3 +282,6 @@ class ShardedFile:
             dst = tuple(slice(a - c, b - c) for a, b, (c, _) in zip(lo, hi, want, strict=True))
             out[dst] = piece[src]
         return out
+
+
+_save.DIRECTORY_READER = ShardedFile
