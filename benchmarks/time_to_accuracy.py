@@ -72,7 +72,7 @@ def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
     from train.data.dataset import BatchIndices
     from train.loop.build import Run, make_model, prepare
     from train.loop.trainer import boundaries, steps_in_call
-    from train.optim import build_optimizer
+    from train.optim.named import build_optimizer
 
     tc = dataclasses.replace(cfg.train, steps_per_call=steps_per_call, eval_every=eval_every)
     cfg = dataclasses.replace(cfg, train=tc)
@@ -112,7 +112,7 @@ def _equinox(cfg, data, weights, eval_every: int) -> dict:
     import optax
 
     from train.data.dataset import BatchIndices
-    from train.optim import build_optimizer
+    from train.optim.named import build_optimizer
 
     model = eqx.nn.MLP(64, 10, 128, 1, jax.nn.relu, key=jax.random.key(cfg.seed))
     model = eqx.tree_at(
@@ -157,7 +157,7 @@ def _flax_nnx(cfg, data, weights, eval_every: int) -> dict:
     from flax import nnx
 
     from train.data.dataset import BatchIndices
-    from train.optim import build_optimizer
+    from train.optim.named import build_optimizer
 
     class MLP(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
@@ -246,7 +246,7 @@ def write_weights(path: Path) -> None:
 
     from train.data.builtin import load_dataset
     from train.loop.build import init_state_compiled, make_model
-    from train.optim import build_optimizer
+    from train.optim.named import build_optimizer
 
     cfg = _config()
     model, _ = make_model(cfg, load_dataset(cfg.data))

@@ -4,16 +4,22 @@ and the same from Python.
 - ``train.fit(model, config)``: train a model (yours or a shipped one) as the CLI does;
 - ``train.load_run(run_dir)``: a run's model, params, config and vocabulary, back;
 - ``train.generate(model, params, prompt_ids, n_tokens, key)``: text from a language model.
+- ``train.Callback``: your code at the loop's events (``train.fit(..., callbacks=[...])``
+  or ``callbacks:`` in a config); ``train.EarlyStopping`` is one.
 
 The names load on first use, so ``python -m train`` starts without importing JAX early.
 """
 
 _LAZY = {
-    "fit": ".fitting",
+    "fit": ".loop.fitting",
     "load_run": ".inference",
     "LoadedRun": ".inference",
     "generate": ".inference",
-    "ConfigError": ".config",
+    "ConfigError": ".errors",
+    "Callback": ".loop.callbacks",
+    "LoopState": ".loop.callbacks",
+    "EarlyStopping": ".loop.callbacks",
+    "Registry": ".registry",
 }
 
 

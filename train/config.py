@@ -49,8 +49,6 @@ PLACEMENTS = ("auto", "device", "host")
 # auto resolves to one of the others at build time (train/gradmode.py); each model's
 # grad_modes are a subset (tested)
 GRAD_MODES = ("auto", "autodiff", "manual", "fused")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lion")
-SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
 NONFINITE = ("stop", "skip")
 
@@ -106,9 +104,16 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = choice("adam", OPTIMIZERS)  # optax optimizer
+    """A named optimizer (train/optim/__init__.py), whose keys are the fields below; or a
+    user's factory ``"module:function"`` returning an optax.GradientTransformation, whose
+    other keys are its keyword arguments (``options``); or ``given``: the object passed to
+    ``train.fit(optimizer=...)``."""
+
+    name: str = "adam"  # sgd, momentum, adam, adamw, lion, or "module:function"
     learning_rate: float = 1e-3  # peak learning rate
-    schedule: str = choice("constant", SCHEDULES)  # learning-rate schedule over train.steps
+    # learning-rate schedule over train.steps: constant, cosine, warmup_cosine, exponential,
+    # or "module:function" called with learning_rate and total_steps (those it takes)
+    schedule: str = "constant"
     warmup_steps: int = 0  # warmup_cosine: linear warmup length
     end_lr_fraction: float = 0.0  # cosine/warmup_cosine: final lr as a fraction of peak
     decay_rate: float = 0.1  # exponential: lr multiplier reached after train.steps
@@ -120,6 +125,17 @@ class OptimizerConfig:
     b1: float = 0.9  # adam/adamw/lion: first-moment decay
     b2: float | None = None  # adam/adamw/lion: second-moment decay (unset: 0.999; lion 0.99)
     clip_norm: float | None = None  # clip gradients to this global norm first
+    options: dict = field(default_factory=dict)  # name "module:function": its arguments
+
+
+@dataclass(frozen=True)
+class CallbackConfig:
+    """One entry of ``callbacks:``: a built-in callback's name or a user's
+    ``"module:Class"``; every other key is an argument of its constructor."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    cls: Any = field(default=None, compare=False, repr=False)  # what ``name`` resolved to
 
 
 @dataclass(frozen=True)
@@ -198,6 +214,9 @@ class Config:
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    # Callbacks run at the loop's boundaries (train/loop/callbacks.py): a list of names or
+    # {name: "module:Class", ...its constructor's arguments}
+    callbacks: tuple[CallbackConfig, ...] = ()
     # python -m train only: JAX's persistent compilation cache, so a second run of a config
     # compiles nothing. "auto": $NNLITE_CACHE/jax, else ~/.cache/nnlite/jax; a directory;
     # or null (off). Library calls (train.loop.train) never touch JAX's global cache.
@@ -316,6 +335,12 @@ def _build(
         if tp is ModelConfig:
             kwargs[key] = _build_model(value, source, sources, search, model_class)
             continue
+        if tp is OptimizerConfig:
+            kwargs[key] = _build_optimizer(value, source, sources, search)
+            continue
+        if key == "callbacks" and cls is Config:
+            kwargs[key] = _build_callbacks(value, source, sources, search)
+            continue
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{prefix}{key}.", source, sources, search)
             continue
@@ -379,6 +404,82 @@ def _build_model(
             )
     options = {k: options[k] for k in own if k in options}  # in the class's field order
     return ModelConfig(name.strip(), options, cls)
+
+
+def _build_optimizer(
+    raw: Any, source: str, sources: dict[str, str], search: tuple
+) -> OptimizerConfig:
+    """The ``optimizer`` section: a named optimizer's fields, or a user's factory
+    (``module:function``, imported now) with the other keys as its arguments."""
+    from .optim import GIVEN, OPTIMIZERS, SCHEDULES
+    from .registry import check_kwargs
+
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        src = sources.get("optimizer", source)
+        raise ConfigError(f"{src}: optimizer must be a mapping, got {raw!r}")
+    name = raw.get("name", OptimizerConfig.name)
+    src = sources.get("optimizer.name", source)
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(
+            f"{src}: optimizer.name: expected an optimizer name or 'module:function', got {name!r}"
+        )
+    name = name.strip()
+    if name == GIVEN or ":" in name:
+        options = {k: v for k, v in raw.items() if k != "name"}
+        if ":" in name:
+            factory = OPTIMIZERS.get(name, f"{src}: optimizer.name={name}", search)
+            if not callable(factory):
+                raise ConfigError(f"{src}: optimizer.name={name} is not callable")
+            check_kwargs(factory, options, f"{src}: optimizer.name={name}", "optimizer.")
+        return OptimizerConfig(name=name, options=options)
+    if name not in OPTIMIZERS:
+        OPTIMIZERS.get(name, f"{src}: optimizer.name={name}")  # raises, listing the names
+    cfg = _build(OptimizerConfig, raw, "optimizer.", source, sources, search)
+    if cfg.options:
+        raise ConfigError(
+            f"{sources.get('optimizer.options', source)}: optimizer.options is for a factory "
+            f"optimizer ('module:function'); optimizer.name={name} takes the section's own keys"
+        )
+    if ":" in cfg.schedule or cfg.schedule not in SCHEDULES:  # names: no import (start-up)
+        src = sources.get("optimizer.schedule", source)
+        SCHEDULES.get(cfg.schedule, f"{src}: optimizer.schedule={cfg.schedule}", search)
+    return cfg
+
+
+def _build_callbacks(
+    raw: Any, source: str, sources: dict[str, str], search: tuple
+) -> tuple[CallbackConfig, ...]:
+    """The ``callbacks`` list: each a name or ``{name: ..., constructor arguments}``,
+    resolved (a user's class imported now) and its arguments checked."""
+    from .loop.callbacks import CALLBACKS
+    from .registry import check_kwargs
+
+    src = sources.get("callbacks", source)
+    if raw is None:
+        return ()
+    if not isinstance(raw, list | tuple):
+        raise ConfigError(
+            f"{src}: callbacks must be a list of names or {{name: 'module:Class', ...}}, "
+            f"got {raw!r}"
+        )
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"{src}: callbacks[{i}]"
+        if isinstance(entry, str):
+            entry = {"name": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise ConfigError(
+                f"{where}: expected a name or a mapping with a 'name' key, got {entry!r}"
+            )
+        options = {k: v for k, v in entry.items() if k != "name"}
+        cls = CALLBACKS.get(entry["name"], f"{where}.name={entry['name']}", search)
+        if not callable(cls):
+            raise ConfigError(f"{where}.name={entry['name']} is not a class or factory")
+        check_kwargs(cls, options, f"{where}.name={entry['name']}", f"callbacks[{i}].")
+        out.append(CallbackConfig(entry["name"], options, cls))
+    return tuple(out)
 
 
 MAX_SEED = 2**31 - 1
@@ -470,7 +571,11 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("data.path", f"is required when data.name is {cfg.data.name}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise bad("data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
-    if cfg.optimizer.schedule == "warmup_cosine" and cfg.optimizer.warmup_steps >= cfg.train.steps:
+    if cfg.optimizer.options or cfg.optimizer.name == "given" or ":" in cfg.optimizer.name:
+        pass  # a factory's own arguments: its signature was checked
+    elif (
+        cfg.optimizer.schedule == "warmup_cosine" and cfg.optimizer.warmup_steps >= cfg.train.steps
+    ):
         raise bad(
             "optimizer.warmup_steps",
             f"({cfg.optimizer.warmup_steps}) must be below train.steps ({cfg.train.steps})",
@@ -585,7 +690,9 @@ def to_dict(cfg: Any) -> dict:
             return [plain(x) for x in v]
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
-        if isinstance(v, ModelConfig):  # flat, as written: name and the model's fields
+        if isinstance(v, ModelConfig | CallbackConfig):  # flat, as written: name and fields
+            return {"name": v.name, **plain(v.options)}
+        if isinstance(v, OptimizerConfig) and (v.options or ":" in v.name or v.name == "given"):
             return {"name": v.name, **plain(v.options)}
         if dataclasses.is_dataclass(v):
             return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}

@@ -28,7 +28,7 @@ from .errors import ConfigError
 from .model import registry as models
 from .model.contract import Model, call_stateful, is_stateful
 from .model.registry import MODEL_SOURCE_KEY
-from .optim import build_optimizer
+from .optim.named import build_optimizer
 
 
 @dataclass

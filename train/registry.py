@@ -144,3 +144,28 @@ def import_module(module_name: str, where: str, search: tuple[Path, ...], *, err
         raise error(
             f"{where}: importing {module_name} failed: {type(e).__name__}: {first}"
         ) from None
+
+
+def check_kwargs(fn: Any, options: dict, where: str, prefix: str) -> None:
+    """Refuse, in one line, a config key that ``fn``'s signature does not take or a
+    required argument the config leaves out (``prefix``: the keys' section, ``optimizer.``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    takes = [n for n, p in params.items() if p.kind in named]
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        for key in options:
+            if key not in takes:
+                raise ConfigError(
+                    f"{where}: unknown key '{prefix}{key}'; {getattr(fn, '__qualname__', fn)} "
+                    f"takes {', '.join(takes) or 'no arguments'}"
+                )
+    for n in takes:
+        if params[n].default is inspect.Parameter.empty and n not in options:
+            raise ConfigError(
+                f"{where}: {prefix}{n} is required by {getattr(fn, '__qualname__', fn)}; add it"
+            )

@@ -36,6 +36,8 @@ class Start:
     checkpoint: Path | None  # the checkpoint it came from
     log_window: dict | None = None  # the train metrics' partial sums since the last log
     s_leaves: list = field(default_factory=list)  # a stateful model's state leaves (host)
+    meta: dict = field(default_factory=dict)  # the checkpoint's metadata (process 0's read)
+    stopped: bool = False  # the run was stopped early (a callback): nothing left to train
 
 
 def metadata(
@@ -157,7 +159,9 @@ def load_checkpoint(
     except json.JSONDecodeError:
         raise ConfigError(f"checkpoint {path}: its log_window metadata is not valid JSON") from None
     leaves = jax.tree.leaves(params_h), jax.tree.leaves(opt_h)
-    return Start(start, *leaves, skipped, path, window, jax.tree.leaves(state_h))
+    return Start(
+        start, *leaves, skipped, path, window, jax.tree.leaves(state_h), meta, "stopped" in meta
+    )
 
 
 def agree_on_start(
@@ -198,13 +202,24 @@ def agree_on_start(
         if error is not None:
             raise error
         return start
-    head = dist.broadcast(np.array([start.step, start.skipped, error is not None], np.int32))
+    head = dist.broadcast(
+        np.array([start.step, start.skipped, error is not None, start.stopped], np.int32)
+    )
     if head[2]:
         raise error or ConfigError("process 0 could not resume this run (see its output)")
     p_leaves, o_leaves, s_leaves = dist.broadcast((start.p_leaves, start.o_leaves, start.s_leaves))
-    # (the log window matters on process 0 only: it alone writes metrics.jsonl)
+    # (the log window and the metadata matter on process 0 only: it alone writes
+    # metrics.jsonl and runs the callbacks)
     return Start(
-        int(head[0]), p_leaves, o_leaves, int(head[1]), start.checkpoint, start.log_window, s_leaves
+        int(head[0]),
+        p_leaves,
+        o_leaves,
+        int(head[1]),
+        start.checkpoint,
+        start.log_window,
+        s_leaves,
+        start.meta,
+        bool(head[3]),
     )
 
 

@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..model import contract, gradmode
 from ..model import registry as models
 from ..model.contract import Model
-from ..optim import build_optimizer
+from ..optim.named import build_optimizer
 from ..parallel.base import Strategy
 from ..report.timings import Timings
 from . import memory
@@ -72,11 +72,17 @@ class Run:
         return self.grad.mode
 
 
-def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | None = None) -> Run:
+def build(
+    cfg: Config,
+    data: Dataset | Future | None = None,
+    timings: Timings | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> Run:
     """Data, model, optimizer and strategy for ``cfg``; raises ConfigError on bad input.
 
     ``data``: the data set if already loaded, or a Future of it (``python -m train`` loads
-    it while JAX imports); None loads it here.
+    it while JAX imports); None loads it here. ``optimizer``: the object that
+    ``optimizer.name: given`` stands for (``train.fit(optimizer=...)``).
     """
     timings = timings or Timings()
     strategy = parallel.from_config(cfg.parallel, cfg.train.batch_size)
@@ -110,7 +116,7 @@ def build(cfg: Config, data: Dataset | Future | None = None, timings: Timings | 
         )
     if cfg.log.tensorboard:
         rundir.check_tensorboard()
-    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
         strategy.plan(model, optimizer)  # where each leaf goes (shapes only)

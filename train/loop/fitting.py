@@ -28,6 +28,8 @@ def fit(
     overrides: Sequence[str] | Mapping[str, Any] = (),
     resume: str = "auto",
     echo: Callable[[str], None] = print,
+    callbacks: Sequence[Any] = (),
+    optimizer: Any = None,
 ):
     """Train ``model`` per ``config`` exactly as the CLI does; return the ``train.build.Run``
     (``params``, ``opt_state``, a stateful model's ``state``, ``summary`` of final metrics,
@@ -44,6 +46,10 @@ def fit(
         resume: ``"auto"`` (resume from the newest checkpoint if any), ``"require"`` or
             ``"fresh"``.
         echo: where the run's lines go (``print``; a no-op to silence them).
+        callbacks: objects with some of the loop's events (``train.Callback``), called
+            after the config's ``callbacks:``.
+        optimizer: any ``optax.GradientTransformation``; the run's config then says
+            ``optimizer.name: given`` (a resume passes the same optimizer again).
 
     Raises ``ConfigError`` for bad input, as the CLI's exit 2.
     """
@@ -51,8 +57,22 @@ def fit(
 
     if isinstance(overrides, Mapping):
         overrides = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-    cfg = _config(model, config, list(overrides))
-    return train(cfg, resume=resume, echo=echo)
+    if isinstance(callbacks, str | bytes) or not isinstance(callbacks, Sequence):
+        raise ConfigError(f"train.fit: callbacks must be a list of objects, got {callbacks!r}")
+    overrides = list(overrides)
+    if optimizer is not None:
+        from ..optim import GIVEN
+        from ..optim.named import check_transformation
+
+        check_transformation(optimizer, "train.fit(optimizer=...)")
+        overrides.append(f"optimizer.name={GIVEN}")
+    cfg = _config(model, config, overrides)
+    if optimizer is not None and (cfg.optimizer.options or cfg.optimizer.name != "given"):
+        raise ConfigError(
+            "train.fit(optimizer=...) replaces the config's optimizer section; leave out "
+            f"its other keys ({', '.join(cfg.optimizer.options)})"
+        )
+    return train(cfg, resume=resume, echo=echo, callbacks=callbacks, optimizer=optimizer)
 
 
 def _config(model: Any, config: Any, overrides: list[str]) -> Config:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,7 +23,7 @@ from ..config import Config
 from ..data import feed
 from ..data.dataset import Dataset, Sampler, make_sampler
 from ..data.feed import BatchFeed, call_schedule
-from ..optim import schedule
+from ..optim.named import schedule
 from ..parallel import distributed as dist
 from ..parallel.finite import finite_on_devices
 from ..report import console as report
@@ -30,6 +31,7 @@ from ..report.plot import CurvePlotter, plot_curves
 from ..report.timings import Timings
 from . import nonfinite
 from .build import Prepared, Run, build, make_stepper, prepare
+from .callbacks import Callbacks, LoopState, build_callbacks
 from .step import mean_loss_fn, step_flags
 
 
@@ -56,8 +58,13 @@ def train(
     timings: Timings | None = None,
     plotter=None,
     data: Dataset | Future | None = None,
+    callbacks: Sequence[Any] = (),
+    optimizer: Any = None,
 ) -> Run:
     """Train per ``cfg``. ``resume``: "auto" (latest checkpoint if any), "require", "fresh".
+    ``callbacks``: objects called at the loop's events (train/loop/callbacks.py), after
+    the config's; ``optimizer``: the optax GradientTransformation that
+    ``optimizer.name: given`` stands for.
 
     Raises ConfigError on bad input, ``faults.Preempted`` after a SIGTERM/SIGINT checkpoint
     and ``faults.NonFinite`` when a step goes non-finite with ``train.nonfinite=stop``.
@@ -75,26 +82,31 @@ def train(
     if not dist.is_main():
         echo = _quiet
     timings = timings or Timings()
-    r = build(cfg, data, timings)
-    loop = _Loop.begin(r, resume, echo, timings, plotter)
-    if loop.step >= cfg.train.steps:
+    r = build(cfg, data, timings, optimizer)
+    loop = _Loop.begin(r, resume, echo, timings, plotter, build_callbacks(cfg, callbacks))
+    if loop.step >= cfg.train.steps or loop.stopped_before:
         return loop.already_finished()
     try:
         with loop.watch, loop.watchdog:
+            loop.call("on_fit_start", loop.view)
             while loop.step < cfg.train.steps:
                 loop.run_call()
                 at = loop.boundary()
                 if at is None:
                     continue
                 loop.check_nonfinite()
-                if at.log:
-                    loop.log_train()
+                record = loop.log_train() if at.log else {}
+                loop.call("on_step_end", loop.view, loop.step, record)
                 if at.eval:
                     loop.evaluate()
-                if at.checkpoint or at.stop:
+                    loop.call("on_eval_end", loop.view, loop.step, loop.last_eval)
+                stop = loop.agree_on_stop()  # a callback's stop, agreed by every process
+                if at.checkpoint or at.stop or stop:
                     loop.checkpoint()
                 if at.stop:
                     raise faults.Preempted(loop.step, loop.good_ckpt, loop.watch.signal_name)
+                if stop:
+                    break
     finally:
         loop.close()
     return loop.finish()
@@ -144,9 +156,14 @@ class _Loop:
     watchdog: faults.Watchdog | None = None
     in_flight: list = field(default_factory=list)  # outputs of calls not yet waited for
     feed: BatchFeed | None = None  # streamed data: each call's batch, placed a call ahead
+    callbacks: Callbacks | None = None  # run on process 0 (train/loop/callbacks.py)
+    view: LoopState | None = None  # what the callbacks read, and their stop request
+    stopped_before: bool = False  # the checkpoint resumed from ended an early-stopped run
 
     @classmethod
-    def begin(cls, r: Run, resume: str, echo, timings: Timings, plotter=None) -> _Loop:
+    def begin(
+        cls, r: Run, resume: str, echo, timings: Timings, plotter=None, callbacks=None
+    ) -> _Loop:
         """Compile, agree on the starting state, then (process 0) set up the run directory."""
         cfg = r.cfg
         sampler = make_sampler(cfg.seed, r.data, cfg.train.batch_size)
@@ -206,6 +223,15 @@ class _Loop:
             every = boundaries(cfg)
             calls = call_schedule(start, cfg.train.steps, lambda s: steps_in_call(cfg, s, every))
             loop.feed = BatchFeed(r.data, sampler, prep.stepper, calls)
+        loop.callbacks = callbacks if dist.is_main() else Callbacks([], [])
+        loop.view = LoopState(cfg, r.model, r.run_dir, loop.host_state)
+        loop.view.step = start
+        loop.stopped_before = begin.stopped
+        if begin.checkpoint is not None and loop.callbacks:
+            loop.callbacks.load(begin.meta.get("callbacks"), f"checkpoint {begin.checkpoint}")
+            # the uninterrupted run called on_checkpoint after saving this state: again
+            loop.call("on_checkpoint", loop.view, start, begin.checkpoint)
+        loop.view.stop_reason = begin.meta.get("stopped")
         loop.t_start = loop.t_window = time.perf_counter()
         timings.lap("other")
         return loop
@@ -268,7 +294,21 @@ class _Loop:
             self._stop_nonfinite(first + int(np.argmax(flags)) + 1)
         self.skipped += int(flags.sum())
 
-    def log_train(self) -> None:
+    def call(self, event: str, *args) -> None:
+        """Run the callbacks' ``event`` (process 0; a no-op without callbacks)."""
+        if self.callbacks:
+            self.view.step = self.step
+            self.callbacks.call(event, *args)
+
+    def agree_on_stop(self) -> bool:
+        """Whether a callback asked to stop at this boundary (every process agrees: the
+        callbacks run on process 0)."""
+        asked = self.view.stop_reason is not None
+        if dist.is_multiprocess():
+            asked = bool(dist.broadcast(np.array([asked], np.int32))[0])
+        return asked
+
+    def log_train(self) -> dict:
         """A train record in metrics.jsonl (the metrics' means over the steps since the last
         record, and the learning rate of the last step) and the progress bar."""
         tc = self.r.cfg.train
@@ -286,13 +326,14 @@ class _Loop:
                 "step": self.step,
                 "split": "train",
                 **m,
-                "lr": float(self.lr(self.step - 1)),
+                **({} if self.lr is None else {"lr": float(self.lr(self.step - 1))}),
                 **extra,
                 **rates,
                 "time": round(now - self.t_start, 3),
             }
         )
         self.bar.set_postfix(**report.bar_postfix(m, rate, window))
+        return m
 
     def evaluate(self) -> None:
         """Metrics on the whole held-out split (process 0): a "test" record, or "val" for
@@ -347,6 +388,7 @@ class _Loop:
                 state=self.model_state(),
             )
         self.timings.lap("checkpoint")
+        self.call("on_checkpoint", self.view, self.step, self.good_ckpt)
 
     def checkpoint_sharded(self) -> None:
         """Save a sharded state: every process writes the shards its devices hold (never
@@ -368,6 +410,7 @@ class _Loop:
             state=None if prep.state0 is None else jax.tree.unflatten(prep.s_def, self.s_leaves),
         )
         self.timings.lap("checkpoint")
+        self.call("on_checkpoint", self.view, self.step, self.good_ckpt)
 
     def already_finished(self) -> Run:
         """A rerun of a finished run: say so, with its final metrics; train nothing."""
@@ -380,7 +423,11 @@ class _Loop:
         final = next((rec for rec in reversed(records) if rec.get("split") == "test"), {})
         self.last_eval = {k: v for k, v in final.items() if k not in ("step", "split", "time")}
         r.summary = {"step": self.step, **{f"test_{k}": v for k, v in self.last_eval.items()}}
-        self.echo(report.already_finished(r, self.last_eval))
+        if self.stopped_before:
+            r.summary["stopped"] = self.view.stop_reason or "stopped early"
+            self.echo(report.stopped_before(r, self.view.stop_reason))
+        else:
+            self.echo(report.already_finished(r, self.last_eval))
         return r
 
     def close(self) -> None:
@@ -415,6 +462,10 @@ class _Loop:
             else:
                 plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png", *labels)
                 self.timings.lap("plot")
+        if self.view.stop_reason is not None:
+            r.summary["stopped"] = self.view.stop_reason
+            self.echo(f"stopped early at step {self.step}: {self.view.stop_reason}")
+        self.call("on_fit_end", self.view, r.summary)
         self.echo(report.done(r, self.last_eval, self.skipped, wall, rate))
         return r
 
@@ -422,7 +473,12 @@ class _Loop:
 
     def _metadata(self) -> dict:
         r = self.r
-        return metadata(r.cfg, r.data, self.step, self.sampler, self.skipped, r.model, r.grad_mode)
+        meta = metadata(r.cfg, r.data, self.step, self.sampler, self.skipped, r.model, r.grad_mode)
+        if self.callbacks:
+            meta["callbacks"] = self.callbacks.state()
+        if self.view.stop_reason is not None:  # a rerun says so instead of training again
+            meta["stopped"] = self.view.stop_reason
+        return meta
 
     def host_state(self) -> tuple:
         """``(params, opt_state)`` as host numpy leaves in their trees."""

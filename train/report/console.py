@@ -66,6 +66,15 @@ def already_finished(r, last_eval: dict) -> str:
     )
 
 
+def stopped_before(r, reason: str | None) -> str:
+    """A rerun of a run a callback stopped early: say so; train nothing."""
+    why = f": {reason}" if reason else ""
+    return (
+        f"{r.cfg.name}: stopped early at step {r.step} of {r.cfg.train.steps}{why}; nothing "
+        f"to train (run dir {r.run_dir}; --fresh starts over)"
+    )
+
+
 #: The unit of each task's loss, for the plot's axis.
 LOSS_UNITS = {
     "classification": "cross-entropy, nats",
