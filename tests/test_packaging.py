@@ -63,8 +63,8 @@ def test_import_nnlite_needs_only_the_hard_dependencies(tmp_path):
         "import nnlite as nl, jax, jax.numpy as jnp\n"
         "p = nl.Linear(3, 2).init(jax.random.key(0))\n"
         "print(nl.Linear(3, 2)(p, jnp.ones((1, 3))).shape)\n"
-        "loaded = sorted({m.split('.')[0] for m in sys.modules} & set(%r))\n"
-        "print(loaded)\n" % (OPTIONAL,)
+        f"loaded = sorted({{m.split('.')[0] for m in sys.modules}} & set({OPTIONAL!r}))\n"
+        "print(loaded)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
