@@ -92,12 +92,15 @@ def resume_command(argv: list[str]) -> str:
 
 
 def _show_jaxpr(cfg, what: str) -> int:
-    from nnlite import UnsupportedPrimitiveError
+    from nnlite import ManualGradError, UnsupportedPrimitiveError
 
     from .loop.show import show_jaxpr
 
     try:
         src = show_jaxpr(cfg, what)
+    except ManualGradError as e:  # the backward pass has an op without a hand rule
+        print(f"error: --show-jaxpr {what}: {' '.join(str(e).split())}", file=sys.stderr)
+        return faults.EXIT_BAD_INPUT
     except UnsupportedPrimitiveError as e:
         # its message quotes the primitive's params, jaxprs included: one line of it
         msg = textwrap.shorten(str(e), 300, placeholder=" ...")

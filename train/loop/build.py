@@ -119,6 +119,7 @@ def build(
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
+        _check_init(cfg, model)
         strategy.plan(model, optimizer)  # where each leaf goes (shapes only)
         memory.check_fits(cfg, model, optimizer, data, strategy)  # traces init and the loss
     except (TypeError, ValueError) as e:
@@ -140,6 +141,19 @@ def build(
     run = Run(cfg, data, model, optimizer, strategy, run_dir)
     run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
     return run
+
+
+def _check_init(cfg: Config, model) -> None:
+    """A model's ``init`` returns an ``nl.ParamsDict`` (the trainer prints, checkpoints and
+    shards it by its paths): anything else is the user's mistake, named in one line."""
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    if not isinstance(params, nl.ParamsDict):
+        kind = type(params).__name__
+        raise ConfigError(
+            f"model.name={cfg.model.name}: {type(model).__name__}.init returned a {kind}, "
+            f"expected an nl.ParamsDict; return nl.ParamsDict(W=..., ...)"
+            + (" or nl.ParamsDict(your_dict)" if isinstance(params, dict) else "")
+        )
 
 
 def make_model(cfg: Config, data: Dataset) -> tuple[Model, Config]:
