@@ -389,7 +389,7 @@ def nnlite_params(weights: dict):
 
 
 class NnliteGPT(Impl):
-    """nnlite's training machinery: ``models.gpt.GPT`` and ``train.step.build_stepper``;
+    """nnlite's training machinery: ``models.gpt.GPT`` and ``train.loop.step.build_stepper``;
     the token stream on the device, window starts sent per call, K steps a call."""
 
     name = "nnlite"

@@ -69,7 +69,7 @@ def nnlite_name(grad: str, steps_per_call: int) -> str:
 
 def resolve_grad(model, grad: str, x, y) -> str:
     """The mode the trainer's step uses for ``loss.grad=grad`` on batches like ``x``, ``y``:
-    ``auto`` resolved as ``python -m train`` resolves it (train/gradmode.py)."""
+    ``auto`` resolved as ``python -m train`` resolves it (train/model/gradmode.py)."""
     if grad != "auto":
         return grad
     from train.model import gradmode
@@ -287,7 +287,7 @@ class FlaxNNX(Impl):
 
 
 class Nnlite(Impl):
-    """nnlite's training machinery: ``models.mlp.MLP`` and ``train.step.build_stepper``; the
+    """nnlite's training machinery: ``models.mlp.MLP`` and ``train.loop.step.build_stepper``; the
     data set on the device, ``[K, batch]`` indices sent per call, K optimizer steps a call."""
 
     name = "nnlite"

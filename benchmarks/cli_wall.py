@@ -5,7 +5,7 @@
 
 Each sample is ``python -m train --config configs/CONFIG.yaml --fresh --timings`` as a
 fresh process, timed from just before the process is spawned to just after it has exited.
-The breakdown comes from the ``timings.json`` the command writes (train/timings.py):
+The breakdown comes from the ``timings.json`` the command writes (train/report/timings.py):
 interpreter start-up (spawn -> first line of ``train/__main__.py``), config, imports,
 JAX backend, data, compile, train, eval, checkpoint, plot, other, and exit (the command's
 last timestamp -> the process is gone: interpreter teardown). "CPU" is the user + system
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = ("digits_mlp", "mnist1d_mlp", "mnist1d_cnn", "shakespeare_gpt")
 # Overrides that keep a long config's sample short (the start-up is what is measured).
 DEFAULT_SETS = {"shakespeare_gpt": ["train.steps=100"]}
-# Columns of the breakdown, in the order a run meets them (train/timings.py PHASES + exit).
+# Columns of the breakdown, in the order a run meets them (train/report/timings.py PHASES + exit).
 COLUMNS = (
     "interpreter",
     "config",

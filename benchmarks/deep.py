@@ -12,7 +12,7 @@ Parts (``--parts``, all by default), each printing a table of medians:
   FLOPs of ``GPTSpec.matmul_flops``) against the 2048 x 2048 float32 GEMM rate.
 * ``bf16``: step time of the shipped model in float32 and bfloat16 (interleaved), and the
   val loss of each after ``--train-steps`` steps of the shipped config through
-  ``train.fit``'s loop (``train.loop.train``).
+  ``train.fit``'s loop (``train.loop.trainer.train``).
 * ``flags``: the whole GPT step (shipped size and GPT-large) in two fresh processes, with
   and without the oneDNN flags (``ONEDNN_FLAGS``; XLA_FLAGS is read when jax is
   imported), step times and the losses after the same steps compared.

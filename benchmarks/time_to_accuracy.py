@@ -61,7 +61,7 @@ def _config():
 
 
 def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
-    """nnlite's training loop (train/loop.py: ``prepare`` compiles init, step and eval side
+    """nnlite's training loop (train/loop/trainer.py: ``prepare`` compiles init, step and eval side
     by side) with an accuracy check at each eval."""
     import dataclasses
     from pathlib import Path

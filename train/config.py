@@ -46,7 +46,7 @@ DATA_NAMES = (
     "arrays",
 )
 PLACEMENTS = ("auto", "device", "host")
-# auto resolves to one of the others at build time (train/gradmode.py); each model's
+# auto resolves to one of the others at build time (train/model/gradmode.py); each model's
 # grad_modes are a subset (tested)
 GRAD_MODES = ("auto", "autodiff", "manual", "fused")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
@@ -72,7 +72,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = choice("digits", DATA_NAMES)  # data set (see train/data.py)
+    name: str = choice("digits", DATA_NAMES)  # data set (see train/data/builtin.py)
     # npz: file with arrays x, y (x_test, y_test); text: a UTF-8 file; tokens: a directory
     # written by python -m train.prepare; arrays: a directory of x.npy, y.npy (x_test.npy,
     # y_test.npy), memory-mapped
@@ -219,7 +219,7 @@ class Config:
     callbacks: tuple[CallbackConfig, ...] = ()
     # python -m train only: JAX's persistent compilation cache, so a second run of a config
     # compiles nothing. "auto": $NNLITE_CACHE/jax, else ~/.cache/nnlite/jax; a directory;
-    # or null (off). Library calls (train.loop.train) never touch JAX's global cache.
+    # or null (off). Library calls (train.loop.trainer.train) never touch JAX's global cache.
     compile_cache: str | None = "auto"
 
 

@@ -45,7 +45,7 @@ class LoadedRun:
     vocab: str | None = None  # text runs: the characters, in id order
     metadata: dict = field(default_factory=dict)  # the checkpoint's metadata
     state: nl.ParamsDict | None = None  # a stateful model's state (running statistics)
-    # runs on prepared tokens (data.name: tokens): their tokenizer (train/tokenizer.py)
+    # runs on prepared tokens (data.name: tokens): their tokenizer (train/data/text/tokenizer.py)
     tokenizer: Any = None
 
     def predict(self, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:

@@ -63,7 +63,7 @@ def metadata(
     }
     if data.vocab is not None:  # what sampling needs to turn ids back into text
         meta["vocab"] = json.dumps(data.vocab)
-    if data.tokenizer is not None:  # prepared tokens: the whole tokenizer (train/tokenizer.py)
+    if data.tokenizer is not None:  # prepared tokens: the whole tokenizer (train/data/text/tokenizer.py)
         meta["tokenizer"] = data.tokenizer
     source = model_source(model) if model is not None else None
     if source is not None:
@@ -76,7 +76,7 @@ def metadata(
 def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None) -> None:
     """Refuse a checkpoint written with another seed, model, data, loss or optimizer.
 
-    ``grad``: what ``loss.grad`` resolves to now (``auto``: train/gradmode.py). A resolved
+    ``grad``: what ``loss.grad`` resolves to now (``auto``: train/model/gradmode.py). A resolved
     ``auto`` matches the mode it resolves to, on either side (each checkpoint records its
     ``grad_mode``): the step computes the same thing, so the resume stays exact.
     """

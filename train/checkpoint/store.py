@@ -107,7 +107,7 @@ def save_sharded(
     placed, sharded state and writes the shards its devices hold; process 0 writes the
     index (the metadata) last, renames the directory and keeps the newest ``keep``.
 
-    ``barrier``: ``train.distributed.barrier`` (bounded waits) with several processes;
+    ``barrier``: ``train.parallel.distributed.barrier`` (bounded waits) with several processes;
     ``state``: a stateful model's (placed) state, None for a stateless model."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(step)}

@@ -2,8 +2,8 @@
 
 A small data set lives on the device and each step the host sends only the indices of
 the batch; a big one (``data.placement``: host, or auto above a size, see
-``train/streamed.py``) stays on disk or in host memory and each call's batches are read
-on the host and sent ahead (``train/feed.py``). For example data sets the order is a function of (seed, epoch); for
+``train/data/streamed.py``) stays on disk or in host memory and each call's batches are read
+on the host and sent ahead (``train/data/feed.py``). For example data sets the order is a function of (seed, epoch); for
 text the batch of step ``s`` is ``batch_size`` random window starts drawn from
 ``default_rng([seed, s])``. Either way a checkpoint's step number is its data position.
 """
@@ -51,7 +51,7 @@ def load_dataset(cfg: DataConfig, context: int | None = None) -> Dataset:
 
 
 def _split(x: np.ndarray, y: np.ndarray, cfg: DataConfig, stratify: bool):
-    """``x, x_test, y, y_test``: scikit-learn's ``train_test_split`` (see train/split.py)."""
+    """``x, x_test, y, y_test``: scikit-learn's ``train_test_split`` (see train/data/split.py)."""
     try:
         train, test = split_indices(
             len(x), cfg.test_fraction, cfg.split_seed, stratify=y if stratify else None
@@ -324,7 +324,7 @@ _TEXT_LOADERS = {"text": _text, "shakespeare_char": _shakespeare}
 
 def text_dataset(name: str, corpus: str, cfg: DataConfig, context: int) -> Dataset:
     """A character-level language-modelling data set of ``corpus`` with windows of
-    ``context`` characters (see train/text.py for the split and the vocabulary)."""
+    ``context`` characters (see train/data/text/corpus.py for the split and the vocabulary)."""
     where = f"data.name={name}" + (f" ({cfg.path})" if cfg.path else "")
     enc = text.encode_corpus(corpus, cfg.val_fraction)
     need = context + 1  # a window of inputs plus the next character of its last one

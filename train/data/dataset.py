@@ -28,7 +28,7 @@ class Dataset:
     # Batches are read on the host and sent per call (data.placement: host): x, y may be
     # memory maps of any int/float dtype, converted per batch (see batch_dtype)
     streamed: bool = False
-    tokenizer: str | None = None  # prepared tokens: train.tokenizer.to_spec of the tokenizer
+    tokenizer: str | None = None  # prepared tokens: train.data.text.tokenizer.to_spec of the tokenizer
 
     @property
     def task(self) -> str:
@@ -84,7 +84,7 @@ def host_batch(data: Dataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The batch ``(x, y)`` that indices ``idx`` name, on the host (what the compiled step
     gathers on the device: rows, or text windows starting at ``idx``), in the step's dtypes.
     Reads only those rows or windows (``x``/``y`` may be memory maps, read with ``pread``:
-    train/reader.py); any leading shape of ``idx`` is kept."""
+    train/data/reader.py); any leading shape of ``idx`` is kept."""
     idx = np.asarray(idx)
     x, y = data.x, data.y
     if data.window is not None:  # [n - window + 1, window] views: no copy until indexed
@@ -123,7 +123,7 @@ class WindowIndices:
 
     def batch(self, step: int) -> np.ndarray:
         # int32 draws while n fits (every text and Shakespeare), int64 for token files of
-        # more than 2**31 tokens: the same numbers as train.tokens.window_starts
+        # more than 2**31 tokens: the same numbers as train.data.text.tokens.window_starts
         dtype = np.int32 if self.n <= np.iinfo(np.int32).max else np.int64
         return np.random.default_rng([self.seed, step]).integers(
             0, self.n, self.batch_size, dtype=dtype

@@ -2,10 +2,10 @@
 
 Each call of the loop runs K steps from step s. Its batch is a pure function of
 ``(seed, s, K)``: the sampler's ``[K, global batch]`` indices (rows, or text window
-starts), this process's block of them (``train.distributed.process_share``), the rows or
+starts), this process's block of them (``train.parallel.distributed.process_share``), the rows or
 windows read from the data set's arrays (memory maps: read with ``pread``, so the
-process maps none of the file, see train/reader.py) and converted to the step's dtypes, then placed by the strategy so that each device receives
-only its slice (``Strategy.put_batch``). A :class:`~train.prefetch.Prefetcher` does all
+process maps none of the file, see train/data/reader.py) and converted to the step's dtypes, then placed by the strategy so that each device receives
+only its slice (``Strategy.put_batch``). A :class:`~train.data.prefetch.Prefetcher` does all
 that on a thread, at most ``depth`` calls ahead, so the device does not wait for the disk
 in steady state; host memory holds at most ``depth + 2`` calls' batches whatever the
 size of the data set, and every wait is bounded (``PrefetchError`` names a stalled read).
@@ -89,7 +89,7 @@ def eval_chunk(data: Dataset) -> int:
 
 def evaluate(sums: Callable, params, data: Dataset, chunk: int, device, *state) -> dict:
     """Means of the model's per-example loss and metrics over ``data``'s held-out split,
-    ``chunk`` rows at a time on ``device`` (``sums``: ``train.step.build_chunk_eval``;
+    ``chunk`` rows at a time on ``device`` (``sums``: ``train.loop.step.build_chunk_eval``;
     ``state``: a stateful model's, in eval mode)."""
     n = len(data.x_test)
 

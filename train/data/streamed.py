@@ -1,10 +1,10 @@
 """Data sets read from disk (``data.name: tokens`` and ``arrays``) and where a data set
 lives during training (``data.placement``).
 
-Both loaders memory-map their files: a :class:`~train.data.Dataset` whose ``x``/``y`` are
+Both loaders memory-map their files: a :class:`~train.data.builtin.Dataset` whose ``x``/``y`` are
 ``np.memmap`` views costs no host memory until a batch reads its rows or windows.
 
-- ``tokens``: a directory written by ``python -m train.prepare`` (``train/tokens.py`` reads
+- ``tokens``: a directory written by ``python -m train.prepare`` (``train/data/text/tokens.py`` reads
   it). ``x``/``y`` are ``train.bin[:-1]`` and ``train.bin[1:]`` (views of one map), the
   validation split is ``data.eval_windows`` fixed windows of ``val.bin`` chosen as for
   ``data.name: text``, and the checkpoint carries the tokenizer (``tokenizer`` spec).
@@ -16,7 +16,7 @@ Both loaders memory-map their files: a :class:`~train.data.Dataset` whose ``x``/
 
 Placement: ``device`` keeps today's path (the training split on every device, each step
 gathers its batch there: fastest for small data); ``host`` streams each call's batches
-from the host (``train/feed.py``); ``auto`` picks device when the training split takes
+from the host (``train/data/feed.py``); ``auto`` picks device when the training split takes
 at most :data:`AUTO_DEVICE_MAX_BYTES` as the step reads it (int32 ids / float32 rows, x
 and y), else host.
 """

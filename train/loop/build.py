@@ -49,7 +49,7 @@ class Run:
 
     cfg: Config
     data: Dataset
-    model: Model  # see models/contract.py
+    model: Model  # see train/model/contract.py
     optimizer: optax.GradientTransformation
     strategy: Strategy
     run_dir: Path
@@ -316,7 +316,7 @@ class Prepared:
     opt0: Any
     stepper: Stepper
     # jitted (params, X, Y) -> {metric: mean}; streamed: (params, x, y, n) -> (sums, count)
-    # of one chunk (train.feed.evaluate)
+    # of one chunk (train.data.feed.evaluate)
     evaluate: Callable
     X: Any  # the train split, placed for the stepper (streamed: ())
     Y: Any
@@ -374,7 +374,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     eval_dev = r.strategy.eval_device
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
     first_batch = None
-    if r.data.streamed:  # batches come from the host (train/feed.py): nothing placed whole
+    if r.data.streamed:  # batches come from the host (train/data/feed.py): nothing placed whole
         from ..data.feed import EVAL_TOKENS_PER_CHUNK, eval_chunk
 
         X = Y = ()

@@ -31,7 +31,7 @@ def fit(
     callbacks: Sequence[Any] = (),
     optimizer: Any = None,
 ):
-    """Train ``model`` per ``config`` exactly as the CLI does; return the ``train.build.Run``
+    """Train ``model`` per ``config`` exactly as the CLI does; return the ``train.loop.build.Run``
     (``params``, ``opt_state``, a stateful model's ``state``, ``summary`` of final metrics,
     ``run_dir``, ``cfg``).
 

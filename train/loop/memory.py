@@ -98,7 +98,7 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     data_bytes = train_bytes + data.x_test.nbytes + data.y_test.nbytes
     if getattr(data, "streamed", False):
         # streamed: the training split stays on disk (memory maps) or in host memory, and
-        # the devices hold a few calls' batches (train/feed.py), never the split itself
+        # the devices hold a few calls' batches (train/data/feed.py), never the split itself
         from ..data.feed import DEPTH
 
         calls = (DEPTH + 2) * cfg.train.steps_per_call

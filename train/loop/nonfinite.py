@@ -44,7 +44,7 @@ def explain_nonfinite(
     the first bad step (``flagged`` or one before: bad params show in the next loss), and
     name the first non-finite value that step produces.
 
-    ``r`` is the ``train.build.Run``; ``params0``/``opt0`` the initial state (the replay's
+    ``r`` is the ``train.loop.build.Run``; ``params0``/``opt0`` the initial state (the replay's
     start when no checkpoint was written); ``good_ckpt`` the checkpoint at ``good_step``;
     ``state0`` a stateful model's initial state (None: stateless).
     """

@@ -66,7 +66,7 @@ def traced_function(cfg: Config, what: str) -> tuple:
     stepper = make_stepper(r, p_def, o_def, cfg.train.nonfinite, s_def)
     idx = np.zeros((cfg.train.steps_per_call, b), np.int32)
     placed = [stepper.put_state(leaves) for leaves in (p_leaves, o_leaves, s_leaves)]
-    if r.data.streamed:  # the step takes the batch itself (train/feed.py)
+    if r.data.streamed:  # the step takes the batch itself (train/data/feed.py)
         return stepper.run, (*placed, (), (), stepper.put_batch(*host_batch(r.data, idx), 0))
     return stepper.run, (
         *placed,

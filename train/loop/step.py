@@ -8,7 +8,7 @@ compiled step is then what it was without state). It
 takes the whole (small) data set, already on the device(s), plus a ``[K, batch]`` block of
 indices, and runs K optimizer steps with ``lax.scan`` (K=1 is a plain step). Streamed
 data (``data.placement: host``) takes the batch itself instead: ``(x, y)`` of ``[K,
-batch, ...]``, read on the host and placed a call ahead (``train/feed.py``); the rest of
+batch, ...]``, read on the host and placed a call ahead (``train/data/feed.py``); the rest of
 the step is the same code. Params and optimizer state buffers are donated.
 
 How the step is spread over devices (reductions, keys, placement, compilation) is the
@@ -47,7 +47,7 @@ from ..parallel.finite import all_finite
 
 def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
     """``(params, x, y, *, key=None) -> (mean loss, {metric: mean})``, differentiable in mode
-    ``grad``: the model's objective, or its task's (see ``models/contract.py``)."""
+    ``grad``: the model's objective, or its task's (see ``train/model/contract.py``)."""
     objective = contract.objective_fn(model, grad)
     if grad == "manual":
         # Every nnlite layer and loss inside runs its hand-derived VJP (checked once per

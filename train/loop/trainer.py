@@ -69,8 +69,8 @@ def train(
     Raises ConfigError on bad input, ``faults.Preempted`` after a SIGTERM/SIGINT checkpoint
     and ``faults.NonFinite`` when a step goes non-finite with ``train.nonfinite=stop``.
 
-    ``timings`` (train/timings.py) collects where the time goes; ``plotter`` (a
-    ``train.plot.CurvePlotter``) draws curves.png in its helper process, and the caller
+    ``timings`` (train/report/timings.py) collects where the time goes; ``plotter`` (a
+    ``train.report.plot.CurvePlotter``) draws curves.png in its helper process, and the caller
     waits for it (without one, the run draws it before returning); ``data``: see
     :func:`build`.
 

@@ -6,7 +6,7 @@ data, no compile) at the shape one microbatch has inside the step. If every oper
 computing on the params has a hand rule or a library rule, ``auto`` is ``manual`` (on the
 shipped GPT 28-40% less time per step on a CPU than autodiff); otherwise it is ``autodiff``
 and the run says once which operation forced it, where the user's code computes it and in
-which layer. A model whose ``grad_modes`` leaves out manual (models/contract.py) resolves to
+which layer. A model whose ``grad_modes`` leaves out manual (train/model/contract.py) resolves to
 autodiff. ``auto`` never picks a model's own pass (``fused``).
 
 The result is a pure function of the model and the config (a trace is deterministic), so

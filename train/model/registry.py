@@ -3,7 +3,7 @@
 A name with a colon, ``"package.module:Class"``, is a user's model: the module is
 imported from the config file's directory, the current directory, or ``sys.path``. A name
 without one is a shipped model below. Every model follows the contract of
-``models/contract.py`` (task, data-filled fields, optional loss/objective); adding a model
+``train/model/contract.py`` (task, data-filled fields, optional loss/objective); adding a model
 to the repository is one file plus one line in :data:`MODELS`.
 """
 

@@ -34,7 +34,7 @@ def strategy_class(name: str):
 
 def get(name: str, devices: list):
     """The strategy ``name`` over ``devices`` (of every process, in the order that splits
-    the global batch: see ``train.distributed.global_devices``)."""
+    the global batch: see ``train.parallel.distributed.global_devices``)."""
     return strategy_class(name)(devices)
 
 

@@ -2,7 +2,7 @@
 
 For testing multi-host code paths on one machine, and for users who want several CPU
 processes. Each child is ``python -m train`` with the same arguments, CPU devices and gloo
-collectives, and the environment that ``train.distributed`` reads (JAX_COORDINATOR_ADDRESS,
+collectives, and the environment that ``train.parallel.distributed`` reads (JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES, JAX_PROCESS_ID). Process 0's output streams to this terminal; the
 others' goes to log files that are named when something fails. If any process fails, the
 others are stopped and the launcher exits non-zero with one message.

@@ -123,7 +123,7 @@ class CurvePlotter:
         self.timeout = timeout
         self._request: tuple[Path, Path, str, str] | None = None
         root = str(Path(__file__).resolve().parents[1])  # the directory holding train/
-        code = f"import sys; sys.path.insert(0, {root!r}); from train.plot import _child; "
+        code = f"import sys; sys.path.insert(0, {root!r}); from train.report.plot import _child; "
         code += f"sys.exit(_child({bool(accuracy)}))"
         try:
             self._proc: subprocess.Popen | None = subprocess.Popen(

@@ -5,7 +5,7 @@
 Writes ``DIR/train.bin`` and ``DIR/val.bin`` (raw little-endian token ids in the smallest
 unsigned dtype that holds the vocabulary, nanoGPT's format), ``DIR/meta.json`` (format,
 tokenizer, dtype, token counts, sha256 of each file, the sources and the split rule) and,
-for bpe, ``DIR/tokenizer.json``. ``train/tokens.py`` reads them back; docs/data.md has
+for bpe, ``DIR/tokenizer.json``. ``train/data/text/tokens.py`` reads them back; docs/data.md has
 the whole story.
 
 - Input: a file, or every regular file under a directory whose name matches ``--glob``
@@ -17,7 +17,7 @@ the whole story.
   train.bin, the rest to val.bin: for one file this is nanoGPT's split, and the char
   vocabulary is built from the training parts, as ``data.name: text`` does
   (validation characters outside it are dropped and counted in meta.json).
-- Streaming, in constant memory: files are read in 4 MiB chunks (train/sources.py), a
+- Streaming, in constant memory: files are read in 4 MiB chunks (train/data/text/sources.py), a
   character cut by a chunk's end carried over to the next; char and bpe read the input
   twice (vocabulary or BPE training, then encoding), byte once. bpe trains on every k-th
   chunk, k chosen so that at most ``--bpe-sample-mb`` of text is used (the merges of a
@@ -255,7 +255,7 @@ def _bar(total: int, desc: str):
 
 
 def _n_train(n: int, val_fraction: float) -> int:
-    return int(n * (1 - val_fraction))  # as train/text.py and nanoGPT split
+    return int(n * (1 - val_fraction))  # as train/data/text/corpus.py and nanoGPT split
 
 
 def char_vocabulary(sources, val_fraction, where) -> tuple[str, list[int]]:

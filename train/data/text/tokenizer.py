@@ -5,7 +5,7 @@ str``, ``vocab_size``; ``save(dir)`` writes what it needs beside the token files
 its entry of ``meta.json``; ``from_dir(dir)`` (or ``from_meta``) rebuilds it.
 
 - ``char``: one id per character, the vocabulary being the sorted characters (code point
-  order) of the training text, as ``data.name: text`` builds it (train/text.py). Stored
+  order) of the training text, as ``data.name: text`` builds it (train/data/text/corpus.py). Stored
   in ``meta.json`` itself. Characters outside the vocabulary cannot be encoded.
 - ``byte``: the 256 byte values of the UTF-8 encoding; any text (any file) is encodable.
   Decoding replaces a cut multi-byte sequence by U+FFFD, so decoding whole text is exact.

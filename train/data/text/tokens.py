@@ -6,7 +6,7 @@ nothing is read until a batch asks for it, so the data may be far bigger than me
 
 The data order is a pure function of ``(seed, step)``, as for ``data.name: text``:
 :func:`window_starts` draws step ``s``'s ``batch_size`` window starts with
-``default_rng([seed, s])``, the same draws as ``train.data.WindowIndices`` (so a
+``default_rng([seed, s])``, the same draws as ``train.data.builtin.WindowIndices`` (so a
 checkpoint's step is its data position). In a run of several processes every process
 draws the same global batch and gathers only its block of it (:func:`process_share`).
 
@@ -157,7 +157,7 @@ def window_starts(seed: int, step: int, batch_size: int, num_starts: int) -> np.
     ``[0, num_starts)`` by ``default_rng([seed, step])`` (with replacement, as nanoGPT).
 
     A pure function of its arguments; int32 draws while ``num_starts`` fits (the same
-    numbers as ``train.data.WindowIndices``), int64 beyond (files over 2**31 tokens).
+    numbers as ``train.data.builtin.WindowIndices``), int64 beyond (files over 2**31 tokens).
     """
     dtype = np.int32 if num_starts <= np.iinfo(np.int32).max else np.int64
     return np.random.default_rng([seed, step]).integers(0, num_starts, batch_size, dtype=dtype)
@@ -166,7 +166,7 @@ def window_starts(seed: int, step: int, batch_size: int, num_starts: int) -> np.
 def process_share(starts: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
     """Process ``process_index``'s block of a global batch (the last axis of ``starts``):
     process p of P takes columns ``p * B/P .. (p + 1) * B/P - 1``, the order in which
-    ``train.distributed.global_devices`` places the devices; so the shares of all
+    ``train.parallel.distributed.global_devices`` places the devices; so the shares of all
     processes, concatenated in process order, are the global batch."""
     starts = np.asarray(starts)
     b = starts.shape[-1]
