@@ -193,7 +193,7 @@ def cmd_steps(a) -> dict:
     import jax
 
     from train.config import load_config
-    from train.data.text.prepare import main as prepare
+    from train.prepare import main as prepare
     from train.loop.build import build
     from train.loop.trainer import _Loop
     from train.report.timings import Timings

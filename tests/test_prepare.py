@@ -22,7 +22,8 @@ from train.data.builtin import text_dataset
 from train.data.dataset import WindowIndices, host_batch
 from train.data.prefetch import Prefetcher, PrefetchError
 from train.data.text import corpus as text
-from train.data.text import prepare, sources, staging, tokenizer, tokens
+from train import prepare
+from train.data.text import sources, staging, tokenizer, tokens
 from train.data.text.tokens import TokenFiles, process_share, window_starts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from train.checkpoint.store import flatten_with_paths
 from train.config import config_from_dict, load_config
 from train.data import streamed
 from train.data.builtin import load_dataset
-from train.data.text.prepare import main as prepare
+from train.prepare import main as prepare
 from train.loop.trainer import train as train_run
 from train.sample import main as sample
 

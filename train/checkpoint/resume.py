@@ -63,7 +63,9 @@ def metadata(
     }
     if data.vocab is not None:  # what sampling needs to turn ids back into text
         meta["vocab"] = json.dumps(data.vocab)
-    if data.tokenizer is not None:  # prepared tokens: the whole tokenizer (train/data/text/tokenizer.py)
+    if (
+        data.tokenizer is not None
+    ):  # prepared tokens: the whole tokenizer (train/data/text/tokenizer.py)
         meta["tokenizer"] = data.tokenizer
     source = model_source(model) if model is not None else None
     if source is not None:

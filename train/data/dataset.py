@@ -28,7 +28,9 @@ class Dataset:
     # Batches are read on the host and sent per call (data.placement: host): x, y may be
     # memory maps of any int/float dtype, converted per batch (see batch_dtype)
     streamed: bool = False
-    tokenizer: str | None = None  # prepared tokens: train.data.text.tokenizer.to_spec of the tokenizer
+    tokenizer: str | None = (
+        None  # prepared tokens: train.data.text.tokenizer.to_spec of the tokenizer
+    )
 
     @property
     def task(self) -> str:

@@ -38,8 +38,11 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ConfigError
-from .prepare import DTYPES, FORMAT, FORMAT_VERSION
 from .tokenizer import from_meta
+
+FORMAT = "nnlite.tokens"  # what python -m train.prepare writes (meta.json "format")
+FORMAT_VERSION = 1
+DTYPES = {"uint8": 1 << 8, "uint16": 1 << 16, "uint32": 1 << 32}
 
 SPLITS = ("train", "val")
 
