@@ -193,9 +193,9 @@ def cmd_steps(a) -> dict:
     import jax
 
     from train.config import load_config
-    from train.prepare import main as prepare
     from train.loop.build import build
     from train.loop.trainer import _Loop
+    from train.prepare import main as prepare
     from train.report.timings import Timings
 
     work = Path(tempfile.mkdtemp(prefix="nnlite-steps-"))

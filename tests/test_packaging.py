@@ -53,7 +53,7 @@ import sys
 class Absent:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {optional!r}:
-            raise ImportError(f"{{name}} is not installed (simulated)")
+            raise ModuleNotFoundError(f"No module named {{name!r}} (simulated)", name=name)
 sys.meta_path.insert(0, Absent())
 """
 
@@ -167,3 +167,20 @@ def test_the_library_never_imports_the_trainer_or_the_shipped_models():
             else:
                 continue
             assert not any(m.split(".")[0] in ("train", "models") for m in mods), f
+
+
+def test_the_trainer_without_its_extra_is_one_line(tmp_path):
+    code = _BLOCK.format(optional={"yaml"}) + (
+        "import runpy, sys\n"
+        f"sys.argv = ['train', '--config', {str(ROOT / 'configs' / 'digits_mlp.yaml')!r}]\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "runpy.run_module('train', run_name='__main__')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (
+        "error: the trainer needs PyYAML, which is not installed: pip install 'nnlite[train]'\n"
+    )
+    assert not any(tmp_path.iterdir())

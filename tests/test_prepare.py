@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from train import prepare
 from train.config import ConfigError, DataConfig
 from train.data import prefetch
 from train.data.builtin import text_dataset
 from train.data.dataset import WindowIndices, host_batch
 from train.data.prefetch import Prefetcher, PrefetchError
 from train.data.text import corpus as text
-from train import prepare
 from train.data.text import sources, staging, tokenizer, tokens
 from train.data.text.tokens import TokenFiles, process_share, window_starts
 

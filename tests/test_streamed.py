@@ -22,8 +22,8 @@ from train.checkpoint.store import flatten_with_paths
 from train.config import config_from_dict, load_config
 from train.data import streamed
 from train.data.builtin import load_dataset
-from train.prepare import main as prepare
 from train.loop.trainer import train as train_run
+from train.prepare import main as prepare
 from train.sample import main as sample
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,8 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import faults
-from .config import dump_yaml, load_config
-from .errors import ConfigError
+from .errors import ConfigError, missing_extra
 from .report.timings import Timings
 
 
@@ -172,6 +171,8 @@ def main(
     plotter = None
     saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        from .config import dump_yaml, load_config  # PyYAML: the [train] extra
+
         cfg = load_config(args.config, args.overrides)
         timings.lap("config")
         if args.print_config:
@@ -251,6 +252,10 @@ def main(
         where = f": {e.filename}" if e.filename else ""
         print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return faults.EXIT_FAILURE
+    except ImportError as e:
+        if missing_extra(e) is None:
+            raise
+        return _exit(f"error: {missing_extra(e)}", faults.EXIT_BAD_INPUT, multiprocess)
     except Exception as e:
         if isinstance(e, OSError) and (e.filename or not multiprocess):
             # the disk filled up, a directory vanished or became read-only mid-run

@@ -4,3 +4,26 @@
 class ConfigError(ValueError):
     """Bad user input (config, CLI, data, checkpoint, a user's class): the CLI prints it in
     one line and exits 2."""
+
+
+#: The ``[train]`` extra: import name -> the package that provides it.
+TRAIN_EXTRA = {
+    "yaml": "PyYAML",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+    "safetensors": "safetensors",
+    "sklearn": "scikit-learn",
+    "mnist1d": "mnist1d",
+}
+
+
+def missing_extra(e: ImportError) -> str | None:
+    """The one line for a missing package of the ``[train]`` extra (None: another import
+    failed, which is not the user's install)."""
+    top = (e.name or "").split(".")[0]
+    if top not in TRAIN_EXTRA:
+        return None
+    return (
+        f"the trainer needs {TRAIN_EXTRA[top]}, which is not installed: "
+        "pip install 'nnlite[train]'"
+    )
