@@ -210,7 +210,7 @@ def test_resume_cuts_back_and_appends_to_every_logger(tmp_path):
     [
         ("[nope]", "log.loggers[0]=nope is not a logger (jsonl, tensorboard, csv, wandb, mlflow)"),
         ("[csv, {name: csv}]", "log.loggers[1]: csv is listed twice"),
-        ("[{name: csv, sep: ';'}]", "CsvLogger takes no argument 'sep'; it takes filename"),
+        ("[{name: csv, sep: ';'}]", "unknown key 'log.loggers[0].sep'; CsvLogger takes filename"),
         ("[{file: x}]", "log.loggers[0]: expected a logger name (jsonl, tensorboard, csv"),
         ("csv", "log.loggers: expected list of str or dict, got 'csv'"),
         ("['nosuchmodule:Logger']", "log.loggers[0]=nosuchmodule:Logger: no module named"),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ConfigError
-from ..registry import Registry
+from ..registry import Registry, check_kwargs
 
 #: Shipped loggers: config name -> "module:Class" (imported on first use).
 LOGGERS = Registry(
@@ -355,35 +354,9 @@ def check(
         raise ConfigError(prefix + str(e)) from None
     for where, name, kwargs in pairs[1:]:
         cls = LOGGERS.get(name, prefix + where, tuple(search))
-        _check_arguments(cls, kwargs, prefix + where)
-
-
-def _check_arguments(cls: Any, kwargs: dict, where: str) -> None:
-    if not callable(cls):
-        raise ConfigError(f"{where}: {cls!r} is not a class")
-    try:
-        sig = inspect.signature(cls)
-    except (TypeError, ValueError):  # no signature to read: the call decides
-        return
-    try:
-        sig.bind(**kwargs)
-    except TypeError:
-        takes = [
-            n
-            for n, p in sig.parameters.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        ]
-        unknown = [k for k in kwargs if k not in sig.parameters]
-        missing = [n for n in takes if sig.parameters[n].default is inspect.Parameter.empty]
-        what = (
-            f"takes no argument {unknown[0]!r}"
-            if unknown
-            else f"needs {', '.join(k for k in missing if k not in kwargs)}"
-        )
-        raise ConfigError(
-            f"{where}: {getattr(cls, '__name__', cls)} {what}; it takes "
-            f"{', '.join(takes) or 'no arguments'}"
-        ) from None
+        if not callable(cls):
+            raise ConfigError(f"{prefix}{where}: {cls!r} is not a class")
+        check_kwargs(cls, kwargs, prefix + where, where.partition("=")[0] + ".")
 
 
 def check_installed(loggers: Sequence[Any], tensorboard: bool = False) -> None:
