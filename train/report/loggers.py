@@ -19,6 +19,7 @@ A config names loggers in ``log.loggers`` by the short names of :data:`LOGGERS`,
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -26,7 +27,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -399,27 +400,27 @@ class MetricsLog:
     ) -> MetricsLog:
         """Make the config's loggers, then open each (``open``, ``log_config``). One that
         cannot start is a ConfigError naming it (the loggers opened so far are closed)."""
-        made: list[tuple[str, Any]] = []  # (where, a logger or how to make one)
+        made: list[tuple[str, Callable[[], Any]]] = []  # (where, how to make the logger)
         for where, name, kwargs in entries(names, tensorboard):
-            make = LOGGERS.get(name, where, (Path.cwd(),))
-            made.append((where, lambda make=make, kwargs=kwargs: make(**kwargs)))
+            cls_ = LOGGERS.get(name, where, (Path.cwd(),))
+            made.append((where, lambda cls_=cls_, kwargs=kwargs: cls_(**kwargs)))
         for i, obj in enumerate(given):
             where = f"train.fit(loggers=...)[{i}]"
             check_object(obj, where)
-            made.append((where, obj))
+            made.append((where, lambda obj=obj: obj))
         log = cls([])
-        for where, obj in made:
+        for where, make in made:
             try:
-                if callable(obj) and not hasattr(obj, "log"):
-                    obj = obj()
-                    check_object(obj, where)
+                obj = make()
+                check_object(obj, where)
                 if callable(getattr(obj, "open", None)):
                     obj.open(Path(run_dir), start)
                 log.loggers.append((where, obj))
                 if callable(getattr(obj, "log_config", None)):
                     obj.log_config(dict(config))
             except Exception as e:
-                log.close()
+                with contextlib.suppress(Exception):  # the error below says what failed
+                    log.close()
                 if isinstance(e, ConfigError):
                     raise
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
