@@ -30,12 +30,18 @@ def numbers(record):
 
 
 def wandb_history(run_dir) -> dict:
-    """``{(key, step): value}`` read back from a W&B offline run's ``.wandb`` file: the
-    LevelDB log format (7-byte file header, 32 KiB blocks of records each with a 7-byte
-    header ``crc32, length, type``) around W&B's protobuf ``Record``s."""
+    """``{(key, step): value}`` read back from a run directory's W&B offline runs'
+    ``.wandb`` files: the LevelDB log format (7-byte file header, 32 KiB blocks of records
+    each with a 7-byte header ``crc32, length, type``) around W&B's protobuf ``Record``s."""
+    out = {}
+    for path in sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")):  # by start
+        out.update(_wandb_file_history(path))
+    return out
+
+
+def _wandb_file_history(path: Path) -> dict:
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")
     data, block, pos, pending, out = path.read_bytes(), 32768, 7, b"", {}
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
@@ -65,20 +71,16 @@ def test_wandb_offline_and_mlflow_local_log_what_metrics_jsonl_holds(tmp_path, m
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store opts in
     store = f"file:{tmp_path / 'mlruns'}"
-    run = fit(
-        None,
-        CONFIG,
-        overrides=[
-            f"log.dir={tmp_path}",
-            *QUIET,
-            "train.steps=10",
-            "train.log_every=5",
-            "train.eval_every=5",
-            "checkpoint.every=0",
-            f"log.loggers=[jsonl, csv, wandb, {{name: mlflow, tracking_uri: '{store}'}}]",
-        ],
-        echo=lambda *_: None,
-    )
+    overrides = [
+        f"log.dir={tmp_path}",
+        *QUIET,
+        "train.steps=10",
+        "train.log_every=5",
+        "train.eval_every=5",
+        "checkpoint.every=5",
+        f"log.loggers=[jsonl, csv, wandb, {{name: mlflow, tracking_uri: '{store}'}}]",
+    ]
+    run = fit(None, CONFIG, overrides=overrides, echo=lambda *_: None)
     want = records(run.run_dir)
     assert [(r["step"], r["split"]) for r in want] == [
         (5, "train"),
@@ -112,6 +114,27 @@ def test_wandb_offline_and_mlflow_local_log_what_metrics_jsonl_holds(tmp_path, m
     assert mlflow_run.info.status == "FINISHED"
     assert mlflow_run.data.params["train.steps"] == "10"
     assert mlflow_run.info.run_name == run.run_dir.name
+
+    # Killed after step 10's records, before its checkpoint: the resumed run logs them
+    # again, each tracker into the same run, none twice.
+    (run.run_dir / "checkpoints" / "ckpt_00000010.safetensors").unlink()
+    fit(None, CONFIG, overrides=overrides, echo=lambda *_: None)
+    again = records(run.run_dir)
+    assert [(r["step"], r["split"]) for r in again] == [(r["step"], r["split"]) for r in want]
+    same = {(f"{r['split']}/{k}", r["step"]): v for r in again for k, v in numbers(r).items()}
+    same = {key: v for key, v in same.items() if key[0].split("/")[1] not in TIMING_KEYS}
+    (first, second) = sorted(run.run_dir.glob("wandb/offline-run-*"))
+    assert first.name.split("-")[-1] == second.name.split("-")[-1]  # the same W&B run id
+    history = wandb_history(run.run_dir)
+    assert {key: history[key] for key in same} == pytest.approx(same)
+    assert (run.run_dir / "mlflow-run-id").read_text().strip() == run_id
+    steps = {key: [m.step for m in client.get_metric_history(run_id, key)] for key, _ in same}
+    assert all(s == [5, 10] for s in steps.values()), steps
+    logged = {
+        (key, m.step): m.value for key, _ in same for m in client.get_metric_history(run_id, key)
+    }
+    assert {key: logged[key] for key in same} == pytest.approx(same)
+    assert client.get_run(run_id).info.status == "FINISHED"
 
 
 RECORDER = '''

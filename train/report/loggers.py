@@ -245,8 +245,8 @@ class MlflowLogger:
     ``tracking_uri``: where runs are stored (``http://host:5000``, ``sqlite:///mlflow.db``,
     ``file:/path/mlruns``); unset, MLflow's own default (``MLFLOW_TRACKING_URI``). A
     resumed run continues the same MLflow run (its id is kept in ``<run dir>/mlflow-run-id``;
-    the steps after the checkpoint are logged again, and the parameters are those of the
-    first start)."""
+    a step it already holds is not logged again, and the parameters are those of the first
+    start)."""
 
     requires = ("mlflow", "nnlite[mlflow]")
 
@@ -260,6 +260,7 @@ class MlflowLogger:
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.run_name, self.tags = run_name, dict(tags or {})
         self.client, self.run_id, self.resumed = None, None, False
+        self.last: dict[str, int] = {}  # a resumed run: the last step of each metric
 
     def open(self, run_dir: Path, start: int) -> None:
         from mlflow.tracking import MlflowClient
@@ -270,6 +271,11 @@ class MlflowLogger:
         if start and id_file.exists():
             self.run_id, self.resumed = id_file.read_text().strip(), True
             self.client.update_run(self.run_id, status="RUNNING")
+            # the stopped run's records after the checkpoint: MLflow keeps them (it cannot
+            # delete a value), so they are not logged twice
+            for key in self.client.get_run(self.run_id).data.metrics:
+                history = self.client.get_metric_history(self.run_id, key)
+                self.last[key] = max(m.step for m in history)
             return
         experiment = self.client.get_experiment_by_name(self.experiment)
         experiment_id = (
@@ -296,8 +302,13 @@ class MlflowLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, v, now, step) for k, v in scalars(metrics).items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        batch = [
+            Metric(k, v, now, step)
+            for k, v in scalars(metrics).items()
+            if step > self.last.get(k, -1)
+        ]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
 
     def close(self) -> None:
         if self.run_id is not None:
