@@ -296,3 +296,25 @@ def test_fit_takes_logger_objects_and_refuses_others(tmp_path, monkeypatch):
     other = Calls()
     run = fit(None, CONFIG, overrides=[*short, "name=other"], loggers=[other])
     assert other.calls == [] and not (run.run_dir / "metrics.jsonl").exists()
+
+
+def test_jsonl_and_csv_hold_every_record_a_new_metric_and_a_non_finite_value(tmp_path):
+    nan = float("nan")
+    log = loggers.MetricsLog.open(tmp_path, 0, {}, ["csv"])
+    log.write({"step": 1, "split": "train", "loss": 0.5, "lr": 0.1})
+    log.write({"step": 1, "split": "test", "loss": 0.25, "accuracy": 0.75})  # a new column
+    log.write({"step": 2, "split": "train", "loss": nan, "lr": 0.1})
+    log.close()
+    assert records(tmp_path)[2] == {"step": 2, "split": "train", "loss": None, "lr": 0.1}
+    text = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert text == [
+        "step,split,loss,lr,accuracy",
+        "1,train,0.5,0.1,",
+        "1,test,0.25,,0.75",
+        "2,train,nan,0.1,",
+    ]
+    # A run resumed at step 1 keeps the rows up to it and appends after them.
+    log = loggers.MetricsLog.open(tmp_path, 1, {}, ["csv"])
+    log.write({"step": 2, "split": "train", "loss": 0.125, "lr": 0.1})
+    log.close()
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[3:] == ["2,train,0.125,0.1,"]
