@@ -6,6 +6,8 @@ and the same from Python.
 - ``train.generate(model, params, prompt_ids, n_tokens, key)``: text from a language model.
 - ``train.Callback``: your code at the loop's events (``train.fit(..., callbacks=[...])``
   or ``callbacks:`` in a config); ``train.EarlyStopping`` is one.
+- ``train.Logger``: where records go (``train.fit(..., loggers=[...])`` or ``log.loggers:``
+  in a config): metrics.jsonl, TensorBoard, CSV, W&B, MLflow or yours.
 
 The names load on first use, so ``python -m train`` starts without importing JAX early.
 """
@@ -20,6 +22,7 @@ _LAZY = {
     "LoopState": ".loop.callbacks",
     "EarlyStopping": ".loop.callbacks",
     "Registry": ".registry",
+    "Logger": ".report.loggers",
 }
 
 

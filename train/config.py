@@ -205,8 +205,12 @@ class LogConfig:
     dir: str = "runs"  # run directories are <dir>/<name>/
     progress: bool = True  # show a tqdm progress bar
     plot: bool = True  # draw curves.png at the end
-    # also write TensorBoard event files to <run dir>/tensorboard (needs tensorboardX:
-    # pip install 'nnlite[tensorboard]')
+    # where records go besides metrics.jsonl (always written): jsonl, tensorboard, csv,
+    # wandb, mlflow, a "module:Class" of your own, or {name: ..., its arguments}
+    # (train/report/loggers.py, docs/loggers.md)
+    loggers: tuple[str | dict, ...] = ("jsonl",)
+    # the same as listing tensorboard in loggers: TensorBoard event files in
+    # <run dir>/tensorboard (needs tensorboardX: pip install 'nnlite[tensorboard]')
     tensorboard: bool = False
 
 
@@ -688,6 +692,9 @@ def config_from_dict(
     search = tuple(dict.fromkeys([*([base_dir] if base_dir else []), Path.cwd()]))
     cfg = _build(Config, raw, "", source, sources, search, model_class)
     _check(cfg, source, sources)
+    from .report import loggers  # a user's logger class is imported now, like a model
+
+    loggers.check(cfg.log.loggers, cfg.log.tensorboard, sources.get("log.loggers", source), search)
     return cfg
 
 

@@ -1,7 +1,8 @@
 """The run directory: checked before anything is written, opened, and its metrics.jsonl.
 
 ``log.dir/name/`` holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one JSON
-record per log/eval), ``curves.png`` and ``checkpoints/``. Only process 0 writes it.
+record per log/eval, written by train/report/loggers.py), ``curves.png`` and
+``checkpoints/``. Only process 0 writes it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TextIO
-
-import numpy as np
 
 from ..config import Config, dump_yaml
 from ..errors import ConfigError
@@ -92,46 +90,3 @@ def open_run_dir(run_dir: Path, cfg: Config, resume: str, start: int) -> None:
     ckpt.clean_temporary(ckpt_dir)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     rewrite_metrics(metrics_path, start)
-
-
-class MetricsLog:
-    """Where a run's records go: ``metrics.jsonl`` (one JSON object per line, strict JSON:
-    a non-finite value is written as null) and, with ``log.tensorboard``, TensorBoard
-    event files in ``<run dir>/tensorboard`` (``<split>/<metric>`` scalars by step; a
-    resumed run purges the events after its starting step)."""
-
-    def __init__(self, run_dir: Path, *, tensorboard: bool = False, start: int = 0):
-        self.file: TextIO | None = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        self.tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start or None)
-
-    def write(self, record: dict) -> None:
-        record = {
-            k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in record.items()
-        }
-        self.file.write(json.dumps(record, allow_nan=False) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            split, step = record["split"], record["step"]
-            for k, v in record.items():
-                if k not in ("step", "split") and isinstance(v, (int, float)) and v is not None:
-                    self.tb.add_scalar(f"{split}/{k}", v, step)
-            self.tb.flush()
-
-    def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-def check_tensorboard() -> None:
-    """ConfigError unless the optional TensorBoard writer is installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("tensorboardX") is None:
-        raise ConfigError(
-            "log.tensorboard=true needs the tensorboardX package: pip install 'nnlite[tensorboard]'"
-        )

@@ -17,7 +17,6 @@ import optax
 import nnlite as nl
 
 from .. import parallel
-from ..checkpoint import rundir
 from ..config import Config, ModelConfig
 from ..data.builtin import load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
@@ -27,6 +26,7 @@ from ..model import registry as models
 from ..model.contract import Model
 from ..optim.named import build_optimizer
 from ..parallel.base import Strategy
+from ..report import loggers
 from ..report.timings import Timings
 from . import memory
 from .step import (
@@ -114,8 +114,8 @@ def build(
             f"batch of {local_batch} (train.batch_size={cfg.train.batch_size} over {len(devices)} "
             f"device(s)); use a divisor of {local_batch}"
         )
-    if cfg.log.tensorboard:
-        rundir.check_tensorboard()
+    loggers.check(cfg.log.loggers, cfg.log.tensorboard)  # a Config made in code, too
+    loggers.check_installed(cfg.log.loggers, cfg.log.tensorboard)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:

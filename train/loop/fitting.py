@@ -30,6 +30,7 @@ def fit(
     echo: Callable[[str], None] = print,
     callbacks: Sequence[Any] = (),
     optimizer: Any = None,
+    loggers: Sequence[Any] = (),
 ):
     """Train ``model`` per ``config`` exactly as the CLI does; return the ``train.loop.build.Run``
     (``params``, ``opt_state``, a stateful model's ``state``, ``summary`` of final metrics,
@@ -50,6 +51,8 @@ def fit(
             after the config's ``callbacks:``.
         optimizer: any ``optax.GradientTransformation``; the run's config then says
             ``optimizer.name: given`` (a resume passes the same optimizer again).
+        loggers: logger objects (``log(step, metrics)``, ``close()``: docs/loggers.md)
+            that get every record, besides the config's ``log.loggers``.
 
     Raises ``ConfigError`` for bad input, as the CLI's exit 2.
     """
@@ -72,7 +75,14 @@ def fit(
             "train.fit(optimizer=...) replaces the config's optimizer section; leave out "
             f"its other keys ({', '.join(cfg.optimizer.options)})"
         )
-    return train(cfg, resume=resume, echo=echo, callbacks=callbacks, optimizer=optimizer)
+    return train(
+        cfg,
+        resume=resume,
+        echo=echo,
+        callbacks=callbacks,
+        optimizer=optimizer,
+        loggers=_loggers(loggers),
+    )
 
 
 def _config(model: Any, config: Any, overrides: list[str]) -> Config:
@@ -109,3 +119,14 @@ def _config(model: Any, config: Any, overrides: list[str]) -> Config:
         }
     raw["model"] = {"name": models.class_path(cls), **section}
     return config_from_dict(raw, overrides, source=source, base_dir=base_dir, model_class=cls)
+
+
+def _loggers(loggers: Any) -> list:
+    """``train.fit(loggers=...)``: a list of logger objects, checked before the run."""
+    from ..report.loggers import check_object
+
+    if isinstance(loggers, str | bytes) or not isinstance(loggers, Sequence):
+        raise ConfigError(f"train.fit: loggers must be a list of logger objects, got {loggers!r}")
+    for i, obj in enumerate(loggers):
+        check_object(obj, f"train.fit(loggers=...)[{i}]")
+    return list(loggers)

@@ -20,7 +20,7 @@ from .. import faults
 from ..checkpoint import rundir
 from ..checkpoint import store as ckpt
 from ..checkpoint.resume import agree_on_start, metadata
-from ..config import Config
+from ..config import Config, to_dict
 from ..data import feed
 from ..data.dataset import Dataset, Sampler, make_sampler
 from ..data.feed import BatchFeed, call_schedule
@@ -29,6 +29,7 @@ from ..optim.named import schedule
 from ..parallel import distributed as dist
 from ..parallel.finite import finite_on_devices
 from ..report import console as report
+from ..report.loggers import MetricsLog
 from ..report.plot import CurvePlotter, plot_curves
 from ..report.timings import Timings
 from . import nonfinite
@@ -62,6 +63,7 @@ def train(
     data: Dataset | Future | None = None,
     callbacks: Sequence[Any] = (),
     optimizer: Any = None,
+    loggers: Sequence[Any] = (),
 ) -> Run:
     """Train per ``cfg``. ``resume``: "auto" (latest checkpoint if any), "require", "fresh".
     ``callbacks``: objects called at the loop's events (train/loop/callbacks.py), after
@@ -74,7 +76,8 @@ def train(
     ``timings`` (train/report/timings.py) collects where the time goes; ``plotter`` (a
     ``train.report.plot.CurvePlotter``) draws curves.png in its helper process, and the caller
     waits for it (without one, the run draws it before returning); ``data``: see
-    :func:`build`.
+    :func:`build`; ``loggers``: logger objects (train/report/loggers.py) that get every
+    record, after the config's ``log.loggers``.
 
     The skeleton: build and compile; agree on the starting state (checkpoint or init)
     before writing anything; then one compiled call after another, stopping at the
@@ -85,7 +88,7 @@ def train(
         echo = _quiet
     timings = timings or Timings()
     r = build(cfg, data, timings, optimizer)
-    loop = _Loop.begin(r, resume, echo, timings, plotter, build_callbacks(cfg, callbacks))
+    loop = _Loop.begin(r, resume, echo, timings, plotter, build_callbacks(cfg, callbacks), loggers)
     if loop.step >= cfg.train.steps or loop.stopped_before:
         return loop.already_finished()
     try:
@@ -148,7 +151,7 @@ class _Loop:
     window_start: int = 0  # examples/s is measured over the steps since the last log
     t_start: float = 0.0
     t_window: float = 0.0
-    log: rundir.MetricsLog | None = None  # metrics.jsonl (process 0 only)
+    log: MetricsLog | None = None  # metrics.jsonl and the other loggers (process 0 only)
     means: report.IntervalMeans = field(default_factory=report.IntervalMeans)
     lr: Callable | None = None  # the optimizer's schedule: step -> learning rate
     bar: report.ProgressBar | None = None
@@ -164,7 +167,14 @@ class _Loop:
 
     @classmethod
     def begin(
-        cls, r: Run, resume: str, echo, timings: Timings, plotter=None, callbacks=None
+        cls,
+        r: Run,
+        resume: str,
+        echo,
+        timings: Timings,
+        plotter=None,
+        callbacks=None,
+        loggers: Sequence = (),
     ) -> _Loop:
         """Compile, agree on the starting state, then (process 0) set up the run directory."""
         cfg = r.cfg
@@ -208,8 +218,10 @@ class _Loop:
             plotter=plotter,
         )
         loop.bar = report.progress_bar(cfg, start, show=dist.is_main())
-        if dist.is_main():
-            loop.log = rundir.MetricsLog(r.run_dir, tensorboard=cfg.log.tensorboard, start=start)
+        if dist.is_main() and start < cfg.train.steps and not begin.stopped:  # else: no records
+            loop.log = MetricsLog.open(
+                r.run_dir, start, to_dict(cfg), cfg.log.loggers, cfg.log.tensorboard, loggers
+            )
         loop.means = report.IntervalMeans.from_state(begin.log_window)
         loop.lr = schedule(cfg.optimizer, cfg.train.steps)
         loop.watch = faults.PreemptionWatch(dist.is_multiprocess())
