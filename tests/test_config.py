@@ -46,7 +46,8 @@ def test_registry_names_resolve_to_their_classes():
         (["optimizer.learning_rate=fast"], r"optimizer.learning_rate: expected float, got 'fast'"),
         (
             ["optimizer.name=adamax"],
-            r"optimizer.name: 'adamax' is not one of sgd, momentum, adam, adamw, lion",
+            r"optimizer.name=adamax is not a named optimizer \(sgd, momentum, adam, adamw, "
+            r"lion\) and not an import path 'module:name' of your own",
         ),
         (
             ["parallel.strategy=ddp"],

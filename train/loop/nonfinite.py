@@ -11,6 +11,12 @@ import optax
 
 import nnlite as nl
 
+from ..checkpoint.resume import load_checkpoint
+from ..data.dataset import host_batch
+from ..data.feed import call_batch
+from ..parallel import distributed as dist
+from .step import step_flags
+
 
 def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y, state=None) -> str | None:
     """Name the first non-finite value of one step: ``loss``, ``grads/<path>``, ``params/<path>``.
@@ -48,11 +54,6 @@ def explain_nonfinite(
     start when no checkpoint was written); ``good_ckpt`` the checkpoint at ``good_step``;
     ``state0`` a stateful model's initial state (None: stateless).
     """
-    from .checkpoint.resume import load_checkpoint
-    from .data.dataset import host_batch
-    from .loop.step import step_flags
-    from .parallel import distributed as dist
-
     p_host, o_host = jax.tree.leaves(params0), jax.tree.leaves(opt0)
     s_host = jax.tree.leaves(state0)
     if good_step > 0:  # process 0 wrote (or resumed from) a checkpoint at good_step
@@ -61,8 +62,6 @@ def explain_nonfinite(
             p_host, o_host, s_host = saved.p_leaves, saved.o_leaves, saved.s_leaves
         p_host, o_host, s_host = dist.broadcast((p_host, o_host, s_host))
     if checker.streamed:
-        from .data.feed import call_batch
-
         X = Y = ()
     else:
         X, Y = checker.put_data(r.data.x), checker.put_data(r.data.y)
