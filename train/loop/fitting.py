@@ -30,6 +30,7 @@ def fit(
     echo: Callable[[str], None] = print,
     callbacks: Sequence[Any] = (),
     optimizer: Any = None,
+    data: Any = None,
 ):
     """Train ``model`` per ``config`` exactly as the CLI does; return the ``train.loop.build.Run``
     (``params``, ``opt_state``, a stateful model's ``state``, ``summary`` of final metrics,
@@ -50,6 +51,11 @@ def fit(
             after the config's ``callbacks:``.
         optimizer: any ``optax.GradientTransformation``; the run's config then says
             ``optimizer.name: given`` (a resume passes the same optimizer again).
+        data: your data instead of the config's ``data.name``: a map-style source
+            (``__len__``, ``__getitem__(indices) -> (x, y)``), an iterable of ``(x, y)``
+            batches, ``(x, y)`` arrays, a Grain ``MapDataset``/``IterDataset``/``DataLoader``,
+            or ``{"train": ..., "test": ...}`` (see train/data/source.py); the config's
+            other ``data`` keys (placement, test_fraction, split_seed) still apply.
 
     Raises ``ConfigError`` for bad input, as the CLI's exit 2.
     """
@@ -72,7 +78,13 @@ def fit(
             "train.fit(optimizer=...) replaces the config's optimizer section; leave out "
             f"its other keys ({', '.join(cfg.optimizer.options)})"
         )
-    return train(cfg, resume=resume, echo=echo, callbacks=callbacks, optimizer=optimizer)
+    if data is not None:
+        from ..data.source import with_source
+
+        cfg, data = with_source(cfg, data)
+    return train(
+        cfg, resume=resume, echo=echo, callbacks=callbacks, optimizer=optimizer, data=data
+    )
 
 
 def _config(model: Any, config: Any, overrides: list[str]) -> Config:
