@@ -131,9 +131,7 @@ def make_sampler(seed: int, data: Dataset, batch_size: int) -> Sampler:
     """The host-side sampler of ``data``: epochs of examples, random text windows, or an
     iterable source's order (train/data/source.py)."""
     if data.stream is not None:
-        from .source import StreamSampler
-
-        return StreamSampler(data.stream, batch_size)
+        return data.stream.sampler(batch_size)
     if data.window is None:
         return BatchIndices(seed, data.num_indices, batch_size)
     return WindowIndices(seed, data.num_indices, batch_size)

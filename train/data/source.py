@@ -601,6 +601,9 @@ class BatchStream:
             return {"state": self.buffered_state, "used_rows": self.used}
         return {"state": self._state(), "used_rows": 0}
 
+    def sampler(self, batch_size: int) -> StreamSampler:
+        return StreamSampler(self, batch_size)
+
     def restore(self, start: int, position: dict | None) -> None:
         """Continue at step ``start`` from a checkpoint's ``position`` (see :meth:`position`)."""
         with self.lock:
