@@ -135,6 +135,11 @@ def test_data_name_module_function_from_a_config_in_a_tmp_dir(tmp_path, monkeypa
 
             def make(n, features=4):
                 return Source(n, features)
+
+            def broken(n=50):
+                source = Source(n, 4)
+                source.__class__.__getitem__ = lambda self, idx: self.x[idx]
+                return source
             """
         )
     )
@@ -152,6 +157,12 @@ def test_data_name_module_function_from_a_config_in_a_tmp_dir(tmp_path, monkeypa
     err = capsys.readouterr().err.strip()
     assert "data.options ['m'] do not fit mydata:make(n, features=4)" in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "runs" / "b").exists()
+    # a source that breaks the protocol: one line naming it, exit 2, nothing written
+    bad = ["--set", "data.name=mydata:broken", "--set", "data.options={}", "--set", "name=c"]
+    assert main(["--config", "cfg.yaml", *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data source mydata:broken: __getitem__ of 2 indices returned an array" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "runs" / "c").exists()
 
 
 def test_data_name_is_checked_against_the_registry():
@@ -182,6 +193,24 @@ def test_a_map_source_resumes_bit_identically(tmp_path):
     ):
         np.testing.assert_array_equal(a, b)
     assert metrics(full.run_dir) == metrics(resumed.run_dir)
+
+
+def test_each_process_asks_a_map_source_only_for_its_share(monkeypatch):
+    from train.data.dataset import make_sampler
+    from train.data.feed import call_batch
+
+    src = Rows()
+    data = to_dataset(src, config_from_dict({"data": {"placement": "host"}}).data)
+    sampler = make_sampler(0, data, 32)
+    everything = sampler.batches(4, 2)  # [2 steps, 32]
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    monkeypatch.setattr(jax, "process_index", lambda: 2)
+    src.asked.clear()
+    x, y = call_batch(data, sampler, 4, 2)
+    assert x.shape == (2, 8, FEATURES) and len(src.asked) == 1 and len(src.asked[0]) == 16
+    train_rows = data.x.pair_reader.source.indices  # the split's rows of the source
+    np.testing.assert_array_equal(src.asked[0], train_rows[everything[:, 16:24].reshape(-1)])
+    np.testing.assert_array_equal(x.reshape(16, -1), src.x[src.asked[0]])
 
 
 @pytest.mark.parametrize("strategy", ["shard_map", "fsdp"])

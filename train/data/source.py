@@ -173,9 +173,11 @@ def _name(source: Any) -> str:
 def _what(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} ({value.dtype})"
+    kind = type(value).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
     if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
+        return f"{article} {kind} of {len(value)}"
+    return f"{article} {kind}"
 
 
 def check_batch(out: Any, rows: int, name: str, spec: RowSpec | None, call: str) -> tuple:
@@ -340,7 +342,7 @@ def to_dataset(obj: Any, cfg, name: str | None = None) -> Dataset:
     name = name or _name(obj.records if isinstance(obj, RecordSource) else obj)
     if isinstance(obj, ArraySource) and (test is None or isinstance(test, ArraySource)):
         return _array_dataset(obj, test, cfg, name)
-    if is_map_source(obj):
+    if is_map_source(obj) and not isinstance(obj, list):  # a list holds batches: iterable
         return _map_dataset(as_map_source(obj), test, cfg, name)
     if isinstance(obj, Iterable) or hasattr(obj, "__next__"):
         return _stream_dataset(obj, test, cfg, name)
@@ -556,10 +558,7 @@ class BatchStream:
             raise DataError(
                 f"data source {self.name}: next() raised {type(e).__name__}: {e}"
             ) from None
-        rows = len(out[0]) if isinstance(out, (tuple, list)) and len(out) == 2 else 0
-        if isinstance(out, Mapping) and "x" in out:
-            rows = len(np.asarray(out["x"]))
-        return check_batch(out, max(rows, 1), self.name, self.spec, "next()")
+        return check_batch(out, _rows(out), self.name, self.spec, "next()")
 
     def rows(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         xs, ys = [], []
@@ -585,7 +584,8 @@ class BatchStream:
             if step != self.next_step:
                 raise DataError(
                     f"data source {self.name} is an iterable: it is read once, in order, and "
-                    f"cannot give step {step} again (it is at step {self.next_step})"
+                    f"cannot give step {step} again (it is at step {self.next_step}); replaying "
+                    "steps (train.nonfinite=stop naming a bad leaf) needs a map-style source"
                 )
             x, y = self.rows(k * batch_size)
             self.next_step = step + k
@@ -634,6 +634,15 @@ class BatchStream:
                 self.used = used
 
 
+def _rows(batch: Any) -> int:
+    """The rows an iterable's batch claims (its x's first axis), for checking it."""
+    x = batch.get("x") if isinstance(batch, Mapping) else None
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        x = batch[0]
+    shape = np.shape(x) if isinstance(x, np.ndarray) or hasattr(x, "shape") else ()
+    return shape[0] if len(shape) and shape[0] > 0 else 1
+
+
 def _state_methods(it) -> tuple:
     for get, set_ in (("state_dict", "load_state_dict"), ("get_state", "set_state")):
         g, s = getattr(it, get, None), getattr(it, set_, None)
@@ -650,10 +659,7 @@ def _stream_dataset(iterable, test, cfg, name: str) -> Dataset:
         raise DataError(f"data source {name}: the iterable yields no batches") from None
     except Exception as e:  # noqa: BLE001
         raise DataError(f"data source {name}: next() raised {type(e).__name__}: {e}") from None
-    rows = len(first[0]) if isinstance(first, (tuple, list)) and len(first) == 2 else 1
-    if isinstance(first, Mapping) and "x" in first:
-        rows = len(np.asarray(first["x"]))
-    x0, y0 = check_batch(first, max(rows, 1), name, None, "next()")
+    x0, y0 = check_batch(first, _rows(first), name, None, "next()")
     spec = RowSpec(x0.shape[1:], x0.dtype, y0.shape[1:], y0.dtype)
     note = ""
     if test is None:  # the first batch is held out
