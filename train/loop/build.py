@@ -376,8 +376,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     first_batch = None
     from ..data.feed import EVAL_TOKENS_PER_CHUNK, eval_chunk
 
-    if r.data.streamed:  # batches come from the host (train/data/feed.py): nothing placed whole
-
+    if r.data.streamed:  # batches come from the host (data/feed.py): nothing placed whole
         X = Y = ()
         first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)
         X_test = Y_test = None

@@ -82,9 +82,7 @@ def fit(
         from ..data.source import with_source
 
         cfg, data = with_source(cfg, data)
-    return train(
-        cfg, resume=resume, echo=echo, callbacks=callbacks, optimizer=optimizer, data=data
-    )
+    return train(cfg, resume=resume, echo=echo, callbacks=callbacks, optimizer=optimizer, data=data)
 
 
 def _config(model: Any, config: Any, overrides: list[str]) -> Config:
