@@ -715,14 +715,32 @@ class StreamSampler:
         return {"step": step, "iterable": json.dumps(pos)}
 
     def restore(self, start: int, meta: dict | None) -> None:
-        pos = None
+        """Continue at ``start`` from the checkpoint metadata ``meta`` (process 0 reads it;
+        every process takes process 0's position)."""
+        text = None
         if meta is not None:
             try:
-                saved = json.loads(meta.get("data_position", "{}"))
-                pos = json.loads(saved.get("iterable", "null"))
+                text = json.loads(meta.get("data_position", "{}")).get("iterable")
             except (json.JSONDecodeError, AttributeError):
                 raise DataError("the checkpoint's data_position metadata is not valid") from None
+        text = _from_process_0(text)
+        try:
+            pos = json.loads(text) if text else None
+        except json.JSONDecodeError:
+            raise DataError("the checkpoint's iterable position is not valid JSON") from None
         self.stream.restore(start, pos)
+
+
+def _from_process_0(text: str | None) -> str | None:
+    """Process 0's ``text`` on every process (only process 0 reads the run directory)."""
+    from ..parallel import distributed as dist
+
+    if not dist.is_multiprocess():
+        return text
+    raw = np.frombuffer((text or "").encode(), np.uint8)
+    n = int(np.asarray(dist.broadcast(np.array([len(raw)], np.int32)))[0])
+    buf = raw if dist.is_main() else np.zeros(n, np.uint8)
+    return bytes(np.asarray(dist.broadcast(buf), np.uint8)).decode() or None
 
 
 def with_source(cfg, data: Any) -> tuple[Any, Dataset]:
