@@ -122,7 +122,9 @@ class RecordSource:
         try:
             return np.stack(xs), np.stack(ys)
         except ValueError as e:
-            raise DataError(f"data source {self.name}: records of different shapes ({e})") from None
+            raise DataError(
+                f"data source {self.name}: records of different shapes ({_line(e)})"
+            ) from None
 
 
 class Subset:
@@ -168,6 +170,12 @@ def _name(source: Any) -> str:
     if top in PER_RECORD_MODULES or top in ("builtins", "__main__"):
         return f"{top}.{t.__qualname__}" if top in PER_RECORD_MODULES else t.__qualname__
     return f"{t.__module__}.{t.__qualname__}"
+
+
+def _line(e: BaseException) -> str:
+    """An exception's message, one line (the rest of a multi-line message left out)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 
 
 def _what(value: Any) -> str:
@@ -245,10 +253,9 @@ class PairReader:
             except DataError:
                 raise
             except Exception as e:  # noqa: BLE001 -- the user's code: one line, named
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 raise DataError(
                     f"data source {self.name}: __getitem__ of {len(idx)} indices raised "
-                    f"{type(e).__name__}: {first}"
+                    f"{type(e).__name__}: {_line(e)}"
                 ) from None
             call = f"__getitem__ of {len(idx)} indices"
             pair = check_batch(out, len(idx), self.name, self.spec, call)
@@ -366,7 +373,9 @@ def _first(source, name: str) -> tuple[PairReader, int]:
     try:
         n = len(source)
     except Exception as e:  # noqa: BLE001
-        raise DataError(f"data source {name}: len() raised {type(e).__name__}: {e}") from None
+        raise DataError(
+            f"data source {name}: len() raised {type(e).__name__}: {_line(e)}"
+        ) from None
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise DataError(f"data source {name}: len() is {n!r}; expected at least one row")
     reader = PairReader(source, name)
@@ -453,7 +462,7 @@ def _split(n: int, cfg, name: str) -> tuple[np.ndarray, np.ndarray]:
     except ValueError as e:
         raise DataError(
             f"data source {name} has no test split and data.test_fraction="
-            f"{cfg.test_fraction} cannot split its {n} rows: {e}"
+            f"{cfg.test_fraction} cannot split its {n} rows: {_line(e)}"
         ) from None
 
 
@@ -556,7 +565,7 @@ class BatchStream:
             raise
         except Exception as e:  # noqa: BLE001
             raise DataError(
-                f"data source {self.name}: next() raised {type(e).__name__}: {e}"
+                f"data source {self.name}: next() raised {type(e).__name__}: {_line(e)}"
             ) from None
         return check_batch(out, _rows(out), self.name, self.spec, "next()")
 
@@ -624,7 +633,7 @@ class BatchStream:
             except Exception as e:  # noqa: BLE001
                 raise DataError(
                     f"data source {self.name}: load_state_dict of the checkpoint's position "
-                    f"raised {type(e).__name__}: {e}"
+                    f"raised {type(e).__name__}: {_line(e)}"
                 ) from None
             self._start_batch, self.buffer, self.used = None, [], 0
             used = int(position.get("used_rows", 0))
@@ -658,7 +667,9 @@ def _stream_dataset(iterable, test, cfg, name: str) -> Dataset:
     except StopIteration:
         raise DataError(f"data source {name}: the iterable yields no batches") from None
     except Exception as e:  # noqa: BLE001
-        raise DataError(f"data source {name}: next() raised {type(e).__name__}: {e}") from None
+        raise DataError(
+            f"data source {name}: next() raised {type(e).__name__}: {_line(e)}"
+        ) from None
     x0, y0 = check_batch(first, _rows(first), name, None, "next()")
     spec = RowSpec(x0.shape[1:], x0.dtype, y0.shape[1:], y0.dtype)
     note = ""
