@@ -16,7 +16,8 @@ from train.__main__ import main
 from train.checkpoint.rundir import TIMING_KEYS
 from train.config import config_from_dict
 from train.data.registry import DATA_SETS
-from train.data.source import DataError, ResumeNotExactWarning, to_dataset
+from train.data.source import DataError, ResumeNotExactWarning
+from train.data.user import to_dataset
 from train.errors import ConfigError
 
 N, FEATURES = 320, 6

@@ -48,7 +48,8 @@ def load_dataset(cfg: DataConfig, context: int | None = None, search=()) -> Data
             "config builds one from a factory: data.name: 'module:function'"
         )
     if is_factory(cfg.name):
-        from .source import DataError, to_dataset
+        from .source import DataError
+        from .user import to_dataset
 
         fn = factory(cfg.name, cfg.options, search)
         try:

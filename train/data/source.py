@@ -24,25 +24,20 @@ label + 1, the labels scanned once), float ``y`` regression.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import math
 import threading
-import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import ConfigError
-from .dataset import MAX_UNUSED_CLASSES, Dataset, batch_dtype
-from .split import split_indices
+from .dataset import MAX_UNUSED_CLASSES, batch_dtype
 
 # Rows per read when a source is scanned (labels) or read whole (data.placement: device).
 SCAN_ROWS = 4096
-# Steps back for which an iterable's positions are kept (the feed reads a few calls ahead).
-KEEP_POSITIONS = 4096
+
 # Modules whose map-style data sets return one record per int index (not a batch).
 PER_RECORD_MODULES = ("grain", "torch")
 
@@ -97,7 +92,7 @@ class RecordSource:
 
     def __init__(self, records, keys: tuple[str, str] = ("x", "y")):
         self.records, self.keys = records, keys
-        self.name = _name(records)
+        self.name = source_name(records)
         if hasattr(records, "num_classes"):
             self.num_classes = records.num_classes
 
@@ -114,7 +109,7 @@ class RecordSource:
                 x, y = rec
             else:
                 raise DataError(
-                    f"data source {self.name}: record {i} is {_what(rec)}; expected an (x, y) "
+                    f"data source {self.name}: record {i} is {describe_value(rec)}; expected an (x, y) "
                     f"pair or a mapping with keys {self.keys[0]!r} and {self.keys[1]!r}"
                 )
             xs.append(np.asarray(x))
@@ -123,7 +118,7 @@ class RecordSource:
             return np.stack(xs), np.stack(ys)
         except ValueError as e:
             raise DataError(
-                f"data source {self.name}: records of different shapes ({_line(e)})"
+                f"data source {self.name}: records of different shapes ({one_line(e)})"
             ) from None
 
 
@@ -160,7 +155,7 @@ def _kind(dtype: np.dtype) -> str:
     return "integers" if np.issubdtype(dtype, np.integer) else "floats"
 
 
-def _name(source: Any) -> str:
+def source_name(source: Any) -> str:
     """What messages and the run call a source: its ``name`` attribute, else its class."""
     name = getattr(source, "name", None)
     if isinstance(name, str) and name:
@@ -172,13 +167,13 @@ def _name(source: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     """An exception's message, one line (the rest of a multi-line message left out)."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
     return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 
 
-def _what(value: Any) -> str:
+def describe_value(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} ({value.dtype})"
     kind = type(value).__name__
@@ -199,7 +194,7 @@ def check_batch(out: Any, rows: int, name: str, spec: RowSpec | None, call: str)
     if isinstance(out, Mapping) and "x" in out and "y" in out:
         out = (out["x"], out["y"])
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise DataError(f"data source {name}: {call} returned {_what(out)}; {expected}")
+        raise DataError(f"data source {name}: {call} returned {describe_value(out)}; {expected}")
     arrays = []
     for part, v in zip("xy", out):
         try:
@@ -213,7 +208,7 @@ def check_batch(out: Any, rows: int, name: str, spec: RowSpec | None, call: str)
         )
         if not ok:
             raise DataError(
-                f"data source {name}: {call} returned {part} as {_what(v)}, not a numeric "
+                f"data source {name}: {call} returned {part} as {describe_value(v)}, not a numeric "
                 f"array; {expected}"
             )
         if a.ndim == 0 or len(a) != rows:
@@ -255,7 +250,7 @@ class PairReader:
             except Exception as e:  # noqa: BLE001 -- the user's code: one line, named
                 raise DataError(
                     f"data source {self.name}: __getitem__ of {len(idx)} indices raised "
-                    f"{type(e).__name__}: {_line(e)}"
+                    f"{type(e).__name__}: {one_line(e)}"
                 ) from None
             call = f"__getitem__ of {len(idx)} indices"
             pair = check_batch(out, len(idx), self.name, self.spec, call)
@@ -307,9 +302,6 @@ def read_pairs(x_column: Any, indices) -> tuple[np.ndarray, np.ndarray] | None:
     return None if reader is None else reader.read(indices)
 
 
-# -- a source as the trainer's Dataset ---------------------------------------------------
-
-
 def is_map_source(obj: Any) -> bool:
     return hasattr(type(obj), "__len__") and hasattr(type(obj), "__getitem__")
 
@@ -325,42 +317,7 @@ def as_map_source(obj: Any) -> Any:
     return RecordSource(obj)
 
 
-def to_dataset(obj: Any, cfg, name: str | None = None) -> Dataset:
-    """The trainer's :class:`Dataset` of a user's data ``obj``: a map-style source, an
-    iterable of batches, ``(x, y)`` arrays, a mapping ``{"train": .., "test": ..}``, or a
-    Dataset (kept). ``cfg``: the config's ``data`` section (placement, test split)."""
-    if isinstance(obj, Dataset):
-        return obj
-    test = None
-    if isinstance(obj, Mapping):
-        unknown = set(obj) - {"train", "test"}
-        if "train" not in obj or unknown:
-            raise DataError(
-                f"data: a mapping of splits needs the keys 'train' (and optionally 'test'), "
-                f"got {sorted(map(str, obj))}"
-            )
-        obj, test = obj["train"], obj.get("test")
-    if _is_pair(obj):
-        obj = ArraySource(*obj)
-    if test is None:
-        test = getattr(obj, "test", None)
-    if _is_pair(test):
-        test = ArraySource(*test)
-    name = name or _name(obj.records if isinstance(obj, RecordSource) else obj)
-    if isinstance(obj, ArraySource) and (test is None or isinstance(test, ArraySource)):
-        return _array_dataset(obj, test, cfg, name)
-    if is_map_source(obj) and not isinstance(obj, list):  # a list holds batches: iterable
-        return _map_dataset(as_map_source(obj), test, cfg, name)
-    if isinstance(obj, Iterable) or hasattr(obj, "__next__"):
-        return _stream_dataset(obj, test, cfg, name)
-    raise DataError(
-        f"data: {_what(obj)} ({name}) is not a data source; expected a map-style source "
-        "(__len__ and __getitem__(indices) -> (x, y)), an iterable of (x, y) batches, or "
-        "(x, y) arrays"
-    )
-
-
-def _is_pair(obj: Any) -> bool:
+def is_array_pair(obj: Any) -> bool:
     """``(x, y)`` arrays (numpy, JAX or nested lists)."""
     return (
         isinstance(obj, tuple)
@@ -369,12 +326,12 @@ def _is_pair(obj: Any) -> bool:
     )
 
 
-def _first(source, name: str) -> tuple[PairReader, int]:
+def open_source(source, name: str) -> tuple[PairReader, int]:
     try:
         n = len(source)
     except Exception as e:  # noqa: BLE001
         raise DataError(
-            f"data source {name}: len() raised {type(e).__name__}: {_line(e)}"
+            f"data source {name}: len() raised {type(e).__name__}: {one_line(e)}"
         ) from None
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise DataError(f"data source {name}: len() is {n!r}; expected at least one row")
@@ -383,95 +340,12 @@ def _first(source, name: str) -> tuple[PairReader, int]:
     return reader, int(n)
 
 
-def _map_dataset(source, test, cfg, name: str) -> Dataset:
-    reader, n = _first(source, name)
-    note = ""
-    if test is None:
-        train_idx, test_idx = _split(n, cfg, name)
-        # each split reads through its own reader (the prefetch and eval threads)
-        # in the split's order, as the built-in data sets' (the same source, the same batches)
-        reader = PairReader(Subset(source, train_idx), name, reader.spec)
-        test_reader = PairReader(Subset(source, test_idx), f"{name} (test)", reader.spec)
-        n, n_test = len(train_idx), len(test_idx)
-        note = f"held out {n_test} of {n + n_test} rows as the test split (data.test_fraction)"
-    else:
-        if not is_map_source(test):
-            raise DataError(
-                f"data source {name}: its test split is {_what(test)}; expected a map-style "
-                "source or (x_test, y_test) arrays"
-            )
-        test = as_map_source(test)
-        test_reader, n_test = _first(test, f"{name} (test)")
-        if test_reader.spec != reader.spec:
-            raise DataError(
-                f"data source {name}: the test split's batches are "
-                f"{test_reader.spec.describe()} but the training split's are "
-                f"{reader.spec.describe()}"
-            )
-    spec = reader.spec
-    num_classes = _num_classes(source, spec, name, reader, test_reader, n, n_test)
-    if cfg.placement == "device":  # read whole, once: the devices gather each batch
-        x, y = _read_all(reader, n)
-        x_test, y_test = _read_all(test_reader, n_test)
-        return Dataset(name, x, y, x_test, y_test, num_classes, note=note)
-    cols = [
-        SourceColumn(r, i, m, row, dt)
-        for r, m in ((reader, n), (test_reader, n_test))
-        for i, (row, dt) in enumerate(((spec.x_row, spec.x_dtype), (spec.y_row, spec.y_dtype)))
-    ]
-    return Dataset(name, *cols, num_classes, note=note, streamed=True)
-
-
-def _array_dataset(src: ArraySource, test, cfg, name: str) -> Dataset:
-    """Arrays in memory: the built-in data sets' path (small ones live on the devices)."""
-    from .streamed import place
-
-    reader, n = _first(src, name)
-    spec = reader.spec
-    x, y = (a.astype(dt, copy=False) for a, dt in ((src.x, spec.x_dtype), (src.y, spec.y_dtype)))
-    note = ""
-    if test is None:
-        train_idx, test_idx = _split(n, cfg, name)
-        x, x_test, y, y_test = x[train_idx], x[test_idx], y[train_idx], y[test_idx]
-        note = f"held out {len(test_idx)} of {n} rows as the test split (data.test_fraction)"
-    else:
-        test_reader, _ = _first(test, f"{name} (test)")
-        if test_reader.spec != spec:
-            raise DataError(
-                f"data source {name}: the test arrays are {test_reader.spec.describe()} but the "
-                f"training arrays are {spec.describe()}"
-            )
-        x_test, y_test = (
-            a.astype(dt, copy=False) for a, dt in ((test.x, spec.x_dtype), (test.y, spec.y_dtype))
-        )
-    num_classes = _num_classes(
-        src,
-        spec,
-        name,
-        PairReader(ArraySource(x, y), name),
-        PairReader(ArraySource(x_test, y_test), name),
-        len(x),
-        len(x_test),
-    )
-    return place(Dataset(name, x, y, x_test, y_test, num_classes, note=note), cfg)
-
-
-def _split(n: int, cfg, name: str) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        return split_indices(n, cfg.test_fraction, cfg.split_seed)
-    except ValueError as e:
-        raise DataError(
-            f"data source {name} has no test split and data.test_fraction="
-            f"{cfg.test_fraction} cannot split its {n} rows: {_line(e)}"
-        ) from None
-
-
-def _read_all(reader: PairReader, n: int) -> tuple[np.ndarray, np.ndarray]:
+def read_all(reader: PairReader, n: int) -> tuple[np.ndarray, np.ndarray]:
     parts = [reader.read(np.arange(i, min(i + SCAN_ROWS, n))) for i in range(0, n, SCAN_ROWS)]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def _num_classes(source, spec: RowSpec, name, reader, test_reader, n, n_test) -> int | None:
+def infer_num_classes(source, spec: RowSpec, name, reader, test_reader, n, n_test) -> int | None:
     """Classification (integer ``y [batch]``): the source's ``num_classes``, else the
     largest label + 1 (the labels read once); regression: None."""
     if not np.issubdtype(spec.y_dtype, np.integer):
@@ -503,260 +377,3 @@ def _num_classes(source, spec: RowSpec, name, reader, test_reader, n, n_test) ->
             f"and only {len(seen)} distinct labels occur; map them to 0..{len(seen) - 1}"
         )
     return hi + 1
-
-
-# -- iterable sources --------------------------------------------------------------------
-
-
-def _json_state(state: Any) -> Any:
-    """A state as JSON-able data (Grain's ``DataLoader`` state is bytes)."""
-    if isinstance(state, bytes):
-        return {"__bytes__": base64.b64encode(state).decode()}
-    json.dumps(state)  # a state that is not JSON is the source's mistake: said at capture
-    return state
-
-
-def _from_json(state: Any) -> Any:
-    if isinstance(state, dict) and set(state) == {"__bytes__"}:
-        return base64.b64decode(state["__bytes__"])
-    return state
-
-
-class BatchStream:
-    """An iterable source's rows regrouped into batches of ``batch_size``, read in order.
-
-    Position: the iterator's state before the batch being consumed and how many of its
-    rows are used, captured after each call (``mark``); a resume loads the state and drops
-    the used rows again, so it continues at the same row.
-    """
-
-    def __init__(self, iterable, name: str, first: tuple, rest_iter, spec: RowSpec):
-        self.iterable, self.name, self.spec = iterable, name, spec
-        self.it = rest_iter
-        self.get_state, self.set_state = _state_methods(rest_iter)
-        self.buffer: list[tuple[np.ndarray, np.ndarray]] = []
-        self.buffered_state = None  # the state before the first buffered batch was pulled
-        self.used = 0  # rows of the first buffered batch already handed out
-        self.next_step = 0
-        self.batch_size: int | None = None
-        self.positions: dict[int, Any] = {}
-        self._start_batch = first  # the first batch the trainer sees (after the held-out one)
-        self.lock = threading.Lock()
-
-    @property
-    def stateful(self) -> bool:
-        return self.get_state is not None
-
-    def _state(self):
-        return None if self.get_state is None else _json_state(self.get_state())
-
-    def _pull(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._start_batch is not None:
-            batch, self._start_batch = self._start_batch, None
-            return batch
-        try:
-            out = next(self.it)
-        except StopIteration:
-            raise DataError(
-                f"data source {self.name} ran out at step {self.next_step}: an iterable must "
-                "yield batches for every step of train.steps (repeat it, or lower train.steps)"
-            ) from None
-        except DataError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise DataError(
-                f"data source {self.name}: next() raised {type(e).__name__}: {_line(e)}"
-            ) from None
-        return check_batch(out, _rows(out), self.name, self.spec, "next()")
-
-    def rows(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        xs, ys = [], []
-        while count:
-            if not self.buffer:
-                self.buffered_state = self._state()
-                self.buffer.append(self._pull())
-                self.used = 0
-            x, y = self.buffer[0]
-            take = min(count, len(x) - self.used)
-            xs.append(x[self.used : self.used + take])
-            ys.append(y[self.used : self.used + take])
-            self.used += take
-            count -= take
-            if self.used == len(x):
-                self.buffer.pop(0)
-                self.used = 0
-        return np.concatenate(xs), np.concatenate(ys)
-
-    def call(self, step: int, k: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ``[k, batch_size, ...]`` batches of steps ``step .. step + k - 1``."""
-        with self.lock:
-            if step != self.next_step:
-                raise DataError(
-                    f"data source {self.name} is an iterable: it is read once, in order, and "
-                    f"cannot give step {step} again (it is at step {self.next_step}); replaying "
-                    "steps (train.nonfinite=stop naming a bad leaf) needs a map-style source"
-                )
-            x, y = self.rows(k * batch_size)
-            self.next_step = step + k
-            self.positions[self.next_step] = self.position()
-            for old in [s for s in self.positions if s < step - KEEP_POSITIONS]:
-                del self.positions[old]  # the loop checkpoints at most a few calls back
-            return x.reshape(k, batch_size, *x.shape[1:]), y.reshape(k, batch_size, *y.shape[1:])
-
-    def position(self) -> dict:
-        if not self.stateful:
-            return {"state": None}
-        if self.buffer:
-            return {"state": self.buffered_state, "used_rows": self.used}
-        return {"state": self._state(), "used_rows": 0}
-
-    def sampler(self, batch_size: int) -> StreamSampler:
-        return StreamSampler(self, batch_size)
-
-    def restore(self, start: int, position: dict | None) -> None:
-        """Continue at step ``start`` from a checkpoint's ``position`` (see :meth:`position`)."""
-        with self.lock:
-            self.next_step = start
-            if start == 0:
-                return
-            state = (position or {}).get("state")
-            if state is None or not self.stateful:
-                warnings.warn(
-                    NOT_RESUMABLE.format(name=self.name)
-                    + f" (resuming at step {start} from the iterable's current position)",
-                    ResumeNotExactWarning,
-                    stacklevel=2,
-                )
-                return
-            try:
-                self.set_state(_from_json(state))
-            except Exception as e:  # noqa: BLE001
-                raise DataError(
-                    f"data source {self.name}: load_state_dict of the checkpoint's position "
-                    f"raised {type(e).__name__}: {_line(e)}"
-                ) from None
-            self._start_batch, self.buffer, self.used = None, [], 0
-            used = int(position.get("used_rows", 0))
-            if used:
-                self.buffered_state = state
-                self.buffer.append(self._pull())
-                self.used = used
-
-
-def _rows(batch: Any) -> int:
-    """The rows an iterable's batch claims (its x's first axis), for checking it."""
-    x = batch.get("x") if isinstance(batch, Mapping) else None
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        x = batch[0]
-    shape = np.shape(x) if isinstance(x, np.ndarray) or hasattr(x, "shape") else ()
-    return shape[0] if len(shape) and shape[0] > 0 else 1
-
-
-def _state_methods(it) -> tuple:
-    for get, set_ in (("state_dict", "load_state_dict"), ("get_state", "set_state")):
-        g, s = getattr(it, get, None), getattr(it, set_, None)
-        if callable(g) and callable(s):
-            return g, s
-    return None, None
-
-
-def _stream_dataset(iterable, test, cfg, name: str) -> Dataset:
-    it = iter(iterable) if not hasattr(iterable, "__next__") else iterable
-    try:
-        first = next(it)
-    except StopIteration:
-        raise DataError(f"data source {name}: the iterable yields no batches") from None
-    except Exception as e:  # noqa: BLE001
-        raise DataError(
-            f"data source {name}: next() raised {type(e).__name__}: {_line(e)}"
-        ) from None
-    x0, y0 = check_batch(first, _rows(first), name, None, "next()")
-    spec = RowSpec(x0.shape[1:], x0.dtype, y0.shape[1:], y0.dtype)
-    note = ""
-    if test is None:  # the first batch is held out
-        x_test, y_test, start = x0, y0, None
-        note = f"held out the iterable's first batch ({len(x0)} rows) as the test split"
-    else:
-        test = as_map_source(test) if is_map_source(test) else test
-        if not is_map_source(test):
-            raise DataError(
-                f"data source {name}: its test split is {_what(test)}; expected a map-style "
-                "source or (x_test, y_test) arrays"
-            )
-        reader, n_test = _first(test, f"{name} (test)")
-        if reader.spec != spec:
-            raise DataError(
-                f"data source {name}: the test split's batches are {reader.spec.describe()} "
-                f"but the iterable's are {spec.describe()}"
-            )
-        x_test, y_test = _read_all(reader, n_test)
-        start = (x0, y0)
-    stream = BatchStream(iterable, name, start, it, spec)
-    if not stream.stateful:
-        warnings.warn(NOT_RESUMABLE.format(name=name), ResumeNotExactWarning, stacklevel=3)
-    num_classes = None
-    if np.issubdtype(spec.y_dtype, np.integer):
-        if spec.y_row != ():
-            raise DataError(
-                f"data source {name}: integer y must be class labels of shape [batch], got "
-                f"rows of shape {list(spec.y_row)}"
-            )
-        num_classes = getattr(iterable, "num_classes", None) or int(max(y0.max(), y_test.max()) + 1)
-    # The columns say the rows' shapes; the stream has no length.
-    x = np.empty((0, *spec.x_row), spec.x_dtype)
-    y = np.empty((0, *spec.y_row), spec.y_dtype)
-    return Dataset(name, x, y, x_test, y_test, num_classes, note=note, streamed=True, stream=stream)
-
-
-class StreamSampler:
-    """The sampler of an iterable source: no indices (placeholders of the batch's shape),
-    and the position is the stream's (checkpointed as JSON)."""
-
-    def __init__(self, stream: BatchStream, batch_size: int):
-        self.stream, self.batch_size = stream, batch_size
-
-    def batch(self, step: int) -> np.ndarray:
-        return np.zeros(self.batch_size, np.int32)
-
-    def batches(self, step: int, count: int) -> np.ndarray:
-        return np.zeros((count, self.batch_size), np.int32)
-
-    def position(self, step: int) -> dict:
-        pos = self.stream.positions.get(step, {"state": None})
-        return {"step": step, "iterable": json.dumps(pos)}
-
-    def restore(self, start: int, meta: dict | None) -> None:
-        """Continue at ``start`` from the checkpoint metadata ``meta`` (process 0 reads it;
-        every process takes process 0's position)."""
-        text = None
-        if meta is not None:
-            try:
-                text = json.loads(meta.get("data_position", "{}")).get("iterable")
-            except (json.JSONDecodeError, AttributeError):
-                raise DataError("the checkpoint's data_position metadata is not valid") from None
-        text = _from_process_0(text)
-        try:
-            pos = json.loads(text) if text else None
-        except json.JSONDecodeError:
-            raise DataError("the checkpoint's iterable position is not valid JSON") from None
-        self.stream.restore(start, pos)
-
-
-def _from_process_0(text: str | None) -> str | None:
-    """Process 0's ``text`` on every process (only process 0 reads the run directory)."""
-    from ..parallel import distributed as dist
-
-    if not dist.is_multiprocess():
-        return text
-    raw = np.frombuffer((text or "").encode(), np.uint8)
-    n = int(np.asarray(dist.broadcast(np.array([len(raw)], np.int32)))[0])
-    buf = raw if dist.is_main() else np.zeros(n, np.uint8)
-    return bytes(np.asarray(dist.broadcast(buf), np.uint8)).decode() or None
-
-
-def with_source(cfg, data: Any) -> tuple[Any, Dataset]:
-    """``train.fit(..., data=...)``: the config with ``data.name`` naming the source (what
-    the run directory and a resume's check record) and the source as a Dataset."""
-    dataset = to_dataset(data, cfg.data)
-    section = dataclasses.replace(cfg.data, name=f"<{dataset.name}>", options={})
-    return dataclasses.replace(cfg, data=section), dataset

@@ -79,7 +79,7 @@ def fit(
             f"its other keys ({', '.join(cfg.optimizer.options)})"
         )
     if data is not None:
-        from ..data.source import with_source
+        from ..data.user import with_source
 
         cfg, data = with_source(cfg, data)
     return train(cfg, resume=resume, echo=echo, callbacks=callbacks, optimizer=optimizer, data=data)
