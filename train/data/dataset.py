@@ -31,7 +31,7 @@ class Dataset:
     tokenizer: str | None = (
         None  # prepared tokens: train.data.text.tokenizer.to_spec of the tokenizer
     )
-    # An iterable source (train/data/source.py BatchStream): batches read in order, x and y
+    # An iterable source (train/data/stream.py BatchStream): batches read in order, x and y
     # empty arrays of the rows' shapes; a map-style source's x/y are SourceColumns instead
     stream: Any = None
 
@@ -129,7 +129,7 @@ class Sampler(Protocol):
 
 def make_sampler(seed: int, data: Dataset, batch_size: int) -> Sampler:
     """The host-side sampler of ``data``: epochs of examples, random text windows, or an
-    iterable source's order (train/data/source.py)."""
+    iterable source's order (train/data/stream.py)."""
     if data.stream is not None:
         return data.stream.sampler(batch_size)
     if data.window is None:

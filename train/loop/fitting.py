@@ -54,7 +54,7 @@ def fit(
         data: your data instead of the config's ``data.name``: a map-style source
             (``__len__``, ``__getitem__(indices) -> (x, y)``), an iterable of ``(x, y)``
             batches, ``(x, y)`` arrays, a Grain ``MapDataset``/``IterDataset``/``DataLoader``,
-            or ``{"train": ..., "test": ...}`` (see train/data/source.py); the config's
+            or ``{"train": ..., "test": ...}`` (see train/data/user.py); the config's
             other ``data`` keys (placement, test_fraction, split_seed) still apply.
 
     Raises ``ConfigError`` for bad input, as the CLI's exit 2.
