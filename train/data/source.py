@@ -66,8 +66,11 @@ class MapSource(Protocol):
 
 
 class ArraySource:
-    """Two arrays ``x [n, ...]``, ``y [n, ...]`` as a map-style source (the built-in data
-    sets are these; small ones live on the devices, each step sending indices)."""
+    """Two arrays ``x [n, ...]``, ``y [n, ...]`` as a map-style source. Given to the trainer
+    they take the built-in data sets' path: held in memory, and on the devices when small
+    (each step then sends indices, not rows)."""
+
+    name = "numpy arrays"
 
     def __init__(self, x, y, *, num_classes: int | None = None):
         self.x, self.y = np.asarray(x), np.asarray(y)
