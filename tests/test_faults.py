@@ -285,7 +285,8 @@ def test_first_nonfinite_names_grads_and_params_by_nnlite_path():
     opt = optax.sgd(1e38)
     p = layers([2e38])
     assert (
-        nonfinite.first_nonfinite(linear_loss, opt, p, opt.init(p), x, y) == "params/ffn/layers[0]/W"
+        nonfinite.first_nonfinite(linear_loss, opt, p, opt.init(p), x, y)
+        == "params/ffn/layers[0]/W"
     )
 
 

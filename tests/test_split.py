@@ -69,7 +69,7 @@ def test_digits_equal_scikit_learn_and_skip_importing_it():
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(a, b)
     code = (
-        "import sys; from train.data import load_dataset; from train.config import DataConfig; "
+        "import sys; from train.data.builtin import load_dataset; from train.config import DataConfig; "
         "load_dataset(DataConfig(name='digits')); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))"
     )

@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 
 from . import parallel
+from .data.registry import DATA_SETS, NEEDS_PATH
+from .data.registry import check as check_data
 from .errors import ConfigError
 
 
@@ -35,16 +37,7 @@ def choice(default: Any, choices: tuple) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
-DATA_NAMES = (
-    "digits",
-    "mnist1d",
-    "linreg",
-    "npz",
-    "text",
-    "shakespeare_char",
-    "tokens",
-    "arrays",
-)
+DATA_NAMES = DATA_SETS.names  # the registry in train/data/registry.py
 PLACEMENTS = ("auto", "device", "host")
 # auto resolves to one of the others at build time (train/model/gradmode.py); each model's
 # grad_modes are a subset (tested)
@@ -72,7 +65,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = choice("digits", DATA_NAMES)  # data set (see train/data/builtin.py)
+    # A built-in data set (train/data/registry.py), or your factory "module:function"
+    # returning a data source (train/data/source.py), called with `options` as keywords
+    name: str = "digits"
+    options: dict = field(default_factory=dict)  # data.name module:function: its arguments
     # npz: file with arrays x, y (x_test, y_test); text: a UTF-8 file; tokens: a directory
     # written by python -m train.prepare; arrays: a directory of x.npy, y.npy (x_test.npy,
     # y_test.npy), memory-mapped
@@ -580,7 +576,7 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("distributed.num_processes", f"must be >= 1, got {dc.num_processes}")
     if dc.process_id is not None and dc.process_id < 0:
         raise bad("distributed.process_id", f"must be >= 0, got {dc.process_id}")
-    if cfg.data.name in ("npz", "text", "tokens", "arrays") and not cfg.data.path:
+    if cfg.data.name in NEEDS_PATH and not cfg.data.path:
         raise bad("data.path", f"is required when data.name is {cfg.data.name}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise bad("data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
@@ -695,6 +691,8 @@ def config_from_dict(
     from .report import loggers  # a user's logger class is imported now, like a model
 
     loggers.check(cfg.log.loggers, cfg.log.tensorboard, sources.get("log.loggers", source), search)
+    where = sources.get("data.options", sources.get("data.name", source))
+    check_data(cfg.data.name, cfg.data.options, search, where)
     return cfg
 
 

@@ -24,6 +24,5 @@ def missing_extra(e: ImportError) -> str | None:
     if top not in TRAIN_EXTRA:
         return None
     return (
-        f"the trainer needs {TRAIN_EXTRA[top]}, which is not installed: "
-        "pip install 'nnlite[train]'"
+        f"the trainer needs {TRAIN_EXTRA[top]}, which is not installed: pip install 'nnlite[train]'"
     )

@@ -23,7 +23,7 @@ from ..config import DataConfig
 from ..errors import ConfigError
 from .dataset import Dataset, labels_are_ids
 from .split import split_indices
-from .text import corpus as text
+from .text import corpus as text_corpus
 
 DEFAULT_CONTEXT = 64  # text windows when neither data.context nor model.context is set
 
@@ -34,20 +34,37 @@ def text_context(cfg) -> int:
     return cfg.data.context or cfg.model.get("context") or DEFAULT_CONTEXT
 
 
-def load_dataset(cfg: DataConfig, context: int | None = None) -> Dataset:
-    """Build the data set named by ``cfg.name``; text data sets need the model's
-    ``context`` (the window length)."""
+def load_dataset(cfg: DataConfig, context: int | None = None, search=()) -> Dataset:
+    """Build the data set named by ``cfg.name``: a built-in one (``DATA_SETS``; text data
+    sets need the model's ``context``, the window length), or a user's factory
+    ``module:function`` called with ``cfg.options`` that returns a source
+    (train/data/source.py). ``search``: directories to import a user's module from first."""
     from . import streamed
+    from .registry import DATA_SETS, TEXT, factory, is_factory, is_given
 
-    if cfg.name in _TEXT_LOADERS or cfg.name == "tokens":
-        if context is None:
-            raise ConfigError(f"data.name={cfg.name} needs a model with a context length")
-        if cfg.name == "tokens":
-            return streamed.place(streamed.tokens(cfg, context), cfg)
-        return streamed.place(_TEXT_LOADERS[cfg.name](cfg, context), cfg)
-    if cfg.name == "arrays":
-        return streamed.place(streamed.arrays(cfg), cfg)
-    return streamed.place(_LOADERS[cfg.name](cfg), cfg)
+    if is_given(cfg.name):
+        raise ConfigError(
+            f"data.name={cfg.name} names a source that was given to train.fit(data=...); a "
+            "config builds one from a factory: data.name: 'module:function'"
+        )
+    if is_factory(cfg.name):
+        from .source import DataError
+        from .user import to_dataset
+
+        fn = factory(cfg.name, cfg.options, search)
+        try:
+            made = fn(**cfg.options)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- the user's code: one line, named
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise DataError(
+                f"data.name={cfg.name}: calling it raised {type(e).__name__}: {first}"
+            ) from None
+        return to_dataset(made, cfg, name=cfg.name)
+    if cfg.name in TEXT and context is None:
+        raise ConfigError(f"data.name={cfg.name} needs a model with a context length")
+    return streamed.place(DATA_SETS.get(cfg.name, f"data.name={cfg.name}")(cfg, context), cfg)
 
 
 def _split(x: np.ndarray, y: np.ndarray, cfg: DataConfig, stratify: bool):
@@ -122,7 +139,7 @@ def _mnist1d(cfg: DataConfig) -> Dataset:
             f"{format_bytes(need)} but this machine has {format_bytes(have)}"
         )
     seed = cfg.split_seed + 42  # the package's published default is 42
-    path = text.cache_dir() / f"mnist1d_n{cfg.num_samples}_seed{seed}.npz"
+    path = text_corpus.cache_dir() / f"mnist1d_n{cfg.num_samples}_seed{seed}.npz"
     d = _read_cached(path, _MNIST1D_KEYS)
     if d is None:
         d = _generate_mnist1d(cfg.num_samples, seed)
@@ -319,26 +336,53 @@ def _write_cached(path: Path, arrays: dict) -> None:
         pass  # read-only home or full disk: the run goes on, the next one generates again
 
 
-_LOADERS = {"digits": _digits, "mnist1d": _mnist1d, "linreg": _linreg, "npz": _npz}
+# The built-in data sets, as train/data/registry.py's DATA_SETS names them: (cfg, context)
+def digits(cfg: DataConfig, context: int | None = None) -> Dataset:
+    """scikit-learn's 8x8 digits, 64 features in [0, 1], a stratified test split."""
+    return _digits(cfg)
+
+
+def mnist1d(cfg: DataConfig, context: int | None = None) -> Dataset:
+    """MNIST-1D: 40-sample signals of 10 classes, generated locally."""
+    return _mnist1d(cfg)
+
+
+def linreg(cfg: DataConfig, context: int | None = None) -> Dataset:
+    """The JAX tutorial's linear regression, y = 2x - 1 + noise."""
+    return _linreg(cfg)
+
+
+def npz(cfg: DataConfig, context: int | None = None) -> Dataset:
+    """Arrays x, y (and x_test, y_test) of an .npz file, ``data.path``."""
+    return _npz(cfg)
 
 
 def _text(cfg: DataConfig, context: int) -> Dataset:
-    return text_dataset("text", text.read_text(cfg.path, "data.path"), cfg, context)
+    return text_dataset("text", text_corpus.read_text(cfg.path, "data.path"), cfg, context)
 
 
 def _shakespeare(cfg: DataConfig, context: int) -> Dataset:
-    path = text.build_corpus(text.SHAKESPEARE)
-    return text_dataset("shakespeare_char", text.read_text(path, "cached corpus"), cfg, context)
+    path = text_corpus.build_corpus(text_corpus.SHAKESPEARE)
+    return text_dataset(
+        "shakespeare_char", text_corpus.read_text(path, "cached corpus"), cfg, context
+    )
 
 
-_TEXT_LOADERS = {"text": _text, "shakespeare_char": _shakespeare}
+def text(cfg: DataConfig, context: int) -> Dataset:
+    """A UTF-8 file (``data.path``) as characters, windows of ``context``."""
+    return _text(cfg, context)
+
+
+def shakespeare_char(cfg: DataConfig, context: int) -> Dataset:
+    """Tiny Shakespeare as characters (built and cached locally), windows of ``context``."""
+    return _shakespeare(cfg, context)
 
 
 def text_dataset(name: str, corpus: str, cfg: DataConfig, context: int) -> Dataset:
     """A character-level language-modelling data set of ``corpus`` with windows of
     ``context`` characters (see train/data/text/corpus.py for the split and the vocabulary)."""
     where = f"data.name={name}" + (f" ({cfg.path})" if cfg.path else "")
-    enc = text.encode_corpus(corpus, cfg.val_fraction)
+    enc = text_corpus.encode_corpus(corpus, cfg.val_fraction)
     need = context + 1  # a window of inputs plus the next character of its last one
     for split, ids in (("training", enc.train), ("validation", enc.val)):
         if len(ids) < need:

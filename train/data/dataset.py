@@ -4,7 +4,7 @@ seeded order of its batches (samplers), a pure function of (seed, step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,13 +40,16 @@ class Dataset:
     tokenizer: str | None = (
         None  # prepared tokens: train.data.text.tokenizer.to_spec of the tokenizer
     )
-    # Prepared tokens of a byte or bpe tokenizer: the loss is per "token", not per
-    # character; chars_per_token of the evaluation's targets (train/data/text/units.py)
     # What was done to the raw inputs before training ({"scale": s}: x * s, the digits'
     # pixels); checkpoints record it and train.load_run(...).predict applies it
     preprocess: dict | None = None
+    # Prepared tokens of a byte or bpe tokenizer: the loss is per "token", not per
+    # character; chars_per_token of the evaluation's targets (train/data/text/units.py)
     loss_unit: str | None = None
     chars_per_token: float | None = None
+    # An iterable source (train/data/stream.py BatchStream): batches read in order, x and y
+    # empty arrays of the rows' shapes; a map-style source's x/y are SourceColumns instead
+    stream: Any = None
 
     @property
     def task(self) -> str:
@@ -61,11 +64,16 @@ class Dataset:
 
     @property
     def num_indices(self) -> int:
-        """How many distinct batch indices there are: examples, or text window starts."""
+        """How many distinct batch indices there are: examples, or text window starts (an
+        iterable source: the test rows, which stand in for its batches' shapes)."""
+        if self.stream is not None:
+            return len(self.x_test)
         return len(self.x) if self.window is None else len(self.x) - self.window + 1
 
     def describe(self) -> str:
         streamed = ", streamed" if self.streamed else ""
+        if self.stream is not None:
+            return f"iterable of batches / {len(self.x_test)} test"
         if self.window is None:
             return f"{len(self.x)} train / {len(self.x_test)} test{streamed}"
         unit = "chars" if self.tokenizer is None else "tokens"
@@ -105,6 +113,13 @@ def host_batch(data: Dataset, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     train/data/reader.py); any leading shape of ``idx`` is kept."""
     idx = np.asarray(idx)
     x, y = data.x, data.y
+    if data.stream is not None:  # an iterable: test rows stand in (shapes only, see Sampler)
+        x, y = data.x_test, data.y_test
+        idx = idx % len(x)
+    reader = getattr(x, "pair_reader", None)  # a map-style source: one call reads x and y
+    if reader is not None:
+        xb, yb = reader.read(idx.reshape(-1))
+        return xb.reshape(*idx.shape, *xb.shape[1:]), yb.reshape(*idx.shape, *yb.shape[1:])
     if data.window is not None:  # [n - window + 1, window] views: no copy until indexed
         x = np.lib.stride_tricks.sliding_window_view(x, data.window)
         y = np.lib.stride_tricks.sliding_window_view(y, data.window)
@@ -123,9 +138,16 @@ class Sampler(Protocol):
 
     def position(self, step: int) -> dict: ...
 
+    def restore(self, start: int, meta: dict | None) -> None:
+        """Continue at ``start`` from a checkpoint's metadata ``meta`` (None: no checkpoint):
+        a no-op for the (seed, step) samplers, whose position is the step."""
+
 
 def make_sampler(seed: int, data: Dataset, batch_size: int) -> Sampler:
-    """The host-side sampler of ``data``: epochs of examples, or random text windows."""
+    """The host-side sampler of ``data``: epochs of examples, random text windows, or an
+    iterable source's order (train/data/stream.py)."""
+    if data.stream is not None:
+        return data.stream.sampler(batch_size)
     if data.window is None:
         return BatchIndices(seed, data.num_indices, batch_size)
     return WindowIndices(seed, data.num_indices, batch_size)
@@ -153,6 +175,9 @@ class WindowIndices:
 
     def position(self, step: int) -> dict:
         return {"step": step, "windows": f"numpy default_rng([seed, step]) over {self.n}"}
+
+    def restore(self, start: int, meta: dict | None) -> None:
+        pass
 
 
 class BatchIndices:
@@ -187,3 +212,6 @@ class BatchIndices:
     def position(self, step: int) -> dict:
         epoch, i = divmod(step, self.per_epoch)
         return {"epoch": epoch, "batch_in_epoch": i, "steps_per_epoch": self.per_epoch}
+
+    def restore(self, start: int, meta: dict | None) -> None:
+        pass

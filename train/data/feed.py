@@ -35,7 +35,10 @@ EVAL_CHUNK_BYTES = 16 << 20
 
 def call_batch(data: Dataset, sampler: Sampler, step: int, k: int) -> tuple:
     """This process's host batch ``(x, y)`` ``[k, B / processes, ...]`` of the call that
-    runs steps ``step .. step + k - 1``."""
+    runs steps ``step .. step + k - 1`` (an iterable source: its next ``k`` batches)."""
+    if data.stream is not None:
+        x, y = data.stream.call(step, k, sampler.batch_size)
+        return dist.process_share(x), dist.process_share(y)
     return host_batch(data, dist.process_share(sampler.batches(step, k)))
 
 

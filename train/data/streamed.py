@@ -104,7 +104,7 @@ def tokens(cfg: DataConfig, context: int) -> Dataset:
     )
 
 
-def arrays(cfg: DataConfig) -> Dataset:
+def arrays(cfg: DataConfig, context: int | None = None) -> Dataset:
     """``data.name: arrays``: ``x.npy``/``y.npy`` (``x_test.npy``/``y_test.npy``) memory-mapped."""
     path = Path(cfg.path)
     where = f"data.path {str(path)!r}"

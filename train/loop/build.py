@@ -131,7 +131,7 @@ def build(
         raise ConfigError(
             f"model.name={cfg.model.name} does not run on data.name={cfg.data.name}: {first}"
         ) from None
-    if data.window is None and cfg.train.batch_size > len(data.x):
+    if data.window is None and data.stream is None and cfg.train.batch_size > len(data.x):
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} is larger than the training set "
             f"({len(data.x)} examples of data.name={cfg.data.name}): every batch would hold "

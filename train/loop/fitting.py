@@ -31,6 +31,7 @@ def fit(
     callbacks: Sequence[Any] = (),
     optimizer: Any = None,
     loggers: Sequence[Any] = (),
+    data: Any = None,
 ):
     """Train ``model`` per ``config`` exactly as the CLI does; return the ``train.loop.build.Run``
     (``params``, ``opt_state``, a stateful model's ``state``, ``summary`` of final metrics,
@@ -53,6 +54,11 @@ def fit(
             ``optimizer.name: given`` (a resume passes the same optimizer again).
         loggers: logger objects (``log(step, metrics)``, ``close()``: docs/loggers.md)
             that get every record, besides the config's ``log.loggers``.
+        data: your data instead of the config's ``data.name``: a map-style source
+            (``__len__``, ``__getitem__(indices) -> (x, y)``), an iterable of ``(x, y)``
+            batches, ``(x, y)`` arrays, a Grain ``MapDataset``/``IterDataset``/``DataLoader``,
+            or ``{"train": ..., "test": ...}`` (see train/data/user.py); the config's
+            other ``data`` keys (placement, test_fraction, split_seed) still apply.
 
     Raises ``ConfigError`` for bad input, as the CLI's exit 2.
     """
@@ -75,6 +81,10 @@ def fit(
             "train.fit(optimizer=...) replaces the config's optimizer section; leave out "
             f"its other keys ({', '.join(cfg.optimizer.options)})"
         )
+    if data is not None:
+        from ..data.user import with_source
+
+        cfg, data = with_source(cfg, data)
     return train(
         cfg,
         resume=resume,
@@ -82,6 +92,7 @@ def fit(
         callbacks=callbacks,
         optimizer=optimizer,
         loggers=_loggers(loggers),
+        data=data,
     )
 
 

@@ -194,6 +194,9 @@ class _Loop:
             prep.state0,
         )
         start = begin.step
+        if r.data.stream is not None:  # an iterable source continues at its saved position
+            saved = begin.checkpoint and ckpt.read_metadata(begin.checkpoint)
+            sampler.restore(start, saved or None)
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
         state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
