@@ -138,3 +138,19 @@ def test_a_factory_that_returns_no_transformation_is_refused_before_training(tmp
     with pytest.raises(ConfigError, match="expected an optax.GradientTransformation .*got str"):
         train(config(tmp_path, opt, "train.steps=2"), resume="fresh", echo=lambda *_: None)
     assert not (tmp_path / "digits_mlp" / "checkpoints").exists()
+
+
+def test_a_checkpoint_from_before_the_options_keys_still_resumes():
+    """Checkpoints record the resolved config; ones written before ``optimizer.options``
+    and ``data.options`` existed lack them, which counts as their defaults."""
+    from train.checkpoint.resume import check_resumable
+    from train.config import load_config, to_dict
+
+    cfg = load_config(ROOT / "configs" / "digits_mlp.yaml")
+    old = to_dict(cfg)
+    old["data"].pop("options")
+    old["optimizer"].pop("options")
+    check_resumable(cfg, {"config": json.dumps(old)}, Path("ckpt_00000010.safetensors"))
+    old["optimizer"]["learning_rate"] = 0.5  # a real change is still refused
+    with pytest.raises(ConfigError, match="optimizer.learning_rate=0.5"):
+        check_resumable(cfg, {"config": json.dumps(old)}, Path("ckpt_00000010.safetensors"))

@@ -237,7 +237,9 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert "optimizer.name: 'adamax' is not one of sgd, momentum, adam, adamw, lion" in proc.stderr
+    assert "optimizer.name=adamax is not a named optimizer (sgd, momentum, adam, adamw, lion)" in (
+        proc.stderr
+    )
 
 
 @pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])

@@ -93,8 +93,12 @@ def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None
     ran, runs = _as_run(was_grad, meta.get("grad_mode")), _as_run(is_grad, grad)
     if was_grad != is_grad and ran is not None and ran == runs:
         saved = {**saved, "loss": {**saved["loss"], "grad": is_grad}}
+    defaults = to_dict(Config())
     for section in RESUME_MUST_MATCH:
         was, is_ = saved.get(section), now[section]
+        if isinstance(was, dict) and isinstance(defaults.get(section), dict) and section != "model":
+            # a key the checkpoint predates (a config key added since) counts as its default
+            was = {**{k: v for k, v in defaults[section].items() if k in is_}, **was}
         for key in RESUME_MAY_CHANGE.get(section, ()):
             if isinstance(was, dict):
                 was = {k: v for k, v in was.items() if k != key}
