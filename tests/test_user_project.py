@@ -1,6 +1,6 @@
 """A user's own project, outside the repository, with its own ``models/`` package: its
-model, a callback that stops at a validation-loss plateau, an optax chain from a factory;
-trained with ``python -m train`` (a checkout on the path), ``python -m nnlite.train`` (the
+model, a map-style data source, a callback that stops at a validation-loss plateau, an
+optax chain from a factory; trained with ``python -m train`` (a checkout on the path), ``python -m nnlite.train`` (the
 install's name) and ``train.fit``; killed mid-run and resumed bit-identically, callback
 state included; equal to one device under shard_map and fsdp."""
 
@@ -49,6 +49,7 @@ FILES = {
         import os
         import signal
 
+        import numpy as np
         import optax
 
 
@@ -83,11 +84,35 @@ FILES = {
 
         def make_optimizer(learning_rate: float, clip: float = 1.0):
             return optax.chain(optax.clip_by_global_norm(clip), optax.adam(learning_rate))
+
+
+        class Blobs:
+            '''A map-style source: len and a batch of indices -> (x, y), rows made from a
+            seeded table, labelled by which of 4 centres is nearest.'''
+
+            num_classes = 4
+
+            def __init__(self, n: int, seed: int):
+                rng = np.random.default_rng(seed)
+                self.centres = rng.normal(size=(4, 16)).astype(np.float32)
+                self.x = rng.normal(size=(n, 16)).astype(np.float32) + self.centres[np.arange(n) % 4]
+                d = ((self.x[:, None, :] - self.centres[None]) ** 2).sum(-1)
+                self.y = d.argmin(1).astype(np.int32)
+
+            def __len__(self):
+                return len(self.x)
+
+            def __getitem__(self, indices):
+                return self.x[indices], self.y[indices]
+
+
+        def make_data(n: int = 2000, seed: int = 0):
+            return Blobs(n, seed)
         """,
     "cfg.yaml": """
         name: run
         model: {name: "models.net:Net"}
-        data: {name: digits}
+        data: {name: "parts:make_data", options: {n: 2000}, placement: host}
         optimizer: {name: "parts:make_optimizer", learning_rate: 0.01}
         callbacks: [{name: "parts:Plateau", patience: 2}]
         train: {steps: 2000, batch_size: 64, eval_every: 50, log_every: 50}
@@ -161,16 +186,17 @@ def test_train_fit_takes_callback_and_optimizer_objects(project):
         import json, optax
         import nnlite.train as train
         from models.net import Net
-        from parts import Plateau
+        from parts import Plateau, make_data
 
         cb = Plateau(patience=2)
         run = train.fit(
-            Net(64, 10),
-            {"data": {"name": "digits"}, "train": {"steps": 2000, "batch_size": 64,
+            Net(16, 4),
+            {"train": {"steps": 2000, "batch_size": 64,
              "eval_every": 50, "log_every": 50}, "log": {"progress": False, "plot": False}},
             overrides={"name": "fit"},
             callbacks=[cb],
             optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.01)),
+            data=make_data(2000, 0),
             echo=lambda *a: None,
         )
         print(json.dumps({"stopped": run.summary.get("stopped"), "step": run.step,
