@@ -16,10 +16,12 @@ from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
 from .core._params import format_path as format_path
 from .core._params import leaf_str as leaf_str
+from .core._save import CheckpointCorruptError as CheckpointCorruptError
 from .core._save import CheckpointError as CheckpointError
 from .core._save import load as load
 from .core._save import load_metadata as load_metadata
 from .core._save import save as save
+from .core._save import verify as verify
 from .core._sharded import save_sharded as save_sharded
 from .grad._manual import ManualGradError as ManualGradError
 from .grad._manual import check_manual as check_manual
@@ -144,6 +146,7 @@ __all__ = [
     "AdaptiveMaxPool",
     "AvgPool",
     "BatchNorm",
+    "CheckpointCorruptError",
     "CheckpointError",
     "Conv",
     "ConvTranspose",
@@ -208,6 +211,7 @@ __all__ = [
     "softmax_cross_entropy",
     "softplus",
     "tanh",
+    "verify",
     "vjp",
 ]
 

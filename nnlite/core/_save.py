@@ -5,8 +5,13 @@ Keys are nnlite's paths of the leaves without the leading ``/``: ``layers[0]/W``
 ParamsDict, ``[0]/mu/layer/W`` inside an optax state, ``params/ffn/W`` and
 ``opt_state[0]/count`` for ``{"params": ..., "opt_state": ...}``; a tree that is one array
 has the key ``/``. Older nl.save files, whose keys began with ``/`` (``/layers[0]/W``),
-read the same. Metadata is ``str -> str``, beside nl.save's own ``format`` and
-``format_version``.
+read the same. Metadata is ``str -> str``, beside nl.save's own ``format``,
+``format_version`` and ``checksums``.
+
+``checksums`` maps each tensor's key to the CRC-32 of its bytes (``"crc32:%08x"``), so
+bytes changed after writing (a bad disk, a partial copy, finite garbage that still parses)
+are refused when read, naming the file and the tensor (``CheckpointCorruptError``).
+Files written before checksums existed have none and load unchecked.
 
 A file is written to a temporary name beside the target, flushed, fsynced, renamed over
 the target and the directory fsynced, so a crash leaves the old file or the new one, never
@@ -21,6 +26,7 @@ import os
 import secrets
 import struct
 import time
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,11 +37,19 @@ import numpy as np
 
 from ._params import ParamsDict, format_path
 
-__all__ = ["CheckpointError", "load", "load_metadata", "save"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "load",
+    "load_metadata",
+    "save",
+    "verify",
+]
 
 _FORMAT = "nnlite.save"
 _FORMAT_VERSION = "1"
 _ROOT = "/"  # the key of a tree that is a single array
+CHECKSUMS = "checksums"  # metadata key: JSON {tensor key: "crc32:%08x"}, see the module doc
 
 # Test hook, never set in normal runs: seconds that every nl.save pauses twice (its
 # temporary file half-written, then complete but not yet renamed), so that tests can kill
@@ -52,6 +66,21 @@ _DTYPES = {
 
 class CheckpointError(ValueError):
     """A file that ``nl.load`` cannot read, or whose contents do not match ``like``."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint whose bytes are damaged: truncated, not a safetensors file, a shard
+    missing, or a tensor whose checksum does not match the one written with it. An older
+    checkpoint may still be intact (the trainer falls back to it when resuming)."""
+
+
+def checksum(a: np.ndarray) -> str:
+    """The checksum of a C-contiguous array's bytes, as stored in ``checksums``."""
+    return f"crc32:{zlib.crc32(memoryview(a.reshape(-1).view(np.uint8))) & 0xFFFFFFFF:08x}"
+
+
+def checksums_json(tensors: Mapping[str, np.ndarray]) -> str:
+    return json.dumps({k: checksum(v) for k, v in tensors.items()}, sort_keys=True)
 
 
 def _key(path: tuple, subtree: str = "") -> str:
@@ -132,9 +161,10 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | No
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise CheckpointError(f"nl.save: metadata must map str to str, got {k!r}: {v!r}")
-        if k in meta:
+        if k in meta or k == CHECKSUMS:
             raise CheckpointError(f"nl.save: metadata key {k!r} is nl.save's own; rename it")
         meta[k] = v
+    meta[CHECKSUMS] = checksums_json(tensors)
     _write_atomically(path, safetensors_bytes(tensors, meta))
     return path
 
@@ -184,10 +214,10 @@ class _File:
         size = os.fstat(f.fileno()).st_size
         bad = f"checkpoint {path}: not a safetensors file"
         if size < 8:
-            raise CheckpointError(f"{bad} ({size} bytes)")
+            raise CheckpointCorruptError(f"{bad} ({size} bytes)")
         (n,) = struct.unpack("<Q", f.read(8))
         if n > size - 8:
-            raise CheckpointError(
+            raise CheckpointCorruptError(
                 f"{bad}, or truncated: its first 8 bytes give a header of {n} bytes, and the "
                 f"file has {size}"
             )
@@ -202,12 +232,16 @@ class _File:
             ):
                 raise ValueError("__metadata__ is not a str -> str object")
             self.entries = {k: _entry(k, info) for k, info in header.items()}
+            sums = json.loads(meta[CHECKSUMS]) if CHECKSUMS in meta else None
+            if sums is not None and (not isinstance(sums, dict) or set(sums) != set(self.entries)):
+                raise ValueError(f"its {CHECKSUMS!r} do not list its tensors")
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{bad} (bad header: {e})") from None
+            raise CheckpointCorruptError(f"{bad} (bad header: {e})") from None
         self.meta: dict[str, str] = meta
+        self.sums: dict[str, str] | None = sums
         end = max((e[3] for e in self.entries.values()), default=0)
         if self.start + end > size:
-            raise CheckpointError(
+            raise CheckpointCorruptError(
                 f"checkpoint {path}: truncated: its header describes {end} bytes of tensors, "
                 f"the file holds {size - self.start}"
             )
@@ -230,12 +264,23 @@ class _File:
 
     def read(self, key: str, region: tuple | None = None) -> np.ndarray:
         """Tensor ``key``, or its ``region`` (a tuple of slices, as a sharding's index)."""
-        dtype, shape, start, end = self.entries[self.keys[key]]
+        raw = self.keys[key]
+        dtype, shape, start, end = self.entries[raw]
         out = np.empty(shape, dtype)
         self.f.seek(self.start + start)
         if self.f.readinto(out.reshape(-1).view(np.uint8)) != end - start:
-            raise CheckpointError(f"checkpoint {self.path}: truncated while reading {key!r}")
+            raise CheckpointCorruptError(f"checkpoint {self.path}: truncated while reading {key!r}")
+        if self.sums is not None and checksum(out) != self.sums[raw]:
+            raise CheckpointCorruptError(
+                f"checkpoint {self.path}: {key!r} does not match its checksum (the file was "
+                "damaged after it was written)"
+            )
         return out if region is None else np.asarray(out[region])
+
+    def verify(self) -> None:
+        """Read every tensor once, checking its checksum (one tensor in memory at a time)."""
+        for key in self.keys:
+            self.read(key)
 
     def close(self) -> None:
         self.f.close()
@@ -286,7 +331,8 @@ def load_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The ``str -> str`` metadata of the safetensors file ``path`` (or of the sharded
     checkpoint directory ``path``, ``nl.save_sharded``), without its tensors.
 
-    Includes nl.save's own ``format`` and ``format_version`` (files nl.save wrote).
+    Includes nl.save's own ``format`` and ``format_version`` (files nl.save wrote); the
+    header's ``checksums`` entry is checked by ``nl.load`` and ``nl.verify``, not returned.
 
     Raises:
         CheckpointError: the file is missing, truncated or not a safetensors file.
@@ -300,7 +346,25 @@ def load_metadata(path: str | os.PathLike) -> dict[str, str]:
     """
     path = Path(path)
     with _checkpoint(path) as file:
-        return dict(file.meta)
+        return {k: v for k, v in file.meta.items() if k != CHECKSUMS}
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Check every tensor of the checkpoint ``path`` (a file or a sharded directory)
+    against the checksum written with it, reading one tensor at a time.
+
+    Raises:
+        CheckpointCorruptError: a tensor's bytes differ from what was written, or the file
+            is truncated, unparseable or misses a shard; the message names the file.
+        CheckpointError: ``path`` does not exist.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> import nnlite as nl
+        >>> nl.verify(nl.save(tempfile.mkdtemp() + "/w.safetensors", jnp.ones(3)))
+    """
+    with _checkpoint(Path(path)) as file:
+        file.verify()
 
 
 def load(path: str | os.PathLike, like: Any = None, *, subtree: str | None = None) -> Any:
@@ -365,8 +429,9 @@ def _as_params(file: _File, keys: list[str], prefix: str) -> Any:
         rel["/" + r if r[:1] not in ("", "/", "[") else r] = k
     if "" in rel and len(rel) == 1:
         return jnp.asarray(file.read(rel[""]))
+    arrays = {r: jnp.asarray(file.read(k)) for r, k in sorted(rel.items())}
     try:
-        return ParamsDict.from_flat({r: jnp.asarray(file.read(k)) for r, k in sorted(rel.items())})
+        return ParamsDict.from_flat(arrays)
     except (ValueError, KeyError) as e:
         parts = sorted({k.split("/")[0].split("[")[0] for k in file.keys} - {""})
         raise CheckpointError(

@@ -13,8 +13,9 @@ writer::
 Each process writes only the shards of its own devices whose ``replica_id`` is 0, so a
 replicated leaf is stored once and no array is ever assembled in one process. A shard's
 key is ``<n>:<leaf key>``; the file's metadata ``shards`` maps it to its leaf key and its
-global index (``[[start, stop], ...]`` per dimension). Leaves that are not ``jax.Array``
-(numpy arrays, Python numbers) are written whole by process 0.
+global index (``[[start, stop], ...]`` per dimension), and its ``checksums`` hold each
+shard's CRC-32 (as ``nl.save``'s do), checked whenever a shard is read. Leaves that are not
+``jax.Array`` (numpy arrays, Python numbers) are written whole by process 0.
 
 The directory is written under ``<name>.tmp`` and renamed to ``<name>`` once the index is
 in it, so a process killed at any moment leaves the previous checkpoint and a ``.tmp``
@@ -39,12 +40,15 @@ import numpy as np
 
 from . import _save
 from ._save import (
+    CHECKSUMS,
     TEST_PAUSE_ENV,
+    CheckpointCorruptError,
     CheckpointError,
     _File,
     _fsync_dir,
     _key,
     _write_atomically,
+    checksums_json,
     safetensors_bytes,
 )
 
@@ -53,7 +57,7 @@ __all__ = ["INDEX", "is_sharded", "save_sharded"]
 _FORMAT = "nnlite.sharded"
 _FORMAT_VERSION = "1"
 INDEX = "index.safetensors"  # the file whose presence makes the directory a checkpoint
-_OWN_META = ("format", "format_version", "leaves", "processes")
+_OWN_META = ("format", "format_version", "leaves", "processes", CHECKSUMS)
 
 
 def _shard_file(process: int) -> str:
@@ -174,7 +178,8 @@ def save_sharded(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     sync(f"{path.name}:begin")
-    data = safetensors_bytes(tensors, {"shards": json.dumps(shards)})
+    meta_shards = {"shards": json.dumps(shards), CHECKSUMS: checksums_json(tensors)}
+    data = safetensors_bytes(tensors, meta_shards)
     _write_atomically(tmp / _shard_file(jax.process_index()), data)
     sync(f"{path.name}:shards")
     if main:
@@ -208,7 +213,7 @@ class ShardedFile:
     def _read_tables(self, path: Path) -> None:
         index = path / INDEX
         if not index.is_file():
-            raise CheckpointError(
+            raise CheckpointCorruptError(
                 f"checkpoint {path}: a directory, not a safetensors file nor a complete "
                 f"sharded checkpoint (it has no {INDEX})"
             )
@@ -230,10 +235,10 @@ class ShardedFile:
                 for k, (dtype, shape) in leaves.items()
             }
         except (KeyError, ValueError, TypeError) as e:
-            raise CheckpointError(
+            raise CheckpointCorruptError(
                 f"checkpoint {path}: {INDEX} has a bad leaf table ({e})"
             ) from None
-        self.meta = {k: v for k, v in meta.items() if k not in ("leaves",)}
+        self.meta = {k: v for k, v in meta.items() if k not in ("leaves", CHECKSUMS)}
         self.keys = {k: k for k in self.specs}
         self.pieces: dict[str, list] = {k: [] for k in self.specs}
         for p in range(n):
@@ -243,11 +248,13 @@ class ShardedFile:
                 for name, (key, bounds) in table.items():
                     self.pieces[key].append((f, name, [tuple(b) for b in bounds]))
             except (KeyError, ValueError, TypeError) as e:
-                raise CheckpointError(f"checkpoint {f.path}: a bad shard table ({e})") from None
+                raise CheckpointCorruptError(
+                    f"checkpoint {f.path}: a bad shard table ({e})"
+                ) from None
         for key, (shape, _) in self.specs.items():
             covered = sum(math.prod(b - a for a, b in bounds) for _, _, bounds in self.pieces[key])
             if covered != math.prod(shape):
-                raise CheckpointError(
+                raise CheckpointCorruptError(
                     f"checkpoint {path}: the shards of {key!r} hold {covered} of its "
                     f"{math.prod(shape)} elements"
                 )
@@ -256,7 +263,7 @@ class ShardedFile:
         try:
             f = open(p, "rb")
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {self.path}: {p.name} is missing") from None
+            raise CheckpointCorruptError(f"checkpoint {self.path}: {p.name} is missing") from None
         self._open.append(f)
         return _File(p, f)
 
@@ -266,6 +273,12 @@ class ShardedFile:
 
     def spec(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
         return self.specs[key]
+
+    def verify(self) -> None:
+        """Read every shard once, checking its checksum."""
+        for pieces in self.pieces.values():
+            for f, name, _ in pieces:
+                f.read(name)
 
     def read(self, key: str, region: tuple | None = None) -> np.ndarray:
         """Leaf ``key``, or its ``region`` (a tuple of slices, as a sharding's index)."""

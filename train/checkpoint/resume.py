@@ -195,9 +195,9 @@ def agree_on_start(
     error = None
     if dist.is_main():
         try:
-            existing = _existing(resume, ckpt_dir)
-            if existing:
-                start = load_checkpoint(cfg, existing[-1], params0, opt0, grad, state0)
+            chosen = ckpt.newest_intact(_existing(resume, ckpt_dir))
+            if chosen is not None:
+                start = load_checkpoint(cfg, chosen, params0, opt0, grad, state0)
         except ConfigError as e:
             error = e
     if not dist.is_multiprocess():
@@ -249,8 +249,7 @@ def _agree_on_sharded_start(
     chosen, error = None, None
     if dist.is_main():
         try:
-            existing = _existing(resume, ckpt_dir)
-            chosen = existing[-1] if existing else None
+            chosen = ckpt.newest_intact(_existing(resume, ckpt_dir))
         except ConfigError as e:
             error = e
     if dist.is_multiprocess():

@@ -333,3 +333,35 @@ def load_model_params(model: Any, path: Path, params_template: Any) -> Any:
         except ConfigError:
             pass
     return load_params(path, params_template)
+
+
+def newest_intact(existing: list[Path], say=None) -> Path | None:
+    """The newest of ``existing`` (oldest first) whose tensors match their checksums
+    (``nl.verify``); damaged ones newer than it are skipped with one line to ``say``
+    (default: stderr). None when ``existing`` is empty; ConfigError when none is intact."""
+    damaged: list[str] = []
+    for path in reversed(existing):
+        try:
+            nl.verify(path)
+        except nl.CheckpointCorruptError as e:
+            damaged.append(str(e))
+            continue
+        if damaged:
+            line = (
+                f"note: resume: skipped {len(damaged)} damaged checkpoint(s), newest first: "
+                f"{damaged[0]}; resuming from the newest intact one, {path.name}"
+            )
+            (say or _stderr)(line)
+        return path
+    if damaged:
+        raise ConfigError(
+            f"{damaged[0]}; no older checkpoint is intact ({len(damaged)} damaged); "
+            "use --fresh to start over"
+        )
+    return None
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
