@@ -97,14 +97,24 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     return "\n".join([line(cells[0]), sep, *map(line, cells[1:])])
 
 
+# Where results go instead of benchmarks/results (the test suite's smoke runs use a tmp dir)
+RESULTS_ENV = "NNLITE_BENCH_RESULTS"
+
+
+def results_dir() -> Path:
+    return Path(os.environ.get(RESULTS_ENV) or RESULTS_DIR)
+
+
 def write_json(name: str, payload: dict) -> Path:
-    """Write ``benchmarks/results/<name>-<timestamp>.json`` and ``<name>-latest.json``."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    """Write ``<results>/<name>-<timestamp>.json`` and ``<name>-latest.json`` (``<results>``:
+    ``benchmarks/results``, or ``$NNLITE_BENCH_RESULTS``)."""
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
     text = json.dumps(payload, indent=2)
-    path = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(text)
-    (RESULTS_DIR / f"{name}-latest.json").write_text(text)
+    (out / f"{name}-latest.json").write_text(text)
     return path
 
 

@@ -1,7 +1,10 @@
 """The whole ``python -m train`` command, as a user waits for it, phase by phase.
 
     python -m benchmarks.cli_wall [--repeats N] [--quick] [CONFIG ...]
-        [--set CONFIG:KEY=VALUE ...] [--baseline DIR] [--no-warm] [--no-sklearn]
+        [--set CONFIG:KEY=VALUE ...] [--baseline DIR] [--no-warm] [--no-sklearn] [--tiny]
+
+``--tiny`` (a smoke run): digits_mlp (or the CONFIGs given) for 10 steps, cold only, one
+repeat, without scikit-learn's script.
 
 Each sample is ``python -m train --config configs/CONFIG.yaml --fresh --timings`` as a
 fresh process, timed from just before the process is spawned to just after it has exited.
@@ -54,7 +57,9 @@ from .time_to_accuracy import cache_env
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = ("digits_mlp", "mnist1d_mlp", "mnist1d_cnn", "shakespeare_gpt")
 # Overrides that keep a long config's sample short (the start-up is what is measured).
-DEFAULT_SETS = {"shakespeare_gpt": ["train.steps=100"]}
+# (train.steps must stay above the config's optimizer.warmup_steps: 100 for the GPT.)
+DEFAULT_SETS = {"shakespeare_gpt": ["train.steps=100", "optimizer.warmup_steps=10"]}
+TINY_SETS = ["train.steps=10", "train.eval_every=5", "train.log_every=5", "checkpoint.every=10"]
 # Columns of the breakdown, in the order a run meets them (train/report/timings.py PHASES + exit).
 COLUMNS = (
     "interpreter",
@@ -246,7 +251,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache rows")
     ap.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn's script")
     ap.add_argument("--no-bytecode", action="store_true", help="no bytecode caches")
+    ap.add_argument("--tiny", action="store_true", help="digits_mlp, 10 steps, once, cold")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.configs = args.configs or ["digits_mlp"]
+        args.quick, args.no_warm, args.no_sklearn = True, True, True
+        args.sets = [f"{c}:{kv}" for c in args.configs for kv in TINY_SETS] + args.sets
 
     configs = args.configs or [c for c in DEFAULT_CONFIGS if (ROOT / f"configs/{c}.yaml").exists()]
     for c in configs:
@@ -310,7 +320,7 @@ def main(argv=None) -> int:
                 ]
                 print(f"\n{c} / scikit-learn's script: {', '.join(ratios)}")
     path = h.write_json(
-        "cli_wall",
+        "cli_wall-tiny" if args.tiny else "cli_wall",
         {
             "machine": info,
             "load_before": load,

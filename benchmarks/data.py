@@ -4,6 +4,7 @@ baby GPT's step time streamed vs on the device.
     python -m benchmarks.data rss [--big-mb 2048] [--small-mb 20] [--tokenizers char,byte,bpe]
                                   [--steps 300] [--workdir /tmp/nnlite-data-bench] [--keep]
     python -m benchmarks.data steps [--corpus-mb 20] [--calls 40] [--rounds 5]
+    python -m benchmarks.data {rss,steps} --tiny   # a smoke run: 1-2 MB, a 1-layer GPT
 
 ``rss`` generates two corpora under ``--workdir`` (random words of a generated
 vocabulary, streamed to disk in 4 MiB blocks: the generator holds one block), then, each
@@ -117,7 +118,13 @@ def prepare_args(corpus: Path, out: Path, tokenizer: str) -> list[str]:
     return args + (["--vocab-size", "8192"] if tokenizer == "bpe" else [])
 
 
-def train_args(data_dir: Path, log_dir: Path, name: str, steps: int, placement: str) -> list:
+# --tiny: a 1-layer GPT of width 32 instead of the baby GPT (the same code, seconds)
+TINY_MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "train.steps_per_call=2"]
+
+
+def train_args(
+    data_dir: Path, log_dir: Path, name: str, steps: int, placement: str, tiny: bool = False
+) -> list:
     sets = [
         "data.name=tokens",
         f"data.path={data_dir}",
@@ -130,7 +137,8 @@ def train_args(data_dir: Path, log_dir: Path, name: str, steps: int, placement: 
         f"name={name}",
         "log.progress=false",
         "log.plot=false",
-        "optimizer.warmup_steps=10",
+        f"optimizer.warmup_steps={min(10, steps - 1)}",
+        *(TINY_MODEL if tiny else []),
     ]
     args = [sys.executable, "-m", "train", "--config", GPT_CONFIG, "--fresh"]
     return args + [a for s in sets for a in ("--set", s)]
@@ -172,12 +180,13 @@ def cmd_rss(a) -> dict:
         runs = [("small", small_dir, "host"), ("big", work / "big_char", "host")]
         runs.append(("small", small_dir, "device"))  # the baseline: JAX and XLA themselves
         for label, d, placement in runs:
-            m = run_measured(train_args(d, work / "runs", label, a.steps, placement), env)
+            args = train_args(d, work / "runs", label, a.steps, placement, a.tiny)
+            m = run_measured(args, env)
             raw[f"train {label} {placement}"] = m
             size = corpora[label].stat().st_size
             how = "streamed" if placement == "host" else "on the device"
             rows.append(
-                [f"train baby GPT, {a.steps} steps, {how} ({mb(size)} corpus)", mb(m["peak_rss"]),
+                [f"train {'tiny' if a.tiny else 'baby'} GPT, {a.steps} steps, {how} ({mb(size)} corpus)", mb(m["peak_rss"]),
                  mb(m["rss_anon"]), "", f"{m['wall_s']:.0f} s"]
             )  # fmt: skip
         ratio = raw["train big host"]["peak_rss"] / raw["train small host"]["peak_rss"]
@@ -204,7 +213,7 @@ def cmd_steps(a) -> dict:
         assert prepare(["--input", str(work / "c.txt"), "--out", str(work / "tok")]) == 0
         loops = {}
         for placement in ("device", "host"):
-            sets = train_args(work / "tok", work / "runs", placement, 10**6, placement)[6:]
+            sets = train_args(work / "tok", work / "runs", placement, 10**6, placement, a.tiny)[6:]
             cfg = load_config(ROOT / GPT_CONFIG, sets[1::2])
             r = build(cfg)
             loops[placement] = _Loop.begin(r, "fresh", lambda *_: None, Timings())
@@ -227,7 +236,12 @@ def cmd_steps(a) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     med = {p: statistics.median(t) for p, t in times.items()}
     rows = [[p, f"{med[p] * 1e3:.2f} ms", f"{med[p] / med['device']:.3f}"] for p in loops]
-    print(h.table(rows, ["baby GPT, data.placement", "median step", "vs device"]))
+    print(
+        h.table(
+            rows,
+            [f"{'tiny' if a.tiny else 'baby'} GPT, data.placement", "median step", "vs device"],
+        )
+    )
     return {"rows": rows, "raw": times}
 
 
@@ -247,9 +261,16 @@ def main(argv=None) -> int:
     steps.add_argument("--corpus-mb", type=int, default=20)
     steps.add_argument("--calls", type=int, default=40, help="calls timed per round and path")
     steps.add_argument("--rounds", type=int, default=5)
+    for p in (rss, steps):
+        p.add_argument("--tiny", action="store_true", help="1-2 MB, a 1-layer GPT: a smoke run")
     a = ap.parse_args(argv)
+    if a.tiny and a.cmd == "rss":
+        a.big_mb, a.small_mb, a.tokenizers, a.steps = 2, 1, "char", 4
+        a.workdir = tempfile.mkdtemp(prefix="nnlite-data-tiny-")
+    elif a.tiny:
+        a.corpus_mb, a.calls, a.rounds = 1, 2, 1
     result = cmd_rss(a) if a.cmd == "rss" else cmd_steps(a)
-    h.write_json(f"data-{a.cmd}", {"args": vars(a), **result})
+    h.write_json(f"data-{a.cmd}" + ("-tiny" if a.tiny else ""), {"args": vars(a), **result})
     return 0
 
 

@@ -331,6 +331,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes: check that it runs")
     ap.add_argument("--flags-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tiny:  # seconds, not minutes: a few steps and rounds
+        args.rounds, args.large_rounds = 1, 1
+        args.train_steps = min(args.train_steps, 20)
     sys.path.insert(0, str(ROOT))
     if args.flags_child:
         print(json.dumps(flags_child(args.tiny, args.grad, args.rounds, args.large_rounds)))

@@ -1,13 +1,14 @@
 """First-step latency: trace + compile + first run of the MEDIUM train step.
 
-    python -m benchmarks.first_step [--quick] [--repeats N] [--size medium]
+    python -m benchmarks.first_step [--quick] [--repeats N] [--size medium] [--tiny]
 
 Each measurement is a fresh Python process, so nothing is cached: the process imports
 everything, builds the implementation (weights, optimizer state, data on the device),
 runs one unrelated tiny jitted function (so the one-off start-up of JAX's tracing and
 compiling machinery is not charged to whoever goes first), then times its first train
 step until the loss is on the host. Implementations run in shuffled order for several
-repeats; we report medians and ratios to raw JAX.
+repeats; we report medians and ratios to raw JAX. ``--tiny`` (a smoke run) measures each
+implementation once on a tiny model, in this process.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ def worker(impl: str, size: str) -> dict:
     import jax.numpy as jnp
     import optax
 
-    from ._impls import SPECS, Equinox, FlaxNNX, Nnlite, RawJax, init_weights, make_data
+    from ._impls import SPECS, TINY, Equinox, FlaxNNX, Nnlite, RawJax, init_weights, make_data
 
     classes = {"raw JAX": RawJax, "Equinox": Equinox, "Flax NNX": FlaxNNX, "nnlite": Nnlite}
-    spec = SPECS[size]
+    spec = TINY if size == "tiny" else SPECS[size]
     X, Y, idx = make_data(spec, 2)
     obj = classes[impl](spec, init_weights(spec), X, Y, idx, optax.adam(1e-3))
     jax.jit(lambda a: a + 1)(jnp.ones(3)).block_until_ready()  # JAX's one-off start-up
@@ -44,6 +45,12 @@ def worker(impl: str, size: str) -> dict:
     return {"impl": impl, "first_s": first, "second_s": second, "loss": loss}
 
 
+def jax_rank_promotion_allowed():
+    import jax
+
+    return jax.numpy_rank_promotion("allow")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.first_step", description=__doc__.split("\n")[0]
@@ -51,10 +58,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 repeats")
     ap.add_argument("--repeats", type=int, default=7, help="fresh processes per implementation")
     ap.add_argument("--size", default="medium", choices=("small", "medium", "large"))
+    ap.add_argument("--tiny", action="store_true", help="a tiny model, once, in this process")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.size)))
+        return 0
+    if args.tiny:
+        with jax_rank_promotion_allowed():  # the peers are written as their users write them
+            rows = [[i, f"{worker(i, 'tiny')['first_s'] * 1e3:.0f} ms"] for i in IMPLS]
+        print(h.table(rows, ["implementation", "trace+compile+run (tiny: meaningless)"]))
         return 0
     repeats = 2 if args.quick else args.repeats
     info = h.machine_info()

@@ -46,6 +46,7 @@ from train.model.contract import objective_fn
 SIZES: dict[str, tuple[tuple[int, ...], int]] = {
     "784-512-512-10/b256": ((784, 512, 512, 10), 256),
     "1024-4096-4096-10/b1024": ((1024, 4096, 4096, 10), 1024),
+    "16-8-4/b8": ((16, 8, 4), 8),  # --tiny
 }
 
 # name: (model constructor kwargs, batch); built lazily from models/ (repository root)
@@ -61,7 +62,14 @@ MODEL_SIZES: dict[str, tuple[str, dict, int]] = {
         {"vocab_size": 65, "context": 256, "n_layer": 6, "n_head": 6, "n_embd": 384},
         64,
     ),
+    "gpt-1x16/T8/b4": (  # --tiny
+        "gpt",
+        {"vocab_size": 11, "context": 8, "n_layer": 1, "n_head": 2, "n_embd": 16},
+        4,
+    ),
 }
+# --tiny: the same code on tiny sizes, one round of one step (a smoke run)
+TINY_SIZES = ["16-8-4/b8", "gpt-1x16/T8/b4"]
 DEFAULT_SIZES = [*SIZES, "cnn-convbase/b100", "gpt-4x128/T64/b12"]
 # The modes of the CNN and GPT sizes: auto is the trainer's default (loss.grad: auto)
 MODEL_MODES = ("autodiff", "manual", "auto")
@@ -191,9 +199,18 @@ def bench_size(
     }
 
 
-def run_all(*, quick: bool = False, sizes=None, activation: str = "relu") -> dict:
-    names = sizes or DEFAULT_SIZES
+def h_results_dir() -> Path:
+    """benchmarks/results, or $NNLITE_BENCH_RESULTS (as benchmarks/_harness.py's)."""
+    return Path(os.environ.get("NNLITE_BENCH_RESULTS") or RESULTS_DIR)
+
+
+def run_all(
+    *, quick: bool = False, sizes=None, activation: str = "relu", tiny: bool = False
+) -> dict:
+    names = sizes or (TINY_SIZES if tiny else DEFAULT_SIZES)
     rounds, steps = (3, 2) if quick else (15, 2)
+    if tiny:
+        rounds, steps = 1, 1
     results = {}
     for name in names:
         print(f"[grad_modes] {name}: {rounds} rounds x {steps} steps ...", file=sys.stderr)
@@ -251,11 +268,12 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--activation", default="relu", choices=mlp_fused.HAND_ACTIVATIONS)
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, 1 step: a smoke run")
     args = parser.parse_args(argv)
 
-    report = run_all(quick=args.quick, sizes=args.size, activation=args.activation)
+    report = run_all(quick=args.quick, sizes=args.size, activation=args.activation, tiny=args.tiny)
     print(format_table(report))
-    out = args.out or RESULTS_DIR / f"grad_modes-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.out or h_results_dir() / f"grad_modes-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")

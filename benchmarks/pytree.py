@@ -80,8 +80,14 @@ PAIRS = [
 ]
 
 
-def main() -> int:
-    medians = run()
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.pytree", description=__doc__)
+    ap.add_argument("--tiny", action="store_true", help="few repeats: a smoke run")
+    args = ap.parse_args(argv)
+    repeats = 5 if args.tiny else 200
+    medians = run(repeats=repeats)
     for name, sec in medians.items():
         print(f"{name:<26} {sec * 1e6:8.1f} us  (median flatten+unflatten, 200 leaves)")
     worst = 0.0
@@ -92,7 +98,7 @@ def main() -> int:
     print(f"worst ratio: {worst:.2f}x -> {'OK' if worst <= TARGET else 'ABOVE TARGET'}")
     # For information: the same round trip when the result's fields are then read, which
     # also counts the lazily built dicts of the unflattened ParamsDicts.
-    touched = run(repeats=50, touch=True)
+    touched = run(repeats=min(50, repeats), touch=True)
     for pd_name, dict_name in PAIRS:
         ratio = touched[pd_name] / touched[dict_name]
         print(f"  + reading every node: {pd_name} / {dict_name}: {ratio:.2f}x")

@@ -1,7 +1,7 @@
 """Sampling speed: ``GPT.generate`` (one compiled program, key/value cache) against the naive
 loop that re-runs the whole context for every new token.
 
-    python -m benchmarks.sample [--tokens 500] [--rounds 3]
+    python -m benchmarks.sample [--tokens 500] [--rounds 3] [--tiny]
 
 The baby GPT (4 layers, 4 heads, 128 dims, context 64, vocabulary 84) with its init
 weights; both generate greedily from the same one-character prompt, so they must produce
@@ -38,8 +38,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sample", description=__doc__)
     ap.add_argument("--tokens", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="a 1-layer GPT, 12 tokens: a smoke run")
     args = ap.parse_args(argv)
     model = GPT(vocab_size=84, context=64)
+    if args.tiny:
+        model = GPT(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=16)
+        args.tokens, args.rounds = 12, 1
     params = jax.jit(model.init)(jax.random.key(0))
     forward = jax.jit(model.__call__)
     gen = jax.jit(model.generate, static_argnames=("n_tokens", "top_k"))
@@ -67,9 +71,13 @@ def main(argv=None) -> int:
     for name, v in samples.items():
         t = h.median(v)
         rows.append([name, f"{t:.3f} s", f"{n / t:,.0f}", f"{base / t:.1f}x"])
-    print(f"baby GPT, {n} tokens, {args.rounds} rounds (median)\n")
+    size = "tiny GPT" if args.tiny else "baby GPT"
+    print(f"{size}, {n} tokens, {args.rounds} rounds (median)\n")
     print(h.table(rows, ["sampler", "time", "tokens/s", "speed-up"]))
-    h.write_json("sample", {"machine": h.machine_info(), "tokens": n, "samples_s": samples})
+    h.write_json(
+        "sample-tiny" if args.tiny else "sample",
+        {"machine": h.machine_info(), "tokens": n, "samples_s": samples},
+    )
     return 0
 
 

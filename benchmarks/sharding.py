@@ -1,7 +1,7 @@
 """Sharding on paper: params + optimizer bytes per device and the collectives in the
 compiled train step, for each sharded layout of 8 devices and a hand-written FSDP step.
 
-    python -m benchmarks.sharding [--n-layer 4] [--n-embd 128] [--batch 16]
+    python -m benchmarks.sharding [--n-layer 4] [--n-embd 128] [--batch 16] [--tiny]
 
 Nothing is timed (8 host CPU devices share the machine's cores, so step times say
 nothing): the numbers are read from the arrays' shardings (``Strategy.bytes_per_device``),
@@ -85,7 +85,8 @@ def nnlite_step(model, optimizer, name, tensor, min_bytes, batch, devices):
     idx = stepper.put_indices(np.zeros((1, batch), np.int32))
     p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
     o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
-    compiled = stepper.run.lower(p_abs, o_abs, X, Y, idx).compile()
+    # the state travels as (params, (opt_state, model state)): Stepper.run's layout
+    compiled = stepper.compiled.lower(p_abs, (o_abs, []), X, Y, idx).compile()
     state = strategy.bytes_per_device(p_avals) + strategy.bytes_per_device(o_avals)
     return state, compiled
 
@@ -135,7 +136,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16, help="global batch (a multiple of 8)")
+    ap.add_argument("--tiny", action="store_true", help="1 layer of width 32: a smoke run")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.n_layer, args.n_embd, args.batch = 1, 32, 8
     devices = jax.devices()
     if len(devices) < 8:
         raise SystemExit(f"needs 8 devices, found {len(devices)}")

@@ -1,6 +1,6 @@
 """Time to 97% test accuracy on digits: nnlite vs Equinox vs Flax NNX vs scikit-learn.
 
-    python -m benchmarks.time_to_accuracy [--quick] [--repeats N] [--eval-every N]
+    python -m benchmarks.time_to_accuracy [--quick] [--repeats N] [--eval-every N] [--tiny]
 
 The model, optimizer, batch size and data order are those of ``configs/digits_mlp.yaml``
 (64 -> 128 relu -> 10, adam 3e-3 with a cosine schedule over train.steps, batch 128,
@@ -17,6 +17,10 @@ defaults otherwise) is timed over its ``fit``; its accuracy is reported.
 Every run compiles from scratch (JAX's persistent compilation cache is switched off),
 except "nnlite warm": nnlite with that cache on, filled by one untimed run before the
 repeats, i.e. what running the same config again costs.
+
+``--tiny`` checks that every implementation runs (the test suite's smoke test): 10 steps,
+an accuracy check every 5, each implementation once, in this process; its times mean
+nothing.
 """
 
 from __future__ import annotations
@@ -54,10 +58,11 @@ def cache_env(cache_dir: str | None) -> dict[str, str]:
     }
 
 
-def _config():
+def _config(steps: int | None = None):
     from train.config import load_config
 
-    return load_config(CONFIG, ["log.progress=false", "log.plot=false"])
+    sets = ["log.progress=false", "log.plot=false"]
+    return load_config(CONFIG, sets + ([f"train.steps={steps}"] if steps else []))
 
 
 def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
@@ -200,20 +205,24 @@ def _flax_nnx(cfg, data, weights, eval_every: int) -> dict:
 def _sklearn(cfg, data) -> dict:
     from sklearn.neural_network import MLPClassifier
 
-    clf = MLPClassifier(hidden_layer_sizes=tuple(cfg.model.hidden_sizes), random_state=cfg.seed)
+    hidden = tuple(cfg.model.get("hidden_sizes"))
+    # --tiny (train.steps below the config's): as many epochs as that, a smoke run
+    iters = {} if cfg.train.steps >= 100 else {"max_iter": 2}
+    clf = MLPClassifier(hidden_layer_sizes=hidden, random_state=cfg.seed, **iters)
     clf.fit(data.x, data.y)
     return {"steps": int(clf.n_iter_), "accuracy": float(clf.score(data.x_test, data.y_test))}
 
 
-def worker(impl: str, weights_path: str, eval_every: int) -> dict:
-    """One timed run in this (fresh) process; returns wall seconds, steps and accuracy."""
+def worker(impl: str, weights_path: str, eval_every: int, steps: int | None = None) -> dict:
+    """One timed run in this (fresh) process; returns wall seconds, steps and accuracy
+    (``steps``: train.steps instead of the config's, for a smoke run)."""
     import warnings
 
     import jax
 
     from train.data.builtin import load_dataset
 
-    cfg = _config()
+    cfg = _config(steps)
     data = load_dataset(cfg.data)
     with np.load(weights_path) as f:
         weights = [(f[f"W{i}"], f[f"b{i}"]) for i in range(len(f.files) // 2)]
@@ -255,6 +264,19 @@ def write_weights(path: Path) -> None:
     np.savez(path, **{f"{n}{i}": np.asarray(lp[n]) for i, lp in enumerate(layers) for n in "Wb"})
 
 
+def _tiny() -> int:
+    """Every implementation once, 10 steps, in this process (``--tiny``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(tmp) / "weights.npz"
+        write_weights(weights)
+        rows = []
+        for impl in IMPLS:
+            out = worker(impl, str(weights), eval_every=5, steps=10)
+            rows.append([impl, f"{out['wall_s']:.3f} s", out["steps"], f"{out['accuracy']:.4f}"])
+    print(h.table(rows, ["implementation", "wall (tiny: meaningless)", "steps", "accuracy"]))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.time_to_accuracy", description=__doc__.split("\n")[0]
@@ -262,12 +284,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one repeat")
     ap.add_argument("--repeats", type=int, default=5, help="fresh-process runs per implementation")
     ap.add_argument("--eval-every", type=int, default=50, help="steps between accuracy checks")
+    ap.add_argument("--tiny", action="store_true", help="10 steps, in this process: a smoke run")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--weights", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.weights, args.eval_every)))
         return 0
+    if args.tiny:
+        return _tiny()
 
     repeats = 1 if args.quick else args.repeats
     info = h.machine_info()

@@ -2,6 +2,7 @@
 
     python -m benchmarks.train_step [--quick] [--sizes small,medium,large,cnn] [--rounds N]
     python -m benchmarks.train_step --sizes gpt_baby,gpt_large   # the GPT rows
+    python -m benchmarks.train_step --tiny [--sizes ...]  # each size's code at a tiny size
 
 For each size (the MLPs SMALL, MEDIUM, LARGE, and CNN: the MNIST-1D paper's conv net): check that every implementation reaches the same loss after 10 steps from
 the same weights, then time them interleaved in shuffled rounds and print the median time
@@ -20,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _harness as h
-from ._impls import SPECS, build_all, losses_after
-from ._impls_cnn import CNN_SPECS, build_all_cnn
+from ._impls import SPECS, TINY, build_all, losses_after
+from ._impls_cnn import CNN_SPECS, CNN_TINY, build_all_cnn
 
 # Steps per timed sample, and nnlite's steps per call, for each size: enough work per
 # sample that timer resolution and one-off hiccups do not matter.
@@ -58,12 +59,14 @@ def check_losses(impls, steps: int = 10) -> dict[str, float]:
     return losses
 
 
-def bench_size(size: str, rounds: int, quick: bool) -> dict:
+def bench_size(size: str, rounds: int, quick: bool, tiny: bool = False) -> dict:
     spec = ALL_SPECS[size]
     k = STEPS_PER_CALL[size]
     n = STEPS_PER_SAMPLE[size]
     if quick:
         n = max(k, n // 4 // k * k)
+    if tiny:  # the same code on a tiny model: a smoke run, times mean nothing
+        spec, k, n = (CNN_TINY if size in CNN_SPECS else TINY), 2, 2
     if size in CNN_SPECS:
         impls = build_all_cnn(spec, steps_per_call=k)
     else:
@@ -72,7 +75,7 @@ def bench_size(size: str, rounds: int, quick: bool) -> dict:
     cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
     gemm_flops = None
     if size == "large":
-        cases["GEMM 2048"], gemm_flops = gemm_case()
+        cases["GEMM 2048"], gemm_flops = gemm_case(64 if tiny else GEMM_N)
     samples = h.time_interleaved(cases, rounds=rounds, warmup=1 if size == "large" else 2)
     per_step = {
         name: h.median(v) / (1 if name == "GEMM 2048" else n) for name, v in samples.items()
@@ -96,6 +99,7 @@ def bench_size(size: str, rounds: int, quick: bool) -> dict:
     if gemm_flops:
         gemm_rate = gemm_flops / per_step["GEMM 2048"]
         result["gemm_gflops"] = gemm_rate / 1e9
+        result["gemm_n"] = 64 if tiny else GEMM_N
         result["step_gflops"] = {
             k_: spec.matmul_flops() / v / 1e9 for k_, v in result["median_s_per_step"].items()
         }
@@ -123,7 +127,7 @@ def render(size: str, r: dict) -> str:
         f"{r['steps_per_sample']} steps; nnlite K={r['nnlite_steps_per_call']}"
     )
     if "gemm_gflops" in r:
-        title += f"; GEMM {GEMM_N}^2 f32: {r['gemm_gflops']:.1f} GFLOP/s"
+        title += f"; GEMM {r['gemm_n']}^2 f32: {r['gemm_gflops']:.1f} GFLOP/s"
     return title + "\n\n" + h.table(rows, header)
 
 
@@ -135,19 +139,21 @@ GPT_ROUNDS = {"gpt_baby": 7, "gpt_large": 3}
 GPT_CHECK_STEPS = {"gpt_baby": 10, "gpt_large": 2}
 
 
-def bench_gpt(size: str, rounds: int, quick: bool, pytorch: bool = True) -> dict:
+def bench_gpt(size: str, rounds: int, quick: bool, pytorch: bool = True, tiny=False) -> dict:
     """The GPT step: same loss after 10 steps, then interleaved timing, tokens/s and the
     fraction of the matmul floor (the step's matmuls alone) each implementation reaches.
     With ``pytorch`` and torch installed, nanoGPT's PyTorch model is a row too."""
-    from ._gpt_impls import GPT_SPECS, build_all_gpt
+    from ._gpt_impls import GPT_SPECS, GPT_TINY, build_all_gpt
 
-    spec = GPT_SPECS[size]
+    spec = GPT_TINY if tiny else GPT_SPECS[size]
     k, n = GPT_STEPS_PER_CALL[size], GPT_STEPS_PER_SAMPLE[size]
     if quick:
         n = k
+    if tiny:
+        k = n = 2
     impls = build_all_gpt(spec, steps_per_call=k, matmul_floor=True, pytorch=pytorch)
     with jax.numpy_rank_promotion("allow"):  # the peers are written as their users write them
-        losses = check_losses(impls, GPT_CHECK_STEPS[size])
+        losses = check_losses(impls, 2 if tiny else GPT_CHECK_STEPS[size])
         cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
         # the check ran (and compiled) every implementation already; the large size skips
         # the extra warm-up call, which costs minutes
@@ -203,6 +209,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds per size")
     ap.add_argument(
+        "--tiny", action="store_true", help="each size's code on a tiny model, 1 round: a smoke run"
+    )
+    ap.add_argument(
         "--no-pytorch",
         action="store_true",
         help="leave out the GPT rows' PyTorch peer (included when torch is installed)",
@@ -219,15 +228,15 @@ def main(argv=None) -> int:
     results = {}
     for size in sizes:
         if size in GPT_ROUNDS:
-            results[size] = bench_gpt(
-                size, args.rounds or GPT_ROUNDS[size], args.quick, not args.no_pytorch
-            )
+            rounds = 1 if args.tiny else args.rounds or GPT_ROUNDS[size]
+            results[size] = bench_gpt(size, rounds, args.quick, not args.no_pytorch, args.tiny)
             print("\n" + render_gpt(size, results[size]), flush=True)
             continue
         rounds = args.rounds or (max(3, ROUNDS[size] // 3) if args.quick else ROUNDS[size])
-        results[size] = bench_size(size, rounds, args.quick)
+        results[size] = bench_size(size, 1 if args.tiny else rounds, args.quick, args.tiny)
         print("\n" + render(size, results[size]), flush=True)
-    path = h.write_json("train_step", {"machine": info, "quick": args.quick, "results": results})
+    name = "train_step-tiny" if args.tiny else "train_step"
+    path = h.write_json(name, {"machine": info, "quick": args.quick, "results": results})
     print(f"\nwrote {path}")
     return 0
 

@@ -1,5 +1,7 @@
 """The train-step benchmark's implementations compute the same training (correctness only)."""
 
+from pathlib import Path
+
 import jax
 import pytest
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
@@ -126,3 +128,51 @@ def test_cli_wall_times_the_command_phase_by_phase(tmp_path):
     assert (tmp_path / "runs" / "digits_mlp" / "curves.png").is_file()
     rows, med = summarize({"digits_mlp cold": [sample]})
     assert len(rows[0]) == 4 + len(COLUMNS) and med["digits_mlp cold"]["wall_s"] == sample["wall_s"]
+
+
+# -- every command of benchmarks/README.md runs, at a tiny size --------------------------------
+README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
+# command (as benchmarks/README.md lists it) -> the module and the arguments of its smoke run
+SMOKE = {
+    "python -m benchmarks.train_step": ("train_step", ["--tiny", "--sizes", "small,large,cnn"]),
+    "python -m benchmarks.time_to_accuracy": ("time_to_accuracy", ["--tiny"]),
+    "python -m benchmarks.first_step": ("first_step", ["--tiny"]),
+    "python -m benchmarks.train_step --sizes gpt_baby,gpt_large": (
+        "train_step",
+        ["--tiny", "--sizes", "gpt_baby", "--no-pytorch"],
+    ),
+    "python -m benchmarks.sample": ("sample", ["--tiny"]),
+    "python -m benchmarks.cli_wall": ("cli_wall", ["--tiny"]),
+    "python -m benchmarks.data steps": ("data", ["steps", "--tiny"]),
+    "python -m benchmarks.data rss": ("data", ["rss", "--tiny"]),
+    "python -m benchmarks.deep": ("deep", ["--tiny"]),
+    "python -m benchmarks.sharding": ("sharding", ["--tiny"]),
+    "python -m benchmarks.grad_modes": ("grad_modes", ["--tiny"]),
+    "python -m benchmarks.pytree": ("pytree", ["--tiny"]),
+}
+
+
+def readme_commands() -> set[str]:
+    """The commands of the README's first code block (arguments after ``#`` dropped)."""
+    block = README.read_text().split("```")[1]
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    return {line for line in lines if line.startswith("python -m benchmarks.")}
+
+
+def test_every_readme_command_has_a_smoke_run():
+    assert readme_commands() | {"python -m benchmarks.grad_modes", "python -m benchmarks.pytree"} == set(SMOKE)  # fmt: skip
+
+
+@jax.numpy_rank_promotion("allow")  # the peers are written as their users write them
+@pytest.mark.parametrize("command", list(SMOKE))
+def test_benchmark_command_runs_at_a_tiny_size(command, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    pytest.importorskip("flax")  # the peers' rows (the bench extra)
+    module, argv = SMOKE[command]
+    monkeypatch.setenv("NNLITE_BENCH_RESULTS", str(tmp_path))
+    main = importlib.import_module(f"benchmarks.{module}").main
+    rc = main(argv)
+    assert rc in (0, None) or isinstance(rc, dict)
+    out = capsys.readouterr().out
+    assert "|" in out or "ratio" in out, out  # it printed its table
