@@ -167,6 +167,10 @@ def main(
         gc.disable()  # imports make few cycles; back on (frozen heap) once JAX is loaded
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if standalone:  # before JAX's backend starts: the watchdog, not XLA, ends a stuck call
+        from .parallel import xla_collectives
+
+        xla_collectives.apply()
     multiprocess = False
     plotter = None
     saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}

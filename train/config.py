@@ -170,14 +170,23 @@ class ParallelConfig:
     fsdp_min_bytes: int = 16384
 
 
+CLUSTERS = ("auto", "slurm", "mpi", "k8s", "env", "none")
+
+
 @dataclass(frozen=True)
 class DistributedConfig:
     """Multi-process training with ``jax.distributed`` (see docs/distributed.md).
 
     Unset fields are read from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID; with no coordinator address anywhere the run is a single process.
+    ``cluster`` picks who says how many processes there are: ``env`` (those fields and
+    variables), ``slurm`` / ``mpi`` (Open MPI's mpirun) / ``k8s`` (an indexed Job), read by
+    ``jax.distributed.initialize``'s own cluster detection, ``none`` (one process whatever
+    the environment says), or ``auto``: ``env`` when a coordinator address is set, else
+    the cluster whose environment is present, else one process.
     """
 
+    cluster: str = choice("auto", CLUSTERS)  # see train/distributed.py
     coordinator_address: str | None = None  # host:port of process 0 (all processes agree)
     num_processes: int | None = None  # how many processes take part
     process_id: int | None = None  # this process: 0 .. num_processes - 1

@@ -5,6 +5,7 @@ in ``rundir.py``, where a run starts in ``resume.py``, faults in ``faults.py``."
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -262,7 +263,7 @@ class _Loop:
         # device's in-flight slot) while the part they wait for has no thread left: a
         # deadlock with every process alive (2 x 8 devices: ~step 45; pmap 2 x 2: ~100).
         # Bounding the calls in flight rules that out.
-        limit = max_in_flight(dist.is_multiprocess())
+        limit = max_in_flight(dist.is_multiprocess(), len(stepper.devices))
         if limit is not None:
             self.in_flight.append(self.metrics)
             while len(self.in_flight) > limit:
@@ -528,11 +529,21 @@ def _quiet(*_args, **_kwargs) -> None:
     pass
 
 
-def max_in_flight(multiprocess: bool) -> int | None:
+# Benchmark hook, never set in normal runs: no bound on the calls in flight (the stall the
+# bound prevents comes back: benchmarks/stress_multidevice.py measures both).
+UNBOUNDED_ENV = "NNLITE_BENCH_UNBOUNDED_CALLS"
+
+
+def max_in_flight(multiprocess: bool, devices: int = 1) -> int | None:
     """How many compiled calls may be in flight at once (None: no limit). Several CPU
     processes need a bound (see ``_Loop.run_call``), whatever the strategy: with one more
     shard_map call queued, a peer killed mid-call left the survivor a gloo "collective
-    mismatch" abort (two calls' collectives interleaved) in 1 run of 4."""
-    if not multiprocess or jax.devices()[0].platform != "cpu":
+    mismatch" abort (two calls' collectives interleaved) in 1 run of 4. One process
+    driving several CPU ``devices`` has the same pool: its devices' parts of queued calls
+    filled it while a part of the running call waited for a thread (docs/distributed.md,
+    "Why CPU runs bound the calls in flight")."""
+    if jax.devices()[0].platform != "cpu" or not (multiprocess or devices > 1):
+        return None
+    if os.environ.get(UNBOUNDED_ENV):  # benchmarks/stress_multidevice.py's "before" rows
         return None
     return 0

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..config import DistributedConfig
 from ..errors import ConfigError
+from . import clusters
 
 # The environment variables read for unset fields of the ``distributed`` section. JAX
 # itself reads only JAX_COORDINATOR_ADDRESS; the other two are ours, named to match.
@@ -24,11 +25,13 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 @dataclass(frozen=True)
 class Settings:
-    coordinator_address: str
-    num_processes: int
-    process_id: int
+    coordinator_address: str | None  # None: the cluster's (jax.distributed finds it)
+    num_processes: int | None  # None: known to JAX only (Kubernetes)
+    process_id: int | None
     initialization_timeout: int
     heartbeat_timeout: int
+    cluster: str = "env"  # distributed.cluster as resolved (train/clusters.py)
+    jax_method: str | None = None  # jax.distributed's cluster_detection_method
 
 
 def _env_int(name: str) -> int | None:
@@ -42,10 +45,29 @@ def _env_int(name: str) -> int | None:
 
 
 def resolve(dc: DistributedConfig) -> Settings | None:
-    """The multi-process settings from the config, then the environment; None: one process."""
+    """The multi-process settings from the config, then the environment, or from a cluster
+    launcher (``distributed.cluster``, train/clusters.py); None: one process."""
+    if dc.cluster == "none":
+        return None
     address = dc.coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     num = dc.num_processes if dc.num_processes is not None else _env_int(ENV_NUM_PROCESSES)
     pid = dc.process_id if dc.process_id is not None else _env_int(ENV_PROCESS_ID)
+    explicit = address is not None or num is not None or pid is not None
+    found = None
+    if dc.cluster in clusters.CLUSTERS:
+        found = clusters.detect(dc.cluster)
+    elif dc.cluster == "auto" and not explicit:
+        found = clusters.auto()
+    if found is not None:
+        return Settings(
+            dc.coordinator_address,  # the config may still name it; else JAX derives it
+            found.num_processes,
+            found.process_id,
+            dc.initialization_timeout,
+            dc.heartbeat_timeout,
+            found.cluster,
+            found.jax_method,
+        )
     if address is None:
         if num not in (None, 1) or pid not in (None, 0):
             raise ConfigError(
@@ -86,6 +108,14 @@ def initialize(dc: DistributedConfig) -> Settings | None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # SIGTERM -> the preemption sync point all processes agree on (see faults.py).
     jax.config.update("jax_enable_preemption_service", True)
+    if settings.cluster != "env":  # the launcher's variables, read by JAX
+        jax.distributed.initialize(
+            coordinator_address=settings.coordinator_address,
+            cluster_detection_method=settings.jax_method,
+            initialization_timeout=settings.initialization_timeout,
+            heartbeat_timeout_seconds=settings.heartbeat_timeout,
+        )
+        return settings
     jax.distributed.initialize(
         coordinator_address=settings.coordinator_address,
         num_processes=settings.num_processes,
