@@ -178,7 +178,8 @@ def cmd_rss(a) -> dict:
             prepare_args(corpora["small"], small_dir, "char"), env
         )
         runs = [("small", small_dir, "host"), ("big", work / "big_char", "host")]
-        runs.append(("small", small_dir, "device"))  # the baseline: JAX and XLA themselves
+        if not a.tiny:  # the baseline: JAX and XLA themselves
+            runs.append(("small", small_dir, "device"))
         for label, d, placement in runs:
             args = train_args(d, work / "runs", label, a.steps, placement, a.tiny)
             m = run_measured(args, env)

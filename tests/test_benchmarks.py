@@ -134,7 +134,8 @@ def test_cli_wall_times_the_command_phase_by_phase(tmp_path):
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
 # command (as benchmarks/README.md lists it) -> the module and the arguments of its smoke run
 SMOKE = {
-    "python -m benchmarks.train_step": ("train_step", ["--tiny", "--sizes", "small,large,cnn"]),
+    # (the CNN's and the GPT's implementations are checked above at the same tiny sizes)
+    "python -m benchmarks.train_step": ("train_step", ["--tiny", "--sizes", "small"]),
     "python -m benchmarks.time_to_accuracy": ("time_to_accuracy", ["--tiny"]),
     "python -m benchmarks.first_step": ("first_step", ["--tiny"]),
     "python -m benchmarks.train_step --sizes gpt_baby,gpt_large": (
@@ -145,7 +146,7 @@ SMOKE = {
     "python -m benchmarks.cli_wall": ("cli_wall", ["--tiny"]),
     "python -m benchmarks.data steps": ("data", ["steps", "--tiny"]),
     "python -m benchmarks.data rss": ("data", ["rss", "--tiny"]),
-    "python -m benchmarks.deep": ("deep", ["--tiny"]),
+    "python -m benchmarks.deep": ("deep", ["--tiny", "--parts", "compile,remat"]),
     "python -m benchmarks.sharding": ("sharding", ["--tiny"]),
     "python -m benchmarks.grad_modes": ("grad_modes", ["--tiny"]),
     "python -m benchmarks.pytree": ("pytree", ["--tiny"]),
@@ -175,4 +176,4 @@ def test_benchmark_command_runs_at_a_tiny_size(command, tmp_path, monkeypatch, c
     rc = main(argv)
     assert rc in (0, None) or isinstance(rc, dict)
     out = capsys.readouterr().out
-    assert "|" in out or "ratio" in out, out  # it printed its table
+    assert len(out.strip().splitlines()) >= 3, out  # it printed its table

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
 from train.config import load_config
-from train.loop import train
+from train.loop.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,7 +132,7 @@ def test_resume_skips_a_damaged_checkpoint_with_one_line(tmp_path, capsys):
 
 
 def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path):
-    from train.config import ConfigError
+    from train.errors import ConfigError
 
     full = _run(tmp_path, "train.steps=10", "name=one")
     damage(full.run_dir / "checkpoints" / "ckpt_00000010.safetensors")
