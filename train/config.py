@@ -628,6 +628,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read ``path`` (YAML), apply ``--set`` overrides, validate, return a ``Config``."""
     path = Path(path)
     raw = read_yaml(path)
+    if raw in (None, {}) and not overrides:  # not every default trained without a word
+        raise ConfigError(
+            f"{path}: the config is empty (no keys, or only comments); name at least a model "
+            "or data section (see configs/digits_mlp.yaml), or give --set overrides"
+        )
     return config_from_dict(raw, overrides, source=str(path), base_dir=path.resolve().parent)
 
 

@@ -198,6 +198,9 @@ def _name_keys(message: str, cls: type) -> str:
     names = head.split("/")
     if names and all(n in contract.fields(cls) for n in names):
         head = "/".join(f"model.{n}" for n in names)
+    elif head == "unknown" and rest.split(" ")[0] in contract.fields(cls):
+        # nnlite's "unknown activation 'x'; valid: ...": the key is the field of that name
+        return f"model.{rest.split(' ')[0]}: {message}"
     return head + sep + rest
 
 

@@ -357,6 +357,7 @@ class _Loop:
         else:
             result = prep.evaluate(params, prep.X_test, prep.Y_test, *state)
         self.last_eval = {k: float(v) for k, v in result.items()}
+        report.report_eval(self.bar, self.step, self.r.data.eval_split, self.last_eval)
         self._write(
             {
                 "step": self.step,

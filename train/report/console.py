@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -119,10 +121,58 @@ class _NoBar:
         pass
 
 
+class PlainLines:
+    """Progress as plain lines on stdout, never a carriage return: one per evaluation, and
+    (``periodic``: the output is no terminal, a log file) the train metrics at a log
+    boundary at most every ``every_s`` seconds."""
+
+    def __init__(self, name: str, total: int, start: int, *, periodic: bool, every_s: float):
+        self.name, self.total, self.step = name, total, start
+        self.periodic, self.every_s = periodic, every_s
+        self._last = time.monotonic()
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        now = time.monotonic()
+        if self.periodic and now - self._last >= self.every_s:
+            self._last = now
+            shown = ", ".join(f"{k} {v}" for k, v in kwargs.items())
+            print(f"{self.name}: step {self.step}/{self.total}, {shown}", flush=True)
+
+    def update(self, n: int) -> None:
+        self.step += n
+
+    def eval_line(self, step: int, split: str, metrics: dict) -> None:
+        shown = ", ".join(
+            f"{split} {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items() if k != "time"
+        )
+        print(f"{self.name}: step {step}/{self.total}, {shown}", flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+# A log file gets the train metrics at most this often (seconds) instead of a bar.
+PLAIN_EVERY_S = 10.0
+
+
+def report_eval(bar: ProgressBar, step: int, split: str, metrics: dict) -> None:
+    """An evaluation's line, where the progress is shown as lines (not on a tqdm bar,
+    whose postfix shows the train metrics)."""
+    line = getattr(bar, "eval_line", None)
+    if line is not None:
+        line(step, split, metrics)
+
+
 def progress_bar(cfg: Config, start: int, *, show: bool = True) -> ProgressBar:
-    """A tqdm bar over ``train.steps`` (none when ``log.progress`` is off or not ``show``)."""
-    if not (cfg.log.progress and show):
+    """A tqdm bar over ``train.steps`` on a terminal; plain lines (:class:`PlainLines`)
+    when ``log.progress`` is off (one per evaluation) or stderr is no terminal (also the
+    train metrics every :data:`PLAIN_EVERY_S` s); nothing when not ``show``."""
+    if not show:
         return _NoBar()
+    if not cfg.log.progress or not sys.stderr.isatty():
+        return PlainLines(
+            cfg.name, cfg.train.steps, start, periodic=cfg.log.progress, every_s=PLAIN_EVERY_S
+        )
     from tqdm import tqdm
 
     return tqdm(
