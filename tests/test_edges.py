@@ -59,3 +59,48 @@ def test_a_log_file_gets_plain_lines_not_a_bar(tmp_path, monkeypatch, capsys):
     assert "\r" not in out.err and "\r" not in out.out
     train_lines = [ln for ln in out.out.splitlines() if ln.startswith("digits_mlp: step 5/10, loss")]  # fmt: skip
     assert len(train_lines) == 1, out.out
+
+
+# -- language models on tokens: bits per token, and per character where it is known ------------
+def test_token_runs_report_bits_per_token_and_true_bits_per_char(tmp_path):
+    import json
+
+    import numpy as np
+
+    from train.config import config_from_dict
+    from train.data.text import units
+    from train.data.text.prepare import main as prepare
+    from train.data.text.tokenizer import from_dir
+
+    text = "héllo wörld, the king and the queen. " * 300  # non-ASCII: bytes != chars
+    (tmp_path / "c.txt").write_text(text)
+    runs = {}
+    for kind in ("char", "byte", "bpe"):
+        extra = ["--vocab-size", "300"] if kind == "bpe" else []
+        out = tmp_path / kind
+        assert prepare(["--input", str(tmp_path / "c.txt"), "--out", str(out), "--tokenizer", kind, *extra]) == 0  # fmt: skip
+        tok = from_dir(out)
+        ids = tok.encode(text)
+        # every token's characters add up to the text's
+        assert int(units.char_lengths(tok)[ids].sum()) == len(text), kind
+        if kind == "char":  # a token is a character: bits_per_char stays (tests/test_text.py)
+            continue
+        raw = {
+            "name": kind,
+            "model": {"name": "gpt", "context": 8, "n_layer": 1, "n_head": 2, "n_embd": 16},
+            "data": {"name": "tokens", "path": str(out), "eval_windows": 16},
+            "loss": {"grad": "autodiff"},
+            "train": {"batch_size": 4, "steps": 2, "eval_every": 2, "log_every": 1},
+            "log": {"dir": str(tmp_path / "runs"), "progress": False, "plot": False},
+        }
+        r = train(config_from_dict(raw), resume="fresh", echo=lambda *_: None)
+        recs = [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[kind] = (r, recs[-1], [x for x in recs if x["split"] == "train"][-1])
+    assert units.name_metrics({"bits_per_char": 2.0}, "char", 1.0) == {"bits_per_char": 2.0}
+    for kind in ("byte", "bpe"):
+        r, val, tr = runs[kind]
+        assert "bits_per_token" in tr and "bits_per_char" not in tr, tr
+        cpt = units.chars_per_token(from_dir(tmp_path / kind), r.data.y_test)
+        assert cpt == r.data.chars_per_token and (cpt < 1 if kind == "byte" else cpt > 1)
+        assert val["bits_per_token"] == pytest.approx(val["loss"] / np.log(2), rel=1e-5)
+        assert val["bits_per_char"] == pytest.approx(val["bits_per_token"] / cpt, rel=1e-6)

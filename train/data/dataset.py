@@ -31,6 +31,10 @@ class Dataset:
     tokenizer: str | None = (
         None  # prepared tokens: train.data.text.tokenizer.to_spec of the tokenizer
     )
+    # Prepared tokens of a byte or bpe tokenizer: the loss is per "token", not per
+    # character; chars_per_token of the evaluation's targets (train/data/text/units.py)
+    loss_unit: str | None = None
+    chars_per_token: float | None = None
 
     @property
     def task(self) -> str:

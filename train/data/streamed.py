@@ -64,6 +64,7 @@ def place(data: Dataset, cfg: DataConfig) -> Dataset:
 
 def tokens(cfg: DataConfig, context: int) -> Dataset:
     """``data.name: tokens``: a prepared directory, memory-mapped (module docstring)."""
+    from .text import units
     from .text.tokenizer import to_spec
     from .text.tokens import TokenFiles
 
@@ -98,6 +99,8 @@ def tokens(cfg: DataConfig, context: int) -> Dataset:
         vocab=vocab,
         note=note,
         tokenizer=to_spec(tok),
+        loss_unit="char" if tok.kind == "char" else "token",
+        chars_per_token=units.chars_per_token(tok, y_test) if tok.kind != "char" else 1.0,
     )
 
 

@@ -377,9 +377,9 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     eval_dev = r.strategy.eval_device
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
     first_batch = None
-    if r.data.streamed:  # batches come from the host (train/data/feed.py): nothing placed whole
-        from ..data.feed import EVAL_TOKENS_PER_CHUNK, eval_chunk
+    from ..data.feed import EVAL_TOKENS_PER_CHUNK, eval_chunk
 
+    if r.data.streamed:  # batches come from the host (train/data/feed.py): nothing placed whole
         X = Y = ()
         first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)
         X_test = Y_test = None

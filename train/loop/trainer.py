@@ -24,6 +24,7 @@ from ..config import Config
 from ..data import feed
 from ..data.dataset import Dataset, Sampler, make_sampler
 from ..data.feed import BatchFeed, call_schedule
+from ..data.text.units import name_metrics
 from ..optim.named import schedule
 from ..parallel import distributed as dist
 from ..parallel.finite import finite_on_devices
@@ -313,7 +314,7 @@ class _Loop:
         """A train record in metrics.jsonl (the metrics' means over the steps since the last
         record, and the learning rate of the last step) and the progress bar."""
         tc = self.r.cfg.train
-        m = self.means.take()
+        m = name_metrics(self.means.take(), self.r.data.loss_unit, None)
         now = time.perf_counter()
         rate = (self.step - self.window_start) * tc.batch_size / max(now - self.t_window, 1e-9)
         self.t_window, self.window_start = now, self.step
@@ -357,6 +358,8 @@ class _Loop:
         else:
             result = prep.evaluate(params, prep.X_test, prep.Y_test, *state)
         self.last_eval = {k: float(v) for k, v in result.items()}
+        data = self.r.data
+        self.last_eval = name_metrics(self.last_eval, data.loss_unit, data.chars_per_token)
         report.report_eval(self.bar, self.step, self.r.data.eval_split, self.last_eval)
         self._write(
             {

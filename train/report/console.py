@@ -16,7 +16,7 @@ from ..parallel import distributed as dist
 from ..report.units import format_bytes
 
 # Short names of metrics on the progress bar.
-BAR_NAMES = {"loss": "loss", "accuracy": "acc", "bits_per_char": "bpc"}
+BAR_NAMES = {"loss": "loss", "accuracy": "acc", "bits_per_char": "bpc", "bits_per_token": "bpt"}
 
 
 def banner(r, num_params: int, start: int, state_bytes: int | None = None) -> str:
@@ -45,7 +45,7 @@ def done(r, last_eval: dict, skipped: int, wall: float, rate: float) -> str:
     split, window = r.data.eval_split, r.data.window
     more = "".join(
         f", {split} {name.replace('_', ' ')} {last_eval[name]:.4f}"
-        for name in ("accuracy", "bits_per_char")
+        for name in ("accuracy", "bits_per_token", "bits_per_char")
         if name in last_eval
     )
     skip = f", {skipped} non-finite steps skipped" if skipped else ""
