@@ -321,7 +321,7 @@ def test_digits_resnet_trains_past_the_mlp_resumes_exactly_and_predicts(tmp_path
     for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(full.state)):
         np.testing.assert_array_equal(a, b)
     x, y = full.data.x_test, full.data.y_test
-    accuracy = float(np.mean(np.argmax(loaded.predict(x), -1) == y))  # eval mode
+    accuracy = float(np.mean(np.argmax(loaded.predict(x, preprocessed=True), -1) == y))  # eval
     assert accuracy == pytest.approx(full.summary["test_accuracy"], abs=1e-6)
     with pytest.raises(train.ConfigError, match="is stateful .* predicting needs its state"):
         inference.predict(loaded.model, loaded.params, x)

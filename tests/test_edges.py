@@ -104,3 +104,43 @@ def test_token_runs_report_bits_per_token_and_true_bits_per_char(tmp_path):
         assert cpt == r.data.chars_per_token and (cpt < 1 if kind == "byte" else cpt > 1)
         assert val["bits_per_token"] == pytest.approx(val["loss"] / np.log(2), rel=1e-5)
         assert val["bits_per_char"] == pytest.approx(val["bits_per_token"] / cpt, rel=1e-6)
+
+
+def test_label_ids_exit_2_as_the_readme_says_and_a_small_gap_is_a_note(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(90, 4)).astype(np.float32)
+    ids = tmp_path / "ids.npz"
+    np.savez(ids, x=x, y=np.repeat([100, 200, 300], 30))
+    cfg = _cfg(tmp_path, "data.name=npz", f"data.path={ids}", "train.steps=2")
+    with pytest.raises(ConfigError, match=r"labels must be class indices 0..K-1, but the largest is 300 and only 3 distinct labels occur .*map them to 0..2"):  # fmt: skip
+        train(cfg, resume="fresh", echo=lambda *_: None)
+    gap = tmp_path / "gap.npz"
+    np.savez(gap, x=x, y=np.repeat([1, 2, 3], 30))  # class 0 absent from this sample
+    from train.data.builtin import load_dataset
+
+    data = load_dataset(_cfg(tmp_path, "data.name=npz", f"data.path={gap}").data)
+    assert data.num_classes == 4 and "never occur (0)" in data.note
+
+
+def test_a_run_remembers_its_preprocessing_and_predict_applies_it(tmp_path):
+    import numpy as np
+
+    import train as train_pkg
+    from train.data.builtin import load_digits_arrays
+
+    r = train(_cfg(tmp_path, "train.steps=30", "log.progress=false"), resume="fresh", echo=lambda *_: None)  # fmt: skip
+    back = train_pkg.load_run(r.run_dir)
+    assert back.preprocess == {"scale": 1 / 16}
+    raw, _ = load_digits_arrays()  # pixels 0..16, as scikit-learn's load_digits gives them
+    want = back.predict(raw[:20] / 16, preprocessed=True)
+    np.testing.assert_allclose(back.predict(raw[:20]), want, rtol=1e-6)
+    assert not np.allclose(back.predict(raw[:20], preprocessed=True), want)
+    # python -m train.predict on raw pixels: the same predictions
+    np.savez(tmp_path / "new.npz", x=raw[:20])
+    from train.predict import main as predict_main
+
+    assert predict_main(["--run", str(r.run_dir), "--data", str(tmp_path / "new.npz")]) == 0
+    with np.load(r.run_dir / "predictions.npz") as f:
+        np.testing.assert_array_equal(f["predictions"], want.argmax(-1))

@@ -47,11 +47,23 @@ class LoadedRun:
     state: nl.ParamsDict | None = None  # a stateful model's state (running statistics)
     # runs on prepared tokens (data.name: tokens): their tokenizer (train/data/text/tokenizer.py)
     tokenizer: Any = None
+    # what training did to raw inputs ({"scale": s}: the digits' pixels 0..16 -> [0, 1])
+    preprocess: dict | None = None
 
-    def predict(self, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
+    def predict(
+        self, x: np.ndarray, batch_size: int = 1024, *, preprocessed: bool = False
+    ) -> np.ndarray:
         """The model's outputs for inputs ``x`` (logits for a classifier, predictions for
         a regression), computed ``batch_size`` rows at a time; no dropout, and a stateful
-        model in eval mode (BatchNorm with its running statistics)."""
+        model in eval mode (BatchNorm with its running statistics).
+
+        ``x`` is raw, as the data source gives it (digits: ``load_digits`` pixels 0..16):
+        the run's preprocessing (:attr:`preprocess`) is applied first, unless
+        ``preprocessed`` (``x`` as the model saw it, e.g. ``Dataset.x_test``)."""
+        if not preprocessed:
+            from .data.builtin import apply_preprocess
+
+            x = apply_preprocess(x, self.preprocess)
         return predict(self.model, self.params, x, batch_size, state=self.state)
 
     def encode(self, text: str) -> list[int]:
@@ -161,8 +173,27 @@ def load_run(
             ) from None
     step = int(meta.get("step", ckpt.step_of(checkpoint)))
     return LoadedRun(
-        run_dir, cfg, model, params, step, checkpoint, opt_state, vocab, meta, state, tokenizer
-    )
+        run_dir, cfg, model, params, step, checkpoint, opt_state, vocab, meta, state, tokenizer,
+        _preprocess(cfg, meta, checkpoint),
+    )  # fmt: skip
+
+
+def _preprocess(cfg: Config, meta: dict, checkpoint: Path) -> dict | None:
+    """The run's preprocessing: recorded in its checkpoint, or (older checkpoints) what its
+    built-in data set does."""
+    from .data.builtin import DIGITS_PREPROCESS
+
+    if "preprocess" not in meta:
+        return DIGITS_PREPROCESS if cfg.data.name == "digits" else None
+    try:
+        found = json.loads(meta["preprocess"])
+        if not (isinstance(found, dict) and isinstance(found.get("scale"), int | float)):
+            raise ValueError("expected {'scale': number}")
+    except ValueError as e:
+        raise ConfigError(
+            f"checkpoint {checkpoint}: its preprocess metadata is bad ({e})"
+        ) from None
+    return found
 
 
 def model_of(spec: ModelConfig) -> Model:

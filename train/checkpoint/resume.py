@@ -61,6 +61,8 @@ def metadata(
         "config": to_dict(cfg),
         "skipped_steps": str(skipped),
     }
+    if data.preprocess:  # what predicting on raw inputs must apply (train.load_run)
+        meta["preprocess"] = json.dumps(data.preprocess)
     if data.vocab is not None:  # what sampling needs to turn ids back into text
         meta["vocab"] = json.dumps(data.vocab)
     if (

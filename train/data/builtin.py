@@ -21,7 +21,7 @@ import numpy as np
 
 from ..config import DataConfig
 from ..errors import ConfigError
-from .dataset import MAX_UNUSED_CLASSES, Dataset
+from .dataset import Dataset, labels_are_ids
 from .split import split_indices
 from .text import corpus as text
 
@@ -84,12 +84,24 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1], table[:, -1].astype(int)
 
 
+# What digits does to load_digits' pixels (0..16 -> [0, 1]); a run records it, so that
+# predicting on raw pixels applies it (Dataset.preprocess, train.load_run(...).predict).
+DIGITS_PREPROCESS = {"scale": 1 / 16}
+
+
 def _digits(cfg: DataConfig) -> Dataset:
     data, target = load_digits_arrays()
-    x = (data / 16.0).astype(np.float32)  # pixel values 0..16 -> [0, 1]
+    x = apply_preprocess(data, DIGITS_PREPROCESS)
     y = target.astype(np.int32)
     x, x_test, y, y_test = _split(x, y, cfg, stratify=True)
-    return Dataset("digits", x, y, x_test, y_test, 10)
+    return Dataset("digits", x, y, x_test, y_test, 10, preprocess=DIGITS_PREPROCESS)
+
+
+def apply_preprocess(x: np.ndarray, preprocess: dict | None) -> np.ndarray:
+    """Raw inputs as a run's model saw them (``preprocess``: ``{"scale": s}``, or None)."""
+    if not preprocess:
+        return x
+    return (np.asarray(x, np.float64) * preprocess["scale"]).astype(np.float32)
 
 
 # mnist1d generates float64 signals of this length (before its 40-sample crop), a few
@@ -180,7 +192,7 @@ def _npz(cfg: DataConfig) -> Dataset:
             raise ConfigError(f"{where}: labels must be >= 0, found {labels.min()}")
         num_classes = int(labels.max()) + 1
         distinct = len(np.unique(labels))
-        if num_classes > MAX_UNUSED_CLASSES + distinct:
+        if labels_are_ids(num_classes, distinct):
             raise ConfigError(
                 f"{where}: labels must be class indices 0..K-1, but the largest is "
                 f"{num_classes - 1} and only {distinct} distinct labels occur (a "

@@ -13,6 +13,15 @@ from .reader import read_rows
 MAX_UNUSED_CLASSES = 1000
 
 
+def labels_are_ids(num_classes: int, distinct: int) -> bool:
+    """Whether integer labels ``0..num_classes-1`` of which ``distinct`` occur are ids
+    rather than class indices (README: such a file exits 2): more classes of the range
+    never occur than occur (``{100, 200, 300}``), or more than MAX_UNUSED_CLASSES. A few
+    gaps (a class absent from a small sample) are indices, with a note."""
+    unused = num_classes - distinct
+    return unused > distinct or unused > MAX_UNUSED_CLASSES
+
+
 @dataclass(frozen=True)
 class Dataset:
     name: str
@@ -33,6 +42,9 @@ class Dataset:
     )
     # Prepared tokens of a byte or bpe tokenizer: the loss is per "token", not per
     # character; chars_per_token of the evaluation's targets (train/data/text/units.py)
+    # What was done to the raw inputs before training ({"scale": s}: x * s, the digits'
+    # pixels); checkpoints record it and train.load_run(...).predict applies it
+    preprocess: dict | None = None
     loss_unit: str | None = None
     chars_per_token: float | None = None
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..config import DataConfig
 from ..errors import ConfigError
-from .dataset import MAX_UNUSED_CLASSES, Dataset, batch_dtype
+from .dataset import Dataset, batch_dtype, labels_are_ids
 from .reader import read_rows
 
 # data.placement=auto: a training split up to this size (as the step reads it) lives on
@@ -152,7 +152,7 @@ def arrays(cfg: DataConfig) -> Dataset:
         if lo < 0:
             raise ConfigError(f"{where}: labels must be >= 0, found {lo}")
         num_classes = hi + 1
-        if num_classes > MAX_UNUSED_CLASSES + seen:
+        if labels_are_ids(num_classes, seen):
             raise ConfigError(
                 f"{where}: labels must be class indices 0..K-1, but the largest is {hi} and "
                 f"only {seen} distinct labels occur; map them to 0..{seen - 1}"
