@@ -96,6 +96,7 @@ def run_measured(args: list[str], env: dict | None = None) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     err = proc.stderr.read()
+    proc.stderr.close()  # (os.wait4 below, not proc.wait: Popen would not close it)
     _, status, usage = os.wait4(proc.pid, 0)
     done.set()
     proc.returncode = os.waitstatus_to_exitcode(status)
