@@ -144,3 +144,37 @@ def test_a_run_remembers_its_preprocessing_and_predict_applies_it(tmp_path):
     assert predict_main(["--run", str(r.run_dir), "--data", str(tmp_path / "new.npz")]) == 0
     with np.load(r.run_dir / "predictions.npz") as f:
         np.testing.assert_array_equal(f["predictions"], want.argmax(-1))
+
+
+class _Proc:
+    """A finished child process, as the launcher's supervisor sees it."""
+
+    def __init__(self, code):
+        self.returncode = code
+
+    def poll(self):
+        return self.returncode
+
+    def kill(self):
+        pass
+
+    def wait(self):
+        return self.returncode
+
+
+def test_launcher_leaves_the_childs_message_last(tmp_path):
+    from train.parallel.launch import _supervise
+
+    lines = []
+
+    def echo(line, file=None):
+        lines.append(line)
+
+    # process 0 stopped with a documented status and said why: no line after its own
+    assert _supervise([_Proc(2), _Proc(-9)], 2, tmp_path, echo, []) == 2
+    assert lines == []
+    # process 1 failed: the launcher's line, then process 1's own last line
+    (tmp_path / "process1.log").write_text("starting\nerror: data.path 'x' does not exist\n\n")
+    assert _supervise([_Proc(0), _Proc(1)], 2, tmp_path, echo, []) == 1
+    assert lines[0].startswith("error: process 1 of 2 exited with status 1")
+    assert lines[-1] == "process 1: error: data.path 'x' does not exist"

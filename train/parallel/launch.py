@@ -213,10 +213,25 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
         i = next(j for j, c in enumerate(codes) if c != EXIT_OK)
         first_exit = (i, codes[i], 0.0)
     i, c, _ = first_exit
+    if i == 0 and c in _AGREED:  # process 0's own line said what happened: it stays last
+        return c
     where = "see the output above" if i == 0 else f"its output: {log_dir / f'process{i}.log'}"
     echo(
         f"{fresh_line}error: process {i} of {len(procs)} {_describe(c)}; stopped the other "
         f"processes ({where})",
         file=sys.stderr,
     )
+    last = _last_line(log_dir / f"process{i}.log") if i > 0 else None
+    if last:  # the cause, in the child's words, is the last line
+        echo(f"process {i}: {last}", file=sys.stderr)
     return c if c > 0 else EXIT_FAILURE
+
+
+def _last_line(path: Path) -> str | None:
+    """The last non-empty line of a child's log (None: no log, or empty)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    lines = [ln for ln in lines if ln.strip()]
+    return lines[-1].strip() if lines else None
