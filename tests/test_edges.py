@@ -69,8 +69,8 @@ def test_token_runs_report_bits_per_token_and_true_bits_per_char(tmp_path):
 
     from train.config import config_from_dict
     from train.data.text import units
-    from train.data.text.prepare import main as prepare
     from train.data.text.tokenizer import from_dir
+    from train.prepare import main as prepare
 
     text = "héllo wörld, the king and the queen. " * 300  # non-ASCII: bytes != chars
     (tmp_path / "c.txt").write_text(text)
