@@ -15,8 +15,7 @@ hold at either level.
 # XLA's options are part of the compilation cache's key, so the suite's in-process runs and
 # its ``python -m train`` subprocesses share compiled programs only with the same flags.
 COMPILE_FLAGS = (
-    "--xla_backend_optimization_level=0 "
-    "--xla_cpu_collective_call_terminate_timeout_seconds=86400"
+    "--xla_backend_optimization_level=0 --xla_cpu_collective_call_terminate_timeout_seconds=86400"
 )
 
 
