@@ -11,7 +11,12 @@ process that a test compares bit for bit must be compiled with the same flags (h
 hold at either level.
 """
 
-COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+# The collective abort timeout as ``python -m train`` sets it (train/parallel/xla_collectives.py):
+# XLA's options are part of the compilation cache's key, so the suite's in-process runs and
+# its ``python -m train`` subprocesses share compiled programs only with the same flags.
+COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_collective_call_terminate_timeout_seconds=86400"
+)
 
 
 def xla_flags(devices: int) -> str:

@@ -23,6 +23,22 @@ from . import faults
 from .errors import ConfigError, missing_extra
 from .report.timings import Timings
 
+# SIGTERM/SIGINT while the command imports (a C extension interrupted in the middle of its
+# import fails to load: a traceback, status 1): recorded here and raised as
+# faults.Interrupted (exit 3 and its line) once the import is done. ``python -m train``
+# records them from its first statement on; before it, the interpreter's default applies.
+_PENDING: list[int] = []
+_DEFERRING = [False]
+
+
+def _record(signum, _frame):
+    _PENDING.append(signum)
+
+
+if __name__ == "__main__":
+    for _s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_s, _record)
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
@@ -175,7 +191,8 @@ def main(
     plotter = None
     saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        from .config import dump_yaml, load_config  # PyYAML: the [train] extra
+        with _ImportsDeferSignals():
+            from .config import dump_yaml, load_config  # PyYAML: the [train] extra
 
         cfg = load_config(args.config, args.overrides)
         timings.lap("config")
@@ -202,14 +219,16 @@ def main(
 
             # Imports matplotlib in another process while this one imports JAX and trains.
             plotter = CurvePlotter(accuracy=cfg.data.name != "linreg")
-        from .data.builtin import load_dataset, text_context
+        with _ImportsDeferSignals():
+            from .data.builtin import load_dataset, text_context
 
         with ThreadPoolExecutor(1, thread_name_prefix="nnlite-data") as pool:
             # The data loads while JAX imports (numpy, gzip and file reads release the GIL).
             data = pool.submit(load_dataset, cfg.data, text_context(cfg))
-            if compile_cache:
-                enable_compile_cache(cfg.compile_cache)  # imports jax
-            from .loop.trainer import train
+            with _ImportsDeferSignals():
+                if compile_cache:
+                    enable_compile_cache(cfg.compile_cache)  # imports jax
+                from .loop.trainer import train
 
             timings.lap("imports")
             if standalone:
@@ -300,8 +319,31 @@ def _freeze_heap() -> None:
 
 def _interrupted(signum, _frame):
     """SIGTERM/SIGINT before the training loop takes over (or after it): stop with exit 3
-    and a line, not a silent 143 or a KeyboardInterrupt traceback."""
+    and a line, not a silent 143 or a KeyboardInterrupt traceback (during an import:
+    recorded, raised when it is done, see ``_PENDING``)."""
+    if _DEFERRING[0]:
+        _PENDING.append(signum)
+        return
     raise faults.Interrupted(signal.Signals(signum).name)
+
+
+class _ImportsDeferSignals:
+    """``with _ImportsDeferSignals():`` imports run whole; a signal that came meanwhile
+    (or before ``main``) is raised after them."""
+
+    def __enter__(self):
+        _raise_pending()
+        _DEFERRING[0] = True
+
+    def __exit__(self, *exc):
+        _DEFERRING[0] = False
+        if exc[0] is None:
+            _raise_pending()
+
+
+def _raise_pending() -> None:
+    if _PENDING:
+        raise faults.Interrupted(signal.Signals(_PENDING[0]).name)
 
 
 def _exit(message: str, status: int, multiprocess: bool) -> int:

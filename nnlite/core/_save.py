@@ -97,6 +97,7 @@ def _describe(shape: tuple, dtype: Any) -> str:
 
 # -- writing ----------------------------------------------------------------------------------
 
+
 def safetensors_bytes(tensors: Mapping[str, np.ndarray], metadata: dict[str, str]) -> bytes:
     """``tensors`` and ``metadata`` in the safetensors format (the ``safetensors`` package,
     imported on first use: ``import nnlite`` needs only the design card's packages)."""
