@@ -151,24 +151,23 @@ class Activation(Module):
     Args:
         name: activation name (see ``nnlite.ACTIVATIONS``: relu, gelu, tanh, ...).
 
-    ``__call__(params, x)``: any ``x`` -> same shape. No params.
+    ``__call__(x)``: any ``x`` -> same shape. No params.
 
     Example:
         >>> import jax.numpy as jnp
-        >>> Activation("relu")(ParamsDict(), jnp.array([-1.0, 2.0])).tolist()
+        >>> Activation("relu")(jnp.array([-1.0, 2.0])).tolist()
         [0.0, 2.0]
     """
 
     name: str = "relu"
 
+    has_params = False
+
     def __post_init__(self):
         super().__post_init__()
         get_activation(self.name)
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        return ParamsDict()
-
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None):
         return get_activation(self.name)(x)
 
 
