@@ -75,9 +75,15 @@ def is_child(value: Any) -> bool:
     return False
 
 
+def params_name(attr: str) -> str:
+    """The params key of a child attribute: ``blocks_`` nests under ``blocks`` (Python's
+    trailing underscore, as ``class_``), so a child can share its name with a field."""
+    return attr[:-1] if attr.endswith("_") and not attr.endswith("__") else attr
+
+
 def children_of(module: Any) -> dict[str, Any]:
-    """The declared children: fields holding modules (in field order), then what
-    ``setup()`` assigned (in assignment order)."""
+    """The declared children by params name: fields holding modules (in field order), then
+    what ``setup()`` assigned (in assignment order)."""
     d = module.__dict__
     cached = d.get("_nnlite_children")
     if cached is not None:
@@ -345,9 +351,10 @@ def call_in_frame(module: Any, call: Any, args: tuple, kwargs: dict) -> Any:
     if key is None and parent is not None and getattr(module, "uses_key", False):
         root = parent.root
         if root.key is None and not getattr(root.module, "uses_key", False):
+            name = type(root.module).__name__
             raise ValueError(
-                f"{module._args_repr()} at {frame.path() or type(module).__name__} draws "
-                f"random numbers, but {type(root.module).__name__}.uses_key is False, so it "
+                f"{module._args_repr()} in {name} draws random numbers, but "
+                f"{name}.uses_key is False, so it "
                 "is never given a key (its dropout would be off in training): declare the "
                 "layer in setup() (uses_key is then derived) or set uses_key = True"
             )
@@ -463,24 +470,26 @@ def _note_where(e: BaseException, frame: _Frame) -> None:
     if hasattr(e, "_nnlite_where") or hasattr(e, "primitive"):  # ManualGradError: its own
         return
     try:
-        e._nnlite_where = (frame.path(), _user_site(e.__traceback__))  # type: ignore[attr-defined]
+        e._nnlite_where = frame.path()  # type: ignore[attr-defined]
     except AttributeError:
         pass
 
 
 def _annotate(e: BaseException, root: Any) -> None:
-    where = getattr(e, "_nnlite_where", None)
-    if where is None or getattr(e, "_nnlite_annotated", False):
+    path = getattr(e, "_nnlite_where", None)
+    if path is None or getattr(e, "_nnlite_annotated", False):
         return
-    path, site = where
+    # The traceback is whole here, at the outermost call: its innermost entry outside
+    # the libraries is the user's line (the call that failed, or the failing jnp line).
+    site = _user_site(e.__traceback__)
     if not path and site is None:  # the layer called directly: its message says it all
         return
     layer = type(root).__name__ + (f".{path}" if path else "")
-    place = f"in {layer}"
+    place = f"in layer {layer}"
     if site is not None:
         filename, line = site
         src = linecache.getline(filename, line).strip()
-        place += f", {filename}:{line}" + (f": {src}" if src else "")
+        place += f", at {filename}:{line}" + (f": {src}" if src else "")
     msg = str(e)
     first, _, rest = msg.partition("\n")
     new = f"{first} ({place})" + (f"\n{rest}" if rest else "")

@@ -19,6 +19,7 @@ from ._compose import (
     derived_stateful,
     derived_uses_key,
     is_child,
+    params_name,
 )
 from ._mode import manual_active
 from ._params import ParamsDict
@@ -47,7 +48,9 @@ class Module:
     are stored as tuples; arrays are refused (they belong in the ParamsDict).
 
     Children are declared once, in ``setup()`` (run after the fields are set; assign
-    modules, lists or dicts of modules) or as fields holding modules. Then ``init(key)`` is
+    modules, lists or dicts of modules) or as fields holding modules. A child's params
+    nest under its attribute name (``self.blocks_``, with Python's trailing underscore,
+    under ``blocks``: a child may share a field's name). Then ``init(key)`` is
     derived (one key per child with params, in declaration order, params nested by the
     child's name), ``uses_key`` is derived (a child that takes a key), and so is
     ``init_state()`` (a child with state, such as ``BatchNorm``): the call then takes
@@ -359,6 +362,6 @@ def _setup_setattr(self: Module, name: str, value: Any) -> None:
         value = tuple(value)
     object.__setattr__(self, name, value)
     children = d["_nnlite_setup_children"]
-    children.pop(name, None)
+    children.pop(params_name(name), None)
     if is_child(value):
-        children[name] = value
+        children[params_name(name)] = value

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core._module import Module
 from ..grad._manual import hand_rule
-from ._conv import INT_SIZE, check_int_rank, to_tuple
+from ._conv import check_int_rank, to_tuple
 
 __all__ = [
     "AdaptiveAvgPool",
@@ -166,7 +166,6 @@ def adaptive_max_pool(x: jax.Array, *, output_size: Sequence[int]) -> jax.Array:
 
 class _AdaptivePool(Module):
     output_size: int | tuple[int, ...]
-    int_size: bool = INT_SIZE
 
     has_params = False
 

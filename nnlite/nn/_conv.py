@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,15 +49,11 @@ def to_tuple(owner: str, name: str, value: Any, n: int) -> tuple[int, ...]:
     return out
 
 
-#: The flag an int size leaves on a layer (a field, so that it counts in eq and hash: a
-#: jit cache never serves ``MaxPool(2)`` the trace of ``MaxPool((2,))``).
-INT_SIZE = dataclasses.field(default=False, init=False, repr=False)
-
-
 def check_int_rank(layer: Any, name: str, x: Any) -> None:
     """An int ``name`` (window, kernel_size, output_size) means one spatial axis. Input of
     rank 4 or more is then most likely images (``[B, H, W, C]``), which would be pooled or
-    convolved over W alone: refused, naming the tuple to give."""
+    convolved over W alone: refused, naming the tuple to give. (``int_size`` is set by the
+    layer's ``__post_init__`` when it was given an int: an attribute, not a field.)"""
     ndim = getattr(x, "ndim", 0)
     if not getattr(layer, "int_size", False) or ndim <= 3:
         return
@@ -286,7 +281,6 @@ class Conv(Module):
     b_init: str = "zeros"
     param_dtype: str = "float32"
     dtype: str | None = None
-    int_size: bool = INT_SIZE
 
     def __post_init__(self):
         super().__post_init__()

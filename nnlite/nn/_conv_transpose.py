@@ -23,7 +23,6 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ._conv import (
-    INT_SIZE,
     check_int_rank,
     conv,
     conv_input_grad,
@@ -163,7 +162,6 @@ class ConvTranspose(Module):
     b_init: str = "zeros"
     param_dtype: str = "float32"
     dtype: str | None = None
-    int_size: bool = INT_SIZE
 
     def __post_init__(self):
         super().__post_init__()

@@ -13,7 +13,7 @@ from jax import lax
 from ..core._jax_private import select_and_scatter_add
 from ..core._module import Module
 from ..grad._manual import hand_rule
-from ._conv import INT_SIZE, check_int_rank, explicit_padding, normalize_padding, to_tuple
+from ._conv import check_int_rank, explicit_padding, normalize_padding, to_tuple
 
 __all__ = [
     "AvgPool",
@@ -117,7 +117,6 @@ class _Pool(Module):
     window: int | tuple[int, ...]
     strides: int | tuple[int, ...] | None = None
     padding: Any = "VALID"
-    int_size: bool = INT_SIZE
 
     has_params = False
 
