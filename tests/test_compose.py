@@ -294,3 +294,33 @@ def test_a_stateful_sequential_with_dropout_resumes_exactly(tmp_path, npz):
             np.testing.assert_array_equal(a, b, err_msg=what)
     no_dropout = fit(tmp_path, npz, "train.steps=6", "name=plain", model=SeqBN)
     assert not np.allclose(no_dropout.params.net.layers[5].W, full.params.net.layers[5].W)
+
+
+COMPARE = Path(__file__).resolve().parents[1] / "docs" / "compare"
+STYLES = ("nnlite", "nnlite_init", "equinox", "nnx")
+ROWS = {"residual": "README's residual classifier", "cnn": "1-d CNN", "resnet": "ResNet"}
+
+
+def _lines_of_code(path: Path) -> int:
+    text = path.read_text().split("# --- model ---\n")[1].split("# --- end ---")[0]
+    return sum(1 for s in text.splitlines() if s.strip() and not s.strip().startswith("#"))
+
+
+@pytest.mark.parametrize("model", list(ROWS))
+def test_the_line_count_table_is_the_files_and_they_run(model):
+    import importlib.util
+
+    table = (COMPARE.parent / "layers.md").read_text()
+    row = next(s for s in table.splitlines() if s.startswith(f"| {ROWS[model]}"))
+    counts = [int(c) for c in row.strip("|").split("|")[1:]]
+    assert counts == [_lines_of_code(COMPARE / f"{model}_{style}.py") for style in STYLES]
+    x = {"residual": jnp.ones((4, 64)), "cnn": jnp.ones((4, 40))}.get(model, jnp.ones((4, 8, 8, 1)))
+    outs = []
+    for style in STYLES:
+        spec = importlib.util.spec_from_file_location(
+            f"compare_{model}_{style}", COMPARE / f"{model}_{style}.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        outs.append(jax.eval_shape(module.forward, x))  # traced: shapes, no compiles
+    assert all(o.shape == (4, 10) for o in outs)
