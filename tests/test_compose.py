@@ -324,3 +324,42 @@ def test_the_line_count_table_is_the_files_and_they_run(model):
         spec.loader.exec_module(module)
         outs.append(jax.eval_shape(module.forward, x))  # traced: shapes, no compiles
     assert all(o.shape == (4, 10) for o in outs)
+
+
+class NormBlock(nl.Module):
+    def setup(self):
+        self.ln = nl.LayerNorm(8)
+        self.mlp = nl.FFN(8, (16,), 8)
+        self.drop = nl.Dropout(0.2)
+
+    def __call__(self, params, x):
+        return nl.add(x, self.drop(self.mlp(params.mlp, self.ln(params.ln, x))))
+
+
+class Scanned(nl.Module):
+    def setup(self):
+        self.stack = nl.Stack(NormBlock(), 3)
+        self.remat = nl.Remat(NormBlock())
+        self.head = nl.Linear(8, 3)
+
+    def __call__(self, params, x):
+        return self.head(params.head, self.remat(params.remat, self.stack(params.stack, x)))
+
+
+def test_setup_models_under_stack_remat_hand_rules_and_param_axes(key):
+    model = Scanned()
+    p, x, y = model.init(key), jax.random.normal(key, (4, 8)), jnp.array([0, 1, 2, 0])
+    assert model.uses_key and p.stack.mlp.layers[0].W.shape == (3, 8, 16)
+
+    def loss(p, x, y, key):
+        return nl.softmax_cross_entropy(model(p, x, key=key), y, reduction="mean")
+
+    k = jax.random.key(5)
+    auto = jax.jit(jax.grad(loss))(p, x, y, k)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, y, k)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+    jax.tree.map(close, hand, auto)
+    assert nl.param_axes(model).stack.mlp.layers[0].W == nl.Axes((None, "embed", "mlp"))
+    assert nl.param_axes(model).head.W == nl.Axes(("in", "out"))
+    with pytest.raises(ValueError, match="Stack: Sequential has state"):
+        nl.Stack(nl.Sequential([nl.BatchNorm(8)]), 2)

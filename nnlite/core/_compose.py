@@ -176,6 +176,22 @@ def derived_init(module: Any, key: Any) -> ParamsDict:
     return ParamsDict({n: _init_child(c, k) for (n, c), k in zip(kids.items(), keys, strict=True)})
 
 
+def derived_param_axes(module: Any) -> ParamsDict | None:
+    """The logical axes of a derived ``init``'s params: each child's own declaration (or
+    its unnamed axes), nested as ``derived_init`` nests the params."""
+    from ._axes import param_axes
+
+    def axes(child: Any) -> Any:
+        if isinstance(child, (tuple, list)):
+            return [ParamsDict() if s is _SKIP else s for s in map(axes, child)]
+        if isinstance(child, dict):
+            return ParamsDict({k: axes(c) for k, c in child.items() if _has_params(c)})
+        return param_axes(child) if getattr(child, "has_params", True) else _SKIP
+
+    kids = {k: c for k, c in children_of(module).items() if _has_params(c)}
+    return ParamsDict({n: axes(c) for n, c in kids.items()})
+
+
 def _state_child(child: Any) -> Any:
     if isinstance(child, (tuple, list)):
         if not any(is_stateful(m) for _, m in _walk(child, ())):

@@ -14,8 +14,10 @@ import numpy as np
 
 from ._compose import (
     call_in_frame,
+    children_of,
     derived_init,
     derived_init_state,
+    derived_param_axes,
     derived_stateful,
     derived_uses_key,
     is_child,
@@ -120,6 +122,7 @@ class Module:
                 """Fresh params, derived from the children declared in ``setup()``."""
                 return derived_init(self, key)
 
+            init._nnlite_derived = True  # type: ignore[attr-defined]
             cls.init = init  # type: ignore[method-assign]
         call = cls.__dict__.get("__call__")
         if call is not None and not getattr(call, "_scoped", False):
@@ -155,6 +158,8 @@ class Module:
     def init(self, key: jax.Array) -> ParamsDict:
         """Fresh parameters for this module: derived from its children unless written."""
         return derived_init(self, key)
+
+    init._nnlite_derived = True  # type: ignore[attr-defined]
 
     @property
     def uses_key(self) -> bool:
@@ -208,7 +213,11 @@ class Module:
         """Logical axis names of each param dimension, for sharding: a tree like the
         params with an ``nl.Axes`` per array (``Linear``: ``W: ("in", "out")``), or None
         (the default): not declared, and a parallel strategy falls back to its own rule.
-        Read it through ``nl.param_axes(module)``, which fills in undeclared layers."""
+        Read it through ``nl.param_axes(module)``, which fills in undeclared layers. A
+        module whose ``init`` is derived from its children derives this too: each child's
+        declaration under the child's name."""
+        if getattr(type(self).init, "_nnlite_derived", False) and children_of(self):
+            return derived_param_axes(self)
         return None
 
     def check_params(self, params: Any, expected: Mapping[str, tuple] | None = None) -> None:
