@@ -340,6 +340,10 @@ class Sequential(Module):
     split once per layer (``jax.random.split``), so dropout layers get independent masks;
     ``key=None`` passes ``None`` to every layer (inference).
 
+    With a ``BatchNorm`` among the layers it is stateful: ``init_state()`` is derived
+    (``/layers[i]/mean``, ...) and ``y, state = net(params, x, state=state, train=True)``
+    hands each stateful layer its state.
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> net = Sequential((Linear(4, 8), Activation("tanh"), SoftmaxHead(8, 3)))
