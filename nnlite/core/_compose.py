@@ -56,17 +56,15 @@ def _frames() -> list:
     return frames
 
 
-def _module_type():
-    from ._module import Module  # _module imports this file
-
-    return Module
+def _is_module(value: Any) -> bool:
+    # By a class marker, not isinstance: _module imports this file, not the reverse.
+    return getattr(type(value), "_nnlite_module", False)
 
 
 # -- children -----------------------------------------------------------------------------
 def is_child(value: Any) -> bool:
     """A module, or a non-empty list/tuple/dict whose values are all children."""
-    Module = _module_type()
-    if isinstance(value, Module):
+    if _is_module(value):
         return True
     if isinstance(value, (tuple, list)):
         return bool(value) and all(is_child(v) for v in value)

@@ -101,6 +101,7 @@ class Module:
     #: False for layers without params (pools, activations, Flatten, Dropout): they are
     #: called as ``layer(x)`` (``layer(None, x)`` too) and add nothing to a parent's params.
     has_params: ClassVar[bool] = True
+    _nnlite_module: ClassVar[bool] = True  # what _compose recognises a child by
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
