@@ -285,7 +285,6 @@ def test_bad_inputs_name_layer_and_shapes(key):
         Conv(1, 1, 1)(nl.ParamsDict(W=jnp.ones((1, 1, 1)), b=jnp.ones(1)), np.array([["a"]]))
 
 
-
 @pytest.mark.parametrize(
     "make, name, size",
     [
