@@ -74,8 +74,15 @@ def test_setup_modules_are_static_and_frozen():
         def setup(self):
             self.features = 3
 
-    with pytest.raises(AttributeError, match="'features' is a field or property of Bad"):
+    with pytest.raises(AttributeError, match="'features' is a field of Bad"):
         Bad()
+
+    class Override(Derived):  # a subclass may replace a child with a property
+        @property
+        def inp(self):
+            return nl.Linear(self.features, 8, use_bias=False)
+
+    assert "b" not in Override().init(jax.random.key(0)).inp
 
 
 def test_parameterless_layers_take_no_params_and_add_none(key):

@@ -356,13 +356,19 @@ def _setup_setattr(self: Module, name: str, value: Any) -> None:
         raise dataclasses.FrozenInstanceError(
             f"cannot assign to field {name!r} ({owner} is frozen; declare children in setup())"
         )
-    if name in {f.name for f in dataclasses.fields(self)} or isinstance(
-        getattr(type(self), name, None), property
-    ):
+    if name in {f.name for f in dataclasses.fields(self)}:
         raise AttributeError(
-            f"{owner}.setup: {name!r} is a field or property of {owner}; give the child "
-            "another name"
+            f"{owner}.setup: {name!r} is a field of {owner}; give the child another name "
+            f"(self.{name}_ nests its params under {name!r})"
         )
+    if isinstance(getattr(type(self), name, None), property):
+        # A subclass overrides this child with a property: the property's value is the
+        # child (the assignment in the base class's setup gives way to it).
+        value = getattr(self, name)
+        d["_nnlite_setup_children"].pop(params_name(name), None)
+        if is_child(value):
+            d["_nnlite_setup_children"][params_name(name)] = value
+        return
     if isinstance(value, (jax.Array, np.ndarray)):
         raise TypeError(
             f"{owner}.setup: self.{name} is an array; modules hold hyperparameters and "
