@@ -7,8 +7,6 @@ the last one's ``[batch, length', channels']`` output is flattened into the head
 
 from __future__ import annotations
 
-import jax
-
 import nnlite as nl
 
 CNN_PADDINGS = ("SAME", "VALID")
@@ -78,7 +76,7 @@ class CNN(nl.Module):
                     f"{key} has {len(v)} entries but channels has {n} layers; give one value "
                     "for all layers or one per layer"
                 )
-        for i, (_, k, st, pad) in enumerate(self.convs):
+        for i, (_, k, st, pad) in enumerate(self.conv_specs):
             if k < 1:
                 raise ValueError(f"kernel_size must be >= 1, got {k} (layer {i})")
             if st < 1:
@@ -105,6 +103,17 @@ class CNN(nl.Module):
         channels, kernels, strides, paddings = zip(*convs, strict=True)
         return cls(tuple(in_shape), num_classes, channels, kernels, strides, paddings, activation)
 
+    def setup(self):  # the children: init is derived from them
+        ins = (self.in_channels, *self.channels[:-1])
+        # He init for relu-like activations (as nl.FFN picks), LeCun otherwise.
+        w_init = "he_normal" if self.activation in ("relu", "gelu") else "lecun_normal"
+        self.convs = [
+            nl.Conv(i, c, (k,), strides=s, padding=p, w_init=w_init)
+            for i, (c, k, s, p) in zip(ins, self.conv_specs, strict=True)
+        ]
+        self.flatten = nl.Flatten(2)  # [..., length, channels] -> [..., features]
+        self.head = nl.Linear(self.out_length * self.channels[-1], self.num_classes)
+
     @property
     def length(self) -> int:
         return self.in_shape[0]
@@ -114,7 +123,7 @@ class CNN(nl.Module):
         return self.in_shape[1] if len(self.in_shape) == 2 else 1
 
     @property
-    def convs(self) -> tuple[tuple[int, int, int, int | str], ...]:
+    def conv_specs(self) -> tuple[tuple[int, int, int, int | str], ...]:
         """``(out_channels, kernel_size, stride, padding)`` of each conv layer."""
         n = len(self.channels)
         per_layer = [
@@ -126,39 +135,20 @@ class CNN(nl.Module):
     @property
     def lengths(self) -> tuple[int, ...]:
         """The sequence length after each conv layer."""
-        return conv_lengths(self.length, self.convs)
+        return conv_lengths(self.length, self.conv_specs)
 
     @property
     def out_length(self) -> int:
         return self.lengths[-1]
-
-    @property
-    def conv_layers(self) -> tuple[nl.Conv, ...]:
-        ins = (self.in_channels, *(c for c, *_ in self.convs[:-1]))
-        # He init for relu-like activations (as nl.FFN picks), LeCun otherwise.
-        w_init = "he_normal" if self.activation in ("relu", "gelu") else "lecun_normal"
-        return tuple(
-            nl.Conv(i, c, k, strides=s, padding=p, w_init=w_init)
-            for i, (c, k, s, p) in zip(ins, self.convs, strict=True)
-        )
-
-    @property
-    def head(self) -> nl.Linear:
-        return nl.Linear(self.out_length * self.convs[-1][0], self.num_classes)
-
-    def init(self, key: jax.Array) -> nl.ParamsDict:
-        *keys, k_head = jax.random.split(key, len(self.convs) + 1)
-        convs = [layer.init(k) for layer, k in zip(self.conv_layers, keys, strict=True)]
-        return nl.ParamsDict(convs=convs, head=self.head.init(k_head))
 
     def features(self, params, x):
         """The flattened output of the conv stack, ``[batch, out_length * channels]``."""
         if x.ndim == 2 and self.in_channels == 1:  # [batch, length]: one channel
             x = x[..., None]
         act = nl.get_activation(self.activation)
-        for layer, p in zip(self.conv_layers, params.convs, strict=True):
-            x = act(layer(p, x))
-        return nl.Flatten(2)(nl.ParamsDict(), x)  # [..., length, channels] -> [..., features]
+        for conv, p in zip(self.convs, params.convs, strict=True):
+            x = act(conv(p, x))
+        return self.flatten(x)
 
     def __call__(self, params, x, *, key=None):
         """Logits ``[batch, num_classes]``."""

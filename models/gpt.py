@@ -96,29 +96,12 @@ class GPT(nl.Module):
             raise ValueError(f"remat must be one of {', '.join(REMAT)}, got {self.remat!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        self.block  # validates rotary's even head_dim  # noqa: B018
 
-    @property
-    def uses_key(self) -> bool:
-        """Training needs a random key per step only when dropout is on."""
-        return self.dropout > 0
-
-    # -- children ---------------------------------------------------------------------------
-    @property
-    def wte(self) -> nl.Embedding:
-        return nl.Embedding(self.vocab_size, self.n_embd)
-
-    @property
-    def wpe(self) -> nl.Embedding:
-        return nl.Embedding(self.context, self.n_embd)
-
-    @property
-    def drop(self) -> nl.Dropout:
-        return nl.Dropout(self.dropout)
-
-    @property
-    def block(self) -> nl.TransformerBlock:
-        return nl.TransformerBlock(
+    def setup(self):  # the children (init stays written: GPT-2's scaled init, two layouts)
+        self.wte = nl.Embedding(self.vocab_size, self.n_embd)
+        self.wpe = nl.Embedding(self.context, self.n_embd)
+        self.drop = nl.Dropout(self.dropout)  # uses_key is derived: true when dropout > 0
+        self.block = nl.TransformerBlock(
             self.n_embd,
             self.n_head,
             mlp_ratio=4,
@@ -128,6 +111,14 @@ class GPT(nl.Module):
             dtype=None if self.dtype == "float32" else self.dtype,
             remat=self.remat == "full",
         )
+        # One block as the model applies it: under nl.Remat unless remat_policy is "none";
+        # the stack is the blocks as one nl.Stack (the scan_layers layout).
+        remat = self.remat_policy
+        policy = remat if remat in nl.REMAT_POLICIES else None
+        self.layer = self.block if remat == "none" else nl.Remat(self.block, policy)
+        self.stack = nl.Stack(self.layer, self.n_layer)
+        self.ln_f = nl.LayerNorm(self.n_embd)
+        self.head = nl.Linear(self.n_embd, self.vocab_size, use_bias=False)
 
     @property
     def remat_policy(self) -> str:
@@ -144,28 +135,6 @@ class GPT(nl.Module):
         if self.remat == "auto":
             return "dots_saveable" if self.scan_layers else "none"
         return self.remat
-
-    @property
-    def layer(self) -> nl.Module:
-        """One block as the model applies it: the block, under ``nl.Remat`` unless
-        :attr:`remat_policy` is ``"none"``."""
-        remat = self.remat_policy
-        if remat == "none":
-            return self.block
-        return nl.Remat(self.block, remat if remat in nl.REMAT_POLICIES else None)
-
-    @property
-    def stack(self) -> nl.Stack:
-        """The blocks as one ``nl.Stack`` (the ``scan_layers`` layout)."""
-        return nl.Stack(self.layer, self.n_layer)
-
-    @property
-    def ln_f(self) -> nl.LayerNorm:
-        return nl.LayerNorm(self.n_embd)
-
-    @property
-    def head(self) -> nl.Linear:
-        return nl.Linear(self.n_embd, self.vocab_size, use_bias=False)
 
     # -- parameters -------------------------------------------------------------------------
     def init(self, key: jax.Array) -> nl.ParamsDict:
@@ -235,7 +204,7 @@ class GPT(nl.Module):
             x = nl.add(x, self.wpe(params.wpe, np.arange(t)))  # position embeddings
         if self.dtype != "float32":
             x = x.astype(self.dtype)  # the residual stream in the compute dtype
-        x = self.drop(nl.ParamsDict(), x, key=keys[-1])
+        x = self.drop(x, key=keys[-1])
         if self.scan_layers:
             # block i gets keys[i], as in the loop below
             x = self.stack.scan(params.blocks, x, None if keys[0] is None else keys[:-1])

@@ -1,6 +1,5 @@
 """MLP classifier: an nnlite FFN body with a softmax classification head."""
 
-import jax
 import jax.numpy as jnp
 
 import nnlite as nl
@@ -31,18 +30,12 @@ class MLP(nl.Module):
             )
         nl.get_activation(self.activation)  # a ValueError naming the valid ones
 
-    @property
-    def ffn(self) -> nl.FFN:
+    def setup(self):  # the children: init is derived from them (one key each, in order)
         *inner, last = self.hidden_sizes
-        return nl.FFN(self.in_features, tuple(inner), last, self.activation, activate_final=True)
-
-    @property
-    def head(self) -> nl.SoftmaxHead:
-        return nl.SoftmaxHead(self.hidden_sizes[-1], self.num_classes)
-
-    def init(self, key: jax.Array) -> nl.ParamsDict:
-        k_ffn, k_head = jax.random.split(key)
-        return nl.ParamsDict(ffn=self.ffn.init(k_ffn), head=self.head.init(k_head))
+        self.ffn = nl.FFN(
+            self.in_features, tuple(inner), last, self.activation, activate_final=True
+        )
+        self.head = nl.SoftmaxHead(self.hidden_sizes[-1], self.num_classes)
 
     def param_axes(self) -> nl.ParamsDict:
         """The body's Megatron pairs (``nl.FFN``), and the head continuing them: row-parallel

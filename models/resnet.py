@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 import nnlite as nl
@@ -33,44 +32,25 @@ class Block(nl.Module):
     def projects(self) -> bool:
         return self.strides != 1 or self.in_features != self.out_features
 
-    def layers(self) -> dict[str, nl.Module]:
+    def setup(self):  # the children: init and init_state are derived from them
         k, c_in, c = (self.kernel_size,) * 2, self.in_features, self.out_features
         # no conv bias before a BatchNorm (its bias does that); He init for relu
         conv = dict(use_bias=False, w_init="he_normal")
-        out = {
-            "conv1": nl.Conv(c_in, c, k, strides=self.strides, **conv),
-            "bn1": nl.BatchNorm(c, momentum=self.momentum),
-            "conv2": nl.Conv(c, c, k, **conv),
-            "bn2": nl.BatchNorm(c, momentum=self.momentum),
-        }
+        self.conv1 = nl.Conv(c_in, c, k, strides=self.strides, **conv)
+        self.bn1 = nl.BatchNorm(c, momentum=self.momentum)
+        self.conv2 = nl.Conv(c, c, k, **conv)
+        self.bn2 = nl.BatchNorm(c, momentum=self.momentum)
         if self.projects:
-            out["proj"] = nl.Conv(c_in, c, (1, 1), strides=self.strides, **conv)
-            out["bn_proj"] = nl.BatchNorm(c, momentum=self.momentum)
-        return out
+            self.proj = nl.Conv(c_in, c, (1, 1), strides=self.strides, **conv)
+            self.bn_proj = nl.BatchNorm(c, momentum=self.momentum)
 
-    def init(self, key: jax.Array) -> nl.ParamsDict:
-        layers = self.layers()
-        keys = jax.random.split(key, len(layers))
-        return nl.ParamsDict(
-            **{n: layer.init(k) for (n, layer), k in zip(layers.items(), keys, strict=True)}
-        )
-
-    def init_state(self) -> nl.ParamsDict:
-        layers = self.layers()
-        return nl.ParamsDict(**{n: m.init_state() for n, m in layers.items() if n.startswith("bn")})
-
-    def __call__(self, params, x, *, state, train=False, key=None):
-        layers, new = self.layers(), {}
-
-        def conv_bn(conv, bn, h):
-            h = layers[conv](params[conv], h)
-            h, new[bn] = layers[bn](params[bn], h, state=state[bn], train=train)
-            return h
-
-        h = nl.relu(conv_bn("conv1", "bn1", x))
-        h = conv_bn("conv2", "bn2", h)
-        shortcut = conv_bn("proj", "bn_proj", x) if self.projects else x
-        return nl.relu(h + shortcut), nl.ParamsDict(**new)
+    def __call__(self, params, x):
+        # Each BatchNorm gets its state and train flag from the call (see docs/state.md).
+        h = nl.relu(self.bn1(params.bn1, self.conv1(params.conv1, x)))
+        h = self.bn2(params.bn2, self.conv2(params.conv2, h))
+        if self.projects:
+            x = self.bn_proj(params.bn_proj, self.proj(params.proj, x))
+        return nl.relu(h + x)
 
 
 class ResNet(nl.Module):
@@ -144,55 +124,29 @@ class ResNet(nl.Module):
     def in_channels(self) -> int:
         return self.image[2] if len(self.image) == 3 else 1
 
-    def stem(self) -> tuple[nl.Conv, nl.BatchNorm]:
+    def setup(self):  # the children: init and init_state are derived from them
         k, c = (self.kernel_size,) * 2, self.channels[0]
-        conv = nl.Conv(self.in_channels, c, k, use_bias=False, w_init="he_normal")
-        return conv, nl.BatchNorm(c, momentum=self.momentum)
-
-    def residual_blocks(self) -> tuple[Block, ...]:
-        out, c_in = [], self.channels[0]
+        self.stem = {
+            "conv": nl.Conv(self.in_channels, c, k, use_bias=False, w_init="he_normal"),
+            "bn": nl.BatchNorm(c, momentum=self.momentum),
+        }
+        blocks, c_in = [], self.channels[0]
         for stage, c in enumerate(self.channels):
             for i in range(self.blocks):
                 strides = 2 if stage > 0 and i == 0 else 1
-                out.append(Block(c_in, c, strides, self.kernel_size, self.momentum))
+                blocks.append(Block(c_in, c, strides, self.kernel_size, self.momentum))
                 c_in = c
-        return tuple(out)
+        self.blocks_ = blocks  # params /blocks[i] (the field blocks is the count per stage)
+        self.head = nl.Linear(self.channels[-1], self.num_classes)
 
-    @property
-    def head(self) -> nl.Linear:
-        return nl.Linear(self.channels[-1], self.num_classes)
-
-    def init(self, key: jax.Array) -> nl.ParamsDict:
-        blocks = self.residual_blocks()
-        k_conv, k_bn, k_head, *keys = jax.random.split(key, len(blocks) + 3)
-        conv, bn = self.stem()
-        return nl.ParamsDict(
-            stem=nl.ParamsDict(conv=conv.init(k_conv), bn=bn.init(k_bn)),
-            blocks=[b.init(k) for b, k in zip(blocks, keys, strict=True)],
-            head=self.head.init(k_head),
-        )
-
-    def init_state(self) -> nl.ParamsDict:
-        return nl.ParamsDict(
-            stem=nl.ParamsDict(bn=self.stem()[1].init_state()),
-            blocks=[b.init_state() for b in self.residual_blocks()],
-        )
-
-    def __call__(self, params, x, *, state, train=False, key=None):
-        """``(logits [batch, num_classes], new_state)``; ``train``: batch statistics (and
-        updated running ones), else the running statistics."""
+    def __call__(self, params, x):
+        """Logits ``[batch, num_classes]``; called with ``state=`` and ``train=``, it returns
+        ``(logits, new_state)`` (train: batch statistics, and updated running ones)."""
         image = self.image if len(self.image) == 3 else (*self.image, 1)
         x = x.reshape(*x.shape[: x.ndim - len(self.in_shape)], *image)
-        conv, bn = self.stem()
-        h, stem_state = bn(
-            params.stem.bn, conv(params.stem.conv, x), state=state.stem.bn, train=train
-        )
-        h = nl.relu(h)
-        block_states = []
-        for i, block in enumerate(self.residual_blocks()):
-            with self.params_scope(f"/blocks[{i}]"):
-                h, s = block(params.blocks[i], h, state=state.blocks[i], train=train)
-            block_states.append(s)
+        stem = self.stem
+        h = nl.relu(stem["bn"](params.stem.bn, stem["conv"](params.stem.conv, x)))
+        for block, p in zip(self.blocks_, params.blocks, strict=True):
+            h = block(p, h)
         pooled = jnp.mean(h, axis=(-3, -2))  # global average pooling over H, W
-        new_state = nl.ParamsDict(stem=nl.ParamsDict(bn=stem_state), blocks=block_states)
-        return self.head(params.head, pooled), new_state
+        return self.head(params.head, pooled)

@@ -72,7 +72,7 @@ def test_cnn_matches_a_numpy_forward(key):
         return np.einsum("blkc,kco->blo", cols, W) + b
 
     h = x
-    for lp, (_, _, s, pad) in zip(p.convs, model.convs):
+    for lp, (_, _, s, pad) in zip(p.convs, model.conv_specs):
         h = np.maximum(conv(h, np.asarray(lp.W), np.asarray(lp.b), s, pad), 0)
     want = h.reshape(5, -1) @ np.asarray(p.head.W) + np.asarray(p.head.b)
     np.testing.assert_allclose(model(p, x), want, rtol=1e-5, atol=1e-5)

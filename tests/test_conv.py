@@ -91,11 +91,12 @@ def test_conv_1d_matches_numpy_correlate():
 
 
 CONVS = {
-    "conv1d": (lambda: Conv(3, 4, 3), (10, 3)),
-    "conv1d-s2-valid": (lambda: Conv(3, 4, 5, strides=2, padding="VALID"), (12, 3)),
+    # (3,), not 3: the grid also runs two leading batch axes, which an int size refuses.
+    "conv1d": (lambda: Conv(3, 4, (3,)), (10, 3)),
+    "conv1d-s2-valid": (lambda: Conv(3, 4, (5,), strides=2, padding="VALID"), (12, 3)),
     "conv2d-groups": (lambda: Conv(4, 6, (3, 3), groups=2, dilation=(1, 2)), (6, 7, 4)),
     "conv-nobias": (lambda: Conv(2, 2, (2,), use_bias=False), (5, 2)),
-    "maxpool1d": (lambda: MaxPool(2), (10, 3)),
+    "maxpool1d": (lambda: MaxPool((2,)), (10, 3)),
     "avgpool2d-same": (
         lambda: AvgPool((2, 3), strides=1, padding="SAME", count_include_pad=False),
         (5, 6, 2),
@@ -282,3 +283,27 @@ def test_bad_inputs_name_layer_and_shapes(key):
         Flatten(3)(nl.ParamsDict(), jnp.ones((4, 3)))
     with pytest.raises(ValueError, match="expected a numeric array, got dtype <U1"):
         Conv(1, 1, 1)(nl.ParamsDict(W=jnp.ones((1, 1, 1)), b=jnp.ones(1)), np.array([["a"]]))
+
+
+@pytest.mark.parametrize(
+    "make, name, size",
+    [
+        (lambda s: MaxPool(s), "window", 2),
+        (lambda s: AvgPool(s), "window", 2),
+        (lambda s: nl.AdaptiveAvgPool(s), "output_size", 2),
+        (lambda s: Conv(3, 4, s), "kernel_size", 3),
+        (lambda s: nl.ConvTranspose(3, 4, s), "kernel_size", 3),
+    ],
+)
+def test_an_int_size_on_images_is_refused_not_one_axis(make, name, size, key):
+    # An int size means one spatial axis: on [2, 8, 8, 3] it would pool (or convolve) W
+    # alone and return [2, 8, 4, 3] silently; it is refused, naming the tuple to give.
+    def run(layer, x):
+        return layer(layer.init(key), x) if layer.has_params else layer(x)
+
+    x = jnp.ones((2, 8, 8, 3))
+    with pytest.raises(ValueError, match=re.escape(f"{name}={(size, size)} for 2-d inputs")):
+        run(make(size), x)
+    assert run(make(size), x[0]).ndim == 3  # rank 3: batched 1-d, as documented
+    out = run(make((size, size)), x)
+    assert out.ndim == 4 and out.shape[1] == out.shape[2]  # both spatial axes

@@ -1,7 +1,5 @@
 """A model of your own for ``python -m train``: the README's "Write your own module"."""
 
-import jax
-
 import nnlite as nl
 
 
@@ -11,24 +9,17 @@ class ResidualClassifier(nl.Module):
     in_features: int  # filled from the data set
     num_classes: int  # filled from the data set
     width: int = 32
-    blocks: int = 2
+    depth: int = 2
 
     task = "classification"  # the trainer's loss and metrics: cross-entropy, accuracy
 
-    def init(self, key):
-        k_in, k_out, *k_blocks = jax.random.split(key, self.blocks + 2)
-        return nl.ParamsDict(
-            inp=nl.Linear(self.in_features, self.width).init(k_in),
-            blocks=[self.block.init(k) for k in k_blocks],
-            out=nl.Linear(self.width, self.num_classes).init(k_out),
-        )
+    def setup(self):  # the children, declared once: init(key) is derived from them
+        self.inp = nl.Linear(self.in_features, self.width)
+        self.blocks = [nl.FFN(self.width, (2 * self.width,), self.width, "gelu")] * self.depth
+        self.out = nl.Linear(self.width, self.num_classes)
 
-    @property
-    def block(self):
-        return nl.FFN(self.width, (2 * self.width,), self.width, "gelu")
-
-    def __call__(self, params, x, *, key=None):
-        h = nl.Linear(self.in_features, self.width)(params.inp, x)
-        for p in params.blocks:
-            h = nl.add(h, self.block(p, h))  # nl.add: a residual sum with a hand rule
-        return nl.Linear(self.width, self.num_classes)(params.out, h)
+    def __call__(self, params, x):
+        h = self.inp(params.inp, x)
+        for block, p in zip(self.blocks, params.blocks):
+            h = nl.add(h, block(p, h))  # nl.add: a residual sum with a hand rule
+        return self.out(params.out, h)

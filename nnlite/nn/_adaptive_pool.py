@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._module import Module
-from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
-from ._conv import to_tuple
+from ._conv import check_int_rank, to_tuple
 
 __all__ = [
     "AdaptiveAvgPool",
@@ -168,12 +167,15 @@ def adaptive_max_pool(x: jax.Array, *, output_size: Sequence[int]) -> jax.Array:
 class _AdaptivePool(Module):
     output_size: int | tuple[int, ...]
 
+    has_params = False
+
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
         o = self.output_size
         if isinstance(o, int) and not isinstance(o, bool):
             o = (o,)
+            object.__setattr__(self, "int_size", True)
         if not isinstance(o, tuple) or not o:
             raise ValueError(f"{name}: output_size must be a positive int or a tuple, got {o!r}")
         object.__setattr__(self, "output_size", to_tuple(name, "output_size", o, len(o)))
@@ -182,9 +184,6 @@ class _AdaptivePool(Module):
         return f"{type(self).__name__}(output_size={self.output_size})"
 
     _args_repr = _short_repr
-
-    def init(self, key: jax.Array) -> ParamsDict:
-        return ParamsDict()
 
     def _check(self, x: Any) -> None:
         n = len(self.output_size)
@@ -196,10 +195,12 @@ class _AdaptivePool(Module):
                 f"{tuple(shape) if shape is not None else type(x).__name__}"
             )
         self.check_numeric(x)
+        check_int_rank(self, "output_size", x)
 
 
 _ADAPTIVE_ARGS = """
-    N-dimensional: N = ``len(output_size)`` (an int means 1-d). Input
+    N-dimensional: N = ``len(output_size)`` (an int means 1-d, and input of rank 4 or more
+    is then refused: give a tuple). Input
     ``[..., *spatial, channels]``: rank N + 1 is one unbatched example, further leading
     axes are batch axes. Any spatial size works, smaller than the output too. Output
     ``i`` of an axis of size ``L`` pools inputs ``floor(i L / O) <= j < ceil((i + 1) L /
@@ -225,14 +226,14 @@ class AdaptiveAvgPool(_AdaptivePool):
         >>> import jax.numpy as jnp
         >>> pool = AdaptiveAvgPool(3)
         >>> x = jnp.arange(5.0)[:, None]  # 5 positions, 1 channel; bins [0,2) [1,4) [3,5)
-        >>> pool(pool.init(None), x)[:, 0].tolist()
+        >>> pool(x)[:, 0].tolist()
         [0.5, 2.0, 3.5]
-        >>> AdaptiveAvgPool((1, 1))(ParamsDict(), jnp.ones((8, 7, 9, 16))).shape
+        >>> AdaptiveAvgPool((1, 1))(jnp.ones((8, 7, 9, 16))).shape
         (8, 1, 1, 16)
     """
     )
 
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None):
         self._check(x)
         if not jnp.issubdtype(x.dtype, jnp.inexact):
             x = x.astype(jnp.result_type(float))
@@ -251,11 +252,11 @@ class AdaptiveMaxPool(_AdaptivePool):
         >>> import jax.numpy as jnp
         >>> pool = AdaptiveMaxPool(2)
         >>> x = jnp.array([1.0, 5.0, 2.0, 0.0, 3.0])[:, None]  # bins [0,3) [2,5)
-        >>> pool(pool.init(None), x)[:, 0].tolist()
+        >>> pool(x)[:, 0].tolist()
         [5.0, 3.0]
     """
     )
 
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None):
         self._check(x)
         return adaptive_max_pool(x, output_size=self.output_size)

@@ -193,6 +193,11 @@ class MultiHeadAttention(Module):
     rotary: bool = False
     rotary_base: float = 10000.0
 
+    @property
+    def uses_key(self) -> bool:
+        """A key turns dropout on: only when ``dropout_rate > 0``."""
+        return self.dropout_rate > 0
+
     def __post_init__(self):
         super().__post_init__()
         self._check_positive_ints("features", "num_heads")

@@ -21,6 +21,7 @@ __all__ = [
     "conv_input_grad",
     "conv_kernel_grad",
     "conv_vjp",
+    "check_int_rank",
     "normalize_padding",
     "to_tuple",
 ]
@@ -46,6 +47,23 @@ def to_tuple(owner: str, name: str, value: Any, n: int) -> tuple[int, ...]:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in out):
         raise ValueError(f"{owner}: {name} must hold positive ints, got {given!r}")
     return out
+
+
+def check_int_rank(layer: Any, name: str, x: Any) -> None:
+    """An int ``name`` (window, kernel_size, output_size) means one spatial axis. Input of
+    rank 4 or more is then most likely images (``[B, H, W, C]``), which would be pooled or
+    convolved over W alone: refused, naming the tuple to give. (``int_size`` is set by the
+    layer's ``__post_init__`` when it was given an int: an attribute, not a field.)"""
+    ndim = getattr(x, "ndim", 0)
+    if not getattr(layer, "int_size", False) or ndim <= 3:
+        return
+    size = getattr(layer, name)[0]
+    raise ValueError(
+        f"{layer._short_repr()}: an int {name} ({size}) means one spatial axis, but the "
+        f"input has shape {tuple(x.shape)}, rank {ndim}; give one size per spatial axis: "
+        f"{name}={(size,) * (ndim - 2)} for {ndim - 2}-d inputs [batch, *spatial, channels] "
+        f"(or {name}={(size,)} for 1-d inputs with several batch axes)"
+    )
 
 
 def normalize_padding(owner: str, padding: Any, n: int) -> str | tuple[tuple[int, int], ...]:
@@ -208,7 +226,8 @@ class Conv(Module):
     """N-dimensional convolution (cross-correlation), channels-last, as Flax ``nn.Conv``
     (Equinox: ``eqx.nn.Conv``, channels-first and unbatched).
 
-    The number of spatial axes N is ``len(kernel_size)``; an int ``kernel_size`` means 1-d.
+    The number of spatial axes N is ``len(kernel_size)``; an int ``kernel_size`` means 1-d
+    (and input of rank 4 or more, images, is then refused: give ``(3, 3)``).
     Input ``[..., *spatial, in_features]``: rank N + 1 is one unbatched example, any further
     leading axes are batch axes (``jax.vmap`` works too).
 
@@ -270,6 +289,7 @@ class Conv(Module):
         k = self.kernel_size
         if isinstance(k, int) and not isinstance(k, bool):
             n = 1
+            object.__setattr__(self, "int_size", True)
         elif isinstance(k, tuple) and k:
             n = len(k)
         else:
@@ -317,6 +337,7 @@ class Conv(Module):
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         n = self.num_spatial_axes
         self.check_input(x, self.in_features, min_rank=n + 1)
+        check_int_rank(self, "kernel_size", x)
         self.check_params(params)
         spatial = x.shape[-n - 1 : -1]
         window = [(k - 1) * d + 1 for k, d in zip(self.kernel_size, self.dilation, strict=True)]

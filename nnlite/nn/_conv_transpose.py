@@ -22,7 +22,14 @@ from jax import lax
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
-from ._conv import conv, conv_input_grad, conv_kernel_grad, normalize_padding, to_tuple
+from ._conv import (
+    check_int_rank,
+    conv,
+    conv_input_grad,
+    conv_kernel_grad,
+    normalize_padding,
+    to_tuple,
+)
 from ._names import get_initializer
 
 __all__ = ["ConvTranspose", "conv_transpose", "conv_transpose_vjp", "transpose_geometry"]
@@ -163,6 +170,7 @@ class ConvTranspose(Module):
         k = self.kernel_size
         if isinstance(k, int) and not isinstance(k, bool):
             n = 1
+            object.__setattr__(self, "int_size", True)
         elif isinstance(k, tuple) and k:
             n = len(k)
         else:
@@ -201,6 +209,7 @@ class ConvTranspose(Module):
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         n = self.num_spatial_axes
         self.check_input(x, self.in_features, min_rank=n + 1)
+        check_int_rank(self, "kernel_size", x)
         self.check_params(params)
         spatial = x.shape[-n - 1 : -1]
         out = self.output_shape(spatial)

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 
 from ..core._module import Module
-from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 
 __all__ = ["Dropout", "check_rate", "dropout", "dropout_vjp"]
@@ -51,19 +50,23 @@ class Dropout(Module):
     Args:
         rate: drop probability, ``0 <= rate < 1`` (0: always the identity).
 
-    ``__call__(params, x, *, key=None)``: any ``x`` -> same shape and dtype. No params.
+    ``__call__(x, *, key=None)``: any ``x`` -> same shape and dtype. No params. Inside a
+    module called with a key, a Dropout child called without ``key=`` draws its own from
+    the caller's (``uses_key`` is true for ``rate > 0``, and so for every parent).
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> drop = Dropout(0.5)
         >>> x = jnp.ones(6)
-        >>> drop(ParamsDict(), x).tolist()  # no key: inference
+        >>> drop(x).tolist()  # no key: inference
         [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-        >>> set(drop(ParamsDict(), x, key=jax.random.key(0)).tolist()) <= {0.0, 2.0}
+        >>> set(drop(x, key=jax.random.key(0)).tolist()) <= {0.0, 2.0}
         True
     """
 
     rate: float = 0.5
+
+    has_params = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,9 +77,10 @@ class Dropout(Module):
 
     _args_repr = _short_repr
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        return ParamsDict()
+    @property
+    def uses_key(self) -> bool:
+        return self.rate > 0
 
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None):
         self.check_numeric(x)
         return dropout(x, key, self.rate)

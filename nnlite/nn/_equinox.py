@@ -135,6 +135,17 @@ class EquinoxLayer(Module):
 
     _args_repr = _short_repr
 
+    @property
+    def uses_key(self) -> bool:
+        """Whether the Equinox module holds an ``eqx.nn.Dropout`` with ``p > 0``: a model
+        that declares this layer then takes a key in training, which reaches it."""
+        import equinox as eqx
+
+        arrays = jax.tree_util.tree_unflatten(self.wrapped.treedef, list(self.wrapped.initial))
+        module = eqx.combine(arrays, self.wrapped.static)
+        drops = jax.tree.leaves(module, is_leaf=lambda m: isinstance(m, eqx.nn.Dropout))
+        return any(isinstance(m, eqx.nn.Dropout) and m.p > 0 for m in drops)
+
     def init(self, key: jax.Array | None = None) -> ParamsDict:
         paths = list(self.wrapped.paths)
         return _build(paths, [jnp.asarray(a) for a in self.wrapped.initial])

@@ -151,24 +151,23 @@ class Activation(Module):
     Args:
         name: activation name (see ``nnlite.ACTIVATIONS``: relu, gelu, tanh, ...).
 
-    ``__call__(params, x)``: any ``x`` -> same shape. No params.
+    ``__call__(x)``: any ``x`` -> same shape. No params.
 
     Example:
         >>> import jax.numpy as jnp
-        >>> Activation("relu")(ParamsDict(), jnp.array([-1.0, 2.0])).tolist()
+        >>> Activation("relu")(jnp.array([-1.0, 2.0])).tolist()
         [0.0, 2.0]
     """
 
     name: str = "relu"
 
+    has_params = False
+
     def __post_init__(self):
         super().__post_init__()
         get_activation(self.name)
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        return ParamsDict()
-
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None):
         return get_activation(self.name)(x)
 
 
@@ -340,6 +339,10 @@ class Sequential(Module):
     ``__call__(params, x, *, key=None)``: the output of the last layer. With a key, it is
     split once per layer (``jax.random.split``), so dropout layers get independent masks;
     ``key=None`` passes ``None`` to every layer (inference).
+
+    With a ``BatchNorm`` among the layers it is stateful: ``init_state()`` is derived
+    (``/layers[i]/mean``, ...) and ``y, state = net(params, x, state=state, train=True)``
+    hands each stateful layer its state.
 
     Example:
         >>> import jax, jax.numpy as jnp

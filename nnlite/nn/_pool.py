@@ -12,9 +12,8 @@ from jax import lax
 
 from ..core._jax_private import select_and_scatter_add
 from ..core._module import Module
-from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
-from ._conv import explicit_padding, normalize_padding, to_tuple
+from ._conv import check_int_rank, explicit_padding, normalize_padding, to_tuple
 
 __all__ = [
     "AvgPool",
@@ -119,12 +118,15 @@ class _Pool(Module):
     strides: int | tuple[int, ...] | None = None
     padding: Any = "VALID"
 
+    has_params = False
+
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
         w = self.window
         if isinstance(w, int) and not isinstance(w, bool):
             w = (w,)
+            object.__setattr__(self, "int_size", True)
         if not isinstance(w, tuple) or not w:
             raise ValueError(f"{name}: window must be a positive int or a tuple, got {w!r}")
         n = len(w)
@@ -138,9 +140,6 @@ class _Pool(Module):
 
     _args_repr = _short_repr
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        return ParamsDict()
-
     def _check(self, x: Any) -> None:
         n = len(self.window)
         shape = getattr(x, "shape", None)
@@ -151,6 +150,7 @@ class _Pool(Module):
                 f"{tuple(shape) if shape is not None else type(x).__name__}"
             )
         self.check_numeric(x)
+        check_int_rank(self, "window", x)
         spatial = shape[-n - 1 : -1]
         pads = explicit_padding(self.padding, spatial, self.window, self.strides)
         if any(s + lo + hi < w for s, (lo, hi), w in zip(spatial, pads, self.window, strict=True)):
@@ -161,7 +161,8 @@ class _Pool(Module):
 
 
 _POOL_ARGS = """
-    N-dimensional: N = ``len(window)`` (an int window means 1-d). Input
+    N-dimensional: N = ``len(window)`` (an int window means 1-d, and input of rank 4 or
+    more, images, is then refused: give ``(2, 2)``). Input
     ``[..., *spatial, channels]``: rank N + 1 is one unbatched example, further leading
     axes are batch axes. No params (``init`` returns an empty ParamsDict).
 
@@ -186,14 +187,14 @@ class MaxPool(_Pool):
     Example:
         >>> import jax.numpy as jnp
         >>> pool = MaxPool(2)
-        >>> pool(pool.init(None), jnp.array([[1.0], [3.0], [2.0], [0.0]]))[:, 0]
+        >>> pool(jnp.array([[1.0], [3.0], [2.0], [0.0]]))[:, 0]
         Array([3., 2.], dtype=float32)
-        >>> MaxPool((2, 2))(ParamsDict(), jnp.ones((8, 28, 28, 3))).shape
+        >>> MaxPool((2, 2))(jnp.ones((8, 28, 28, 3))).shape
         (8, 14, 14, 3)
     """
     )
 
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None):
         self._check(x)
         return max_pool(x, window=self.window, strides=self.strides, padding=self.padding)
 
@@ -214,14 +215,14 @@ class AvgPool(_Pool):
     Example:
         >>> import jax.numpy as jnp
         >>> pool = AvgPool(2)
-        >>> pool(pool.init(None), jnp.array([[1.0], [3.0], [2.0], [0.0]]))[:, 0]
+        >>> pool(jnp.array([[1.0], [3.0], [2.0], [0.0]]))[:, 0]
         Array([2., 1.], dtype=float32)
     """
     )
 
     count_include_pad: bool = True
 
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None):
         self._check(x)
         if not jnp.issubdtype(x.dtype, jnp.inexact):
             x = x.astype(jnp.result_type(float))
@@ -262,13 +263,15 @@ class Flatten(Module):
 
     Example:
         >>> import jax.numpy as jnp
-        >>> Flatten(2)(ParamsDict(), jnp.ones((8, 10, 25))).shape
+        >>> Flatten(2)(jnp.ones((8, 10, 25))).shape
         (8, 250)
-        >>> Flatten(2)(ParamsDict(), jnp.ones((10, 25))).shape
+        >>> Flatten(2)(jnp.ones((10, 25))).shape
         (250,)
     """
 
     num_axes: int = 2
+
+    has_params = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -279,10 +282,7 @@ class Flatten(Module):
 
     _args_repr = _short_repr
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        return ParamsDict()
-
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None):
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) < self.num_axes:
             raise ValueError(

@@ -37,6 +37,16 @@ from ..core._params import ParamsDict
 __all__ = ["REMAT_POLICIES", "Remat", "Stack", "stack_scan", "stack_scan_vjp"]
 
 
+def _refuse_state(owner: str, layer: Module) -> None:
+    """A layer with state (BatchNorm) would update it inside a scan or a checkpointed
+    function, where the new state cannot be handed out: refused by name."""
+    if callable(getattr(layer, "init_state", None)):
+        raise ValueError(
+            f"{owner}: {type(layer).__name__} has state (BatchNorm's running statistics), "
+            f"which {owner} does not carry; apply the layers in a Python loop instead"
+        )
+
+
 def _split_copies(tree: Any, n: int) -> list:
     return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
 
@@ -219,6 +229,7 @@ class Stack(Module):
         if not isinstance(self.layer, Module):
             raise TypeError(f"Stack: layer must be an nnlite Module, got {self.layer!r}")
         self._check_positive_ints("n")
+        _refuse_state("Stack", self.layer)
 
     def _args_repr(self) -> str:
         return f"Stack({type(self.layer).__name__}, {self.n})"
@@ -331,6 +342,7 @@ class Remat(Module):
         super().__post_init__()
         if not isinstance(self.layer, Module):
             raise TypeError(f"Remat: layer must be an nnlite Module, got {self.layer!r}")
+        _refuse_state("Remat", self.layer)
         if self.policy is not None and self.policy not in REMAT_POLICIES:
             raise ValueError(
                 f"Remat: policy must be None or one of {', '.join(REMAT_POLICIES)}, got "

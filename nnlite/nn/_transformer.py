@@ -34,6 +34,11 @@ class _MLP(Module):
     dtype: str | None = None
 
     @property
+    def uses_key(self) -> bool:
+        """A key turns dropout on: only when ``dropout_rate > 0``."""
+        return self.dropout_rate > 0
+
+    @property
     def fc(self) -> Linear:
         return linear_like(self, self.features, self.hidden)
 
@@ -138,6 +143,11 @@ class TransformerBlock(Module):
     dtype: str | None = None
     rotary: bool = False
     remat: bool = False
+
+    @property
+    def uses_key(self) -> bool:
+        """A key turns dropout on: only when ``dropout_rate > 0``."""
+        return self.dropout_rate > 0
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,0 +1,373 @@
+"""Composition: children declared once (``setup``), derived ``init``/``uses_key``/
+``init_state``, parameterless layers, keys and state threaded by the call, and errors that
+name the user's line -- on their own and through the trainer."""
+
+import functools
+import re
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import SAME_PROGRAMS, assert_same_trajectory
+
+import nnlite as nl
+import train
+
+
+class Derived(nl.Module):
+    features: int = 4
+
+    def setup(self):
+        self.inp = nl.Linear(self.features, 8)
+        self.act = nl.Activation("tanh")  # no params: no key, no entry
+        self.blocks = [nl.FFN(8, (16,), 8), nl.FFN(8, (16,), 8)]
+        self.heads = {"a": nl.Linear(8, 2), "b": nl.Linear(8, 3)}
+
+    def __call__(self, params, x):
+        h = self.act(self.inp(params.inp, x))
+        for block, p in zip(self.blocks, params.blocks, strict=True):
+            h = h + block(p, h)
+        return {n: head(params.heads[n], h) for n, head in self.heads.items()}
+
+
+class HandWritten(nl.Module):
+    features: int = 4
+
+    def init(self, key):
+        k_inp, k_blocks, k_heads = jax.random.split(key, 3)
+        k_a, k_b = jax.random.split(k_heads)
+        return nl.ParamsDict(
+            inp=nl.Linear(self.features, 8).init(k_inp),
+            blocks=[nl.FFN(8, (16,), 8).init(k) for k in jax.random.split(k_blocks, 2)],
+            heads=nl.ParamsDict(a=nl.Linear(8, 2).init(k_a), b=nl.Linear(8, 3).init(k_b)),
+        )
+
+    def __call__(self, params, x, *, key=None):
+        h = jnp.tanh(nl.Linear(self.features, 8)(params.inp, x))
+        for p in params.blocks:
+            h = h + nl.FFN(8, (16,), 8)(p, h)
+        return {"a": nl.Linear(8, 2)(params.heads.a, h), "b": nl.Linear(8, 3)(params.heads.b, h)}
+
+
+def test_derived_init_equals_hand_written_init(key):
+    derived, hand = Derived().init(key), HandWritten().init(key)
+    assert [p for p, _ in derived.items()] == [p for p, _ in hand.items()]
+    jax.tree.map(np.testing.assert_array_equal, derived, hand)
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    out, want = jax.jit(Derived())(derived, x), HandWritten()(hand, x)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5), out, want)
+
+
+def test_setup_modules_are_static_and_frozen():
+    a, b = Derived(4), Derived(4)
+    assert a == b and hash(a) == hash(b) and a != Derived(5)
+    assert a.inp == nl.Linear(4, 8)
+    with pytest.raises(AttributeError, match="frozen; declare children in setup"):
+        a.inp = nl.Linear(4, 9)
+
+    class Bad(nl.Module):
+        features: int = 2
+
+        def setup(self):
+            self.features = 3
+
+    with pytest.raises(AttributeError, match="'features' is a field of Bad"):
+        Bad()
+
+    class Override(Derived):  # a subclass may replace a child with a property
+        @property
+        def inp(self):
+            return nl.Linear(self.features, 8, use_bias=False)
+
+    assert "b" not in Override().init(jax.random.key(0)).inp
+
+
+def test_parameterless_layers_take_no_params_and_add_none(key):
+    x = jnp.arange(24.0).reshape(2, 3, 4)
+    for layer in [nl.Activation("relu"), nl.Flatten(2), nl.Dropout(0.5), nl.AvgPool((3,))]:
+        assert not layer.has_params and layer.init(key) == nl.ParamsDict()
+        np.testing.assert_array_equal(layer(x), layer(None, x))
+        np.testing.assert_array_equal(layer(x), layer(nl.ParamsDict(), x))
+    with pytest.raises(TypeError, match=r"Flatten\(num_axes=2\) has no params.*keys W"):
+        nl.Flatten(2)(nl.ParamsDict(W=jnp.ones(2)), x)
+    # In a Sequential they keep their index with {} (the layers' paths do not move).
+    net = nl.Sequential([nl.Linear(4, 4), nl.Activation("relu"), nl.Linear(4, 2)])
+    assert [p for p, _ in net.init(key).items()] == [
+        "/layers[0]/W",
+        "/layers[0]/b",
+        "/layers[2]/W",
+        "/layers[2]/b",
+    ]
+
+
+class Dropper(nl.Module):
+    """Declares its Dropout; its __call__ takes no key at all."""
+
+    def setup(self):
+        self.fc = nl.Linear(8, 8)
+        self.drop = nl.Dropout(0.5)
+
+    def __call__(self, params, x):
+        return self.drop(self.fc(params.fc, x))
+
+
+def test_the_key_reaches_a_declared_random_child(key):
+    model = nl.Sequential([Dropper(), nl.Linear(8, 2)])
+    assert Dropper().uses_key and model.uses_key and not nl.Linear(8, 2).uses_key
+    assert not nl.Sequential([nl.Linear(2, 2), nl.Dropout(0.0)]).uses_key
+    p, x = model.init(key), jnp.ones((16, 8))
+    eval_out = model(p, x)
+    train_a = jax.jit(model)(p, x, key=jax.random.key(1))
+    train_b = model(p, x, key=jax.random.key(1))
+    assert not np.allclose(train_a, eval_out)  # dropout is on
+    np.testing.assert_allclose(train_a, train_b, rtol=1e-6)  # deterministic in the key
+    assert not np.allclose(train_a, model(p, x, key=jax.random.key(2)))
+
+
+class Forgot(nl.Module):
+    """The issue's bug: dropout built in __call__, no ``uses_key`` declared."""
+
+    in_features: int
+    num_classes: int
+
+    task = "classification"
+
+    def init(self, key):
+        return nl.ParamsDict(fc=nl.Linear(self.in_features, self.num_classes).init(key))
+
+    def __call__(self, params, x, *, key=None):
+        h = nl.Linear(self.in_features, self.num_classes)(params.fc, x)
+        return nl.Dropout(0.3)(h, key=key)
+
+
+def test_a_forgotten_key_declaration_is_refused(key, tmp_path, npz):
+    model = Forgot(8, 4)
+    p = model.init(key)
+    msg = r"Dropout\(rate=0.3\) in Forgot draws random numbers, but Forgot.uses_key is False"
+    with pytest.raises(ValueError, match=msg):
+        model(p, jnp.ones((2, 8)))
+    assert model(p, jnp.ones((2, 8)), key=key).shape == (2, 4)  # a key given: it is used
+    with pytest.raises(train.ConfigError, match=msg):
+        fit(tmp_path, npz, "train.steps=1", model=model)
+
+
+class Block(nl.Module):
+    def setup(self):
+        self.mlp = nl.FFN(8, (8,), 8)
+
+    def __call__(self, params, x):
+        return x + self.mlp(params.mlp, x)
+
+
+class Deep(nl.Module):
+    in_features: int = 8
+    num_classes: int = 4
+
+    task = "classification"
+
+    def setup(self):
+        self.blocks = [Block() for _ in range(3)]
+        self.out = nl.Linear(8, self.num_classes)
+
+    def __call__(self, params, x):
+        for i, (block, p) in enumerate(zip(self.blocks, params.blocks, strict=True)):
+            h = x if i != 2 else x[..., :7]  # the mistake, in block 2's input
+            x = block(p, h)
+        return self.out(params.out, x)
+
+
+def test_a_shape_mistake_names_the_layer_path_and_the_users_line(key, tmp_path, npz):
+    model = Deep()
+    source = Path(__file__).read_text().splitlines()
+    line = next(i for i, s in enumerate(source, 1) if "x + self.mlp(params.mlp" in s)
+    want = re.escape("(in layer Deep.blocks[2].mlp") + r".*" + re.escape(f"{__file__}:{line}")
+    p = model.init(key)
+    with pytest.raises(ValueError, match=r"expected input with last axis 8, got shape \(2, 7\)"):
+        jax.jit(model)(p, jnp.ones((2, 8)))
+    try:
+        jax.jit(model)(p, jnp.ones((2, 8)))
+    except ValueError as e:
+        assert re.search(want, str(e).splitlines()[0]), str(e)
+    with pytest.raises(train.ConfigError, match=want):
+        fit(tmp_path, npz, "train.steps=1", model=model)
+
+
+class SeqBN(nl.Module):
+    """A stateful Sequential: BatchNorm anywhere in it, no state threaded by hand."""
+
+    in_features: int
+    num_classes: int
+    width: int = 16
+    dropout: float = 0.0
+
+    task = "classification"
+
+    def setup(self):
+        self.net = nl.Sequential(
+            [
+                nl.BatchNorm(self.in_features, use_bias=False),
+                nl.Linear(self.in_features, self.width, use_bias=False),
+                nl.BatchNorm(self.width),
+                nl.Activation("relu"),
+                nl.Dropout(self.dropout),
+                nl.Linear(self.width, self.num_classes),
+            ]
+        )
+
+    def __call__(self, params, x):
+        return self.net(params.net, x)
+
+
+def test_a_stateful_sequential_threads_its_state(key):
+    model = SeqBN(8, 4)
+    p, s = model.init(key), model.init_state()
+    assert [q for q, _ in s.items()] == [
+        "/net/layers[0]/mean",
+        "/net/layers[0]/var",
+        "/net/layers[2]/mean",
+        "/net/layers[2]/var",
+    ]
+    x = jax.random.normal(jax.random.key(1), (32, 8)) * 3 + 1
+    y, new = jax.jit(lambda p, s, x: model(p, x, state=s, train=True))(p, s, x)
+    # the same by hand
+    bn0, lin, bn2 = model.net.layers[:3]
+    h, s0 = bn0(p.net.layers[0], x, state=s.net.layers[0], train=True)
+    h, s2 = bn2(p.net.layers[2], lin(p.net.layers[1], h), state=s.net.layers[2], train=True)
+    want = model.net.layers[5](p.net.layers[5], nl.relu(h))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new.net.layers[0].mean, s0.mean, rtol=1e-6)
+    np.testing.assert_allclose(new.net.layers[2].var, s2.var, rtol=1e-6)
+    y_eval, same = model(p, x, state=new)  # train=False: the running statistics
+    assert jax.tree.all(jax.tree.map(lambda a, b: a is b, same, new))
+    with pytest.raises(ValueError, match=r"SeqBN\(8, 4\) has state .* state=state, train"):
+        model(p, x)
+
+
+def fit(tmp_path, npz, *overrides, model):
+    config = {
+        "name": "compose",
+        "data": {"name": "npz"},
+        "optimizer": {"name": "adam", "learning_rate": 0.01},
+        "train": {"batch_size": 64, "log_every": 1, "eval_every": 5},
+        "checkpoint": {"every": 0},
+        "log": {"dir": str(tmp_path), "progress": False, "plot": False},
+    }
+    return train.fit(
+        model, config, overrides=[npz, *overrides], resume="fresh", echo=lambda *_: None
+    )
+
+
+def test_a_stateful_sequential_trains_under_none_shard_map_and_fsdp(tmp_path, npz):
+    common = [*SAME_PROGRAMS, "train.steps=4"]
+    ref = fit(tmp_path, npz, *common, "name=none", model=SeqBN)
+    assert not np.allclose(ref.state.net.layers[2].var, 1, atol=1e-3)  # the state moved
+    lr = ref.cfg.optimizer.learning_rate
+    for strategy in ("shard_map", "fsdp"):
+        par = [f"parallel.strategy={strategy}", "parallel.devices=2", f"name={strategy}"]
+        got = fit(tmp_path, npz, *common, *par, model=SeqBN)
+        assert_same_trajectory(got.params, ref.params, lr=lr, what=f"{strategy}: ")
+        close = functools.partial(np.testing.assert_allclose, rtol=1e-3, atol=1e-4)
+        jax.tree.map(close, got.state, ref.state)
+
+
+def test_a_stateful_sequential_with_dropout_resumes_exactly(tmp_path, npz):
+    common = ["train.steps=6", "checkpoint.every=3", "model.dropout=0.2"]
+    full = fit(tmp_path, npz, *common, "name=full", model=SeqBN)
+    assert SeqBN(8, 4, dropout=0.2).uses_key  # the trainer passes a key: dropout is on
+    ckpts = sorted((full.run_dir / "checkpoints").iterdir())
+    shutil.copytree(full.run_dir, tmp_path / "crashed")
+    (tmp_path / "crashed" / "checkpoints" / ckpts[-1].name).unlink()  # died before step 6
+    config = {
+        "name": "crashed",
+        "data": {"name": "npz"},
+        "optimizer": {"name": "adam", "learning_rate": 0.01},
+        "train": {"batch_size": 64, "log_every": 1, "eval_every": 5},
+        "checkpoint": {"every": 0},
+        "log": {"dir": str(tmp_path), "progress": False, "plot": False},
+    }
+    resumed = train.fit(
+        SeqBN, config, overrides=[npz, *common], resume="auto", echo=lambda *_: None
+    )
+    assert resumed.step == 6
+    for what in ("params", "opt_state", "state"):
+        for a, b in zip(
+            jax.tree.leaves(getattr(full, what)),
+            jax.tree.leaves(getattr(resumed, what)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(a, b, err_msg=what)
+    no_dropout = fit(tmp_path, npz, "train.steps=6", "name=plain", model=SeqBN)
+    assert not np.allclose(no_dropout.params.net.layers[5].W, full.params.net.layers[5].W)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPARE = ROOT / "docs" / "compare"
+STYLES = ("nnlite", "nnlite_init", "equinox", "nnx")
+ROWS = {"residual": "README's residual classifier", "cnn": "1-d CNN", "resnet": "ResNet"}
+
+
+def _lines_of_code(path: Path) -> int:
+    text = path.read_text().split("# --- model ---\n")[1].split("# --- end ---")[0]
+    return sum(1 for s in text.splitlines() if s.strip() and not s.strip().startswith("#"))
+
+
+@pytest.mark.parametrize("model", list(ROWS))
+def test_the_line_count_table_is_the_files_and_they_run(model):
+    import importlib.util
+
+    table = (ROOT / "docs/layers.md").read_text()
+    row = next(s for s in table.splitlines() if s.startswith(f"| {ROWS[model]}"))
+    counts = [int(c) for c in row.strip("|").split("|")[1:]]
+    assert counts == [_lines_of_code(COMPARE / f"{model}_{style}.py") for style in STYLES]
+    x = {"residual": jnp.ones((4, 64)), "cnn": jnp.ones((4, 40))}.get(model, jnp.ones((4, 8, 8, 1)))
+    outs = []
+    for style in STYLES:
+        spec = importlib.util.spec_from_file_location(
+            f"compare_{model}_{style}", COMPARE / f"{model}_{style}.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        outs.append(jax.eval_shape(module.forward, x))  # traced: shapes, no compiles
+    assert all(o.shape == (4, 10) for o in outs)
+
+
+class NormBlock(nl.Module):
+    def setup(self):
+        self.ln = nl.LayerNorm(8)
+        self.mlp = nl.FFN(8, (16,), 8)
+        self.drop = nl.Dropout(0.2)
+
+    def __call__(self, params, x):
+        return nl.add(x, self.drop(self.mlp(params.mlp, self.ln(params.ln, x))))
+
+
+class Scanned(nl.Module):
+    def setup(self):
+        self.stack = nl.Stack(NormBlock(), 3)
+        self.remat = nl.Remat(NormBlock())
+        self.head = nl.Linear(8, 3)
+
+    def __call__(self, params, x):
+        return self.head(params.head, self.remat(params.remat, self.stack(params.stack, x)))
+
+
+def test_setup_models_under_stack_remat_hand_rules_and_param_axes(key):
+    model = Scanned()
+    p, x, y = model.init(key), jax.random.normal(key, (4, 8)), jnp.array([0, 1, 2, 0])
+    assert model.uses_key and p.stack.mlp.layers[0].W.shape == (3, 8, 16)
+
+    def loss(p, x, y, key):
+        return nl.softmax_cross_entropy(model(p, x, key=key), y, reduction="mean")
+
+    k = jax.random.key(5)
+    auto = jax.jit(jax.grad(loss))(p, x, y, k)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, y, k)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+    jax.tree.map(close, hand, auto)
+    assert nl.param_axes(model).stack.mlp.layers[0].W == nl.Axes((None, "embed", "mlp"))
+    assert nl.param_axes(model).head.W == nl.Axes(("in", "out"))
+    with pytest.raises(ValueError, match="Stack: Sequential has state"):
+        nl.Stack(nl.Sequential([nl.BatchNorm(8)]), 2)
