@@ -84,7 +84,6 @@ def grouped_attention(
         (1, 2, 4, 8)
     """
     b, t, h, d = q.shape
-    kv = k.shape[2]
     logits, _ = _grouped(q, k, mask)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)

@@ -188,7 +188,9 @@ def match_targets(targets: Iterable[str], paths: Iterable[str], where: str = "Lo
     paths = list(paths)
     chosen: set[str] = set()
     for glob in targets:
-        hit = {p for p in paths if fnmatch.fnmatchcase(p, glob) or fnmatch.fnmatchcase(p + "/W", glob)}
+        hit = {
+            p for p in paths if fnmatch.fnmatchcase(p, glob) or fnmatch.fnmatchcase(p + "/W", glob)
+        }
         if not hit:
             shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
             raise ValueError(
