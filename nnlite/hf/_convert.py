@@ -97,8 +97,12 @@ def _family(model: Any) -> str:
 def build_model(directory: str | os.PathLike, *, ignore_keys=()) -> GPT2LM | LlamaLM:
     """The nnlite model a Hugging Face directory's ``config.json`` describes (no weights)."""
     cfg = read_config(directory)
-    family, kwargs = model_kwargs(cfg, f"{Path(directory) / 'config.json'}", ignore_keys)
-    return GPT2LM(**kwargs) if family == "gpt2" else LlamaLM(**kwargs)
+    where = f"{Path(directory) / 'config.json'}"
+    family, kwargs = model_kwargs(cfg, where, ignore_keys)
+    try:
+        return GPT2LM(**kwargs) if family == "gpt2" else LlamaLM(**kwargs)
+    except ValueError as e:  # a value the layers refuse (a rope kind, head sizes)
+        raise HFConfigError(f"{where}: {e}") from None
 
 
 def _placer(sharding: Any, like: ParamsDict) -> Callable[[str, tuple], Any]:

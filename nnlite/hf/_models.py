@@ -166,6 +166,10 @@ class _GeluMLP(Module):
     def proj(self):
         return self._lin("proj", self.hidden, self.features)
 
+    @property
+    def children(self) -> dict[str, Linear | LoRA]:
+        return {"fc": self.fc, "proj": self.proj}
+
     def param_axes(self) -> ParamsDict:
         return ParamsDict(
             fc=adapter_axes(self.fc, "embed", "mlp"), proj=adapter_axes(self.proj, "mlp", "embed")
@@ -439,7 +443,6 @@ def merge_lora(model: _Decoder, params: ParamsDict) -> tuple[_Decoder, ParamsDic
         for name in block.lora:
             owner, child = name.split("/")
             layer = getattr(block, owner).children[child]
-            assert isinstance(layer, LoRA)
             path = f"/blocks[{i}]/{name}"
             sub = ParamsDict.from_flat(
                 {k[len(path) :]: v for k, v in flat.items() if k.startswith(path + "/")}
