@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def tf():
     """transformers and torch, imported with their import-time warnings silenced (the suite
     turns warnings into errors)."""
-    reason = "transformers and torch are test-only extras: pip install 'nnlite[hf]'"
+    reason = "transformers and torch are test-only extras: pip install 'nnlite[hf-test]'"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch = pytest.importorskip("torch", reason=reason)

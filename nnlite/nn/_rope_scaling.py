@@ -68,9 +68,9 @@ def rope(
     Example:
         >>> import jax.numpy as jnp
         >>> x = jnp.array([[1.0, 0.0], [1.0, 0.0]])
-        >>> print(rope(x, jnp.array([0, 1]), inv_freq=(0.5,)).round(4))
-        [[1.     0.    ]
-         [0.8776 0.4794]]
+        >>> y = rope(x, jnp.array([0, 1]), inv_freq=(0.5,))  # position 1: (cos 0.5, sin 0.5)
+        >>> [[round(v, 4) for v in row] for row in y.tolist()]
+        [[1.0, 0.0], [0.8776, 0.4794]]
     """
     if x.shape[-1] % 2:
         raise ValueError(f"rope: the last axis must have even size, got shape {x.shape}")

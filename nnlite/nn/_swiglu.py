@@ -28,8 +28,8 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> print(swiglu(jnp.array([0.0, 2.0]), jnp.array([3.0, 1.0])).round(4))
-        [0.     1.7616]
+        >>> [round(v, 4) for v in swiglu(jnp.array([0.0, 2.0]), jnp.array([3.0, 1.0])).tolist()]
+        [0.0, 1.7616]
     """
     return jax.nn.silu(gate) * up
 
