@@ -379,3 +379,29 @@ def test_importing_nnlite_pulls_no_new_dependency():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_pretrained_model_for_a_trainer(tmp_path):
+    """nl.hf.Pretrained: a model built from hyperparameters whose jitted init is the
+    directory's weights (read by host callbacks, so eval_shape reads nothing)."""
+    base = nl.hf.LlamaLM(vocab_size=40, context=16, n_layer=1, n_head=2, n_embd=8, hidden=8)
+    weights = base.init(jax.random.key(3))
+    nl.hf.save_pretrained(tmp_path, base, weights)
+    m = nl.hf.Pretrained(tmp_path, lora={"rank": 2, "targets": ["*/mlp/up"]}, vocab_size=30)
+    assert hash(m) == hash(nl.hf.Pretrained(str(tmp_path), lora=dict(m.lora), vocab_size=30))
+    shapes = jax.eval_shape(m.init, jax.random.key(0))
+    assert shapes.blocks[0].mlp.up.lora_b.shape == (2, 8)
+    p = jax.jit(m.init)(jax.random.key(0))
+    np.testing.assert_array_equal(p.blocks[0].attn.k.W, weights.blocks[0].attn.k.W)
+    np.testing.assert_array_equal(p.blocks[0].mlp.up.lora_b, 0)
+    tokens = np.arange(6).reshape(1, 6)
+    np.testing.assert_array_equal(jax.jit(m)(p, tokens), jax.jit(base)(weights, tokens))
+    m.export(tmp_path / "out", p)
+    m2, p2 = nl.hf.load_pretrained(tmp_path / "out")
+    assert_close_f32(jax.jit(m2)(p2, tokens), jax.jit(base)(weights, tokens), ops=24)
+    with pytest.raises(ValueError, match="vocab_size=50: the data's vocabulary must fit"):
+        nl.hf.Pretrained(tmp_path, vocab_size=50)
+    with pytest.raises(ValueError, match="lora: targets must be a non-empty list"):
+        nl.hf.Pretrained(tmp_path, lora={"rank": 2, "targets": "*/mlp/up"})
+    with pytest.raises(ValueError, match="lora: unknown key 'dropout'"):
+        nl.hf.Pretrained(tmp_path, lora={"dropout": 0.1, "targets": ["*"]})

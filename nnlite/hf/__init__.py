@@ -31,6 +31,7 @@ from ._models import GPT2Block as GPT2Block
 from ._models import LlamaLM as LlamaLM
 from ._models import add_lora as add_lora
 from ._models import merge_lora as merge_lora
+from ._pretrained import Pretrained as Pretrained
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import load_tokenizer as load_tokenizer
 
@@ -81,6 +82,7 @@ __all__ = [
     "HFConfigError",
     "IGNORED_KEYS",
     "LlamaLM",
+    "Pretrained",
     "Tokenizer",
     "add_lora",
     "build_model",
