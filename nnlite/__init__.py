@@ -60,6 +60,7 @@ from .nn._linear import linear as linear
 from .nn._linear import linear_axes as linear_axes
 from .nn._llama import LlamaBlock as LlamaBlock
 from .nn._lora import LoRA as LoRA
+from .nn._lora import freeze_base as freeze_base
 from .nn._lora import lora_join as lora_join
 from .nn._lora import lora_mask as lora_mask
 from .nn._lora import lora_split as lora_split
@@ -146,6 +147,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "freeze_base",
     "rope_frequencies",
     "lora_split",
     "lora_mask",

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..core._module import Module
 from ..core._params import ParamsDict
+from ..nn._lora import freeze_base
 from ._convert import build_model, hf_name
 from ._models import GPT2LM, LlamaLM
 from ._safetensors import SafetensorsDir
@@ -161,6 +162,11 @@ class Pretrained(Module):
 
     def param_axes(self) -> ParamsDict:
         return self.model.param_axes()
+
+    def wrap_optimizer(self, optimizer):
+        """With ``lora``: ``optimizer`` on the adapters only (``nl.freeze_base``), the base
+        weights frozen with no optimizer state; without, ``optimizer`` itself."""
+        return freeze_base(optimizer) if self.lora else optimizer
 
     def __call__(self, params: ParamsDict, tokens: jax.Array, *, key: jax.Array | None = None):
         return self.model(params, tokens)

@@ -28,6 +28,7 @@ from ._linear import Linear, linear_axes
 __all__ = [
     "ADAPTER_NAMES",
     "LoRA",
+    "freeze_base",
     "adapter_axes",
     "lora_join",
     "lora_linear",
@@ -226,3 +227,25 @@ def lora_split(params: ParamsDict) -> tuple[dict[str, Any], dict[str, Any]]:
 def lora_join(adapters: dict[str, Any], frozen: dict[str, Any]) -> ParamsDict:
     """The inverse of :func:`lora_split`."""
     return ParamsDict.from_flat({**frozen, **adapters})
+
+
+def freeze_base(optimizer):
+    """``optimizer`` on the adapters only: every other param gets a zero update and no
+    optimizer state (``optax.multi_transform`` with ``optax.set_to_zero``), so weight decay
+    cannot move the frozen weights and Adam keeps no moments for them.
+
+    Example:
+        >>> import jax, optax
+        >>> p = LoRA(Linear(4, 3), rank=2).init(jax.random.key(0))
+        >>> opt = freeze_base(optax.adamw(0.1))
+        >>> grads = jax.tree.map(jax.numpy.ones_like, p)
+        >>> updates, _ = opt.update(grads, opt.init(p), p)
+        >>> float(abs(updates.W).max()), float(abs(updates.lora_b).max()) > 0
+        (0.0, True)
+    """
+    import optax
+
+    def labels(params):
+        return jax.tree.map(lambda m: "adapter" if m else "frozen", lora_mask(params))
+
+    return optax.multi_transform({"adapter": optimizer, "frozen": optax.set_to_zero()}, labels)
