@@ -158,13 +158,11 @@ def load_pretrained(
     like = jax.eval_shape(model.init, jax.random.key(0))
     place = _placer(sharding, like)
     targets = dict(like.items())
-    # the original GPT-2 checkpoints name their tensors without the "transformer." prefix
-    aliases = {n.removeprefix("transformer."): n for n in weights.names()}
     plan = []
     for path, aval in targets.items():
         name, transposed = hf_name(family, path)
         found = name if name in weights else None
-        if found is None and family == "gpt2":
+        if found is None and family == "gpt2":  # the original GPT-2 files: no "transformer."
             bare = name.removeprefix("transformer.")
             found = bare if bare in weights else None
         if found is None:
@@ -183,7 +181,6 @@ def load_pretrained(
             f"{directory}: tensor {extra[0]!r} is not part of the {family} model nnlite builds "
             f"from config.json ({len(extra)} such tensors)"
         )
-    del aliases
     out: dict[str, Any] = {}
     for file in sorted({p[0] for p in plan}):  # file by file, each map dropped after
         for _, path, name, transposed, aval in (p for p in plan if p[0] == file):
