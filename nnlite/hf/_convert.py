@@ -127,7 +127,6 @@ def load_pretrained(
     *,
     sharding: Any = None,
     ignore_keys=(),
-    dtype: Any = jnp.float32,
 ) -> tuple[GPT2LM | LlamaLM, ParamsDict]:
     """``(model, params)`` from a local Hugging Face model directory (``config.json`` and
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``).
@@ -143,7 +142,6 @@ def load_pretrained(
             a ParamsDict of Shardings like the params (e.g. a parallel strategy's).
         ignore_keys: config keys to pass over that nnlite does not know (after checking
             that they do not change the network).
-        dtype: the params' dtype (float32: checkpoints in bfloat16 or float16 are upcast).
 
     Returns:
         ``(model, params)``: an ``nl.hf.GPT2LM`` or ``nl.hf.LlamaLM`` and its ParamsDict.
@@ -191,7 +189,8 @@ def load_pretrained(
                     f"{directory}: tensor {name!r} has shape {tuple(weights.tensor(name).shape)}"
                     f", config.json implies {tuple(aval.shape)[::-1] if transposed else aval.shape}"
                 )
-            out[path] = _to_device(host, dtype, place(path, aval.shape))
+            # float32 params (bfloat16 and float16 checkpoints upcast), as the models' layers
+            out[path] = _to_device(host, jnp.float32, place(path, aval.shape))
         weights.close(file)
     return model, ParamsDict.from_flat({p: out[p] for p in targets})
 
