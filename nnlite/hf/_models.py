@@ -64,6 +64,12 @@ class _Decoder(Module):
     def uses_key(self) -> bool:
         return False  # no dropout: imported models fine-tune without it
 
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence ``generate`` makes (prompt and new tokens): the model's
+        positions; generation does not slide past them."""
+        return self.context
+
     def init(self, key: jax.Array) -> ParamsDict:
         keys = jax.random.split(key, self.n_layer + 2)
         p = self._init_embed(keys[0])

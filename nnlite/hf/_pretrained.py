@@ -122,6 +122,11 @@ class Pretrained(Module):
     def uses_key(self) -> bool:
         return False
 
+    @property
+    def max_positions(self) -> int:
+        """The model's positions (``context`` is the training window within them)."""
+        return self.model.context
+
     def init(self, key: jax.Array) -> ParamsDict:
         """The directory's weights (float32), each read by a host callback, plus fresh LoRA
         adapters from ``key``."""
