@@ -178,9 +178,15 @@ def test_tokenizer_round_trips_and_exports(tf, tmp_path):
     )
     tok.train_from_iterator([text], trainer)
     src = tmp_path / "in"
-    _save(tf, _configs(transformers)["gpt2"], src)
+    # GPT-2 with an untied head and another activation (the other GPT-2 variants)
+    cfg = _configs(transformers)["gpt2"]
+    cfg.tie_word_embeddings, cfg.activation_function = False, "relu"
+    ref = _save(tf, cfg, src)
     tok.save(str(src / "tokenizer.json"))
     model, params, hf_tok = nl.hf.from_pretrained(src)
+    assert not model.tie_head and model.activation == "relu"
+    ids = np.arange(9).reshape(1, 9)
+    assert_close_f32(jax.jit(model)(params, ids), _torch_logits(tf, ref, ids), ops=32)
     assert hf_tok.eos_id == 0 and hf_tok.vocab_size == tok.get_vocab_size()
     for s in ["the lazy fox", "héllo wörld 123", "unseen: ∑ ü 🦊"]:
         ids = hf_tok.encode(s)
