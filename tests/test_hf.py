@@ -297,6 +297,15 @@ def test_lora_layer_and_bad_targets(key):
         model.with_lora(["*/attn/query"])
     with pytest.raises(ValueError, match="lora names 'w1', not a projection"):
         nl.SwiGLU(4, 8, lora=("w1",))
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
+        nl.GroupedQueryAttention(16, 4, 3)
+    with pytest.raises(ValueError, match="features=2 is not a multiple of num_heads=4"):
+        nl.GroupedQueryAttention(2, 4)
+    with pytest.raises(ValueError, match="rope_scaling kind 'longrope' is not supported"):
+        nl.LlamaBlock(8, 2, hidden=8, rope_scaling={"rope_type": "longrope", "factor": 2})
+    attn = nl.GroupedQueryAttention(8, 2)
+    with pytest.raises(ValueError, match=r"expected x \[B, T, 8\], got shape \(3, 8\)"):
+        attn(attn.init(key), jnp.ones((3, 8)))
 
 
 # --- sampling -----------------------------------------------------------------------------

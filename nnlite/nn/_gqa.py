@@ -159,7 +159,9 @@ class GroupedQueryAttention(Module):
         elif self.rope_scaling is None:
             object.__setattr__(self, "rope_scaling", ())
         super().__post_init__()
-        self._check_positive_ints("features", "num_heads", "kv_heads", "dim")
+        self._check_positive_ints("features", "num_heads", "kv_heads")
+        if self.head_dim is not None:
+            self._check_positive_ints("head_dim")
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"GroupedQueryAttention: num_kv_heads={self.kv_heads} must divide "
