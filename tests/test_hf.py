@@ -420,3 +420,88 @@ def test_pretrained_model_for_a_trainer(tmp_path):
         nl.hf.Pretrained(tmp_path, lora={"rank": 2, "targets": "*/mlp/up"})
     with pytest.raises(ValueError, match="lora: unknown key 'dropout'"):
         nl.hf.Pretrained(tmp_path, lora={"dropout": 0.1, "targets": ["*"]})
+
+
+# --- the trainer: model.name "hf:DIR", model.lora, prepare --tokenizer hf:DIR, sampling ---
+def _tiny_hf_dir(d):
+    """A GPT-2 directory made by nnlite itself, with a BPE tokenizer.json (no transformers
+    needed): what a downloaded model directory holds."""
+    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    text = " ".join(np.random.default_rng(0).choice(["the", "king", "shall", "love", "o"], 3000))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator([text], trainer)
+    vocab = tok.get_vocab_size()
+    model = nl.hf.GPT2LM(vocab_size=vocab + 3, context=32, n_layer=1, n_head=2, n_embd=16)
+    nl.hf.save_pretrained(d, model, model.init(jax.random.key(0)))
+    tok.save(str(d / "tokenizer.json"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 0, "bos_token_id": 0}))
+    return text
+
+
+def test_trainer_fine_tunes_a_pretrained_directory_with_lora(tmp_path, capsys):
+    """The CLI's path end to end: prepare --tokenizer hf:DIR, model.name "hf:DIR" with
+    model.lora (loss.grad auto -> the hand rules), resume, fsdp + tensor equal to one
+    device, sampling with the directory's tokenizer, export back."""
+    from _tolerance import assert_same_trajectory
+
+    from train import prepare, sample
+    from train.config import config_from_dict
+    from train.inference import load_run
+    from train.loop.trainer import train as train_run
+
+    src = tmp_path / "gpt2"
+    text = _tiny_hf_dir(src)
+    (tmp_path / "t.txt").write_text(text)
+    args = ["--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "tok")]
+    assert prepare.main([*args, "--tokenizer", f"hf:{src}"]) == 0
+    bad = ["--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "x")]
+    assert prepare.main([*bad, "--tokenizer", f"hf:{tmp_path}/nope"]) == 2
+    assert "nope: no tokenizer.json" in capsys.readouterr().err
+
+    def run(name, steps, resume="fresh", **parallel):
+        raw = {
+            "name": name,
+            "model": {"name": f"hf:{src}",
+                      "lora": {"rank": 2, "alpha": 4, "targets": ["*/attn/qkv", "*/mlp/fc"]}},
+            "data": {"name": "tokens", "path": str(tmp_path / "tok"), "context": 16,
+                     "placement": "host", "eval_windows": 16},
+            "optimizer": {"name": "adamw", "learning_rate": 0.01, "weight_decay": 0.1,
+                          "schedule": "constant", "clip_norm": None},
+            "train": {"batch_size": 8, "steps": steps, "eval_every": 2, "log_every": 2},
+            "checkpoint": {"every": 2},
+            "parallel": {"strategy": "none", **parallel},
+            "log": {"dir": str(tmp_path / "runs"), "progress": False, "plot": False},
+        }  # fmt: skip
+        return train_run(config_from_dict(raw), resume=resume, echo=lambda s: None)
+
+    r = run("lora", 2)
+    assert r.grad_mode == "manual"  # loss.grad: auto covers every layer with hand rules
+    r = run("lora", 4, resume="require")  # resumed from step 2
+    base = nl.hf.load_pretrained(src)[1]
+    # the base weights are frozen (weight decay too), the adapters moved
+    np.testing.assert_array_equal(r.params.blocks[0].attn.qkv.W, base.blocks[0].attn.qkv.W)
+    np.testing.assert_array_equal(r.params.wte.W, base.wte.W)
+    assert float(jnp.abs(r.params.blocks[0].mlp.fc.lora_b).max()) > 0
+    sharded = run("fsdp", 4, strategy="fsdp", tensor=2)
+    assert_same_trajectory(sharded.params, r.params, lr=0.01)
+
+    loaded = load_run(r.run_dir)
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("the king")) == "the king"
+    capsys.readouterr()
+    argv = ["--run", str(r.run_dir), "--prompt", "the king", "--tokens", "6"]
+    assert sample.main([*argv, "--top-p", "0.9", "--temperature", "1"]) == 0
+    assert capsys.readouterr().out.startswith("the king")
+    assert sample.main([*argv[:-1], "40"]) == 2
+    assert "exceeds the model's 32 positions; ask for at most" in capsys.readouterr().err
+
+    out = loaded.model.export(tmp_path / "out", loaded.params)
+    m2, p2 = nl.hf.load_pretrained(out)
+    tokens = np.arange(10).reshape(1, 10)
+    assert_close_f32(jax.jit(m2)(p2, tokens), jax.jit(loaded.model)(loaded.params, tokens), ops=24)
