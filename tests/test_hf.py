@@ -241,7 +241,7 @@ def test_manual_grads_equal_autodiff_through_a_llama_with_lora(key):
 # --- LoRA ----------------------------------------------------------------------------------
 def test_lora_trains_only_adapters_and_merges(key):
     model = nl.hf.GPT2LM(vocab_size=23, context=16, n_layer=2, n_head=2, n_embd=8)
-    params = model.init(key)
+    params = jax.jit(model.init)(key)
     tokens = np.asarray(jax.random.randint(key, (2, 8), 0, 23))
     lmodel, lparams = nl.hf.add_lora(model, params, ["*/attn/qkv", "/blocks[[]1]/mlp/fc"], key)
     np.testing.assert_array_equal(jax.jit(lmodel)(lparams, tokens), jax.jit(model)(params, tokens))
@@ -370,7 +370,7 @@ def test_bad_directories(tmp_path):
     with pytest.raises(nl.hf.HFConfigError, match="nnlite reads no pickle"):
         nl.hf.load_pretrained(d)
     model = nl.hf.build_model(d)
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))
     nl.hf.save_pretrained(tmp_path / "x", model, params)
     # a tensor the config needs is missing from the file
     from nnlite.hf._safetensors import SafetensorsDir, write_safetensors
@@ -400,7 +400,7 @@ def test_pretrained_model_for_a_trainer(tmp_path):
     """nl.hf.Pretrained: a model built from hyperparameters whose jitted init is the
     directory's weights (read by host callbacks, so eval_shape reads nothing)."""
     base = nl.hf.LlamaLM(vocab_size=40, context=16, n_layer=1, n_head=2, n_embd=8, hidden=8)
-    weights = base.init(jax.random.key(3))
+    weights = jax.jit(base.init)(jax.random.key(3))
     nl.hf.save_pretrained(tmp_path, base, weights)
     m = nl.hf.Pretrained(tmp_path, lora={"rank": 2, "targets": ["*/mlp/up"]}, vocab_size=30)
     assert hash(m) == hash(nl.hf.Pretrained(str(tmp_path), lora=dict(m.lora), vocab_size=30))
@@ -438,7 +438,7 @@ def _tiny_hf_dir(d):
     tok.train_from_iterator([text], trainer)
     vocab = tok.get_vocab_size()
     model = nl.hf.GPT2LM(vocab_size=vocab + 3, context=32, n_layer=1, n_head=2, n_embd=16)
-    nl.hf.save_pretrained(d, model, model.init(jax.random.key(0)))
+    nl.hf.save_pretrained(d, model, jax.jit(model.init)(jax.random.key(0)))
     tok.save(str(d / "tokenizer.json"))
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 0, "bos_token_id": 0}))

@@ -284,11 +284,9 @@ class GPT2LM(_Decoder):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> m = GPT2LM(vocab_size=50, context=16, n_layer=2, n_head=2, n_embd=8)
-        >>> p = m.init(jax.random.key(0))
-        >>> m(p, jnp.zeros((1, 5), jnp.int32)).shape
+        >>> p = jax.jit(m.init)(jax.random.key(0))
+        >>> jax.jit(m)(p, jnp.zeros((1, 5), jnp.int32)).shape
         (1, 5, 50)
-        >>> m.generate(p, jnp.zeros((1, 3), jnp.int32), 4, jax.random.key(1)).shape
-        (1, 7)
     """
 
     vocab_size: int
@@ -367,8 +365,8 @@ class LlamaLM(_Decoder):
         >>> import jax, jax.numpy as jnp
         >>> m = LlamaLM(vocab_size=50, context=32, n_layer=2, n_head=4, n_kv_head=2,
         ...             n_embd=16, hidden=32)
-        >>> p = m.init(jax.random.key(0))
-        >>> m(p, jnp.zeros((1, 5), jnp.int32)).shape
+        >>> p = jax.jit(m.init)(jax.random.key(0))
+        >>> jax.jit(m)(p, jnp.zeros((1, 5), jnp.int32)).shape
         (1, 5, 50)
     """
 

@@ -75,7 +75,7 @@ class Pretrained(Module):
         >>> import tempfile, jax, nnlite as nl
         >>> d = tempfile.mkdtemp()
         >>> base = nl.hf.GPT2LM(vocab_size=20, context=8, n_layer=1, n_head=2, n_embd=4)
-        >>> _ = nl.hf.save_pretrained(d, base, base.init(jax.random.key(0)))
+        >>> _ = nl.hf.save_pretrained(d, base, jax.jit(base.init)(jax.random.key(0)))
         >>> m = Pretrained(d, lora={"rank": 2, "targets": ["*/attn/qkv"]})
         >>> p = jax.jit(m.init)(jax.random.key(1))
         >>> p.blocks[0].attn.qkv.lora_a.shape

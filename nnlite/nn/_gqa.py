@@ -127,10 +127,10 @@ class GroupedQueryAttention(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> attn = GroupedQueryAttention(16, num_heads=4, num_kv_heads=2)
-        >>> p = attn.init(jax.random.key(0))
+        >>> p = jax.jit(attn.init)(jax.random.key(0))
         >>> [(k, v.shape) for k, v in p.items()]
         [('/q/W', (16, 16)), ('/k/W', (16, 8)), ('/v/W', (16, 8)), ('/out/W', (16, 16))]
-        >>> attn(p, jnp.ones((2, 5, 16))).shape
+        >>> jax.jit(attn)(p, jnp.ones((2, 5, 16))).shape
         (2, 5, 16)
     """
 

@@ -47,11 +47,11 @@ class LlamaBlock(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> block = LlamaBlock(16, num_heads=4, num_kv_heads=2, hidden=32)
-        >>> p = block.init(jax.random.key(0))
-        >>> block(p, jnp.ones((2, 5, 16))).shape
+        >>> p = jax.jit(block.init)(jax.random.key(0))
+        >>> jax.jit(block)(p, jnp.ones((2, 5, 16))).shape
         (2, 5, 16)
         >>> cache = block.attn.empty_cache(2, 8)
-        >>> y, cache = block.decode(p, jnp.ones((2, 1, 16)), cache, 0)
+        >>> y, cache = jax.jit(block.decode)(p, jnp.ones((2, 1, 16)), cache, 0)
         >>> y.shape, cache[0].shape
         ((2, 1, 16), (2, 8, 2, 4))
     """
