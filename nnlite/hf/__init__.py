@@ -26,8 +26,8 @@ from ._convert import load_pretrained as load_pretrained
 from ._convert import save_pretrained as save_pretrained
 from ._generate import generate as generate
 from ._generate import sample_logits as sample_logits
-from ._models import GPT2LM as GPT2LM
-from ._models import GPT2Block as GPT2Block
+from ._gpt2 import GPT2LM as GPT2LM
+from ._gpt2 import GPT2Block as GPT2Block
 from ._models import LlamaLM as LlamaLM
 from ._models import add_lora as add_lora
 from ._models import merge_lora as merge_lora

@@ -23,7 +23,8 @@ import numpy as np
 
 from ..core._params import ParamsDict
 from ._config import HFConfigError, model_kwargs, read_config
-from ._models import GPT2LM, LlamaLM, merge_lora
+from ._gpt2 import GPT2LM
+from ._models import LlamaLM, merge_lora
 from ._safetensors import SafetensorsDir, write_safetensors
 
 __all__ = ["hf_name", "load_pretrained", "save_pretrained"]

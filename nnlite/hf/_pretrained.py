@@ -21,7 +21,8 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..nn._lora import freeze_base
 from ._convert import build_model, hf_name
-from ._models import GPT2LM, LlamaLM
+from ._gpt2 import GPT2LM
+from ._models import LlamaLM
 from ._safetensors import SafetensorsDir
 
 __all__ = ["Pretrained"]
