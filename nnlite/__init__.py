@@ -47,6 +47,10 @@ from .nn._dropout import Dropout as Dropout
 from .nn._embedding import Embedding as Embedding
 from .nn._equinox import EquinoxLayer as EquinoxLayer
 from .nn._equinox import from_equinox as from_equinox
+
+# Pretrained decoders (issue 33): grouped-query attention, SwiGLU, the Llama block, LoRA;
+# nl.hf (loaded on first use: it is the only part that reads tokenizers/config files).
+from .nn._gqa import GroupedQueryAttention as GroupedQueryAttention
 from .nn._linear import FFN as FFN
 from .nn._linear import Activation as Activation
 from .nn._linear import Linear as Linear
@@ -54,6 +58,12 @@ from .nn._linear import Sequential as Sequential
 from .nn._linear import SoftmaxHead as SoftmaxHead
 from .nn._linear import linear as linear
 from .nn._linear import linear_axes as linear_axes
+from .nn._llama import LlamaBlock as LlamaBlock
+from .nn._lora import LoRA as LoRA
+from .nn._lora import freeze_base as freeze_base
+from .nn._lora import lora_join as lora_join
+from .nn._lora import lora_mask as lora_mask
+from .nn._lora import lora_split as lora_split
 from .nn._losses import REDUCTIONS as REDUCTIONS
 from .nn._losses import accuracy as accuracy
 from .nn._losses import mse as mse
@@ -74,10 +84,12 @@ from .nn._pool import MaxPool as MaxPool
 from .nn._rnn import RNN as RNN
 from .nn._rnn import GRUCell as GRUCell
 from .nn._rnn import LSTMCell as LSTMCell
+from .nn._rope_scaling import rope_frequencies as rope_frequencies
 from .nn._rotary import RotaryEmbedding as RotaryEmbedding
 from .nn._stack import REMAT_POLICIES as REMAT_POLICIES
 from .nn._stack import Remat as Remat
 from .nn._stack import Stack as Stack
+from .nn._swiglu import SwiGLU as SwiGLU
 from .nn._transformer import TransformerBlock as TransformerBlock
 
 # show_jaxpr's printer imports the modules of every JAX primitive it knows (about 0.3 s):
@@ -89,6 +101,7 @@ _LAZY = {
     "show_jaxpr": ".jaxpr._show_jaxpr",
     "show_jaxpr_and_xla": ".jaxpr._show_jaxpr",
     "show_xla": ".jaxpr._show_jaxpr",
+    "hf": ".hf",
 }
 
 # Names that left the library, with where they went: MLP-only code lives with the MLP
@@ -109,7 +122,8 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        module = importlib.import_module(_LAZY[name], __name__)
+        value = module if module.__name__.endswith("." + name) else getattr(module, name)
         globals()[name] = value
         return value
     # Deprecated names: still importable, with a warning that says what replaces them.
@@ -133,6 +147,16 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "freeze_base",
+    "rope_frequencies",
+    "lora_split",
+    "lora_mask",
+    "lora_join",
+    "hf",
+    "SwiGLU",
+    "LoRA",
+    "LlamaBlock",
+    "GroupedQueryAttention",
     "ACTIVATIONS",
     "AXIS_NAMES",
     "Axes",

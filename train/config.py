@@ -391,6 +391,13 @@ def _build_model(
     except ModelError as e:
         raise ConfigError(f"{src}: {e}") from None
     own, types_ = fields(cls), field_types(cls)
+    if name.strip().startswith("hf:"):  # model.name: "hf:DIR" -> nl.hf.Pretrained(path=DIR)
+        directory = name.strip()[3:]
+        if raw.setdefault("path", directory) != directory:
+            raise ConfigError(
+                f"{sources.get('model.path', source)}: model.path={raw['path']!r} differs from "
+                f"model.name={name.strip()}; leave model.path out"
+            )
     options = {}
     for key, value in raw.items():
         src = sources.get(f"model.{key}", source)

@@ -26,7 +26,7 @@ from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
 from .errors import ConfigError
 from .model import registry as models
-from .model.contract import Model, call_stateful, is_stateful
+from .model.contract import Model, call_stateful, is_stateful, model_optimizer
 from .model.registry import MODEL_SOURCE_KEY
 from .optim.named import build_optimizer
 
@@ -143,7 +143,7 @@ def load_run(
     s_template = jax.eval_shape(model.init_state) if is_stateful(model) else None
     opt_state = state = None
     if with_opt_state:
-        optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+        optimizer = model_optimizer(model, build_optimizer(cfg.optimizer, cfg.train.steps))
         params, opt_state, state, _ = ckpt.restore_model(
             model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
         )
@@ -301,7 +301,7 @@ class _Bound:
         return self._call(params, x)
 
 
-def generator(model: Model, state=None):
+def generator(model: Model, state=None, top_p: float | None = None):
     """The jitted ``(params, prompt [1, T], n_tokens, key, temperature, top_k) -> ids``
     of a language model: its own ``generate`` if it has one, else
     :func:`generate_by_windows` (``n_tokens`` and ``top_k`` are static). A stateful
@@ -310,6 +310,13 @@ def generator(model: Model, state=None):
         bound = _Bound(model, functools.partial(eval_call, model, state=state))
         return jax.jit(lambda p, *a: generate_by_windows(bound, p, *a), static_argnums=(2, 5))
     fn = getattr(model, "generate", None)
+    if top_p is not None:  # nucleus sampling: the model's own generate takes it (nl.hf)
+        if fn is None or _state_args(model, state):
+            raise ConfigError(
+                f"top_p needs a model whose own generate takes it (nl.hf models); "
+                f"{type(model).__name__} samples by windows"
+            )
+        fn = functools.partial(fn, top_p=top_p)
     if fn is None:
         fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731
     return jax.jit(fn, static_argnums=(2, 5))

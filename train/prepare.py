@@ -52,7 +52,14 @@ from . import faults
 from .config import ArgumentParser
 from .data.text import staging
 from .data.text.sources import CHUNK_BYTES, Source, bpe_pieces, find_sources, read_blocks, read_text
-from .data.text.tokenizer import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, code_points
+from .data.text.tokenizer import (
+    KINDS,
+    BPETokenizer,
+    ByteTokenizer,
+    CharTokenizer,
+    code_points,
+    from_hf,
+)
 from .data.text.tokens import DTYPES, FORMAT, FORMAT_VERSION
 from .errors import ConfigError
 
@@ -91,7 +98,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tokenizer",
         default="char",
         metavar="{char,byte,bpe}",
-        help=f"one of {', '.join(KINDS)} (default: char)",
+        help=f"one of {', '.join(KINDS)} (default: char), or hf:DIR: the tokenizer.json of a "
+        "Hugging Face model directory",
     )
     ap.add_argument(
         "--vocab-size",
@@ -129,8 +137,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
-    if args.tokenizer not in KINDS:
-        raise ConfigError(f"--tokenizer {args.tokenizer!r}: expected one of {', '.join(KINDS)}")
+    if args.tokenizer not in KINDS and not args.tokenizer.startswith("hf:"):
+        raise ConfigError(
+            f"--tokenizer {args.tokenizer!r}: expected one of {', '.join(KINDS)}, or hf:DIR "
+            "(a Hugging Face model directory's tokenizer.json)"
+        )
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise ConfigError(f"--dtype {args.dtype!r}: expected auto, {', '.join(DTYPES)}")
     if not 0 < args.val_fraction < 1:
@@ -382,6 +393,10 @@ def prepare(args: argparse.Namespace, work: Path, sources: list[Source]) -> dict
         tok = ByteTokenizer()
         writer = TokenWriter(work, _dtype(args, 256, "the byte vocabulary"))
         encode_byte(sources, f, writer, where)
+    elif args.tokenizer.startswith("hf:"):
+        tok = from_hf(args.tokenizer[3:])
+        writer = TokenWriter(work, _dtype(args, tok.vocab_size, "the model's vocabulary"))
+        encode_bpe(sources, tok, f, writer, where)
     else:
         tok, extra["bpe_training_sample"] = train_bpe(
             sources, args.vocab_size, args.bpe_sample_mb, where

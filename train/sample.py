@@ -35,6 +35,11 @@ def parse_args(argv):
         "--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy"
     )
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely (0: all)")
+    ap.add_argument(
+        "--top-p", type=float, default=None,
+        help="nucleus sampling: among the most likely tokens whose probability reaches p "
+        "(models with their own generate: nl.hf models)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     args = ap.parse_args(argv)
     if args.tokens < 1:
@@ -43,6 +48,8 @@ def parse_args(argv):
         raise ConfigError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     return args
@@ -87,7 +94,7 @@ def encode_prompt(prompt: str, run) -> list[int]:
     return ids
 
 
-def generate(model, params, ids, n_tokens, seed, temperature, top_k, state=None):
+def generate(model, params, ids, n_tokens, seed, temperature, top_k, state=None, top_p=None):
     """``(all ids, compile seconds, generate seconds)``: one compiled call of the model's
     generator (``train.inference.generator``) for a batch of one (``state``: a stateful
     model's)."""
@@ -97,7 +104,7 @@ def generate(model, params, ids, n_tokens, seed, temperature, top_k, state=None)
 
     from .inference import generator
 
-    fn = generator(model, state)
+    fn = generator(model, state, top_p=top_p)
     prompt = jnp.asarray(np.asarray(ids, np.int32)[None, :])
     key = jax.random.key(seed)
     t0 = time.perf_counter()
@@ -120,9 +127,16 @@ def main(argv=None) -> int:
             raise ConfigError("--prompt must not be empty (omit it to start from a newline)")
         ids = encode_prompt(prompt, run)
         top_k = args.top_k or None
+        limit = getattr(run.model, "max_positions", None)  # a model that does not slide
+        if limit is not None and len(ids) + args.tokens > limit:
+            raise ConfigError(
+                f"--tokens {args.tokens} after a prompt of {len(ids)} tokens exceeds the "
+                f"model's {limit} positions; ask for at most {limit - len(ids)}"
+            )
         out, t_compile, t_gen = generate(
-            run.model, run.params, ids, args.tokens, args.seed, args.temperature, top_k, run.state
-        )
+            run.model, run.params, ids, args.tokens, args.seed, args.temperature, top_k,
+            run.state, args.top_p,
+        )  # fmt: skip
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_BAD_INPUT

@@ -117,6 +117,7 @@ def build(
     loggers.check(cfg.log.loggers, cfg.log.tensorboard)  # a Config made in code, too
     loggers.check_installed(cfg.log.loggers, cfg.log.tensorboard)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
+    optimizer = contract.model_optimizer(model, optimizer)  # LoRA: the adapters only
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
         _check_init(cfg, model)

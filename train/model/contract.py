@@ -20,6 +20,8 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
   training differentiates); by default they come from the task (:data:`TASKS`):
   softmax cross-entropy + accuracy, mean squared error, next-token cross-entropy + bits
   per character;
+- optionally ``wrap_optimizer(optimizer) -> optimizer``: how the optimizer applies to its
+  params (``nl.hf.Pretrained`` with LoRA: the adapters only, the base frozen);
 - optionally ``grad_modes``: the ``loss.grad`` modes beyond ``autodiff`` and ``manual``
   that its ``objective(..., grad=...)`` implements (the MLP's ``fused``); a list that
   names ``autodiff`` is the complete list (``("autodiff",)``: a model that must not run
@@ -101,6 +103,14 @@ class Model(Protocol):
 
 class ModelError(ValueError):
     """A class or its configuration does not fit the model contract (one line)."""
+
+
+def model_optimizer(model: Any, optimizer: Any) -> Any:
+    """``optimizer`` as the model wants it applied: ``model.wrap_optimizer(optimizer)`` when
+    the model defines it (``nl.hf.Pretrained`` with LoRA: the adapters only, the rest
+    frozen), else ``optimizer``."""
+    wrap = getattr(model, "wrap_optimizer", None)
+    return wrap(optimizer) if callable(wrap) else optimizer
 
 
 def check_model_class(cls: Any, where: str) -> None:

@@ -36,11 +36,19 @@ MODELS = Registry(
 )
 
 
+#: ``model.name: "hf:DIR"``: the model (and weights) of a Hugging Face model directory.
+HF_PREFIX = "hf:"
+
+
 def resolve(name: str, search: tuple[Path, ...] = ()) -> type:
     """The model class that ``model.name`` names; ModelError (one line) when it cannot be
     imported or is not a model. ``search``: directories to import a user's module from,
     first (the config file's directory, then the current one)."""
     where = f"model.name={name}"
+    if name.startswith(HF_PREFIX):  # a Hugging Face model directory (docs/pretrained.md)
+        import nnlite as nl
+
+        return nl.hf.Pretrained
     if ":" not in name and name in MODELS:
         _check_shipped_package(where)
     cls = MODELS.get(name, where, search)

@@ -197,6 +197,27 @@ class BPETokenizer:
             raise ConfigError(f"{path}: not a readable tokenizers file ({e})") from None
 
 
+def from_hf(directory: str | Path) -> BPETokenizer:
+    """The tokenizer of a Hugging Face model directory (``--tokenizer hf:DIR``): its
+    ``tokenizer.json`` as a ``bpe`` tokenizer (the whole file travels with the tokens and
+    the checkpoints), the model's end-of-sequence token ending each file."""
+    import nnlite as nl
+
+    try:
+        hf = nl.hf.load_tokenizer(directory)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer hf:{directory}: {e}") from None
+    tok = BPETokenizer(hf.tokenizer)
+    if hf.eos_id is not None:
+        tok.eot_id = hf.eos_id
+    if tok.eot_id is None:
+        raise ConfigError(
+            f"--tokenizer hf:{directory}: the tokenizer has no end-of-sequence token (none in "
+            "config.json's eos_token_id nor tokenizer_config.json's eos_token) to end each file"
+        )
+    return tok
+
+
 def _flatten(texts: Iterable[str | list[str]]) -> Iterator[str]:
     for t in texts:
         if isinstance(t, str):

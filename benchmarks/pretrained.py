@@ -1,0 +1,249 @@
+"""Pretrained models (nl.hf) against PyTorch ``transformers`` on a SmolLM-135M-shaped Llama.
+
+    python -m benchmarks.pretrained [--size smollm|tiny] [--batch 4] [--seq 256]
+                                    [--new-tokens 64] [--rounds 3]
+
+A random-weight Llama made locally by ``transformers`` (``--size smollm``: 30 layers, 576
+wide, 9 heads, 3 KV heads, MLP 1536, vocabulary 49152, tied head: SmolLM-135M's shape;
+``tiny`` for a quick check that the script works), saved with ``save_pretrained``. Measured,
+each row in the same process for both libraries, interleaved (PyTorch with as many threads
+as the CPU has, which is what XLA uses):
+
+- import: ``nl.hf.load_pretrained`` and ``AutoModelForCausalLM.from_pretrained``, each in a
+  fresh process: wall time and the peak resident memory the load added to the process;
+- forward: tokens/s of the logits of ``[batch, seq]`` tokens;
+- a training step (Adam, next-token cross-entropy): LoRA (rank 8 on q and v, only the
+  adapters differentiated) and full fine-tuning in nnlite; PyTorch full fine-tuning and,
+  when ``peft`` is installed, PyTorch + peft LoRA with the same targets;
+- sampling: greedy new tokens/s with the key/value cache, ``model.generate`` (one compiled
+  program) against ``transformers``' ``generate``.
+
+Results go to ``benchmarks/results/pretrained-latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+SIZES = {
+    "smollm": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+        tie_word_embeddings=True, rope_theta=10000.0,
+    ),
+    "tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+LORA_TARGETS = ["*/attn/q", "*/attn/v"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_child(directory: str, which: str) -> None:
+    """In a fresh process: import the library, then time one load; print JSON."""
+    if which == "nnlite":
+        import jax
+
+        import nnlite as nl
+
+        base = _rss_mb()
+        t0 = time.perf_counter()
+        _, params = nl.hf.load_pretrained(directory)
+        jax.block_until_ready(params)
+    else:
+        warnings.simplefilter("ignore")
+        import transformers
+
+        base = _rss_mb()
+        t0 = time.perf_counter()
+        transformers.AutoModelForCausalLM.from_pretrained(directory)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "peak_added_mb": _rss_mb() - base}))
+
+
+def _child(directory: str, which: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.pretrained", "--load-child", directory, which],
+        capture_output=True, text=True, cwd=ROOT, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=list(SIZES), default="smollm")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--load-child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.load_child:
+        load_child(*args.load_child)
+        return 0
+
+    warnings.simplefilter("ignore")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import torch
+    import transformers
+
+    import nnlite as nl
+
+    from . import _harness as h
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = transformers.LlamaConfig(**SIZES[args.size])
+    tmp = tempfile.mkdtemp(prefix="nnlite-bench-hf-")
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg)
+    ref.save_pretrained(tmp)
+    ref.eval()
+    rows, results = [], {"size": args.size, "config": SIZES[args.size]}
+
+    # -- import -------------------------------------------------------------------------
+    loads = {w: _child(tmp, w) for w in ("nnlite", "transformers")}
+    results["import"] = loads
+    for w, r in loads.items():
+        rows.append((f"import ({w})", f"{r['seconds']:.2f} s", f"+{r['peak_added_mb']:.0f} MB"))
+
+    model, params = nl.hf.load_pretrained(tmp)
+    b, t = args.batch, args.seq
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t + 1))
+    # numpy, not jax arrays: closed over by the jitted steps as constants (nl.Embedding's
+    # range check reads concrete ids on the host)
+    x, y = tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+    tx, ty = torch.tensor(tokens[:, :-1]), torch.tensor(tokens[:, 1:])
+
+    # -- forward ------------------------------------------------------------------------
+    forward = jax.jit(model)
+
+    def torch_forward():
+        with torch.no_grad():
+            return ref(tx).logits
+
+    fw = h.time_interleaved(
+        {"nnlite": lambda: forward(params, x).block_until_ready(), "torch": torch_forward},
+        rounds=args.rounds,
+    )
+    results["forward_tokens_per_s"] = {k: b * t / h.median(v) for k, v in fw.items()}
+
+    # -- training steps -----------------------------------------------------------------
+    def xent(logits):
+        return nl.softmax_cross_entropy(logits, y, reduction="mean")
+
+    opt = optax.adam(1e-4)
+    full_state = opt.init(params)
+
+    @jax.jit
+    def full_step(p, s):
+        g = jax.grad(lambda p: xent(model(p, x)))(p)
+        u, s = opt.update(g, s)
+        return optax.apply_updates(p, u), s
+
+    lmodel, lparams = nl.hf.add_lora(model, params, LORA_TARGETS, jax.random.key(0))
+    adapters, frozen = nl.lora_split(lparams)
+    lora_state = opt.init(adapters)
+
+    @jax.jit
+    def lora_step(a, s):
+        g = jax.grad(lambda a: xent(lmodel(nl.lora_join(a, frozen), x)))(a)
+        u, s = opt.update(g, s)
+        return optax.apply_updates(a, u), s
+
+    state = {"full": (params, full_state), "lora": (adapters, lora_state)}
+
+    def run(name, step):
+        def go():
+            state[name] = step(*state[name])
+            jax.block_until_ready(state[name])
+
+        return go
+
+    torch_opt = torch.optim.Adam(ref.parameters(), 1e-4)
+
+    def torch_full():
+        loss = torch.nn.functional.cross_entropy(ref(tx).logits.flatten(0, 1), ty.flatten())
+        torch_opt.zero_grad()
+        loss.backward()
+        torch_opt.step()
+
+    cases = {"nnlite full": run("full", full_step), "nnlite lora": run("lora", lora_step)}
+    cases["torch full"] = torch_full
+    try:
+        import peft
+
+        peft_model = peft.get_peft_model(
+            transformers.AutoModelForCausalLM.from_pretrained(tmp),
+            peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+        )
+        peft_opt = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad])
+
+        def torch_lora():
+            logits = peft_model(input_ids=tx).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ty.flatten())
+            peft_opt.zero_grad()
+            loss.backward()
+            peft_opt.step()
+
+        cases["torch+peft lora"] = torch_lora
+    except ImportError:
+        results["peft"] = "not installed"
+    steps = h.time_interleaved(cases, rounds=args.rounds, warmup=1)
+    results["step_seconds"] = {k: h.median(v) for k, v in steps.items()}
+
+    # -- sampling -------------------------------------------------------------------------
+    n = args.new_tokens
+    prompt = tokens[:1, :16]
+    gen = jax.jit(model.generate, static_argnums=2)
+
+    def torch_gen():
+        with torch.no_grad():
+            ref.generate(torch.tensor(prompt), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0)  # fmt: skip
+
+    sm = h.time_interleaved(
+        {
+            "nnlite": lambda: gen(
+                params, jnp.asarray(prompt), n, jax.random.key(0), 0.0
+            ).block_until_ready(),
+            "torch": torch_gen,
+        },
+        rounds=args.rounds,
+        warmup=1,
+    )
+    results["sample_tokens_per_s"] = {k: n / h.median(v) for k, v in sm.items()}
+
+    for k, v in results["forward_tokens_per_s"].items():
+        rows.append((f"forward {b}x{t} ({k})", f"{v:,.0f} tokens/s", ""))
+    for k, v in results["step_seconds"].items():
+        rows.append((f"train step {b}x{t} ({k})", h.fmt_time(v), f"{b * t / v:,.0f} tokens/s"))
+    for k, v in results["sample_tokens_per_s"].items():
+        rows.append((f"greedy sampling, {n} tokens ({k})", f"{v:,.1f} tokens/s", ""))
+    print(h.table(rows, ["what", "time / rate", "note"]))
+    results["machine"] = h.machine_info()
+    print("wrote", h.write_json(f"pretrained-{args.size}", results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Pretrained models in and out: Hugging Face GPT-2 and Llama-family model directories.
+
+``model, params = nl.hf.load_pretrained(dir)`` builds an ``nl.hf.GPT2LM`` or ``nl.hf.LlamaLM``
+from ``config.json`` and reads its safetensors lazily; ``nl.hf.save_pretrained(dir, model,
+params, tokenizer)`` writes a directory ``transformers`` loads; ``nl.hf.load_tokenizer(dir)``
+reads ``tokenizer.json``. See docs/pretrained.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from ..nn._lora import lora_join as lora_join
+from ..nn._lora import lora_mask as lora_mask
+from ..nn._lora import lora_split as lora_split
+from ._config import FAMILIES as FAMILIES
+from ._config import IGNORED_KEYS as IGNORED_KEYS
+from ._config import HFConfigError as HFConfigError
+from ._convert import build_model as build_model
+from ._convert import hf_config as hf_config
+from ._convert import hf_name as hf_name
+from ._convert import load_pretrained as load_pretrained
+from ._convert import save_pretrained as save_pretrained
+from ._generate import generate as generate
+from ._generate import sample_logits as sample_logits
+from ._gpt2 import GPT2LM as GPT2LM
+from ._gpt2 import GPT2Block as GPT2Block
+from ._models import LlamaLM as LlamaLM
+from ._models import add_lora as add_lora
+from ._models import merge_lora as merge_lora
+from ._pretrained import Pretrained as Pretrained
+from ._tokenizer import Tokenizer as Tokenizer
+from ._tokenizer import load_tokenizer as load_tokenizer
+
+
+def from_pretrained(
+    directory: str | os.PathLike,
+    *,
+    lora: dict[str, Any] | None = None,
+    key: jax.Array | None = None,
+    sharding: Any = None,
+    ignore_keys=(),
+):
+    """``(model, params, tokenizer)`` for a training run: the model and weights of
+    ``directory``, with LoRA adapters when ``lora`` is given (``{"rank": 8, "alpha": 16,
+    "targets": ["*/attn/q", "*/attn/v"]}``; ``key`` draws the adapters' ``A``), and the
+    directory's tokenizer (None without a ``tokenizer.json``).
+
+    The trainer's ``model.name: "hf:DIR"`` and ``model.lora`` are this call."""
+    model, params = load_pretrained(directory, sharding=sharding, ignore_keys=ignore_keys)
+    if lora:
+        unknown = sorted(set(lora) - {"rank", "alpha", "targets"})
+        if unknown or "targets" not in lora:
+            raise ValueError(
+                f"lora: expected keys rank, alpha, targets (targets required), got {sorted(lora)}"
+            )
+        targets = lora["targets"]
+        if isinstance(targets, str) or not targets:
+            raise ValueError(f"lora.targets: a non-empty list of globs, got {targets!r}")
+        model, params = add_lora(
+            model,
+            params,
+            targets,
+            jax.random.key(0) if key is None else key,
+            rank=int(lora.get("rank", 8)),
+            alpha=float(lora.get("alpha", 16.0)),
+        )
+    try:
+        tokenizer = load_tokenizer(directory)
+    except FileNotFoundError:
+        tokenizer = None
+    return model, params, tokenizer
+
+
+__all__ = [
+    "FAMILIES",
+    "GPT2Block",
+    "GPT2LM",
+    "HFConfigError",
+    "IGNORED_KEYS",
+    "LlamaLM",
+    "Pretrained",
+    "Tokenizer",
+    "add_lora",
+    "build_model",
+    "from_pretrained",
+    "generate",
+    "hf_config",
+    "hf_name",
+    "load_pretrained",
+    "load_tokenizer",
+    "lora_join",
+    "lora_mask",
+    "lora_split",
+    "merge_lora",
+    "sample_logits",
+    "save_pretrained",
+]

@@ -1,0 +1,107 @@
+"""A model directory's ``tokenizer.json`` as a tokenizer, through Hugging Face ``tokenizers``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Tokenizer", "load_tokenizer"]
+
+TOKENIZER_FILE = "tokenizer.json"
+# Files beside tokenizer.json that transformers' AutoTokenizer reads; copied on save.
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError(
+            "nl.hf tokenizers need the 'tokenizers' package: pip install tokenizers"
+        ) from None
+    return tokenizers
+
+
+class Tokenizer:
+    """Text to ids and back with a Hugging Face fast tokenizer (``tokenizer.json``).
+
+    ``encode(text) -> int32 array`` (without the special tokens a model's template adds,
+    unless ``add_special_tokens=True``), ``decode(ids) -> str``, ``vocab_size``,
+    ``eos_id`` (None where unknown), ``save(dir)``. The same protocol as the trainer's
+    tokenizers, ``kind = "hf"``.
+    """
+
+    kind = "hf"
+
+    def __init__(self, tokenizer, source: str | os.PathLike | None = None, eos_id=None):
+        self.tokenizer = tokenizer
+        self.source = None if source is None else Path(source)
+        self.eos_id = eos_id
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
+        """A tokenizer from a ``tokenizer.json`` file."""
+        tok = _tokenizers().Tokenizer.from_file(str(path))
+        return cls(tok, Path(path).parent)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+        if not isinstance(text, str):
+            raise TypeError(f"Tokenizer.encode: expected a str, got {type(text).__name__}")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return np.asarray(ids, np.int32)
+
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"Tokenizer.decode: id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def save(self, directory: str | os.PathLike) -> dict:
+        """Write ``tokenizer.json`` (and the source directory's ``tokenizer_config.json``,
+        ``special_tokens_map.json``) into ``directory``; returns ``{"kind": "hf", "file":
+        "tokenizer.json"}``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(str(d / TOKENIZER_FILE))
+        if self.source is not None and self.source.resolve() != d.resolve():
+            for name in _SIDE_FILES:
+                if (self.source / name).is_file():
+                    shutil.copyfile(self.source / name, d / name)
+        return {"kind": self.kind, "file": TOKENIZER_FILE}
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a Hugging Face model directory (its ``tokenizer.json``); ``eos_id``
+    from ``config.json`` or ``tokenizer_config.json`` where they name one."""
+    d = Path(directory)
+    path = d / TOKENIZER_FILE if d.is_dir() else d
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{directory}: no {TOKENIZER_FILE} (nnlite reads Hugging Face fast tokenizers only)"
+        )
+    tok = Tokenizer.from_file(path)
+    eos = None
+    cfg = path.parent / "config.json"
+    if cfg.is_file():
+        eos = json.loads(cfg.read_text()).get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None and (path.parent / "tokenizer_config.json").is_file():
+        name = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
+        if isinstance(name, dict):
+            name = name.get("content")
+        if isinstance(name, str):
+            eos = tok.tokenizer.token_to_id(name)
+    tok.eos_id = eos
+    return tok

@@ -1,0 +1,131 @@
+"""The SwiGLU MLP (Shazeer 2020; Llama, Mistral, Qwen2): ``down(silu(gate(x)) * up(x))``,
+with the gating product's hand rule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..core._module import Module
+from ..core._params import ParamsDict
+from ..grad._manual import hand_rule
+from ._linear import Linear
+from ._lora import LoRA, adapter_axes, wrap
+
+__all__ = ["SwiGLU", "swiglu", "swiglu_vjp"]
+
+
+def swiglu_vjp(gate, up, dret):
+    """Hand VJP of ``swiglu``: ``d gate = dy * up * silu'(gate)``, ``d up = dy * silu(gate)``,
+    with ``silu'(g) = s (1 + g (1 - s))`` and ``s = sigmoid(g)``."""
+    s = jax.nn.sigmoid(gate)
+    return dret * up * s * (1 + gate * (1 - s)), dret * gate * s
+
+
+@hand_rule(swiglu_vjp)
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up``, elementwise (same shapes).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [round(v, 4) for v in swiglu(jnp.array([0.0, 2.0]), jnp.array([3.0, 1.0])).tolist()]
+        [0.0, 1.7616]
+    """
+    return jax.nn.silu(gate) * up
+
+
+class SwiGLU(Module):
+    """Gated MLP: ``down(silu(gate(x)) * up(x))`` (the feed-forward of Llama, Mistral, Qwen2,
+    SmolLM; Flax and Equinox have none), ``gate`` and ``up`` ``features -> hidden``, ``down``
+    ``hidden -> features``.
+
+    Args:
+        features: model width.
+        hidden: the gated hidden width (``intermediate_size``).
+        use_bias: biases on the three projections (Llama's ``mlp_bias``).
+        lora: projections wrapped in ``nl.LoRA`` (``"gate"``, ``"up"``, ``"down"``), with
+            ``lora_rank`` and ``lora_alpha``.
+        w_init, param_dtype, dtype: as ``nl.Linear``.
+
+    Params: ``/gate``, ``/up``, ``/down``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> mlp = SwiGLU(8, 24)
+        >>> p = mlp.init(jax.random.key(0))
+        >>> [(k, v.shape) for k, v in p.items()]
+        [('/gate/W', (8, 24)), ('/up/W', (8, 24)), ('/down/W', (24, 8))]
+        >>> mlp(p, jnp.ones((2, 3, 8))).shape
+        (2, 3, 8)
+    """
+
+    features: int
+    hidden: int
+    use_bias: bool = False
+    lora: tuple[str, ...] = ()
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    w_init: str = "lecun_normal"
+    param_dtype: str = "float32"
+    dtype: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_positive_ints("features", "hidden")
+        for name in self.lora:
+            if name not in ("gate", "up", "down"):
+                raise ValueError(
+                    f"SwiGLU: lora names {name!r}, not a projection of this layer; valid: "
+                    "gate, up, down"
+                )
+        self.down  # validates w_init and the dtypes  # noqa: B018
+
+    def _linear(self, name: str, n_in: int, n_out: int) -> Linear | LoRA:
+        lin = Linear(
+            n_in,
+            n_out,
+            use_bias=self.use_bias,
+            w_init=self.w_init,
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+        )
+        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha)
+
+    @property
+    def gate(self):
+        return self._linear("gate", self.features, self.hidden)
+
+    @property
+    def up(self):
+        return self._linear("up", self.features, self.hidden)
+
+    @property
+    def down(self):
+        return self._linear("down", self.hidden, self.features)
+
+    @property
+    def children(self) -> dict[str, Linear | LoRA]:
+        return {"gate": self.gate, "up": self.up, "down": self.down}
+
+    def param_axes(self) -> ParamsDict:
+        """Megatron's MLP: ``gate`` and ``up`` column-parallel, ``down`` row-parallel."""
+        return ParamsDict(
+            gate=adapter_axes(self.gate, "embed", "mlp"),
+            up=adapter_axes(self.up, "embed", "mlp"),
+            down=adapter_axes(self.down, "mlp", "embed"),
+        )
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        kg, ku, kd = jax.random.split(key, 3)
+        return ParamsDict(gate=self.gate.init(kg), up=self.up.init(ku), down=self.down.init(kd))
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        self.check_input(x, self.features)
+        h = {}
+        for name in ("gate", "up"):
+            p = self.child(params, name)
+            with self.params_scope(f"/{name}"):
+                h[name] = self.children[name](p, x)
+        p = self.child(params, "down")
+        with self.params_scope("/down"):
+            return self.down(p, swiglu(h["gate"], h["up"]).astype(jnp.result_type(h["up"])))

@@ -1,0 +1,507 @@
+"""Pretrained models in and out (nl.hf), checked against Hugging Face ``transformers`` itself:
+tiny random checkpoints made by transformers, nnlite's logits and greedy tokens equal to its,
+exports that transformers reloads; the new layers' hand rules; LoRA; the refusals."""
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
+from _tolerance import check_rule as check
+
+import nnlite as nl
+from nnlite.nn import _gqa, _lora, _rope_scaling, _swiglu
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def tf():
+    """transformers and torch, imported with their import-time warnings silenced (the suite
+    turns warnings into errors)."""
+    reason = "transformers and torch are test-only extras: pip install 'nnlite[hf-test]'"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch = pytest.importorskip("torch", reason=reason)
+        transformers = pytest.importorskip("transformers", reason=reason)
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    return transformers, torch
+
+
+def _save(tf, cfg, path):
+    """A random-weight checkpoint made and saved by transformers; the torch model back."""
+    transformers, torch = tf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        # transformers' init leaves norms at 1 and biases at 0: perturb them so the test
+        # sees a norm's scale or a bias landing in the wrong place
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(path)
+    return model
+
+
+def _torch_logits(tf, model, tokens):
+    _, torch = tf
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def _reload(tf, path):
+    transformers, _ = tf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _configs(transformers):
+    small = dict(vocab_size=97, max_position_embeddings=64)
+    dims = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2)
+    return {
+        "gpt2": transformers.GPT2Config(
+            vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+            eos_token_id=0,
+        ),
+        # grouped-query attention (4 heads, 2 kv heads), llama3 rope scaling, untied head
+        "llama-gqa-llama3": transformers.LlamaConfig(
+            **small, **dims, num_attention_heads=4, num_key_value_heads=2,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        ),
+        # SmolLM's shape (tied head) with multi-query attention, linear scaling, another
+        # theta, and every bias Llama's config can switch on
+        "llama-tied-linear-biases": transformers.LlamaConfig(
+            **small, **dims, num_attention_heads=4, num_key_value_heads=1,
+            tie_word_embeddings=True, rope_theta=500.0, attention_bias=True, mlp_bias=True,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+        # Qwen2: q/k/v biases, tied head
+        "qwen2": transformers.Qwen2Config(
+            **small, **dims, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+        # Mistral without a sliding window, YaRN scaling, head_dim != hidden / heads
+        "mistral-yarn": transformers.MistralConfig(
+            **small, **dims, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            sliding_window=None,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                          "original_max_position_embeddings": 16},
+        ),
+    }  # fmt: skip
+
+
+ARCHS = ["gpt2", "llama-gqa-llama3", "llama-tied-linear-biases", "qwen2", "mistral-yarn"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_generation_and_export_equal_transformers(tf, tmp_path, arch):
+    transformers, _ = tf
+    ref_model = _save(tf, _configs(transformers)[arch], tmp_path / "in")
+    model, params = nl.hf.load_pretrained(tmp_path / "in")
+    tokens = np.random.default_rng(1).integers(0, 97, (2, 20))
+    ops = ROUNDINGS_PER_LAYER * (model.n_layer + 2)
+    assert_close_f32(
+        model(params, jnp.asarray(tokens)), _torch_logits(tf, ref_model, tokens), ops=ops
+    )
+
+    # greedy decoding with the key/value cache: the same 50 tokens as transformers.generate
+    prompt = tokens[:, :5]
+    ours = jax.jit(model.generate, static_argnums=2)(
+        params, jnp.asarray(prompt), 50, jax.random.key(0), 0.0
+    )
+    _, torch = tf
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = ref_model.generate(
+            torch.tensor(prompt), max_new_tokens=50, min_new_tokens=50, do_sample=False,
+            pad_token_id=0,
+        ).numpy()  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(ours), theirs)
+
+    # a fine-tuned run (params moved) exported back: transformers reloads the same function
+    moved = jax.tree.map(lambda a: a + 0.01 * jnp.sign(a), params)
+    nl.hf.save_pretrained(tmp_path / "out", model, moved, source=tmp_path / "in")
+    again = _reload(tf, tmp_path / "out")
+    assert_close_f32(_torch_logits(tf, again, tokens), model(moved, jnp.asarray(tokens)), ops=ops)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["eos_token_id"] == json.loads((tmp_path / "in" / "config.json").read_text()).get(
+        "eos_token_id"
+    )
+
+
+def test_sharded_files_load_onto_a_mesh(tf, tmp_path):
+    transformers, _ = tf
+    ref = _save(tf, _configs(transformers)["llama-gqa-llama3"], tmp_path / "in")
+    model, params = nl.hf.load_pretrained(tmp_path / "in")
+    files = nl.hf.save_pretrained(tmp_path / "sharded", model, params, max_shard_bytes=20_000)
+    index = json.loads((files / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    mesh = jax.make_mesh((8,), ("d",), (jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+
+    def place(path, shape):  # shard each matrix's last axis where it divides
+        spec = P(*([None] * (len(shape) - 1)), "d") if shape[-1] % 8 == 0 else P()
+        return jax.sharding.NamedSharding(mesh, spec)
+
+    m2, p2 = nl.hf.load_pretrained(files, sharding=place)
+    assert p2.blocks[0].attn.q.W.sharding.spec == P(None, "d")
+    tokens = np.arange(12).reshape(1, 12)
+    assert_close_f32(jax.jit(m2)(p2, tokens), _torch_logits(tf, ref, tokens), ops=32)
+    assert _reload(tf, files) is not None  # transformers reads the sharded index too
+
+
+def test_tokenizer_round_trips_and_exports(tf, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    transformers, _ = tf
+    text = "the quick brown fox jumps over the lazy dog. " * 20 + "héllo wörld 123"
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=97,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([text], trainer)
+    src = tmp_path / "in"
+    # GPT-2 with an untied head and another activation (the other GPT-2 variants)
+    cfg = _configs(transformers)["gpt2"]
+    cfg.tie_word_embeddings, cfg.activation_function = False, "relu"
+    ref = _save(tf, cfg, src)
+    tok.save(str(src / "tokenizer.json"))
+    model, params, hf_tok = nl.hf.from_pretrained(src)
+    assert not model.tie_head and model.activation == "relu"
+    ids = np.arange(9).reshape(1, 9)
+    assert_close_f32(jax.jit(model)(params, ids), _torch_logits(tf, ref, ids), ops=32)
+    assert hf_tok.eos_id == 0 and hf_tok.vocab_size == tok.get_vocab_size()
+    for s in ["the lazy fox", "héllo wörld 123", "unseen: ∑ ü 🦊"]:
+        ids = hf_tok.encode(s)
+        assert ids.dtype == np.int32 and hf_tok.decode(ids) == s
+    with pytest.raises(ValueError, match="id 500 is outside the vocabulary"):
+        hf_tok.decode([1, 500])
+    out = nl.hf.save_pretrained(tmp_path / "out", model, params, hf_tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    assert theirs.encode("the lazy fox") == hf_tok.encode("the lazy fox").tolist()
+
+
+# --- the new layers' hand rules ------------------------------------------------------------
+@pytest.mark.parametrize("kv", [1, 2, 4])
+def test_grouped_attention_rule(rand, kv):
+    q, k, v = rand(2, 5, 4, 3), rand(2, 6, kv, 3), rand(2, 6, kv, 3)
+    check(_gqa.grouped_attention, q, k, v, None)
+    check(_gqa.grouped_attention, q, k, v, nl.nn._attention.causal_mask(5, 6)[None, None])
+
+
+def test_rope_swiglu_lora_rules(rand):
+    freq, factor = _rope_scaling.rope_frequencies(
+        6, 100.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    )
+    assert factor > 1  # yarn scales cos and sin
+    check(_rope_scaling.rope, rand(2, 5, 3, 6), jnp.arange(5)[:, None], inv_freq=freq,
+          attention_factor=factor)  # fmt: skip
+    check(_swiglu.swiglu, rand(3, 7), rand(3, 7))
+    check(_lora.lora_linear, rand(2, 3, 5), rand(5, 4), rand(4), rand(5, 2), rand(2, 4), scale=2.0)
+    check(_lora.lora_linear, rand(3, 5), rand(5, 4), None, rand(5, 2), rand(2, 4), scale=0.5)
+
+
+def test_manual_grads_equal_autodiff_through_a_llama_with_lora(key):
+    model = nl.hf.LlamaLM(vocab_size=31, context=16, n_layer=1, n_head=4, n_kv_head=2,
+                          n_embd=16, hidden=24, qkv_bias=True)  # fmt: skip
+    params = jax.jit(model.init)(key)
+    model, params = nl.hf.add_lora(model, params, ["*/attn/[qv]", "*/mlp/down"], key, rank=2)
+    # move B off zero so every adapter's gradient is non-trivial
+    params = jax.tree.map(lambda a: a + 0.1, params)
+    tokens = jax.random.randint(key, (2, 9), 0, 31)
+
+    def loss(p):
+        logits = model(p, tokens[:, :-1])
+        return nl.softmax_cross_entropy(logits, tokens[:, 1:], reduction="mean")
+
+    auto = jax.jit(jax.grad(loss))(params)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params)
+    assert_close_f32(hand, auto, ops=ROUNDINGS_PER_LAYER * 4)
+
+
+# --- LoRA ----------------------------------------------------------------------------------
+def test_lora_trains_only_adapters_and_merges(key):
+    model = nl.hf.GPT2LM(vocab_size=23, context=16, n_layer=2, n_head=2, n_embd=8)
+    params = jax.jit(model.init)(key)
+    tokens = np.asarray(jax.random.randint(key, (2, 8), 0, 23))
+    lmodel, lparams = nl.hf.add_lora(model, params, ["*/attn/qkv", "/blocks[[]1]/mlp/fc"], key)
+    np.testing.assert_array_equal(jax.jit(lmodel)(lparams, tokens), jax.jit(model)(params, tokens))
+    assert sorted(lmodel.lora_paths) == [
+        "/blocks[0]/attn/qkv", "/blocks[1]/attn/qkv", "/blocks[1]/mlp/fc",
+    ]  # fmt: skip
+    adapters, frozen = nl.lora_split(lparams)
+    assert sorted(adapters) == sorted(f"{p}/lora_{x}" for p in lmodel.lora_paths for x in "ab")
+
+    def loss(ad):
+        p = nl.lora_join(ad, frozen)
+        return jnp.mean(lmodel(p, tokens) ** 2)
+
+    grads = jax.jit(jax.grad(loss))(adapters)
+    assert all(float(jnp.abs(g).max()) > 0 for k, g in grads.items() if k.endswith("lora_b"))
+    # the base weights get no gradient even when differentiated: frozen inside the layer
+    full = jax.jit(jax.grad(lambda p: jnp.mean(lmodel(p, tokens) ** 2)))(lparams)
+    assert float(jnp.abs(full.blocks[0].attn.qkv.W).max()) == 0.0
+    assert float(jnp.abs(full.blocks[1].attn.out.W).max()) > 0  # not a target: trainable
+    mask = nl.lora_mask(lparams)
+    assert mask.blocks[0].attn.qkv.lora_a is True and mask.blocks[0].attn.qkv.W is False
+
+    trained = nl.lora_join(jax.tree.map(lambda a, g: a - 0.5 * g, adapters, grads), frozen)
+    merged_model, merged = nl.hf.merge_lora(lmodel, trained)
+    assert not merged_model.lora_targets and "lora_a" not in merged.blocks[0].attn.qkv
+    assert_close_f32(
+        jax.jit(merged_model)(merged, tokens), jax.jit(lmodel)(trained, tokens), ops=16
+    )
+
+
+def test_lora_fine_tune_exports_to_transformers(tf, tmp_path, key):
+    transformers, _ = tf
+    _save(tf, _configs(transformers)["qwen2"], tmp_path / "in")
+    model, params, _ = nl.hf.from_pretrained(
+        tmp_path / "in", lora={"rank": 4, "alpha": 8, "targets": ["*/attn/*", "*/mlp/up"]}
+    )
+    adapters, frozen = nl.lora_split(params)
+    adapters = jax.tree.map(lambda a: a + 0.05, adapters)  # a "trained" adapter
+    params = nl.lora_join(adapters, frozen)
+    tokens = np.arange(14).reshape(1, 14) % 97
+    nl.hf.save_pretrained(tmp_path / "out", model, params)
+    again = _reload(tf, tmp_path / "out")
+    assert_close_f32(_torch_logits(tf, again, tokens), jax.jit(model)(params, tokens), ops=40)
+
+
+def test_lora_layer_and_bad_targets(key):
+    with pytest.raises(TypeError, match="base must be an nl.Linear"):
+        nl.LoRA(nl.Conv(2, 2, 3))
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        nl.LoRA(nl.Linear(3, 4), rank=0)
+    model = nl.hf.LlamaLM(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=8, hidden=8)
+    with pytest.raises(ValueError, match=r"target '\*/attn/query' matches no linear layer"):
+        model.with_lora(["*/attn/query"])
+    with pytest.raises(ValueError, match="lora names 'w1', not a projection"):
+        nl.SwiGLU(4, 8, lora=("w1",))
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
+        nl.GroupedQueryAttention(16, 4, 3)
+    with pytest.raises(ValueError, match="features=2 is not a multiple of num_heads=4"):
+        nl.GroupedQueryAttention(2, 4)
+    with pytest.raises(ValueError, match="rope_scaling kind 'longrope' is not supported"):
+        nl.LlamaBlock(8, 2, hidden=8, rope_scaling={"rope_type": "longrope", "factor": 2})
+    attn = nl.GroupedQueryAttention(8, 2)
+    with pytest.raises(ValueError, match=r"expected x \[B, T, 8\], got shape \(3, 8\)"):
+        attn(attn.init(key), jnp.ones((3, 8)))
+
+
+# --- sampling -----------------------------------------------------------------------------
+def test_sampling_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+    keys = jax.random.split(jax.random.key(0), 300)
+    seen = lambda **kw: [
+        set(np.asarray(d).tolist())
+        for d in jax.vmap(  # noqa: E731
+            lambda k: nl.hf.sample_logits(logits, k, **kw)
+        )(keys).T
+    ]
+    assert seen(top_k=2) == [{0, 1}, {2, 3}]
+    assert seen(top_p=0.7) == [{0, 1}, {2, 3}]
+    assert seen(top_p=0.4) == [{0}, {3}]  # the most likely token is always kept
+    assert seen(temperature=0) == [{0}, {3}]
+    assert seen() == [{0, 1, 2, 3}, {0, 1, 2, 3}]
+    with pytest.raises(ValueError, match="top_p must be a number in"):
+        nl.hf.sample_logits(logits, keys[0], top_p=1.5)
+    m = nl.hf.GPT2LM(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=8)
+    with pytest.raises(ValueError, match=r"= 10 exceeds the model's context of 8"):
+        m.generate(m.init(jax.random.key(0)), jnp.zeros((1, 4), jnp.int32), 6, keys[0])
+
+
+# --- what is refused ------------------------------------------------------------------------
+def _dir(tmp_path, cfg):
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+LLAMA = dict(
+    model_type="llama", vocab_size=11, hidden_size=8, intermediate_size=8,
+    num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"model_type": "bert"}, "model_type 'bert' is not supported; supported: gpt2, llama"),
+        ({"model_type": "mistral", "sliding_window": 8}, "sliding_window=8 .* not supported"),
+        ({"num_local_experts": 8}, "num_local_experts=8: mixture-of-experts layers"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"frobnicate": 3}, r"config key 'frobnicate' \(= 3\) .* ignore_keys=\['frobnicate'\]"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(tmp_path, extra, message):
+    d = _dir(tmp_path, {**LLAMA, **extra})
+    with pytest.raises(nl.hf.HFConfigError, match=message):
+        nl.hf.load_pretrained(d)
+
+
+def test_bad_directories(tmp_path):
+    with pytest.raises(nl.hf.HFConfigError, match="no config.json"):
+        nl.hf.load_pretrained(tmp_path)
+    d = _dir(tmp_path, LLAMA)
+    (d / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(nl.hf.HFConfigError, match="nnlite reads no pickle"):
+        nl.hf.load_pretrained(d)
+    model = nl.hf.build_model(d)
+    params = jax.jit(model.init)(jax.random.key(0))
+    nl.hf.save_pretrained(tmp_path / "x", model, params)
+    # a tensor the config needs is missing from the file
+    from nnlite.hf._safetensors import SafetensorsDir, write_safetensors
+
+    w = SafetensorsDir(tmp_path / "x")
+    tensors = {n: np.asarray(w.tensor(n)) for n in w.names() if "up_proj" not in n}
+    write_safetensors(d, tensors)
+    with pytest.raises(
+        nl.hf.HFConfigError, match=r"'model.layers.0.mlp.up_proj.weight' .* missing"
+    ):
+        nl.hf.load_pretrained(d)
+
+
+def test_importing_nnlite_pulls_no_new_dependency():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nnlite; "
+        "print(any(m in sys.modules for m in ('nnlite.hf', 'tokenizers', 'torch', 'transformers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_pretrained_model_for_a_trainer(tmp_path):
+    """nl.hf.Pretrained: a model built from hyperparameters whose jitted init is the
+    directory's weights (read by host callbacks, so eval_shape reads nothing)."""
+    base = nl.hf.LlamaLM(vocab_size=40, context=16, n_layer=1, n_head=2, n_embd=8, hidden=8)
+    weights = jax.jit(base.init)(jax.random.key(3))
+    nl.hf.save_pretrained(tmp_path, base, weights)
+    m = nl.hf.Pretrained(tmp_path, lora={"rank": 2, "targets": ["*/mlp/up"]}, vocab_size=30)
+    assert hash(m) == hash(nl.hf.Pretrained(str(tmp_path), lora=dict(m.lora), vocab_size=30))
+    shapes = jax.eval_shape(m.init, jax.random.key(0))
+    assert shapes.blocks[0].mlp.up.lora_b.shape == (2, 8)
+    p = jax.jit(m.init)(jax.random.key(0))
+    np.testing.assert_array_equal(p.blocks[0].attn.k.W, weights.blocks[0].attn.k.W)
+    np.testing.assert_array_equal(p.blocks[0].mlp.up.lora_b, 0)
+    tokens = np.arange(6).reshape(1, 6)
+    np.testing.assert_array_equal(jax.jit(m)(p, tokens), jax.jit(base)(weights, tokens))
+    m.export(tmp_path / "out", p)
+    m2, p2 = nl.hf.load_pretrained(tmp_path / "out")
+    assert_close_f32(jax.jit(m2)(p2, tokens), jax.jit(base)(weights, tokens), ops=24)
+    with pytest.raises(ValueError, match="vocab_size=50: the data's vocabulary must fit"):
+        nl.hf.Pretrained(tmp_path, vocab_size=50)
+    with pytest.raises(ValueError, match="lora: targets must be a non-empty list"):
+        nl.hf.Pretrained(tmp_path, lora={"rank": 2, "targets": "*/mlp/up"})
+    with pytest.raises(ValueError, match="lora: unknown key 'dropout'"):
+        nl.hf.Pretrained(tmp_path, lora={"dropout": 0.1, "targets": ["*"]})
+
+
+# --- the trainer: model.name "hf:DIR", model.lora, prepare --tokenizer hf:DIR, sampling ---
+def _tiny_hf_dir(d):
+    """A GPT-2 directory made by nnlite itself, with a BPE tokenizer.json (no transformers
+    needed): what a downloaded model directory holds."""
+    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    text = " ".join(np.random.default_rng(0).choice(["the", "king", "shall", "love", "o"], 3000))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator([text], trainer)
+    vocab = tok.get_vocab_size()
+    model = nl.hf.GPT2LM(vocab_size=vocab + 3, context=32, n_layer=1, n_head=2, n_embd=16)
+    nl.hf.save_pretrained(d, model, jax.jit(model.init)(jax.random.key(0)))
+    tok.save(str(d / "tokenizer.json"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 0, "bos_token_id": 0}))
+    return text
+
+
+def test_trainer_fine_tunes_a_pretrained_directory_with_lora(tmp_path, capsys):
+    """The CLI's path end to end: prepare --tokenizer hf:DIR, model.name "hf:DIR" with
+    model.lora (loss.grad auto -> the hand rules), resume, fsdp + tensor equal to one
+    device, sampling with the directory's tokenizer, export back."""
+    from _tolerance import assert_same_trajectory
+
+    from train import prepare, sample
+    from train.config import config_from_dict
+    from train.inference import load_run
+    from train.loop.trainer import train as train_run
+
+    src = tmp_path / "gpt2"
+    text = _tiny_hf_dir(src)
+    (tmp_path / "t.txt").write_text(text)
+    args = ["--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "tok")]
+    assert prepare.main([*args, "--tokenizer", f"hf:{src}"]) == 0
+    bad = ["--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "x")]
+    assert prepare.main([*bad, "--tokenizer", f"hf:{tmp_path}/nope"]) == 2
+    assert "nope: no tokenizer.json" in capsys.readouterr().err
+
+    def run(name, steps, resume="fresh", **parallel):
+        raw = {
+            "name": name,
+            "model": {"name": f"hf:{src}",
+                      "lora": {"rank": 2, "alpha": 4, "targets": ["*/attn/qkv", "*/mlp/fc"]}},
+            "data": {"name": "tokens", "path": str(tmp_path / "tok"), "context": 16,
+                     "placement": "host", "eval_windows": 16},
+            "optimizer": {"name": "adamw", "learning_rate": 0.01, "weight_decay": 0.1,
+                          "schedule": "constant", "clip_norm": None},
+            "train": {"batch_size": 8, "steps": steps, "eval_every": 2, "log_every": 2},
+            "checkpoint": {"every": 2},
+            "parallel": {"strategy": "none", **parallel},
+            "log": {"dir": str(tmp_path / "runs"), "progress": False, "plot": False},
+        }  # fmt: skip
+        return train_run(config_from_dict(raw), resume=resume, echo=lambda s: None)
+
+    r = run("lora", 2)
+    assert r.grad_mode == "manual"  # loss.grad: auto covers every layer with hand rules
+    r = run("lora", 4, resume="require")  # resumed from step 2
+    base = nl.hf.load_pretrained(src)[1]
+    # the base weights are frozen (weight decay too), the adapters moved
+    np.testing.assert_array_equal(r.params.blocks[0].attn.qkv.W, base.blocks[0].attn.qkv.W)
+    np.testing.assert_array_equal(r.params.wte.W, base.wte.W)
+    assert float(jnp.abs(r.params.blocks[0].mlp.fc.lora_b).max()) > 0
+    sharded = run("fsdp", 4, strategy="fsdp", tensor=2)
+    assert_same_trajectory(sharded.params, r.params, lr=0.01)
+
+    loaded = load_run(r.run_dir)
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("the king")) == "the king"
+    capsys.readouterr()
+    argv = ["--run", str(r.run_dir), "--prompt", "the king", "--tokens", "6"]
+    assert sample.main([*argv, "--top-p", "0.9", "--temperature", "1"]) == 0
+    assert capsys.readouterr().out.startswith("the king")
+    assert sample.main([*argv[:-1], "40"]) == 2
+    assert "exceeds the model's 32 positions; ask for at most" in capsys.readouterr().err
+
+    out = loaded.model.export(tmp_path / "out", loaded.params)
+    m2, p2 = nl.hf.load_pretrained(out)
+    tokens = np.arange(10).reshape(1, 10)
+    assert_close_f32(jax.jit(m2)(p2, tokens), jax.jit(loaded.model)(loaded.params, tokens), ops=24)
