@@ -104,3 +104,13 @@ def test_dropout_rate_is_validated(rate):
         ValueError, match=re.escape(f"Dropout: rate must be a float in [0, 1), got {rate!r}")
     ):
         Dropout(rate)
+
+
+def test_concrete_ids_closed_over_by_a_jit_are_checked_not_traced():
+    emb = nl.Embedding(10, 4)
+    p = emb.init(jax.random.key(0))
+    ids = jnp.array([[1, 2, 3]])
+    assert jax.jit(lambda p: emb(p, ids))(p).shape == (1, 3, 4)
+    bad = jnp.array([[1, 12]])
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 10\), got values from 1 to 12"):
+        jax.jit(lambda p: emb(p, bad))(p)

@@ -120,7 +120,8 @@ class Embedding(Module):
                 "cast token ids with .astype(jnp.int32)"
             )
         if not isinstance(ids, jax.core.Tracer) and ids.size:
-            lo, hi = int(np.min(ids)), int(np.max(ids))
+            host = np.asarray(ids)  # a concrete array closed over by a jit: read it, not trace it
+            lo, hi = int(host.min()), int(host.max())
             if lo < 0 or hi >= self.num_embeddings:
                 raise ValueError(
                     f"{self._short_repr()}: ids must lie in [0, {self.num_embeddings}), got "
