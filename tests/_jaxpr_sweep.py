@@ -23,7 +23,7 @@ import functools
 import linecache
 import re
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -312,8 +312,10 @@ def jnp_cases() -> Iterator[Case]:
         "complex_build": (lambda a, b: lax.complex(a, b) * 1j, v, v[::-1]),
         "nan_literal": (lambda a: jnp.where(a > 0, a, jnp.nan), x),
         "inf_literal": (lambda a: jnp.minimum(a, jnp.inf) + jnp.where(a > 0, -jnp.inf, 0.0), x),
-        "complex_nan": (lambda a: jnp.where(a.real > 0, a, complex(jnp.nan, jnp.nan)),
-                        arr(C64, (4,))),  # fmt: skip
+        "complex_nan": (
+            lambda a: jnp.where(a.real > 0, a, complex(jnp.nan, jnp.nan)),
+            arr(C64, (4,)),
+        ),  # fmt: skip
         "bool_sum": (lambda a: jnp.sum(a > 0) + jnp.count_nonzero(a), x),
         "packbits": (lambda a: jnp.packbits(a > 0), arr(F32, (10,))),
         "unpackbits": (jnp.unpackbits, jnp.arange(3, dtype=jnp.uint8)),
@@ -556,9 +558,7 @@ def scipy_cases() -> Iterator[Case]:
     yield Case(
         "jax.scipy",
         "interpolate.RegularGridInterpolator",
-        lambda vals, pts: jsp.interpolate.RegularGridInterpolator(
-            (jnp.arange(4.0),), vals
-        )(pts),
+        lambda vals, pts: jsp.interpolate.RegularGridInterpolator((jnp.arange(4.0),), vals)(pts),
         (arr(F32, (4,)), pos((3, 1)) * 3),
     )
     yield Case(
@@ -658,8 +658,9 @@ def lax_cases() -> Iterator[Case]:
             x,
         ),
         "reduce_generic_2": (
-            lambda a, i: lax.reduce((a, i), (0.0, 0), lambda p, q: (p[0] + q[0], p[1] + q[1]),
-                                    (0,)),  # fmt: skip
+            lambda a, i: lax.reduce(
+                (a, i), (0.0, 0), lambda p, q: (p[0] + q[0], p[1] + q[1]), (0,)
+            ),  # fmt: skip
             v,
             iv,
         ),
@@ -731,8 +732,9 @@ def lax_cases() -> Iterator[Case]:
             arr(F32, (3, 2)),
         ),
         "dot_general_pet": (
-            lambda a, b: lax.dot_general(a, b, (((0,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32),  # fmt: skip
+            lambda a, b: lax.dot_general(
+                a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            ),  # fmt: skip
             arr(BF16, (3,)),
             arr(BF16, (3,)),
         ),
@@ -755,8 +757,9 @@ def lax_cases() -> Iterator[Case]:
             arr(F32, (2, 2, 3)),
         ),
         "conv_transpose": (
-            lambda a, k: lax.conv_transpose(a, k, (2,), "SAME", dimension_numbers=("NWC", "WIO",
-                                                                                    "NWC")),  # fmt: skip
+            lambda a, k: lax.conv_transpose(
+                a, k, (2,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+            ),  # fmt: skip
             arr(F32, (1, 4, 2)),
             arr(F32, (3, 2, 3)),
         ),
@@ -888,7 +891,9 @@ def random_cases() -> Iterator[Case]:
         "uniform": lambda key: r.uniform(key, (2, 2), minval=-1.0),
         "randint": lambda key: r.randint(key, (4,), 0, 10),
         "bernoulli": lambda key: r.bernoulli(key, 0.3, (4,)),
-        "categorical": lambda key: r.categorical(key, jnp.log(jnp.array([0.2, 0.3, 0.5])), shape=(4,)),
+        "categorical": lambda key: r.categorical(
+            key, jnp.log(jnp.array([0.2, 0.3, 0.5])), shape=(4,)
+        ),
         "choice": lambda key: r.choice(key, 5, (3,), replace=False),
         "permutation": lambda key: r.permutation(key, 5),
         "shuffle_array": lambda key: r.permutation(key, jnp.arange(5.0)),
@@ -980,8 +985,9 @@ def transform_cases() -> Iterator[Case]:
             v,
         ),
         "vmap_while_batched_carry": (
-            jax.vmap(lambda a: lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * a),
-                                              (0, a))),  # fmt: skip
+            jax.vmap(
+                lambda a: lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * a), (0, a))
+            ),  # fmt: skip
             v,
         ),
         "vmap_cond": (jax.vmap(lambda a: lax.cond(a > 0, jnp.sin, jnp.cos, a)), v),
@@ -1058,13 +1064,16 @@ def transform_cases() -> Iterator[Case]:
         "pmap": (jax.pmap(lambda a: a * 2), arr(F32, (2, 3))),
         "vmap_of_grad": (jax.vmap(jax.grad(lambda a: jnp.sin(a) * a)), v),
         "closure_convert": (
-            lambda a: jax.closure_convert(lambda t: t * a, a)[0](a, *jax.closure_convert(
-                lambda t: t * a, a)[1]),  # fmt: skip
+            lambda a: jax.closure_convert(lambda t: t * a, a)[0](
+                a, *jax.closure_convert(lambda t: t * a, a)[1]
+            ),  # fmt: skip
             v,
         ),
         "cond_python_bool": (lambda a: lax.cond(True, lambda t: t + 1, lambda t: t - 1, a), v),
         "float0_tangent": (
-            lambda a, i: jax.jvp(lambda t, j: t * j, (a, i), (a, np.zeros(i.shape, jax.dtypes.float0))),
+            lambda a, i: jax.jvp(
+                lambda t, j: t * j, (a, i), (a, np.zeros(i.shape, jax.dtypes.float0))
+            ),
             v,
             arr(I32, (4,)),
         ),

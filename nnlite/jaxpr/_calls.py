@@ -211,6 +211,7 @@ CALL_HANDLERS = {
     "pure_callback": _callback,
     "io_callback": _callback,
     "debug_callback": _callback,
+    "debug_print": _callback,
 }
 
 register(higher_order=CALL_HANDLERS, body_pass=fold_apply_placeholders)

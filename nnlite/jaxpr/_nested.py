@@ -21,13 +21,12 @@ from ..core import _jax_private
 from ._exprs import (
     Bare,
     Call,
-    pyval,
     Tup,
     UnsupportedPrimitiveError,
     flat,
     named_sharding_expr,
     pystr,
-    tuple_or_single,
+    pyval,
 )
 from ._printer import JITTED, register, single_ret
 
@@ -407,9 +406,7 @@ def _custom_jvp(pr: _Printer, eqn, args, env, scope, indent):
     doc = f"JVP rule of {fname}"
     pr.jvp_depth += 1
     try:
-        pr.define(
-            f"{fname}_jvp", jvp, sig, env, [], ret, scope, indent, doc, (f"@{fname}.defjvp",)
-        )
+        pr.define(f"{fname}_jvp", jvp, sig, env, [], ret, scope, indent, doc, (f"@{fname}.defjvp",))
     finally:
         pr.jvp_depth -= 1
     pr.assign(eqn, env, Call(fname, xs), indent, origin, structured=True)

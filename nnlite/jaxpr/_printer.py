@@ -23,8 +23,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from ..core import _jax_private
 from ._exprs import (
     Call,
-    UnsupportedPrimitiveError,
     Rule,
+    UnsupportedPrimitiveError,
     array_expr,
     bind_expr,
     flat,
@@ -217,7 +217,11 @@ class Printer:
         self.const_names[key] = cname
         dt = getattr(value, "dtype", None)
         is_key = dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
-        weak = getattr(jax.typeof(value), "weak_type", False) if isinstance(value, jax.Array) else False
+        weak = (
+            getattr(jax.typeof(value), "weak_type", False)
+            if isinstance(value, jax.Array)
+            else False
+        )
         if is_key:
             data = np.asarray(jax.random.key_data(value))
             impl = str(jax.random.key_impl(value))
@@ -351,8 +355,10 @@ class Printer:
             expr = rule(eqn, args, self.mesh) if rule is not None else None
             if expr is None:
                 expr = bind_expr(eqn, args)
-                why = "parameters its public function never gives" if name in RULES else (
-                    "no public function makes it"
+                why = (
+                    "parameters its public function never gives"
+                    if name in RULES
+                    else ("no public function makes it")
                 )
                 self.emit(f"# {name}: {why}; bound directly", indent)
         except UnsupportedPrimitiveError as e:
