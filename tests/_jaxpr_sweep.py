@@ -1124,7 +1124,7 @@ def all_cases() -> list[Case]:
 # -- checking one case -----------------------------------------------------------------------
 OUTCOMES = ("ok", "refused", "invalid", "crash", "runfail", "mismatch", "gradfail",
             "notfixed", "badrefusal")  # fmt: skip
-_REFUSAL = re.compile(r"primitive '([\w-]+)' from \S+:\d+")
+_REFUSAL = re.compile(r"primitive '([\w-]+)' from (\S+:\d+|JAX)")
 
 
 def _plain(x) -> np.ndarray:

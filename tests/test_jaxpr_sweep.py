@@ -22,8 +22,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = os.environ.get("NNLITE_SWEEP") == "full"
 #: of a module with more cases than this, the suite runs every k-th, about this many
-PER_MODULE = 24
-NUMERIC_EVERY = 6  # of those, every n-th is also run and compared numerically
+PER_MODULE = 12
+NUMERIC_EVERY = 4  # of those, every n-th is also run and compared numerically
 
 CASES = sweep.all_cases()
 BY_MODULE = collections.defaultdict(list)

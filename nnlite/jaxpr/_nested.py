@@ -381,12 +381,13 @@ def _custom_jvp(pr: _Printer, eqn, args, env, scope, indent):
             for c in (*jvp.consts, *p["call_jaxpr"].consts)
         ):
             raise TypeError("the rule closes over a tracer of a finished trace")
-    except Exception as e:  # the rule closes over a value traced in a finished trace
+    except Exception as e:
+        # the rule closes over a value of a finished trace, or fails at these shapes
         raise UnsupportedPrimitiveError(
             f"show_jaxpr cannot print primitive 'custom_jvp_call': the JVP rule of "
-            f"{fname!r} does not trace on its own: it closes over a traced value (pass "
-            "it as an argument, or use jax.closure_convert); tracing it raised "
-            f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            f"{fname!r} does not trace on its own at these shapes (a rule that closes over "
+            "a traced value needs it as an argument, or jax.closure_convert); tracing it "
+            f"raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         ) from None
     deco = ("@jax.custom_jvp",)
     pr.define(

@@ -264,7 +264,21 @@ class Printer:
             self.emit("):", 0)
         else:
             self.emit(f"def {fname}():", 0)
-        self.body(closed.jaxpr, env, _Scope(), 4)
+        try:
+            self.body(closed.jaxpr, env, _Scope(), 4)
+        except UnsupportedPrimitiveError as e:
+            if getattr(e, "located", False):
+                raise
+            # no user code made it (e.g. show_jaxpr(jnp.linalg.det, ...)): the JAX function
+            m = re.search(r"primitive '[\w-]+'", str(e))
+            frame = next(
+                (fr for q in closed.jaxpr.eqns if (fr := _jax_private.outer_frame(q))), None
+            )
+            where = f"{_short_path(frame[0])}:{frame[1]} ({frame[2]})" if frame else "JAX"
+            msg = str(e)
+            if m is not None:
+                msg = f"{msg[: m.end()]} from {where}{msg[m.end() :]}"
+            raise UnsupportedPrimitiveError(msg) from None
         self.ret(closed.jaxpr, env, 4, single_ret)
         head = [_IMPORTS[k] for k in _IMPORTS if k in self.used]
         text = []
@@ -370,16 +384,17 @@ class Printer:
         equation's line, not those of the constructs around it)."""
         if getattr(e, "located", False):
             return e
-        name = repr(eqn.primitive.name)
         msg = str(e)
-        if f"primitive {name}" not in msg:
-            msg = f"show_jaxpr cannot print primitive {name}: {msg}"
+        m = re.search(r"primitive '[\w-]+'", msg)
+        if m is None:
+            msg = f"show_jaxpr cannot print primitive {eqn.primitive.name!r}: {msg}"
+            m = re.search(r"primitive '[\w-]+'", msg)
         frame = _jax_private.user_frame(eqn)
-        where = "an unknown source line"
-        if frame is not None:
-            file, line, fn = frame
-            where = _mapped_origin(file, line) or f"{_short_path(file)}:{line} ({fn})"
-        msg = msg.replace(f"primitive {name}", f"primitive {name} from {where}", 1)
+        if frame is None:  # made inside JAX: an enclosing equation names the user's line
+            return UnsupportedPrimitiveError(msg)
+        file, line, fn = frame
+        where = _mapped_origin(file, line) or f"{_short_path(file)}:{line} ({fn})"
+        msg = f"{msg[: m.end()]} from {where}{msg[m.end() :]}"
         err = UnsupportedPrimitiveError(msg)
         err.located = True
         return err

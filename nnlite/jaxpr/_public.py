@@ -218,6 +218,7 @@ PUBLIC_RULES: dict[str, Rule] = {
     "bessel_i0e": _plain("lax.bessel_i0e"),
     "bessel_i1e": _plain("lax.bessel_i1e"),
     "zeta": _plain("lax.zeta"),
+    "random_clone": _plain("jax.random.clone"),
     "polygamma": _plain("lax.polygamma"),
 }
 
