@@ -53,7 +53,7 @@ def _custom_linear_solve(pr: _Printer, eqn, args, env, scope, indent):
         closed = jaxprs[i]
         if closed is None or role == "vecmat":  # vecmat: JAX transposes matvec again
             continue
-        fname = pr.unique(role, ("linear_solve", role, id(eqn)))
+        fname = pr.unique(role, ("linear_solve", role, str(closed.jaxpr)))
         sig = _sig(nb, "xs") if role == "matvec" else [("_mv", 0), *_sig(nb, "xs")]
         pr.define(fname, closed, sig, env, consts[i], single_ret, scope, indent, origin)
         names[role] = fname
@@ -68,7 +68,7 @@ def _custom_linear_solve(pr: _Printer, eqn, args, env, scope, indent):
 
 def _reducer(pr: _Printer, eqn, closed: ClosedJaxpr, n: int, env, scope, indent, origin) -> str:
     """The reduction function ``fn(acc, x)`` of ``n`` operands (tuples when ``n > 1``)."""
-    fname = pr.unique("reducer", ("reducer", id(eqn)))
+    fname = pr.unique("reducer", ("reducer", str(closed.jaxpr)))
     sig = [None, None] if n == 1 else [("carry", n), ("xs", n)]
     pr.define(fname, closed, sig, {}, [], single_ret, scope, indent, origin)
     return fname
@@ -118,7 +118,7 @@ def _scatter(pr: _Printer, eqn, args, env, scope, indent):
         return
     origin = pr.origin(eqn, "scatter_apply function")
     closed = ClosedJaxpr(uj.replace(invars=uj.invars[:1]), list(p["update_consts"]))
-    fname = pr.unique("apply_fn", ("apply", id(eqn)))
+    fname = pr.unique("apply_fn", ("apply", str(closed.jaxpr)))
     pr.define(fname, closed, [None], env, [], single_ret, scope, indent, origin)
     kw = [("dimension_numbers", pyval(p["dimension_numbers"]))]
     shape = tuple(eqn.invars[2].aval.shape)
@@ -184,7 +184,7 @@ def _composite(pr: _Printer, eqn, args, env, scope, indent):
         attrs.append((k, pyval(leaves[0], f"attribute {k}")))
     origin = pr.origin(eqn, f"composite {p['name']}")
     base = getattr(closed.jaxpr.debug_info, "func_name", None) or "decomposition"
-    fname = pr.unique(base, ("composite", id(eqn)))
+    fname = pr.unique(base, ("composite", str(closed.jaxpr)))
     # the decomposition's constants lead its operands: the printed one takes them as
     # arguments (so it has no constants, and prints the same again)
     pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
