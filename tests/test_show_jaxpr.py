@@ -523,8 +523,11 @@ def test_large_constants_are_supplied_by_roundtrip():
 def test_unsupported_primitive_names_primitive_and_params():
     fake = jax.extend.core.Primitive("nnlite_fake_op")
     fake.def_abstract_eval(lambda x, **params: x)
+    line = test_unsupported_primitive_names_primitive_and_params.__code__.co_firstlineno + 9
     with pytest.raises(
-        nl.UnsupportedPrimitiveError, match=r"'nnlite_fake_op' \(params: alpha=3, mode='x'\)"
+        nl.UnsupportedPrimitiveError,
+        match=rf"'nnlite_fake_op' from tests/test_show_jaxpr.py:{line} \([\w.<>]*<lambda>\) "
+        r"\(params: alpha=3, mode='x'\)",
     ):
         nl.show_jaxpr(lambda x: fake.bind(x, alpha=3, mode="x"), X)
 

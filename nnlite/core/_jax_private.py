@@ -24,6 +24,7 @@ __all__ = [
     "custom_jvp_rule",
     "custom_vjp_rules",
     "equation_context",
+    "outer_frame",
     "batch_axis_trace_state",
     "manual_trace_state",
     "shape_dtype_struct",
@@ -41,6 +42,25 @@ def user_frame(eqn) -> tuple[str, int, str] | None:
     if frame is None:
         return None
     return frame.file_name, frame.start_line, frame.function_name
+
+
+def outer_frame(eqn) -> tuple[str, int, str] | None:
+    """``(file, line, function)`` of the outermost frame that created ``eqn`` other than
+    JAX's tracing machinery: for an equation no user code made (``show_jaxpr(jnp.linalg.det,
+    ...)``), the JAX function that was traced."""
+    tb = eqn.source_info.traceback
+    for frame in reversed(tb.frames if tb is not None else ()):
+        if (
+            "/jax/_src/" in frame.file_name
+            and "/jax/_src/numpy/" not in frame.file_name
+            and (
+                "/jax/_src/lax/" not in frame.file_name
+                and "/jax/_src/scipy/" not in frame.file_name
+            )
+        ):
+            continue
+        return frame.file_name, frame.line_num, frame.function_name
+    return None
 
 
 @functools.cache

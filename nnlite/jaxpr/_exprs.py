@@ -159,6 +159,9 @@ def scalar_expr(value, dtype, weak: bool) -> str:
     dtype (``np.float32(2.0)``), using the shortest repr that round-trips in that dtype.
     """
     dt = np.dtype(dtype)
+    if dt == jax.dtypes.float0:
+        # a symbolic-zero tangent (e.g. of an integer output): NumPy's float0 zeros
+        return "np.zeros((), jax.dtypes.float0)"
     kind = _kind(dt)
     v = np.asarray(value, dt).item() if dt.kind != "V" else float(np.asarray(value, dt))
     if weak:
@@ -167,7 +170,7 @@ def scalar_expr(value, dtype, weak: bool) -> str:
         if dt.kind in "iub":
             return repr(type(v)(v)) if dt.kind != "b" else repr(bool(v))
         if dt.kind == "c":
-            return repr(complex(v))
+            return _complex_repr(complex(v))
     typed = np.asarray(value).astype(dt)[()]
     if dt.kind == "b":
         return f"np.bool_({bool(typed)})"
@@ -182,13 +185,21 @@ def scalar_expr(value, dtype, weak: bool) -> str:
     if dt.kind in "iu":
         return f"np.{dt.name}({int(typed)})"
     if dt.kind == "c":
-        return f"np.{dt.name}({complex(typed)!r})"
+        return f"np.{dt.name}({_complex_repr(complex(typed))})"
     raise UnsupportedPrimitiveError(f"literal {value!r} of dtype {dt} has no Python spelling")
 
 
 def _kind(dt: np.dtype) -> str:
     """NumPy's dtype kind, with ml_dtypes floats (bfloat16, float8s: kind "V") as "f"."""
     return "f" if jnp.issubdtype(dt, jnp.floating) else dt.kind
+
+
+def _complex_repr(z: complex) -> str:
+    """``(1+2j)``, or ``complex(float("nan"), 0.0)`` when a part is not finite (the repr
+    ``(nan+nanj)`` is no Python expression)."""
+    if math.isfinite(z.real) and math.isfinite(z.imag):
+        return repr(z)
+    return f"complex({_float_repr(z.real)}, {_float_repr(z.imag)})"
 
 
 def _float_repr(x: float) -> str:
@@ -201,9 +212,14 @@ def array_expr(value) -> str:
     """``np.array([...], np.float32)`` with values that round-trip exactly."""
     a = np.asarray(value)
     dt = a.dtype
+    if dt == jax.dtypes.float0:
+        return f"np.zeros({a.shape!r}, jax.dtypes.float0)"
     if a.ndim == 0:
         return scalar_expr(a, dt, weak=False)
-    if _kind(dt) == "f":
+    if dt.kind == "c":
+        data = np.vectorize(lambda x: _complex_repr(complex(x)), otypes=[object])(a).tolist()
+        body = repr(data).replace("'", "")
+    elif _kind(dt) == "f":
         # repr of the float64 value is exact for every float32/16/bf16 value
         data = np.vectorize(lambda x: _float_repr(float(x)), otypes=[object])(a).tolist()
         body = repr(data).replace("'", "")
@@ -307,6 +323,12 @@ def pyval(v: Any, what: str = "parameter"):
         return pystr(v)
     if v is None or isinstance(v, bool):
         return repr(v)
+    if isinstance(v, enum.Enum):  # before int: lax.FftType is an IntEnum
+        for mod, ns in _ENUM_HOMES:
+            for attr in dir(ns):
+                if getattr(ns, attr) is type(v):
+                    return f"{mod}.{attr}.{v.name}"
+        raise UnsupportedPrimitiveError(f"{what} {v!r}: enum {type(v).__name__} is not in jax.lax")
     if isinstance(v, (int, np.integer)):
         return repr(int(v))
     if isinstance(v, (float, np.floating)):
@@ -315,12 +337,6 @@ def pyval(v: Any, what: str = "parameter"):
         return dtype_expr(v)
     if isinstance(v, type) and isinstance(getattr(v, "dtype", None), np.dtype):
         return f"jnp.{v.__name__}" if getattr(jnp, v.__name__, None) is v else dtype_expr(v.dtype)
-    if isinstance(v, enum.Enum):
-        for mod, ns in _ENUM_HOMES:
-            for attr in dir(ns):
-                if getattr(ns, attr) is type(v):
-                    return f"{mod}.{attr}.{v.name}"
-        raise UnsupportedPrimitiveError(f"{what} {v!r}: enum {type(v).__name__} is not in jax.lax")
     if isinstance(v, tuple) and hasattr(v, "_fields"):
         cls = getattr(lax, type(v).__name__, None)
         if cls is not type(v):
@@ -352,7 +368,12 @@ def pyval(v: Any, what: str = "parameter"):
     )
 
 
-_ENUM_HOMES = (("lax", lax), ("jax.memory", jax.memory), ("jax.sharding", jax.sharding))
+_ENUM_HOMES = (
+    ("lax", lax),
+    ("lax.linalg", lax.linalg),
+    ("jax.memory", jax.memory),
+    ("jax.sharding", jax.sharding),
+)
 
 
 def abstract_mesh_expr(mesh: jax.sharding.AbstractMesh) -> Call:
@@ -393,7 +414,11 @@ def bind_expr(eqn, args: list) -> Call:
 
 
 def _params_str(params: dict) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in params.items()) or "none"
+    def short(v) -> str:
+        r = " ".join(repr(v).split())
+        return r if len(r) <= 80 else r[:77] + "..."
+
+    return ", ".join(f"{k}={short(v)}" for k, v in params.items()) or "none"
 
 
 Rule = Callable[[Any, list, Any], "Call | str | None"]  # (eqn, operands, ambient mesh)

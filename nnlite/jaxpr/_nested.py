@@ -26,9 +26,9 @@ from ._exprs import (
     flat,
     named_sharding_expr,
     pystr,
-    tuple_or_single,
+    pyval,
 )
-from ._printer import register, single_ret
+from ._printer import JITTED, register, single_ret
 
 if TYPE_CHECKING:
     from ._printer import Printer as _Printer
@@ -39,19 +39,21 @@ __all__ = ["HIGHER_ORDER", "fold_index_eqns"]
 def _jit(pr: _Printer, eqn, args, env, scope, indent):
     p = eqn.params
     closed: ClosedJaxpr = p["jaxpr"]
+    if _wrapped_public(pr, eqn, closed, args, env, indent):
+        return
     if pr.inline_jit or (pr.simplify and len(closed.jaxpr.eqns) <= 1):
         inner = dict(env)
         for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
-            inner[v] = pr.const(c)
+            inner[v] = pr.closed_over(c, env)
         inner.update(zip(closed.jaxpr.invars, args, strict=True))
         pr.body(closed.jaxpr, inner, scope, indent)
         for o, v in zip(eqn.outvars, closed.jaxpr.outvars, strict=True):
             env[o] = pr.atom(v, inner)
         return
     _check_jit_params(eqn, pr.mesh)
-    fname = pr.function_name(eqn)
-    origin = pr.origin(eqn, f"jit of {p['name']}")
     key = _jaxpr_key(closed)
+    fname = pr.unique(pr.function_name(eqn), key)
+    origin = pr.origin(eqn, f"jit of {p['name']}")
     if not scope.lookup(fname, key):
         pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
         scope.defs[fname] = key
@@ -68,9 +70,38 @@ def _jit(pr: _Printer, eqn, args, env, scope, indent):
     pr.assign(eqn, env, call, indent, origin, structured=True)
 
 
+def _wrapped_public(pr: _Printer, eqn, closed: ClosedJaxpr, args, env, indent) -> bool:
+    """Print ``jit(fft)`` of one ``fft`` equation as ``lax.fft(...)``, which makes both."""
+    (inner,) = closed.jaxpr.eqns if len(closed.jaxpr.eqns) == 1 else (None,)
+    if inner is None or closed.consts:
+        return False
+    jitted = JITTED.get(inner.primitive.name)
+    if jitted is None or jitted[0] != eqn.params["name"] or any(eqn.params["donated_invars"]):
+        return False
+    if list(inner.invars) != list(closed.jaxpr.invars):
+        return False
+    if list(inner.outvars) != list(closed.jaxpr.outvars):
+        return False
+    expr = jitted[1](inner, args, pr.mesh)
+    if expr is None:
+        return False
+    pr.assign(eqn, env, expr, indent, structured=not inner.primitive.multiple_results)
+    return True
+
+
 def _jaxpr_key(closed: ClosedJaxpr):
-    """Equal keys: the same computation (a definition can be reused for both)."""
-    return str(closed.jaxpr), tuple(id(c) for c in closed.consts)
+    """Equal keys: the same computation (a definition can be reused for both). Constants
+    count by value: a rule traced again (a JVP rule calling its own function) makes new
+    arrays of the same values."""
+    return str(closed.jaxpr), tuple(_fingerprint(c) for c in closed.consts)
+
+
+def _fingerprint(c):
+    try:
+        a = np.asarray(c)
+    except Exception:  # a key array, ...: by identity
+        return id(c)
+    return a.shape, str(a.dtype), hash(a.tobytes())
 
 
 def _check_jit_params(eqn, ambient_mesh):
@@ -127,12 +158,30 @@ def _cond(pr: _Printer, eqn, args, env, scope, indent):
     origin = pr.origin(eqn, "cond branch")
     names = []
     for i, br in enumerate(branches):
-        fname = ("false_fn", "true_fn")[i] if len(branches) == 2 else f"branch_{i}"
+        two = len(branches) == 2 and "branches_platforms" not in eqn.params
+        fname = ("false_fn", "true_fn")[i] if two else f"branch_{i}"
         pr.define(fname, br, [None] * len(ops), env, [], single_ret, scope, indent, origin)
         names.append(fname)
-    kind, x = env.get(("index", eqn.invars[0]), ("switch", eqn.invars[0]))
-    if kind == "cond":
-        call = Call("lax.cond", [pr.atom(x, env), "true_fn", "false_fn", *ops])
+    index = eqn.invars[0]
+    if isinstance(index, Literal):  # lax.cond(True, ...): a Python bool predicate
+        if len(branches) != 2:
+            raise UnsupportedPrimitiveError(
+                f"show_jaxpr cannot print primitive 'cond' of {len(branches)} branches with a "
+                "constant index (lax.switch would clamp it)"
+            )
+        kind, x = "cond", repr(bool(int(index.val)))
+    else:
+        kind, x = env.get(("index", index), ("switch", index))
+    if kind == "platform":
+        kw = []
+        for name, platforms in zip(names, eqn.params["branches_platforms"], strict=True):
+            kw += [(pl, name) for pl in platforms] if platforms is not None else []
+            if platforms is None:
+                kw.append(("default", name))
+        call = Call("lax.platform_dependent", ops, kw)
+    elif kind == "cond":
+        pred = x if isinstance(x, str) else pr.atom(x, env)
+        call = Call("lax.cond", [pred, "true_fn", "false_fn", *ops])
     else:
         call = Call("lax.switch", [pr.atom(x, env), Tup(names), *ops])
     pr.assign(eqn, env, call, indent, origin, structured=True)
@@ -158,6 +207,18 @@ def fold_index_eqns(jaxpr: Jaxpr, env: dict) -> set[int]:
             uses.setdefault(v, []).append((None, -1))
     skip = set()
     for e in jaxpr.eqns:
+        if e.primitive.name == "platform_index":
+            # lax.platform_dependent makes it for the cond it chooses a branch with
+            us = uses.get(e.outvars[0], [])
+            platforms = e.params["platforms"]
+            if us and all(
+                u is not None and u.primitive.name == "cond" and i == 0
+                and u.params.get("branches_platforms") == platforms
+                for u, i in us
+            ):  # fmt: skip
+                skip.add(id(e))
+                env[("index", e.outvars[0])] = ("platform", None)
+            continue
         if len(e.outvars) != 1 or e.primitive.name not in ("convert_element_type", "clamp"):
             continue
         out = e.outvars[0]
@@ -199,13 +260,63 @@ def _while(pr: _Printer, eqn, args, env, scope, indent):
     cconsts, bconsts, init = args[:cn], args[cn : cn + bn], args[cn + bn :]
     origin = pr.origin(eqn, "while loop")
     sig = [("carry", len(init))]
-    pr.define(
-        "cond_fn", p["cond_jaxpr"], sig, env, cconsts, lambda o, _: o[0], scope, indent, origin
-    )
-    pr.define(
-        "body_fn", p["body_jaxpr"], sig, env, bconsts, lambda o, _: Tup(o), scope, indent, origin
-    )
+    pred_aval = p["cond_jaxpr"].out_avals[0]
+    if pred_aval.shape:  # vmap with a batched predicate: see _batched_while
+        _batched_while(pr, p, cconsts, bconsts, env, scope, indent, origin)
+    else:
+        pr.define(
+            "cond_fn", p["cond_jaxpr"], sig, env, cconsts, lambda o, _: o[0], scope, indent, origin
+        )
+        pr.define(
+            "body_fn", p["body_jaxpr"], sig, env, bconsts, lambda o, _: Tup(o), scope, indent,
+            origin,
+        )  # fmt: skip
     pr.assign(eqn, env, Call("lax.while_loop", ["cond_fn", "body_fn", Tup(init)]), indent, origin)
+
+
+def _batched_while(pr: _Printer, p, cconsts, bconsts, env, scope, indent, origin):
+    """A while loop whose predicate is an array (``vmap`` of a loop whose condition
+    depends on the mapped values): XLA runs it while any element's predicate holds, and
+    the body keeps the carry of the elements whose predicate is false. ``lax.while_loop``
+    takes a scalar predicate, so the printed loop says both: ``cond_fn`` reduces the
+    predicate with ``lax.reduce_or``, ``body_fn`` selects between the new and the old
+    carry by the predicate of the old one. Printed again, that loop is the same text."""
+    cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+    rank = len(cj.out_avals[0].shape)
+    axes = tuple(range(rank))
+    sig = [("carry", len(bj.jaxpr.invars) - len(bconsts))]
+    inner = indent + 4
+
+    def cond_ret(outs, _args):
+        name = pr.fresh()
+        pr.emit_expr(Call("lax.reduce_or", [outs[0]], [("axes", pyval(axes))]), inner, f"{name} = ")
+        return name
+
+    def body_ret(new, old):
+        cenv = dict(env)
+        for v, c in zip(cj.jaxpr.constvars, cj.consts, strict=True):
+            cenv[v] = pr.closed_over(c, env)
+        cenv.update(zip(cj.jaxpr.invars, [*cconsts, *old], strict=True))
+        pr.body(cj.jaxpr, cenv, scope, inner)
+        pred = pr.atom(cj.jaxpr.outvars[0], cenv)
+        outs = []
+        for n, o, aval in zip(new, old, bj.out_avals, strict=True):
+            which = pred
+            if len(aval.shape) != rank:
+                which = pr.fresh()
+                bcast = Call(
+                    "lax.broadcast_in_dim",
+                    [pred],
+                    [("shape", pyval(tuple(aval.shape))), ("broadcast_dimensions", pyval(axes))],
+                )
+                pr.emit_expr(bcast, inner, f"{which} = ")
+            out = pr.fresh()
+            pr.emit_expr(Call("lax.select_n", [which, o, n]), inner, f"{out} = ")
+            outs.append(out)
+        return Tup(outs)
+
+    pr.define("cond_fn", cj, sig, env, cconsts, cond_ret, scope, indent, origin)
+    pr.define("body_fn", bj, sig, env, bconsts, body_ret, scope, indent, origin)
 
 
 def _scan(pr: _Printer, eqn, args, env, scope, indent):
@@ -246,19 +357,43 @@ def _custom_jvp(pr: _Printer, eqn, args, env, scope, indent):
         )
     nc = p["num_consts"]
     consts, xs = args[:nc], args[nc:]
-    fname = pr.function_name(eqn)
-    origin = pr.origin(eqn, f"custom_jvp function {fname}")
+    key = ("custom_jvp", _jaxpr_key(p["call_jaxpr"]), tuple(flat(c) for c in consts))
+    base = pr.function_name(eqn)
     n, nout = len(xs), len(eqn.outvars)
-    key = ("custom_jvp", _jaxpr_key(p["call_jaxpr"]), tuple(consts))
-    if scope.lookup(fname, key):  # e.g. the JVP rule calling its own primal function
-        pr.assign(eqn, env, Call(fname, xs), indent, origin, structured=True)
+    known = pr.fn_names.get((pr.base_name(base), key))
+    if known is not None and scope.lookup(known, key):
+        # e.g. the JVP rule calling its own primal function
+        origin = pr.origin(eqn, f"custom_jvp function {known}")
+        pr.assign(eqn, env, Call(known, xs), indent, origin, structured=True)
         return
+    if pr.jvp_depth >= MAX_JVP_DEPTH:
+        # A custom_jvp function inside a JVP rule (JAX's special functions recurse: sinc's
+        # rule calls a custom_jvp of the next order, expn's calls expn(n - 1)) prints as
+        # the jit of its function: its own rule, a derivative of higher order, is autodiff.
+        _jit_cut(pr, eqn, p["call_jaxpr"], args, env, scope, indent, base)
+        return
+    fname = pr.unique(base, key)
+    origin = pr.origin(eqn, f"custom_jvp function {fname}")
+    try:
+        jvp, out_zeros = _jax_private.custom_jvp_rule(eqn)
+        if any(
+            isinstance(c, jax.core.Tracer) and _jax_private.tracer_var(c) not in env
+            for c in (*jvp.consts, *p["call_jaxpr"].consts)
+        ):
+            raise TypeError("the rule closes over a tracer of a finished trace")
+    except Exception as e:
+        # the rule closes over a value of a finished trace, or fails at these shapes
+        raise UnsupportedPrimitiveError(
+            f"show_jaxpr cannot print primitive 'custom_jvp_call': the JVP rule of "
+            f"{fname!r} does not trace on its own at these shapes (a rule that closes over "
+            "a traced value needs it as an argument, or jax.closure_convert); tracing it "
+            f"raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        ) from None
     deco = ("@jax.custom_jvp",)
     pr.define(
         fname, p["call_jaxpr"], [None] * n, env, consts, single_ret, scope, indent, origin, deco
     )
     scope.defs[fname] = key
-    jvp, out_zeros = _jax_private.custom_jvp_rule(eqn)
     if any(out_zeros):
         raise UnsupportedPrimitiveError(
             f"show_jaxpr cannot print the JVP rule of custom_jvp function {fname!r}: it returns "
@@ -266,12 +401,38 @@ def _custom_jvp(pr: _Printer, eqn, args, env, scope, indent):
         )
 
     def ret(outs, _args):
-        return Bare([tuple_or_single(outs[:nout]), tuple_or_single(outs[nout:])])
+        return Bare([_group(outs[:nout]), _group(outs[nout:])])
 
     sig = [("primals", n), ("tangents", n)]
     doc = f"JVP rule of {fname}"
-    pr.define(f"{fname}_jvp", jvp, sig, env, [], ret, scope, indent, doc, (f"@{fname}.defjvp",))
+    pr.jvp_depth += 1
+    try:
+        pr.define(f"{fname}_jvp", jvp, sig, env, [], ret, scope, indent, doc, (f"@{fname}.defjvp",))
+    finally:
+        pr.jvp_depth -= 1
     pr.assign(eqn, env, Call(fname, xs), indent, origin, structured=True)
+
+
+def _group(outs: list):
+    """One output bare, several as a parenthesised tuple (an element of a returned pair)."""
+    return outs[0] if len(outs) == 1 else Tup(outs)
+
+
+#: custom_jvp rules printed inside one another before a function is printed as a jit
+MAX_JVP_DEPTH = 1
+
+
+def _jit_cut(pr: _Printer, eqn, closed, args, env, scope, indent, fname):
+    """``jax.jit(fname)(*args)`` computing ``closed`` (its constants passed as arguments):
+    exactly what printing that jit again gives."""
+    key = _jaxpr_key(closed)
+    name = pr.unique(fname, key)
+    origin = pr.origin(eqn, f"jit of {name}")
+    if not scope.lookup(name, key):
+        pr.define(name, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
+        scope.defs[name] = key
+    call = Call(Call("jax.jit", [name]), args)
+    pr.assign(eqn, env, call, indent, origin, structured=True)
 
 
 def _custom_vjp(pr: _Printer, eqn, args, env, scope, indent):
@@ -281,10 +442,10 @@ def _custom_vjp(pr: _Printer, eqn, args, env, scope, indent):
             "show_jaxpr cannot print primitive 'custom_vjp_call' with symbolic_zeros=True or "
             "closed-over traced values (use jax.closure_convert)"
         )
-    fname = pr.function_name(eqn)
+    key = ("custom_vjp", _jaxpr_key(p["call_jaxpr"]))
+    fname = pr.unique(pr.function_name(eqn), key)
     origin = pr.origin(eqn, f"custom_vjp function {fname}")
     n, nout = len(args), len(eqn.outvars)
-    key = ("custom_vjp", _jaxpr_key(p["call_jaxpr"]))
     if scope.lookup(fname, key):  # e.g. the forward rule calling its own primal function
         pr.assign(eqn, env, Call(fname, args), indent, origin, structured=True)
         return
@@ -332,9 +493,9 @@ def _remat(pr: _Printer, eqn, args, env, scope, indent):
     """
     p = eqn.params
     closed = ClosedJaxpr(p["jaxpr"], [])
-    fname = pr.function_name(eqn)
-    origin = pr.origin(eqn, f"checkpoint of {fname}")
     key = ("remat", _jaxpr_key(closed))
+    fname = pr.unique(pr.function_name(eqn), key)
+    origin = pr.origin(eqn, f"checkpoint of {fname}")
     if not scope.lookup(fname, key):
         pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
         scope.defs[fname] = key

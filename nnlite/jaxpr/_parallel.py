@@ -53,10 +53,10 @@ def shard_map(pr: _Printer, eqn, args, env, scope, indent):
             f"show_jaxpr cannot print primitive 'shard_map' over {mesh!r}: only a concrete "
             "jax.sharding.Mesh is supported"
         )
-    fname = pr.function_name(eqn)
-    origin = pr.origin(eqn, f"shard_map of {fname}")
     closed = ClosedJaxpr(p["jaxpr"], [])  # JAX made its constants leading inputs
     key = ("shard_map", str(closed.jaxpr))
+    fname = pr.unique(pr.function_name(eqn), key)
+    origin = pr.origin(eqn, f"shard_map of {fname}")
     kw = [
         ("mesh", mesh_expr(mesh)),
         ("in_specs", Tup([spec_expr(s) for s in p["in_specs"]])),

@@ -24,6 +24,7 @@ from ..core import _jax_private
 from ._exprs import (
     Call,
     Rule,
+    UnsupportedPrimitiveError,
     array_expr,
     bind_expr,
     flat,
@@ -38,6 +39,7 @@ __all__ = [
     "CONSTS_DICT",
     "HIGHER_ORDER",
     "IMPORT_LINES",
+    "JITTED",
     "ORIGINS",
     "RULES",
     "Printer",
@@ -66,6 +68,9 @@ RULES: dict[str, Rule] = {}
 HIGHER_ORDER: dict[str, Callable] = {}
 #: primitive name -> ``namer(eqn) -> str``: the nested function the equation defines.
 FUNCTION_NAMES: dict[str, Callable] = {}
+#: primitive name -> ``(jit name, rule)``: a public function that wraps its primitive in a
+#: ``jax.jit`` of that name (``lax.fft``); the jit prints as the rule's call.
+JITTED: dict[str, tuple[str, Rule]] = {}
 #: ``pass(jaxpr, env) -> ids of equations not to print`` run before printing a body.
 BODY_PASSES: list[Callable] = []
 #: generated file name -> ``(first line, last line, origin)`` of each nested construct.
@@ -78,9 +83,11 @@ def register(
     higher_order: dict[str, Callable] | None = None,
     body_pass: Callable | None = None,
     function_names: dict[str, Callable] | None = None,
+    jitted: dict[str, tuple[str, Rule]] | None = None,
 ) -> None:
     """Add rules to the printer (called once by each rule module when it is imported)."""
     RULES.update(rules or {})
+    JITTED.update(jitted or {})
     HIGHER_ORDER.update(higher_order or {})
     FUNCTION_NAMES.update(function_names or {})
     if body_pass is not None and body_pass not in BODY_PASSES:
@@ -136,6 +143,9 @@ class Printer:
         self.lines: list[tuple[str, str | None]] = []  # (text, origin of the statement)
         self.keep: list[Any] = []
         self.mesh = None  # the ambient abstract mesh: set while printing a shard_map body
+        self.fn_names: dict[tuple, str] = {}  # (base name, computation key) -> name
+        self.fn_counts: dict[str, int] = {}
+        self.jvp_depth = 0  # custom_jvp rules being printed inside one another
 
     # -- naming ---------------------------------------------------------------------------------
     def fresh(self) -> str:
@@ -151,6 +161,24 @@ class Printer:
             for sub in _subjaxprs(eqn):
                 self.reserve_function_names(sub)
 
+    def unique(self, base: str, key: Any) -> str:
+        """The nested function's name: one per computation, so that two different
+        functions never share a name (a body reading an outer ``f`` and defining its own
+        ``f`` would fail). The k-th other computation of the same name is ``name_k``; a
+        trailing ``_k`` is dropped first, so that printing again gives the same names."""
+        base = self.base_name(base)
+        if (base, key) not in self.fn_names:
+            n = self.fn_counts.get(base, 0)
+            self.fn_counts[base] = n + 1
+            name = base if n == 0 else f"{base}_{n}"
+            self.taken.add(name)
+            self.fn_names[(base, key)] = name
+        return self.fn_names[(base, key)]
+
+    @staticmethod
+    def base_name(name: str) -> str:
+        return re.sub(r"_\d+$", "", sanitize(name)) or "fn"
+
     def function_name(self, eqn) -> str | None:
         """The name of the nested function an equation prints as (``None``: it has none)."""
         namer = FUNCTION_NAMES.get(eqn.primitive.name)
@@ -165,6 +193,20 @@ class Printer:
             return s
         return env[x]
 
+    def closed_over(self, value, env) -> str:
+        """A nested jaxpr's constant: a module-level constant, or, for a tracer of the trace
+        that made the enclosing jaxpr (a rule closing over one of its values), that value's
+        name in the enclosing function."""
+        if isinstance(value, jax.core.Tracer):
+            v = _jax_private.tracer_var(value)
+            if v is not None and v in env:
+                return env[v]
+            raise UnsupportedPrimitiveError(
+                f"a nested function closes over a traced value ({value.aval.str_short()}) of a "
+                "trace that has finished: it has no name in the printed source"
+            )
+        return self.const(value)
+
     def const(self, value) -> str:
         key = id(value)
         if key in self.const_names:
@@ -173,16 +215,21 @@ class Printer:
         cname = f"C{len(self.const_names)}"
         self.taken.add(cname)
         self.const_names[key] = cname
-        aval = jax.typeof(value) if not isinstance(value, np.ndarray) else None
         dt = getattr(value, "dtype", None)
         is_key = dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+        weak = (
+            getattr(jax.typeof(value), "weak_type", False)
+            if isinstance(value, jax.Array)
+            else False
+        )
         if is_key:
             data = np.asarray(jax.random.key_data(value))
             impl = str(jax.random.key_impl(value))
             shape = f"key<{impl}>{list(value.shape)}".replace(" ", "")
         else:
             data = np.asarray(value)
-            shape = _type_str(aval) if aval is not None else str(data.dtype) + str(list(data.shape))
+            # the same spelling for a jax.Array and the NumPy array the printed source holds
+            shape = _type_str(jax.core.ShapedArray(data.shape, data.dtype, weak_type=weak))
         if data.size > self.max_const_size:
             self.large[cname] = value
             expr = f"{CONSTS_DICT}[{cname!r}]"
@@ -190,6 +237,9 @@ class Printer:
         else:
             expr = array_expr(data)
             self.used.add("np")
+            if data.ndim == 0 and not is_key:
+                # a 0-d NumPy value would trace as a literal: keep it an array constant
+                expr = f"jnp.asarray({_weak_scalar(data) if weak else expr})"
             if is_key:
                 expr = f"jax.random.wrap_key_data({expr}, impl={pystr(impl)})"
                 self.used.add("jax")
@@ -214,7 +264,21 @@ class Printer:
             self.emit("):", 0)
         else:
             self.emit(f"def {fname}():", 0)
-        self.body(closed.jaxpr, env, _Scope(), 4)
+        try:
+            self.body(closed.jaxpr, env, _Scope(), 4)
+        except UnsupportedPrimitiveError as e:
+            if getattr(e, "located", False):
+                raise
+            # no user code made it (e.g. show_jaxpr(jnp.linalg.det, ...)): the JAX function
+            m = re.search(r"primitive '[\w-]+'", str(e))
+            frame = next(
+                (fr for q in closed.jaxpr.eqns if (fr := _jax_private.outer_frame(q))), None
+            )
+            where = f"{_short_path(frame[0])}:{frame[1]} ({frame[2]})" if frame else "JAX"
+            msg = str(e)
+            if m is not None:
+                msg = f"{msg[: m.end()]} from {where}{msg[m.end() :]}"
+            raise UnsupportedPrimitiveError(msg) from None
         self.ret(closed.jaxpr, env, 4, single_ret)
         head = [_IMPORTS[k] for k in _IMPORTS if k in self.used]
         text = []
@@ -288,21 +352,52 @@ class Printer:
         name = eqn.primitive.name
         # a folded cond index (see _nested.fold_index_eqns) has no name of its own
         args = [
-            None if isinstance(x, Var) and ("index", x) in env else self.atom(x, env)
+            None
+            if isinstance(x, Var) and (("index", x) in env or ("apply", x) in env)
+            else self.atom(x, env)
             for x in eqn.invars
         ]
         if self.simplify and _is_identity(eqn):
             env[eqn.outvars[0]] = args[0]
             return
-        handler = HIGHER_ORDER.get(name)
-        if handler is not None:
-            handler(self, eqn, args, env, scope, indent)
-            return
-        rule = RULES.get(name)
-        expr = rule(eqn, args, self.mesh) if rule is not None else None
-        if expr is None:
-            expr = bind_expr(eqn, args)
+        try:
+            handler = HIGHER_ORDER.get(name)
+            if handler is not None:
+                handler(self, eqn, args, env, scope, indent)
+                return
+            rule = RULES.get(name)
+            expr = rule(eqn, args, self.mesh) if rule is not None else None
+            if expr is None:
+                expr = bind_expr(eqn, args)
+                why = (
+                    "parameters its public function never gives"
+                    if name in RULES
+                    else ("no public function makes it")
+                )
+                self.emit(f"# {name}: {why}; bound directly", indent)
+        except UnsupportedPrimitiveError as e:
+            raise self.refusal(eqn, e) from None
         self.assign(eqn, env, expr, indent)
+
+    def refusal(self, eqn, e: UnsupportedPrimitiveError) -> UnsupportedPrimitiveError:
+        """``e`` naming the primitive and the source line it came from (once: the innermost
+        equation's line, not those of the constructs around it)."""
+        if getattr(e, "located", False):
+            return e
+        msg = str(e)
+        m = re.search(r"primitive '[\w-]+'", msg)
+        if m is None:
+            msg = f"show_jaxpr cannot print primitive {eqn.primitive.name!r}: {msg}"
+            m = re.search(r"primitive '[\w-]+'", msg)
+        frame = _jax_private.user_frame(eqn)
+        if frame is None:  # made inside JAX: an enclosing equation names the user's line
+            return UnsupportedPrimitiveError(msg)
+        file, line, fn = frame
+        where = _mapped_origin(file, line) or f"{_short_path(file)}:{line} ({fn})"
+        msg = f"{msg[: m.end()]} from {where}{msg[m.end() :]}"
+        err = UnsupportedPrimitiveError(msg)
+        err.located = True
+        return err
 
     def define(
         self,
@@ -326,7 +421,7 @@ class Printer:
         jaxpr = closed.jaxpr
         env = dict(outer_env)
         for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
-            env[v] = self.const(c)
+            env[v] = self.closed_over(c, outer_env)
         invars = list(jaxpr.invars)
         for v, a in zip(invars, const_atoms, strict=False):
             env[v] = a
@@ -406,6 +501,11 @@ def _ranges(origins: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
         else:
             out.append((line, line, o))
     return out
+
+
+def _weak_scalar(data) -> str:
+    """A Python scalar whose ``jnp.asarray`` is the weakly typed 0-d ``data``."""
+    return scalar_expr(data[()], data.dtype, weak=True)
 
 
 def _type_str(aval) -> str:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 # The rule modules register into the printer core when imported; nothing else reads them.
-from . import _nested, _parallel, _rules  # noqa: F401
+from . import _calls, _nested, _parallel, _public, _rules  # noqa: F401
 from ._exprs import UnsupportedPrimitiveError, dtype_expr
 from ._printer import CONSTS_DICT, IMPORT_LINES, ORIGINS, Printer, sanitize
 

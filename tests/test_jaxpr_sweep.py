@@ -1,0 +1,87 @@
+"""show_jaxpr over a sweep of JAX's public API (tests/_jaxpr_sweep.py builds the cases).
+
+Every case must round-trip: the printed code runs and traces to the same program as the
+original (outputs and gradients equal bit for bit; where the programs differ, both run and
+their outputs and gradients are compared), and printing it again gives the same text. A
+case may instead be refused at print time, with ``UnsupportedPrimitiveError`` naming the
+primitive and the source line, only for a primitive that docs/show_jaxpr.md lists as not
+supported, and for at most 2% of the cases.
+
+The suite runs a fixed, systematic share of the cases of each module (every k-th, so each
+module, dtype and shape family is in it) to stay within its time budget;
+``NNLITE_SWEEP=full`` runs them all (``python tests/_jaxpr_sweep.py`` prints the counts).
+"""
+
+import collections
+import os
+import re
+
+import _jaxpr_sweep as sweep
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FULL = os.environ.get("NNLITE_SWEEP") == "full"
+#: of a module with more cases than this, the suite runs every k-th, about this many
+PER_MODULE = 12
+NUMERIC_EVERY = 4  # of those, every n-th is also run and compared numerically
+
+CASES = sweep.all_cases()
+BY_MODULE = collections.defaultdict(list)
+for _c in CASES:
+    BY_MODULE[_c.module].append(_c)
+
+
+def _sample(cases):
+    if FULL or len(cases) <= PER_MODULE:
+        return cases
+    k = -(-len(cases) // PER_MODULE)
+    return cases[::k]
+
+
+def _documented_refusals() -> set[str]:
+    """The primitives docs/show_jaxpr.md lists under "Not supported"."""
+    with open(os.path.join(ROOT, "docs", "show_jaxpr.md")) as f:
+        text = f.read()
+    section = text.split("### Not supported", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([\w-]+)` \|", section, re.M))
+
+
+REFUSALS: collections.Counter = collections.Counter()
+
+
+@pytest.mark.parametrize("module", sorted(BY_MODULE))
+def test_sweep_module_round_trips(module):
+    documented = _documented_refusals()
+    bad = []
+    for i, case in enumerate(_sample(BY_MODULE[module])):
+        outcome, detail = sweep.check(case, numeric=i % NUMERIC_EVERY == 0)
+        REFUSALS["cases"] += outcome != "invalid"
+        if outcome == "refused":
+            REFUSALS["refused"] += 1
+            prim = re.search(r"primitive '([\w-]+)'", detail).group(1)
+            if prim not in documented:
+                bad.append(f"{case.name}: refused {prim!r}, not listed in docs: {detail}")
+        elif outcome not in ("ok", "invalid"):
+            bad.append(f"{case.name}: {outcome}: {detail}")
+    assert not bad, "\n".join(bad)
+
+
+def test_sweep_is_broad():
+    assert len(CASES) >= 1000
+    assert set(BY_MODULE) >= {"jax.numpy", "jax.numpy.fft", "jax.numpy.linalg", "jax.nn",
+                              "jax.lax", "jax.random", "jax.scipy.special",
+                              "jax.scipy.linalg", "jax.scipy.signal", "jax.scipy.stats",
+                              "transforms"}  # fmt: skip
+    shapes = {tuple(a.shape) for c in CASES for a in c.args if hasattr(a, "shape")}
+    assert () in shapes and any(0 in s for s in shapes)  # scalars and zero-size arrays
+
+
+def test_sweep_refusals_are_at_most_two_percent():
+    # runs after the module tests (pytest keeps file order); alone it checks a sample
+    if not REFUSALS["cases"]:
+        for module in sorted(BY_MODULE):
+            for case in _sample(BY_MODULE[module])[::4]:
+                outcome, _ = sweep.check(case)
+                REFUSALS["cases"] += outcome != "invalid"
+                REFUSALS["refused"] += outcome == "refused"
+    assert REFUSALS["refused"] <= 0.02 * REFUSALS["cases"], REFUSALS
