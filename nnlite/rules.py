@@ -31,6 +31,8 @@ from .grad._prim_arith import neg as neg
 from .grad._prim_arith import neg_vjp as neg_vjp
 from .grad._prim_arith import sub as sub
 from .grad._prim_arith import sub_vjp as sub_vjp
+from .grad._prim_conv import conv_general_dilated as conv_general_dilated
+from .grad._prim_conv import conv_general_dilated_vjp as conv_general_dilated_vjp
 from .grad._prim_index import dynamic_slice as dynamic_slice
 from .grad._prim_index import dynamic_slice_vjp as dynamic_slice_vjp
 from .grad._prim_index import dynamic_update_slice as dynamic_update_slice
@@ -77,6 +79,8 @@ from .grad._prim_layout import tile as tile
 from .grad._prim_layout import tile_vjp as tile_vjp
 from .grad._prim_layout import transpose as transpose
 from .grad._prim_layout import transpose_vjp as transpose_vjp
+from .grad._prim_math import *  # noqa: F403 -- exp, log, sin, pow, max, clamp, ... and rules
+from .grad._prim_reduce import *  # noqa: F403 -- reduce_max, cumprod, sort, top_k, ... and rules
 from .grad._rule_table import rule_table as _rule_table
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import gelu_vjp as gelu_vjp
