@@ -21,6 +21,10 @@ from .core._save import load as load
 from .core._save import load_metadata as load_metadata
 from .core._save import save as save
 from .core._sharded import save_sharded as save_sharded
+from .grad._check_model import check_rules as check_rules
+
+# issue 34 (grad helper): the rule contract's error, per-layer rule checks
+from .grad._contract import RuleContractError as RuleContractError
 from .grad._manual import ManualGradError as ManualGradError
 from .grad._manual import check_manual as check_manual
 from .grad._manual import hand_rule as hand_rule
@@ -157,6 +161,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "ManualGradError",
+    "RuleContractError",
     "MaxPool",
     "Module",
     "MultiHeadAttention",
@@ -174,6 +179,7 @@ __all__ = [
     "add",
     "batch_axis",
     "check_manual",
+    "check_rules",
     "current_batch_axis",
     "elu",
     "format_path",

@@ -30,12 +30,12 @@ def sq(x):
 
 
 def scale_vjp(x, s, dret):  # one cotangent per argument
-    return dret * s, jnp.sum(dret * x, axis=tuple(range(x.ndim - 1)))
+    return dret * jnp.broadcast_to(s, x.shape), jnp.sum(dret * x, axis=tuple(range(x.ndim - 1)))
 
 
 @hand_rule(scale_vjp)
 def scale(x, s):
-    return x * s
+    return x * jnp.broadcast_to(s, x.shape)
 
 
 def pick_vjp(x, i, dret):  # the short form: a Python int index has no cotangent

@@ -455,7 +455,12 @@ def refusal_place(refusal: Refusal) -> tuple[str, str | None, str]:
     innermost nnlite Module around it."""
     where = source_line(refusal.eqn)
     at = where.rsplit(" (", 1)[0] if where else None
-    return _custom_jvp_name(refusal.eqn) or refusal.eqn.primitive.name, at, refusal.layer
+    what = _custom_jvp_name(refusal.eqn) or refusal.eqn.primitive.name
+    rule = rule_for(refusal.eqn)
+    unknown = rule.unknown(refusal.eqn.params) if rule is not None else []
+    if unknown:  # a newer JAX: the rule exists, the primitive changed
+        what = f"{what} (parameter {', '.join(unknown)} unknown to its rule)"
+    return what, at, refusal.layer
 
 
 def refusal_message(refusal: Refusal, who: str = "manual gradients") -> str:

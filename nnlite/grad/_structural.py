@@ -59,7 +59,7 @@ class PrimitiveRule:
 
     def refusal(self, params: dict, diff: Sequence[bool]) -> str | None:
         """Why this rule does not give the exact VJP for these operands, or ``None``."""
-        unknown = sorted(set(params) - _keywords(self.f_vjp) - IGNORED_PARAMS)
+        unknown = self.unknown(params)
         if unknown:
             return (
                 f"the primitive has parameter(s) {', '.join(unknown)}, unknown to nnlite's rule "
@@ -69,6 +69,10 @@ class PrimitiveRule:
         if self.linear_in is not None and any(i not in self.linear_in for i in which):
             return "it is not linear in the differentiated operand"
         return self.requires(params) if self.requires is not None else None
+
+    def unknown(self, params: dict) -> list[str]:
+        """The primitive's parameters this rule was not written for (a newer JAX's)."""
+        return sorted(set(params) - _keywords(self.f_vjp) - IGNORED_PARAMS)
 
     def params(self, params: dict) -> dict:
         """The primitive's parameters that the rule functions take."""
