@@ -1,4 +1,4 @@
-"""Every hand-derived VJP nnlite runs in manual mode, by name.
+"""nnlite's one public home for hand-derived VJPs: every rule, by name, and the tools.
 
 The layers' and losses' array functions (``linear`` / ``linear_vjp``, ``conv`` /
 ``conv_vjp``, ``relu`` / ``relu_vjp``, ...), and the structural and linear primitives of
@@ -9,6 +9,14 @@ JAX, named after the primitive (``broadcast_in_dim``, ``reshape``, ``transpose``
 and that ``nl.show_grad`` prints. ``RULES`` maps each name to its ``(f, f_vjp)``. Each rule
 has the seed's form ``f_vjp(*args, dret, **hyperparameters) -> one cotangent per
 argument``; a primitive's rule takes the primitive's parameters as keywords.
+
+The same namespace holds the rule tools (``check_vjp``, ``custom_vjp``/``with_vjp``,
+``hand_rule``, ``check_rules``, ``RuleContractError``), ``PRIMITIVES`` (which JAX
+primitive has which rule) and the seed's two small-VJP libraries by their layout
+convention: ``nnlite.rules.batched`` (row-vector batches, nnlite's layers' convention) and
+``nnlite.rules.seed`` (the awf-jaxutils column-vector library). ``nnlite.vjp`` and
+``nnlite.vjp.batched`` are those two libraries under the seed's names, kept as aliases:
+one library, several names, never two rules for one name.
 
 Example:
     >>> import jax.numpy as jnp
@@ -167,7 +175,39 @@ from .nn._rotary import rotary_vjp as rotary_vjp
 from .nn._stack import stack_scan as stack_scan
 from .nn._stack import stack_scan_vjp as stack_scan_vjp
 
+from .grad._contract import RuleContractError as RuleContractError  # noqa: E402
+from .grad._contract import VJPCheckError as VJPCheckError  # noqa: E402
+from .grad._check import check_vjp as check_vjp  # noqa: E402
+from .grad._check_model import check_rules as check_rules  # noqa: E402
+from .grad._custom_vjp import custom_vjp as custom_vjp  # noqa: E402
+from .grad._custom_vjp import with_vjp as with_vjp  # noqa: E402
+from .grad._manual import hand_rule as hand_rule  # noqa: E402
+from .grad._structural import PRIMITIVE_RULES as _PRIMITIVE_RULES  # noqa: E402
+from .grad._structural import TESTED_JAX as TESTED_JAX  # noqa: E402
+from .vjp import batched as batched  # noqa: E402 -- the seed's libraries, by convention
+from . import vjp as seed  # noqa: E402
+
 #: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())
 
-__all__ = ["RULES", *sorted(n for pair in RULES for n in (pair, pair + "_vjp"))]
+#: ``primitive name -> (f, f_vjp)``: the JAX primitives manual mode differentiates by hand
+#: (``jax.nn.relu``, a ``jax.custom_jvp`` function, by its own rule: ``relu``).
+PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
+    name: (rule.f, rule.f_vjp) for name, rule in sorted(_PRIMITIVE_RULES.items())
+}
+
+__all__ = [
+    "PRIMITIVES",
+    "RULES",
+    "RuleContractError",
+    "TESTED_JAX",
+    "VJPCheckError",
+    "batched",
+    "check_rules",
+    "check_vjp",
+    "custom_vjp",
+    "hand_rule",
+    "seed",
+    "with_vjp",
+    *sorted(n for pair in RULES for n in (pair, pair + "_vjp")),
+]

@@ -103,7 +103,7 @@ def check_rules(
         loss_fn(params, *batch, **kwargs)
     rng_key = jax.random.key(seed)
     rows, counts = [], {}
-    for i, (wrapped, args, static, out) in enumerate(tape):
+    for i, (wrapped, args, static, _out) in enumerate(tape):
         f, f_vjp = wrapped.f, wrapped.f_vjp
         name = getattr(f_vjp, "__name__", "rule")
         dyn = [k for k, a in enumerate(args) if not is_hyperparameter(a)]
