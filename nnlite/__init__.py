@@ -29,6 +29,8 @@ from .grad._manual import ManualGradError as ManualGradError
 from .grad._manual import check_manual as check_manual
 from .grad._manual import hand_rule as hand_rule
 from .grad._manual import manual_grads as manual_grads
+from .grad._policy import BackwardPolicy as BackwardPolicy
+from .grad._policy import backward_policy as backward_policy
 from .grad._show_grad import show_grad as show_grad
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import identity as identity
@@ -161,6 +163,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "ManualGradError",
+    "BackwardPolicy",
     "RuleContractError",
     "MaxPool",
     "Module",
@@ -178,6 +181,7 @@ __all__ = [
     "accuracy",
     "add",
     "batch_axis",
+    "backward_policy",
     "check_manual",
     "check_rules",
     "current_batch_axis",

@@ -29,6 +29,20 @@ Example:
 
 from collections.abc import Callable
 
+from . import vjp as seed  # noqa: E402
+from .grad._check import check_vjp as check_vjp  # noqa: E402
+from .grad._check_model import check_rules as check_rules  # noqa: E402
+from .grad._contract import RuleContractError as RuleContractError  # noqa: E402
+from .grad._contract import VJPCheckError as VJPCheckError  # noqa: E402
+from .grad._custom_vjp import custom_vjp as custom_vjp  # noqa: E402
+from .grad._custom_vjp import with_vjp as with_vjp  # noqa: E402
+from .grad._manual import hand_rule as hand_rule  # noqa: E402
+from .grad._policy import clip_cotangent as clip_cotangent  # noqa: E402
+from .grad._policy import clip_cotangent_vjp as clip_cotangent_vjp  # noqa: E402
+from .grad._policy import scale_cotangent as scale_cotangent  # noqa: E402
+from .grad._policy import scale_cotangent_vjp as scale_cotangent_vjp  # noqa: E402
+from .grad._policy import stop_cotangent as stop_cotangent  # noqa: E402
+from .grad._policy import stop_cotangent_vjp as stop_cotangent_vjp  # noqa: E402
 from .grad._prim_arith import div as div
 from .grad._prim_arith import div_vjp as div_vjp
 from .grad._prim_arith import dot_general as dot_general
@@ -90,6 +104,8 @@ from .grad._prim_layout import transpose_vjp as transpose_vjp
 from .grad._prim_math import *  # noqa: F403 -- exp, log, sin, pow, max, clamp, ... and rules
 from .grad._prim_reduce import *  # noqa: F403 -- reduce_max, cumprod, sort, top_k, ... and rules
 from .grad._rule_table import rule_table as _rule_table
+from .grad._structural import PRIMITIVE_RULES as _PRIMITIVE_RULES  # noqa: E402
+from .grad._structural import TESTED_JAX as TESTED_JAX  # noqa: E402
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import gelu_vjp as gelu_vjp
 from .grad._vjp_batched import identity as identity
@@ -174,18 +190,7 @@ from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
 from .nn._stack import stack_scan as stack_scan
 from .nn._stack import stack_scan_vjp as stack_scan_vjp
-
-from .grad._contract import RuleContractError as RuleContractError  # noqa: E402
-from .grad._contract import VJPCheckError as VJPCheckError  # noqa: E402
-from .grad._check import check_vjp as check_vjp  # noqa: E402
-from .grad._check_model import check_rules as check_rules  # noqa: E402
-from .grad._custom_vjp import custom_vjp as custom_vjp  # noqa: E402
-from .grad._custom_vjp import with_vjp as with_vjp  # noqa: E402
-from .grad._manual import hand_rule as hand_rule  # noqa: E402
-from .grad._structural import PRIMITIVE_RULES as _PRIMITIVE_RULES  # noqa: E402
-from .grad._structural import TESTED_JAX as TESTED_JAX  # noqa: E402
 from .vjp import batched as batched  # noqa: E402 -- the seed's libraries, by convention
-from . import vjp as seed  # noqa: E402
 
 #: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())
