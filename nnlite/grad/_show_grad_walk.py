@@ -438,14 +438,16 @@ class _Walk:
         self.pr.p_name = p_name = self.pr.fresh("p_copy")
         try:
             sub = _Walk(self.pr, tape_a, tape_b)
+            # one copy's params: the body's own input types, not the stacked ones
+            b_in = [None] * n_p if closed_b is None else [v.aval for v in closed_b.jaxpr.invars]
             sub_ins = [
                 _Val(
-                    v.aval,
-                    None if v.b_aval is None else v.b_aval,
+                    closed_a.jaxpr.invars[i].aval,
+                    b_in[i],
                     tainted=v.tainted,
                     expr=_path_expr(p_name, path),
                 )
-                for v, path in zip(p_vals, paths, strict=True)
+                for i, (v, path) in enumerate(zip(p_vals, paths, strict=True))
             ]
             # the carry has a cotangent whenever the copies' params do: the previous copy's
             tainted = x.tainted or any(v.tainted for v in p_vals)
