@@ -216,7 +216,7 @@ def test_show_grad_prints_the_math_rules_as_code_equal_to_jax_grad():
     ns: dict = {}
     exec(src, ns)
     x7 = jax.random.normal(jax.random.key(5), (7, 4))  # another batch size
-    got, want = ns["grad"](p, x7), jax.grad(_math_loss)(p, x7)
+    got, want = jax.jit(ns["grad"])(p, x7), jax.jit(jax.grad(_math_loss))(p, x7)
     for k in ("W", "V"):
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-5)
 

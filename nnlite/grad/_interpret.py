@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -157,17 +158,21 @@ class Refusal:
     eqn: Any
     layer: str
     tainted: tuple[bool, ...]
+    via: Any = None  # the outermost jit / scan / cond equation it sits in, if any
 
 
 def _is_t(marks: dict, v) -> bool:
     return not isinstance(v, Literal) and marks.get(v, False)
 
 
+_TRANSFORM = re.compile(r"^\w+\(.*\)$")  # jvp(...), transpose(...), vmap(): JAX's scopes
+
+
 def _layer(eqn, outer: str) -> str:
     """The innermost nnlite Module around ``eqn`` (each Module call is a named scope in
     manual mode), JAX's own transformation scopes left out."""
     stack = f"{outer}/{eqn.source_info.name_stack}"
-    parts = [p for p in stack.split("/") if p and not p.startswith(("jvp(", "transpose("))]
+    parts = [p for p in stack.split("/") if p and not _TRANSFORM.match(p)]
     return parts[-1] if parts else ""
 
 
@@ -261,6 +266,9 @@ class Analysis:
             body, consts = inner(eqn)
             out_t, uses = self._body(body, t_in, scope)
             info = Nested(out_t, uses, [(body, consts, list(t_in))])
+        if self.refusal is not None and self.refusal.eqn is not eqn:
+            # inside a jitted library function (jnp.linalg's): the user's line is the call's
+            self.refusal = dataclasses.replace(self.refusal, via=eqn)
         self._nested[key] = info
         return info
 
@@ -449,11 +457,19 @@ def source_line(eqn) -> str | None:
     return None
 
 
+def _refusal_line(refusal: Refusal) -> str | None:
+    """The user's line for a refusal: its own, or that of the call it sits in."""
+    line = source_line(refusal.eqn)
+    if line is None and refusal.via is not None:
+        line = source_line(refusal.via)
+    return line
+
+
 def refusal_place(refusal: Refusal) -> tuple[str, str | None, str]:
     """``(operation, "file:line" or None, layer or "")`` of a refusal: the primitive (or
     the ``jax.custom_jvp`` function's name), where the user's code computes it, and the
     innermost nnlite Module around it."""
-    where = source_line(refusal.eqn)
+    where = _refusal_line(refusal)
     at = where.rsplit(" (", 1)[0] if where else None
     what = _custom_jvp_name(refusal.eqn) or refusal.eqn.primitive.name
     rule = rule_for(refusal.eqn)
@@ -465,7 +481,7 @@ def refusal_place(refusal: Refusal) -> tuple[str, str | None, str]:
 
 def refusal_message(refusal: Refusal, who: str = "manual gradients") -> str:
     eqn = refusal.eqn
-    where = source_line(eqn)
+    where = _refusal_line(refusal)
     at = f" at {where}" if where else ""
     layer = (
         f"in layer {refusal.layer}"
