@@ -8,16 +8,18 @@ equation of its own. Taint marks the float values computed from the params. Each
 with a tainted input is then:
 
 * ``hand``: a ``custom_vjp`` call (a hand rule) -- JAX runs the rule;
-* ``rule``: a structural or linear primitive with a library rule
-  (``_structural.PRIMITIVE_RULES``) -- evaluated as a ``custom_vjp`` whose backward pass
-  is that rule;
-* ``nested``: ``jit``, ``jax.checkpoint``, ``lax.scan``, ``lax.cond`` -- walked into; when a
-  body needs a rule, the construct is rebuilt around the evaluated body (a checkpoint still
-  recomputes its forward for the backward pass, a scan still loops);
+* ``rule``: a primitive with a library rule (``_structural.PRIMITIVE_RULES``: layout,
+  arithmetic, elementwise math, reductions, sorting, convolutions; ``jax.nn.relu`` by
+  name) -- evaluated as a ``custom_vjp`` whose backward pass is that rule;
+* ``nested``: ``jit``, ``jax.checkpoint``, ``lax.scan``, ``lax.cond``, a ``jax.custom_jvp``
+  function, a ``while`` with a trip count known at trace time -- walked into; when a body
+  needs a rule, the construct is rebuilt around the evaluated body (a checkpoint still
+  recomputes its forward for the backward pass, a scan still loops, the counted while
+  becomes a scan);
 * ``block``: ``stop_gradient`` -- nothing flows back;
-* ``refuse``: anything else computing a float (``exp``, ``max``, a product of two
-  param-derived values) -- JAX's autodiff would differentiate it; ``manual_grads`` refuses
-  it, naming the primitive, the user's source line and the layer.
+* ``refuse``: anything else computing a float (``cholesky``, a data-dependent ``while``, a
+  primitive parameter a rule does not know) -- JAX's autodiff would differentiate it;
+  ``manual_grads`` refuses it, naming the primitive, the user's source line and the layer.
 
 Why a jaxpr interpreter rather than nnlite wrappers for ``+``, ``jnp.mean``, ...: users
 write plain ``jnp``; only the traced program sees every such operation, with its exact
@@ -409,9 +411,9 @@ def apply_rule(eqn, ins: list) -> list:
 # --- the refusal, in the user's terms -----------------------------------------------------
 
 STRUCTURAL_SUMMARY = (
-    "structural and linear operations (broadcasting, reshape, transpose, sums and means, "
-    "slices and indexing, concatenate/split, pad, +, -, scaling or matmul by a value that "
-    "is not differentiated, casts) carry library rules"
+    "JAX's differentiable primitives that model code emits (elementwise math, reductions, "
+    "sorting, dots and convolutions, indexing, layout, counted loops) carry library rules "
+    "(nnlite.rules.PRIMITIVES)"
 )
 
 MANUAL_FIX = (
@@ -504,5 +506,5 @@ def refusal_message(refusal: Refusal, who: str = "manual gradients") -> str:
     return (
         f"{who}: {_what(eqn)}{at}, {layer}, computes on values derived from the params and "
         f"has no hand-derived VJP, so JAX's autodiff would differentiate it.{reason}{have} "
-        f"Only {STRUCTURAL_SUMMARY}; for a nonlinear operation, {MANUAL_FIX}."
+        f"{STRUCTURAL_SUMMARY}, this one none; {MANUAL_FIX}."
     )

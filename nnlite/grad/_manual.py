@@ -13,11 +13,11 @@ own ``__call__``, and the choice is made once, where the loss is differentiated.
 
 ``manual_grads`` also traces the loss once per argument signature and walks the jaxpr
 (``_interpret.py``): the plain ``jnp`` between layers that computes on param-derived values
--- structural and linear primitives (``tok + pos``, ``jnp.mean``, slicing, reshapes) -- gets
-the library's rule for its primitive (``_structural.py``); any other equation computing a
-float from the params outside a ``custom_vjp`` call (a user layer doing ``jnp.exp`` on
-``h @ params.W`` with no rule) would be differentiated by JAX, and is refused with one error
-naming the primitive, the user's source line, the Module it sits in (each Module call is a
+-- ``tok + pos``, ``jnp.mean``, slicing, reshapes, ``jnp.exp``, ``jnp.max``, a hand-written
+``lax.scan`` -- gets the library's rule for its primitive (``_structural.py``); an equation
+computing a float from the params with no rule (``jnp.linalg.cholesky``, a data-dependent
+``while_loop``) would be differentiated by JAX, and is refused with one error naming the
+primitive, the user's source line, the Module it sits in (each Module call is a
 ``jax.named_scope`` in manual mode) and how to fix it.
 """
 
