@@ -23,10 +23,16 @@ from .core._save import load_metadata as load_metadata
 from .core._save import save as save
 from .core._save import verify as verify
 from .core._sharded import save_sharded as save_sharded
+from .grad._check_model import check_rules as check_rules
+
+# issue 34 (grad helper): the rule contract's error, per-layer rule checks
+from .grad._contract import RuleContractError as RuleContractError
 from .grad._manual import ManualGradError as ManualGradError
 from .grad._manual import check_manual as check_manual
 from .grad._manual import hand_rule as hand_rule
 from .grad._manual import manual_grads as manual_grads
+from .grad._policy import BackwardPolicy as BackwardPolicy
+from .grad._policy import backward_policy as backward_policy
 from .grad._show_grad import show_grad as show_grad
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import identity as identity
@@ -184,6 +190,8 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "ManualGradError",
+    "BackwardPolicy",
+    "RuleContractError",
     "MaxPool",
     "Module",
     "MultiHeadAttention",
@@ -200,7 +208,9 @@ __all__ = [
     "accuracy",
     "add",
     "batch_axis",
+    "backward_policy",
     "check_manual",
+    "check_rules",
     "current_batch_axis",
     "elu",
     "format_path",

@@ -1,4 +1,4 @@
-"""Every hand-derived VJP nnlite runs in manual mode, by name.
+"""nnlite's one public home for hand-derived VJPs: every rule, by name, and the tools.
 
 The layers' and losses' array functions (``linear`` / ``linear_vjp``, ``conv`` /
 ``conv_vjp``, ``relu`` / ``relu_vjp``, ...), and the structural and linear primitives of
@@ -9,6 +9,14 @@ JAX, named after the primitive (``broadcast_in_dim``, ``reshape``, ``transpose``
 and that ``nl.show_grad`` prints. ``RULES`` maps each name to its ``(f, f_vjp)``. Each rule
 has the seed's form ``f_vjp(*args, dret, **hyperparameters) -> one cotangent per
 argument``; a primitive's rule takes the primitive's parameters as keywords.
+
+The same namespace holds the rule tools (``check_vjp``, ``custom_vjp``/``with_vjp``,
+``hand_rule``, ``check_rules``, ``RuleContractError``), ``PRIMITIVES`` (which JAX
+primitive has which rule) and the seed's two small-VJP libraries by their layout
+convention: ``nnlite.rules.batched`` (row-vector batches, nnlite's layers' convention) and
+``nnlite.rules.seed`` (the awf-jaxutils column-vector library). ``nnlite.vjp`` and
+``nnlite.vjp.batched`` are those two libraries under the seed's names, kept as aliases:
+one library, several names, never two rules for one name.
 
 Example:
     >>> import jax.numpy as jnp
@@ -21,6 +29,20 @@ Example:
 
 from collections.abc import Callable
 
+from . import vjp as seed  # noqa: E402
+from .grad._check import check_vjp as check_vjp  # noqa: E402
+from .grad._check_model import check_rules as check_rules  # noqa: E402
+from .grad._contract import RuleContractError as RuleContractError  # noqa: E402
+from .grad._contract import VJPCheckError as VJPCheckError  # noqa: E402
+from .grad._custom_vjp import custom_vjp as custom_vjp  # noqa: E402
+from .grad._custom_vjp import with_vjp as with_vjp  # noqa: E402
+from .grad._manual import hand_rule as hand_rule  # noqa: E402
+from .grad._policy import clip_cotangent as clip_cotangent  # noqa: E402
+from .grad._policy import clip_cotangent_vjp as clip_cotangent_vjp  # noqa: E402
+from .grad._policy import scale_cotangent as scale_cotangent  # noqa: E402
+from .grad._policy import scale_cotangent_vjp as scale_cotangent_vjp  # noqa: E402
+from .grad._policy import stop_cotangent as stop_cotangent  # noqa: E402
+from .grad._policy import stop_cotangent_vjp as stop_cotangent_vjp  # noqa: E402
 from .grad._prim_arith import div as div
 from .grad._prim_arith import div_vjp as div_vjp
 from .grad._prim_arith import dot_general as dot_general
@@ -31,6 +53,8 @@ from .grad._prim_arith import neg as neg
 from .grad._prim_arith import neg_vjp as neg_vjp
 from .grad._prim_arith import sub as sub
 from .grad._prim_arith import sub_vjp as sub_vjp
+from .grad._prim_conv import conv_general_dilated as conv_general_dilated
+from .grad._prim_conv import conv_general_dilated_vjp as conv_general_dilated_vjp
 from .grad._prim_index import dynamic_slice as dynamic_slice
 from .grad._prim_index import dynamic_slice_vjp as dynamic_slice_vjp
 from .grad._prim_index import dynamic_update_slice as dynamic_update_slice
@@ -77,7 +101,11 @@ from .grad._prim_layout import tile as tile
 from .grad._prim_layout import tile_vjp as tile_vjp
 from .grad._prim_layout import transpose as transpose
 from .grad._prim_layout import transpose_vjp as transpose_vjp
+from .grad._prim_math import *  # noqa: F403 -- exp, log, sin, pow, max, clamp, ... and rules
+from .grad._prim_reduce import *  # noqa: F403 -- reduce_max, cumprod, sort, top_k, ... and rules
 from .grad._rule_table import rule_table as _rule_table
+from .grad._structural import PRIMITIVE_RULES as _PRIMITIVE_RULES  # noqa: E402
+from .grad._structural import TESTED_JAX as TESTED_JAX  # noqa: E402
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import gelu_vjp as gelu_vjp
 from .grad._vjp_batched import identity as identity
@@ -162,8 +190,29 @@ from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
 from .nn._stack import stack_scan as stack_scan
 from .nn._stack import stack_scan_vjp as stack_scan_vjp
+from .vjp import batched as batched  # noqa: E402 -- the seed's libraries, by convention
 
 #: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
 RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())
 
-__all__ = ["RULES", *sorted(n for pair in RULES for n in (pair, pair + "_vjp"))]
+#: ``primitive name -> (f, f_vjp)``: the JAX primitives manual mode differentiates by hand
+#: (``jax.nn.relu``, a ``jax.custom_jvp`` function, by its own rule: ``relu``).
+PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
+    name: (rule.f, rule.f_vjp) for name, rule in sorted(_PRIMITIVE_RULES.items())
+}
+
+__all__ = [
+    "PRIMITIVES",
+    "RULES",
+    "RuleContractError",
+    "TESTED_JAX",
+    "VJPCheckError",
+    "batched",
+    "check_rules",
+    "check_vjp",
+    "custom_vjp",
+    "hand_rule",
+    "seed",
+    "with_vjp",
+    *sorted(n for pair in RULES for n in (pair, pair + "_vjp")),
+]

@@ -128,24 +128,24 @@ def test_manual_grads_equal_autodiff_through_every_layer(key):
 
 
 def test_a_layer_without_rules_is_refused_by_name(key):
-    class Scale(nl.Module):
+    class Solve(nl.Module):
         features: int
 
         def init(self, key):
             return nl.ParamsDict(s=jnp.ones(self.features))
 
         def __call__(self, params, x, *, key=None):
-            return x * jnp.broadcast_to(params.s, x.shape)
+            a = jnp.diag(params.s) + x.T @ x
+            return x @ jnp.linalg.inv(a)  # a matrix inverse: no rule
 
-    net = nl.Sequential((nl.Linear(3, 4), Scale(4)))
+    net = nl.Sequential((nl.Linear(3, 4), Solve(4)))
     p = net.init(key)
 
     def loss(p, x):
         return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="mean")
 
-    # x * s with both factors param-derived: nonlinear, so no library rule applies.
     with pytest.raises(
-        nl.ManualGradError, match=r"`mul` at tests/test_hand_vjp.py:\d+ .*, in layer Scale, "
+        nl.ManualGradError, match=r" at tests/test_hand_vjp.py:\d+ .*, in layer Solve, "
     ) as e:
         jax.grad(nl.manual_grads(loss))(p, jnp.ones((2, 3)))
     msg = str(e.value)

@@ -5,7 +5,6 @@ The plug-in that hands a checked rule to JAX is ``_custom_vjp.py``.
 
 from __future__ import annotations
 
-import builtins
 from collections.abc import Callable
 from typing import Any
 
@@ -27,15 +26,7 @@ __all__ = [
 ]
 
 
-class VJPCheckError(AssertionError):
-    """A hand-derived VJP disagrees with ``jax.vjp`` (values, shapes or tree structure).
-
-    Subclasses ``AssertionError`` so that a failed check reads as a failed test.
-    """
-
-
-VJPCheckError.__module__ = "nnlite.vjp"  # its public home
-
+from ._contract import VJPCheckError, cotangents, is_hyperparameter
 
 # (rtol, atol) per dtype. atol is relative to the largest reference magnitude of each
 # cotangent (at least 1), so a rule is judged the same way whatever the scale of its data.
@@ -79,48 +70,13 @@ def _is_none(x: Any) -> bool:
 
 
 def _is_static(x: Any) -> bool:
-    """Python ints, strings, slices, None...: closed over, not traced, no cotangent."""
-    leaves = jax.tree.leaves(x)
-    return all(
-        not isinstance(leaf, (float, complex, np.ndarray, np.generic, jax.Array))
-        and not hasattr(leaf, "aval")  # tracers
-        for leaf in leaves
-    )
+    """Python scalars, strings, slices, None...: hyperparameters, closed over, no cotangent
+    (the rule contract, ``_contract.py``)."""
+    return is_hyperparameter(x)
 
 
 def _name(f: Callable) -> str:
     return getattr(f, "__name__", None) or type(f).__name__
-
-
-def _as_tuple(dargs: Any, diff: tuple[bool, ...], who: str) -> tuple:
-    """The rule's result as a tuple with one cotangent per argument.
-
-    ``diff[i]``: argument ``i`` is differentiable (not a Python int/string, not an integer
-    array). A rule returns one cotangent per argument -- a bare value for a one-argument
-    function -- or, as the seed's ``index_vjp(x, i, dret) -> dx`` does, one per
-    differentiable argument only (``None`` is then filled in for the others).
-    """
-    nargs = len(diff)
-    if isinstance(dargs, list) and nargs > 1:
-        dargs = tuple(dargs)
-    if nargs == 1:
-        return (dargs,)
-    if isinstance(dargs, tuple) and len(dargs) == nargs:
-        return dargs
-    ndiff = builtins.sum(diff)
-    got = dargs if isinstance(dargs, tuple) else (dargs,)
-    if len(got) == ndiff and ndiff < nargs:
-        it = iter(got)
-        return tuple(next(it) if d else None for d in diff)
-    if isinstance(dargs, tuple):
-        desc = f"{len(dargs)} values"
-    else:
-        desc = "a single array" if hasattr(dargs, "shape") else type(dargs).__name__
-    also = f" (or {ndiff}, one per differentiable argument)" if ndiff < nargs else ""
-    raise VJPCheckError(
-        f"{who}: a VJP rule returns one cotangent per argument, a tuple of {nargs} here{also}; "
-        f"got {desc}"
-    )
 
 
 def ensure_tuple(val: Any) -> tuple:
@@ -220,8 +176,9 @@ def check_vjp(
     """Check ``f_vjp(*args, dret)`` against ``jax.vjp(f, *args)`` on a random cotangent.
 
     Compares, argument by argument, the tree structure, shapes and values of the
-    cotangents. Integer arrays must get ``None`` (or a float0 array); static Python
-    arguments (a Python int index) are passed through and their cotangent is ignored.
+    cotangents. Integer arrays must get ``None`` (or a float0 array); Python scalars
+    (an int index, a float rate) are hyperparameters, passed through, and what the rule
+    returns for them is ignored (the rule contract: ``docs/gradients.md``).
     When ``f`` returns a tuple, the rule gets one cotangent per output, as the seed's
     ``dup_vjp(x, *dret)`` does. The rule may return cotangents for the differentiable
     arguments only (the seed's ``index_vjp(x, i, dret) -> dx``). ``check`` is this function
@@ -253,7 +210,6 @@ def check_vjp(
     who = f"check_vjp({_name(f)}, {_name(f_vjp)})"
     key = jax.random.key(0) if key is None else key
     static = [_is_static(a) for a in args]
-    diff = tuple(not s and not _is_int_like(a) for a, s in zip(args, static, strict=True))
 
     def merge(dyn):
         # Static arguments (Python ints: an index) are closed over; jax.vjp differentiates
@@ -267,7 +223,8 @@ def check_vjp(
     def both(dyn, dret):
         _, pullback = jax.vjp(f_dyn, *dyn)
         want = [None if _is_int_like(a) else w for a, w in zip(dyn, pullback(dret), strict=True)]
-        return want, _as_tuple(f_vjp(*merge(dyn), *_dret_args(dret)), diff, who)
+        full = merge(dyn)
+        return want, cotangents(f_vjp(*full, *_dret_args(dret)), full, who)
 
     dyn = [a for a, s in zip(args, static, strict=True) if not s]
     dret = _random_like(key, jax.eval_shape(f_dyn, *dyn))

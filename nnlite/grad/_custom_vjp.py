@@ -15,7 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._check import _as_tuple, _dret_args, _is_int_like, _is_none, _is_static, _name
+from ..core._mode import manual_tape
+from ._check import _dret_args, _is_none, _name
+from ._contract import check_rule_signature, cotangents, has_cotangent, is_hyperparameter
 
 __all__ = ["custom_vjp", "match_primal", "with_vjp"]
 
@@ -64,11 +66,11 @@ def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> 
     residuals by the forward pass); a tuple result's cotangents come one by one
     (``f_vjp(*args, *dret)``), as in ``check_vjp``.
 
-    Which arguments get a cotangent:
-      * Python values that are not floats (ints, strings, None, slices) are static: they
+    Which arguments get a cotangent (the rule contract, ``docs/gradients.md``):
+      * Python scalars (ints, floats, strings, None, slices) are hyperparameters: they
         are closed over, never traced, and the rule's cotangent for them is ignored.
       * Integer/bool arrays (labels, indices) are traced but get a zero cotangent; the
-        rule should return ``None`` for them.
+        rule returns ``None`` for them, or leaves them out.
       * Positions in ``nondiff`` are treated the same way (zero cotangent) even if float.
 
     Inside ``shard_map`` a cotangent that varies over more mesh axes than its primal is
@@ -92,13 +94,19 @@ def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> 
         >>> float(jax.grad(hand_cube)(2.0))
         12.0
     """
+    return plug(f, f_vjp, nondiff=nondiff, record=True)
+
+
+def plug(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = (), record: bool) -> Callable:
+    """``custom_vjp``; ``record``: put each call on show_grad's tape (``hand_rule``
+    records its own calls, with their hyperparameters)."""
+    check_rule_signature(f, f_vjp)
     nondiff = frozenset(nondiff)
-    who = _name(f)
+    who = f"{_name(f_vjp)} (the rule of {_name(f)})"
 
     @functools.wraps(f)
     def wrapped(*args):
-        dyn_idx = tuple(i for i, a in enumerate(args) if not _is_static(a))
-        dyn_set = frozenset(dyn_idx)
+        dyn_idx = tuple(i for i, a in enumerate(args) if not is_hyperparameter(a))
 
         def full(dyn):
             merged = list(args)
@@ -114,18 +122,22 @@ def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> 
             return f(*full(dyn)), dyn
 
         def bwd(dyn, dret):
-            diff = tuple(i in dyn_set and not _is_int_like(a) for i, a in enumerate(args))
-            dargs = _as_tuple(f_vjp(*full(dyn), *_dret_args(dret)), diff, f"custom_vjp({who})")
+            merged = full(dyn)
+            dargs = cotangents(f_vjp(*merged, *_dret_args(dret)), merged, who)
             out = []
             for i, a in zip(dyn_idx, dyn, strict=True):
-                if i in nondiff or _is_int_like(a) or dargs[i] is None:
+                if i in nondiff or not has_cotangent(a) or dargs[i] is None:
                     out.append(None)
                 else:
                     out.append(jax.tree.map(match_primal, dargs[i], a, is_leaf=_is_none))
             return tuple(out)
 
         g.defvjp(fwd, bwd)
-        return g(*(args[i] for i in dyn_idx))
+        out = g(*(args[i] for i in dyn_idx))
+        tape = manual_tape() if record else None
+        if tape is not None:  # show_grad prints this call with the rule
+            tape.append((wrapped, args, {}, out))
+        return out
 
     wrapped.f = f
     wrapped.f_vjp = f_vjp

@@ -8,16 +8,18 @@ equation of its own. Taint marks the float values computed from the params. Each
 with a tainted input is then:
 
 * ``hand``: a ``custom_vjp`` call (a hand rule) -- JAX runs the rule;
-* ``rule``: a structural or linear primitive with a library rule
-  (``_structural.PRIMITIVE_RULES``) -- evaluated as a ``custom_vjp`` whose backward pass
-  is that rule;
-* ``nested``: ``jit``, ``jax.checkpoint``, ``lax.scan``, ``lax.cond`` -- walked into; when a
-  body needs a rule, the construct is rebuilt around the evaluated body (a checkpoint still
-  recomputes its forward for the backward pass, a scan still loops);
+* ``rule``: a primitive with a library rule (``_structural.PRIMITIVE_RULES``: layout,
+  arithmetic, elementwise math, reductions, sorting, convolutions; ``jax.nn.relu`` by
+  name) -- evaluated as a ``custom_vjp`` whose backward pass is that rule;
+* ``nested``: ``jit``, ``jax.checkpoint``, ``lax.scan``, ``lax.cond``, a ``jax.custom_jvp``
+  function, a ``while`` with a trip count known at trace time -- walked into; when a body
+  needs a rule, the construct is rebuilt around the evaluated body (a checkpoint still
+  recomputes its forward for the backward pass, a scan still loops, the counted while
+  becomes a scan);
 * ``block``: ``stop_gradient`` -- nothing flows back;
-* ``refuse``: anything else computing a float (``exp``, ``max``, a product of two
-  param-derived values) -- JAX's autodiff would differentiate it; ``manual_grads`` refuses
-  it, naming the primitive, the user's source line and the layer.
+* ``refuse``: anything else computing a float (``cholesky``, a data-dependent ``while``, a
+  primitive parameter a rule does not know) -- JAX's autodiff would differentiate it;
+  ``manual_grads`` refuses it, naming the primitive, the user's source line and the layer.
 
 Why a jaxpr interpreter rather than nnlite wrappers for ``+``, ``jnp.mean``, ...: users
 write plain ``jnp``; only the traced program sees every such operation, with its exact
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,12 +40,12 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from ..core._jax_private import bind_equation, equation_context, user_frames
 from ._custom_vjp import match_primal
-from ._structural import PRIMITIVE_RULES
+from ._structural import custom_jvp_name, rule_for
 
 __all__ = ["Evaluator", "Refusal", "analyse", "classify", "refusal_message", "refusal_place"]
 
-CALLS = ("jit", "pjit", "closed_call", "core_call")
-NESTED = (*CALLS, "remat2", "checkpoint", "scan", "cond")
+CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call")
+NESTED = (*CALLS, "remat2", "checkpoint", "scan", "cond", "while")
 HAND = ("custom_vjp_call", "custom_vjp_call_jaxpr")
 BLOCK = ("stop_gradient",)
 
@@ -70,16 +73,80 @@ def classify(eqn, tainted: Sequence[bool]) -> str:
         return "plain"
     if name in BLOCK:
         return "block"
+    rule = rule_for(eqn)
+    if name == "custom_jvp_call" and rule is not None:
+        return "rule"  # jax.nn.relu: the rule makes JAX's choice at the kink
+    if name == "while":
+        if not any(is_float(v) for v in eqn.outvars):
+            return "plain"
+        return "nested" if trip_count(eqn) is not None else "refuse"
     if name in NESTED:
         return "nested"
     if name in HAND:
         return "hand"
     if not any(is_float(v) for v in eqn.outvars):
         return "plain"  # comparisons, argmax, casts to int: no gradient flows
-    rule = PRIMITIVE_RULES.get(name)
     if rule is not None and rule.refusal(eqn.params, _diff(eqn, tainted)) is None:
         return "rule"
     return "refuse"
+
+
+def trip_count(eqn) -> int | None:
+    """How many times a ``while`` equation runs its body, when that is known at trace
+    time: a counter that starts at a constant, goes up by one each iteration and is
+    compared (``<``) with a constant (``lax.fori_loop`` with a traced bound, a
+    ``while_loop`` written as a counted loop). ``None`` when it depends on data."""
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    outer = list(eqn.invars)
+    carry_init = outer[cn + bn :]
+    if len(cond.eqns) != 1 or len(cond.outvars) != 1:
+        return None
+    test = cond.eqns[0]
+    if test.primitive.name == "lt":
+        counter, bound = test.invars
+    elif test.primitive.name == "gt":
+        bound, counter = test.invars
+    else:
+        return None
+    cond_in = list(cond.invars)
+
+    def value(v):
+        """The constant a cond operand has throughout the loop, or None."""
+        if isinstance(v, Literal):
+            return v.val
+        if v not in cond_in:
+            return None
+        i = cond_in.index(v)
+        if i < cn:
+            o = outer[i]
+            return o.val if isinstance(o, Literal) else None
+        k = i - cn
+        if body.outvars[k] is not body.invars[bn + k]:
+            return None  # changes inside the loop
+        o = carry_init[k]
+        return o.val if isinstance(o, Literal) else None
+
+    if counter not in cond_in or cond_in.index(counter) < cn:
+        return None
+    k = cond_in.index(counter) - cn
+    init = carry_init[k]
+    start = init.val if isinstance(init, Literal) else None
+    stop = value(bound)
+    if start is None or stop is None:
+        return None
+    step = next((e for e in body.eqns if body.outvars[k] in e.outvars), None)
+    if step is None or step.primitive.name != "add":
+        return None
+    a, b = step.invars
+    one = [x for x in (a, b) if isinstance(x, Literal)]
+    if body.invars[bn + k] not in (a, b) or len(one) != 1 or int(one[0].val) != 1:
+        return None
+    try:
+        return max(0, int(stop) - int(start))
+    except (TypeError, ValueError):
+        return None
 
 
 def _diff(eqn, tainted: Sequence[bool]) -> list[bool]:
@@ -93,17 +160,21 @@ class Refusal:
     eqn: Any
     layer: str
     tainted: tuple[bool, ...]
+    via: Any = None  # the outermost jit / scan / cond equation it sits in, if any
 
 
 def _is_t(marks: dict, v) -> bool:
     return not isinstance(v, Literal) and marks.get(v, False)
 
 
+_TRANSFORM = re.compile(r"^\w+\(.*\)$")  # jvp(...), transpose(...), vmap(): JAX's scopes
+
+
 def _layer(eqn, outer: str) -> str:
     """The innermost nnlite Module around ``eqn`` (each Module call is a named scope in
     manual mode), JAX's own transformation scopes left out."""
     stack = f"{outer}/{eqn.source_info.name_stack}"
-    parts = [p for p in stack.split("/") if p and not p.startswith(("jvp(", "transpose("))]
+    parts = [p for p in stack.split("/") if p and not _TRANSFORM.match(p)]
     return parts[-1] if parts else ""
 
 
@@ -173,6 +244,18 @@ class Analysis:
             info = Nested(
                 [*carry_t, *out_t[nk:]], uses, [(closed.jaxpr, list(closed.consts), body_t)]
             )
+        elif name == "while":
+            cn, bn, closed = params["cond_nconsts"], params["body_nconsts"], params["body_jaxpr"]
+            consts_t = list(t_in[cn : cn + bn])
+            carry_t = list(t_in[cn + bn :])
+            while True:
+                body_t = [*consts_t, *carry_t]
+                out_t, uses = self._body(closed.jaxpr, body_t, scope)
+                grown = [a or b for a, b in zip(carry_t, out_t, strict=True)]
+                if grown == carry_t:
+                    break
+                carry_t = grown
+            info = Nested(carry_t, uses, [(closed.jaxpr, list(closed.consts), body_t)])
         elif name == "cond":
             ops_t, outs, bodies, uses = list(t_in[1:]), [], [], False
             for branch in params["branches"]:
@@ -185,6 +268,9 @@ class Analysis:
             body, consts = inner(eqn)
             out_t, uses = self._body(body, t_in, scope)
             info = Nested(out_t, uses, [(body, consts, list(t_in))])
+        if self.refusal is not None and self.refusal.eqn is not eqn:
+            # inside a jitted library function (jnp.linalg's): the user's line is the call's
+            self.refusal = dataclasses.replace(self.refusal, via=eqn)
         self._nested[key] = info
         return info
 
@@ -221,7 +307,8 @@ class Evaluator:
             if kind == "nested":
                 info = self.analysis.nested(eqn, t_in, "")
                 out_t = info.out_tainted
-                outs = self.nested(eqn, ins, info) if info.uses_rules else bind_equation(eqn, ins)
+                rebuild = info.uses_rules or eqn.primitive.name == "while"
+                outs = self.nested(eqn, ins, info) if rebuild else bind_equation(eqn, ins)
             elif kind == "rule":
                 outs = apply_rule(eqn, ins)
             else:
@@ -259,6 +346,18 @@ class Evaluator:
                     unroll=params["unroll"],
                 )
                 return [*carry, *ys]
+            if name == "while":  # a counted loop: a scan, which JAX can differentiate
+                cn, bn = params["cond_nconsts"], params["body_nconsts"]
+                step = fn(*info.bodies[0])
+                body_consts = list(ins[cn : cn + bn])
+
+                def while_step(carry, _):
+                    return list(step(*body_consts, *carry)), None
+
+                carry, _ = jax.lax.scan(
+                    while_step, list(ins[cn + bn :]), None, length=trip_count(eqn)
+                )
+                return list(carry)
             if name == "cond":
                 branches = [fn(*b) for b in info.bodies]
                 return list(jax.lax.switch(ins[0], branches, *ins[1:]))
@@ -277,7 +376,7 @@ def apply_rule(eqn, ins: list) -> list:
     and every float operand gets the rule's cotangent (the rules are exact in each operand,
     so a gradient with respect to the inputs is right too).
     """
-    rule = PRIMITIVE_RULES[eqn.primitive.name]
+    rule = rule_for(eqn)
     params = rule.params(eqn.params)
     dyn = [i for i, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
 
@@ -312,9 +411,9 @@ def apply_rule(eqn, ins: list) -> list:
 # --- the refusal, in the user's terms -----------------------------------------------------
 
 STRUCTURAL_SUMMARY = (
-    "structural and linear operations (broadcasting, reshape, transpose, sums and means, "
-    "slices and indexing, concatenate/split, pad, +, -, scaling or matmul by a value that "
-    "is not differentiated, casts) carry library rules"
+    "JAX's differentiable primitives that model code emits (elementwise math, reductions, "
+    "sorting, dots and convolutions, indexing, layout, counted loops) carry library rules "
+    "(nnlite.rules.PRIMITIVES)"
 )
 
 MANUAL_FIX = (
@@ -336,12 +435,7 @@ _HINTS = {
 }
 
 
-def _custom_jvp_name(eqn) -> str | None:
-    if eqn.primitive.name != "custom_jvp_call":
-        return None
-    body = eqn.params.get("call_jaxpr")
-    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
-    return getattr(info, "func_name", None)
+_custom_jvp_name = custom_jvp_name
 
 
 def _what(eqn) -> str:
@@ -365,38 +459,52 @@ def source_line(eqn) -> str | None:
     return None
 
 
+def _refusal_line(refusal: Refusal) -> str | None:
+    """The user's line for a refusal: its own, or that of the call it sits in."""
+    line = source_line(refusal.eqn)
+    if line is None and refusal.via is not None:
+        line = source_line(refusal.via)
+    return line
+
+
 def refusal_place(refusal: Refusal) -> tuple[str, str | None, str]:
     """``(operation, "file:line" or None, layer or "")`` of a refusal: the primitive (or
     the ``jax.custom_jvp`` function's name), where the user's code computes it, and the
     innermost nnlite Module around it."""
-    where = source_line(refusal.eqn)
+    where = _refusal_line(refusal)
     at = where.rsplit(" (", 1)[0] if where else None
-    return _custom_jvp_name(refusal.eqn) or refusal.eqn.primitive.name, at, refusal.layer
+    what = _custom_jvp_name(refusal.eqn) or refusal.eqn.primitive.name
+    rule = rule_for(refusal.eqn)
+    unknown = rule.unknown(refusal.eqn.params) if rule is not None else []
+    if unknown:  # a newer JAX: the rule exists, the primitive changed
+        what = f"{what} (parameter {', '.join(unknown)} unknown to its rule)"
+    return what, at, refusal.layer
 
 
 def refusal_message(refusal: Refusal, who: str = "manual gradients") -> str:
     eqn = refusal.eqn
-    where = source_line(eqn)
+    where = _refusal_line(refusal)
     at = f" at {where}" if where else ""
     layer = (
         f"in layer {refusal.layer}"
         if refusal.layer
         else "in the loss function (outside any nnlite Module)"
     )
-    rule = PRIMITIVE_RULES.get(eqn.primitive.name)
+    rule = rule_for(eqn)
     reason = ""
     if rule is not None:
         why = rule.refusal(eqn.params, _diff(eqn, refusal.tainted))
         reason = f" Its library rule does not apply: {why}." if why else ""
     elif eqn.primitive.name == "while":
         reason = (
-            " Reverse-mode gradients of a while loop are not defined (jax.grad refuses it "
-            "too): use lax.scan, or lax.fori_loop with static bounds."
+            " It is a while_loop whose trip count depends on data (not a counter from a "
+            "constant up to a constant): reverse-mode gradients of it are not defined "
+            "(jax.grad refuses it too); use lax.scan, or lax.fori_loop with static bounds."
         )
     hint = _HINTS.get(_custom_jvp_name(eqn) or eqn.primitive.name)
     have = f" nnlite has it with a rule: {hint}." if hint else ""
     return (
         f"{who}: {_what(eqn)}{at}, {layer}, computes on values derived from the params and "
         f"has no hand-derived VJP, so JAX's autodiff would differentiate it.{reason}{have} "
-        f"Only {STRUCTURAL_SUMMARY}; for a nonlinear operation, {MANUAL_FIX}."
+        f"{STRUCTURAL_SUMMARY}, this one none; {MANUAL_FIX}."
     )

@@ -13,11 +13,11 @@ own ``__call__``, and the choice is made once, where the loss is differentiated.
 
 ``manual_grads`` also traces the loss once per argument signature and walks the jaxpr
 (``_interpret.py``): the plain ``jnp`` between layers that computes on param-derived values
--- structural and linear primitives (``tok + pos``, ``jnp.mean``, slicing, reshapes) -- gets
-the library's rule for its primitive (``_structural.py``); any other equation computing a
-float from the params outside a ``custom_vjp`` call (a user layer doing ``jnp.exp`` on
-``h @ params.W`` with no rule) would be differentiated by JAX, and is refused with one error
-naming the primitive, the user's source line, the Module it sits in (each Module call is a
+-- ``tok + pos``, ``jnp.mean``, slicing, reshapes, ``jnp.exp``, ``jnp.max``, a hand-written
+``lax.scan`` -- gets the library's rule for its primitive (``_structural.py``); an equation
+computing a float from the params with no rule (``jnp.linalg.cholesky``, a data-dependent
+``while_loop``) would be differentiated by JAX, and is refused with one error naming the
+primitive, the user's source line, the Module it sits in (each Module call is a
 ``jax.named_scope`` in manual mode) and how to fix it.
 """
 
@@ -31,7 +31,8 @@ from typing import Any
 import jax
 
 from ..core._mode import manual_active, manual_scope, manual_tape
-from ._custom_vjp import custom_vjp
+from ._contract import check_rule_signature, cotangents, is_hyperparameter
+from ._custom_vjp import plug
 from ._interpret import Evaluator, Refusal, analyse, refusal_message, refusal_place
 
 __all__ = ["ManualGradError", "check_manual", "hand_rule", "manual_grads"]
@@ -54,13 +55,32 @@ ManualGradError.__module__ = "nnlite"  # its public home, shown in tracebacks
 
 
 def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
-    """Declare ``f_vjp(*args, dret, **static) -> dargs`` as the hand VJP of the decorated
-    array function ``f(*args, **static)``.
+    """Declare ``f_vjp`` as the hand VJP of the decorated array function ``f``.
 
     Outside manual mode the function is ``f`` itself. Inside ``manual_grads`` it is
     ``nnlite.vjp.custom_vjp(f, f_vjp)`` with the keyword arguments (hyperparameters:
     strides, eps, ...) bound as static values. ``f.f`` and ``f.f_vjp`` are the plain pair
     (for ``check_vjp``).
+
+    The rule contract (the same for ``hand_rule``, ``custom_vjp``, ``manual_grads``,
+    ``check_vjp`` and ``show_grad``)::
+
+        f_vjp(*args, *drets, **hyperparameters) -> dargs
+
+    * ``args``: ``f``'s positional arguments in order (defaults filled in); ``drets``: the
+      cotangent of the result, one per output when ``f`` returns a tuple, always arrays
+      (zeros where nothing flows back, never ``None``); ``f``'s keyword-only arguments
+      come as keywords.
+    * A float array (or a pytree holding one) has a cotangent; Python scalars are
+      hyperparameters and integer/bool arrays are not differentiable: they have none.
+    * ``dargs``: one cotangent per argument (a tuple; for one argument the bare ``dx`` or
+      ``(dx,)``), or the cotangents of the arguments that have one only, in order (the
+      seed's ``index_vjp(x, i, dret) -> dx``). Each has its argument's shape; ``None``
+      means zero. An integer array's entry must be ``None``.
+
+    A rule whose signature cannot take that call is refused here; one whose result fits
+    no form, at its first use -- by every tool alike, with one line
+    (``nl.RuleContractError``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -75,6 +95,8 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
     """
 
     def decorate(f: Callable) -> Callable:
+        check_rule_signature(f, f_vjp)
+        who = f"{getattr(f_vjp, '__name__', 'the rule')} (the rule of {f.__name__})"
         sig = inspect.signature(f)
         positional = [
             p.name
@@ -93,7 +115,7 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
             args = tuple(bound.arguments[n] for n in positional)
             static = {k: v for k, v in bound.arguments.items() if k not in positional}
             # Python scalars (a dropout rate) are hyperparameters too: closed over, not traced.
-            py = [_is_python_scalar(a) for a in args]
+            py = [is_hyperparameter(a) for a in args]
             dyn_idx = [i for i, p in enumerate(py) if not p]
 
             # Arrays among the hyperparameters (a dropout key) enter the custom_vjp as
@@ -122,8 +144,7 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
                 dyn, drets = dyn_dret[: len(operands)], dyn_dret[len(operands) :]
                 merged, kw = full(dyn)
                 with manual_scope(False):
-                    dargs = f_vjp(*merged, *drets, **kw)
-                dargs = dargs if isinstance(dargs, tuple) else (dargs,)
+                    dargs = cotangents(f_vjp(*merged, *drets, **kw), merged, who)
                 picked = [dargs[i] for i in dyn_idx] + [None] * len(s_arr)
                 return tuple(picked) if len(picked) > 1 else picked[0]
 
@@ -131,7 +152,7 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
             fn_vjp.__name__ = f_vjp.__name__
             operands = [args[i] for i in dyn_idx] + [s_leaves[i] for i in s_arr]
             nondiff = range(n_dyn, len(operands))
-            out = custom_vjp(fn, fn_vjp, nondiff=nondiff)(*operands)
+            out = plug(fn, fn_vjp, nondiff=nondiff, record=False)(*operands)
             tape = manual_tape()
             if tape is not None:
                 tape.append((wrapped, args, static, out))

@@ -20,10 +20,14 @@ that changed with it prints as an expression in ``B = <first batch array>.shape[
 
 from __future__ import annotations
 
+import ast
+import builtins
+import importlib
 import inspect
 import re
 import sys
 import textwrap
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._contract import RuleContractError, cotangents, rule_layout
 from ._show_grad_walk import (
     _ident,
     _is_float_dtype,
@@ -48,41 +53,137 @@ __all__ = ["show_grad"]
 
 # --- imports of the rules ---------------------------------------------------------------------
 
+#: Where the printed code imports nnlite's rules from, first match first: public paths only.
+PUBLIC_HOMES = ("nnlite.rules", "nnlite.vjp", "nnlite.vjp.batched", "nnlite")
+
+
+def _same_fn(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` compute the same when called plainly: one object, or one is the
+    other's plug-in (``hand_rule`` / ``custom_vjp`` keep the plain function as ``.f``)."""
+    if a is None or b is None:
+        return False
+    fa, fb = getattr(a, "f", None), getattr(b, "f", None)
+    return a is b or fa is b or fb is a or (fa is not None and fa is fb)
+
 
 def _home(fn: Callable) -> str | None:
-    """The module to import ``fn`` from: ``nnlite.rules`` for the library's rules, else the
-    module defining it, if it is importable there under its name."""
-    from .. import rules
-
+    """The module to import ``fn`` from: a public nnlite path for the library's rules, else
+    the module defining it if it is importable there under its name; None: define it in
+    the printed code (``__main__``, a function's local)."""
     name = fn.__name__
-    public = getattr(rules, name, None)
-    if public is fn or getattr(public, "f", None) is fn:
-        return "nnlite.rules"
-    mod = getattr(fn, "__module__", None)
-    if mod and mod != "__main__" and fn.__qualname__ == name:
+    for modname in PUBLIC_HOMES:
+        if _same_fn(getattr(importlib.import_module(modname), name, None), fn):
+            return modname
+    mod = getattr(fn, "__module__", None) or ""
+    if mod.split(".")[0] == "nnlite":
+        raise ValueError(
+            f"show_grad: the rule function {name} ({mod}) has no public import path "
+            f"({', '.join(PUBLIC_HOMES)}), so printed code could not import it"
+        )
+    if mod and mod != "__main__" and getattr(fn, "__qualname__", name) == name:
         module = sys.modules.get(mod)
-        if module is not None and getattr(module, name, None) is fn:
+        if module is not None and _same_fn(getattr(module, name, None), fn):
             return mod
     return None
 
 
-def _inline_source(fn: Callable) -> str:
-    """The source of a rule that cannot be imported (defined in ``__main__`` or in a
-    function), to define it in the printed code."""
+def _def_source(plain: Callable) -> str:
+    """A function's source without its decorators (the printed code calls it plainly)."""
+    src = textwrap.dedent(inspect.getsource(plain))
+    tree = ast.parse(src)
+    node = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    lines = src.splitlines()
+    return "\n".join(lines[node.lineno - 1 : node.end_lineno])
+
+
+def _free_globals(src: str) -> list[str]:
+    """Names a function's source reads that it does not bind (globals and builtins)."""
+    tree = ast.parse(src)
+    fn = tree.body[0]
+    bound = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+    bound |= {
+        n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+    bound |= {
+        n.name
+        for n in ast.walk(fn)
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n is not fn
+    }
+    seen = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound:
+            if n.id not in seen:
+                seen.append(n.id)
+    return seen
+
+
+def _inline(fn: Callable, imports: list[str], defs: dict[str, str]) -> None:
+    """Define ``fn`` in the printed code: its source (decorators left out, the printed code
+    calls it plainly) and what it reads from its module, imported or defined too."""
     plain = inspect.unwrap(fn)
-    if plain.__code__.co_freevars:
+    name = fn.__name__
+    if name in defs:
+        return
+    code = getattr(plain, "__code__", None)
+    if code is None:
+        raise ValueError(f"show_grad: cannot print the rule {name}: it is not a Python function")
+    if code.co_freevars:
         raise ValueError(
-            f"show_grad: the rule {fn.__name__} is defined inside a function and uses its local "
-            f"variables ({', '.join(plain.__code__.co_freevars)}); define it at module level so "
+            f"show_grad: the rule {name} is defined inside a function and uses its local "
+            f"variables ({', '.join(code.co_freevars)}); define it at module level so "
             "that the printed code can import it"
         )
     try:
-        return textwrap.dedent(inspect.getsource(plain))
-    except (OSError, TypeError):
+        src = _def_source(plain)
+    except (OSError, TypeError, StopIteration, SyntaxError):
         raise ValueError(
-            f"show_grad: the rule {fn.__name__} is defined where neither an import nor its "
+            f"show_grad: the rule {name} is defined where neither an import nor its "
             "source can reach it (exec'd code, the interactive prompt); define it in a module"
         ) from None
+    defs[name] = src
+    g = plain.__globals__
+    for ref in _free_globals(src):
+        if ref not in g:
+            if ref in vars(builtins):
+                continue
+            raise ValueError(f"show_grad: the rule {name} reads {ref}, which is not defined")
+        val = g[ref]
+        if isinstance(val, types.ModuleType):
+            mod = val.__name__
+            imports.append(f"import {mod}" if mod == ref else f"import {mod} as {ref}")
+        elif callable(val) and hasattr(val, "__name__"):
+            try:
+                home = _home(val)
+            except ValueError:
+                home = None
+            if home is None:
+                modname = getattr(val, "__module__", None)
+                m = sys.modules.get(modname or "")
+                if (
+                    m is not None
+                    and modname != "__main__"
+                    and getattr(m, val.__name__, None) is val
+                ):
+                    home = modname
+            if home is not None:
+                alias = "" if val.__name__ == ref else f" as {ref}"
+                imports.append(f"from {home} import {val.__name__}{alias}")
+            elif val.__name__ == ref:
+                _inline(val, imports, defs)
+            else:
+                raise ValueError(
+                    f"show_grad: the rule {name} reads {ref} ({val.__name__}), which printed "
+                    "code can neither import nor define; define the rule in a module"
+                )
+        elif isinstance(val, (bool, int, float, complex, str, type(None))) or (
+            isinstance(val, tuple) and all(isinstance(v, (bool, int, float, str)) for v in val)
+        ):
+            defs.setdefault(ref, f"{ref} = {val!r}")
+        else:
+            raise ValueError(
+                f"show_grad: the rule {name} reads the global {ref} (a {type(val).__name__}), "
+                "which printed code cannot rebuild; define the rule in a module"
+            )
 
 
 # --- show_grad --------------------------------------------------------------------------------
@@ -209,10 +310,38 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         )
 
     nodes = _needed(walk, loss)
-    functions: set = set()
+    # Each rule function once, under the name the printed code gives it: imported from its
+    # public home (aliased where two homes share a name), or defined in the code.
+    functions: dict[int, Callable] = {}
     for n in _all_nodes(nodes):
-        functions |= {f for f in (n.fn, n.f_vjp) if f is not None}
-    pr.names.update(f.__name__ for f in functions)  # never shadow a rule
+        for f in (n.fn, n.f_vjp):
+            if f is not None:
+                functions.setdefault(id(f), f)
+    imports: dict[str, list[str]] = {}
+    inline: list[Callable] = []
+    taken: dict[str, Any] = {}
+    for f in sorted(functions.values(), key=lambda f: f.__name__):
+        home = _home(f)
+        key = (home, f.__name__) if home is not None else ("", id(inspect.unwrap(f)))
+        name = f.__name__
+        k = 1
+        while name in taken and taken[name] != key:
+            if home is None:
+                raise ValueError(
+                    f"show_grad: two different rule functions are named {f.__name__}; "
+                    "rename one, or define them in modules"
+                )
+            k += 1
+            name = f"{f.__name__}_{k}"
+        if name not in taken:
+            taken[name] = key
+            if home is None:
+                inline.append(f)
+            else:
+                alias = "" if name == f.__name__ else f" as {name}"
+                imports.setdefault(home, []).append(f"{f.__name__}{alias}")
+        pr.fn_names[id(f)] = name
+    pr.names.update(taken)  # never shadow a rule
 
     consts: list[str] = []
     literals: dict[str, str] = {}  # source -> name
@@ -259,7 +388,7 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
             if node.fn is None:
                 rhs = _expression(pr, node.expr, args)
             else:
-                rhs = f"{node.name}({', '.join(args)}{kw})"
+                rhs = f"{pr.fn_names[id(node.fn)]}({', '.join(args)}{kw})"
             if node.label is None and node.f_vjp is not None:
                 node.label = walk.label(node.args)
             if node.label:
@@ -286,9 +415,14 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
             d_outs = [
                 f"d_{o.expr}" if id(o) in have else f"jnp.zeros_like({o.expr})" for o in node.outs
             ]
+            if node.stack is not None:
+                returned = list(enumerate(node.args))
+                bare = False
+            else:
+                bare, returned = _layout(node)
             targets, adds = [], []
-            for i, a in enumerate(node.args):
-                if not (isinstance(a, _Val) and a.tainted):
+            for i, a in returned:
+                if i is None or not (isinstance(a, _Val) and a.tainted):
                     targets.append("_")
                     continue
                 d = f"d_{_ident(a.expr)}"
@@ -301,9 +435,16 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
                     adds.append(f"    {d} = {d} + {tmp}")
             if node.stack is not None:
                 bwd += stack_backward(node, d_outs[0], targets)
-            else:
-                call = f"{node.f_vjp.__name__}({', '.join(node.call_args + d_outs)}{node.call_kw})"  # type: ignore[attr-defined]
-                bwd.append(f"    {', '.join(targets)} = {call}")
+            elif any(t != "_" for t in targets):
+                vjp_name = pr.fn_names[id(node.f_vjp)]
+                call = f"{vjp_name}({', '.join(node.call_args + d_outs)}{node.call_kw})"  # type: ignore[attr-defined]
+                if bare:
+                    lhs = targets[0]
+                elif len(targets) == 1:
+                    lhs = f"({targets[0]},)"
+                else:
+                    lhs = ", ".join(targets)
+                bwd.append(f"    {lhs} = {call}")
             bwd.extend(adds)
         return bwd
 
@@ -395,15 +536,6 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         for v in ins[: len(p_leaves)]
     ]
 
-    # Imports: each rule from its home; rules without one are defined in the code.
-    by_module: dict[str, list[str]] = {}
-    inline: list[Callable] = []
-    for f in sorted(functions, key=lambda f: f.__name__):
-        home = _home(f)
-        if home is None:
-            inline.append(f)
-        else:
-            by_module.setdefault(home, []).append(f.__name__)
     header = ["import jax", "import jax.numpy as jnp", "import numpy as np"]
     body_text = "\n".join(consts + fwd + bwd)
     pr.note(body_text)
@@ -411,15 +543,19 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         header.append("from jax import lax")
     if "prims" in pr.used:
         header.append("from jax.extend.core import primitives as prims")
-    if inline:
-        header.append("import nnlite as nl")
+    extra: list[str] = []
+    inline_defs: dict[str, str] = {}
+    for f in inline:
+        _inline(f, extra, inline_defs)
+    header += [i for i in dict.fromkeys(extra) if i not in header]
     header.append("")
-    for mod in sorted(by_module, key=lambda m: (m != "nnlite.rules", m)):
-        header.append(f"from {mod} import {', '.join(sorted(set(by_module[mod])))}")
+    for mod in sorted(imports, key=lambda m: (m != "nnlite.rules", m)):
+        header.append(f"from {mod} import {', '.join(sorted(set(imports[mod])))}")
     defs = []
-    # a rule's VJP before the function whose decorator names it
-    for f in sorted(inline, key=lambda f: f not in {n.f_vjp for n in _all_nodes(nodes)}):
-        defs += ["", _inline_source(f).rstrip()]
+    for src in inline_defs.values():
+        defs += ["", src.rstrip()]
+    if pr.batch_dim is not None and not pr.portable:
+        raise _NotPortable  # some size does not follow the batch: print the traced sizes
     lines = header + defs + ["", "", f"def grad({', '.join(arg_names)}):"]
     if not pr.portable:
         lines.append("    # sizes below are those of the traced batch: trace again for another")
@@ -434,6 +570,67 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         f"        [\n        {leaves_src},\n        ],\n    )"
     )
     return "\n".join(lines) + "\n"
+
+
+_LAYOUTS: dict = {}  # (rule, argument types) -> its result's layout
+
+
+def _layout(node) -> tuple[bool, list]:
+    """How the printed call of ``node``'s rule unpacks: ``(bare, [(argument index, or None
+    where the rule returns None, argument), ...])``, one entry per returned value.
+
+    A primitive's library rule returns one cotangent per operand. A hand rule's form
+    (``dx``, ``(dx,)``, one per argument, one per argument with a cotangent, ``None``
+    entries) is read from the rule itself, called on the traced shapes -- the contract's
+    reading (``_contract.rule_layout``), as ``manual_grads`` and ``check_vjp`` read it.
+    """
+    if node.primitive:
+        n = len(node.args)
+        return n == 1, list(enumerate(node.args))
+    specs = [
+        jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype) if isinstance(a, _Val) else a[1]
+        for a in node.args
+    ]
+    kw = {
+        k: jax.ShapeDtypeStruct(va.aval.shape, va.aval.dtype) if isinstance(va, _Val) else va
+        for k, va, _ in node.kwargs
+    }
+    drets = [jax.ShapeDtypeStruct(o.aval.shape, o.aval.dtype) for o in node.outs]
+    dyn = [i for i, a in enumerate(specs) if isinstance(a, jax.ShapeDtypeStruct)]
+    kw_dyn = [k for k, v in kw.items() if isinstance(v, jax.ShapeDtypeStruct)]
+    vjp_name = getattr(node.f_vjp, "__name__", "rule")
+    who = f"{vjp_name} (the rule of {node.name})"
+    try:
+        key = (id(node.f_vjp), repr(specs), repr(sorted(kw.items())), repr(drets))
+    except Exception:  # noqa: BLE001 -- an odd hyperparameter: no caching
+        key = None
+    if key is None or key not in _LAYOUTS:
+
+        def call(xs, kxs, ds):
+            args = list(specs)
+            for i, x in zip(dyn, xs, strict=True):
+                args[i] = x
+            kwargs = dict(kw, **dict(zip(kw_dyn, kxs, strict=True)))
+            return node.f_vjp(*args, *ds, **kwargs)
+
+        try:
+            result = jax.eval_shape(call, [specs[i] for i in dyn], [kw[k] for k in kw_dyn], drets)
+        except RuleContractError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- one clear line instead of wrong code
+            raise ValueError(
+                f"show_grad: cannot print {who}: calling it at the traced shapes failed "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from e
+        cotangents(result, specs, who)  # the contract, checked as every tool checks it
+        bare, positions = rule_layout(result, specs, who)
+        got = (result,) if bare else tuple(result)
+        layout = (bare, [p if g is not None else None for p, g in zip(positions, got, strict=True)])
+        if key is None:
+            return bare, [(p, None if p is None else node.args[p]) for p in layout[1]]
+        _LAYOUTS[key] = layout
+    bare, positions = _LAYOUTS[key]
+    return bare, [(p, None if p is None else node.args[p]) for p in positions]
 
 
 def _needed(walk: _Walk, out: _Val) -> list:

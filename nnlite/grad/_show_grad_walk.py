@@ -24,10 +24,11 @@ from jax.extend.core import Literal
 
 from ..core._jax_private import bind_equation, tracer_var
 from ..core._mode import manual_scope
+from ._contract import is_hyperparameter
 from ._interpret import HAND, NESTED, Refusal, _layer, classify, inner, refusal_message
 from ._manual import ManualGradError
 from ._prim_layout import stop_gradient as _stop_gradient
-from ._structural import PRIMITIVE_RULES
+from ._structural import rule_for
 
 _LITERAL_LIMIT = 4096  # elements: larger constants are refused
 
@@ -91,6 +92,7 @@ class _Node:
     label: str | None = None
     expr: str | None = None  # the printed right-hand side of an expression node
     stack: _StackBody | None = None  # a Stack printed as two scans over this body
+    primitive: bool = False  # a primitive's library rule: one cotangent per operand
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,6 +118,7 @@ class _Printer:
         self.used: set[str] = set()  # module aliases the code needs
         self.names: set[str] = set()
         self.counts: dict[str, int] = {}
+        self.fn_names: dict[int, str] = {}  # id(rule function) -> its name in the code
 
     def fresh(self, base: str) -> str:
         base = _ident(base)
@@ -180,6 +183,12 @@ def _literal(pr: _Printer, a, b_shape) -> str:
     while core.ndim > 1 and all(np.array_equal(core[0], c) for c in core[1:]):
         core = core[0]
     lead = arr.ndim - core.ndim
+    if arr.size > 1 and arr.dtype != np.bool_ and np.all(arr == arr.flat[0]):
+        # one value throughout (zeros, a fill): its shape may follow the batch
+        shape = pr.pyval(tuple(arr.shape), None if b_shape is None else tuple(b_shape))
+        v = arr.flat[0].item()
+        text = repr(v) if not isinstance(v, float) or np.isfinite(v) else f'float("{v}")'
+        return f"jnp.full({shape}, {text}, jnp.{arr.dtype})"
     if b_shape is not None and tuple(b_shape[lead:]) != core.shape:
         pr.portable = False  # the constant itself changes with the batch
     shape = pr.pyval(tuple(arr.shape), None if b_shape is None else tuple(b_shape))
@@ -255,9 +264,29 @@ class _Walk:
                 eb.primitive is not ea.primitive or len(eb.outvars) != len(ea.outvars)
             ):
                 raise _NotPortable
-            outs = self.eqn(ea, eb, [self.read(env, v) for v in ea.invars])
+            ins = [self.read(env, v) for v in ea.invars]
+            if eb is not None:
+                for i, (va, vb) in enumerate(zip(ea.invars, eb.invars, strict=True)):
+                    if isinstance(va, Literal) != isinstance(vb, Literal):
+                        raise _NotPortable
+                    if isinstance(va, Literal) and not _same(va.val, vb.val):
+                        ins[i] = self.batch_literal(va, vb)
+            outs = self.eqn(ea, eb, ins)
             env.update(zip(ea.outvars, outs, strict=True))
         return [self.read(env, v) for v in ja.outvars], env
+
+    def batch_literal(self, va: Literal, vb: Literal) -> _Val:
+        """A scalar that follows the batch size (``jnp.mean``'s count): ``np.float32(B)``."""
+        a, b = np.asarray(va.val), np.asarray(vb.val)
+        expr = None
+        if a.ndim == 0 and float(a).is_integer() and float(b).is_integer():
+            size = self.pr.size(int(a), int(b))
+            if self.pr.portable:
+                expr = f"np.{a.dtype}({size})"
+        if expr is None:
+            self.pr.portable = False
+            return _Val(va.aval, vb.aval, const=True, compute=lambda: va.val, expr=_scalar(va))
+        return _Val(va.aval, vb.aval, expr=expr)
 
     @staticmethod
     def read(env, v) -> _Val:
@@ -269,11 +298,11 @@ class _Walk:
         name = ea.primitive.name
         t_in = [x.tainted for x in ins]
         b_avals = [None] * len(ea.outvars) if eb is None else [v.aval for v in eb.outvars]
-        if name in NESTED and name not in ("scan", "cond"):
+        kind = classify(ea, t_in)
+        if name in NESTED and name not in ("scan", "cond", "while") and kind != "rule":
             ba, bconsts = (None, None) if eb is None else inner(eb)
             body_a, consts_a = inner(ea)
             return self.body(body_a, ba, ins, consts_a, bconsts)[0]
-        kind = classify(ea, t_in)
         if name in HAND and ea.outvars[0] in self.tape_a:
             return self.hand(ea, eb, ins, b_avals)
         if kind == "refuse" or (kind == "hand"):
@@ -317,7 +346,7 @@ class _Walk:
                 list(body_a.consts),
                 None if body_b is None else list(body_b.consts),
             )[0]
-        rule = PRIMITIVE_RULES.get(name)
+        rule = rule_for(ea)
         if name == "stop_gradient":
             fn, f_vjp, params_a, params_b = _stop_gradient, None, {}, {}
         elif rule is not None:
@@ -336,7 +365,7 @@ class _Walk:
             for k, v in params_a.items()
             if not (k in defaults and _same(defaults[k], v))
         ]
-        node = _Node(fn.__name__, fn, f_vjp, list(ins), kwargs, outs)
+        node = _Node(fn.__name__, fn, f_vjp, list(ins), kwargs, outs, primitive=True)
         return self.add(node)
 
     def hand(self, ea, eb, ins, b_avals) -> list[_Val]:
@@ -353,7 +382,7 @@ class _Walk:
         b_args = [None] * len(args) if entry_b is None else list(entry_b[1])
         node_args = []
         for a, b in zip(args, b_args, strict=True):
-            if a is None or isinstance(a, (bool, int, float, str)):
+            if is_hyperparameter(a):
                 node_args.append(("py", a, b))
             elif _arrayish(a):
                 node_args.append(next(operands))
@@ -409,14 +438,16 @@ class _Walk:
         self.pr.p_name = p_name = self.pr.fresh("p_copy")
         try:
             sub = _Walk(self.pr, tape_a, tape_b)
+            # one copy's params: the body's own input types, not the stacked ones
+            b_in = [None] * n_p if closed_b is None else [v.aval for v in closed_b.jaxpr.invars]
             sub_ins = [
                 _Val(
-                    v.aval,
-                    None if v.b_aval is None else v.b_aval,
+                    closed_a.jaxpr.invars[i].aval,
+                    b_in[i],
                     tainted=v.tainted,
                     expr=_path_expr(p_name, path),
                 )
-                for v, path in zip(p_vals, paths, strict=True)
+                for i, (v, path) in enumerate(zip(p_vals, paths, strict=True))
             ]
             # the carry has a cotangent whenever the copies' params do: the previous copy's
             tainted = x.tainted or any(v.tainted for v in p_vals)

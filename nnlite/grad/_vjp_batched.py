@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ._manual import hand_rule
+from ._structural import CUSTOM_JVP_RULES, PRIMITIVE_RULES, PrimitiveRule
 
 __all__ = [
     "add", "add_vjp", "axpy", "axpy_vjp", "bias_add", "bias_add_vjp", "dotall", "dotall_vjp",
@@ -417,3 +418,9 @@ def softmax_cross_entropy(logits, labels):
     picked = jnp.sum(jnp.where(_class_hits(labels, logits.shape[-1]), shifted, 0.0), axis=-1)
     in_range = (labels >= 0) & (labels < logits.shape[-1])
     return jnp.where(in_range, lse - picked, jnp.nan)
+
+
+# The primitives and jax.custom_jvp functions these rules differentiate when a model calls
+# JAX directly (``jnp.tanh``, ``jax.nn.relu``): manual mode uses the same rules for them.
+PRIMITIVE_RULES["tanh"] = PrimitiveRule(tanh, tanh_vjp)
+CUSTOM_JVP_RULES["relu"] = PrimitiveRule(relu, relu_vjp)

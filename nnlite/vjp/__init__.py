@@ -1,5 +1,9 @@
 """Hand-derived vector-Jacobian products, the seed's way: rules, a checker, a plug-in.
 
+This is the seed's name for ``nnlite.rules.seed`` (and ``nnlite.vjp.batched`` for
+``nnlite.rules.batched``): ``nnlite.rules`` is the one home of every rule and rule tool;
+these names stay so that the seed's code runs unchanged.
+
 ``nnlite.vjp`` is the awf-jaxutils VJP library with its names and conventions -- column
 vectors (``mm(W1, x)`` with ``x: [in]``), ``softmax`` over axis 0, ``sum`` of a list,
 ``index_vjp -> dx`` -- so the seed's examples run unchanged. ``nnlite.vjp.batched`` holds

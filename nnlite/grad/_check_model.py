@@ -1,0 +1,146 @@
+"""``check_rules``: every hand rule a model's loss runs, checked against ``jax.vjp`` at the
+inputs it really gets, one row per call -- the library half of a trainer's
+``--check-grads`` (rules checked at the run's shapes and dtype before step 0).
+
+The loss runs once, eagerly, in manual mode with show_grad's tape: each hand-rule call
+(nnlite's layers and losses, a user's ``@nl.hand_rule``, ``nl.vjp.custom_vjp`` plug-ins)
+records its arguments. Each call's rule is then compared with ``jax.vjp`` of its plain
+function on a random cotangent, and its error reported in units of float rounding: the
+largest difference divided by the dtype's epsilon times the cotangent's magnitude.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core._mode import manual_scope
+from ._check import _dret_args, _random_like
+from ._contract import cotangents, has_cotangent, is_hyperparameter
+
+__all__ = ["RuleCheck", "check_rules"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleCheck:
+    """One hand-rule call of a loss: where (the params it reads, or its position), which
+    rule, its error in roundings of its dtype, and whether that is within ``max_roundings``."""
+
+    layer: str
+    rule: str
+    dtype: str
+    roundings: float
+    ok: bool
+
+    def __str__(self) -> str:
+        mark = "ok" if self.ok else "WRONG"
+        return f"{self.layer:<28} {self.rule:<26} {self.dtype:<9} {self.roundings:>10.1f}  {mark}"
+
+
+def _label(args, paths: dict[int, str], rule: str, counts: dict[str, int]) -> str:
+    for a in args:
+        path = paths.get(id(a))
+        if path is not None:
+            return path.rsplit(".", 1)[0] if "." in path else path
+    counts[rule] = counts.get(rule, 0) + 1
+    return f"{rule}#{counts[rule]}"
+
+
+def _roundings(want, got, dtype) -> float:
+    want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+    if want.size == 0:
+        return 0.0
+    eps = float(jnp.finfo(dtype).eps)
+    scale = max(1.0, float(np.max(np.abs(want))))
+    err = np.abs(got - want)
+    return float("inf") if np.isnan(err).any() else float(np.max(err)) / (eps * scale)
+
+
+def check_rules(
+    loss_fn: Callable,
+    params: Any,
+    *batch: Any,
+    max_roundings: float = 1000.0,
+    seed: int = 0,
+    **kwargs: Any,
+) -> list[RuleCheck]:
+    """Check every hand rule ``loss_fn(params, *batch, **kwargs)`` calls, at its inputs.
+
+    Args:
+        loss_fn, params, batch, kwargs: as for ``jax.grad(loss_fn)(params, *batch)``
+            (concrete arrays: the rules are run on them).
+        max_roundings: the largest error, in roundings of the call's dtype (its epsilon
+            times the cotangent's largest magnitude), a rule may have.
+        seed: for the random cotangents.
+
+    Returns:
+        One ``RuleCheck`` per call, in call order; ``str()`` of each is a table row.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import nnlite as nl
+        >>> net = nl.FFN(3, (4,), 2)
+        >>> p = net.init(jax.random.key(0))
+        >>> def loss(p, x):
+        ...     return jnp.mean(net(p, x))
+        >>> rows = nl.check_rules(loss, p, jnp.ones((5, 3)))
+        >>> [(r.layer, r.rule, r.ok) for r in rows][:2]
+        [('params.layers[0]', 'linear_vjp', True), ('relu#1', 'relu_vjp', True)]
+    """
+    paths = {
+        id(leaf): jax.tree_util.keystr(path, simple=True, separator=".")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    paths = {k: f"params.{v}".replace(".[", "[") for k, v in paths.items()}
+    paths = {k: _bracket(v) for k, v in paths.items()}
+    tape: list = []
+    with jax.disable_jit(), manual_scope(True, tape):
+        loss_fn(params, *batch, **kwargs)
+    rng_key = jax.random.key(seed)
+    rows, counts = [], {}
+    for i, (wrapped, args, static, _out) in enumerate(tape):
+        f, f_vjp = wrapped.f, wrapped.f_vjp
+        name = getattr(f_vjp, "__name__", "rule")
+        dyn = [k for k, a in enumerate(args) if not is_hyperparameter(a)]
+
+        def plain(*xs, args=args, dyn=dyn, f=f, static=static):
+            merged = list(args)
+            for k, x in zip(dyn, xs, strict=True):
+                merged[k] = x
+            return f(*merged, **static)
+
+        xs = [args[k] for k in dyn]
+        ref_out, pullback = jax.vjp(plain, *xs)
+        dret = _random_like(jax.random.fold_in(rng_key, i), ref_out)
+        want = pullback(dret)
+        with manual_scope(False):
+            got = cotangents(
+                f_vjp(*args, *_dret_args(dret), **static), list(args), f"{name} (check_rules)"
+            )
+        worst, dtype = 0.0, None
+        for k, w in zip(dyn, want, strict=True):
+            if not has_cotangent(args[k]) or got[k] is None and w is None:
+                continue
+            g = got[k] if got[k] is not None else jax.tree.map(jnp.zeros_like, w)
+            for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g), strict=True):
+                if not jnp.issubdtype(wl.dtype, jnp.inexact):
+                    continue
+                dtype = dtype or jnp.dtype(wl.dtype).name
+                worst = max(worst, _roundings(wl, gl, wl.dtype))
+        layer = _label(args, paths, getattr(wrapped, "__name__", name), counts)
+        rows.append(RuleCheck(layer, name, dtype or "-", worst, worst <= max_roundings))
+    return rows
+
+
+def _bracket(path: str) -> str:
+    """``params.layers.0.W`` -> ``params.layers[0].W``."""
+    parts = path.split(".")
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
