@@ -186,8 +186,16 @@ from .nn._rnn import lstm_scan as lstm_scan
 from .nn._rnn import lstm_scan_vjp as lstm_scan_vjp
 from .nn._rnn import subarray as subarray
 from .nn._rnn import subarray_vjp as subarray_vjp
+from .nn._gqa import grouped_attention as grouped_attention
+from .nn._gqa import grouped_attention_vjp as grouped_attention_vjp
+from .nn._lora import lora_linear as lora_linear
+from .nn._lora import lora_linear_vjp as lora_linear_vjp
+from .nn._rope_scaling import rope as rope
+from .nn._rope_scaling import rope_vjp as rope_vjp
 from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
+from .nn._swiglu import swiglu as swiglu
+from .nn._swiglu import swiglu_vjp as swiglu_vjp
 from .nn._stack import stack_scan as stack_scan
 from .nn._stack import stack_scan_vjp as stack_scan_vjp
 from .vjp import batched as batched  # noqa: E402 -- the seed's libraries, by convention
