@@ -156,8 +156,12 @@ from .nn._embedding import embed as embed
 from .nn._embedding import embed_attend as embed_attend
 from .nn._embedding import embed_attend_vjp as embed_attend_vjp
 from .nn._embedding import embed_vjp as embed_vjp
+from .nn._gqa import grouped_attention as grouped_attention
+from .nn._gqa import grouped_attention_vjp as grouped_attention_vjp
 from .nn._linear import linear as linear
 from .nn._linear import linear_vjp as linear_vjp
+from .nn._lora import lora_linear as lora_linear
+from .nn._lora import lora_linear_vjp as lora_linear_vjp
 from .nn._losses import nll_values as nll_values
 from .nn._losses import nll_values_vjp as nll_values_vjp
 from .nn._losses import squared_error_values as squared_error_values
@@ -186,18 +190,14 @@ from .nn._rnn import lstm_scan as lstm_scan
 from .nn._rnn import lstm_scan_vjp as lstm_scan_vjp
 from .nn._rnn import subarray as subarray
 from .nn._rnn import subarray_vjp as subarray_vjp
-from .nn._gqa import grouped_attention as grouped_attention
-from .nn._gqa import grouped_attention_vjp as grouped_attention_vjp
-from .nn._lora import lora_linear as lora_linear
-from .nn._lora import lora_linear_vjp as lora_linear_vjp
 from .nn._rope_scaling import rope as rope
 from .nn._rope_scaling import rope_vjp as rope_vjp
 from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
-from .nn._swiglu import swiglu as swiglu
-from .nn._swiglu import swiglu_vjp as swiglu_vjp
 from .nn._stack import stack_scan as stack_scan
 from .nn._stack import stack_scan_vjp as stack_scan_vjp
+from .nn._swiglu import swiglu as swiglu
+from .nn._swiglu import swiglu_vjp as swiglu_vjp
 from .vjp import batched as batched  # noqa: E402 -- the seed's libraries, by convention
 
 #: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
