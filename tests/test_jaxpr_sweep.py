@@ -40,7 +40,7 @@ def _sample(cases):
 
 def _documented_refusals() -> set[str]:
     """The primitives docs/show_jaxpr.md lists under "Not supported"."""
-    with open(os.path.join(ROOT, "docs", "show_jaxpr.md")) as f:
+    with open(os.path.join(ROOT, "docs/show_jaxpr.md")) as f:
         text = f.read()
     section = text.split("### Not supported", 1)[1].split("\n## ", 1)[0]
     return set(re.findall(r"^\| `([\w-]+)` \|", section, re.M))

@@ -7,6 +7,7 @@ pool under ``nl.manual_grads`` against ``jax.grad``; refusals naming the source 
 another batch size with the user's own rule.
 """
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -232,7 +233,7 @@ def _grads_match_to_float32_rounding(model, batch, labels):
     auto = jax.jit(jax.grad(loss))(params, batch, labels)
     hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params, batch, labels)
     with jax.enable_x64(True):
-        m64 = type(model)(**{**model.__dict__, "param_dtype": "float64"})
+        m64 = dataclasses.replace(model, param_dtype="float64")
         p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
         x64 = batch.astype(jnp.float64) if jnp.issubdtype(batch.dtype, jnp.floating) else batch
         exact = jax.tree.map(np.asarray, jax.jit(jax.grad(loss_of(m64)))(p64, x64, labels))

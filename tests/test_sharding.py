@@ -436,7 +436,7 @@ def test_the_finiteness_check_finds_a_nan_on_any_device_in_one_program():
     in its leaf and no other, replicated and host-shaped leaves checked too."""
     from jax.sharding import NamedSharding
 
-    from train.loop.step import finite_flags, finite_on_devices
+    from train.parallel.finite import finite_flags, finite_on_devices
 
     mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
     specs = [P("data"), P(None, "model"), P("data", "model"), P()]

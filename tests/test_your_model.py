@@ -81,8 +81,8 @@ class TinyLM(nl.Module):
         return nl.Linear(self.width, self.vocab_size)(params.head, h)
 
 
-class RawTanh(nl.Module):
-    """jnp.tanh has no hand rule: loss.grad=manual must refuse it by name."""
+class RawLgamma(nl.Module):
+    """lax.lgamma has no hand rule: loss.grad=manual must refuse it by name."""
 
     in_features: int
     num_classes: int
@@ -93,7 +93,7 @@ class RawTanh(nl.Module):
         return nl.ParamsDict(lin=nl.Linear(self.in_features, self.num_classes).init(key))
 
     def __call__(self, params, x, *, key=None):
-        return jnp.tanh(nl.Linear(self.in_features, self.num_classes)(params.lin, x))
+        return jax.lax.lgamma(1.0 + jnp.abs(nl.Linear(self.in_features, self.num_classes)(params.lin, x)))
 
 
 class NeedsDepth(nl.Module):
@@ -408,11 +408,11 @@ def test_user_model_show_jaxpr_and_manual_gradients(project, capsys, monkeypatch
     for a, b in zip(jax.tree.leaves(auto.params), jax.tree.leaves(manual.params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
     code = main(
-        ["--config", "res.yaml", *sets("model={name: 'usermodels:RawTanh'}", "loss.grad=manual")]
+        ["--config", "res.yaml", *sets("model={name: 'usermodels:RawLgamma'}", "loss.grad=manual")]
     )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "`tanh` at usermodels.py:" in err and "in layer RawTanh" in err
+    assert "`lgamma` at usermodels.py:" in err and "in layer RawLgamma" in err
     assert "loss.grad=autodiff" in err  # the trainer's words for the library's second fix
 
 
@@ -515,14 +515,16 @@ def test_quiet_data_surprises_are_said(project, capsys, monkeypatch, tmp_path):
 
 
 def test_install_puts_the_trainer_on_the_path():
-    """The README's editable install installs train/ and models/ with the library and an
-    nnlite-train command, so a user's project can train from its own directory."""
+    """The install puts train/ and models/ inside nnlite's namespace (nnlite.train,
+    nnlite.models) with an nnlite-train command, so a user's project trains from its own
+    directory and keeps its own names (tests/test_packaging.py checks the package list)."""
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    found = project["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert {"nnlite*", "train*", "models*"} <= set(found)
-    assert project["project"]["scripts"]["nnlite-train"] == "train.__main__:run"
+    setuptools = project["tool"]["setuptools"]
+    assert {"nnlite", "nnlite.train", "nnlite.models"} <= set(setuptools["packages"])
+    assert not any(p.split(".")[0] in ("train", "models") for p in setuptools["packages"])
+    assert project["project"]["scripts"]["nnlite-train"] == "nnlite.train.__main__:run"
 
 
 def _events(directory: Path) -> list:

@@ -70,7 +70,9 @@ class Registry:
             if not isinstance(entry, str):
                 return entry
             name, search = entry, ()
-        return import_path(name, where, search, error=self.error)
+        return import_path(
+            name, where, search, error=self.error, classes=self.form.endswith(":Class")
+        )
 
     def short_name(self, obj: Any) -> str | None:
         """The short name a registered object goes by (None: not registered)."""
@@ -91,7 +93,12 @@ def _path_of(obj: Any) -> str:
 
 
 def import_path(
-    spec: str, where: str, search: Iterable[Path] = (), *, error: type = ConfigError
+    spec: str,
+    where: str,
+    search: Iterable[Path] = (),
+    *,
+    error: type = ConfigError,
+    classes: bool = False,
 ) -> Any:
     """The object that ``"module:attr"`` names (``attr`` may be dotted). A module starting
     with a dot is the trainer's own. Every failure is one line naming ``where``."""
@@ -103,10 +110,16 @@ def import_path(
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            public = sorted(n for n in vars(module) if not n.startswith("_"))
+            names = vars(module).items()
+            public = sorted(
+                n
+                for n, v in names
+                if not n.startswith("_") and (isinstance(v, type) or not classes)
+            )
+            what = "its classes" if classes else "it defines"
             raise error(
                 f"{where}: module {module_name} ({getattr(module, '__file__', '?')}) has no "
-                f"{attr}; it defines: {', '.join(public[:20]) or 'nothing public'}"
+                f"{attr}; {what}: {', '.join(public[:20]) or 'none'}"
             )
     return obj
 

@@ -84,7 +84,9 @@ def is_hyperparameter(a: Any) -> bool:
 
 
 def _leaf_has_cotangent(leaf: Any) -> bool:
-    if isinstance(leaf, _PY_SCALARS) or not hasattr(leaf, "dtype"):
+    # JAX's typed literals (a float subclass with a dtype: a weakly typed scalar that was
+    # traced) are values, not hyperparameters: only the plain Python types are closed over
+    if type(leaf) in _PY_SCALARS or not hasattr(leaf, "dtype"):
         return False
     return bool(jnp.issubdtype(leaf.dtype, jnp.inexact))
 

@@ -188,6 +188,11 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
                 codes = [p.returncode for p in procs]
                 break
         time.sleep(0.05)
+    # All exited between polls: a process killed by a signal is the cause, the rest followed
+    # (its peers may have been seen failing first, while it was not yet reaped).
+    killed = [(j, c) for j, c in enumerate(codes) if c is not None and c < 0]
+    if first_exit is not None and first_exit[1] >= 0 and killed:
+        first_exit = (*killed[0], first_exit[2])
     if len(signalled) > 1:  # it came while the processes were being stopped or reaped
         return second_signal()
 
