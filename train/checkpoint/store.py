@@ -68,6 +68,13 @@ def _tree(params: Any, opt_state: Any, state: Any = None) -> OrderedDict:
     return tree
 
 
+def _string_metadata(step: int, metadata: dict[str, Any]) -> dict[str, str]:
+    """The step and ``metadata`` as safetensors metadata: strings, others as JSON."""
+    meta = {"step": str(step)}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+    return meta
+
+
 def save(
     ckpt_dir: Path,
     step: int,
@@ -83,8 +90,7 @@ def save(
     ``metadata`` values that are not strings are stored as JSON; ``state``: a stateful
     model's state (None: stateless)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"step": str(step)}
-    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+    meta = _string_metadata(step, metadata)
     final = nl.save(
         path_of(ckpt_dir, step, sharded=False), _tree(params, opt_state, state), metadata=meta
     )
@@ -110,8 +116,7 @@ def save_sharded(
     ``barrier``: ``train.parallel.distributed.barrier`` (bounded waits) with several processes;
     ``state``: a stateful model's (placed) state, None for a stateless model."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"step": str(step)}
-    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+    meta = _string_metadata(step, metadata)
     final = nl.save_sharded(
         path_of(ckpt_dir, step, sharded=True),
         _tree(params, opt_state, state),

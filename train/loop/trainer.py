@@ -403,7 +403,7 @@ class _Loop:
                 self.r.run_dir / "checkpoints",
                 self.step,
                 *state,
-                self._metadata() | {"log_window": json.dumps(self.means.state())},
+                self._metadata(),
                 cfg.checkpoint.keep,
                 state=self.model_state(),
             )
@@ -424,7 +424,7 @@ class _Loop:
             self.step,
             params,
             jax.tree.unflatten(prep.o_def, self.o_leaves),
-            self._metadata() | {"log_window": json.dumps(self.means.state())},
+            self._metadata(),
             cfg.checkpoint.keep,
             barrier=dist.barrier,
             state=None if prep.state0 is None else jax.tree.unflatten(prep.s_def, self.s_leaves),
@@ -494,6 +494,7 @@ class _Loop:
     def _metadata(self) -> dict:
         r = self.r
         meta = metadata(r.cfg, r.data, self.step, self.sampler, self.skipped, r.model, r.grad_mode)
+        meta["log_window"] = json.dumps(self.means.state())  # the train metrics' partial sums
         if self.callbacks:
             meta["callbacks"] = self.callbacks.state()
         if self.view.stop_reason is not None:  # a rerun says so instead of training again
