@@ -122,9 +122,15 @@ class CurvePlotter:
     def __init__(self, accuracy: bool = True, timeout: float = DRAW_TIMEOUT_S):
         self.timeout = timeout
         self._request: tuple[Path, Path, str, str] | None = None
-        root = str(Path(__file__).resolve().parents[1])  # the directory holding train/
-        code = f"import sys; sys.path.insert(0, {root!r}); from train.report.plot import _child; "
-        code += f"sys.exit(_child({bool(accuracy)}))"
+        # The helper imports this module by the name it has here: installed
+        # (``nnlite.train.report.plot``) the interpreter finds it; run from a checkout
+        # (``train.report.plot``), from the directory holding ``train/``, whatever the cwd.
+        code = "import sys; "
+        if not __name__.startswith("nnlite."):
+            root = str(Path(__file__).resolve().parents[2])
+            code += f"sys.path.insert(0, {root!r}); "
+        code += f"from {__name__} import _child; sys.exit(_child({bool(accuracy)}))"
+        self.by_helper = False  # whether the PNG came from the helper (else in-process)
         try:
             self._proc: subprocess.Popen | None = subprocess.Popen(
                 [sys.executable, "-c", code],
@@ -164,6 +170,7 @@ class CurvePlotter:
         if self._proc is not None:
             try:
                 ok = self._proc.wait(self.timeout) == 0 and out.is_file()
+                self.by_helper = ok
             except subprocess.TimeoutExpired:
                 pass
             self._stop()
