@@ -20,6 +20,7 @@ the same failure has in a real run (2 bad input, 4 non-finite, ...).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -97,6 +98,7 @@ def fast_dev_run(
         data = dataclasses.replace(data, x_test=data.x_test[:rows], y_test=data.y_test[:rows])
     multiprocess = dist.initialize(cfg.distributed) is not None
     main = dist.is_main()
+    log_dir_existed = Path(cfg.log.dir).exists()
     if multiprocess:  # every process writes its shards into one directory: a shared path
         root = Path(cfg.log.dir) / f".fast-dev-run-{cfg.name}"
         if main:  # a dev run killed before its cleanup
@@ -173,6 +175,9 @@ def fast_dev_run(
             _barrier_quietly("fast-dev-run-end")
         if main:
             shutil.rmtree(root, ignore_errors=True)
+            if not log_dir_existed:  # made for the shared directory: not left behind
+                with contextlib.suppress(OSError):
+                    Path(cfg.log.dir).rmdir()
     skipped = "" if isinstance(found.get("resume"), int) else " (resume skipped)"
     say(
         f"fast-dev-run: all phases passed{skipped}: train {steps} step"
