@@ -218,7 +218,8 @@ def plot_lr_find(
         ax.axvline(lr, color=color, linestyle="--", label=f"{label}: {lr:.2g}")
     finite = [v for v in smooth if math.isfinite(v)]
     if finite:  # the divergence at the end would flatten the interesting part
-        low, top = min(finite), max(finite[: max(1, len(finite) // 10)])
+        low = min(finite + [v for v in raw if math.isfinite(v)])
+        top = max(finite[: max(1, len(finite) // 10)])
         ax.set_ylim(low - 0.05 * (top - low + 1e-12), top + 0.25 * (top - low + 1e-12))
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
