@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ import pytest
 import train
 from train.__main__ import main
 from train.config import ConfigError, config_from_dict
+from train.data.source import ResumeNotExactWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,7 +153,7 @@ def test_overfit_and_a_monitored_metric_resume_bit_identically(user, tmp_path):
         check_resumable(other, store.read_metadata(ckpt), ckpt)
 
 
-def test_bad_eval_metrics_and_overfit_batches_are_one_line_exit_2(user, tmp_path, capsys):
+def test_bad_eval_metrics_and_overfit_batches_are_refused_in_one_line(user, tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(json.dumps(sections(tmp_path / "runs", steps=5)))
     cases = {
@@ -172,6 +174,21 @@ def test_bad_eval_metrics_and_overfit_batches_are_one_line_exit_2(user, tmp_path
     assert main(["--config", str(path), "--set", "train.overfit_batches=-1"]) == 2
     assert "train.overfit_batches must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+    def batches():  # an iterable source: read in order, once; it cannot repeat a batch
+        rng = np.random.default_rng(0)
+        while True:
+            x = rng.normal(size=(32, 8)).astype(np.float32)
+            yield x, (x[:, 0] > 0).astype(np.int32)
+
+    test = (np.zeros((16, 8), np.float32), np.zeros(16, np.int32))
+    raw = sections(tmp_path / "runs", steps=5, overfit_batches=2)
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(ConfigError, match="overfit_batches=2 .* an iterable"),
+    ):
+        warnings.simplefilter("ignore", ResumeNotExactWarning)  # said before the refusal
+        fit(raw, data={"train": batches(), "test": test})
 
 
 def test_fast_dev_run_under_fsdp_checks_every_phase_and_leaves_nothing(user, tmp_path, capsys):
