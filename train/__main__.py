@@ -85,6 +85,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write where the wall time went (imports, data, compile, train, eval, "
         "checkpoint, plot, ...) to <run dir>/timings.json and print it to stderr",
     )
+    ap.add_argument(
+        "--fast-dev-run",
+        nargs="?",
+        type=int,
+        const=2,
+        default=None,
+        metavar="N",
+        help="check that every part of the run works: N steps (default 2) of train, eval "
+        "and checkpoint, a resume from that checkpoint, load_run; in a temporary directory, "
+        "nothing written to log.dir (docs/training.md#debugging-runs)",
+    )
     return ap.parse_args(argv)
 
 
@@ -205,6 +216,13 @@ def main(
             from .parallel.launch import launch
 
             return launch(cfg, _without_processes(argv), args.processes, echo=print)
+        if args.fast_dev_run is not None and args.fast_dev_run < 1:
+            raise ConfigError(f"--fast-dev-run: expected steps >= 1, got {args.fast_dev_run}")
+        if args.fast_dev_run is not None and args.resume:
+            raise ConfigError(
+                "--fast-dev-run runs in a temporary directory, with no checkpoint to --resume "
+                "from; leave --resume out"
+            )
         if args.show_jaxpr:
             if compile_cache:
                 enable_compile_cache(cfg.compile_cache)
@@ -234,6 +252,8 @@ def main(
             if standalone:
                 _freeze_heap()
                 gc.enable()
+            if args.fast_dev_run is not None:
+                return _fast_dev_run(cfg, args, timings, plotter, data)
             r = train(
                 cfg,
                 resume="require" if args.resume else "fresh" if args.fresh else "auto",
@@ -302,6 +322,33 @@ def main(
             plotter.close()  # no curves (an error, a preemption): stop the helper
         if standalone:
             _freeze_heap()
+    return 0
+
+
+def _fast_dev_run(cfg, args, timings, plotter, data) -> int:
+    """``--fast-dev-run``: train/loop/devrun.py; a phase that ran but did not do what it
+    must is exit 1, a stop by a signal exit 3 (nothing to resume: nothing is kept)."""
+    from .loop.devrun import DevRunFailed, fast_dev_run
+
+    try:
+        fast_dev_run(
+            cfg,
+            args.fast_dev_run,
+            data=data,
+            plotter=plotter,
+            timings=timings,
+            show_timings=args.timings,
+        )
+    except DevRunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return faults.EXIT_FAILURE
+    except faults.Preempted as e:
+        print(
+            f"fast-dev-run: stopped by {e.signal_name} at step {e.step}; its temporary "
+            "directory was removed (a dev run keeps nothing to resume)",
+            file=sys.stderr,
+        )
+        return faults.EXIT_PREEMPTED
     return 0
 
 

@@ -150,6 +150,9 @@ class TrainConfig:
     # call may take STARTUP_TIMEOUT_S, later ones max(STEP_TIMEOUT_FLOOR_S, 20 x the first
     # call's time)); 0: no watchdog.
     step_timeout: float | None = None
+    # Debugging: train on the same N batches (the first N of the data order) again and
+    # again, and evaluate on them; the loss of a model that can learn goes to ~0. 0: off.
+    overfit_batches: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,14 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    # Your metrics, each "module:function" with function(outputs, labels) -> a value per
+    # example or one for the batch, computed in the compiled evaluation and logged under
+    # the function's name (train/model/metrics.py)
+    metrics: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "run"  # run name: the run directory is log.dir/name
     seed: int = 0  # seeds parameter init and the data order
@@ -223,6 +234,7 @@ class Config:
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    eval: EvalConfig = EvalConfig()
     # Callbacks run at the loop's boundaries (train/loop/callbacks.py): a list of names or
     # {name: "module:Class", ...its constructor's arguments}
     callbacks: tuple[CallbackConfig, ...] = ()
@@ -547,6 +559,10 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
             raise bad(key, f"must be at most {MAX_TIMEOUT_S} seconds, got {positive[key]}")
     if cfg.checkpoint.every < 0:
         raise bad("checkpoint.every", f"must be >= 0, got {cfg.checkpoint.every}")
+    if cfg.train.overfit_batches < 0:
+        raise bad(
+            "train.overfit_batches", f"must be >= 0 (0: off), got {cfg.train.overfit_batches}"
+        )
     if cfg.train.step_timeout is not None and cfg.train.step_timeout < 0:
         raise bad(
             "train.step_timeout",
@@ -700,6 +716,9 @@ def config_from_dict(
     loggers.check(cfg.log.loggers, cfg.log.tensorboard, sources.get("log.loggers", source), search)
     where = sources.get("data.options", sources.get("data.name", source))
     check_data(cfg.data.name, cfg.data.options, search, where)
+    from .model.metrics import check_specs  # a user's metric is imported now, like a model
+
+    check_specs(cfg.eval.metrics, search, sources.get("eval.metrics", source))
     return cfg
 
 

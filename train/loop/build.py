@@ -18,10 +18,12 @@ import nnlite as nl
 
 from .. import parallel
 from ..config import Config, ModelConfig
+from ..data import overfit
 from ..data.builtin import load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
 from ..errors import ConfigError
 from ..model import contract, gradmode
+from ..model import metrics as user_metrics
 from ..model import registry as models
 from ..model.contract import Model
 from ..optim.named import build_optimizer
@@ -59,6 +61,7 @@ class Run:
     step: int = 0
     summary: dict = field(default_factory=dict)
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
+    metrics: tuple = ()  # eval.metrics: (name, function) pairs (train/model/metrics.py)
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -92,6 +95,7 @@ def build(
         data = load_dataset(cfg.data, context=text_context(cfg))
     elif isinstance(data, Future):
         data = data.result()
+    data = overfit.eval_on_batches(cfg, data)  # train.overfit_batches: evaluate on them
     timings.lap("data")
     model, cfg = make_model(cfg, data)
     if cfg.loss.grad != gradmode.AUTO and cfg.loss.grad not in contract.grad_modes(model):
@@ -141,6 +145,7 @@ def build(
     run_dir = Path(cfg.log.dir) / cfg.name
     run = Run(cfg, data, model, optimizer, strategy, run_dir)
     run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
+    run.metrics = user_metrics.prepare(cfg.eval.metrics, model, data)  # checked on its outputs
     return run
 
 
@@ -385,7 +390,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)
         X_test = Y_test = None
         chunk = eval_chunk(r.data)
-        evaluate = build_chunk_eval(r.model)
+        evaluate = build_chunk_eval(r.model, r.metrics)
         eval_args = [
             jax.ShapeDtypeStruct((chunk, *a.shape[1:]), batch_dtype(a), sharding=on_eval_dev)
             for a in (r.data.x_test, r.data.y_test)
@@ -399,7 +404,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
         if r.data.window is not None:
             chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
-        evaluate = build_split_eval(r.model, chunk)
+        evaluate = build_split_eval(r.model, chunk, r.metrics)
         eval_args = [X_test, Y_test]
     eval_params, eval_state = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)

@@ -41,6 +41,7 @@ import optax
 import nnlite as nl
 
 from ..model import contract
+from ..model import metrics as user_metrics
 from ..parallel.base import Strategy
 from ..parallel.finite import all_finite
 
@@ -354,11 +355,12 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_split_eval(model, chunk: int) -> Callable:
+def build_split_eval(model, chunk: int, metrics=()) -> Callable:
     """Jitted ``(params, X, Y) -> {loss, metric: mean}`` over a whole split: the means of
     the model's per-example loss and metrics, computed ``chunk`` examples at a time (a
     ``lax.map``), so a large split (thousands of text windows) never materialises all its
-    activations at once. A stateful model's is ``(params, X, Y, state)``, in eval mode."""
+    activations at once. A stateful model's is ``(params, X, Y, state)``, in eval mode.
+    ``metrics``: ``(name, function)`` pairs of ``eval.metrics`` (train/model/metrics.py)."""
 
     @jax.jit
     def evaluate(params, X, Y, *state):
@@ -366,8 +368,8 @@ def build_split_eval(model, chunk: int) -> Callable:
         full = n - n % chunk
 
         def per_example(xy):
-            loss, metrics = contract.per_example_loss(model, params, *xy, *state)
-            return {"loss": loss, **metrics}
+            loss, values = user_metrics.per_example(model, params, *xy, *state, metrics=metrics)
+            return {"loss": loss, **values}
 
         parts = []
         if full:
@@ -382,7 +384,7 @@ def build_split_eval(model, chunk: int) -> Callable:
     return evaluate
 
 
-def build_chunk_eval(model) -> Callable:
+def build_chunk_eval(model, metrics=()) -> Callable:
     """Jitted ``(params, x, y, n) -> ({loss, metric: sum}, count)`` over the first ``n``
     rows of one chunk of a split (the rest is padding, so every chunk has one shape): a
     streamed split is evaluated a chunk at a time, its means summed up on the host. A
@@ -390,8 +392,8 @@ def build_chunk_eval(model) -> Callable:
 
     @jax.jit
     def sums(params, x, y, n, *state):
-        loss, metrics = contract.per_example_loss(model, params, x, y, *state)
-        values = {"loss": loss, **metrics}
+        loss, values = user_metrics.per_example(model, params, x, y, *state, metrics=metrics)
+        values = {"loss": loss, **values}
         keep = jnp.arange(x.shape[0]) < n
 
         def masked_sum(v):

@@ -21,8 +21,8 @@ from ..checkpoint import rundir
 from ..checkpoint import store as ckpt
 from ..checkpoint.resume import agree_on_start, metadata
 from ..config import Config, to_dict
-from ..data import feed
-from ..data.dataset import Dataset, Sampler, make_sampler
+from ..data import feed, overfit
+from ..data.dataset import Dataset, Sampler
 from ..data.feed import BatchFeed, call_schedule
 from ..data.text.units import name_metrics
 from ..optim.named import schedule
@@ -178,7 +178,7 @@ class _Loop:
     ) -> _Loop:
         """Compile, agree on the starting state, then (process 0) set up the run directory."""
         cfg = r.cfg
-        sampler = make_sampler(cfg.seed, r.data, cfg.train.batch_size)
+        sampler = overfit.run_sampler(cfg, r.data)  # train.overfit_batches: N, repeated
         first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, boundaries(cfg))))
         prep = prepare(r, cfg.train.nonfinite, first)
         timings.lap("compile")
