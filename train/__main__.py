@@ -66,6 +66,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="print the decompiled loss or train step (nnlite.show_jaxpr), or the backward "
         "pass as hand VJP calls per layer (grad: nnlite.show_grad), and exit",
     )
+    ap.add_argument(
+        "--eject",
+        metavar="DIR",
+        help="write the run as a standalone training script into the new directory DIR "
+        "(the train step as Python with the hand rules by name, the optax chain, the "
+        "loop; see docs/gradients.md) and exit",
+    )
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
     group.add_argument(
@@ -205,6 +212,11 @@ def main(
             from .parallel.launch import launch
 
             return launch(cfg, _without_processes(argv), args.processes, echo=print)
+        if args.eject:
+            from .loop.eject import eject
+
+            print(f"wrote {eject(cfg, args.eject)}: run it with python")
+            return 0
         if args.show_jaxpr:
             if compile_cache:
                 enable_compile_cache(cfg.compile_cache)
