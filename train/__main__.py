@@ -215,7 +215,8 @@ def main(
         if args.eject:
             from .loop.eject import eject
 
-            print(f"wrote {eject(cfg, args.eject)}: run it with python")
+            script = eject(cfg, args.eject)
+            print(f"wrote {script} (+ params and data beside it): python {script}")
             return 0
         if args.show_jaxpr:
             if compile_cache:
