@@ -34,8 +34,17 @@ import jax.numpy as jnp
 import nnlite as nl
 
 
+def scaled_tanh_vjp(x, dret):
+    return dret * 2.0 * (1 - jnp.tanh(x) ** 2)
+
+
+@nl.hand_rule(scaled_tanh_vjp)
+def scaled_tanh(x):
+    return 2.0 * jnp.tanh(x)
+
+
 class DropMLP(nl.Module):
-    """A user's model with dropout: training draws a key per step."""
+    """A user's model with its own hand rule and dropout (a key per step)."""
 
     in_features: int
     num_classes: int
@@ -47,7 +56,7 @@ class DropMLP(nl.Module):
         self.out = nl.Linear(16, self.num_classes)
 
     def __call__(self, params, x, *, key=None):
-        h = self.drop(jnp.tanh(self.inp(params.inp, x)), key=key)
+        h = self.drop(scaled_tanh(self.inp(params.inp, x)), key=key)
         return self.out(params.out, h)
 '''
 
@@ -85,15 +94,15 @@ def _eject_and_train(tmp: Path, config: str, overrides: list[str]) -> tuple[Path
 
 
 @pytest.fixture(scope="module")
-def mlp_manual(tmp_path_factory):
-    """digits_mlp with the hand rules (loss.grad=manual): ejected, and trained."""
+def mlp_shipped(tmp_path_factory):
+    """configs/digits_mlp.yaml as shipped (loss.grad=autodiff): ejected, and trained."""
     tmp = tmp_path_factory.mktemp("eject_mlp")
-    return _eject_and_train(tmp, str(ROOT / "configs/digits_mlp.yaml"), ["loss.grad=manual"])
+    return _eject_and_train(tmp, str(ROOT / "configs/digits_mlp.yaml"), [])
 
 
 @pytest.fixture(scope="module")
 def user_dropout(tmp_path_factory):
-    """A user's model with dropout, autodiff, adamw + clipping + warmup: ejected, trained."""
+    """A user's model with its own rule and dropout, manual, adamw + clipping + warmup."""
     tmp = tmp_path_factory.mktemp("eject_user")
     (tmp / "dropmods.py").write_text(USER_MODEL)
     config = tmp / "drop.yaml"
@@ -103,7 +112,7 @@ def user_dropout(tmp_path_factory):
             name: drop
             model: {name: "dropmods:DropMLP"}
             data: {name: digits}
-            loss: {grad: autodiff}
+            loss: {grad: manual}
             optimizer: {name: adamw, learning_rate: 0.01, weight_decay: 0.1, decay: matrices,
                         schedule: warmup_cosine, warmup_steps: 3, clip_norm: 0.5}
             seed: 3
@@ -114,12 +123,12 @@ def user_dropout(tmp_path_factory):
     return _eject_and_train(tmp, str(config), [])
 
 
-def test_manual_script_reproduces_the_trainer_losses(mlp_manual):
-    script, run_dir = mlp_manual
+def test_shipped_config_script_reproduces_the_trainer_losses(mlp_shipped):
+    script, run_dir = mlp_shipped
     src = script.read_text()
-    # the train step as Python: the hand rules called by name, from the public namespace
-    assert "from nnlite.rules import" in src and "linear_vjp(" in src
-    assert "softmax_cross_entropy_vjp(" in src and "optax.adam(" in src
+    # autodiff: the forward pass by the layers' functions, differentiated by JAX
+    assert "from nnlite.rules import linear, mean, relu, softmax_cross_entropy" in src
+    assert "jax.value_and_grad(loss_fn)" in src and "optax.adam(" in src
     assert not any(w in src for w in ("import train", "from train", "models"))
     assert sorted(p.name for p in script.parent.iterdir()) == [
         "data.npz",
@@ -133,11 +142,13 @@ def test_manual_script_reproduces_the_trainer_losses(mlp_manual):
     assert want[STEPS] < want[1]  # it trained
 
 
-def test_keyed_autodiff_script_reproduces_a_user_model(user_dropout):
+def test_user_model_with_rule_and_dropout_reproduces(user_dropout):
     script, run_dir = user_dropout
     src = script.read_text()
+    # manual: the hand VJPs called by name, the user's from the user's module
+    assert "from dropmods import scaled_tanh, scaled_tanh_vjp" in src
+    assert "scaled_tanh_vjp(" in src and "linear_vjp(" in src and "dropout_vjp(" in src
     assert "key = jax.random.fold_in(jax.random.key(SEED), step)" in src
-    assert "jax.value_and_grad(loss_fn)" in src and "dropout(" in src
     assert "optax.clip_by_global_norm(0.5)" in src and "mask=decay_mask" in src
     want = _trainer_losses(run_dir)
     got = _script_losses(script)

@@ -17,6 +17,7 @@ import inspect
 import os
 import re
 import shutil
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -193,7 +194,8 @@ def _step_source(r: Run, params, x, y) -> tuple[str, str]:
     except (nl.ManualGradError, ValueError, nl.RuleContractError):
         pass  # an operation without a rule: the loss as its jaxpr, differentiated by JAX
     try:
-        src = nl.show_jaxpr(loss, params, *batch, name="loss_jaxpr")
+        # every captured constant printed in the file (the script has no LARGE_CONSTS)
+        src = nl.show_jaxpr(loss, params, *batch, name="loss_jaxpr", max_const_size=1 << 40)
     except nl.UnsupportedPrimitiveError as e:
         raise ConfigError(f"{HOW}: the loss cannot be printed: {_one_line(e)}") from None
     args = "params, x, y, key" if keyed else "params, x, y"
@@ -304,17 +306,42 @@ def _resolve(name: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def _module_root(module: str) -> str | None:
+    """The directory to put on ``sys.path`` for ``import module`` (None: not a file)."""
+    path = getattr(sys.modules.get(module) or importlib.import_module(module), "__file__", None)
+    if path is None:
+        return None
+    root = Path(path).resolve().parent
+    for _ in module.split(".")[1:]:
+        root = root.parent
+    return str(root)
+
+
+OWN = ("jax", "numpy", "optax", "nnlite")  # what the script may import from anywhere
+
+
+def _with_paths(imports: list[str]) -> list[str]:
+    """Import lines, each of a user's module (a hand rule's home) preceded by the
+    ``sys.path`` entry it was found in when the run was ejected."""
+    out = []
+    for line in imports:
+        m = re.match(r"from (\S+) import ", line)
+        if m and m.group(1).split(".")[0] not in OWN:
+            root = _module_root(m.group(1))
+            entry = f"sys.path.insert(0, {root!r})  # where the run found {m.group(1)}"
+            if root is not None and entry not in out:
+                out.append(entry)
+        out.append(line)
+    return out
+
+
 def _import_line(name: str, imports: list[str]) -> str:
     """Import a user's ``module:function`` in the script (from the directory the run found
     the module in) and return the name to call."""
     module, _, attr = name.partition(":")
-    mod = importlib.import_module(module)  # the config's loading put its directory on the path
-    path = getattr(mod, "__file__", None)
-    if path is not None:
-        root = Path(path).resolve().parent
-        for _ in module.split(".")[1:]:
-            root = root.parent
-        imports.append(f"sys.path.insert(0, {str(root)!r})  # where the run found {module}")
+    root = _module_root(module)  # the config's loading put its directory on the path
+    if root is not None:
+        imports.append(f"sys.path.insert(0, {root!r})  # where the run found {module}")
     imports.append(f"from {module} import {attr}")
     return attr
 
@@ -386,9 +413,10 @@ def _script(r: Run, step_src: str, how: str, opt_src: str) -> str:
     base = ["import argparse", "import math", "import os", "import sys", ""]
     base += ["import jax", "import jax.numpy as jnp", "import numpy as np", "import optax", ""]
     base += ["import nnlite"]
-    extra = [i for i in dict.fromkeys(step_imports) if i not in base]
-    x_dtype = np.dtype(np.asarray(data.x[:1]).dtype).name
-    y_dtype = np.dtype(np.asarray(data.y[:1]).dtype).name
+    extra = _with_paths([i for i in dict.fromkeys(step_imports) if i not in base])
+    # the dtypes the trainer's gather gives (what jax.device_put makes of the arrays)
+    x_dtype = jax.dtypes.canonicalize_dtype(np.asarray(data.x[:1]).dtype).name
+    y_dtype = jax.dtypes.canonicalize_dtype(np.asarray(data.y[:1]).dtype).name
     config_line = " ".join(f"{k}={v}" for k, v in _key_settings(cfg))
     if how == "manual":
         differentiate = (
