@@ -84,10 +84,15 @@ def _script_losses(script: Path) -> dict[int, float]:
     return losses
 
 
-def _eject_and_train(tmp: Path, config: str, overrides: list[str]) -> tuple[Path, Path]:
+def _eject_and_train(
+    tmp: Path, config: str, overrides: list[str], empty_dir: bool = False
+) -> tuple[Path, Path]:
     sets = [f"train.steps={STEPS}", "train.log_every=1", f"train.eval_every={STEPS}"]
     sets += [f"log.dir={tmp / 'runs'}", "log.progress=false", "log.plot=false", *overrides]
     argv = ["--config", config] + [a for s in sets for a in ("--set", s)]
+    (tmp / "ejected").mkdir(exist_ok=empty_dir)  # an empty directory is filled
+    if not empty_dir:
+        (tmp / "ejected").rmdir()  # a new one is created
     assert main([*argv, "--eject", str(tmp / "ejected")]) == 0
     run = train.fit(None, config, overrides=sets, echo=lambda *_: None)
     return tmp / "ejected" / "train_ejected.py", run.run_dir
@@ -120,7 +125,7 @@ def user_dropout(tmp_path_factory):
             """
         )
     )
-    return _eject_and_train(tmp, str(config), [])
+    return _eject_and_train(tmp, str(config), [], empty_dir=True)
 
 
 def test_shipped_config_script_reproduces_the_trainer_losses(mlp_shipped):
@@ -192,4 +197,6 @@ def test_runs_it_cannot_reproduce_are_refused(tmp_path, capsys):
     assert "train.grad_accum_steps=2" in err
     err = _refused(capsys, [*config, "--set", "loss.grad=fused", "--eject", out])
     assert "loss.grad=fused" in err and "loss.grad=manual" in err
+    err = _refused(capsys, [*config, "--processes", "2", "--eject", out])
+    assert "--processes" in err
     assert list(tmp_path.iterdir()) == []

@@ -206,18 +206,21 @@ def main(
         if args.print_config:
             print(dump_yaml(cfg), end="")
             return 0
+        if args.eject:
+            from .loop.eject import eject
+
+            if args.processes is not None or args.show_jaxpr:
+                other = "--processes" if args.processes is not None else "--show-jaxpr"
+                raise ConfigError(f"--eject writes a one-process script: leave out {other}")
+            script = eject(cfg, args.eject)
+            print(f"wrote {script} (+ params and data beside it): python {script}")
+            return 0
         if args.processes is not None:
             if args.processes < 1:
                 raise ConfigError(f"--processes must be >= 1, got {args.processes}")
             from .parallel.launch import launch
 
             return launch(cfg, _without_processes(argv), args.processes, echo=print)
-        if args.eject:
-            from .loop.eject import eject
-
-            script = eject(cfg, args.eject)
-            print(f"wrote {script} (+ params and data beside it): python {script}")
-            return 0
         if args.show_jaxpr:
             if compile_cache:
                 enable_compile_cache(cfg.compile_cache)

@@ -81,9 +81,12 @@ def eject(cfg: Config, out: str | os.PathLike) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp's is private; DIR gets a new directory's mode
-        if target.exists():  # an empty directory: replaced by the complete one
-            target.rmdir()
-        tmp.rename(target)
+        if target.exists():  # an empty directory (kept, with its owner and mode): filled
+            for name in (PARAMS, DATA, SCRIPT):  # the script last: present means complete
+                (tmp / name).rename(target / name)
+            tmp.rmdir()
+        else:
+            tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -393,6 +396,15 @@ def _save_data(path: Path, r: Run) -> None:
 # -- the script -----------------------------------------------------------------------------
 
 
+def _wrap_import(line: str, width: int = 100) -> str:
+    """A long ``from m import a, b, ...`` as a parenthesised list, one name per line."""
+    m = re.fullmatch(r"from (\S+) import (.+)", line)
+    if len(line) <= width or m is None:
+        return line
+    names = "".join(f"    {n.strip()},\n" for n in m.group(2).split(","))
+    return f"from {m.group(1)} import (\n{names})"
+
+
 def _split_imports(src: str) -> tuple[list[str], str]:
     """A printed module's top-level import lines, and the rest."""
     imports, rest = [], []
@@ -414,6 +426,7 @@ def _script(r: Run, step_src: str, how: str, opt_src: str) -> str:
     base += ["import jax", "import jax.numpy as jnp", "import numpy as np", "import optax", ""]
     base += ["import nnlite"]
     extra = _with_paths([i for i in dict.fromkeys(step_imports) if i not in base])
+    extra = [_wrap_import(line) for line in extra]
     # the dtypes the trainer's gather gives (what jax.device_put makes of the arrays)
     x_dtype = jax.dtypes.canonicalize_dtype(np.asarray(data.x[:1]).dtype).name
     y_dtype = jax.dtypes.canonicalize_dtype(np.asarray(data.y[:1]).dtype).name
