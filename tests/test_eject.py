@@ -90,9 +90,8 @@ def _eject_and_train(
     sets = [f"train.steps={STEPS}", "train.log_every=1", f"train.eval_every={STEPS}"]
     sets += [f"log.dir={tmp / 'runs'}", "log.progress=false", "log.plot=false", *overrides]
     argv = ["--config", config] + [a for s in sets for a in ("--set", s)]
-    (tmp / "ejected").mkdir(exist_ok=empty_dir)  # an empty directory is filled
-    if not empty_dir:
-        (tmp / "ejected").rmdir()  # a new one is created
+    if empty_dir:  # an existing empty directory is filled; else a new one is made
+        (tmp / "ejected").mkdir()
     assert main([*argv, "--eject", str(tmp / "ejected")]) == 0
     run = train.fit(None, config, overrides=sets, echo=lambda *_: None)
     return tmp / "ejected" / "train_ejected.py", run.run_dir
