@@ -106,7 +106,8 @@ def mlp_shipped(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def user_dropout(tmp_path_factory):
-    """A user's model with its own rule and dropout, manual, adamw + clipping + warmup."""
+    """A user's model with its own rule and dropout, manual, two microbatches per step,
+    adamw + clipping + warmup."""
     tmp = tmp_path_factory.mktemp("eject_user")
     (tmp / "dropmods.py").write_text(USER_MODEL)
     config = tmp / "drop.yaml"
@@ -120,7 +121,7 @@ def user_dropout(tmp_path_factory):
             optimizer: {name: adamw, learning_rate: 0.01, weight_decay: 0.1, decay: matrices,
                         schedule: warmup_cosine, warmup_steps: 3, clip_norm: 0.5}
             seed: 3
-            train: {batch_size: 64}
+            train: {batch_size: 64, grad_accum_steps: 2}
             """
         )
     )
@@ -153,6 +154,7 @@ def test_user_model_with_rule_and_dropout_reproduces(user_dropout):
     assert "from dropmods import scaled_tanh, scaled_tanh_vjp" in src
     assert "scaled_tanh_vjp(" in src and "linear_vjp(" in src and "dropout_vjp(" in src
     assert "key = jax.random.fold_in(jax.random.key(SEED), step)" in src
+    assert "for i in range(2):" in src and "jax.random.fold_in(key, i)" in src  # microbatches
     assert "optax.clip_by_global_norm(0.5)" in src and "mask=decay_mask" in src
     want = _trainer_losses(run_dir)
     got = _script_losses(script)
@@ -192,8 +194,8 @@ def test_runs_it_cannot_reproduce_are_refused(tmp_path, capsys):
     out = str(tmp_path / "out")
     err = _refused(capsys, [*config, "--set", "parallel.strategy=fsdp", "--eject", out])
     assert "parallel.strategy=fsdp" in err and "parallel.strategy=none" in err
-    err = _refused(capsys, [*config, "--set", "train.grad_accum_steps=2", "--eject", out])
-    assert "train.grad_accum_steps=2" in err
+    err = _refused(capsys, [*config, "--set", "train.nonfinite=skip", "--eject", out])
+    assert "train.nonfinite=skip" in err
     err = _refused(capsys, [*config, "--set", "loss.grad=fused", "--eject", out])
     assert "loss.grad=fused" in err and "loss.grad=manual" in err
     err = _refused(capsys, [*config, "--processes", "2", "--eject", out])

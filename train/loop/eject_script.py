@@ -56,15 +56,31 @@ def script_text(r: Run, step_src: str, how: str, opt_src: str) -> str:
     x_dtype = jax.dtypes.canonicalize_dtype(np.asarray(data.x[:1]).dtype).name
     y_dtype = jax.dtypes.canonicalize_dtype(np.asarray(data.y[:1]).dtype).name
     config_line = " ".join(f"{k}={v}" for k, v in _key_settings(cfg))
-    if how == "manual":
-        differentiate = (
-            "    # the hand-derived backward pass above: the rules' VJPs called in reverse\n"
-            f"    loss, grads = value_and_grad(params, x, y{', key' if keyed else ''})"
-        )
+    k = cfg.train.grad_accum_steps
+    call = "value_and_grad" if how == "manual" else "jax.value_and_grad(loss_fn)"
+    why = (
+        "the hand-derived backward pass above: the rules' VJPs called in reverse"
+        if how == "manual"
+        else f"JAX's autodiff of the forward pass above (loss.grad={r.grad_mode})"
+    )
+    if k == 1:
+        key_arg = ", key" if keyed else ""
+        differentiate = f"    # {why}\n    loss, grads = {call}(params, x, y{key_arg})"
     else:
+        key_arg = ", jax.random.fold_in(key, i)" if keyed else ""
         differentiate = (
-            "    # JAX's autodiff of the forward pass above (loss.grad=autodiff)\n"
-            f"    loss, grads = jax.value_and_grad(loss_fn)(params, x, y{', key' if keyed else ''})"
+            f"    # train.grad_accum_steps={k}: the batch as {k} microbatches (each its own\n"
+            "    # key), their gradients summed and averaged: the update of the whole batch\n"
+            f"    xs, ys = x.reshape({k}, -1, *x.shape[1:]), y.reshape({k}, -1, *y.shape[1:])\n"
+            "    grads = jax.tree.map(jnp.zeros_like, params)\n"
+            "    losses = []\n"
+            f"    for i in range({k}):\n"
+            f"        # {why}\n"
+            f"        loss_i, grads_i = {call}(params, xs[i], ys[i]{key_arg})\n"
+            "        grads = jax.tree.map(jnp.add, grads, grads_i)\n"
+            "        losses.append(loss_i)\n"
+            f"    grads = jax.tree.map(lambda g: g / {k}, grads)\n"
+            "    loss = jnp.mean(jnp.stack(losses))"
         )
     key_line = (
         "    # the step's random key (dropout): fold_in(key(SEED), step), as the trainer's\n"
