@@ -37,9 +37,8 @@ def eject(cfg: Config, out: str | os.PathLike) -> Path:
 
     Raises ConfigError (one line) for a directory that exists and is not empty or cannot
     be written, and for a run the script cannot reproduce (a multi-device strategy, model
-    state, streamed data, a model's own fused pass). ``out`` is
-    created whole or not at all: the files are written into a temporary sibling, renamed
-    into place last.
+    state, streamed data, a model's own fused pass). ``out`` is created whole or not at
+    all: the files are written into a temporary sibling, moved into place last.
     """
     _check_config(cfg)
     target = _check_target(Path(out))
