@@ -589,8 +589,7 @@ def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg
         defs += ["", src.rstrip()]
     if pr.batch_dim is not None and not pr.portable:
         raise _NotPortable  # some size does not follow the batch: print the traced sizes
-    fn_name = {"grad": "grad", "value_and_grad": "value_and_grad", "loss": "loss"}[form]
-    lines = header + defs + ["", "", f"def {fn_name}({', '.join(arg_names)}):"]
+    lines = header + defs + ["", "", f"def {form}({', '.join(arg_names)}):"]  # the name
     if not pr.portable:
         lines.append("    # sizes below are those of the traced batch: trace again for another")
     elif pr.uses_b:
