@@ -33,7 +33,9 @@ from .grad._manual import hand_rule as hand_rule
 from .grad._manual import manual_grads as manual_grads
 from .grad._policy import BackwardPolicy as BackwardPolicy
 from .grad._policy import backward_policy as backward_policy
+from .grad._show_grad import show_forward as show_forward
 from .grad._show_grad import show_grad as show_grad
+from .grad._show_grad import show_value_and_grad as show_value_and_grad
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import identity as identity
 from .grad._vjp_batched import relu as relu
@@ -236,7 +238,9 @@ __all__ = [
     "rules",
     "save",
     "save_sharded",
+    "show_forward",
     "show_grad",
+    "show_value_and_grad",
     "show_jaxpr",
     "show_jaxpr_and_xla",
     "show_xla",

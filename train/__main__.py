@@ -66,6 +66,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="print the decompiled loss or train step (nnlite.show_jaxpr), or the backward "
         "pass as hand VJP calls per layer (grad: nnlite.show_grad), and exit",
     )
+    ap.add_argument(
+        "--eject",
+        metavar="DIR",
+        help="write the run as a standalone training script into the new directory DIR "
+        "(the train step as Python with the hand rules by name, the optax chain, the "
+        "loop; see docs/gradients.md) and exit",
+    )
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
     group.add_argument(
@@ -209,6 +216,15 @@ def main(
         timings.lap("config")
         if args.print_config:
             print(dump_yaml(cfg), end="")
+            return 0
+        if args.eject:
+            from .loop.eject import eject
+
+            if args.processes is not None or args.show_jaxpr:
+                other = "--processes" if args.processes is not None else "--show-jaxpr"
+                raise ConfigError(f"--eject writes a one-process script: leave out {other}")
+            script = eject(cfg, args.eject)
+            print(f"wrote {script} (+ params and data beside it): python {script}")
             return 0
         if args.processes is not None:
             if args.processes < 1:
