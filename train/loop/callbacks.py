@@ -160,7 +160,17 @@ def build_callbacks(cfg, given: Sequence[Any] = ()) -> Callbacks:
     for cb in given:
         made.append(cb)
         names.append(type(cb).__qualname__)
-    return Callbacks(made, names)
+    es = cfg.train.early_stopping
+    if es is not None:  # the config key: the built-in callback, its state under its own key
+        made.append(EarlyStopping(es.monitor, es.mode, es.patience, es.min_delta))
+        names.append(EARLY_STOPPING_KEY)
+    out = Callbacks(made, names)
+    if es is not None:
+        out.keys[-1] = EARLY_STOPPING_KEY  # whatever other callbacks the run has
+    return out
+
+
+EARLY_STOPPING_KEY = "train.early_stopping"
 
 
 class EarlyStopping(Callback):
