@@ -85,7 +85,9 @@ def _parse(text: str, where: str) -> dict:
 def find(run_dir: Path, which: str) -> Path:
     """The checkpoint ``which`` (``latest`` or ``best``) of the run in ``run_dir``."""
     if which not in WHICH:
-        raise ConfigError(f"train.load_run: which must be one of {', '.join(map(repr, WHICH))}, got {which!r}")
+        raise ConfigError(
+            f"train.load_run: which must be one of {', '.join(map(repr, WHICH))}, got {which!r}"
+        )
     found = store.list_checkpoints(run_dir / "checkpoints")
     if not found:
         raise ConfigError(f"run {str(run_dir)!r}: no checkpoint in {run_dir / 'checkpoints'}")

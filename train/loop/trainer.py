@@ -437,8 +437,7 @@ class _Loop:
             prep = self.prep
 
             def write():
-                p, o, s = state if not background else _host_trees(prep, *snap)
-                s = self.model_state() if not background else s
+                p, o, s = _host_trees(prep, *snap) if background else (*state, self.model_state())
                 return ckpt.save(
                     self.r.run_dir / "checkpoints", step, p, o, meta, cfg.checkpoint.keep,
                     state=s, protect=protect,
