@@ -86,6 +86,13 @@ class Writer:
         """``(step, path)`` of the writes finished since the last call, oldest first;
         ``wait``: wait (bounded) for the one in flight. Raises CheckpointWriteError for a
         write that failed or timed out."""
+        self._settle(wait)
+        done, self._done = self._done, []
+        return [(j.step, j.path) for j in done]
+
+    def _settle(self, wait: bool) -> None:
+        """Move the write in flight to the finished ones if it has finished (``wait``:
+        wait for it, bounded)."""
         job = self._job
         if job is not None and (wait or not job.thread.is_alive()):
             job.thread.join(self.limit() if wait else None)
@@ -99,16 +106,15 @@ class Writer:
             if job.error is not None:
                 raise _failure(job)
             self._finished(job)
-        done, self._done = self._done, []
-        return [(j.step, j.path) for j in done]
 
     def drain(self, say=None) -> None:
         """Wait (bounded) for the write in flight when the run ends with another error;
-        a failure is printed (``say``, default stderr) rather than raised over it."""
+        a failure is printed (``say``, default stderr) rather than raised over it. What
+        finished is still there for :meth:`collect`."""
         if self._job is None:
             return
         try:
-            self.collect(wait=True)
+            self._settle(wait=True)
         except CheckpointWriteError as e:
             (say or _stderr)(f"error: {e}")
 
