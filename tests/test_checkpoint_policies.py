@@ -337,3 +337,14 @@ def test_fsdp_early_stopping_best_k_async_and_every_minutes_resume_exactly(proje
         train.load_run(cut, which="best").step
         == min(evals, key=lambda x: (-x["accuracy"], x["step"]))["step"]
     )
+
+
+def test_early_stopping_resumed_with_another_monitor_counts_it_from_the_resume():
+    from train.loop.callbacks import EarlyStopping
+
+    saved = EarlyStopping("accuracy", "max", patience=3)
+    saved.best, saved.bad = 0.9, 2
+    same, other = EarlyStopping("accuracy", "max", patience=5), EarlyStopping("loss", "min")
+    same.load_state_dict(saved.state_dict())
+    other.load_state_dict(saved.state_dict())
+    assert (same.best, same.bad) == (0.9, 2) and (other.best, other.bad) == (None, 0)

@@ -216,7 +216,13 @@ class EarlyStopping(Callback):
             )
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "bad": self.bad}
+        return {"best": self.best, "bad": self.bad, "monitor": self.monitor, "mode": self.mode}
 
     def load_state_dict(self, state: dict) -> None:
+        # a run resumed with another monitor or mode counts that one from the resume
+        if (state.get("monitor", self.monitor), state.get("mode", self.mode)) != (
+            self.monitor,
+            self.mode,
+        ):
+            return
         self.best, self.bad = state.get("best"), int(state.get("bad", 0))
