@@ -135,6 +135,16 @@ class CallbackConfig:
 
 
 @dataclass(frozen=True)
+class EarlyStoppingConfig:
+    """``train.early_stopping``: the built-in ``early_stopping`` callback's arguments."""
+
+    monitor: str = "loss"  # a metric the evaluation logs (loss, accuracy, bits_per_char...)
+    mode: str = choice("min", ("min", "max"))  # min: lower is better; max: higher is better
+    patience: int = 3  # evaluations without an improvement before the run stops
+    min_delta: float = 0.0  # the smallest change that counts as an improvement
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     batch_size: int = 128  # global batch (split over devices)
     steps: int = 1000  # optimizer steps in total
@@ -153,6 +163,9 @@ class TrainConfig:
     # Debugging: train on the same N batches (the first N of the data order) again and
     # again, and evaluate on them; the loss of a model that can learn goes to ~0. 0: off.
     overfit_batches: int = 0
+    # Stop when an evaluation metric stops improving: {monitor: loss, mode: min, patience: 3,
+    # min_delta: 0.0} (the built-in early_stopping callback); null: off
+    early_stopping: EarlyStoppingConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,17 @@ class DistributedConfig:
 class CheckpointConfig:
     every: int = 0  # write a checkpoint every N steps (0: only at the end)
     keep: int = 3  # keep the newest N checkpoints
+    # Also keep the best k checkpoints by an evaluation metric (never removed by the
+    # newest-N rotation; train.load_run(dir, which="best")); 0: off
+    keep_best: int = 0
+    monitor: str = "loss"  # keep_best: the evaluation metric that ranks checkpoints
+    mode: str = choice("min", ("min", "max"))  # keep_best: min (lower is better) or max
+    # Also checkpoint when this many minutes passed since the last checkpoint (checked at
+    # the loop's boundaries; the clock restarts when a run resumes); 0: off
+    every_minutes: float = 0.0
+    # Write checkpoints on a thread while training goes on (the YAML key is `async`, a
+    # Python keyword): at most one write in flight, the end of the run waits for the last
+    async_: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass(frozen=True)
@@ -342,7 +366,7 @@ def _build(
         src = sources.get(prefix.rstrip("."), source)
         raise ConfigError(f"{src}: {where_section} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key_of(f): f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
         src = sources.get(f"{prefix}{key}", source)
@@ -351,8 +375,15 @@ def _build(
                 f"{src}: unknown key '{prefix}{key}'; valid keys in {where_section}: "
                 f"{', '.join(fields)}"
             )
-        tp = hints[key]
+        tp = hints[fields[key].name]
         where = f"{src}: {prefix}{key}"
+        inner = _optional_dataclass(tp)
+        if inner is not None and value is not None:  # e.g. train.early_stopping
+            if not isinstance(value, dict):
+                keys = ", ".join(f"{_key_of(f)}: ..." for f in dataclasses.fields(inner))
+                raise ConfigError(f"{where}: expected a mapping {{{keys}}} or null, got {value!r}")
+            kwargs[key] = _build(inner, value, f"{prefix}{key}.", source, sources, search)
+            continue
         if tp is ModelConfig:
             kwargs[key] = _build_model(value, source, sources, search, model_class)
             continue
@@ -370,7 +401,20 @@ def _build(
         if choices is not None and value not in choices:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
         kwargs[key] = value
-    return cls(**kwargs)
+    return cls(**{fields[k].name: v for k, v in kwargs.items()})
+
+
+def _key_of(f: dataclasses.Field) -> str:
+    """A field's key in YAML (``checkpoint.async`` is the field ``async_``)."""
+    return f.metadata.get("key", f.name)
+
+
+def _optional_dataclass(tp: Any) -> type | None:
+    """``X`` for an annotation ``X | None`` where X is a dataclass, else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
 def _build_model(
@@ -563,6 +607,7 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad(
             "train.overfit_batches", f"must be >= 0 (0: off), got {cfg.train.overfit_batches}"
         )
+    _check_checkpoints(cfg, bad)
     if cfg.train.step_timeout is not None and cfg.train.step_timeout < 0:
         raise bad(
             "train.step_timeout",
@@ -614,6 +659,32 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         )
     if cfg.compile_cache is not None and not cfg.compile_cache.strip():
         raise bad("compile_cache", "must be 'auto', a directory or null (off), got ''")
+
+
+def _check_checkpoints(cfg: Config, bad) -> None:
+    """The rules of train.early_stopping and checkpoint.keep_best / every_minutes."""
+    ck, es = cfg.checkpoint, cfg.train.early_stopping
+    if ck.keep_best < 0:
+        raise bad("checkpoint.keep_best", f"must be >= 0 (0: off), got {ck.keep_best}")
+    if ck.every_minutes < 0:
+        raise bad("checkpoint.every_minutes", f"must be >= 0 (0: off), got {ck.every_minutes}")
+    if ck.keep_best == 0:  # nothing set silently without effect
+        for key, v in (("monitor", "loss"), ("mode", "min")):
+            if getattr(ck, key) != v:
+                raise bad(
+                    f"checkpoint.{key}",
+                    f"ranks the best checkpoints, but checkpoint.keep_best is 0; set "
+                    f"checkpoint.keep_best: k (got checkpoint.{key}={getattr(ck, key)!r})",
+                )
+    if not ck.monitor.strip():
+        raise bad("checkpoint.monitor", "must name an evaluation metric, got ''")
+    if es is not None:
+        if es.patience < 1:
+            raise bad("train.early_stopping.patience", f"must be >= 1, got {es.patience}")
+        if es.min_delta < 0:
+            raise bad("train.early_stopping.min_delta", f"must be >= 0, got {es.min_delta}")
+        if not es.monitor.strip():
+            raise bad("train.early_stopping.monitor", "must name an evaluation metric, got ''")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -740,7 +811,7 @@ def to_dict(cfg: Any) -> dict:
         if isinstance(v, OptimizerConfig) and (v.options or ":" in v.name or v.name == "given"):
             return {"name": v.name, **plain(v.options)}
         if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            return {_key_of(f): plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         return v
 
     return plain(cfg)
