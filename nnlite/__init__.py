@@ -25,6 +25,11 @@ from .core._save import verify as verify
 from .core._sharded import save_sharded as save_sharded
 from .grad._check_model import check_rules as check_rules
 
+# issue 32 (perf helper): a compute-dtype scope for cast params, the model summary
+from .core._precision import precision as precision
+from .core._summary import Summary as Summary
+from .core._summary import summary as summary
+
 # issue 34 (grad helper): the rule contract's error, per-layer rule checks
 from .grad._contract import RuleContractError as RuleContractError
 from .grad._manual import ManualGradError as ManualGradError
@@ -247,6 +252,10 @@ __all__ = [
     "tanh",
     "verify",
     "vjp",
+    # issue 32 (perf helper)
+    "precision",
+    "summary",
+    "Summary",
 ]
 
 

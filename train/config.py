@@ -44,6 +44,7 @@ PLACEMENTS = ("auto", "device", "host")
 GRAD_MODES = ("auto", "autodiff", "manual", "fused")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
 NONFINITE = ("stop", "skip")
+PRECISIONS = ("float32", "bfloat16", "float16")  # train.precision (train/loop/precision.py)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,10 @@ class TrainConfig:
     # call may take STARTUP_TIMEOUT_S, later ones max(STEP_TIMEOUT_FLOOR_S, 20 x the first
     # call's time)); 0: no watchdog.
     step_timeout: float | None = None
+    # Compute dtype of the step and evaluation: params, optimizer state and loss stay
+    # float32; float16 adds dynamic loss scaling starting at loss_scale (train/loop/precision.py).
+    precision: str = choice("float32", PRECISIONS)
+    loss_scale: float = 32768.0  # float16: the initial dynamic loss scale (>= 1)
 
 
 @dataclass(frozen=True)
@@ -551,6 +556,11 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad(
             "train.step_timeout",
             f"must be >= 0 seconds (0: no watchdog, null: automatic), got {cfg.train.step_timeout}",
+        )
+    if not 1.0 <= cfg.train.loss_scale <= 2.0**100:
+        raise bad(
+            "train.loss_scale",
+            f"must be between 1 and 2**100 (float16's initial loss scale), got {cfg.train.loss_scale}",
         )
     for key, v in {"seed": cfg.seed, "data.split_seed": cfg.data.split_seed}.items():
         if not 0 <= v <= MAX_SEED:  # numpy's generators want >= 0; the init key takes int32

@@ -28,6 +28,7 @@ from .errors import ConfigError
 from .model import registry as models
 from .model.contract import Model, call_stateful, is_stateful, model_optimizer
 from .model.registry import MODEL_SOURCE_KEY
+from .loop.precision import with_loss_scaling
 from .optim.named import build_optimizer
 
 
@@ -144,6 +145,7 @@ def load_run(
     opt_state = state = None
     if with_opt_state:
         optimizer = model_optimizer(model, build_optimizer(cfg.optimizer, cfg.train.steps))
+        optimizer = with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
         params, opt_state, state, _ = ckpt.restore_model(
             model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
         )

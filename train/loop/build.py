@@ -28,7 +28,7 @@ from ..optim.named import build_optimizer
 from ..parallel.base import Strategy
 from ..report import loggers
 from ..report.timings import Timings
-from . import memory
+from . import memory, precision
 from .step import (
     Stepper,
     batch_grads_fn,
@@ -118,6 +118,7 @@ def build(
     loggers.check_installed(cfg.log.loggers, cfg.log.tensorboard)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
     optimizer = contract.model_optimizer(model, optimizer)  # LoRA: the adapters only
+    optimizer = precision.with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
         _check_init(cfg, model)
@@ -258,7 +259,8 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
     ``s_def``: the structure of a stateful model's state (None: stateless)."""
     cfg = r.cfg
     try:
-        grads_fn = batch_grads_fn(r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
+        model = precision.apply(r.model, cfg.train.precision)  # train.precision's casts
+        grads_fn = batch_grads_fn(model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
     except contract.ModelError as e:
         raise ConfigError(f"model.name={cfg.model.name}: {e}") from None
     return build_stepper(
@@ -385,7 +387,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)
         X_test = Y_test = None
         chunk = eval_chunk(r.data)
-        evaluate = build_chunk_eval(r.model)
+        evaluate = build_chunk_eval(precision.apply(r.model, cfg.train.precision))
         eval_args = [
             jax.ShapeDtypeStruct((chunk, *a.shape[1:]), batch_dtype(a), sharding=on_eval_dev)
             for a in (r.data.x_test, r.data.y_test)
@@ -399,7 +401,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
         if r.data.window is not None:
             chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
-        evaluate = build_split_eval(r.model, chunk)
+        evaluate = build_split_eval(precision.apply(r.model, cfg.train.precision), chunk)
         eval_args = [X_test, Y_test]
     eval_params, eval_state = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)

@@ -1,0 +1,2 @@
+def summary(*a, **k): raise NotImplementedError
+class Summary: pass
