@@ -213,6 +213,8 @@ class LogConfig:
     # the same as listing tensorboard in loggers: TensorBoard event files in
     # <run dir>/tensorboard (needs tensorboardX: pip install 'nnlite[tensorboard]')
     tensorboard: bool = False
+    # "START:STOP": a jax.profiler trace of those steps in <run dir>/profile (--profile)
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -557,6 +559,19 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
             "train.step_timeout",
             f"must be >= 0 seconds (0: no watchdog, null: automatic), got {cfg.train.step_timeout}",
         )
+    if cfg.log.profile is not None:
+        from .report.profile import parse as parse_profile
+
+        try:
+            _, stop = parse_profile(cfg.log.profile)
+        except ValueError as e:
+            raise bad("log.profile", str(e)) from None
+        if stop > cfg.train.steps:
+            raise bad(
+                "log.profile",
+                f"{cfg.log.profile!r} ends after train.steps={cfg.train.steps}; "
+                f"use STOP <= {cfg.train.steps}",
+            )
     if not 1.0 <= cfg.train.loss_scale <= 2.0**100:
         raise bad(
             "train.loss_scale",

@@ -330,6 +330,7 @@ class Prepared:
     Y_test: Any
     eval_device: jax.Device
     state0: nl.ParamsDict | None = None  # a stateful model's initial state (host copy)
+    step_cost: dict | None = None  # the compiled step's cost analysis (train/report/perf.py)
 
     @property
     def p_def(self):
@@ -407,13 +408,14 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)
     )
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="nnlite-compile") as pool:
-        jobs = []
+        jobs, step_job = [], None
         p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
         if p_abs is not None:  # pmap compiles on its first call
             o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
             s_abs = stepper.abstract_state(jax.tree.leaves(s_avals))
             batch = first_batch if r.data.streamed else stepper.put_indices(first_indices, 0)
-            jobs.append(compile_async(pool, stepper.compiled, p_abs, (o_abs, s_abs), X, Y, batch))
+            step_job = compile_async(pool, stepper.compiled, p_abs, (o_abs, s_abs), X, Y, batch)
+            jobs.append(step_job)
         init_job = compile_async(pool, init)
         state_args = () if s_avals is None else (eval_state,)
         jobs.append(compile_async(pool, evaluate, eval_params, *eval_args, *state_args))
@@ -430,4 +432,14 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         state0 = None if state_init is None else jax.device_get(state_init())
         for job in jobs:
             job.result()  # the first calls must find them compiled, not compile them again
-    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0)
+    cost = None if step_job is None else step_cost(step_job.result())
+    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0, cost)
+
+
+def step_cost(compiled) -> dict | None:
+    """The compiled step's XLA cost analysis (per device; None where XLA gives none)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis: no MFU, no failure
+        return None
+    return cost[0] if isinstance(cost, list | tuple) and cost else cost
