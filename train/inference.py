@@ -25,10 +25,10 @@ import nnlite as nl
 from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
 from .errors import ConfigError
+from .loop.precision import with_loss_scaling
 from .model import registry as models
 from .model.contract import Model, call_stateful, is_stateful, model_optimizer
 from .model.registry import MODEL_SOURCE_KEY
-from .loop.precision import with_loss_scaling
 from .optim.named import build_optimizer
 
 

@@ -56,7 +56,7 @@ def gpu_peak(device_kind: str, dtype: str) -> float | None:
     """The data-sheet peak of a GPU named ``device_kind`` (``"NVIDIA H100 80GB HBM3"``)."""
     kind = device_kind.upper()
     best = None
-    for name, peaks in GPU_PEAKS.items():  # the longest name contained wins (H100 PCIe)
+    for name in GPU_PEAKS:  # the longest name contained wins (H100 PCIe)
         if name.upper() in kind and (best is None or len(name) > len(best)):
             best = name
     return None if best is None else GPU_PEAKS[best][dtype]
@@ -158,4 +158,3 @@ def describe(u: dict) -> str:
     if "mfu" in u:
         s += f", MFU {100 * u['mfu']:.1f}%"
     return s
-

@@ -22,9 +22,7 @@ def parse(text: str) -> tuple[int, int]:
             raise ValueError
         start, stop = int(parts[0]), int(parts[1])
     except ValueError:
-        raise ValueError(
-            f"{text!r} is not START:STOP (two step numbers, e.g. 10:20)"
-        ) from None
+        raise ValueError(f"{text!r} is not START:STOP (two step numbers, e.g. 10:20)") from None
     if not 0 <= start < stop:
         raise ValueError(f"{text!r}: expected 0 <= START < STOP, e.g. 10:20")
     return start, stop
