@@ -137,11 +137,16 @@ def _flops(fn, *args) -> float | None:
     return None if flops is None else max(float(flops), 0.0)
 
 
-def _costs(call, params, args) -> tuple[float | None, float | None, int | None]:
+def _costs(
+    call, params, args, wrt_inputs=True, flops=True
+) -> tuple[float | None, float | None, int | None]:
     """Forward FLOPs, backward FLOPs and kept activation bytes of ``call(params, *args)``
-    on abstract ``params``/``args`` (the float leaves of ``args`` are differentiated)."""
+    on abstract ``params``/``args`` (the float leaves of ``args`` are differentiated too
+    when ``wrt_inputs``: a layer inside a model passes its input's cotangent back)."""
     leaves, treedef = jax.tree.flatten(args)
-    is_float = [_is_array(a) and jnp.issubdtype(a.dtype, jnp.floating) for a in leaves]
+    is_float = [
+        wrt_inputs and _is_array(a) and jnp.issubdtype(a.dtype, jnp.floating) for a in leaves
+    ]
     arrays = [a for a in leaves if _is_array(a)]
 
     def forward(p, arrs):
@@ -163,7 +168,7 @@ def _costs(call, params, args) -> tuple[float | None, float | None, int | None]:
 
     kept: list[int] = []
 
-    def forward_backward(p, arrs):
+    def forward_backward(p, arrs, cts):
         floats = split(p, arrs)
         out, vjp = jax.vjp(lambda p, fl: with_floats(p, arrs, fl), p, floats)
         own = {id(t) for t in jax.tree.leaves(p)}
@@ -174,15 +179,29 @@ def _costs(call, params, args) -> tuple[float | None, float | None, int | None]:
                 if hasattr(r, "dtype") and id(r) not in own
             )
         )
-        cts = jax.tree.map(
-            lambda o: jnp.ones_like(o) if jnp.issubdtype(o.dtype, jnp.inexact) else None, out
-        )
-        return vjp(cts)
+        return out, vjp(cts)  # the output too: else XLA drops a linear layer's forward
 
-    fwd = _flops(forward, params, arrays)
-    both = _flops(forward_backward, params, arrays)
+    fwd = _flops(forward, params, arrays) if flops else None
+    # the cotangent is an argument: a constant one would let XLA fold the matmuls away
+    try:
+        cts = jax.eval_shape(forward, params, arrays)
+    except Exception:  # noqa: BLE001
+        return fwd, None, None
+    cts = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, _ct_dtype(o.dtype)), cts)
+    if not flops:  # the activations only: traced, nothing compiled
+        try:
+            jax.eval_shape(forward_backward, params, arrays, cts)
+        except Exception:  # noqa: BLE001
+            return None, None, None
+        return None, None, kept[0]
+    both = _flops(forward_backward, params, arrays, cts)
     bwd = None if fwd is None or both is None else max(both - fwd, 0.0)
     return fwd, bwd, (kept[0] if kept else None)
+
+
+def _ct_dtype(dtype):
+    """The cotangent dtype of an output of ``dtype`` (float0 for integers)."""
+    return dtype if jnp.issubdtype(dtype, jnp.inexact) else jax.dtypes.float0
 
 
 def _expand(arrs, leaves):
@@ -190,12 +209,16 @@ def _expand(arrs, leaves):
     return [next(it) if _is_array(a) else a for a in leaves]
 
 
-def summary(model: Any, x: Any, *args: Any, params: Any = None, **kwargs: Any) -> Summary:
+def summary(
+    model: Any, x: Any, *args: Any, params: Any = None, flops: bool = True, **kwargs: Any
+) -> Summary:
     """The layers of ``model`` called as ``model(params, x, *args, **kwargs)``: each
     module call's path (its params' path, else the attribute it was declared as), type,
     output shape, parameter count and bytes, forward and backward FLOPs and the activation
     memory its backward pass keeps; with totals. ``x`` may be an array or a
     ``jax.ShapeDtypeStruct``; ``params`` defaults to ``model.init`` (traced, not run).
+    ``flops=False`` compiles nothing (the FLOP columns show "-"): each distinct layer call
+    compiles twice otherwise (about 0.1-0.2 s each on a CPU).
 
     Example:
         >>> import jax.numpy as jnp, nnlite as nl
@@ -262,7 +285,7 @@ def summary(model: Any, x: Any, *args: Any, params: Any = None, **kwargs: Any) -
                 call = lambda pp, *a, _m=module, _kw=kw: _m(pp, *a, **_kw)  # noqa: E731
             else:
                 call = lambda pp, *a, _m=module, _kw=kw: _m(*a, **_kw)  # noqa: E731
-            costs = _costs(call, p, rest)
+            costs = _costs(call, p, rest, flops=flops)
             if key is not None:
                 seen[key] = costs
         shapes = [tuple(a.shape) for a in jax.tree.leaves(o) if hasattr(a, "shape")]
@@ -280,7 +303,9 @@ def summary(model: Any, x: Any, *args: Any, params: Any = None, **kwargs: Any) -
             }
         )
     n, nbytes = _size_bytes(params)
-    fwd, bwd, act = _costs(lambda p, x, *a: model(p, x, *a, **kwargs), params, (x, *args))
+    # the model's own backward pass: the params' gradients (what training computes)
+    call = lambda p, x, *a: model(p, x, *a, **kwargs)  # noqa: E731
+    fwd, bwd, act = _costs(call, params, (x, *args), wrt_inputs=False, flops=flops)
     shapes = [tuple(a.shape) for a in jax.tree.leaves(out)]
     totals = {
         "output_shape": shapes[0] if len(shapes) == 1 else shapes,
