@@ -119,6 +119,7 @@ def build(
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
     optimizer = contract.model_optimizer(model, optimizer)  # LoRA: the adapters only
     optimizer = precision.with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
+    precision.check_model_dtype(model, cfg.train.precision)  # e.g. the GPT's own model.dtype
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
         _check_init(cfg, model)

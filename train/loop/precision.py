@@ -110,6 +110,23 @@ class Policy:
         return wrapped
 
 
+def check_model_dtype(model: Any, precision: str) -> None:
+    """A model with a compute ``dtype`` of its own (the GPT's ``model.dtype``) that is not
+    float32 must agree with a policy that is not float32: the two would cast to different
+    dtypes. (``model.dtype`` alone keeps the head and logits in float32; the policy casts
+    every layer: it is the one that works for any model.)"""
+    own = getattr(model, "dtype", None)
+    if not isinstance(own, str) or own == "float32" or precision == "float32":
+        return
+    if own != precision:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"model.dtype={own} and train.precision={precision} disagree: set one of them "
+            f"(train.precision={own} casts the whole model; model.dtype only its blocks)"
+        )
+
+
 def apply(model: Any, precision: str) -> Any:
     """``model`` under the precision policy (itself for float32)."""
     return model if precision == "float32" else Policy(model, precision)
