@@ -190,6 +190,16 @@ def test_summary_of_the_gpt_names_each_block():
     assert table.totals["flops_forward"] is None and table.totals["activation_bytes"] > 0
 
 
+def test_summary_of_a_stateful_model_runs_it_in_eval_mode():
+    from models.resnet import ResNet
+
+    model = ResNet(in_shape=(8, 8), num_classes=10, channels=(4,))
+    table = nl.summary(model, jnp.zeros((2, 8, 8)), flops=False)
+    bn = [r for r in table.rows if r["type"] == "BatchNorm"]
+    assert bn and all(r["output_shape"][-1] == 4 and r["params"] == 8 for r in bn)
+    assert table.totals["output_shape"] == (2, 10)
+
+
 def test_cli_summary_and_profile(user, tmp_path, capsys):
     cfg = str(user / "user.yaml")
     assert main(["--config", cfg, "--summary"]) == 0

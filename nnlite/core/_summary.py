@@ -257,14 +257,21 @@ def summary(
                 module,
                 jax.tree.map(_aval, frame.params),
                 jax.tree.map(_aval, tuple(rest)),
-                {k: v for k, v in kw.items() if k != "key"},
+                jax.tree.map(_aval, {k: v for k, v in kw.items() if k != "key"}),
                 jax.tree.map(_aval, out),
             )
         )
 
+    state = {}  # traced keyword arrays: a stateful model's state
+    if "state" in kwargs:
+        state = {"state": jax.tree.map(_aval, kwargs.pop("state"))}
+    elif callable(getattr(model, "init_state", None)):
+        # a stateful model (BatchNorm): in eval mode, on its initial state's shapes
+        state = {"state": jax.eval_shape(model.init_state)}
+        kwargs = {"train": False, **kwargs}
     _compose.CALL_OBSERVERS.append(observe)
     try:
-        out = jax.eval_shape(lambda p, x: model(p, x, *args, **kwargs), params, x)
+        out = jax.eval_shape(lambda p, x, st: model(p, x, *args, **kwargs, **st), params, x, state)
     finally:
         _compose.CALL_OBSERVERS.remove(observe)
 
@@ -281,13 +288,16 @@ def summary(
         if key is not None and key in seen:
             costs = seen[key]
         else:
+            # keyword arrays (a layer's state) travel as arguments: the last one, a dict
             if getattr(module, "has_params", True):
-                call = lambda pp, *a, _m=module, _kw=kw: _m(pp, *a, **_kw)  # noqa: E731
+                call = lambda pp, *a, _m=module: _m(pp, *a[:-1], **a[-1])  # noqa: E731
             else:
-                call = lambda pp, *a, _m=module, _kw=kw: _m(*a, **_kw)  # noqa: E731
-            costs = _costs(call, p, rest, flops=flops)
+                call = lambda pp, *a, _m=module: _m(*a[:-1], **a[-1])  # noqa: E731
+            costs = _costs(call, p, (*rest, kw), flops=flops)
             if key is not None:
                 seen[key] = costs
+        if "state" in kw and isinstance(o, tuple) and len(o) == 2:
+            o = o[0]  # a stateful layer's (output, new state)
         shapes = [tuple(a.shape) for a in jax.tree.leaves(o) if hasattr(a, "shape")]
         rows.append(
             {
@@ -304,9 +314,15 @@ def summary(
         )
     n, nbytes = _size_bytes(params)
     # the model's own backward pass: the params' gradients (what training computes)
-    call = lambda p, x, *a: model(p, x, *a, **kwargs)  # noqa: E731
-    fwd, bwd, act = _costs(call, params, (x, *args), wrt_inputs=False, flops=flops)
-    shapes = [tuple(a.shape) for a in jax.tree.leaves(out)]
+    stateful = bool(state)
+
+    def call(p, x, *a):  # the output alone (a stateful model's new state aside)
+        *a, st = a
+        out = model(p, x, *a, **kwargs, **st)
+        return out[0] if stateful else out
+
+    fwd, bwd, act = _costs(call, params, (x, *args, state), wrt_inputs=False, flops=flops)
+    shapes = [tuple(a.shape) for a in jax.tree.leaves(out[0] if stateful else out)]
     totals = {
         "output_shape": shapes[0] if len(shapes) == 1 else shapes,
         "params": n,
