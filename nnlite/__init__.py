@@ -16,6 +16,9 @@ from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
 from .core._params import format_path as format_path
 from .core._params import leaf_str as leaf_str
+
+# issue 32 (perf helper): a compute-dtype scope for cast params, the model summary
+from .core._precision import precision as precision
 from .core._save import CheckpointCorruptError as CheckpointCorruptError
 from .core._save import CheckpointError as CheckpointError
 from .core._save import load as load
@@ -23,6 +26,8 @@ from .core._save import load_metadata as load_metadata
 from .core._save import save as save
 from .core._save import verify as verify
 from .core._sharded import save_sharded as save_sharded
+from .core._summary import Summary as Summary
+from .core._summary import summary as summary
 from .grad._check_model import check_rules as check_rules
 
 # issue 34 (grad helper): the rule contract's error, per-layer rule checks
@@ -251,6 +256,10 @@ __all__ = [
     "tanh",
     "verify",
     "vjp",
+    # issue 32 (perf helper)
+    "precision",
+    "summary",
+    "Summary",
 ]
 
 

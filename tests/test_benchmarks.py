@@ -151,6 +151,10 @@ SMOKE = {
     "python -m benchmarks.checkpoint": ("checkpoint", ["--tiny"]),
     "python -m benchmarks.grad_modes": ("grad_modes", ["--tiny"]),
     "python -m benchmarks.pytree": ("pytree", ["--tiny"]),
+    "python -m benchmarks.precision": (
+        "precision",
+        ["--tiny", "--train-steps", "0", "--grad", "autodiff"],
+    ),
 }
 
 

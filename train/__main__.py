@@ -103,6 +103,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "and checkpoint, a resume from that checkpoint, load_run; in a temporary directory, "
         "nothing written to log.dir (docs/training.md#debugging-runs)",
     )
+    # issue 32 (perf helper): a profiler trace of some steps, the model summary
+    ap.add_argument(
+        "--profile",
+        metavar="START:STOP",
+        help="write a jax.profiler trace of steps START+1..STOP to <run dir>/profile "
+        "(log.profile; TensorBoard or Perfetto)",
+    )
+    ap.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the model's layers (output shapes, params, FLOPs, activation memory) "
+        "and exit without training",
+    )
     return ap.parse_args(argv)
 
 
@@ -212,8 +225,21 @@ def main(
         with _ImportsDeferSignals():
             from .config import dump_yaml, load_config  # PyYAML: the [train] extra
 
+        if args.profile is not None:
+            from .report.profile import parse as parse_profile
+
+            try:
+                parse_profile(args.profile)
+            except ValueError as e:
+                raise ConfigError(f"--profile {e}") from None
+            args.overrides.append(f"log.profile='{args.profile}'")  # quoted: YAML reads 1:2 as 62
         cfg = load_config(args.config, args.overrides)
         timings.lap("config")
+        if args.summary:
+            from .loop.show import model_summary
+
+            print(model_summary(cfg))
+            return 0
         if args.print_config:
             print(dump_yaml(cfg), end="")
             return 0

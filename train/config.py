@@ -44,6 +44,7 @@ PLACEMENTS = ("auto", "device", "host")
 GRAD_MODES = ("auto", "autodiff", "manual", "fused")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
 NONFINITE = ("stop", "skip")
+PRECISIONS = ("float32", "bfloat16", "float16")  # train.precision (train/loop/precision.py)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,10 @@ class TrainConfig:
     # Stop when an evaluation metric stops improving: {monitor: loss, mode: min, patience: 3,
     # min_delta: 0.0} (the built-in early_stopping callback); null: off
     early_stopping: EarlyStoppingConfig | None = None
+    # Compute dtype of the step and evaluation: params, optimizer state and loss stay
+    # float32; float16 adds dynamic loss scaling starting at loss_scale (train/loop/precision.py).
+    precision: str = choice("float32", PRECISIONS)
+    loss_scale: float = 32768.0  # float16: the initial dynamic loss scale (>= 1)
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,8 @@ class LogConfig:
     # the same as listing tensorboard in loggers: TensorBoard event files in
     # <run dir>/tensorboard (needs tensorboardX: pip install 'nnlite[tensorboard]')
     tensorboard: bool = False
+    # "START:STOP": a jax.profiler trace of those steps in <run dir>/profile (--profile)
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -612,6 +619,24 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad(
             "train.step_timeout",
             f"must be >= 0 seconds (0: no watchdog, null: automatic), got {cfg.train.step_timeout}",
+        )
+    if cfg.log.profile is not None:
+        from .report.profile import parse as parse_profile
+
+        try:
+            _, stop = parse_profile(cfg.log.profile)
+        except ValueError as e:
+            raise bad("log.profile", str(e)) from None
+        if stop > cfg.train.steps:
+            raise bad(
+                "log.profile",
+                f"{cfg.log.profile!r} ends after train.steps={cfg.train.steps}; "
+                f"use STOP <= {cfg.train.steps}",
+            )
+    if not 1.0 <= cfg.train.loss_scale <= 2.0**100:
+        raise bad(
+            "train.loss_scale",
+            f"must be between 1 and 2**100 (float16's initial loss scale), got {cfg.train.loss_scale}",
         )
     for key, v in {"seed": cfg.seed, "data.split_seed": cfg.data.split_seed}.items():
         if not 0 <= v <= MAX_SEED:  # numpy's generators want >= 0; the init key takes int32

@@ -26,6 +26,7 @@ from .checkpoint import best
 from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
 from .errors import ConfigError
+from .loop.precision import with_loss_scaling
 from .model import registry as models
 from .model.contract import Model, call_stateful, is_stateful, model_optimizer
 from .model.registry import MODEL_SOURCE_KEY
@@ -149,6 +150,7 @@ def load_run(
     opt_state = state = None
     if with_opt_state:
         optimizer = model_optimizer(model, build_optimizer(cfg.optimizer, cfg.train.steps))
+        optimizer = with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
         params, opt_state, state, _ = ckpt.restore_model(
             model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
         )

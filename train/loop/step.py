@@ -44,6 +44,7 @@ from ..model import contract
 from ..model import metrics as user_metrics
 from ..parallel.base import Strategy
 from ..parallel.finite import all_finite
+from . import precision
 
 
 def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
@@ -84,14 +85,15 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
     keyed = uses_key(model)
     stateful = contract.is_stateful(model)
 
-    def objective(params, state, x, y, key):
+    def objective(params, state, x, y, key, scale=None):
         params = strategy.compute_params(params)
         kw = {"key": key} if keyed else {}
         if stateful:
             loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
         else:
             loss, metrics = loss_fn(params, x, y, **kw)
-        return strategy.global_loss(loss), (metrics, state)
+        # float16's loss scale (None otherwise): the gradients come out multiplied by it
+        return precision.scale_cotangent(strategy.global_loss(loss), scale), (metrics, state)
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
     accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
@@ -101,9 +103,9 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
             f"use loss.grad=autodiff or manual"
         )
 
-    def batch_grads(params, state, x, y, key=None):
+    def batch_grads(params, state, x, y, key=None, scale=None):
         if accum_steps == 1:
-            (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key)
+            (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key, scale)
         else:
             xs = x.reshape(accum_steps, -1, *x.shape[1:])
             ys = y.reshape(accum_steps, -1, *y.shape[1:])
@@ -118,7 +120,7 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
                     loss, metrics, acc = accumulate(params, *xy, acc, grad=grad)
                 else:
                     k = None if key is None else jax.random.fold_in(key, i)
-                    (loss, (metrics, state)), g = value_and_grad(params, state, *xy, k)
+                    (loss, (metrics, state)), g = value_and_grad(params, state, *xy, k, scale)
                     acc = jax.tree.map(jnp.add, acc, g)
                 return (acc, state), (loss, metrics)
 
@@ -134,9 +136,9 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
     if not stateful:
         return batch_grads
 
-    def stateful_batch_grads(params, state, x, y, key=None):
+    def stateful_batch_grads(params, state, x, y, key=None, scale=None):
         with nl.batch_axis(strategy.axis):  # trace time: BatchNorm pmeans over it
-            return batch_grads(params, state, x, y, key)
+            return batch_grads(params, state, x, y, key, scale)
 
     return stateful_batch_grads
 
@@ -268,11 +270,15 @@ def build_stepper(
         state = jax.tree.unflatten(state_def, s_leaves)
         x, y = data if streamed else gather_batch(X, Y, data, window)
         key = step_key(key_seed, step, strategy) if keyed else None
-        loss, metrics, grads, new_state = batch_grads(params, state, x, y, key)
+        scale = precision.loss_scale(opt_state)  # train.precision=float16, else None
+        args = (params, state, x, y, key) if scale is None else (params, state, x, y, key, scale)
+        loss, metrics, grads, new_state = batch_grads(*args)
         check_replicated(new_state)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, **metrics}
+        if scale is not None:
+            metrics["loss_scale"] = precision.loss_scale(new_opt_state)
         if nonfinite != "stop":
             # Non-finite gradients always reach the new params (every optimizer here adds
             # a function of them), so the loss and the new params are all it must read.

@@ -32,8 +32,10 @@ from ..optim.named import schedule
 from ..parallel import distributed as dist
 from ..parallel.finite import finite_on_devices
 from ..report import console as report
+from ..report import perf
 from ..report.loggers import MetricsLog
 from ..report.plot import CurvePlotter, plot_curves
+from ..report.profile import Profiler
 from ..report.timings import Timings
 from . import nonfinite
 from .build import Prepared, Run, build, make_stepper, prepare
@@ -177,6 +179,9 @@ class _Loop:
     on_checkpoint_waits: bool = False  # a callback has on_checkpoint: async writes are
     # collected at the next boundary, waiting there, so its events keep one order
     t_ckpt: float = 0.0  # when the last checkpoint was taken (checkpoint.every_minutes)
+    flops: float | None = None  # model FLOPs per step (None: not known, e.g. pmap)
+    peak: float | None = None  # the devices' peak FLOP/s in the compute dtype
+    profiler: Profiler | None = None  # --profile START:STOP
 
     @classmethod
     def begin(
@@ -274,6 +279,8 @@ class _Loop:
             for cb in loop.callbacks.items
         )
         loop.t_ckpt = time.monotonic()
+        loop.flops, loop.peak = _flops_and_peak(r, prep)  # MFU (train/report/perf.py)
+        loop.profiler = Profiler.from_config(cfg, r.run_dir, echo)  # --profile START:STOP
         loop.t_start = loop.t_window = time.perf_counter()
         timings.lap("other")
         return loop
@@ -290,6 +297,7 @@ class _Loop:
             batch = stepper.put_indices(
                 dist.process_share(self.sampler.batches(self.step, k)), self.step
             )
+        self.profiler.before_call(self.step, k)
         if faults.stuck_here(self.step, k, jax.process_index()):  # test hook
             stuck = faults.StuckCall()
             self.watchdog.watch(self.step, stuck)
@@ -310,6 +318,7 @@ class _Loop:
             while len(self.in_flight) > limit:
                 jax.block_until_ready(self.in_flight.pop(0))
         self.step += k
+        self.profiler.after_call(self.step, self.metrics)
         self.calls += 1
         self.bar.update(k)
         self.pending.append(self.metrics)  # non-finite flags: read at the next boundary
@@ -363,6 +372,7 @@ class _Loop:
         rates = {"examples_per_s": round(rate, 1)}
         if window is not None:
             rates["tokens_per_s"] = round(rate * window, 1)
+        rates.update(perf.utilisation(self.flops, 1, tc.batch_size / max(rate, 1e-9), self.peak))
         self._write(
             {
                 "step": self.step,
@@ -518,6 +528,8 @@ class _Loop:
     def close(self) -> None:
         if self.writer is not None:  # a run ending with an error: the write in flight
             self.writer.drain()
+        if self.profiler is not None:
+            self.profiler.close(self.step)
         if self.feed is not None:
             self.feed.close()
         self.bar.close()
@@ -542,6 +554,9 @@ class _Loop:
             "examples_per_s": rate,
             **({"tokens_per_s": rate * window} if window is not None else {}),
         }
+        trained = self.timings.phases.get("train", 0.0) or wall  # compile, eval, ckpt aside
+        use = perf.utilisation(self.flops, self.step - self.start_step, trained, self.peak)
+        r.summary.update(use)
         if r.cfg.log.plot and dist.is_main():
             labels = report.plot_labels(r)
             if self.plotter is not None:  # the caller waits for it
@@ -553,7 +568,7 @@ class _Loop:
             r.summary["stopped"] = self.view.stop_reason
             self.echo(f"stopped early at step {self.step}: {self.view.stop_reason}")
         self.call("on_fit_end", self.view, r.summary)
-        self.echo(report.done(r, self.last_eval, self.skipped, wall, rate))
+        self.echo(report.done(r, self.last_eval, self.skipped, wall, rate) + perf.describe(use))
         return r
 
     # -- helpers -----------------------------------------------------------------------
@@ -615,6 +630,15 @@ class _Loop:
     def _write(self, record: dict) -> None:
         if self.log is not None:  # process 0 writes the run directory
             self.log.write(record)
+
+
+def _flops_and_peak(r: Run, prep: Prepared) -> tuple[float | None, float | None]:
+    """Model FLOPs per step from the compiled step, and the devices' peak FLOP/s."""
+    devices = r.strategy.devices
+    flops = perf.step_flops(prep.step_cost, len(devices), r.cfg.train.grad_accum_steps)
+    if flops is None:
+        return None, None
+    return flops, perf.peak_flops(devices, r.cfg.train.precision)[0]
 
 
 def _quiet(*_args, **_kwargs) -> None:
