@@ -22,6 +22,11 @@ from .core._save import load as load
 from .core._save import load_metadata as load_metadata
 from .core._save import save as save
 from .core._save import verify as verify
+
+# Choosing params by path (issue 32): globs over ParamsDict paths, freezing what they choose
+from .core._select import freeze as freeze
+from .core._select import match_paths as match_paths
+from .core._select import path_mask as path_mask
 from .core._sharded import save_sharded as save_sharded
 from .grad._check_model import check_rules as check_rules
 
@@ -153,6 +158,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "freeze",
+    "match_paths",
+    "path_mask",
     "freeze_base",
     "rope_frequencies",
     "lora_split",

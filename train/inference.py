@@ -26,9 +26,10 @@ from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
 from .errors import ConfigError
 from .model import registry as models
-from .model.contract import Model, call_stateful, is_stateful, model_optimizer
+from .model.contract import Model, call_stateful, is_stateful
 from .model.registry import MODEL_SOURCE_KEY
-from .optim.named import build_optimizer
+from .optim.ema import ema_params
+from .optim.params import make_optimizer, plan_params
 
 
 @dataclass
@@ -112,11 +113,18 @@ class LoadedRun:
 
 
 def load_run(
-    run_dir: str | Path, *, checkpoint: str | Path | None = None, with_opt_state: bool = False
+    run_dir: str | Path,
+    *,
+    checkpoint: str | Path | None = None,
+    with_opt_state: bool = False,
+    ema: bool = False,
 ) -> LoadedRun:
     """The model, params (and optimizer state), a stateful model's state, config and
     vocabulary of a training run, from its ``config.yaml`` and its newest checkpoint (or
     ``checkpoint``).
+
+    ``ema``: the params are the moving average the run kept (``train.ema_decay``); a run
+    without one is a ConfigError.
 
     A user's model class is imported as the run names it (``module:Class``): from the
     directory its module was in when the run trained, the current directory, or
@@ -142,8 +150,13 @@ def load_run(
     template = jax.eval_shape(model.init, jax.random.key(0))
     s_template = jax.eval_shape(model.init_state) if is_stateful(model) else None
     opt_state = state = None
+    if ema and cfg.train.ema_decay is None:
+        raise ConfigError(
+            f"{where} trained without a moving average of its params (train.ema_decay is "
+            "unset in its config.yaml); load it without ema=True"
+        )
     if with_opt_state:
-        optimizer = model_optimizer(model, build_optimizer(cfg.optimizer, cfg.train.steps))
+        optimizer, _ = make_optimizer(cfg, model)
         params, opt_state, state, _ = ckpt.restore_model(
             model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
         )
@@ -151,6 +164,9 @@ def load_run(
         params = ckpt.load_model_params(model, checkpoint, template)
         if s_template is not None:
             state = ckpt.load_state(checkpoint, s_template)
+    if ema:
+        plan = plan_params(cfg.optimizer, model, template)
+        params = ema_params(params, checkpoint, where, plan.trainable(params))
     vocab = None
     if "vocab" in meta:
         try:

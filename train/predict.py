@@ -32,6 +32,11 @@ def parse_args(argv):
     ap.add_argument("--data", required=True, help=".npz with x (and optionally y)")
     ap.add_argument("--out", default=None, help="output .npz (default: RUN/predictions.npz)")
     ap.add_argument("--batch-size", type=int, default=1024, help="rows per compiled call")
+    ap.add_argument(
+        "--ema",
+        action="store_true",
+        help="predict with the params' moving average (train.ema_decay)",
+    )
     args = ap.parse_args(argv)
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -64,7 +69,7 @@ def main(argv=None) -> int:
 
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        run = load_run(Path(args.run))
+        run = load_run(Path(args.run), ema=args.ema)
         task = run.model.task
         if task == "language_model":
             raise ConfigError(

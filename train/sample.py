@@ -41,6 +41,11 @@ def parse_args(argv):
         "(models with their own generate: nl.hf models)",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    ap.add_argument(
+        "--ema",
+        action="store_true",
+        help="sample from the params' moving average (train.ema_decay)",
+    )
     args = ap.parse_args(argv)
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
@@ -55,12 +60,12 @@ def parse_args(argv):
     return args
 
 
-def load_model(run_dir: Path):
+def load_model(run_dir: Path, ema: bool = False):
     """``(loaded run, vocab)`` of the newest checkpoint of ``run_dir`` (a language model;
     vocab is None for a run with a byte or BPE tokenizer, ``run.tokenizer``)."""
     from .inference import load_run
 
-    run = load_run(run_dir)
+    run = load_run(run_dir, ema=ema)
     cfg = run.config
     if run.vocab is None and run.tokenizer is None:
         raise ConfigError(
@@ -118,7 +123,7 @@ def generate(model, params, ids, n_tokens, seed, temperature, top_k, state=None,
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        run, vocab = load_model(Path(args.run))
+        run, vocab = load_model(Path(args.run), args.ema)
         path = run.checkpoint
         prompt = args.prompt
         if prompt is None:

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..model import contract, gradmode
 from ..model import registry as models
 from ..model.contract import Model
-from ..optim.named import build_optimizer
+from ..optim.params import ParamPlan, make_optimizer
 from ..parallel.base import Strategy
 from ..report import loggers
 from ..report.timings import Timings
@@ -59,6 +59,7 @@ class Run:
     step: int = 0
     summary: dict = field(default_factory=dict)
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
+    plan: ParamPlan | None = None  # frozen params and param groups (None: all train alike)
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -116,11 +117,11 @@ def build(
         )
     loggers.check(cfg.log.loggers, cfg.log.tensorboard)  # a Config made in code, too
     loggers.check_installed(cfg.log.loggers, cfg.log.tensorboard)
-    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
-    optimizer = contract.model_optimizer(model, optimizer)  # LoRA: the adapters only
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
         _check_init(cfg, model)
+        # frozen params (LoRA: all but the adapters), param groups, the params' EMA
+        optimizer, plan = make_optimizer(cfg, model, optimizer)
         strategy.plan(model, optimizer)  # where each leaf goes (shapes only)
         memory.check_fits(cfg, model, optimizer, data, strategy)  # traces init and the loss
     except (TypeError, ValueError) as e:
@@ -139,7 +140,7 @@ def build(
             f"examples several times; use at most {len(data.x)}"
         )
     run_dir = Path(cfg.log.dir) / cfg.name
-    run = Run(cfg, data, model, optimizer, strategy, run_dir)
+    run = Run(cfg, data, model, optimizer, strategy, run_dir, plan=plan)
     run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
     return run
 
@@ -258,7 +259,14 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
     ``s_def``: the structure of a stateful model's state (None: stateless)."""
     cfg = r.cfg
     try:
-        grads_fn = batch_grads_fn(r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
+        trainable = (
+            None
+            if r.plan is None
+            else r.plan.trainable(jax.tree.unflatten(p_def, [0] * p_def.num_leaves))
+        )
+        grads_fn = batch_grads_fn(
+            r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy, trainable
+        )
     except contract.ModelError as e:
         raise ConfigError(f"model.name={cfg.model.name}: {e}") from None
     return build_stepper(
@@ -272,6 +280,7 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
         key_seed=cfg.seed if uses_key(r.model) else None,
         streamed=r.data.streamed,
         state_def=s_def,
+        norms=cfg.log.norms,
     )
 
 
