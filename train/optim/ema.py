@@ -41,7 +41,9 @@ def with_ema(optimizer, decay: float, trainable=None) -> optax.GradientTransform
             return EmaState(optimizer.init(params), params)
         mask = jax.tree.map(lambda _: True, params) if trainable is None else trainable(params)
         ema = jax.tree.map(
-            lambda p, m: jnp.asarray(p, jnp.float32) if m else optax.MaskedNode(), params, mask
+            lambda p, m: jnp.array(p, jnp.float32, copy=True) if m else optax.MaskedNode(),
+            params,
+            mask,
         )
         return EmaState(optimizer.init(params), ema)
 
