@@ -89,8 +89,18 @@ def batch_grads_fn(
     keyed = uses_key(model)
     stateful = contract.is_stateful(model)
 
+    frozen_mask = None if trainable is None else [not m for m in jax.tree.leaves(trainable)]
+
     def objective(params, state, x, y, key):
         params = strategy.compute_params(params)
+        if frozen_mask is not None:  # the hand rules compute no cotangent for these
+            with nl.frozen_scope(
+                [v for v, m in zip(jax.tree.leaves(params), frozen_mask, strict=True) if m]
+            ):
+                return _objective(params, state, x, y, key)
+        return _objective(params, state, x, y, key)
+
+    def _objective(params, state, x, y, key):
         kw = {"key": key} if keyed else {}
         if stateful:
             loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
