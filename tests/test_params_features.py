@@ -183,6 +183,9 @@ def test_fsdp_equals_one_device_and_shards_the_average_like_the_params(runs):
     for o, p in index:
         assert o_sh[o].spec == p_sh[p].spec and o_leaves[o].dtype == np.float32
     assert any(o_sh[o].spec != jax.sharding.PartitionSpec() for o, _ in index)
+    avg, ref = train.load_run(r.run_dir, ema=True), train.load_run(runs["none"].run_dir, ema=True)
+    for x, y in zip(jax.tree.leaves(avg.params), jax.tree.leaves(ref.params), strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
 
 
 def test_evaluation_load_run_and_predict_use_the_average(runs, project, tmp_path):
