@@ -11,6 +11,9 @@ from .core._axes import Axes as Axes
 from .core._axes import param_axes as param_axes
 from .core._batch_axis import batch_axis as batch_axis
 from .core._batch_axis import current_batch_axis as current_batch_axis
+
+# Choosing params by path (issue 32): globs over ParamsDict paths, freezing what they choose
+from .core._mode import frozen_scope as frozen_scope
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
@@ -25,6 +28,9 @@ from .core._save import load as load
 from .core._save import load_metadata as load_metadata
 from .core._save import save as save
 from .core._save import verify as verify
+from .core._select import freeze as freeze
+from .core._select import match_paths as match_paths
+from .core._select import path_mask as path_mask
 from .core._sharded import save_sharded as save_sharded
 from .core._summary import Summary as Summary
 from .core._summary import summary as summary
@@ -160,6 +166,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "freeze",
+    "frozen_scope",
+    "match_paths",
+    "path_mask",
     "freeze_base",
     "rope_frequencies",
     "lora_split",

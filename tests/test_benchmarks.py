@@ -149,6 +149,8 @@ SMOKE = {
     "python -m benchmarks.deep": ("deep", ["--tiny", "--parts", "compile,remat"]),
     "python -m benchmarks.sharding": ("sharding", ["--tiny"]),
     "python -m benchmarks.checkpoint": ("checkpoint", ["--tiny"]),
+    "python -m benchmarks.params_step frozen": ("params_step", ["frozen", "--tiny"]),
+    "python -m benchmarks.params_step extras": ("params_step", ["extras", "--tiny"]),
     "python -m benchmarks.grad_modes": ("grad_modes", ["--tiny"]),
     "python -m benchmarks.pytree": ("pytree", ["--tiny"]),
     "python -m benchmarks.precision": (

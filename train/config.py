@@ -123,6 +123,12 @@ class OptimizerConfig:
     b2: float | None = None  # adam/adamw/lion: second-moment decay (unset: 0.999; lion 0.99)
     clip_norm: float | None = None  # clip gradients to this global norm first
     options: dict = field(default_factory=dict)  # name "module:function": its arguments
+    # Params never trained: globs over ParamsDict paths ("embed/*", "blocks/0/*"); no
+    # update, no optimizer state, and no weight gradient computed (train/optim/params.py)
+    frozen: tuple[str, ...] = ()
+    # Per-glob settings: [{params: "glob" or [globs], lr_scale: 0.1, weight_decay: 0.0}];
+    # a param takes the first group that matches it, the others the section's settings
+    param_groups: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,18 @@ class TrainConfig:
     # float32; float16 adds dynamic loss scaling starting at loss_scale (train/loop/precision.py).
     precision: str = choice("float32", PRECISIONS)
     loss_scale: float = 32768.0  # float16: the initial dynamic loss scale (>= 1)
+    # An exponential moving average of the params, kept in float32 in the optimizer state
+    # (checkpointed, sharded like the params) and updated inside the step; null: none
+    ema_decay: float | None = None
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    # Your metrics, each "module:function" with function(outputs, labels) -> a value per
+    # example or one for the batch, computed in the compiled evaluation and logged under
+    # the function's name (train/model/metrics.py)
+    metrics: tuple[str, ...] = ()
+    use_ema: bool = False  # evaluate the params' moving average (needs train.ema_decay)
 
 
 @dataclass(frozen=True)
@@ -242,14 +260,8 @@ class LogConfig:
     tensorboard: bool = False
     # "START:STOP": a jax.profiler trace of those steps in <run dir>/profile (--profile)
     profile: str | None = None
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    # Your metrics, each "module:function" with function(outputs, labels) -> a value per
-    # example or one for the batch, computed in the compiled evaluation and logged under
-    # the function's name (train/model/metrics.py)
-    metrics: tuple[str, ...] = ()
+    # grad_norm, update_norm and param_norm in every train record (computed in the step)
+    norms: bool = True
 
 
 @dataclass(frozen=True)
@@ -261,6 +273,7 @@ class Config:
     loss: LossConfig = LossConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
     parallel: ParallelConfig = ParallelConfig()
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -491,6 +504,7 @@ def _build_optimizer(
     """The ``optimizer`` section: a named optimizer's fields, or a user's factory
     (``module:function``, imported now) with the other keys as its arguments."""
     from .optim import GIVEN, OPTIMIZERS, SCHEDULES
+    from .optim.groups import PARAM_KEYS, check_param_settings
     from .registry import check_kwargs
 
     if raw is None:
@@ -506,13 +520,17 @@ def _build_optimizer(
         )
     name = name.strip()
     if name == GIVEN or ":" in name:
-        options = {k: v for k, v in raw.items() if k != "name"}
+        ours = {k: raw[k] for k in PARAM_KEYS if k in raw}  # the trainer's, not the factory's
+        options = {k: v for k, v in raw.items() if k != "name" and k not in ours}
         if ":" in name:
             factory = OPTIMIZERS.get(name, f"{src}: optimizer.name={name}", search)
             if not callable(factory):
                 raise ConfigError(f"{src}: optimizer.name={name} is not callable")
             check_kwargs(factory, options, f"{src}: optimizer.name={name}", "optimizer.")
-        return OptimizerConfig(name=name, options=options)
+        cfg = _build(OptimizerConfig, ours, "optimizer.", source, sources, search)
+        cfg = dataclasses.replace(cfg, name=name, options=options)
+        check_param_settings(cfg, sources, source)
+        return cfg
     if name not in OPTIMIZERS:
         OPTIMIZERS.get(name, f"{src}: optimizer.name={name}")  # raises, listing the names
     cfg = _build(OptimizerConfig, raw, "optimizer.", source, sources, search)
@@ -524,6 +542,7 @@ def _build_optimizer(
     if ":" in cfg.schedule or cfg.schedule not in SCHEDULES:  # names: no import (start-up)
         src = sources.get("optimizer.schedule", source)
         SCHEDULES.get(cfg.schedule, f"{src}: optimizer.schedule={cfg.schedule}", search)
+    check_param_settings(cfg, sources, source)
     return cfg
 
 
@@ -682,6 +701,10 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
             "optimizer.warmup_steps",
             f"({cfg.optimizer.warmup_steps}) must be below train.steps ({cfg.train.steps})",
         )
+    if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:
+        raise bad("train.ema_decay", f"must be in (0, 1) (e.g. 0.999), got {cfg.train.ema_decay}")
+    if cfg.eval.use_ema and cfg.train.ema_decay is None:
+        raise bad("eval.use_ema", "needs train.ema_decay (the average to evaluate), which is unset")
     if cfg.compile_cache is not None and not cfg.compile_cache.strip():
         raise bad("compile_cache", "must be 'auto', a directory or null (off), got ''")
 
@@ -834,7 +857,8 @@ def to_dict(cfg: Any) -> dict:
         if isinstance(v, ModelConfig | CallbackConfig):  # flat, as written: name and fields
             return {"name": v.name, **plain(v.options)}
         if isinstance(v, OptimizerConfig) and (v.options or ":" in v.name or v.name == "given"):
-            return {"name": v.name, **plain(v.options)}
+            ours = {k: plain(getattr(v, k)) for k in ("frozen", "param_groups") if getattr(v, k)}
+            return {"name": v.name, **plain(v.options), **ours}
         if dataclasses.is_dataclass(v):
             return {_key_of(f): plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         return v

@@ -28,9 +28,10 @@ from .config import Config, ModelConfig, load_config
 from .errors import ConfigError
 from .loop.precision import with_loss_scaling
 from .model import registry as models
-from .model.contract import Model, call_stateful, is_stateful, model_optimizer
+from .model.contract import Model, call_stateful, is_stateful
 from .model.registry import MODEL_SOURCE_KEY
-from .optim.named import build_optimizer
+from .optim.ema import ema_params
+from .optim.params import make_optimizer, plan_params
 
 
 @dataclass
@@ -119,11 +120,15 @@ def load_run(
     *,
     checkpoint: str | Path | None = None,
     with_opt_state: bool = False,
+    ema: bool = False,
 ) -> LoadedRun:
     """The model, params (and optimizer state), a stateful model's state, config and
     vocabulary of a training run, from its ``config.yaml`` and its newest checkpoint
     (``which="latest"``), its best one by ``checkpoint.monitor`` (``which="best"``, a run
     trained with ``checkpoint.keep_best``), or ``checkpoint``.
+
+    ``ema``: the params are the moving average the run kept (``train.ema_decay``); a run
+    without one is a ConfigError.
 
     A user's model class is imported as the run names it (``module:Class``): from the
     directory its module was in when the run trained, the current directory, or
@@ -148,8 +153,13 @@ def load_run(
     template = jax.eval_shape(model.init, jax.random.key(0))
     s_template = jax.eval_shape(model.init_state) if is_stateful(model) else None
     opt_state = state = None
+    if ema and cfg.train.ema_decay is None:
+        raise ConfigError(
+            f"{where} trained without a moving average of its params (train.ema_decay is "
+            "unset in its config.yaml); load it without ema=True"
+        )
     if with_opt_state:
-        optimizer = model_optimizer(model, build_optimizer(cfg.optimizer, cfg.train.steps))
+        optimizer, _ = make_optimizer(cfg, model)
         optimizer = with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
         params, opt_state, state, _ = ckpt.restore_model(
             model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
@@ -158,6 +168,10 @@ def load_run(
         params = ckpt.load_model_params(model, checkpoint, template)
         if s_template is not None:
             state = ckpt.load_state(checkpoint, s_template)
+    if ema:
+        plan = plan_params(cfg.optimizer, model, template)
+        inner = "/inner" if cfg.train.precision == "float16" else ""  # under the loss scale's state
+        params = ema_params(params, checkpoint, where, plan.trainable(params), inner)
     vocab = None
     if "vocab" in meta:
         try:

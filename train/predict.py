@@ -38,6 +38,11 @@ def parse_args(argv):
         help="the best checkpoint by checkpoint.monitor (a run with checkpoint.keep_best), "
         "not the newest",
     )  # fmt: skip
+    ap.add_argument(
+        "--ema",
+        action="store_true",
+        help="predict with the params' moving average (train.ema_decay)",
+    )
     args = ap.parse_args(argv)
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
 
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        run = load_run(Path(args.run), "best" if args.best else "latest")
+        run = load_run(Path(args.run), "best" if args.best else "latest", ema=args.ema)
         task = run.model.task
         if task == "language_model":
             raise ConfigError(

@@ -47,6 +47,11 @@ def parse_args(argv):
         help="the best checkpoint by checkpoint.monitor (a run with checkpoint.keep_best), "
         "not the newest",
     )  # fmt: skip
+    ap.add_argument(
+        "--ema",
+        action="store_true",
+        help="sample from the params' moving average (train.ema_decay)",
+    )
     args = ap.parse_args(argv)
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
@@ -61,13 +66,13 @@ def parse_args(argv):
     return args
 
 
-def load_model(run_dir: Path, which: str = "latest"):
+def load_model(run_dir: Path, which: str = "latest", ema: bool = False):
     """``(loaded run, vocab)`` of the newest (or ``which="best"``) checkpoint of ``run_dir``
     (a language model; vocab is None for a run with a byte or BPE tokenizer,
-    ``run.tokenizer``)."""
+    ``run.tokenizer``); ``ema``: with the params' moving average."""
     from .inference import load_run
 
-    run = load_run(run_dir, which)
+    run = load_run(run_dir, which, ema=ema)
     cfg = run.config
     if run.vocab is None and run.tokenizer is None:
         raise ConfigError(
@@ -125,7 +130,7 @@ def generate(model, params, ids, n_tokens, seed, temperature, top_k, state=None,
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        run, vocab = load_model(Path(args.run), "best" if args.best else "latest")
+        run, vocab = load_model(Path(args.run), "best" if args.best else "latest", args.ema)
         path = run.checkpoint
         prompt = args.prompt
         if prompt is None:

@@ -21,6 +21,7 @@ from jax.extend.core import ClosedJaxpr
 
 __all__ = [
     "bind_equation",
+    "dce_call",
     "custom_jvp_rule",
     "custom_vjp_rules",
     "equation_context",
@@ -209,3 +210,26 @@ def select_and_scatter_add(source, operand, window_dimensions, window_strides, p
     return windowed_reductions._select_and_scatter_add(
         source, operand, jax.lax.ge_p, window_dimensions, window_strides, padding
     )
+
+
+def dce_call(fn, *args) -> Any:
+    """``fn(*args)`` with only the equations its outputs need: traced to a jaxpr, dead code
+    eliminated (JAX's ``dce_jaxpr``), evaluated. Used where a rule computes more
+    cotangents than are wanted (a frozen weight's), so the caller's trace never holds them.
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    flat, in_tree = jax.tree.flatten(args)
+    out_tree = []
+
+    def flat_fn(*xs):
+        out, tree = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, list(xs))))
+        out_tree.append(tree)
+        return out
+
+    closed = jax.make_jaxpr(flat_fn)(*flat)
+    jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    from jax.extend.core import jaxpr_as_fun
+
+    outs = jaxpr_as_fun(ClosedJaxpr(jaxpr, closed.consts))(*(x for x, u in zip(flat, used) if u))
+    return jax.tree.unflatten(out_tree[0], outs)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from ._jax_private import manual_trace_state
 
-__all__ = ["manual_active", "manual_scope", "manual_tape"]
+__all__ = ["frozen_scope", "is_frozen", "manual_active", "manual_scope", "manual_tape"]
 
 _state = threading.local()
 
@@ -43,3 +43,21 @@ def manual_scope(on: bool = True, tape: list | None = None) -> Iterator[None]:
             yield
     finally:
         _state.on, _state.tape = prev
+
+
+def is_frozen(x) -> bool:
+    """Whether ``x`` is one of the frozen params of the trace (:func:`frozen_scope`): a
+    hand rule then computes no cotangent for it."""
+    return any(x is f for f in getattr(_state, "frozen", ()))
+
+
+@contextlib.contextmanager
+def frozen_scope(values) -> Iterator[None]:
+    """Mark ``values`` (traced params that are not differentiated: frozen) for the block,
+    added to those already marked."""
+    prev = getattr(_state, "frozen", ())
+    _state.frozen = (*prev, *values)
+    try:
+        yield
+    finally:
+        _state.frozen = prev

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..core._jax_private import dce_call
 from ..core._mode import manual_tape
 from ._check import _dret_args, _is_none, _name
 from ._contract import check_rule_signature, cotangents, has_cotangent, is_hyperparameter
@@ -97,9 +98,13 @@ def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> 
     return plug(f, f_vjp, nondiff=nondiff, record=True)
 
 
-def plug(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = (), record: bool) -> Callable:
+def plug(
+    f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = (), record: bool, prune: bool = False
+) -> Callable:
     """``custom_vjp``; ``record``: put each call on show_grad's tape (``hand_rule``
-    records its own calls, with their hyperparameters)."""
+    records its own calls, with their hyperparameters). ``prune``: the backward pass keeps
+    only the rule's computations that the wanted cotangents need (not those of the
+    ``nondiff`` arguments: a frozen weight's gradient is never in the trace)."""
     check_rule_signature(f, f_vjp)
     nondiff = frozenset(nondiff)
     who = f"{_name(f_vjp)} (the rule of {_name(f)})"
@@ -123,14 +128,29 @@ def plug(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = (), record: b
 
         def bwd(dyn, dret):
             merged = full(dyn)
-            dargs = cotangents(f_vjp(*merged, *_dret_args(dret)), merged, who)
+            if prune:
+                dargs = dict(zip(wanted(dyn), dce_call(rule_wanted, dyn, dret), strict=True))
+            else:
+                dargs = dict(enumerate(cotangents(f_vjp(*merged, *_dret_args(dret)), merged, who)))
             out = []
             for i, a in zip(dyn_idx, dyn, strict=True):
-                if i in nondiff or not has_cotangent(a) or dargs[i] is None:
+                if i in nondiff or not has_cotangent(a) or dargs.get(i) is None:
                     out.append(None)
                 else:
                     out.append(jax.tree.map(match_primal, dargs[i], a, is_leaf=_is_none))
             return tuple(out)
+
+        def wanted(dyn):
+            return [
+                i
+                for i, a in zip(dyn_idx, dyn, strict=True)
+                if i not in nondiff and has_cotangent(a)
+            ]
+
+        def rule_wanted(dyn, dret):
+            merged = full(dyn)
+            dargs = cotangents(f_vjp(*merged, *_dret_args(dret)), merged, who)
+            return [dargs[i] for i in wanted(dyn)]
 
         g.defvjp(fwd, bwd)
         out = g(*(args[i] for i in dyn_idx))

@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from ..core._mode import manual_active, manual_scope, manual_tape
+from ..core._mode import frozen_scope, is_frozen, manual_active, manual_scope, manual_tape
 from ._contract import check_rule_signature, cotangents, is_hyperparameter
 from ._custom_vjp import plug
 from ._interpret import Evaluator, Refusal, analyse, refusal_message, refusal_place
@@ -151,8 +151,10 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
             fn.__name__ = f.__name__
             fn_vjp.__name__ = f_vjp.__name__
             operands = [args[i] for i in dyn_idx] + [s_leaves[i] for i in s_arr]
-            nondiff = range(n_dyn, len(operands))
-            out = plug(fn, fn_vjp, nondiff=nondiff, record=False)(*operands)
+            # frozen params (the trainer's optimizer.frozen): no cotangent, none computed
+            frozen = [k for k, a in enumerate(operands[:n_dyn]) if is_frozen(a)]
+            nondiff = [*range(n_dyn, len(operands)), *frozen]
+            out = plug(fn, fn_vjp, nondiff=nondiff, record=False, prune=bool(frozen))(*operands)
             tape = manual_tape()
             if tape is not None:
                 tape.append((wrapped, args, static, out))
@@ -176,8 +178,9 @@ def _flat_call(fn: Callable, params: Any, args: tuple, kwargs: dict):
     return leaves, treedef, dyn
 
 
-def _trace(fn: Callable, leaves: list, treedef, dyn: list[int]):
-    """The loss traced in manual mode: ``(closed jaxpr, output treedef)``."""
+def _trace(fn: Callable, leaves: list, treedef, dyn: list[int], frozen: frozenset = frozenset()):
+    """The loss traced in manual mode: ``(closed jaxpr, output treedef)``; ``frozen``: the
+    leaves (indices) that are frozen params (:func:`nnlite.core._mode.frozen_scope`)."""
     out_tree = []
 
     def flat(*xs):
@@ -185,7 +188,8 @@ def _trace(fn: Callable, leaves: list, treedef, dyn: list[int]):
         for i, x in zip(dyn, xs, strict=True):
             merged[i] = x
         params, args, kwargs = jax.tree.unflatten(treedef, merged)
-        out, tree = jax.tree.flatten(fn(params, *args, **kwargs))
+        with frozen_scope([merged[i] for i in frozen]):
+            out, tree = jax.tree.flatten(fn(params, *args, **kwargs))
         out_tree.append(tree)
         return out
 
@@ -296,15 +300,17 @@ def manual_grads(fn: Callable, *, check: bool = True) -> Callable:
         if manual_active():  # inside another manual_grads or show_grad: it does the work
             return fn(params, *args, **kwargs)
         leaves, treedef, dyn = _flat_call(fn, params, args, kwargs)
+        n_params = len(jax.tree.leaves(params))
+        frozen = frozenset(i for i in range(n_params) if is_frozen(leaves[i]))
         sig = _signature(leaves, treedef, dyn)
+        sig = sig if sig is None or not frozen else (sig, frozen)
         if plans.get(sig) is False:
             with manual_scope(True):
                 return fn(params, *args, **kwargs)
         # The loss is traced at each call that needs the rules (a cached jaxpr could hold
         # tracers that the caller's earlier trace closed over).
-        closed, out_tree = _trace(fn, leaves, treedef, dyn)
-        n_params = len(jax.tree.leaves(params))
-        tainted = [i < n_params for i in dyn]
+        closed, out_tree = _trace(fn, leaves, treedef, dyn, frozen)
+        tainted = [i < n_params and i not in frozen for i in dyn]
         analysis = analyse(closed.jaxpr, tainted)
         if sig not in plans:
             if check and analysis.refusal is not None:

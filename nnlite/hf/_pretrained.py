@@ -19,7 +19,7 @@ import numpy as np
 
 from ..core._module import Module
 from ..core._params import ParamsDict
-from ..nn._lora import freeze_base
+from ..nn._lora import freeze_base, lora_mask
 from ._convert import build_model, hf_name
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM
@@ -168,6 +168,12 @@ class Pretrained(Module):
 
     def param_axes(self) -> ParamsDict:
         return self.model.param_axes()
+
+    def trainable(self, params):
+        """Which params training updates: with ``lora`` the adapters only (``nl.lora_mask``;
+        the trainer then neither differentiates nor keeps optimizer state for the rest),
+        else None (all of them)."""
+        return lora_mask(params) if self.lora else None
 
     def wrap_optimizer(self, optimizer):
         """With ``lora``: ``optimizer`` on the adapters only (``nl.freeze_base``), the base

@@ -11,7 +11,6 @@ freshly wrapped model computes exactly what the base model does.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 from ..core._axes import Axes
 from ..core._module import Module
 from ..core._params import ParamsDict
+from ..core._select import matches
 from ..grad._manual import hand_rule
 from ._linear import Linear, linear_axes
 
@@ -184,14 +184,13 @@ def wrap(linear: Linear, on: bool, rank: int, alpha: float) -> Linear | LoRA:
 
 def match_targets(targets: Iterable[str], paths: Iterable[str], where: str = "LoRA") -> set[str]:
     """The ``paths`` (of Linear layers, ``/blocks[0]/attn/q``) that a glob in ``targets``
-    matches (``fnmatch``: ``*`` spans ``/``; ``*/attn/[qv]``); a glob may also name the
+    matches (``nl.path_mask``'s notation: ``*`` spans ``/``; ``*/attn/[qv]``,
+    ``blocks/0/attn/q``); a glob may also name the
     weight (``.../W``). A glob that matches nothing is an error listing the paths."""
     paths = list(paths)
     chosen: set[str] = set()
     for glob in targets:
-        hit = {
-            p for p in paths if fnmatch.fnmatchcase(p, glob) or fnmatch.fnmatchcase(p + "/W", glob)
-        }
+        hit = {p for p in paths if matches(glob, p) or matches(glob, p + "/W")}
         if not hit:
             shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
             raise ValueError(
@@ -243,9 +242,6 @@ def freeze_base(optimizer):
         >>> float(abs(updates.W).max()), float(abs(updates.lora_b).max()) > 0
         (0.0, True)
     """
-    import optax
+    from ..core._select import freeze
 
-    def labels(params):
-        return jax.tree.map(lambda m: "adapter" if m else "frozen", lora_mask(params))
-
-    return optax.multi_transform({"adapter": optimizer, "frozen": optax.set_to_zero()}, labels)
+    return freeze(optimizer, lora_mask, label="adapter")

@@ -26,7 +26,7 @@ from ..model import contract, gradmode
 from ..model import metrics as user_metrics
 from ..model import registry as models
 from ..model.contract import Model
-from ..optim.named import build_optimizer
+from ..optim.params import ParamPlan, make_optimizer
 from ..parallel.base import Strategy
 from ..report import loggers
 from ..report.timings import Timings
@@ -62,6 +62,7 @@ class Run:
     summary: dict = field(default_factory=dict)
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
     metrics: tuple = ()  # eval.metrics: (name, function) pairs (train/model/metrics.py)
+    plan: ParamPlan | None = None  # frozen params and param groups (None: all train alike)
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -120,13 +121,15 @@ def build(
         )
     loggers.check(cfg.log.loggers, cfg.log.tensorboard)  # a Config made in code, too
     loggers.check_installed(cfg.log.loggers, cfg.log.tensorboard)
-    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
-    optimizer = contract.model_optimizer(model, optimizer)  # LoRA: the adapters only
-    optimizer = precision.with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
     precision.check_model_dtype(model, cfg.train.precision)  # e.g. the GPT's own model.dtype
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
         _check_init(cfg, model)
+        # frozen params (LoRA: all but the adapters), param groups, the params' EMA
+        optimizer, plan = make_optimizer(cfg, model, optimizer)
+        optimizer = precision.with_loss_scaling(
+            optimizer, cfg.train.precision, cfg.train.loss_scale
+        )  # float16: outermost, so the step finds the scale
         strategy.plan(model, optimizer)  # where each leaf goes (shapes only)
         memory.check_fits(cfg, model, optimizer, data, strategy)  # traces init and the loss
     except (TypeError, ValueError) as e:
@@ -145,7 +148,7 @@ def build(
             f"examples several times; use at most {len(data.x)}"
         )
     run_dir = Path(cfg.log.dir) / cfg.name
-    run = Run(cfg, data, model, optimizer, strategy, run_dir)
+    run = Run(cfg, data, model, optimizer, strategy, run_dir, plan=plan)
     run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
     run.metrics = user_metrics.prepare(cfg.eval.metrics, model, data)  # checked on its outputs
     return run
@@ -266,7 +269,14 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
     cfg = r.cfg
     try:
         model = precision.apply(r.model, cfg.train.precision)  # train.precision's casts
-        grads_fn = batch_grads_fn(model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
+        trainable = (
+            None
+            if r.plan is None
+            else r.plan.trainable(jax.tree.unflatten(p_def, [0] * p_def.num_leaves))
+        )
+        grads_fn = batch_grads_fn(
+            model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy, trainable
+        )
     except contract.ModelError as e:
         raise ConfigError(f"model.name={cfg.model.name}: {e}") from None
     return build_stepper(
@@ -280,6 +290,7 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
         key_seed=cfg.seed if uses_key(r.model) else None,
         streamed=r.data.streamed,
         state_def=s_def,
+        norms=cfg.log.norms,
     )
 
 

@@ -64,7 +64,9 @@ def uses_key(model) -> bool:
     return contract.uses_key(model)
 
 
-def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Callable:
+def batch_grads_fn(
+    model, grad: str, accum_steps: int, strategy: Strategy, trainable: Any = None
+) -> Callable:
     """``(params, state, x, y, key) -> (loss, metrics, grads, state)``: means over the
     global batch, and the model's state after the step's forward pass (None, passed
     through, for a stateless model).
@@ -75,6 +77,10 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
     accumulating pass when it has one for ``grad``, e.g. the MLP's fused mode) and divided
     by k: the same update as one step on the whole batch, in 1/k of the activation memory.
     ``strategy`` reduces over devices (:class:`train.parallel.base.Strategy`).
+    ``trainable``: a tree of bools like the params (None: all train); only the trained
+    params are differentiated (the frozen ones are constants of the loss: no weight
+    gradient of theirs is computed, by autodiff or by the hand rules), and their gradients
+    come out as zeros.
 
     A stateful model runs in train mode inside ``nl.batch_axis(strategy.axis)``, so its
     batch statistics are those of the global batch on every strategy; with ``accum_steps
@@ -85,8 +91,18 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
     keyed = uses_key(model)
     stateful = contract.is_stateful(model)
 
+    frozen_mask = None if trainable is None else [not m for m in jax.tree.leaves(trainable)]
+
     def objective(params, state, x, y, key, scale=None):
         params = strategy.compute_params(params)
+        if frozen_mask is not None:  # the hand rules compute no cotangent for these
+            with nl.frozen_scope(
+                [v for v, m in zip(jax.tree.leaves(params), frozen_mask, strict=True) if m]
+            ):
+                return _objective(params, state, x, y, key, scale)
+        return _objective(params, state, x, y, key, scale)
+
+    def _objective(params, state, x, y, key, scale):
         kw = {"key": key} if keyed else {}
         if stateful:
             loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
@@ -96,6 +112,8 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
         return precision.scale_cotangent(strategy.global_loss(loss), scale), (metrics, state)
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
+    if trainable is not None:
+        value_and_grad = _trained_only(objective, jax.tree.leaves(trainable))
     accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
     if accumulate is not None and stateful:
         raise contract.ModelError(
@@ -141,6 +159,39 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
             return batch_grads(params, state, x, y, key, scale)
 
     return stateful_batch_grads
+
+
+def _trained_only(objective: Callable, mask: list[bool]) -> Callable:
+    """``jax.value_and_grad(objective, has_aux=True)`` that differentiates the leaves of the
+    params where ``mask`` is True only; the others get zero gradients (constants, which
+    XLA folds away)."""
+
+    def value_and_grad(params, *rest):
+        leaves, treedef = jax.tree.flatten(params)
+        train = [v for v, m in zip(leaves, mask, strict=True) if m]
+        frozen = [v for v, m in zip(leaves, mask, strict=True) if not m]
+
+        def merge(tr, fr):
+            it_t, it_f = iter(tr), iter(fr)
+            return jax.tree.unflatten(treedef, [next(it_t) if m else next(it_f) for m in mask])
+
+        def of_trained(tr):
+            return objective(merge(tr, [jax.lax.stop_gradient(v) for v in frozen]), *rest)
+
+        out, g = jax.value_and_grad(of_trained, has_aux=True)(train)
+        return out, merge(g, [jnp.zeros_like(v) for v in frozen])
+
+    return value_and_grad
+
+
+def global_norms(grads, updates, params) -> dict:
+    """``grad_norm``, ``update_norm`` and ``param_norm``: global L2 norms, summed in float32."""
+
+    def norm(tree):
+        leaves = [jnp.sum(jnp.square(v.astype(jnp.float32))) for v in jax.tree.leaves(tree)]
+        return jnp.sqrt(sum(leaves)) if leaves else jnp.float32(0)
+
+    return {"grad_norm": norm(grads), "update_norm": norm(updates), "param_norm": norm(params)}
 
 
 @dataclass
@@ -248,6 +299,7 @@ def build_stepper(
     key_seed: int | None = None,
     streamed: bool = False,
     state_def=None,
+    norms: bool = False,
 ) -> Stepper:
     """The compiled step for ``strategy`` (see the module docstring).
 
@@ -260,6 +312,7 @@ def build_stepper(
     takes a random key per step, :func:`step_key` of this seed and the step number (the
     indices then travel with their step numbers); None: it takes none. ``streamed``: the
     step takes the batch ``(x, y)`` itself (:meth:`Stepper.put_batch`), not indices.
+    ``norms``: each step also returns :func:`global_norms` (on the device, like the loss).
     """
     keyed = key_seed is not None
     state_def = jax.tree.structure(None) if state_def is None else state_def
@@ -279,6 +332,10 @@ def build_stepper(
         metrics = {"loss": loss, **metrics}
         if scale is not None:
             metrics["loss_scale"] = precision.loss_scale(new_opt_state)
+        if norms:
+            metrics.update(global_norms(grads, updates, new_params))
+            if scale is not None:  # float16: the gradients came out multiplied by the scale
+                metrics["grad_norm"] = metrics["grad_norm"] / scale
         if nonfinite != "stop":
             # Non-finite gradients always reach the new params (every optimizer here adds
             # a function of them), so the loss and the new params are all it must read.

@@ -28,6 +28,7 @@ from ..data import feed, overfit
 from ..data.dataset import Dataset, Sampler
 from ..data.feed import BatchFeed, call_schedule
 from ..data.text.units import name_metrics
+from ..optim import ema
 from ..optim.named import schedule
 from ..parallel import distributed as dist
 from ..parallel.finite import finite_on_devices
@@ -395,7 +396,7 @@ class _Loop:
         self.timings.lap("train")
         # Every process takes part in gathering a state sharded across processes (fsdp: a
         # collective); process 0 alone evaluates.
-        leaves = prep.stepper.get_state(self.p_leaves)
+        leaves = prep.stepper.get_state(self.eval_leaves())
         state = [] if prep.state0 is None else [self.model_state(prep.eval_device)]
         if not dist.is_main():
             return
@@ -584,6 +585,14 @@ class _Loop:
         if self.view.stop_reason is not None:  # a rerun says so instead of training again
             meta["stopped"] = self.view.stop_reason
         return meta
+
+    def eval_leaves(self) -> list:
+        """The params evaluation sees: the trained ones, or (``eval.use_ema``) their moving
+        average, which the optimizer state holds (train/optim/ema.py)."""
+        if not self.r.cfg.eval.use_ema:
+            return self.p_leaves
+        index = ema.ema_index(self.prep.params0, self.prep.opt0)
+        return ema.swap_in(self.p_leaves, self.o_leaves, index)
 
     def host_state(self) -> tuple:
         """``(params, opt_state)`` as host numpy leaves in their trees."""

@@ -20,8 +20,10 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
   training differentiates); by default they come from the task (:data:`TASKS`):
   softmax cross-entropy + accuracy, mean squared error, next-token cross-entropy + bits
   per character;
-- optionally ``wrap_optimizer(optimizer) -> optimizer``: how the optimizer applies to its
-  params (``nl.hf.Pretrained`` with LoRA: the adapters only, the base frozen);
+- optionally ``trainable(params) -> tree of bools`` (or None: all): which params train
+  (``nl.hf.Pretrained`` with LoRA: the adapters only); the rest are frozen as
+  ``optimizer.frozen`` freezes them (train/optim/params.py). A model without it may
+  define ``wrap_optimizer(optimizer) -> optimizer`` instead (applied as is);
 - optionally ``grad_modes``: the ``loss.grad`` modes beyond ``autodiff`` and ``manual``
   that its ``objective(..., grad=...)`` implements (the MLP's ``fused``); a list that
   names ``autodiff`` is the complete list (``("autodiff",)``: a model that must not run

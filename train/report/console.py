@@ -92,7 +92,8 @@ def plot_labels(r) -> tuple[str, str]:
 
 def bar_postfix(metrics: dict, rate: float, window: int | None) -> dict:
     """What the progress bar shows after a log: the metrics and examples (tokens) per s."""
-    shown = {BAR_NAMES.get(k, k): f"{v:.4f}" for k, v in metrics.items()}
+    # the norms (log.norms) go to the records, not the bar
+    shown = {BAR_NAMES.get(k, k): f"{v:.4f}" for k, v in metrics.items() if not k.endswith("_norm")}
     if window is not None:
         shown["tok_s"] = f"{rate * window:,.0f}"
     else:
