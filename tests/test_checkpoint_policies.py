@@ -58,6 +58,7 @@ train:
   eval_every: 5
   log_every: 5
   early_stopping: {{monitor: accuracy, mode: max, patience: 3, min_delta: 0.0}}
+  ema_decay: 0.9  # the EMA's state rides in every checkpoint the kill tests compare
 checkpoint: {{every: 5, keep: 2, keep_best: 2, monitor: accuracy, mode: max, async: {async_}}}
 log: {{progress: false, plot: false, dir: {runs}}}
 """
