@@ -11,6 +11,11 @@ from .core._axes import Axes as Axes
 from .core._axes import param_axes as param_axes
 from .core._batch_axis import batch_axis as batch_axis
 from .core._batch_axis import current_batch_axis as current_batch_axis
+
+# issue 34 (gradtrain helper): a trace-time hook around each layer call (per-layer backward
+# diagnostics and policies by path in the trainer)
+from .core._layer_hook import LayerCall as LayerCall
+from .core._layer_hook import layer_hook as layer_hook
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
@@ -209,6 +214,8 @@ __all__ = [
     "add",
     "batch_axis",
     "backward_policy",
+    "layer_hook",  # issue 34 (gradtrain)
+    "LayerCall",
     "check_manual",
     "check_rules",
     "current_batch_axis",

@@ -96,6 +96,10 @@ class LossConfig:
     # hand-written pass (fused: models that list it in grad_modes, the mlp). auto: manual
     # when hand rules cover the model's objective, else autodiff (resolved once, at build).
     grad: str = choice("auto", GRAD_MODES)
+    # issue 34: per-layer backward policies by layer path glob, applied to the hand rules
+    # (forward unchanged; needs manual gradients): a list of {layers: "blocks/*/attn",
+    # stop: true | scale: S | clip: C | float32: true} (train/loop/backward_config.py)
+    backward_policies: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,9 @@ class TrainConfig:
     # call may take STARTUP_TIMEOUT_S, later ones max(STEP_TIMEOUT_FLOOR_S, 20 x the first
     # call's time)); 0: no watchdog.
     step_timeout: float | None = None
+    # issue 34: before step 0, check every hand rule the model runs against jax.vjp at the
+    # run's shapes, dtype and strategy, print a per-layer table, refuse a wrong rule
+    check_grads: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,6 +215,9 @@ class LogConfig:
     # the same as listing tensorboard in loggers: TensorBoard event files in
     # <run dir>/tensorboard (needs tensorboardX: pip install 'nnlite[tensorboard]')
     tensorboard: bool = False
+    # issue 34: log each layer's cotangent norm (leaving its input) and params' gradient
+    # norm, computed inside the compiled step (cotangent_norm/<layer>, grad_norm/<layer>)
+    grad_by_layer: bool = False
 
 
 @dataclass(frozen=True)
@@ -596,6 +606,9 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
             "optimizer.warmup_steps",
             f"({cfg.optimizer.warmup_steps}) must be below train.steps ({cfg.train.steps})",
         )
+    from .loop.backward_config import parse_policies  # issue 34: each entry checked
+
+    parse_policies(cfg.loss.backward_policies, sources.get("loss.backward_policies", source))
     if cfg.compile_cache is not None and not cfg.compile_cache.strip():
         raise bad("compile_cache", "must be 'auto', a directory or null (off), got ''")
 

@@ -29,6 +29,7 @@ from ..parallel.base import Strategy
 from ..report import loggers
 from ..report.timings import Timings
 from . import memory
+from .backward import build_backward
 from .step import (
     Stepper,
     batch_grads_fn,
@@ -59,6 +60,7 @@ class Run:
     step: int = 0
     summary: dict = field(default_factory=dict)
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
+    backward: Any = None  # issue 34: per-layer policies and norms (train/loop/backward.py)
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -141,6 +143,7 @@ def build(
     run_dir = Path(cfg.log.dir) / cfg.name
     run = Run(cfg, data, model, optimizer, strategy, run_dir)
     run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
+    run.backward = build_backward(cfg, model, data, strategy, run.grad)
     return run
 
 
@@ -258,7 +261,9 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
     ``s_def``: the structure of a stateful model's state (None: stateless)."""
     cfg = r.cfg
     try:
-        grads_fn = batch_grads_fn(r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy)
+        grads_fn = batch_grads_fn(
+            r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy, r.backward
+        )
     except contract.ModelError as e:
         raise ConfigError(f"model.name={cfg.model.name}: {e}") from None
     return build_stepper(

@@ -62,7 +62,17 @@ def uses_key(model) -> bool:
     return contract.uses_key(model)
 
 
-def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Callable:
+def tapped_loss_fn(model, grad: str, backward, taps: bool) -> Callable:
+    """``((params, taps), x, y, *, key=None) -> (mean loss, metrics)``: :func:`mean_loss_fn`
+    with ``backward``'s per-layer policies, and its layers tapped when ``taps``
+    (``train/loop/backward.py``)."""
+    fn = backward.objective(contract.objective_fn(model, grad), taps)
+    return nl.manual_grads(fn) if grad == "manual" else fn
+
+
+def batch_grads_fn(
+    model, grad: str, accum_steps: int, strategy: Strategy, backward=None
+) -> Callable:
     """``(params, state, x, y, key) -> (loss, metrics, grads, state)``: means over the
     global batch, and the model's state after the step's forward pass (None, passed
     through, for a stateless model).
@@ -73,18 +83,28 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
     accumulating pass when it has one for ``grad``, e.g. the MLP's fused mode) and divided
     by k: the same update as one step on the whole batch, in 1/k of the activation memory.
     ``strategy`` reduces over devices (:class:`train.parallel.base.Strategy`).
+    ``backward`` (a ``train.loop.backward.Backward``): per-layer backward policies, and
+    with ``by_layer`` each layer's cotangent and gradient norms added to the metrics.
 
     A stateful model runs in train mode inside ``nl.batch_axis(strategy.axis)``, so its
     batch statistics are those of the global batch on every strategy; with ``accum_steps
     > 1`` its state is threaded through the microbatches (k updates per step, as k
     smaller steps would make).
     """
-    loss_fn = mean_loss_fn(model, grad)
+    tapped = backward is not None and backward.active
+    by_layer = tapped and backward.by_layer
+    if tapped:  # differentiated: (params, taps); taps {} without by_layer
+        loss_fn = tapped_loss_fn(model, grad, backward, by_layer)
+    else:
+        loss_fn = mean_loss_fn(model, grad)
     keyed = uses_key(model)
     stateful = contract.is_stateful(model)
 
     def objective(params, state, x, y, key):
-        params = strategy.compute_params(params)
+        if tapped:
+            params = (strategy.compute_params(params[0]), params[1])
+        else:
+            params = strategy.compute_params(params)
         kw = {"key": key} if keyed else {}
         if stateful:
             loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
@@ -101,6 +121,8 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
         )
 
     def batch_grads(params, state, x, y, key=None):
+        if tapped:
+            params = (params, backward.zero_taps() if by_layer else {})
         if accum_steps == 1:
             (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key)
         else:
@@ -125,9 +147,17 @@ def batch_grads_fn(model, grad: str, accum_steps: int, strategy: Strategy) -> Ca
             (acc, state), (losses, metrics) = jax.lax.scan(micro, (acc, state), (xs, ys, micro_ids))
             grads = jax.tree.map(lambda g: g / accum_steps, acc)
             loss, metrics = jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
-        loss, metrics, grads = strategy.reduce(
-            loss, metrics, grads, local_grads=accumulate is not None
-        )
+        if not tapped:
+            loss, metrics, grads = strategy.reduce(
+                loss, metrics, grads, local_grads=accumulate is not None
+            )
+            return loss, metrics, grads, state
+        grads, tap_grads = grads  # the taps' sums of squares, then the params' gradients
+        tap_grads = strategy.reduce_squares(tap_grads)
+        loss, metrics, grads = strategy.reduce(loss, metrics, grads)
+        if by_layer:  # sums of squares of a microbatch's cotangents: k^2 the batch's
+            tap_grads = jax.tree.map(lambda s: s / accum_steps, tap_grads)
+            metrics = {**metrics, **backward.layer_metrics(tap_grads, grads)}
         return loss, metrics, grads, state
 
     if not stateful:
