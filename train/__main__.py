@@ -85,6 +85,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write where the wall time went (imports, data, compile, train, eval, "
         "checkpoint, plot, ...) to <run dir>/timings.json and print it to stderr",
     )
+    ap.add_argument(  # issue 34
+        "--check-grads",
+        action="store_true",
+        help="before step 0, check every hand rule the model runs against jax.vjp at the "
+        "run's shapes, dtype and strategy, print the table, and refuse a wrong rule "
+        "(the same as --set train.check_grads=true)",
+    )
     return ap.parse_args(argv)
 
 
@@ -194,6 +201,8 @@ def main(
         with _ImportsDeferSignals():
             from .config import dump_yaml, load_config  # PyYAML: the [train] extra
 
+        if args.check_grads:
+            args.overrides.append("train.check_grads=true")
         cfg = load_config(args.config, args.overrides)
         timings.lap("config")
         if args.print_config:

@@ -319,3 +319,27 @@ def build_backward(cfg, model, data, strategy, grad) -> Backward | None:
                 f"model.name={cfg.model.name}; its layers are {shown or 'none'}"
             )
     return Backward(policies, tuple(hook.layers), by_layer)
+
+
+def replay_first_bad_layer(model, grad_mode: str, backward, params, x, y, **kw) -> str | None:
+    """Run one step's backward pass on this host's device with every layer tapped (and the
+    run's policies), and name the layer whose backward first went non-finite
+    (:func:`first_bad_layer`); ``params``, ``x``, ``y``, ``kw`` as the step's objective
+    takes them. For the non-finite guard's replay: compiled once, at the failure."""
+    from ..model import contract
+
+    policies = backward.policies if backward is not None else ()
+    objective = contract.objective_fn(model, grad_mode)
+    hook = discover(objective, params, x, y, policies=policies, **kw)
+    probe = Backward(policies, tuple(hook.layers), True)
+    fn = probe.objective(objective, taps=True)
+    if grad_mode == "manual":
+        fn = nl.manual_grads(fn)
+
+    @jax.jit
+    def grads(params, taps, x, y, kw):
+        loss = lambda pt: fn(pt, x, y, **kw)[0]  # noqa: E731
+        return jax.grad(loss)((params, taps))
+
+    g, tap_grads = jax.device_get(grads(params, probe.zero_taps(), x, y, kw))
+    return first_bad_layer(probe.layers, tap_grads, g)

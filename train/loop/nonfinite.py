@@ -15,6 +15,7 @@ from ..checkpoint.resume import load_checkpoint
 from ..data.dataset import host_batch
 from ..data.feed import call_batch
 from ..parallel import distributed as dist
+from .backward import replay_first_bad_layer
 from .step import step_flags
 
 
@@ -90,6 +91,11 @@ def explain_nonfinite(
     x, y = host_batch(r.data, sampler.batch(bad - 1))
     what = first_nonfinite(loss_fn, r.optimizer, params, opt_state, x, y, state)
     where = f"first in {what}" if what else "not reproducible on one device to name the leaf"
+    if what is not None and what.startswith("grads"):  # which layer's backward, first
+        kw = {} if state is None else {"state": state}
+        layer = replay_first_bad_layer(r.model, r.grad_mode, r.backward, params, x, y, **kw)
+        if layer is not None:
+            where = f"first non-finite {layer} at step {bad}; {where}"
     kept = (
         f"the last good checkpoint is {good_ckpt} (step {good_step})"
         if good_ckpt is not None

@@ -70,6 +70,14 @@ def tapped_loss_fn(model, grad: str, backward, taps: bool) -> Callable:
     return nl.manual_grads(fn) if grad == "manual" else fn
 
 
+def policy_loss_fn(model, grad: str, backward=None) -> Callable:
+    """:func:`mean_loss_fn` with ``backward``'s policies, if any (the same signature)."""
+    if backward is None or not backward.policies:
+        return mean_loss_fn(model, grad)
+    fn = tapped_loss_fn(model, grad, backward, taps=False)
+    return lambda params, *args, **kw: fn((params, {}), *args, **kw)
+
+
 def batch_grads_fn(
     model, grad: str, accum_steps: int, strategy: Strategy, backward=None
 ) -> Callable:

@@ -34,8 +34,9 @@ from ..report.plot import CurvePlotter, plot_curves
 from ..report.timings import Timings
 from . import nonfinite
 from .build import Prepared, Run, build, make_stepper, prepare
+from .checkgrads import check_grads
 from .callbacks import Callbacks, LoopState, build_callbacks
-from .step import mean_loss_fn, step_flags
+from .step import policy_loss_fn, step_flags
 
 
 def boundaries(cfg: Config) -> list[int]:
@@ -194,6 +195,8 @@ class _Loop:
             prep.state0,
         )
         start = begin.step
+        if cfg.train.check_grads and start < cfg.train.steps:  # issue 34: rules checked first
+            check_grads(r, prep.params0, prep.state0, sampler, echo)
         if r.data.stream is not None:  # an iterable source continues at its saved position
             saved = begin.checkpoint and ckpt.read_metadata(begin.checkpoint)
             sampler.restore(start, saved or None)
@@ -524,7 +527,7 @@ class _Loop:
     def _stop_nonfinite(self, flagged: int):
         r, prep = self.r, self.prep
         checker = make_stepper(r, prep.p_def, prep.o_def, "check", prep.s_def)
-        loss_fn = mean_loss_fn(r.model, r.grad_mode)  # the replay names the bad leaf
+        loss_fn = policy_loss_fn(r.model, r.grad_mode, r.backward)  # names the bad leaf
         raise faults.NonFinite(
             nonfinite.explain_nonfinite(
                 r,
