@@ -34,8 +34,8 @@ from ..report.plot import CurvePlotter, plot_curves
 from ..report.timings import Timings
 from . import nonfinite
 from .build import Prepared, Run, build, make_stepper, prepare
-from .checkgrads import check_grads
 from .callbacks import Callbacks, LoopState, build_callbacks
+from .checkgrads import check_grads
 from .step import policy_loss_fn, step_flags
 
 
