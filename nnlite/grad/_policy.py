@@ -67,6 +67,9 @@ def _clip(y, max_norm):
 
 
 # Plug-ins (jax.custom_vjp), so the policy holds under jax.grad and manual_grads alike.
+# Marked as policies: their VJP differs from their function's on purpose, so
+# nl.check_rules (a trainer's --check-grads) leaves them out.
+_stop._backward_policy = _scale._backward_policy = _clip._backward_policy = True
 _stop.__name__, _scale.__name__, _clip.__name__ = (
     "stop_cotangent",
     "scale_cotangent",
