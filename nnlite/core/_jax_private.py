@@ -209,3 +209,17 @@ def select_and_scatter_add(source, operand, window_dimensions, window_strides, p
     return windowed_reductions._select_and_scatter_add(
         source, operand, jax.lax.ge_p, window_dimensions, window_strides, padding
     )
+
+
+def of_current_trace(tree: Any) -> bool:
+    """Whether every tracer in ``tree`` belongs to the trace now running: False for one
+    recorded inside a transformation that has ended (a custom_vjp function traced apart,
+    a vmap), which may not be used here."""
+    from jax._src import core
+
+    current = core.trace_ctx.trace
+    return all(
+        getattr(x, "_trace", current) is current
+        for x in jax.tree.leaves(tree)
+        if isinstance(x, core.Tracer)
+    )

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._jax_private import of_current_trace
 from ..core._mode import manual_scope
 from ._check import _dret_args
 from ._contract import cotangents, has_cotangent, is_hyperparameter
@@ -125,6 +126,10 @@ def check_rules(
                     merged[k] = x
                 return f(*merged, **static)
 
+            if not of_current_trace((args, static)):
+                # recorded inside another rule's function, traced apart from the loss (a
+                # float32-backward policy's layer): checked through that outer rule
+                continue
             xs = [args[k] for k in dyn]
             ref_out, pullback = jax.vjp(plain, *xs)
             dret = _host_random_like(seed, i, ref_out)

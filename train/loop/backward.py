@@ -19,7 +19,6 @@ trace time: the model's code does not change and nothing runs per step in Python
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,9 +101,12 @@ class LayerHook:
         self._counts: dict[str, int] = {}
         self._ids: dict[int, tuple] = {}
         self._active: set[int] = set()
+        self._apart = 0  # inside a float32-backward layer's call
 
     def __call__(self, call: nl.LayerCall):
-        if id(call.module) in self._active:  # a policy's own call of the same layer
+        if id(call.module) in self._active or self._apart:
+            # a policy's own call of the same layer, or a layer inside a float32-backward
+            # layer (traced apart, in a custom_vjp: its backward is the outer layer's)
             return call.run(*call.args, **call.kwargs)
         if call.depth == 0:
             self._ids = param_index(call.params)
@@ -119,17 +121,20 @@ class LayerHook:
         slot = self.taps.get(key)
         if slot is not None and float_input:
             args[1] = tap_tree(args[1], slot, IN)
-        run = call.run
+        run, apart = call.run, False
         if len(args) >= 2 and call.path:
             for i, spec in enumerate(self.policies):
                 if spec.matches(call.path):
                     self.matched.add(i)
                     run = _with_policy(call.module, spec, run)
+                    apart = apart or spec.float32
         self._active.add(id(call.module))
+        self._apart += apart
         try:
             out = run(*args, **call.kwargs)
         finally:
             self._active.discard(id(call.module))
+            self._apart -= apart
         return out if slot is None else tap_tree(out, slot, OUT)
 
 
@@ -229,7 +234,6 @@ def first_bad_layer(layers: Sequence[LayerInfo], stats: dict, grads) -> str | No
     finite and whose input cotangent (or params' gradient) was not; the innermost such
     layer, and of those the last called forward (the first to run backward). A line such
     as ``cotangent leaving blocks[2].attn``; None when no layer qualifies."""
-    by_key = {info.key: info for info in layers}
 
     def bad(info, row):
         return float(np.asarray(stats[info.key])[row][1]) > 0
@@ -255,7 +259,6 @@ def first_bad_layer(layers: Sequence[LayerInfo], stats: dict, grads) -> str | No
         return None
     _, info, cot = max(inner, key=lambda c: c[0])
     name = info.key if info.path else f"the model ({info.key})"
-    del by_key
     return f"cotangent leaving {name}" if cot else f"gradient of {name}'s params"
 
 
@@ -267,10 +270,6 @@ def _inside(child: LayerInfo, parent: LayerInfo) -> bool:
         return True
     c, p = slash_path(child.path).split("/"), slash_path(parent.path).split("/")
     return c[: len(p)] == p
-
-
-def nan_safe(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.3g}"
 
 
 # -- building it from the config ----------------------------------------------------------
