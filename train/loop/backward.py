@@ -258,8 +258,9 @@ def first_bad_layer(layers: Sequence[LayerInfo], stats: dict, grads) -> str | No
     if not inner:
         return None
     _, info, cot = max(inner, key=lambda c: c[0])
-    name = info.key if info.path else f"the model ({info.key})"
-    return f"cotangent leaving {name}" if cot else f"gradient of {name}'s params"
+    if not info.path:  # the model as a whole: no layer to name beyond the leaf
+        return None
+    return f"cotangent leaving {info.key}" if cot else f"gradient of {info.key}'s params"
 
 
 def _inside(child: LayerInfo, parent: LayerInfo) -> bool:
