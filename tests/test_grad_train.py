@@ -156,23 +156,39 @@ def plain_loss(model):
     return loss
 
 
-# -- check_grads, with the per-layer norms of the same run ------------------------------
+# -- check_grads, per-layer norms and policies from the config, in one run ---------------
+
+POLICIES = [
+    {"layers": "blocks/0/*", "stop": True},
+    {"layers": "head", "scale": 0.5},
+    {"layers": "blocks[2].lin", "float32": True},
+]
 
 
 @pytest.mark.parametrize("strategy", ["none", "fsdp"])
-def test_check_grads_passes_right_rules_and_norms_by_layer(user, strategy):
+def test_check_grads_norms_by_layer_and_policies(user, strategy):
+    """Right rules pass the check and the run trains; the logged norms and the update
+    equal jax.grad's on the first batch with the policies applied by hand: the head's
+    cotangent halved (all of the backward with it), nothing into blocks[0] or below."""
     root, mod = user
     lines = []
-    cfg = config(root, strategy, train={"check_grads": True}, log={"grad_by_layer": True})
+    cfg = config(
+        root,
+        strategy,
+        train={"check_grads": True},
+        log={"grad_by_layer": True},
+        loss={"grad": "manual", "backward_policies": POLICIES},
+    )
     run = fit(root, mod, f"right-{strategy}", cfg, lines)
     table = [ln for ln in lines if ln.startswith("  ")]
     gains = [ln for ln in table if "gain_vjp" in ln]
     assert len(gains) == 3 and all(ln.rstrip().endswith("ok") for ln in gains), lines
     assert any("params.blocks[1].gain" in ln for ln in gains), table
+    # the float32 policy's rule is checked too; stop and scale are not rules of their function
+    assert any("Linear_backward_in_float32" in ln and ln.rstrip().endswith("ok") for ln in table)
+    assert not any("cotangent_vjp" in ln for ln in table)
     assert run.step == 1
 
-    # the logged norms equal jax.grad's on the first batch at the initial params
-    rec = next(r for r in records(run) if r["split"] == "train")
     model, p0 = run.model, jax.jit(run.model.init)(jax.random.key(0))
     x, y = first_batch(run)
 
@@ -186,16 +202,35 @@ def test_check_grads_passes_right_rules_and_norms_by_layer(user, strategy):
             h = block(p, h)
         return jax.grad(plain_loss(model))(p0, x, y), jnp.linalg.norm(jax.grad(head_loss)(h))
 
-    grads, want_cot = expected(p0, x, y)
-    want_cot = float(want_cot)
-    want_block = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads.blocks[1]))))
-    assert rec["cotangent_norm/head"] == pytest.approx(want_cot, rel=1e-5)
-    assert rec["grad_norm/blocks[1]"] == pytest.approx(want_block, rel=1e-5)
+    grads, head_cot = expected(p0, x, y)
+    grads = jax.tree.map(lambda g: 0.5 * np.asarray(g), grads)  # the head's cotangent halved
+    for part in ("embed", ("blocks", 0)):  # stopped at blocks[0]'s layers: nothing below
+        grads = _zero(grads, part)
+
+    rec = next(r for r in records(run) if r["split"] == "train")
+    assert rec["cotangent_norm/head"] == pytest.approx(0.5 * float(head_cot), rel=1e-5)
+    block1 = np.sqrt(sum(np.sum(g**2) for g in jax.tree.leaves(grads.blocks[1])))
+    assert rec["grad_norm/blocks[1]"] == pytest.approx(float(block1), rel=1e-5)
     assert rec["grad_norm/blocks[1].gain"] == pytest.approx(
-        float(jnp.linalg.norm(grads.blocks[1].gain.s)), rel=1e-5
+        float(np.linalg.norm(grads.blocks[1].gain.s)), rel=1e-5
     )
+    assert rec["grad_norm/embed"] == 0.0 and rec["cotangent_norm/blocks[0].lin"] == 0.0
     want_keys = {"embed", "blocks[0]", "blocks[0].lin", "blocks[2].gain", "head"}
     assert want_keys <= {k.split("/", 1)[1] for k in rec if k.startswith("grad_norm/")}
+
+    # the update (sgd, learning rate 1) is minus that gradient
+    got = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p0, run.params)
+    for (path, a), (_, b) in zip(got.items(), grads.items(), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6, err_msg=path)
+
+
+def _zero(tree, part):
+    keys = part if isinstance(part, tuple) else (part,)
+    node = tree
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = jax.tree.map(np.zeros_like, node[keys[-1]])
+    return tree
 
 
 def test_check_grads_refuses_a_wrong_rule_fsdp(user):
@@ -247,45 +282,7 @@ def test_nonfinite_names_first_layer_whose_backward_went_nonfinite(user, strateg
     assert "non-finite values at step 2" in msg
 
 
-# -- backward policies by glob -----------------------------------------------------------
-
-POLICIES = [
-    {"layers": "blocks/0/*", "stop": True},
-    {"layers": "head", "scale": 0.5},
-    {"layers": "blocks[2].lin", "float32": True},
-]
-
-
-@pytest.mark.parametrize("strategy", ["none", "fsdp"])
-def test_policies_from_config_equal_hand_computed(user, strategy):
-    root, mod = user
-    cfg = config(
-        root,
-        strategy,
-        loss={"grad": "manual", "backward_policies": POLICIES},
-        train={"check_grads": True},  # the policies' own VJPs are not rules to check
-    )
-    lines = []
-    run = fit(root, mod, f"policy-{strategy}", cfg, lines)
-    assert any("Linear_backward_in_float32" in ln and ln.rstrip().endswith("ok") for ln in lines)
-    p0 = jax.jit(run.model.init)(jax.random.key(0))
-    got = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p0, run.params)  # sgd, lr 1
-    want = jax.jit(jax.grad(plain_loss(run.model)))(p0, *first_batch(run))
-    want = jax.tree.map(lambda g: 0.5 * g, want)  # the head's cotangent halved: all of it
-    for part in ("embed", ("blocks", 0)):  # stopped at blocks[0]'s layers: nothing below
-        want = _zero(want, part)
-    for (path, a), (_, b) in zip(got.items(), want.items(), strict=True):
-        np.testing.assert_allclose(a, b, atol=2e-6, err_msg=path)
-    assert np.all(got.embed.W == 0) and np.any(got.blocks[1].lin.W != 0)
-
-
-def _zero(tree, part):
-    keys = part if isinstance(part, tuple) else (part,)
-    node = tree
-    for k in keys[:-1]:
-        node = node[k]
-    node[keys[-1]] = jax.tree.map(jnp.zeros_like, node[keys[-1]])
-    return tree
+# -- bad policies ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
