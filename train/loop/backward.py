@@ -97,7 +97,7 @@ class LayerHook:
         self.policies = tuple(policies)
         self.taps = taps or {}
         self.layers: list[LayerInfo] = []
-        self.matched: set[int] = set()  # which policies matched a layer
+        self.matched: dict[int, list[str]] = {}  # policy -> the layers it matched
         self._counts: dict[str, int] = {}
         self._ids: dict[int, tuple] = {}
         self._active: set[int] = set()
@@ -125,7 +125,7 @@ class LayerHook:
         if len(args) >= 2 and call.path:
             for i, spec in enumerate(self.policies):
                 if spec.matches(call.path):
-                    self.matched.add(i)
+                    self.matched.setdefault(i, []).append(call.path)
                     run = _with_policy(call.module, spec, run)
                     apart = apart or spec.float32
         self._active.add(id(call.module))
@@ -168,6 +168,17 @@ class Backward:
     policies: tuple[PolicySpec, ...] = ()
     layers: tuple[LayerInfo, ...] = ()  # the objective's layer calls, in forward order
     by_layer: bool = False  # log.grad_by_layer: the step reports each layer's norms
+    matched: tuple[int, ...] = ()  # how many layer calls each policy applies to
+
+    def describe(self) -> str | None:
+        """The line under the banner: each policy and how many layers it applies to."""
+        if not self.policies:
+            return None
+        parts = [
+            f"{spec.describe()} ({n} layer{'s' * (n != 1)})"
+            for spec, n in zip(self.policies, self.matched, strict=False)
+        ]
+        return "backward policies: " + "; ".join(parts)
 
     @property
     def active(self) -> bool:
@@ -318,7 +329,8 @@ def build_backward(cfg, model, data, strategy, grad) -> Backward | None:
                 f"loss.backward_policies[{i}]: layers {spec.layers!r} matches no layer of "
                 f"model.name={cfg.model.name}; its layers are {shown or 'none'}"
             )
-    return Backward(policies, tuple(hook.layers), by_layer)
+    matched = tuple(len(hook.matched[i]) for i in range(len(policies)))
+    return Backward(policies, tuple(hook.layers), by_layer, matched)
 
 
 def replay_first_bad_layer(model, grad_mode: str, backward, params, x, y, **kw) -> str | None:

@@ -204,6 +204,8 @@ class _Loop:
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
         state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
         echo(report.banner(r, prep.params0.num_params(), start, state_bytes))
+        if r.backward is not None and r.backward.describe():  # issue 34: what policies do
+            echo(r.backward.describe())
         put = prep.stepper.put_state
         loop = cls(
             r,
