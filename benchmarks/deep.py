@@ -199,7 +199,7 @@ def part_remat(tiny: bool, grad: str, rounds: int) -> dict:
     return {"temp_bytes": mem, "step_s": t, "gemm_flops_per_s": gemm_rate}
 
 
-def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path) -> float:
+def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path, extra=()) -> float:
     from train.config import load_config
     from train.loop.trainer import train
 
@@ -212,6 +212,7 @@ def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path) -> float:
         f"train.steps={steps}",
         f"train.eval_every={steps}",
         f"checkpoint.every={steps}",
+        *extra,  # more --set overrides (benchmarks/precision.py: train.precision)
     ]
     if tiny:
         text = run_dir / "tiny.txt"

@@ -160,7 +160,12 @@ def bench_gpt(size: str, rounds: int, quick: bool, pytorch: bool = True, tiny=Fa
         samples = h.time_interleaved(cases, rounds=rounds, warmup=0 if size == "gpt_large" else 1)
     per_step = {name: h.median(v) / n for name, v in samples.items()}
     floor = per_step["matmul floor"]
+    from train.report.perf import cpu_peak
+
+    peak = cpu_peak("float32")  # MFU: the step's matmul FLOPs against a measured GEMM
     return {
+        "peak_flops_per_s": peak,
+        "mfu": {name: spec.matmul_flops() / t / peak for name, t in per_step.items()},
         "spec": dict(spec.__dict__),
         "steps_per_sample": n,
         "rounds": rounds,
@@ -184,10 +189,18 @@ def render_gpt(size: str, r: dict) -> str:
             f"{t / base:.3f}",
             f"{r['tokens_per_s'][name]:,.0f}",
             f"{r['floor_fraction'][name]:.1%}",
+            f"{r['mfu'][name]:.1%}",
         ]
         for name, t in r["median_s_per_step"].items()
     ]
-    header = ["implementation", "median / step", "time vs raw JAX", "tokens/s", "of matmul floor"]
+    header = [
+        "implementation",
+        "median / step",
+        "time vs raw JAX",
+        "tokens/s",
+        "of matmul floor",
+        "MFU",
+    ]
     s = r["spec"]
     title = (
         f"{size.upper()}: {s['n_layer']} layers x {s['n_head']} heads x {s['n_embd']}, "

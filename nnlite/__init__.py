@@ -21,6 +21,9 @@ from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
 from .core._params import format_path as format_path
 from .core._params import leaf_str as leaf_str
+
+# issue 32 (perf helper): a compute-dtype scope for cast params, the model summary
+from .core._precision import precision as precision
 from .core._save import CheckpointCorruptError as CheckpointCorruptError
 from .core._save import CheckpointError as CheckpointError
 from .core._save import load as load
@@ -28,6 +31,8 @@ from .core._save import load_metadata as load_metadata
 from .core._save import save as save
 from .core._save import verify as verify
 from .core._sharded import save_sharded as save_sharded
+from .core._summary import Summary as Summary
+from .core._summary import summary as summary
 from .grad._check_model import check_rules as check_rules
 
 # issue 34 (grad helper): the rule contract's error, per-layer rule checks
@@ -38,7 +43,9 @@ from .grad._manual import hand_rule as hand_rule
 from .grad._manual import manual_grads as manual_grads
 from .grad._policy import BackwardPolicy as BackwardPolicy
 from .grad._policy import backward_policy as backward_policy
+from .grad._show_grad import show_forward as show_forward
 from .grad._show_grad import show_grad as show_grad
+from .grad._show_grad import show_value_and_grad as show_value_and_grad
 from .grad._vjp_batched import gelu as gelu
 from .grad._vjp_batched import identity as identity
 from .grad._vjp_batched import relu as relu
@@ -243,7 +250,9 @@ __all__ = [
     "rules",
     "save",
     "save_sharded",
+    "show_forward",
     "show_grad",
+    "show_value_and_grad",
     "show_jaxpr",
     "show_jaxpr_and_xla",
     "show_xla",
@@ -254,6 +263,10 @@ __all__ = [
     "tanh",
     "verify",
     "vjp",
+    # issue 32 (perf helper)
+    "precision",
+    "summary",
+    "Summary",
 ]
 
 

@@ -148,8 +148,13 @@ SMOKE = {
     "python -m benchmarks.data rss": ("data", ["rss", "--tiny"]),
     "python -m benchmarks.deep": ("deep", ["--tiny", "--parts", "compile,remat"]),
     "python -m benchmarks.sharding": ("sharding", ["--tiny"]),
+    "python -m benchmarks.checkpoint": ("checkpoint", ["--tiny"]),
     "python -m benchmarks.grad_modes": ("grad_modes", ["--tiny"]),
     "python -m benchmarks.pytree": ("pytree", ["--tiny"]),
+    "python -m benchmarks.precision": (
+        "precision",
+        ["--tiny", "--train-steps", "0", "--grad", "autodiff"],
+    ),
 }
 
 

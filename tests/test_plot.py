@@ -19,11 +19,13 @@ def _metrics(tmp_path, accuracy=True):
     return path
 
 
-def test_helper_draws_the_same_png_as_plot_curves(tmp_path):
+def test_helper_draws_the_same_png_as_plot_curves(tmp_path, monkeypatch):
     metrics = _metrics(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a user's directory, not the checkout: the helper still starts
     plotter = CurvePlotter(accuracy=True)
     plotter.draw(metrics, tmp_path / "helper.png")
     plotter.wait()
+    assert plotter.by_helper  # drawn by the helper, not by the fallback here
     plot_curves(metrics, tmp_path / "here.png")
     assert (tmp_path / "helper.png").read_bytes() == (tmp_path / "here.png").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["helper.png", "here.png", "metrics.jsonl"]

@@ -66,6 +66,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="print the decompiled loss or train step (nnlite.show_jaxpr), or the backward "
         "pass as hand VJP calls per layer (grad: nnlite.show_grad), and exit",
     )
+    ap.add_argument(
+        "--eject",
+        metavar="DIR",
+        help="write the run as a standalone training script into the new directory DIR "
+        "(the train step as Python with the hand rules by name, the optax chain, the "
+        "loop; see docs/gradients.md) and exit",
+    )
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
     group.add_argument(
@@ -84,6 +91,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="write where the wall time went (imports, data, compile, train, eval, "
         "checkpoint, plot, ...) to <run dir>/timings.json and print it to stderr",
+    )
+    ap.add_argument(
+        "--fast-dev-run",
+        nargs="?",
+        type=int,
+        const=2,
+        default=None,
+        metavar="N",
+        help="check that every part of the run works: N steps (default 2) of train, eval "
+        "and checkpoint, a resume from that checkpoint, load_run; in a temporary directory, "
+        "nothing written to log.dir (docs/training.md#debugging-runs)",
+    )
+    # issue 32 (perf helper): a profiler trace of some steps, the model summary
+    ap.add_argument(
+        "--profile",
+        metavar="START:STOP",
+        help="write a jax.profiler trace of steps START+1..STOP to <run dir>/profile "
+        "(log.profile; TensorBoard or Perfetto)",
+    )
+    ap.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the model's layers (output shapes, params, FLOPs, activation memory) "
+        "and exit without training",
     )
     ap.add_argument(  # issue 34
         "--check-grads",
@@ -203,10 +234,32 @@ def main(
 
         if args.check_grads:
             args.overrides.append("train.check_grads=true")
+        if args.profile is not None:
+            from .report.profile import parse as parse_profile
+
+            try:
+                parse_profile(args.profile)
+            except ValueError as e:
+                raise ConfigError(f"--profile {e}") from None
+            args.overrides.append(f"log.profile='{args.profile}'")  # quoted: YAML reads 1:2 as 62
         cfg = load_config(args.config, args.overrides)
         timings.lap("config")
+        if args.summary:
+            from .loop.show import model_summary
+
+            print(model_summary(cfg))
+            return 0
         if args.print_config:
             print(dump_yaml(cfg), end="")
+            return 0
+        if args.eject:
+            from .loop.eject import eject
+
+            if args.processes is not None or args.show_jaxpr:
+                other = "--processes" if args.processes is not None else "--show-jaxpr"
+                raise ConfigError(f"--eject writes a one-process script: leave out {other}")
+            script = eject(cfg, args.eject)
+            print(f"wrote {script} (+ params and data beside it): python {script}")
             return 0
         if args.processes is not None:
             if args.processes < 1:
@@ -214,6 +267,13 @@ def main(
             from .parallel.launch import launch
 
             return launch(cfg, _without_processes(argv), args.processes, echo=print)
+        if args.fast_dev_run is not None and args.fast_dev_run < 1:
+            raise ConfigError(f"--fast-dev-run: expected steps >= 1, got {args.fast_dev_run}")
+        if args.fast_dev_run is not None and args.resume:
+            raise ConfigError(
+                "--fast-dev-run runs in a temporary directory, with no checkpoint to --resume "
+                "from; leave --resume out"
+            )
         if args.show_jaxpr:
             if compile_cache:
                 enable_compile_cache(cfg.compile_cache)
@@ -243,6 +303,8 @@ def main(
             if standalone:
                 _freeze_heap()
                 gc.enable()
+            if args.fast_dev_run is not None:
+                return _fast_dev_run(cfg, args, timings, plotter, data)
             r = train(
                 cfg,
                 resume="require" if args.resume else "fresh" if args.fresh else "auto",
@@ -311,6 +373,33 @@ def main(
             plotter.close()  # no curves (an error, a preemption): stop the helper
         if standalone:
             _freeze_heap()
+    return 0
+
+
+def _fast_dev_run(cfg, args, timings, plotter, data) -> int:
+    """``--fast-dev-run``: train/loop/devrun.py; a phase that ran but did not do what it
+    must is exit 1, a stop by a signal exit 3 (nothing to resume: nothing is kept)."""
+    from .loop.devrun import DevRunFailed, fast_dev_run
+
+    try:
+        fast_dev_run(
+            cfg,
+            args.fast_dev_run,
+            data=data,
+            plotter=plotter,
+            timings=timings,
+            show_timings=args.timings,
+        )
+    except DevRunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return faults.EXIT_FAILURE
+    except faults.Preempted as e:
+        print(
+            f"fast-dev-run: stopped by {e.signal_name} at step {e.step}; its temporary "
+            "directory was removed (a dev run keeps nothing to resume)",
+            file=sys.stderr,
+        )
+        return faults.EXIT_PREEMPTED
     return 0
 
 

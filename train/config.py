@@ -44,6 +44,7 @@ PLACEMENTS = ("auto", "device", "host")
 GRAD_MODES = ("auto", "autodiff", "manual", "fused")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
 NONFINITE = ("stop", "skip")
+PRECISIONS = ("float32", "bfloat16", "float16")  # train.precision (train/loop/precision.py)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,16 @@ class CallbackConfig:
 
 
 @dataclass(frozen=True)
+class EarlyStoppingConfig:
+    """``train.early_stopping``: the built-in ``early_stopping`` callback's arguments."""
+
+    monitor: str = "loss"  # a metric the evaluation logs (loss, accuracy, bits_per_char...)
+    mode: str = choice("min", ("min", "max"))  # min: lower is better; max: higher is better
+    patience: int = 3  # evaluations without an improvement before the run stops
+    min_delta: float = 0.0  # the smallest change that counts as an improvement
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     batch_size: int = 128  # global batch (split over devices)
     steps: int = 1000  # optimizer steps in total
@@ -154,6 +165,16 @@ class TrainConfig:
     # call may take STARTUP_TIMEOUT_S, later ones max(STEP_TIMEOUT_FLOOR_S, 20 x the first
     # call's time)); 0: no watchdog.
     step_timeout: float | None = None
+    # Debugging: train on the same N batches (the first N of the data order) again and
+    # again, and evaluate on them; the loss of a model that can learn goes to ~0. 0: off.
+    overfit_batches: int = 0
+    # Stop when an evaluation metric stops improving: {monitor: loss, mode: min, patience: 3,
+    # min_delta: 0.0} (the built-in early_stopping callback); null: off
+    early_stopping: EarlyStoppingConfig | None = None
+    # Compute dtype of the step and evaluation: params, optimizer state and loss stay
+    # float32; float16 adds dynamic loss scaling starting at loss_scale (train/loop/precision.py).
+    precision: str = choice("float32", PRECISIONS)
+    loss_scale: float = 32768.0  # float16: the initial dynamic loss scale (>= 1)
     # issue 34: before step 0, check every hand rule the model runs against jax.vjp at the
     # run's shapes, dtype and strategy, print a per-layer table, refuse a wrong rule
     check_grads: bool = False
@@ -201,6 +222,17 @@ class DistributedConfig:
 class CheckpointConfig:
     every: int = 0  # write a checkpoint every N steps (0: only at the end)
     keep: int = 3  # keep the newest N checkpoints
+    # Also keep the best k checkpoints by an evaluation metric (never removed by the
+    # newest-N rotation; train.load_run(dir, which="best")); 0: off
+    keep_best: int = 0
+    monitor: str = "loss"  # keep_best: the evaluation metric that ranks checkpoints
+    mode: str = choice("min", ("min", "max"))  # keep_best: min (lower is better) or max
+    # Also checkpoint when this many minutes passed since the last checkpoint (checked at
+    # the loop's boundaries; the clock restarts when a run resumes); 0: off
+    every_minutes: float = 0.0
+    # Write checkpoints on a thread while training goes on (the YAML key is `async`, a
+    # Python keyword): at most one write in flight, the end of the run waits for the last
+    async_: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass(frozen=True)
@@ -215,9 +247,19 @@ class LogConfig:
     # the same as listing tensorboard in loggers: TensorBoard event files in
     # <run dir>/tensorboard (needs tensorboardX: pip install 'nnlite[tensorboard]')
     tensorboard: bool = False
+    # "START:STOP": a jax.profiler trace of those steps in <run dir>/profile (--profile)
+    profile: str | None = None
     # issue 34: log each layer's cotangent norm (leaving its input) and params' gradient
     # norm, computed inside the compiled step (cotangent_norm/<layer>, grad_norm/<layer>)
     grad_by_layer: bool = False
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    # Your metrics, each "module:function" with function(outputs, labels) -> a value per
+    # example or one for the batch, computed in the compiled evaluation and logged under
+    # the function's name (train/model/metrics.py)
+    metrics: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -233,6 +275,7 @@ class Config:
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    eval: EvalConfig = EvalConfig()
     # Callbacks run at the loop's boundaries (train/loop/callbacks.py): a list of names or
     # {name: "module:Class", ...its constructor's arguments}
     callbacks: tuple[CallbackConfig, ...] = ()
@@ -340,7 +383,7 @@ def _build(
         src = sources.get(prefix.rstrip("."), source)
         raise ConfigError(f"{src}: {where_section} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key_of(f): f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
         src = sources.get(f"{prefix}{key}", source)
@@ -349,8 +392,15 @@ def _build(
                 f"{src}: unknown key '{prefix}{key}'; valid keys in {where_section}: "
                 f"{', '.join(fields)}"
             )
-        tp = hints[key]
+        tp = hints[fields[key].name]
         where = f"{src}: {prefix}{key}"
+        inner = _optional_dataclass(tp)
+        if inner is not None and value is not None:  # e.g. train.early_stopping
+            if not isinstance(value, dict):
+                keys = ", ".join(f"{_key_of(f)}: ..." for f in dataclasses.fields(inner))
+                raise ConfigError(f"{where}: expected a mapping {{{keys}}} or null, got {value!r}")
+            kwargs[key] = _build(inner, value, f"{prefix}{key}.", source, sources, search)
+            continue
         if tp is ModelConfig:
             kwargs[key] = _build_model(value, source, sources, search, model_class)
             continue
@@ -368,7 +418,20 @@ def _build(
         if choices is not None and value not in choices:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
         kwargs[key] = value
-    return cls(**kwargs)
+    return cls(**{fields[k].name: v for k, v in kwargs.items()})
+
+
+def _key_of(f: dataclasses.Field) -> str:
+    """A field's key in YAML (``checkpoint.async`` is the field ``async_``)."""
+    return f.metadata.get("key", f.name)
+
+
+def _optional_dataclass(tp: Any) -> type | None:
+    """``X`` for an annotation ``X | None`` where X is a dataclass, else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
 def _build_model(
@@ -557,10 +620,33 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
             raise bad(key, f"must be at most {MAX_TIMEOUT_S} seconds, got {positive[key]}")
     if cfg.checkpoint.every < 0:
         raise bad("checkpoint.every", f"must be >= 0, got {cfg.checkpoint.every}")
+    if cfg.train.overfit_batches < 0:
+        raise bad(
+            "train.overfit_batches", f"must be >= 0 (0: off), got {cfg.train.overfit_batches}"
+        )
+    _check_checkpoints(cfg, bad)
     if cfg.train.step_timeout is not None and cfg.train.step_timeout < 0:
         raise bad(
             "train.step_timeout",
             f"must be >= 0 seconds (0: no watchdog, null: automatic), got {cfg.train.step_timeout}",
+        )
+    if cfg.log.profile is not None:
+        from .report.profile import parse as parse_profile
+
+        try:
+            _, stop = parse_profile(cfg.log.profile)
+        except ValueError as e:
+            raise bad("log.profile", str(e)) from None
+        if stop > cfg.train.steps:
+            raise bad(
+                "log.profile",
+                f"{cfg.log.profile!r} ends after train.steps={cfg.train.steps}; "
+                f"use STOP <= {cfg.train.steps}",
+            )
+    if not 1.0 <= cfg.train.loss_scale <= 2.0**100:
+        raise bad(
+            "train.loss_scale",
+            f"must be between 1 and 2**100 (float16's initial loss scale), got {cfg.train.loss_scale}",
         )
     for key, v in {"seed": cfg.seed, "data.split_seed": cfg.data.split_seed}.items():
         if not 0 <= v <= MAX_SEED:  # numpy's generators want >= 0; the init key takes int32
@@ -611,6 +697,32 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
     parse_policies(cfg.loss.backward_policies, sources.get("loss.backward_policies", source))
     if cfg.compile_cache is not None and not cfg.compile_cache.strip():
         raise bad("compile_cache", "must be 'auto', a directory or null (off), got ''")
+
+
+def _check_checkpoints(cfg: Config, bad) -> None:
+    """The rules of train.early_stopping and checkpoint.keep_best / every_minutes."""
+    ck, es = cfg.checkpoint, cfg.train.early_stopping
+    if ck.keep_best < 0:
+        raise bad("checkpoint.keep_best", f"must be >= 0 (0: off), got {ck.keep_best}")
+    if ck.every_minutes < 0:
+        raise bad("checkpoint.every_minutes", f"must be >= 0 (0: off), got {ck.every_minutes}")
+    if ck.keep_best == 0:  # nothing set silently without effect
+        for key, v in (("monitor", "loss"), ("mode", "min")):
+            if getattr(ck, key) != v:
+                raise bad(
+                    f"checkpoint.{key}",
+                    f"ranks the best checkpoints, but checkpoint.keep_best is 0; set "
+                    f"checkpoint.keep_best: k (got checkpoint.{key}={getattr(ck, key)!r})",
+                )
+    if not ck.monitor.strip():
+        raise bad("checkpoint.monitor", "must name an evaluation metric, got ''")
+    if es is not None:
+        if es.patience < 1:
+            raise bad("train.early_stopping.patience", f"must be >= 1, got {es.patience}")
+        if es.min_delta < 0:
+            raise bad("train.early_stopping.min_delta", f"must be >= 0, got {es.min_delta}")
+        if not es.monitor.strip():
+            raise bad("train.early_stopping.monitor", "must name an evaluation metric, got ''")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -713,6 +825,9 @@ def config_from_dict(
     loggers.check(cfg.log.loggers, cfg.log.tensorboard, sources.get("log.loggers", source), search)
     where = sources.get("data.options", sources.get("data.name", source))
     check_data(cfg.data.name, cfg.data.options, search, where)
+    from .model.metrics import check_specs  # a user's metric is imported now, like a model
+
+    check_specs(cfg.eval.metrics, search, sources.get("eval.metrics", source))
     return cfg
 
 
@@ -734,7 +849,7 @@ def to_dict(cfg: Any) -> dict:
         if isinstance(v, OptimizerConfig) and (v.options or ":" in v.name or v.name == "given"):
             return {"name": v.name, **plain(v.options)}
         if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            return {_key_of(f): plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         return v
 
     return plain(cfg)

@@ -22,9 +22,11 @@ import numpy as np
 
 import nnlite as nl
 
+from .checkpoint import best
 from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
 from .errors import ConfigError
+from .loop.precision import with_loss_scaling
 from .model import registry as models
 from .model.contract import Model, call_stateful, is_stateful, model_optimizer
 from .model.registry import MODEL_SOURCE_KEY
@@ -112,11 +114,16 @@ class LoadedRun:
 
 
 def load_run(
-    run_dir: str | Path, *, checkpoint: str | Path | None = None, with_opt_state: bool = False
+    run_dir: str | Path,
+    which: str = "latest",
+    *,
+    checkpoint: str | Path | None = None,
+    with_opt_state: bool = False,
 ) -> LoadedRun:
     """The model, params (and optimizer state), a stateful model's state, config and
-    vocabulary of a training run, from its ``config.yaml`` and its newest checkpoint (or
-    ``checkpoint``).
+    vocabulary of a training run, from its ``config.yaml`` and its newest checkpoint
+    (``which="latest"``), its best one by ``checkpoint.monitor`` (``which="best"``, a run
+    trained with ``checkpoint.keep_best``), or ``checkpoint``.
 
     A user's model class is imported as the run names it (``module:Class``): from the
     directory its module was in when the run trained, the current directory, or
@@ -130,10 +137,9 @@ def load_run(
     if not cfg_path.is_file():
         raise ConfigError(f"{where}: no config.yaml; is it a training run?")
     if checkpoint is None:
-        found = ckpt.list_checkpoints(run_dir / "checkpoints")
-        if not found:
-            raise ConfigError(f"{where}: no checkpoint in {run_dir / 'checkpoints'}")
-        checkpoint = found[-1]
+        checkpoint = best.find(run_dir, which)
+    elif which != "latest":
+        raise ConfigError(f"load_run: give checkpoint= or which={which!r}, not both")
     checkpoint = Path(checkpoint)
     meta = ckpt.read_metadata(checkpoint)
     _add_model_source(meta)
@@ -144,6 +150,7 @@ def load_run(
     opt_state = state = None
     if with_opt_state:
         optimizer = model_optimizer(model, build_optimizer(cfg.optimizer, cfg.train.steps))
+        optimizer = with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
         params, opt_state, state, _ = ckpt.restore_model(
             model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
         )

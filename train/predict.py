@@ -1,5 +1,6 @@
-"""``python -m train.predict --run DIR --data FILE.npz [--out FILE.npz] [--batch-size N]``:
-a trained classifier's or regression's predictions for new data.
+"""``python -m train.predict --run DIR --data FILE.npz [--out FILE.npz] [--batch-size N]
+[--best]``: a trained classifier's or regression's predictions for new data (from the
+run's newest checkpoint, or with ``--best`` its best by ``checkpoint.monitor``).
 
 The data file holds ``x`` (and optionally ``y``, the labels or targets), as for
 ``data.name: npz``. The output ``.npz`` (default ``DIR/predictions.npz``, written whole or
@@ -32,6 +33,11 @@ def parse_args(argv):
     ap.add_argument("--data", required=True, help=".npz with x (and optionally y)")
     ap.add_argument("--out", default=None, help="output .npz (default: RUN/predictions.npz)")
     ap.add_argument("--batch-size", type=int, default=1024, help="rows per compiled call")
+    ap.add_argument(
+        "--best", action="store_true",
+        help="the best checkpoint by checkpoint.monitor (a run with checkpoint.keep_best), "
+        "not the newest",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -64,7 +70,7 @@ def main(argv=None) -> int:
 
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        run = load_run(Path(args.run))
+        run = load_run(Path(args.run), "best" if args.best else "latest")
         task = run.model.task
         if task == "language_model":
             raise ConfigError(

@@ -1,5 +1,6 @@
 """``python -m train.sample --run DIR [--prompt TEXT] [--tokens N] [--temperature T]
-[--top-k K] [--seed S]``: generate text from a run's newest checkpoint.
+[--top-k K] [--seed S] [--best]``: generate text from a run's newest checkpoint (``--best``:
+its best by ``checkpoint.monitor``).
 
 The run directory holds what sampling needs: ``config.yaml`` (the model) and checkpoints
 whose metadata carry the character vocabulary, or the tokenizer of a run on prepared
@@ -41,6 +42,11 @@ def parse_args(argv):
         "(models with their own generate: nl.hf models)",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    ap.add_argument(
+        "--best", action="store_true",
+        help="the best checkpoint by checkpoint.monitor (a run with checkpoint.keep_best), "
+        "not the newest",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
@@ -55,12 +61,13 @@ def parse_args(argv):
     return args
 
 
-def load_model(run_dir: Path):
-    """``(loaded run, vocab)`` of the newest checkpoint of ``run_dir`` (a language model;
-    vocab is None for a run with a byte or BPE tokenizer, ``run.tokenizer``)."""
+def load_model(run_dir: Path, which: str = "latest"):
+    """``(loaded run, vocab)`` of the newest (or ``which="best"``) checkpoint of ``run_dir``
+    (a language model; vocab is None for a run with a byte or BPE tokenizer,
+    ``run.tokenizer``)."""
     from .inference import load_run
 
-    run = load_run(run_dir)
+    run = load_run(run_dir, which)
     cfg = run.config
     if run.vocab is None and run.tokenizer is None:
         raise ConfigError(
@@ -118,7 +125,7 @@ def generate(model, params, ids, n_tokens, seed, temperature, top_k, state=None,
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        run, vocab = load_model(Path(args.run))
+        run, vocab = load_model(Path(args.run), "best" if args.best else "latest")
         path = run.checkpoint
         prompt = args.prompt
         if prompt is None:

@@ -343,6 +343,11 @@ def _drop_params(module: Any, args: tuple) -> tuple:
     return args
 
 
+# Functions called after each module call as ``f(frame, module, args, kwargs, out)``
+# (nl.summary appends one while it traces a model; empty otherwise).
+CALL_OBSERVERS: list = []
+
+
 def call_in_frame(module: Any, call: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``call(module, *args, **kwargs)`` (a class's own ``__call__``) in a frame."""
     if not getattr(module, "has_params", True):
@@ -420,6 +425,9 @@ def call_in_frame(module: Any, call: Any, args: tuple, kwargs: dict) -> Any:
         else:  # per-layer diagnostics and policies (_layer_hook.py)
             run = functools.partial(call, module)
             out = hook(LayerCall(frame.path(), len(frames) - 1, module, args, kwargs, run))
+        if CALL_OBSERVERS:  # nl.summary records each layer call (trace time only)
+            for observe in CALL_OBSERVERS:
+                observe(frame, module, args, kwargs, out)
     except (ValueError, TypeError) as e:
         _note_where(e, frame)
         if parent is None:

@@ -25,6 +25,7 @@ from ._compose import (
 )
 from ._mode import manual_active
 from ._params import ParamsDict
+from ._precision import precision_dtype
 
 __all__ = ["Module", "ParamsMismatchError"]
 
@@ -252,7 +253,11 @@ class Module:
                     owner, f"/{name}", f"has shape {got}, expected {tuple(shape)}"
                 )
             dtype = getattr(leaf, "dtype", None)
-            if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) != want_dtype:
+            if (
+                dtype is not None
+                and jax.dtypes.canonicalize_dtype(dtype) != want_dtype
+                and jnp.dtype(dtype) != precision_dtype()  # cast by nl.precision's policy
+            ):
                 raise ParamsMismatchError(
                     owner,
                     f"/{name}",

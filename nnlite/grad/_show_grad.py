@@ -49,7 +49,7 @@ from ._show_grad_walk import (
     _Walk,
 )
 
-__all__ = ["show_grad"]
+__all__ = ["show_forward", "show_grad", "show_value_and_grad"]
 
 # --- imports of the rules ---------------------------------------------------------------------
 
@@ -226,6 +226,25 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
         ...     jnp.zeros(7, jnp.int32)).layers[0].W, atol=1e-6))
         True
     """
+    return _show(loss_fn, params, batch, kwargs, "grad")
+
+
+def show_value_and_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str:
+    """:func:`show_grad`, with the loss returned too: the source defines
+    ``value_and_grad(params, <batch names>) -> (loss, grads)``, as ``jax.value_and_grad``
+    of the loss (what a train step needs; ``python -m train --eject`` writes it)."""
+    return _show(loss_fn, params, batch, kwargs, "value_and_grad")
+
+
+def show_forward(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str:
+    """The forward half of :func:`show_grad`: the source defines ``loss(params, <batch
+    names>) -> loss``, each layer's (and the plain ``jnp``'s) forward function called by
+    name, for ``jax.grad`` to differentiate by autodiff (the functions are plain array code
+    outside ``nl.manual_grads``)."""
+    return _show(loss_fn, params, batch, kwargs, "loss")
+
+
+def _show(loss_fn: Callable, params: Any, batch: tuple, kwargs: dict, form: str) -> str:
     try:
         arg_names = list(inspect.signature(loss_fn).parameters)[: 1 + len(batch)]
     except (TypeError, ValueError):
@@ -269,6 +288,7 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
         try:
             src = _print(
                 pr,
+                form,
                 loss_fn,
                 closed_a,
                 tape_a,
@@ -283,7 +303,7 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
     return src
 
 
-def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names) -> str:
+def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names) -> str:
     closed_b, tape_b = trace_b if trace_b is not None else (None, None)
     walk = _Walk(pr, tape_a, tape_b)
     ins = []
@@ -530,7 +550,10 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
 
     fwd = forward(nodes, walk)
     have: set = {id(loss)}
-    bwd = [f"    d_{loss.expr} = jnp.ones_like({loss.expr})"] + backward(nodes, have)
+    if form == "loss":  # the forward alone, for jax.grad to differentiate
+        bwd = []
+    else:
+        bwd = [f"    d_{loss.expr} = jnp.ones_like({loss.expr})"] + backward(nodes, have)
     grads = [
         f"d_{_ident(v.expr)}" if id(v) in have else f"jnp.zeros_like({v.expr})"
         for v in ins[: len(p_leaves)]
@@ -543,6 +566,16 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         header.append("from jax import lax")
     if "prims" in pr.used:
         header.append("from jax.extend.core import primitives as prims")
+    if form == "loss":  # the forward calls only: the rules they do not call are not imported
+        for mod in list(imports):
+            imports[mod] = [
+                n
+                for n in imports[mod]
+                if re.search(rf"\b{re.escape(n.split(' as ')[-1])}\(", body_text)
+            ]
+            if not imports[mod]:
+                del imports[mod]
+        inline = [f for f in inline if re.search(rf"\b{re.escape(f.__name__)}\(", body_text)]
     extra: list[str] = []
     inline_defs: dict[str, str] = {}
     for f in inline:
@@ -556,17 +589,21 @@ def _print(pr, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names
         defs += ["", src.rstrip()]
     if pr.batch_dim is not None and not pr.portable:
         raise _NotPortable  # some size does not follow the batch: print the traced sizes
-    lines = header + defs + ["", "", f"def grad({', '.join(arg_names)}):"]
+    lines = header + defs + ["", "", f"def {form}({', '.join(arg_names)}):"]  # the name
     if not pr.portable:
         lines.append("    # sizes below are those of the traced batch: trace again for another")
     elif pr.uses_b:
         lines.append(f"    B = {pr.batch_expr}  # the batch size: the code works for any")
     lines += [f"    {c}" for c in consts]
     lines += ["    # forward: each layer's call, its result kept"] + fwd
+    if form == "loss":
+        lines.append(f"    return {loss.expr}")
+        return "\n".join(lines) + "\n"
     lines += ["    # backward: the hand VJPs in reverse"] + bwd
     leaves_src = ",\n        ".join(grads)
+    value = f"{loss.expr}, " if form == "value_and_grad" else ""
     lines.append(
-        f"    return jax.tree.unflatten(\n        jax.tree.structure({pr.p_name}),\n"
+        f"    return {value}jax.tree.unflatten(\n        jax.tree.structure({pr.p_name}),\n"
         f"        [\n        {leaves_src},\n        ],\n    )"
     )
     return "\n".join(lines) + "\n"

@@ -325,7 +325,10 @@ class MultiHeadAttention(Module):
         m4 = None if mask is None else jnp.broadcast_to(mask, full).reshape(b, *full[-3:])
         dropping = key is not None and self.dropout_rate > 0
         # Manual-gradient mode: the plain path, whose hand VJP is dot_product_attention_vjp.
-        if dropping or self.implementation == "plain" or manual_active():
+        # float16 too: jax.nn's XLA path asks for the F16_F16_F32 dot algorithm, which
+        # XLA:CPU refuses (train.precision=float16 under autodiff).
+        f16 = q4.dtype == jnp.float16
+        if dropping or self.implementation == "plain" or manual_active() or f16:
             out = dot_product_attention(q4, k4, v4, m4, key=key, dropout_rate=self.dropout_rate)
         else:
             out = jax.nn.dot_product_attention(

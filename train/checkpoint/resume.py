@@ -94,6 +94,14 @@ def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None
     if was_grad != is_grad and ran is not None and ran == runs:
         saved = {**saved, "loss": {**saved["loss"], "grad": is_grad}}
     defaults = to_dict(Config())
+    # train.overfit_batches changes the data order (train.steps, in the same section, may grow)
+    was_n = (saved.get("train") or {}).get("overfit_batches", 0)
+    if was_n != cfg.train.overfit_batches:
+        raise ConfigError(
+            f"checkpoint {path} was written with train.overfit_batches={was_n!r} but the config "
+            f"has train.overfit_batches={cfg.train.overfit_batches!r}; use --fresh to start "
+            "over, or another run name"
+        )
     for section in RESUME_MUST_MATCH:
         was, is_ = saved.get(section), now[section]
         if isinstance(was, dict) and isinstance(defaults.get(section), dict) and section != "model":

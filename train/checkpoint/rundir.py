@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from . import store as ckpt
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
-TIMING_KEYS = ("time", "examples_per_s", "tokens_per_s")
+TIMING_KEYS = ("time", "examples_per_s", "tokens_per_s", "flops_per_s", "mfu")  # MFU: perf.py
 
 
 def check_run_dir(run_dir: Path) -> None:

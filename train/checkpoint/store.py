@@ -84,8 +84,10 @@ def save(
     keep: int,
     *,
     state: Any = None,
+    protect: frozenset = frozenset(),
 ) -> Path:
-    """Write ``ckpt_<step>.safetensors`` atomically (``nl.save``), keep the newest ``keep``.
+    """Write ``ckpt_<step>.safetensors`` atomically (``nl.save``), keep the newest ``keep``
+    and the steps in ``protect`` (the best k: ``best.py``).
 
     ``metadata`` values that are not strings are stored as JSON; ``state``: a stateful
     model's state (None: stateless)."""
@@ -94,7 +96,7 @@ def save(
     final = nl.save(
         path_of(ckpt_dir, step, sharded=False), _tree(params, opt_state, state), metadata=meta
     )
-    _keep_newest(ckpt_dir, final, keep)
+    _keep_newest(ckpt_dir, final, keep, protect)
     return final
 
 
@@ -108,6 +110,7 @@ def save_sharded(
     barrier=None,
     *,
     state: Any = None,
+    protect: frozenset = frozenset(),
 ) -> Path:
     """Write ``ckpt_<step>.shards`` (``nl.save_sharded``): every process calls this with its
     placed, sharded state and writes the shards its devices hold; process 0 writes the
@@ -124,7 +127,7 @@ def save_sharded(
         barrier=barrier,
     )
     if dist.is_main():
-        _keep_newest(ckpt_dir, final, keep)
+        _keep_newest(ckpt_dir, final, keep, protect)
     return final
 
 
@@ -137,12 +140,14 @@ def is_sharded(path: Path) -> bool:
     return path.name.endswith(".shards")
 
 
-def _keep_newest(ckpt_dir: Path, written: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` checkpoints, and one of the other kind at the
-    step just written (a run that changed strategy)."""
+def _keep_newest(ckpt_dir: Path, written: Path, keep: int, protect=frozenset()) -> None:
+    """Remove all but the newest ``keep`` checkpoints and those of the steps in
+    ``protect``, and one of the other kind at the step just written (a run that changed
+    strategy)."""
     found = list_checkpoints(ckpt_dir)
     old = [p for p in found if step_of(p) == step_of(written) and p != written]
-    for p in old + [p for p in found if p not in old][:-keep]:
+    rest = [p for p in found if p not in old][:-keep]
+    for p in old + [p for p in rest if step_of(p) not in protect]:
         _remove(p)
 
 

@@ -18,17 +18,19 @@ import nnlite as nl
 
 from .. import parallel
 from ..config import Config, ModelConfig
+from ..data import overfit
 from ..data.builtin import load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
 from ..errors import ConfigError
 from ..model import contract, gradmode
+from ..model import metrics as user_metrics
 from ..model import registry as models
 from ..model.contract import Model
 from ..optim.named import build_optimizer
 from ..parallel.base import Strategy
 from ..report import loggers
 from ..report.timings import Timings
-from . import memory
+from . import memory, precision
 from .backward import build_backward
 from .step import (
     Stepper,
@@ -60,6 +62,7 @@ class Run:
     step: int = 0
     summary: dict = field(default_factory=dict)
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
+    metrics: tuple = ()  # eval.metrics: (name, function) pairs (train/model/metrics.py)
     backward: Any = None  # issue 34: per-layer policies and norms (train/loop/backward.py)
 
     @property
@@ -94,6 +97,7 @@ def build(
         data = load_dataset(cfg.data, context=text_context(cfg))
     elif isinstance(data, Future):
         data = data.result()
+    data = overfit.eval_on_batches(cfg, data)  # train.overfit_batches: evaluate on them
     timings.lap("data")
     model, cfg = make_model(cfg, data)
     if cfg.loss.grad != gradmode.AUTO and cfg.loss.grad not in contract.grad_modes(model):
@@ -120,6 +124,8 @@ def build(
     loggers.check_installed(cfg.log.loggers, cfg.log.tensorboard)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps, optimizer)
     optimizer = contract.model_optimizer(model, optimizer)  # LoRA: the adapters only
+    optimizer = precision.with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
+    precision.check_model_dtype(model, cfg.train.precision)  # e.g. the GPT's own model.dtype
     # Before anything is allocated: refuse what cannot fit, naming the key.
     try:
         _check_init(cfg, model)
@@ -143,6 +149,7 @@ def build(
     run_dir = Path(cfg.log.dir) / cfg.name
     run = Run(cfg, data, model, optimizer, strategy, run_dir)
     run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
+    run.metrics = user_metrics.prepare(cfg.eval.metrics, model, data)  # checked on its outputs
     run.backward = build_backward(cfg, model, data, strategy, run.grad)
     return run
 
@@ -261,8 +268,9 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
     ``s_def``: the structure of a stateful model's state (None: stateless)."""
     cfg = r.cfg
     try:
+        model = precision.apply(r.model, cfg.train.precision)  # train.precision's casts
         grads_fn = batch_grads_fn(
-            r.model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy, r.backward
+            model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy, r.backward
         )
     except contract.ModelError as e:
         raise ConfigError(f"model.name={cfg.model.name}: {e}") from None
@@ -333,6 +341,7 @@ class Prepared:
     Y_test: Any
     eval_device: jax.Device
     state0: nl.ParamsDict | None = None  # a stateful model's initial state (host copy)
+    step_cost: dict | None = None  # the compiled step's cost analysis (train/report/perf.py)
 
     @property
     def p_def(self):
@@ -390,7 +399,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         first_batch = stepper.put_batch(*host_batch(r.data, first_indices), 0)
         X_test = Y_test = None
         chunk = eval_chunk(r.data)
-        evaluate = build_chunk_eval(r.model)
+        evaluate = build_chunk_eval(precision.apply(r.model, cfg.train.precision), r.metrics)
         eval_args = [
             jax.ShapeDtypeStruct((chunk, *a.shape[1:]), batch_dtype(a), sharding=on_eval_dev)
             for a in (r.data.x_test, r.data.y_test)
@@ -404,19 +413,20 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
         if r.data.window is not None:
             chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
-        evaluate = build_split_eval(r.model, chunk)
+        evaluate = build_split_eval(precision.apply(r.model, cfg.train.precision), chunk, r.metrics)
         eval_args = [X_test, Y_test]
     eval_params, eval_state = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)
     )
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="nnlite-compile") as pool:
-        jobs = []
+        jobs, step_job = [], None
         p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
         if p_abs is not None:  # pmap compiles on its first call
             o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
             s_abs = stepper.abstract_state(jax.tree.leaves(s_avals))
             batch = first_batch if r.data.streamed else stepper.put_indices(first_indices, 0)
-            jobs.append(compile_async(pool, stepper.compiled, p_abs, (o_abs, s_abs), X, Y, batch))
+            step_job = compile_async(pool, stepper.compiled, p_abs, (o_abs, s_abs), X, Y, batch)
+            jobs.append(step_job)
         init_job = compile_async(pool, init)
         state_args = () if s_avals is None else (eval_state,)
         jobs.append(compile_async(pool, evaluate, eval_params, *eval_args, *state_args))
@@ -433,4 +443,14 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         state0 = None if state_init is None else jax.device_get(state_init())
         for job in jobs:
             job.result()  # the first calls must find them compiled, not compile them again
-    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0)
+    cost = None if step_job is None else step_cost(step_job.result())
+    return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0, cost)
+
+
+def step_cost(compiled) -> dict | None:
+    """The compiled step's XLA cost analysis (per device; None where XLA gives none)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis: no MFU, no failure
+        return None
+    return cost[0] if isinstance(cost, list | tuple) and cost else cost

@@ -160,7 +160,17 @@ def build_callbacks(cfg, given: Sequence[Any] = ()) -> Callbacks:
     for cb in given:
         made.append(cb)
         names.append(type(cb).__qualname__)
-    return Callbacks(made, names)
+    es = cfg.train.early_stopping
+    if es is not None:  # the config key: the built-in callback, its state under its own key
+        made.append(EarlyStopping(es.monitor, es.mode, es.patience, es.min_delta))
+        names.append(EARLY_STOPPING_KEY)
+    out = Callbacks(made, names)
+    if es is not None:
+        out.keys[-1] = EARLY_STOPPING_KEY  # whatever other callbacks the run has
+    return out
+
+
+EARLY_STOPPING_KEY = "train.early_stopping"
 
 
 class EarlyStopping(Callback):
@@ -206,7 +216,13 @@ class EarlyStopping(Callback):
             )
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "bad": self.bad}
+        return {"best": self.best, "bad": self.bad, "monitor": self.monitor, "mode": self.mode}
 
     def load_state_dict(self, state: dict) -> None:
+        # a run resumed with another monitor or mode counts that one from the resume
+        if (state.get("monitor", self.monitor), state.get("mode", self.mode)) != (
+            self.monitor,
+            self.mode,
+        ):
+            return
         self.best, self.bad = state.get("best"), int(state.get("bad", 0))

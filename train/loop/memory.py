@@ -111,16 +111,18 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     indices = 4 * cfg.train.batch_size * (cfg.train.steps_per_call + 2)
     devices = strategy.local_devices
     limit = device_memory_bytes(devices[0]) if devices else None
+    snap = cfg.checkpoint.async_  # an async checkpoint copies params + optimizer state
+    # (on the devices: train/checkpoint/writer.py)
     if limit is None:  # CPU: every device and the host share this machine's memory
         return Estimate(
-            state=(p + o) + n_local * (2 * p_dev + o_dev),
+            state=(p + o) + n_local * ((2 + snap) * p_dev + (1 + snap) * o_dev),
             data=data_bytes + n_local * train_bytes,
             batch=indices + n_local * per_device_batch,
             limit=host_memory_bytes(),
             where="this machine",
         )
     return Estimate(  # one accelerator's share
-        state=2 * p_dev + o_dev,
+        state=(2 + snap) * p_dev + (1 + snap) * o_dev,
         data=train_bytes,
         batch=per_device_batch,
         limit=limit,

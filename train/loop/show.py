@@ -24,6 +24,15 @@ def show_jaxpr(cfg: Config, what: str) -> str:
     return nl.show_jaxpr(fn, *args, name=what)
 
 
+def model_summary(cfg: Config) -> str:
+    """``nl.summary`` of the config's model on one device's share of a batch (``--summary``)."""
+    r = build(cfg)
+    b = max(1, cfg.train.batch_size // len(r.devices))
+    x, _ = host_batch(r.data, np.arange(b) % r.data.num_indices)
+    head = f"{cfg.model.name} on a batch of {b} ({type(r.model).__name__}, float32)"
+    return f"{head}\n{nl.summary(r.model, jnp.asarray(x))}"
+
+
 def show_grad(cfg: Config) -> str:
     """The config's backward pass as Python: each layer's hand VJP call, in reverse order
     (``nnlite.show_grad``), traced on a batch of up to 4 examples; sizes that follow the

@@ -41,8 +41,10 @@ import optax
 import nnlite as nl
 
 from ..model import contract
+from ..model import metrics as user_metrics
 from ..parallel.base import Strategy
 from ..parallel.finite import all_finite
+from . import precision
 
 
 def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
@@ -108,7 +110,7 @@ def batch_grads_fn(
     keyed = uses_key(model)
     stateful = contract.is_stateful(model)
 
-    def objective(params, state, x, y, key):
+    def objective(params, state, x, y, key, scale=None):
         if tapped:
             params = (strategy.compute_params(params[0]), params[1])
         else:
@@ -118,7 +120,8 @@ def batch_grads_fn(
             loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
         else:
             loss, metrics = loss_fn(params, x, y, **kw)
-        return strategy.global_loss(loss), (metrics, state)
+        # float16's loss scale (None otherwise): the gradients come out multiplied by it
+        return precision.scale_cotangent(strategy.global_loss(loss), scale), (metrics, state)
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
     accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
@@ -128,11 +131,11 @@ def batch_grads_fn(
             f"use loss.grad=autodiff or manual"
         )
 
-    def batch_grads(params, state, x, y, key=None):
+    def batch_grads(params, state, x, y, key=None, scale=None):
         if tapped:
             params = (params, backward.zero_taps() if by_layer else {})
         if accum_steps == 1:
-            (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key)
+            (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key, scale)
         else:
             xs = x.reshape(accum_steps, -1, *x.shape[1:])
             ys = y.reshape(accum_steps, -1, *y.shape[1:])
@@ -147,7 +150,7 @@ def batch_grads_fn(
                     loss, metrics, acc = accumulate(params, *xy, acc, grad=grad)
                 else:
                     k = None if key is None else jax.random.fold_in(key, i)
-                    (loss, (metrics, state)), g = value_and_grad(params, state, *xy, k)
+                    (loss, (metrics, state)), g = value_and_grad(params, state, *xy, k, scale)
                     acc = jax.tree.map(jnp.add, acc, g)
                 return (acc, state), (loss, metrics)
 
@@ -164,16 +167,18 @@ def batch_grads_fn(
         tap_grads = strategy.reduce_squares(tap_grads)
         loss, metrics, grads = strategy.reduce(loss, metrics, grads)
         if by_layer:  # sums of squares of a microbatch's cotangents: k^2 the batch's
-            tap_grads = jax.tree.map(lambda s: s / accum_steps, tap_grads)
-            metrics = {**metrics, **backward.layer_metrics(tap_grads, grads)}
+            unscale = 1.0 if scale is None else 1.0 / scale  # float16: the loss scale's out
+            tap_grads = jax.tree.map(lambda s: s * (unscale**2 / accum_steps), tap_grads)
+            true_grads = grads if scale is None else jax.tree.map(lambda g: g * unscale, grads)
+            metrics = {**metrics, **backward.layer_metrics(tap_grads, true_grads)}
         return loss, metrics, grads, state
 
     if not stateful:
         return batch_grads
 
-    def stateful_batch_grads(params, state, x, y, key=None):
+    def stateful_batch_grads(params, state, x, y, key=None, scale=None):
         with nl.batch_axis(strategy.axis):  # trace time: BatchNorm pmeans over it
-            return batch_grads(params, state, x, y, key)
+            return batch_grads(params, state, x, y, key, scale)
 
     return stateful_batch_grads
 
@@ -305,11 +310,15 @@ def build_stepper(
         state = jax.tree.unflatten(state_def, s_leaves)
         x, y = data if streamed else gather_batch(X, Y, data, window)
         key = step_key(key_seed, step, strategy) if keyed else None
-        loss, metrics, grads, new_state = batch_grads(params, state, x, y, key)
+        scale = precision.loss_scale(opt_state)  # train.precision=float16, else None
+        args = (params, state, x, y, key) if scale is None else (params, state, x, y, key, scale)
+        loss, metrics, grads, new_state = batch_grads(*args)
         check_replicated(new_state)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, **metrics}
+        if scale is not None:
+            metrics["loss_scale"] = precision.loss_scale(new_opt_state)
         if nonfinite != "stop":
             # Non-finite gradients always reach the new params (every optimizer here adds
             # a function of them), so the loss and the new params are all it must read.
@@ -392,11 +401,12 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_split_eval(model, chunk: int) -> Callable:
+def build_split_eval(model, chunk: int, metrics=()) -> Callable:
     """Jitted ``(params, X, Y) -> {loss, metric: mean}`` over a whole split: the means of
     the model's per-example loss and metrics, computed ``chunk`` examples at a time (a
     ``lax.map``), so a large split (thousands of text windows) never materialises all its
-    activations at once. A stateful model's is ``(params, X, Y, state)``, in eval mode."""
+    activations at once. A stateful model's is ``(params, X, Y, state)``, in eval mode.
+    ``metrics``: ``(name, function)`` pairs of ``eval.metrics`` (train/model/metrics.py)."""
 
     @jax.jit
     def evaluate(params, X, Y, *state):
@@ -404,8 +414,8 @@ def build_split_eval(model, chunk: int) -> Callable:
         full = n - n % chunk
 
         def per_example(xy):
-            loss, metrics = contract.per_example_loss(model, params, *xy, *state)
-            return {"loss": loss, **metrics}
+            loss, values = user_metrics.per_example(model, params, *xy, *state, metrics=metrics)
+            return {"loss": loss, **values}
 
         parts = []
         if full:
@@ -420,7 +430,7 @@ def build_split_eval(model, chunk: int) -> Callable:
     return evaluate
 
 
-def build_chunk_eval(model) -> Callable:
+def build_chunk_eval(model, metrics=()) -> Callable:
     """Jitted ``(params, x, y, n) -> ({loss, metric: sum}, count)`` over the first ``n``
     rows of one chunk of a split (the rest is padding, so every chunk has one shape): a
     streamed split is evaluated a chunk at a time, its means summed up on the host. A
@@ -428,8 +438,8 @@ def build_chunk_eval(model) -> Callable:
 
     @jax.jit
     def sums(params, x, y, n, *state):
-        loss, metrics = contract.per_example_loss(model, params, x, y, *state)
-        values = {"loss": loss, **metrics}
+        loss, values = user_metrics.per_example(model, params, x, y, *state, metrics=metrics)
+        values = {"loss": loss, **values}
         keep = jnp.arange(x.shape[0]) < n
 
         def masked_sum(v):

@@ -19,24 +19,30 @@ import numpy as np
 from .. import faults
 from ..checkpoint import rundir
 from ..checkpoint import store as ckpt
+from ..checkpoint.best import META_KEY as BEST_KEY
+from ..checkpoint.best import BestCheckpoints
 from ..checkpoint.resume import agree_on_start, metadata
+from ..checkpoint.writer import Writer
 from ..config import Config, to_dict
-from ..data import feed
-from ..data.dataset import Dataset, Sampler, make_sampler
+from ..data import feed, overfit
+from ..data.dataset import Dataset, Sampler
 from ..data.feed import BatchFeed, call_schedule
 from ..data.text.units import name_metrics
 from ..optim.named import schedule
 from ..parallel import distributed as dist
 from ..parallel.finite import finite_on_devices
 from ..report import console as report
+from ..report import perf
 from ..report.loggers import MetricsLog
 from ..report.plot import CurvePlotter, plot_curves
+from ..report.profile import Profiler
 from ..report.timings import Timings
 from . import nonfinite
 from .build import Prepared, Run, build, make_stepper, prepare
-from .callbacks import Callbacks, LoopState, build_callbacks
+from .callbacks import Callback, Callbacks, LoopState, build_callbacks
 from .checkgrads import check_grads
-from .step import policy_loss_fn, step_flags
+from .monitors import check_monitors
+from .step import mean_loss_fn, policy_loss_fn, step_flags
 
 
 def boundaries(cfg: Config) -> list[int]:
@@ -100,6 +106,7 @@ def train(
                 at = loop.boundary()
                 if at is None:
                     continue
+                loop.written(wait=loop.on_checkpoint_waits)  # a finished async write
                 loop.check_nonfinite()
                 record = loop.log_train() if at.log else {}
                 loop.call("on_step_end", loop.view, loop.step, record)
@@ -107,12 +114,15 @@ def train(
                     loop.evaluate()
                     loop.call("on_eval_end", loop.view, loop.step, loop.last_eval)
                 stop = loop.agree_on_stop()  # a callback's stop, agreed by every process
-                if at.checkpoint or at.stop or stop:
+                wanted = loop.checkpoint_wanted(at.eval)  # best k, checkpoint.every_minutes
+                if at.checkpoint or at.stop or stop or wanted:
                     loop.checkpoint()
                 if at.stop:
+                    loop.written(wait=True)
                     raise faults.Preempted(loop.step, loop.good_ckpt, loop.watch.signal_name)
                 if stop:
                     break
+            loop.written(wait=True)  # the last checkpoint complete before on_fit_end
     finally:
         loop.close()
     return loop.finish()
@@ -165,6 +175,14 @@ class _Loop:
     callbacks: Callbacks | None = None  # run on process 0 (train/loop/callbacks.py)
     view: LoopState | None = None  # what the callbacks read, and their stop request
     stopped_before: bool = False  # the checkpoint resumed from ended an early-stopped run
+    best: BestCheckpoints | None = None  # checkpoint.keep_best: the ranking (process 0)
+    writer: Writer | None = None  # writes checkpoints inline, or on a thread (async)
+    on_checkpoint_waits: bool = False  # a callback has on_checkpoint: async writes are
+    # collected at the next boundary, waiting there, so its events keep one order
+    t_ckpt: float = 0.0  # when the last checkpoint was taken (checkpoint.every_minutes)
+    flops: float | None = None  # model FLOPs per step (None: not known, e.g. pmap)
+    peak: float | None = None  # the devices' peak FLOP/s in the compute dtype
+    profiler: Profiler | None = None  # --profile START:STOP
 
     @classmethod
     def begin(
@@ -179,10 +197,11 @@ class _Loop:
     ) -> _Loop:
         """Compile, agree on the starting state, then (process 0) set up the run directory."""
         cfg = r.cfg
-        sampler = make_sampler(cfg.seed, r.data, cfg.train.batch_size)
+        sampler = overfit.run_sampler(cfg, r.data)  # train.overfit_batches: N, repeated
         first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, boundaries(cfg))))
         prep = prepare(r, cfg.train.nonfinite, first)
         timings.lap("compile")
+        check_monitors(r, prep, callbacks or Callbacks([], []))  # before anything is written
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
         begin = agree_on_start(
             cfg,
@@ -254,6 +273,19 @@ class _Loop:
             # the uninterrupted run called on_checkpoint after saving this state: again
             loop.call("on_checkpoint", loop.view, start, begin.checkpoint)
         loop.view.stop_reason = begin.meta.get("stopped")
+        ck = cfg.checkpoint
+        loop.best = BestCheckpoints(ck.keep_best, ck.monitor, ck.mode)
+        if begin.checkpoint is not None and loop.best and dist.is_main():
+            loop.best.load(begin.meta.get(BEST_KEY), f"checkpoint {begin.checkpoint}")
+        loop.writer = Writer(ck.async_)
+        loop.on_checkpoint_waits = any(
+            callable(getattr(cb, "on_checkpoint", None))
+            and getattr(type(cb), "on_checkpoint", None) is not Callback.on_checkpoint
+            for cb in loop.callbacks.items
+        )
+        loop.t_ckpt = time.monotonic()
+        loop.flops, loop.peak = _flops_and_peak(r, prep)  # MFU (train/report/perf.py)
+        loop.profiler = Profiler.from_config(cfg, r.run_dir, echo)  # --profile START:STOP
         loop.t_start = loop.t_window = time.perf_counter()
         timings.lap("other")
         return loop
@@ -270,6 +302,7 @@ class _Loop:
             batch = stepper.put_indices(
                 dist.process_share(self.sampler.batches(self.step, k)), self.step
             )
+        self.profiler.before_call(self.step, k)
         if faults.stuck_here(self.step, k, jax.process_index()):  # test hook
             stuck = faults.StuckCall()
             self.watchdog.watch(self.step, stuck)
@@ -290,6 +323,7 @@ class _Loop:
             while len(self.in_flight) > limit:
                 jax.block_until_ready(self.in_flight.pop(0))
         self.step += k
+        self.profiler.after_call(self.step, self.metrics)
         self.calls += 1
         self.bar.update(k)
         self.pending.append(self.metrics)  # non-finite flags: read at the next boundary
@@ -343,6 +377,7 @@ class _Loop:
         rates = {"examples_per_s": round(rate, 1)}
         if window is not None:
             rates["tokens_per_s"] = round(rate * window, 1)
+        rates.update(perf.utilisation(self.flops, 1, tc.batch_size / max(rate, 1e-9), self.peak))
         self._write(
             {
                 "step": self.step,
@@ -392,50 +427,90 @@ class _Loop:
         self.timings.lap("eval")
 
     def checkpoint(self) -> None:
-        """Save the state (process 0 writes), after checking it is finite."""
+        """Save the state (process 0 writes), after checking it is finite: now, or with
+        ``checkpoint.async`` on the writer thread from a snapshot (train/checkpoint/writer.py)."""
         jax.block_until_ready(self.p_leaves)
         self.timings.lap("train")
+        self.written(wait=True)  # at most one write in flight
+        cfg, step, background = self.r.cfg, self.step, self.writer.background
         if self.r.strategy.sharded_state:
             return self.checkpoint_sharded()
-        state = self.host_state()
-        # The loss-only flag cannot see a last step that broke the params.
-        if self.r.cfg.train.nonfinite == "stop" and not nonfinite.all_finite(state[0]):
-            self._stop_nonfinite(self.step)
-        self.good_step = self.step
+        if background:  # copies on the devices: the next steps donate these buffers
+            watch = lambda flags: self.watchdog.watch(step, flags)  # noqa: E731
+            if cfg.train.nonfinite == "stop" and not finite_on_devices(self.p_leaves, watch).all():
+                self._stop_nonfinite(step)
+            get = self.prep.stepper.get_state
+            snap = [_device_copy(get(v)) for v in (self.p_leaves, self.o_leaves, self.s_leaves)]
+        else:
+            state = self.host_state()
+            # The loss-only flag cannot see a last step that broke the params.
+            if cfg.train.nonfinite == "stop" and not nonfinite.all_finite(state[0]):
+                self._stop_nonfinite(step)
+        write = None
         if dist.is_main():
-            cfg = self.r.cfg
-            self.good_ckpt = ckpt.save(
-                self.r.run_dir / "checkpoints",
-                self.step,
-                *state,
-                self._metadata(),
-                cfg.checkpoint.keep,
-                state=self.model_state(),
-            )
+            meta, protect = self._metadata(), frozenset(self.best.steps())
+            prep = self.prep
+
+            def write():
+                p, o, s = _host_trees(prep, *snap) if background else (*state, self.model_state())
+                return ckpt.save(
+                    self.r.run_dir / "checkpoints", step, p, o, meta, cfg.checkpoint.keep,
+                    state=s, protect=protect,
+                )  # fmt: skip
+
+        self.writer.submit(step, write)
+        self.t_ckpt = time.monotonic()
         self.timings.lap("checkpoint")
-        self.call("on_checkpoint", self.view, self.step, self.good_ckpt)
+        self.written(wait=False)  # a synchronous write: on_checkpoint now
 
     def checkpoint_sharded(self) -> None:
         """Save a sharded state: every process writes the shards its devices hold (never
         gathered: no ``get_state``), process 0 the metadata last (``ckpt.save_sharded``)."""
-        prep, cfg = self.prep, self.r.cfg
-        params = jax.tree.unflatten(prep.p_def, self.p_leaves)
-        watch = lambda flags: self.watchdog.watch(self.step, flags)  # noqa: E731
+        prep, cfg, step = self.prep, self.r.cfg, self.step
+        watch = lambda flags: self.watchdog.watch(step, flags)  # noqa: E731
         if cfg.train.nonfinite == "stop" and not finite_on_devices(self.p_leaves, watch).all():
-            self._stop_nonfinite(self.step)
-        self.good_step = self.step
-        self.good_ckpt = ckpt.save_sharded(
-            self.r.run_dir / "checkpoints",
-            self.step,
-            params,
-            jax.tree.unflatten(prep.o_def, self.o_leaves),
-            self._metadata(),
-            cfg.checkpoint.keep,
-            barrier=dist.barrier,
-            state=None if prep.state0 is None else jax.tree.unflatten(prep.s_def, self.s_leaves),
+            self._stop_nonfinite(step)
+        leaves = self.p_leaves, self.o_leaves, self.s_leaves
+        if self.writer.background:  # copies on the devices, sharded as the state is
+            leaves = [_device_copy(v) for v in leaves]
+        p, o, s = (
+            jax.tree.unflatten(d, v) for d, v in zip((prep.p_def, prep.o_def, prep.s_def), leaves)
         )
+        meta, protect = self._metadata(), frozenset(self.best.steps())
+
+        def write():
+            return ckpt.save_sharded(
+                self.r.run_dir / "checkpoints", step, p, o, meta, cfg.checkpoint.keep,
+                barrier=dist.barrier, state=None if prep.state0 is None else s, protect=protect,
+            )  # fmt: skip
+
+        self.writer.submit(step, write)
+        self.t_ckpt = time.monotonic()
         self.timings.lap("checkpoint")
-        self.call("on_checkpoint", self.view, self.step, self.good_ckpt)
+        self.written(wait=False)
+
+    def written(self, wait: bool) -> None:
+        """Account for the checkpoint writes that finished (``wait``: wait for the one in
+        flight): the last good state, and the callbacks' ``on_checkpoint``."""
+        for step, path in self.writer.collect(wait):
+            self.good_step = step
+            if path is not None:
+                self.good_ckpt = path
+            self.call("on_checkpoint", self.view, step, self.good_ckpt)
+
+    def checkpoint_wanted(self, evaluated: bool) -> bool:
+        """Whether to checkpoint at this boundary besides ``checkpoint.every``: this
+        evaluation entered the best k, or ``checkpoint.every_minutes`` have passed since the
+        last checkpoint (process 0 decides; every process agrees)."""
+        ck = self.r.cfg.checkpoint
+        if not (ck.keep_best or ck.every_minutes):
+            return False
+        best = evaluated and dist.is_main() and self.best.consider(self.step, self.last_eval)
+        timed = bool(ck.every_minutes) and time.monotonic() - self.t_ckpt >= 60 * ck.every_minutes
+        wanted = best or timed
+        if dist.is_multiprocess():
+            wanted = bool(dist.broadcast(np.array([wanted], np.int32))[0])
+        return wanted
 
     def already_finished(self) -> Run:
         """A rerun of a finished run: say so, with its final metrics; train nothing."""
@@ -456,6 +531,10 @@ class _Loop:
         return r
 
     def close(self) -> None:
+        if self.writer is not None:  # a run ending with an error: the write in flight
+            self.writer.drain()
+        if self.profiler is not None:
+            self.profiler.close(self.step)
         if self.feed is not None:
             self.feed.close()
         self.bar.close()
@@ -480,6 +559,9 @@ class _Loop:
             "examples_per_s": rate,
             **({"tokens_per_s": rate * window} if window is not None else {}),
         }
+        trained = self.timings.phases.get("train", 0.0) or wall  # compile, eval, ckpt aside
+        use = perf.utilisation(self.flops, self.step - self.start_step, trained, self.peak)
+        r.summary.update(use)
         if r.cfg.log.plot and dist.is_main():
             labels = report.plot_labels(r)
             if self.plotter is not None:  # the caller waits for it
@@ -491,7 +573,7 @@ class _Loop:
             r.summary["stopped"] = self.view.stop_reason
             self.echo(f"stopped early at step {self.step}: {self.view.stop_reason}")
         self.call("on_fit_end", self.view, r.summary)
-        self.echo(report.done(r, self.last_eval, self.skipped, wall, rate))
+        self.echo(report.done(r, self.last_eval, self.skipped, wall, rate) + perf.describe(use))
         return r
 
     # -- helpers -----------------------------------------------------------------------
@@ -502,6 +584,8 @@ class _Loop:
         meta["log_window"] = json.dumps(self.means.state())  # the train metrics' partial sums
         if self.callbacks:
             meta["callbacks"] = self.callbacks.state()
+        if self.best:  # the best k so far (this step included if it entered)
+            meta[BEST_KEY] = self.best.state()
         if self.view.stop_reason is not None:  # a rerun says so instead of training again
             meta["stopped"] = self.view.stop_reason
         return meta
@@ -527,6 +611,9 @@ class _Loop:
         return jax.tree.unflatten(prep.s_def, leaves)
 
     def _stop_nonfinite(self, flagged: int):
+        self.writer.drain()  # the replay starts from a complete checkpoint
+        for step, path in self.writer.collect(False):
+            self.good_step, self.good_ckpt = step, path or self.good_ckpt
         r, prep = self.r, self.prep
         checker = make_stepper(r, prep.p_def, prep.o_def, "check", prep.s_def)
         loss_fn = policy_loss_fn(r.model, r.grad_mode, r.backward)  # names the bad leaf
@@ -550,8 +637,31 @@ class _Loop:
             self.log.write(record)
 
 
+def _flops_and_peak(r: Run, prep: Prepared) -> tuple[float | None, float | None]:
+    """Model FLOPs per step from the compiled step, and the devices' peak FLOP/s."""
+    devices = r.strategy.devices
+    flops = perf.step_flops(prep.step_cost, len(devices), r.cfg.train.grad_accum_steps)
+    if flops is None:
+        return None, None
+    return flops, perf.peak_flops(devices, r.cfg.train.precision)[0]
+
+
 def _quiet(*_args, **_kwargs) -> None:
     pass
+
+
+@jax.jit
+def _device_copy(leaves: list) -> list:
+    """A copy of placed arrays on their devices, as they are sharded: what an async write
+    reads while the next steps donate and overwrite the originals."""
+    return [jax.numpy.copy(v) for v in leaves]
+
+
+def _host_trees(prep: Prepared, p: list, o: list, s: list) -> tuple:
+    """``(params, opt_state, state or None)`` of snapshot leaves, as host numpy trees."""
+    host = lambda leaves: [np.asarray(v) for v in leaves]  # noqa: E731
+    state = None if prep.state0 is None else jax.tree.unflatten(prep.s_def, host(s))
+    return jax.tree.unflatten(prep.p_def, host(p)), jax.tree.unflatten(prep.o_def, host(o)), state
 
 
 # Benchmark hook, never set in normal runs: no bound on the calls in flight (the stall the

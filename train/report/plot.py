@@ -122,9 +122,15 @@ class CurvePlotter:
     def __init__(self, accuracy: bool = True, timeout: float = DRAW_TIMEOUT_S):
         self.timeout = timeout
         self._request: tuple[Path, Path, str, str] | None = None
-        root = str(Path(__file__).resolve().parents[1])  # the directory holding train/
-        code = f"import sys; sys.path.insert(0, {root!r}); from train.report.plot import _child; "
-        code += f"sys.exit(_child({bool(accuracy)}))"
+        # The helper imports this module by the name it has here: installed
+        # (``nnlite.train.report.plot``) the interpreter finds it; run from a checkout
+        # (``train.report.plot``), from the directory holding ``train/``, whatever the cwd.
+        code = "import sys; "
+        if not __name__.startswith("nnlite."):
+            root = str(Path(__file__).resolve().parents[2])
+            code += f"sys.path.insert(0, {root!r}); "
+        code += f"from {__name__} import _child; sys.exit(_child({bool(accuracy)}))"
+        self.by_helper = False  # whether the PNG came from the helper (else in-process)
         try:
             self._proc: subprocess.Popen | None = subprocess.Popen(
                 [sys.executable, "-c", code],
@@ -164,6 +170,7 @@ class CurvePlotter:
         if self._proc is not None:
             try:
                 ok = self._proc.wait(self.timeout) == 0 and out.is_file()
+                self.by_helper = ok
             except subprocess.TimeoutExpired:
                 pass
             self._stop()
@@ -193,3 +200,43 @@ class CurvePlotter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def plot_lr_find(
+    points: list[dict], out: Path, title: str = "", marks: dict[str, float] | None = None
+) -> None:
+    """An LR range test (``python -m train.lr_find``) as a PNG: the loss and its smoothed
+    curve against the learning rate (log scale), a dashed line at each of ``marks``
+    (label -> learning rate). ``points``: ``{"lr", "loss", "smoothed_loss"}`` records."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lrs = [p["lr"] for p in points]
+    raw = [p["loss"] if math.isfinite(p["loss"]) else float("nan") for p in points]
+    smooth = [p["smoothed_loss"] for p in points]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(lrs, raw, alpha=0.3, label="loss")
+    ax.plot(lrs, smooth, label="smoothed loss")
+    for (label, lr), color in zip((marks or {}).items(), ("C2", "C3", "C4")):
+        ax.axvline(lr, color=color, linestyle="--", label=f"{label}: {lr:.2g}")
+    finite = [v for v in smooth if math.isfinite(v)]
+    if finite:  # the divergence at the end would flatten the interesting part
+        low = min(finite + [v for v in raw if math.isfinite(v)])
+        top = max(finite[: max(1, len(finite) // 10)])
+        ax.set_ylim(low - 0.05 * (top - low + 1e-12), top + 0.25 * (top - low + 1e-12))
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)

@@ -1,0 +1,179 @@
+"""bfloat16 / float16 against float32 on the shipped GPT: step time, MFU, what XLA compiles.
+
+For each compute precision (``train.precision``'s policy on the float32 GPT, and the GPT's
+own ``model.dtype: bfloat16``) the jitted train step (loss, gradients by ``--grad``,
+AdamW) is timed interleaved with float32, and its optimised HLO is read: how many dots
+there are and in which dtype XLA runs them, and how many ``convert`` ops it added. The
+model FLOPs come from the compiled step's cost analysis, the peak from a measured GEMM
+(``train/report/perf.py``): MFU per row. A matrix product alone in float32 and bfloat16
+shows what the CPU does with bfloat16 without the model around it. Then the shipped recipe
+trains ``--train-steps`` steps in float32 and under ``train.precision: bfloat16`` through the
+trainer and the val losses are compared (the issue's bound: 0.02 nats).
+
+Run for real (a few minutes on 2 cores):
+    python -m benchmarks.precision
+Check that it works (seconds):
+    python -m benchmarks.precision --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from .deep import SHIPPED, TINY, _table, _times, _train_val_loss, gpt
+
+VARIANTS = {  # label: (train.precision, GPT model.dtype)
+    "float32": ("float32", "float32"),
+    "bfloat16 (train.precision)": ("bfloat16", "float32"),
+    "float16 (train.precision)": ("float16", "float32"),
+    "bfloat16 (model.dtype)": ("float32", "bfloat16"),
+}
+
+
+class Step:
+    """The GPT train step under a precision policy, params and optimizer state donated."""
+
+    def __init__(self, size, grad: str, precision: str, dtype: str):
+        import jax
+        import numpy as np
+        import optax
+
+        import nnlite as nl
+        from train.loop import precision as policy
+        from train.model.contract import objective_fn
+
+        self.model = gpt(size, dtype=dtype)
+        objective = objective_fn(policy.apply(self.model, precision))
+        loss = lambda p, x, y: objective(p, x, y)[0]  # noqa: E731
+        if grad == "manual":
+            loss = nl.manual_grads(loss)
+        self.tx = tx = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
+
+        def step(params, opt, x, y):
+            value, g = jax.value_and_grad(loss)(params, x, y)
+            updates, opt = tx.update(g, opt, params)
+            return optax.apply_updates(params, updates), opt, value
+
+        self.jitted = jax.jit(step, donate_argnums=(0, 1))
+        tokens = np.random.default_rng(0).integers(0, size.vocab, (size.batch, size.context + 1))
+        self.x = jax.numpy.asarray(tokens[:, :-1].astype("int32"))
+        self.y = jax.numpy.asarray(tokens[:, 1:].astype("int32"))
+        # one compiled init (eagerly each initializer op would compile on its own)
+        self.params, self.opt = jax.jit(lambda k: (lambda p: (p, tx.init(p)))(self.model.init(k)))(
+            jax.random.key(0)
+        )
+
+    def compiled(self):
+        return self.jitted.lower(self.params, self.opt, self.x, self.y).compile()
+
+    def __call__(self):
+        self.params, self.opt, loss = self.jitted(self.params, self.opt, self.x, self.y)
+        return float(loss)
+
+
+def hlo_profile(text: str) -> dict:
+    """Counts in optimised HLO text: dots by result dtype, and the ``convert`` ops."""
+    dots: dict[str, int] = {}
+    for m in re.finditer(r"= (\w+)\[[^\]]*\]\S* dot\(", text):
+        dots[m.group(1)] = dots.get(m.group(1), 0) + 1
+    onednn = len(re.findall(r'custom_call_target="__onednn\$matmul', text))
+    return {"dots": dots, "converts": len(re.findall(r" convert\(", text)), "onednn": onednn}
+
+
+def gemm_rates(n: int) -> dict:
+    """FLOP/s of an ``n x n`` matrix product in float32 and bfloat16 (best of 5)."""
+    from train.report.perf import measure_cpu_peak
+
+    return {dt: measure_cpu_peak(dt, n) for dt in ("float32", "bfloat16")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="toy sizes: a smoke run in seconds")
+    ap.add_argument("--grad", default="manual", choices=("manual", "autodiff"))
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument(
+        "--train-steps",
+        type=int,
+        default=500,
+        help="steps of the recipe per run (0: no training runs)",
+    )
+    ap.add_argument("--hlo-dir", default=None, help="also write each step's optimised HLO here")
+    args = ap.parse_args(argv)
+    from train.report import perf
+
+    size = TINY if args.tiny else SHIPPED
+    rounds = 3 if args.tiny else args.rounds
+    variants = list(VARIANTS)[:2] if args.tiny else list(VARIANTS)  # tiny: float32, bf16
+    steps = {k: Step(size, args.grad, *VARIANTS[k]) for k in variants}
+    profile, flops = {}, {}
+    for label, step in steps.items():
+        compiled = step.compiled()
+        text = compiled.as_text()
+        profile[label] = hlo_profile(text)
+        flops[label] = perf.step_flops(compiled.cost_analysis(), 1)
+        if args.hlo_dir:
+            out = Path(args.hlo_dir) / f"{re.sub(r'[^a-z0-9]+', '_', label)}.hlo"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+    t = _times(steps, rounds)
+    peak = perf.cpu_peak("float32")
+    rows = []
+    for label in steps:
+        p = profile[label]
+        dots = ", ".join(f"{n} {dt}" for dt, n in sorted(p["dots"].items()))
+        mfu = flops[label] / t[label] / peak if flops[label] else float("nan")
+        rows.append(
+            [
+                label,
+                f"{t[label] * 1e3:.2f}",
+                f"{t[label] / t['float32']:.2f}",
+                dots,
+                p["converts"],
+                f"{mfu:.1%}",
+            ]
+        )
+    print(
+        f"\nthe GPT train step ({args.grad}; {size.n_layer} x {size.n_embd}, context "
+        f"{size.context}, batch {size.batch}); MFU against the float32 GEMM peak "
+        f"{peak / 1e9:.1f} GFLOP/s"
+    )
+    print(_table(rows, ["precision", "ms/step", "x float32", "dots (HLO)", "converts", "MFU"]))
+    gemm = gemm_rates(256 if args.tiny else 1024)
+    print("\nthe matrix product alone (GFLOP/s)")
+    print(
+        _table(
+            [[dt, f"{r / 1e9:.1f}", f"{gemm['float32'] / r:.2f}"] for dt, r in gemm.items()],
+            ["dtype", "GFLOP/s", "float32 / it"],
+        )
+    )
+    val = {}
+    if args.train_steps < 1:  # --train-steps 0: the step table only
+        from . import _harness as h
+
+        h.write_json("precision", {"step_s": t, "hlo": profile, "flops": flops, "peak": peak})
+        return 0
+    with tempfile.TemporaryDirectory() as d:
+        for prec in ("float32", "bfloat16"):
+            over = [f"train.precision={prec}", f"name=precision_{prec}"]
+            val[prec] = _train_val_loss("float32", args.train_steps, args.tiny, Path(d), over)
+    print(
+        f"\nval loss after {args.train_steps} steps of the shipped recipe: float32 "
+        f"{val['float32']:.4f}, train.precision=bfloat16 {val['bfloat16']:.4f} "
+        f"({val['bfloat16'] - val['float32']:+.4f} nats)"
+    )
+    from . import _harness as h
+
+    h.write_json(
+        "precision",
+        {"step_s": t, "hlo": profile, "flops": flops, "peak": peak, "gemm": gemm, "val": val},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

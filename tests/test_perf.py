@@ -1,0 +1,216 @@
+"""train.precision (bfloat16, float16 with loss scaling) on a user's model under none and
+fsdp, MFU in the summary and the metrics, --profile, nl.summary and --summary."""
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nnlite as nl
+import train
+from train.__main__ import main
+from train.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+USER = """
+import jax
+import nnlite as nl
+
+
+class TwoLayer(nl.Module):
+    in_features: int
+    num_classes: int
+    hidden: int = 32
+    task = "classification"
+
+    def setup(self):
+        self.fc1 = nl.Linear(self.in_features, self.hidden)
+        self.norm = nl.LayerNorm(self.hidden)
+        self.fc2 = nl.Linear(self.hidden, self.num_classes)
+
+    def __call__(self, params, x, *, key=None):
+        h = jax.nn.relu(self.fc1(params.fc1, x))
+        return self.fc2(params.fc2, self.norm(params.norm, h))
+"""
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    root = tmp_path_factory.mktemp("perf")
+    (root / "perf_user.py").write_text(textwrap.dedent(USER))
+    (root / "user.yaml").write_text(
+        "model: {name: 'perf_user:TwoLayer'}\ndata: {name: digits}\n"
+        "train: {batch_size: 64, steps: 8}\nlog: {progress: false, plot: false}\n"
+    )
+    sys.path.insert(0, str(root))
+    yield root
+    sys.path.remove(str(root))
+
+
+def fit(root, name, steps=30, **sections):
+    cfg = {
+        "name": name,
+        "model": {"name": "perf_user:TwoLayer"},
+        "data": {"name": "digits"},
+        "train": {"batch_size": 64, "steps": steps, "eval_every": steps, "log_every": 20},
+        "log": {"dir": str(root / "runs"), "progress": False, "plot": False},
+    }
+    for section, values in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return train.fit(None, cfg, echo=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def f32_run(user):
+    return fit(user, "f32", loss={"grad": "manual"})
+
+
+def test_bfloat16_trains_like_float32_manual_and_fsdp(user, f32_run):
+    bf16 = fit(user, "bf16", loss={"grad": "manual"}, train={"precision": "bfloat16"})
+    sharded = fit(
+        user,
+        "bf16_fsdp",
+        train={"precision": "bfloat16"},
+        loss={"grad": "autodiff"},
+        parallel={"strategy": "fsdp", "fsdp_min_bytes": 0},
+    )
+    ref = f32_run.summary["test_loss"]
+    for run in (bf16, sharded):
+        assert abs(run.summary["test_loss"] - ref) < 0.05, (run.summary, ref)
+        assert run.summary["test_loss"] != ref  # it really ran in another precision
+        leaves = jax.tree.leaves(run.params)
+        assert {np.asarray(a).dtype for a in leaves} == {np.dtype(np.float32)}  # params f32
+
+
+def test_the_policy_computes_in_the_dtype_and_the_loss_in_float32(user):
+    from perf_user import TwoLayer
+
+    from train.loop import precision
+    from train.model.contract import objective_fn
+
+    model = TwoLayer(64, 10)
+    params = model.init(jax.random.key(0))
+    x, y = jnp.ones((4, 64)), jnp.zeros((4,), jnp.int32)
+    objective = objective_fn(precision.apply(model, "bfloat16"))
+    jaxpr = jax.make_jaxpr(lambda p: objective(p, x, y)[0])(params)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    assert jaxpr.out_avals[0].dtype == jnp.float32
+    grads = jax.eval_shape(jax.grad(lambda p: objective(p, x, y)[0]), params)
+    assert {a.dtype for a in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+def test_float16_skips_overflowing_steps_and_resumes_bit_identically(user):
+    # 2**24 overflows float16's cotangents: the first steps are skipped, halving the scale
+    kw = {
+        "train": {"precision": "float16", "loss_scale": 2.0**24},
+        "parallel": {"strategy": "fsdp", "fsdp_min_bytes": 0},
+        "checkpoint": {"every": 6},
+    }
+    whole = fit(user, "f16", steps=12, **kw)
+    from perf_user import TwoLayer
+
+    init = TwoLayer(64, 10).init(jax.random.key(0))  # the run's seed 0
+    scale = float(whole.opt_state.scale)
+    assert 2.0**12 <= scale < 2.0**24  # halved on each overflow, then kept
+    assert int(whole.opt_state.good_steps) > 0
+    assert np.isfinite(whole.summary["test_loss"])
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(init), strict=True)
+    ]
+    assert any(changed)
+    fit(user, "f16_resumed", steps=6, **kw)
+    resumed = fit(user, "f16_resumed", steps=12, **kw)  # resumes from step 6
+    for a, b in zip(
+        jax.tree.leaves((whole.params, whole.opt_state)),
+        jax.tree.leaves((resumed.params, resumed.opt_state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = (user / "runs" / "f16" / "metrics.jsonl").read_text()
+    record = [json.loads(s) for s in text.splitlines()]
+    assert any("loss_scale" in r for r in record if r["split"] == "train")
+
+
+def test_bad_precision_is_one_line(user):
+    with pytest.raises(ConfigError, match="train.precision.*float32.*bfloat16.*float16"):
+        fit(user, "bad", train={"precision": "half"})
+    with pytest.raises(ConfigError, match="train.loss_scale"):
+        fit(user, "bad", train={"precision": "float16", "loss_scale": 0.5})
+
+
+def test_mfu_in_the_summary_and_the_metrics(user, f32_run):
+    s = f32_run.summary
+    table = nl.summary(f32_run.model, jnp.zeros((64, 64)))
+    model_flops = table.totals["flops_forward"] + table.totals["flops_backward"]
+    # the compiled step's count: forward + backward + the optimizer, on the same batch
+    assert model_flops <= s["flops_per_step"] < 2 * model_flops
+    assert s["flops_per_s"] > 0 and 0 < s["mfu"] < 2
+    text = (user / "runs" / "f32" / "metrics.jsonl").read_text()
+    records = [json.loads(r) for r in text.splitlines()]
+    train_records = [r for r in records if r["split"] == "train"]
+    assert all(r["flops_per_step"] == s["flops_per_step"] and "mfu" in r for r in train_records)
+
+
+def test_summary_of_a_users_model(user):
+    from perf_user import TwoLayer
+
+    table = nl.summary(TwoLayer(64, 10), jnp.zeros((16, 64)))
+    rows = {r["path"]: r for r in table.rows}
+    assert list(rows) == ["fc1", "norm", "fc2"]
+    assert rows["fc1"]["output_shape"] == (16, 32) and rows["fc1"]["params"] == 64 * 32 + 32
+    assert rows["fc1"]["param_bytes"] == 4 * rows["fc1"]["params"]
+    # a matmul is 2*b*in*out FLOPs forward (XLA adds the bias), about twice that backward
+    # (the input's cotangent and the weight's), less the first layer's unneeded input one
+    assert 2 * 16 * 64 * 32 <= rows["fc1"]["flops_forward"] <= 2 * 16 * 64 * 32 + 16 * 32
+    assert rows["fc2"]["flops_backward"] >= 2 * 16 * 32 * 10 * 2 * 0.9
+    assert rows["fc2"]["activation_bytes"] == 16 * 32 * 4  # its input, kept for dW
+    assert table.totals["params"] == sum(r["params"] for r in table.rows)
+    text = str(table)
+    assert "fc1" in text and "TwoLayer" in text.splitlines()[-1]
+
+
+def test_summary_of_the_gpt_names_each_block():
+    from models.gpt import GPT
+
+    model = GPT(vocab_size=17, context=8, n_layer=2, n_embd=16, n_head=2)
+    table = nl.summary(model, jax.ShapeDtypeStruct((2, 8), jnp.int32), flops=False)
+    paths = [r["path"] for r in table.rows]
+    assert "blocks[0].attn.qkv" in paths and "blocks[1].mlp.fc" in paths
+    assert table.totals["output_shape"] == (2, 8, 17)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    assert table.totals["params"] == sum(a.size for a in jax.tree.leaves(params))
+    assert table.totals["flops_forward"] is None and table.totals["activation_bytes"] > 0
+
+
+def test_summary_of_a_stateful_model_runs_it_in_eval_mode():
+    from models.resnet import ResNet
+
+    model = ResNet(in_shape=(8, 8), num_classes=10, channels=(4,))
+    table = nl.summary(model, jnp.zeros((2, 8, 8)), flops=False)
+    bn = [r for r in table.rows if r["type"] == "BatchNorm"]
+    assert bn and all(r["output_shape"][-1] == 4 and r["params"] == 8 for r in bn)
+    assert table.totals["output_shape"] == (2, 10)
+
+
+def test_cli_summary_and_profile(user, tmp_path, capsys):
+    cfg = str(user / "user.yaml")
+    assert main(["--config", cfg, "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "fc1" in out and "total" in out and "TwoLayer" in out
+    assert main(["--config", cfg, "--profile", "5:2"]) == 2
+    assert "--profile '5:2': expected 0 <= START < STOP" in capsys.readouterr().err
+    assert main(["--config", cfg, "--profile", "2:9"]) == 2
+    assert "ends after train.steps=8" in capsys.readouterr().err
+    log = ["--set", f"log.dir={tmp_path}"]
+    assert main(["--config", cfg, *log, "--profile", "2:4"]) == 0
+    out = capsys.readouterr().out
+    assert "profile: steps 3-4 traced to" in out and "MFU" in out.splitlines()[-1]
+    assert list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))

@@ -1,0 +1,160 @@
+"""Model FLOPs, achieved FLOP/s and MFU (model FLOPs utilisation) of a run.
+
+FLOPs per step come from the compiled step's ``cost_analysis()`` (what XLA will execute,
+per device; summed over the strategy's devices). XLA counts a loop's body once, so a call
+of ``train.steps_per_call`` steps (a ``lax.scan``) reports one step's FLOPs, and the
+microbatch loop of ``train.grad_accum_steps`` is multiplied back here; a model that loops
+inside (``scan_layers``) is counted one iteration per loop (its MFU reads low).
+
+The peak: on a GPU the data sheet's dense figure for the compute dtype (:data:`GPU_PEAKS`);
+on a CPU a measured rate: the best of a few 1024x1024 matrix products in that dtype on one
+device, which uses every core (the host devices of ``--xla_force_host_platform_device_count``
+share them, so the machine's peak is that one number, not one per device). It is measured
+once per process and cached on disk per machine (``$NNLITE_CACHE/peak_flops.json``, else
+``~/.cache/nnlite``), so a run pays it (~0.2 s) once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+# Dense peak FLOP/s per device from the vendors' data sheets (no sparsity): TF32 for
+# float32 where the GPU's matrix units do it (the default precision of XLA's float32 dots).
+GPU_PEAKS = {
+    "H200": {"float32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
+    "H100": {"float32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},  # SXM
+    "H100 PCIe": {"float32": 378e12, "bfloat16": 756e12, "float16": 756e12},
+    "A100": {"float32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+    "L4": {"float32": 60e12, "bfloat16": 121e12, "float16": 121e12},
+    "A10": {"float32": 62.5e12, "bfloat16": 125e12, "float16": 125e12},
+    "V100": {"float32": 15.7e12, "bfloat16": 15.7e12, "float16": 125e12},
+    "T4": {"float32": 8.1e12, "bfloat16": 8.1e12, "float16": 65e12},
+    "RTX 4090": {"float32": 82.6e12, "bfloat16": 165.2e12, "float16": 165.2e12},
+    "RTX 3090": {"float32": 35.6e12, "bfloat16": 71e12, "float16": 71e12},
+}
+
+_MEASURED: dict[str, float] = {}  # this process's CPU peaks by dtype
+
+
+def step_flops(cost: dict | list | None, devices: int, accum_steps: int = 1) -> float | None:
+    """Model FLOPs of one optimizer step: the compiled step's per-device ``flops`` times
+    the devices, times ``accum_steps`` (see the module docstring); None if unknown."""
+    if isinstance(cost, list | tuple):  # older JAX: one dict per program
+        cost = cost[0] if cost else None
+    flops = None if not cost else cost.get("flops")
+    if flops is None or not flops > 0:
+        return None
+    return float(flops) * devices * accum_steps
+
+
+def gpu_peak(device_kind: str, dtype: str) -> float | None:
+    """The data-sheet peak of a GPU named ``device_kind`` (``"NVIDIA H100 80GB HBM3"``)."""
+    kind = device_kind.upper()
+    best = None
+    for name in GPU_PEAKS:  # the longest name contained wins (H100 PCIe)
+        if name.upper() in kind and (best is None or len(name) > len(best)):
+            best = name
+    return None if best is None else GPU_PEAKS[best][dtype]
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("NNLITE_CACHE") or Path.home() / ".cache" / "nnlite"
+    return Path(root) / "peak_flops.json"
+
+
+def _machine_key(dtype: str) -> str:
+    import jax
+
+    return f"{platform.node()}|{platform.processor() or platform.machine()}|{os.cpu_count()}|jax {jax.__version__}|{dtype}"
+
+
+def measure_cpu_peak(dtype: str = "float32", n: int = 1024, reps: int = 5) -> float:
+    """The best FLOP/s of an ``n x n`` matrix product in ``dtype`` on the first CPU device."""
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), dev)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        mm(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best
+
+
+def cpu_peak(dtype: str = "float32") -> float:
+    """:func:`measure_cpu_peak`, once per process and machine (cached on disk)."""
+    if dtype in _MEASURED:
+        return _MEASURED[dtype]
+    key, path = _machine_key(dtype), _cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    value = cached.get(key) if isinstance(cached, dict) else None
+    if not isinstance(value, int | float) or not value > 0:
+        value = measure_cpu_peak(dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cached = cached if isinstance(cached, dict) else {}
+            cached[key] = value
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cached, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: measured again next time
+    _MEASURED[dtype] = float(value)
+    return float(value)
+
+
+def peak_flops(devices: list, dtype: str = "float32") -> tuple[float | None, str]:
+    """The peak FLOP/s of ``devices`` together in ``dtype`` and where it comes from."""
+    dev = devices[0]
+    if dev.platform == "cpu":
+        return cpu_peak(dtype), "measured GEMM"
+    peak = gpu_peak(getattr(dev, "device_kind", ""), dtype)
+    if peak is None:
+        return None, f"no peak known for {getattr(dev, 'device_kind', dev.platform)}"
+    return peak * len(devices), "data sheet"
+
+
+def utilisation(flops_per_step: float | None, steps: int, seconds: float, peak: float | None):
+    """``{flops_per_step, flops_per_s, mfu}`` (the keys that are known)."""
+    out: dict[str, Any] = {}
+    if flops_per_step is None:
+        return out
+    out["flops_per_step"] = float(flops_per_step)
+    if steps > 0 and seconds > 0:
+        rate = flops_per_step * steps / seconds
+        out["flops_per_s"] = float(rate)
+        if peak:
+            out["mfu"] = float(rate / peak)
+    return out
+
+
+def fmt_flops(x: float) -> str:
+    """``3.2 GFLOP``-style scaling."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} "
+
+
+def describe(u: dict) -> str:
+    """``, 1.2 GFLOP/step, 3.4 GFLOP/s, MFU 12.3%`` for the done line ('' if unknown)."""
+    if "flops_per_step" not in u:
+        return ""
+    s = f", {fmt_flops(u['flops_per_step'])}FLOP/step"
+    if "flops_per_s" in u:
+        s += f", {fmt_flops(u['flops_per_s'])}FLOP/s"
+    if "mfu" in u:
+        s += f", MFU {100 * u['mfu']:.1f}%"
+    return s
