@@ -42,7 +42,7 @@ from .build import Prepared, Run, build, make_stepper, prepare
 from .callbacks import Callback, Callbacks, LoopState, build_callbacks
 from .checkgrads import check_grads
 from .monitors import check_monitors
-from .step import mean_loss_fn, policy_loss_fn, step_flags
+from .step import policy_loss_fn, step_flags
 
 
 def boundaries(cfg: Config) -> list[int]:
