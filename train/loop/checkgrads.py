@@ -17,6 +17,7 @@ import nnlite as nl
 from ..data.dataset import host_batch
 from ..errors import ConfigError
 from ..model import contract
+from . import precision
 from .step import policy_loss_fn, step_key
 
 #: The largest error a rule may have, in roundings of its dtype (``nl.check_rules``'s).
@@ -49,12 +50,13 @@ def check_grads(r, params0, state0, sampler, echo) -> list:
         kw["key"] = step_key(cfg.seed, 0, None)
     if state0 is not None:
         kw["state"] = state0
-    loss_fn = policy_loss_fn(r.model, "manual", r.backward)
+    model = precision.apply(r.model, cfg.train.precision)  # the step's dtype policy
+    loss_fn = policy_loss_fn(model, "manual", r.backward)
     rows = nl.check_rules(loss_fn, params, x, y, max_roundings=MAX_ROUNDINGS, **kw)
     dtype = jax.tree.leaves(params0)[0].dtype if jax.tree.leaves(params0) else np.float32
     echo(
         f"check_grads: {len(rows)} hand-rule calls checked against jax.vjp at {where}, "
-        f"params {np.dtype(dtype).name}; error in roundings of each dtype (eps x the "
+        f"params {np.dtype(dtype).name}, train.precision {cfg.train.precision}; error in roundings of each dtype (eps x the "
         f"cotangent's largest magnitude), at most {MAX_ROUNDINGS:g}:"
     )
     echo(f"  {'layer':<28} {'rule':<26} {'dtype':<9} {'roundings':>10}")
