@@ -71,8 +71,9 @@ MODEL_SIZES: dict[str, tuple[str, dict, int]] = {
 # --tiny: the same code on tiny sizes, one round of one step (a smoke run)
 TINY_SIZES = ["16-8-4/b8", "gpt-1x16/T8/b4"]
 DEFAULT_SIZES = [*SIZES, "cnn-convbase/b100", "gpt-4x128/T64/b12"]
-# The modes of the CNN and GPT sizes: auto is the trainer's default (loss.grad: auto)
-MODEL_MODES = ("autodiff", "manual", "auto")
+# The modes of the CNN and GPT sizes: auto is the trainer's default (loss.grad: auto);
+# manual+layers is manual with log.grad_by_layer's per-layer norms computed in the step
+MODEL_MODES = ("autodiff", "manual", "auto", "manual+layers")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -94,6 +95,8 @@ def make_model_step(model, mode: str, x, y):
     def loss(params, x, y):
         return objective_fn(model)(params, x, y)[0]
 
+    if mode == "manual+layers":
+        return opt, _by_layer_step(model, opt, x, y)
     if mode == "auto":
         from train.model import gradmode
 
@@ -107,6 +110,29 @@ def make_model_step(model, mode: str, x, y):
         return optax.apply_updates(params, updates), opt_state, value
 
     return opt, jax.jit(step, donate_argnums=(0, 1))
+
+
+def _by_layer_step(model, opt, x, y):
+    """The manual step with ``log.grad_by_layer``'s taps, as the trainer builds it: every
+    layer's cotangent and params' gradient norms computed (and returned) by the step."""
+    from train.loop.backward import Backward, discover
+
+    objective = objective_fn(model, "manual")
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    layers = tuple(discover(objective, params, x, y).layers)
+    backward = Backward(layers=layers, by_layer=True)
+    tapped = nl.manual_grads(backward.objective(objective, taps=True))
+
+    def step(params, opt_state, x, y):
+        def loss(pt):
+            return tapped(pt, x, y)[0]
+
+        value, (grads, tap_grads) = jax.value_and_grad(loss)((params, backward.zero_taps()))
+        norms = backward.layer_metrics(tap_grads, grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, (value, norms)
+
+    return jax.jit(step, donate_argnums=(0, 1))
 
 
 def make_step(mode: str, activation: str):
@@ -246,7 +272,7 @@ def run_all(
 def format_table(report: dict) -> str:
     lines = [
         f"grad_modes on {report['platform']} ({report['device']}), jax {report['jax']}",
-        f"{'size':<26}{'mode':<10}{'median ms':>12}{'vs autodiff':>13}"
+        f"{'size':<26}{'mode':<15}{'median ms':>12}{'vs autodiff':>13}"
         f"{'min ms':>10}{'min vs autodiff':>17}",
     ]
     for name, r in report["results"].items():
@@ -254,7 +280,7 @@ def format_table(report: dict) -> str:
             ratio = r["ratio_vs_autodiff"][mode]
             t_min, min_ratio = r["min_s"][mode], r["min_ratio_vs_autodiff"][mode]
             lines.append(
-                f"{name:<26}{mode:<10}{t * 1e3:>12.2f}{ratio:>12.3f}x"
+                f"{name:<26}{mode:<15}{t * 1e3:>12.2f}{ratio:>12.3f}x"
                 f"{t_min * 1e3:>10.2f}{min_ratio:>16.3f}x"
             )
     return "\n".join(lines)

@@ -14,6 +14,11 @@ from .core._batch_axis import current_batch_axis as current_batch_axis
 
 # Choosing params by path (issue 32): globs over ParamsDict paths, freezing what they choose
 from .core._mode import frozen_scope as frozen_scope
+
+# issue 34 (gradtrain helper): a trace-time hook around each layer call (per-layer backward
+# diagnostics and policies by path in the trainer)
+from .core._layer_hook import LayerCall as LayerCall
+from .core._layer_hook import layer_hook as layer_hook
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
@@ -226,6 +231,8 @@ __all__ = [
     "add",
     "batch_axis",
     "backward_policy",
+    "layer_hook",  # issue 34 (gradtrain)
+    "LayerCall",
     "check_manual",
     "check_rules",
     "current_batch_axis",

@@ -116,6 +116,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="print the model's layers (output shapes, params, FLOPs, activation memory) "
         "and exit without training",
     )
+    ap.add_argument(  # issue 34
+        "--check-grads",
+        action="store_true",
+        help="before step 0, check every hand rule the model runs against jax.vjp at the "
+        "run's shapes, dtype and strategy, print the table, and refuse a wrong rule "
+        "(the same as --set train.check_grads=true)",
+    )
     return ap.parse_args(argv)
 
 
@@ -225,6 +232,8 @@ def main(
         with _ImportsDeferSignals():
             from .config import dump_yaml, load_config  # PyYAML: the [train] extra
 
+        if args.check_grads:
+            args.overrides.append("train.check_grads=true")
         if args.profile is not None:
             from .report.profile import parse as parse_profile
 

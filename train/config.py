@@ -97,6 +97,10 @@ class LossConfig:
     # hand-written pass (fused: models that list it in grad_modes, the mlp). auto: manual
     # when hand rules cover the model's objective, else autodiff (resolved once, at build).
     grad: str = choice("auto", GRAD_MODES)
+    # issue 34: per-layer backward policies by layer path glob, applied to the hand rules
+    # (forward unchanged; needs manual gradients): a list of {layers: "blocks/*/attn",
+    # stop: true | scale: S | clip: C | float32: true} (train/loop/backward_config.py)
+    backward_policies: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,9 @@ class TrainConfig:
     # An exponential moving average of the params, kept in float32 in the optimizer state
     # (checkpointed, sharded like the params) and updated inside the step; null: none
     ema_decay: float | None = None
+    # issue 34: before step 0, check every hand rule the model runs against jax.vjp at the
+    # run's shapes, dtype and strategy, print a per-layer table, refuse a wrong rule
+    check_grads: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,6 +269,9 @@ class LogConfig:
     profile: str | None = None
     # grad_norm, update_norm and param_norm in every train record (computed in the step)
     norms: bool = True
+    # issue 34: log each layer's cotangent norm (leaving its input) and params' gradient
+    # norm, computed inside the compiled step (cotangent_norm/<layer>, grad_norm/<layer>)
+    grad_by_layer: bool = False
 
 
 @dataclass(frozen=True)
@@ -705,6 +715,9 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("train.ema_decay", f"must be in (0, 1) (e.g. 0.999), got {cfg.train.ema_decay}")
     if cfg.eval.use_ema and cfg.train.ema_decay is None:
         raise bad("eval.use_ema", "needs train.ema_decay (the average to evaluate), which is unset")
+    from .loop.backward_config import parse_policies  # issue 34: each entry checked
+
+    parse_policies(cfg.loss.backward_policies, sources.get("loss.backward_policies", source))
     if cfg.compile_cache is not None and not cfg.compile_cache.strip():
         raise bad("compile_cache", "must be 'auto', a directory or null (off), got ''")
 

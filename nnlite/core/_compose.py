@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 
+from ._layer_hook import LayerCall, current_layer_hook
 from ._params import ParamsDict
 
 __all__ = [
@@ -417,8 +418,13 @@ def call_in_frame(module: Any, call: Any, args: tuple, kwargs: dict) -> Any:
             raise ValueError(f"{module._args_repr()}: state is None; pass model.init_state()")
 
     frames.append(frame)
+    hook = current_layer_hook() if params is not None else None
     try:
-        out = call(module, *args, **kwargs)
+        if hook is None:
+            out = call(module, *args, **kwargs)
+        else:  # per-layer diagnostics and policies (_layer_hook.py)
+            run = functools.partial(call, module)
+            out = hook(LayerCall(frame.path(), len(frames) - 1, module, args, kwargs, run))
         if CALL_OBSERVERS:  # nl.summary records each layer call (trace time only)
             for observe in CALL_OBSERVERS:
                 observe(frame, module, args, kwargs, out)

@@ -233,3 +233,17 @@ def dce_call(fn, *args) -> Any:
 
     outs = jaxpr_as_fun(ClosedJaxpr(jaxpr, closed.consts))(*(x for x, u in zip(flat, used) if u))
     return jax.tree.unflatten(out_tree[0], outs)
+
+
+def of_current_trace(tree: Any) -> bool:
+    """Whether every tracer in ``tree`` belongs to the trace now running: False for one
+    recorded inside a transformation that has ended (a custom_vjp function traced apart,
+    a vmap), which may not be used here."""
+    from jax._src import core
+
+    current = core.trace_ctx.trace
+    return all(
+        getattr(x, "_trace", current) is current
+        for x in jax.tree.leaves(tree)
+        if isinstance(x, core.Tracer)
+    )

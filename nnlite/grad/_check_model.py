@@ -12,6 +12,7 @@ largest difference divided by the dtype's epsilon times the cotangent's magnitud
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._jax_private import of_current_trace
 from ..core._mode import manual_scope
-from ._check import _dret_args, _random_like
+from ._check import _dret_args
 from ._contract import cotangents, has_cotangent, is_hyperparameter
 
 __all__ = ["RuleCheck", "check_rules"]
@@ -79,7 +81,9 @@ def check_rules(
         seed: for the random cotangents.
 
     Returns:
-        One ``RuleCheck`` per call, in call order; ``str()`` of each is a table row.
+        One ``RuleCheck`` per call, in call order (a backward policy's stop, scale or clip,
+        whose VJP departs from its function on purpose, is left out); ``str()`` of each is
+        a table row.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -92,49 +96,96 @@ def check_rules(
         >>> [(r.layer, r.rule, r.ok) for r in rows][:2]
         [('params.layers[0]', 'linear_vjp', True), ('relu#1', 'relu_vjp', True)]
     """
-    paths = {
-        id(leaf): jax.tree_util.keystr(path, simple=True, separator=".")
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    paths = {k: f"params.{v}".replace(".[", "[") for k, v in paths.items()}
-    paths = {k: _bracket(v) for k, v in paths.items()}
-    tape: list = []
-    with jax.disable_jit(), manual_scope(True, tape):
-        loss_fn(params, *batch, **kwargs)
-    rng_key = jax.random.key(seed)
-    rows, counts = [], {}
-    for i, (wrapped, args, static, _out) in enumerate(tape):
-        f, f_vjp = wrapped.f, wrapped.f_vjp
-        name = getattr(f_vjp, "__name__", "rule")
-        dyn = [k for k, a in enumerate(args) if not is_hyperparameter(a)]
+    rows: list = []  # (layer, rule, dtype, [(err, scale) per compared leaf]), at trace time
 
-        def plain(*xs, args=args, dyn=dyn, f=f, static=static):
-            merged = list(args)
-            for k, x in zip(dyn, xs, strict=True):
-                merged[k] = x
-            return f(*merged, **static)
-
-        xs = [args[k] for k in dyn]
-        ref_out, pullback = jax.vjp(plain, *xs)
-        dret = _random_like(jax.random.fold_in(rng_key, i), ref_out)
-        want = pullback(dret)
-        with manual_scope(False):
-            got = cotangents(
-                f_vjp(*args, *_dret_args(dret), **static), list(args), f"{name} (check_rules)"
-            )
-        worst, dtype = 0.0, None
-        for k, w in zip(dyn, want, strict=True):
-            if not has_cotangent(args[k]) or got[k] is None and w is None:
+    def errors(params, batch, kwargs):
+        # Traced once, as one program: the loss with manual mode's tape, then every call's
+        # rule against jax.vjp (eagerly, each small op would compile a program of its
+        # own: ~140 compiles for a 3-layer MLP). disable_jit while tracing inlines the jit,
+        # scan and cond bodies the loss calls, so what the tape holds is of this trace.
+        paths = {
+            id(leaf): jax.tree_util.keystr(path, simple=True, separator=".")
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        }
+        paths = {k: _bracket(f"params.{v}".replace(".[", "[")) for k, v in paths.items()}
+        tape: list = []
+        with jax.disable_jit(), manual_scope(True, tape):
+            loss_fn(params, *batch, **kwargs)
+        counts: dict = {}
+        out = []
+        for i, (wrapped, args, static, _out) in enumerate(tape):
+            f, f_vjp = wrapped.f, wrapped.f_vjp
+            if getattr(f, "_backward_policy", False):  # stop/scale/clip: not f's VJP, by design
                 continue
-            g = got[k] if got[k] is not None else jax.tree.map(jnp.zeros_like, w)
-            for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g), strict=True):
-                if not jnp.issubdtype(wl.dtype, jnp.inexact):
+            name = getattr(f_vjp, "__name__", "rule")
+            dyn = [k for k, a in enumerate(args) if not is_hyperparameter(a)]
+
+            def plain(*xs, args=args, dyn=dyn, f=f, static=static):
+                merged = list(args)
+                for k, x in zip(dyn, xs, strict=True):
+                    merged[k] = x
+                return f(*merged, **static)
+
+            if not of_current_trace((args, static)):
+                # recorded inside another rule's function, traced apart from the loss (a
+                # float32-backward policy's layer): checked through that outer rule
+                continue
+            xs = [args[k] for k in dyn]
+            ref_out, pullback = jax.vjp(plain, *xs)
+            dret = _host_random_like(seed, i, ref_out)
+            want = pullback(dret)
+            with manual_scope(False):
+                got = cotangents(
+                    f_vjp(*args, *_dret_args(dret), **static), list(args), f"{name} (check_rules)"
+                )
+            pairs, dtype = [], None
+            for k, w in zip(dyn, want, strict=True):
+                if not has_cotangent(args[k]) or got[k] is None and w is None:
                     continue
-                dtype = dtype or jnp.dtype(wl.dtype).name
-                worst = max(worst, _roundings(wl, gl, wl.dtype))
-        layer = _label(args, paths, getattr(wrapped, "__name__", name), counts)
-        rows.append(RuleCheck(layer, name, dtype or "-", worst, worst <= max_roundings))
-    return rows
+                g = got[k] if got[k] is not None else jax.tree.map(jnp.zeros_like, w)
+                for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g), strict=True):
+                    if not jnp.issubdtype(wl.dtype, jnp.inexact) or wl.size == 0:
+                        continue
+                    dtype = dtype or jnp.dtype(wl.dtype).name
+                    w64, g64 = wl.astype(jnp.float32), jnp.asarray(gl).astype(jnp.float32)
+                    pairs.append((jnp.max(jnp.abs(g64 - w64)), jnp.max(jnp.abs(w64))))
+            layer = _label(args, paths, getattr(wrapped, "__name__", name), counts)
+            rows.append((layer, name, dtype, [jnp.finfo(dtype).eps if dtype else 0.0]))
+            out.append(pairs)
+        return out
+
+    leaves, treedef = jax.tree.flatten((params, batch, kwargs))
+    dyn = [i for i, a in enumerate(leaves) if hasattr(a, "shape") and hasattr(a, "dtype")]
+
+    def traced(*xs):  # the arrays traced; Python scalars stay hyperparameters
+        merged = list(leaves)
+        for i, x in zip(dyn, xs, strict=True):
+            merged[i] = x
+        return errors(*jax.tree.unflatten(treedef, merged))
+
+    measured = jax.device_get(jax.jit(traced)(*(leaves[i] for i in dyn)))
+    result = []
+    for (layer, name, dtype, (eps,)), pairs in zip(rows, measured, strict=True):
+        worst = 0.0
+        for err, scale in pairs:
+            err = float(err)
+            r = math.inf if math.isnan(err) else err / (float(eps) * max(1.0, float(scale)))
+            worst = max(worst, r)
+        result.append(RuleCheck(layer, name, dtype or "-", worst, worst <= max_roundings))
+    return result
+
+
+def _host_random_like(seed: int, i: int, tree: Any) -> Any:
+    """Standard-normal numpy arrays shaped like ``tree``'s float leaves (float0 for the
+    others), from a generator seeded by ``(seed, i)``: constants of the traced check."""
+    rng = np.random.default_rng([seed, i])
+    out = []
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            out.append(rng.standard_normal(leaf.shape).astype(leaf.dtype))
+        else:
+            out.append(np.zeros(leaf.shape, jax.dtypes.float0))
+    return jax.tree.unflatten(jax.tree.structure(tree), out)
 
 
 def _bracket(path: str) -> str:

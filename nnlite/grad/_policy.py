@@ -67,6 +67,9 @@ def _clip(y, max_norm):
 
 
 # Plug-ins (jax.custom_vjp), so the policy holds under jax.grad and manual_grads alike.
+# Marked as policies: their VJP differs from their function's on purpose, so
+# nl.check_rules (a trainer's --check-grads) leaves them out.
+_stop._backward_policy = _scale._backward_policy = _clip._backward_policy = True
 _stop.__name__, _scale.__name__, _clip.__name__ = (
     "stop_cotangent",
     "scale_cotangent",
@@ -129,10 +132,16 @@ class BackwardPolicy(Module):
         return self.layer.init(key)
 
     def __call__(self, params, x, *, key=None):
-        if self.backward_dtype is not None and key is None:
+        return self.around(lambda p, h, **kw: self.layer(p, h, **kw), params, x, key=key)
+
+    def around(self, call, params, x, *, key=None, **kwargs):
+        """The policy around ``call(params, x, key=key, **kwargs)``, the layer's call as
+        made elsewhere (a trainer applying policies by path calls this from a
+        ``nl.layer_hook``). A float32 backward needs the plain call (no key, no kwargs)."""
+        if self.backward_dtype is not None and key is None and not kwargs:
             y = _backward_in(self.layer, jnp.dtype(self.backward_dtype))(params, x)
         else:
-            y = self.layer(params, x, key=key)
+            y = call(params, x, key=key, **kwargs)
         if self.stop:
             return stop_cotangent(y)
         if self.scale is not None:

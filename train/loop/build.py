@@ -31,6 +31,7 @@ from ..parallel.base import Strategy
 from ..report import loggers
 from ..report.timings import Timings
 from . import memory, precision
+from .backward import build_backward
 from .step import (
     Stepper,
     batch_grads_fn,
@@ -63,6 +64,7 @@ class Run:
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
     metrics: tuple = ()  # eval.metrics: (name, function) pairs (train/model/metrics.py)
     plan: ParamPlan | None = None  # frozen params and param groups (None: all train alike)
+    backward: Any = None  # issue 34: per-layer policies and norms (train/loop/backward.py)
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -151,6 +153,7 @@ def build(
     run = Run(cfg, data, model, optimizer, strategy, run_dir, plan=plan)
     run.grad = gradmode.resolve(cfg, model, data, strategy)  # loss.grad: auto, decided once
     run.metrics = user_metrics.prepare(cfg.eval.metrics, model, data)  # checked on its outputs
+    run.backward = build_backward(cfg, model, data, strategy, run.grad)
     return run
 
 
@@ -275,7 +278,12 @@ def make_stepper(r: Run, p_def, o_def, nonfinite: str, s_def=None) -> Stepper:
             else r.plan.trainable(jax.tree.unflatten(p_def, [0] * p_def.num_leaves))
         )
         grads_fn = batch_grads_fn(
-            model, r.grad_mode, cfg.train.grad_accum_steps, r.strategy, trainable
+            model,
+            r.grad_mode,
+            cfg.train.grad_accum_steps,
+            r.strategy,
+            trainable,
+            backward=r.backward,
         )
     except contract.ModelError as e:
         raise ConfigError(f"model.name={cfg.model.name}: {e}") from None

@@ -15,6 +15,7 @@ from ..checkpoint.resume import load_checkpoint
 from ..data.dataset import host_batch
 from ..data.feed import call_batch
 from ..parallel import distributed as dist
+from .backward import replay_first_bad_layer
 from .step import step_flags
 
 
@@ -90,13 +91,19 @@ def explain_nonfinite(
     x, y = host_batch(r.data, sampler.batch(bad - 1))
     what = first_nonfinite(loss_fn, r.optimizer, params, opt_state, x, y, state)
     where = f"first in {what}" if what else "not reproducible on one device to name the leaf"
+    layer = ""
+    if what is not None and what.startswith("grads"):  # which layer's backward, first
+        kw = {} if state is None else {"state": state}
+        found = replay_first_bad_layer(r.model, r.grad_mode, r.backward, params, x, y, **kw)
+        if found is not None:
+            layer = f"; first non-finite {found} at step {bad}"
     kept = (
         f"the last good checkpoint is {good_ckpt} (step {good_step})"
         if good_ckpt is not None
         else "no checkpoint was written"
     )
     return (
-        f"non-finite values at step {bad} ({where}); training stopped and {kept}. "
+        f"non-finite values at step {bad} ({where}){layer}; training stopped and {kept}. "
         "Lower optimizer.learning_rate, check the data, or set train.nonfinite=skip "
         "to skip such steps"
     )

@@ -64,8 +64,29 @@ def uses_key(model) -> bool:
     return contract.uses_key(model)
 
 
+def tapped_loss_fn(model, grad: str, backward, taps: bool) -> Callable:
+    """``((params, taps), x, y, *, key=None) -> (mean loss, metrics)``: :func:`mean_loss_fn`
+    with ``backward``'s per-layer policies, and its layers tapped when ``taps``
+    (``train/loop/backward.py``)."""
+    fn = backward.objective(contract.objective_fn(model, grad), taps)
+    return nl.manual_grads(fn) if grad == "manual" else fn
+
+
+def policy_loss_fn(model, grad: str, backward=None) -> Callable:
+    """:func:`mean_loss_fn` with ``backward``'s policies, if any (the same signature)."""
+    if backward is None or not backward.policies:
+        return mean_loss_fn(model, grad)
+    fn = tapped_loss_fn(model, grad, backward, taps=False)
+    return lambda params, *args, **kw: fn((params, {}), *args, **kw)
+
+
 def batch_grads_fn(
-    model, grad: str, accum_steps: int, strategy: Strategy, trainable: Any = None
+    model,
+    grad: str,
+    accum_steps: int,
+    strategy: Strategy,
+    trainable: Any = None,
+    backward=None,
 ) -> Callable:
     """``(params, state, x, y, key) -> (loss, metrics, grads, state)``: means over the
     global batch, and the model's state after the step's forward pass (None, passed
@@ -81,24 +102,36 @@ def batch_grads_fn(
     params are differentiated (the frozen ones are constants of the loss: no weight
     gradient of theirs is computed, by autodiff or by the hand rules), and their gradients
     come out as zeros.
+    ``backward`` (a ``train.loop.backward.Backward``): per-layer backward policies, and
+    with ``by_layer`` each layer's cotangent and gradient norms added to the metrics.
 
     A stateful model runs in train mode inside ``nl.batch_axis(strategy.axis)``, so its
     batch statistics are those of the global batch on every strategy; with ``accum_steps
     > 1`` its state is threaded through the microbatches (k updates per step, as k
     smaller steps would make).
     """
-    loss_fn = mean_loss_fn(model, grad)
+    tapped = backward is not None and backward.active
+    by_layer = tapped and backward.by_layer
+    if tapped:  # differentiated: (params, taps); taps {} without by_layer
+        loss_fn = tapped_loss_fn(model, grad, backward, by_layer)
+    else:
+        loss_fn = mean_loss_fn(model, grad)
     keyed = uses_key(model)
     stateful = contract.is_stateful(model)
 
     frozen_mask = None if trainable is None else [not m for m in jax.tree.leaves(trainable)]
 
     def objective(params, state, x, y, key, scale=None):
-        params = strategy.compute_params(params)
+        if tapped:
+            params = (strategy.compute_params(params[0]), params[1])
+            model_params = params[0]
+        else:
+            params = model_params = strategy.compute_params(params)
         if frozen_mask is not None:  # the hand rules compute no cotangent for these
-            with nl.frozen_scope(
-                [v for v, m in zip(jax.tree.leaves(params), frozen_mask, strict=True) if m]
-            ):
+            frozen = [
+                v for v, m in zip(jax.tree.leaves(model_params), frozen_mask, strict=True) if m
+            ]
+            with nl.frozen_scope(frozen):
                 return _objective(params, state, x, y, key, scale)
         return _objective(params, state, x, y, key, scale)
 
@@ -113,7 +146,10 @@ def batch_grads_fn(
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
     if trainable is not None:
-        value_and_grad = _trained_only(objective, jax.tree.leaves(trainable))
+        trained = jax.tree.leaves(trainable)
+        if by_layer:  # differentiated: (params, taps), every tap trained
+            trained = trained + [True] * len(jax.tree.leaves(backward.zero_taps()))
+        value_and_grad = _trained_only(objective, trained)
     accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
     if accumulate is not None and stateful:
         raise contract.ModelError(
@@ -122,6 +158,8 @@ def batch_grads_fn(
         )
 
     def batch_grads(params, state, x, y, key=None, scale=None):
+        if tapped:
+            params = (params, backward.zero_taps() if by_layer else {})
         if accum_steps == 1:
             (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key, scale)
         else:
@@ -146,9 +184,19 @@ def batch_grads_fn(
             (acc, state), (losses, metrics) = jax.lax.scan(micro, (acc, state), (xs, ys, micro_ids))
             grads = jax.tree.map(lambda g: g / accum_steps, acc)
             loss, metrics = jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
-        loss, metrics, grads = strategy.reduce(
-            loss, metrics, grads, local_grads=accumulate is not None
-        )
+        if not tapped:
+            loss, metrics, grads = strategy.reduce(
+                loss, metrics, grads, local_grads=accumulate is not None
+            )
+            return loss, metrics, grads, state
+        grads, tap_grads = grads  # the taps' sums of squares, then the params' gradients
+        tap_grads = strategy.reduce_squares(tap_grads)
+        loss, metrics, grads = strategy.reduce(loss, metrics, grads)
+        if by_layer:  # sums of squares of a microbatch's cotangents: k^2 the batch's
+            unscale = 1.0 if scale is None else 1.0 / scale  # float16: the loss scale's out
+            tap_grads = jax.tree.map(lambda s: s * (unscale**2 / accum_steps), tap_grads)
+            true_grads = grads if scale is None else jax.tree.map(lambda g: g * unscale, grads)
+            metrics = {**metrics, **backward.layer_metrics(tap_grads, true_grads)}
         return loss, metrics, grads, state
 
     if not stateful:

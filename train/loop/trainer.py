@@ -41,8 +41,9 @@ from ..report.timings import Timings
 from . import nonfinite
 from .build import Prepared, Run, build, make_stepper, prepare
 from .callbacks import Callback, Callbacks, LoopState, build_callbacks
+from .checkgrads import check_grads
 from .monitors import check_monitors
-from .step import mean_loss_fn, step_flags
+from .step import policy_loss_fn, step_flags
 
 
 def boundaries(cfg: Config) -> list[int]:
@@ -214,6 +215,8 @@ class _Loop:
             prep.state0,
         )
         start = begin.step
+        if cfg.train.check_grads and start < cfg.train.steps:  # issue 34: rules checked first
+            check_grads(r, prep.params0, prep.state0, sampler, echo)
         if r.data.stream is not None:  # an iterable source continues at its saved position
             saved = begin.checkpoint and ckpt.read_metadata(begin.checkpoint)
             sampler.restore(start, saved or None)
@@ -221,6 +224,8 @@ class _Loop:
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
         state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
         echo(report.banner(r, prep.params0.num_params(), start, state_bytes))
+        if r.backward is not None and r.backward.describe():  # issue 34: what policies do
+            echo(r.backward.describe())
         put = prep.stepper.put_state
         loop = cls(
             r,
@@ -620,7 +625,7 @@ class _Loop:
             self.good_step, self.good_ckpt = step, path or self.good_ckpt
         r, prep = self.r, self.prep
         checker = make_stepper(r, prep.p_def, prep.o_def, "check", prep.s_def)
-        loss_fn = mean_loss_fn(r.model, r.grad_mode)  # the replay names the bad leaf
+        loss_fn = policy_loss_fn(r.model, r.grad_mode, r.backward)  # names the bad leaf
         raise faults.NonFinite(
             nonfinite.explain_nonfinite(
                 r,

@@ -110,6 +110,12 @@ class Strategy:
         """
         return loss, metrics, grads
 
+    def reduce_squares(self, tree: Any) -> Any:
+        """Sums of squares of the loss's cotangents over the global batch, from this
+        device's sums of its own (``log.grad_by_layer``'s taps). By default they already
+        are: one device, or the gradient of :meth:`global_loss` of a replicated input."""
+        return tree
+
     def device_key(self, key: jax.Array) -> jax.Array:
         """This device's random key from the step's key (its share gets its own masks)."""
         return key

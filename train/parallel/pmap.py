@@ -30,6 +30,12 @@ class Pmap(DataParallel):
     def reduce(self, loss, metrics, grads, *, local_grads=False):
         return jax.lax.pmean((loss, metrics, grads), AXIS)
 
+    def reduce_squares(self, tree):
+        # each device differentiated its local mean loss: its cotangents are n times the
+        # global loss's, their squares n^2 times
+        n = jax.lax.psum(1, AXIS)
+        return jax.tree.map(lambda s: jax.lax.psum(s, AXIS) / (n * n), tree)
+
     def compile(self, multi_step, *, keyed):
         return jax.pmap(multi_step, axis_name=AXIS, devices=self.devices, donate_argnums=(0, 1))
 

@@ -1,0 +1,316 @@
+"""The trainer's side of the per-layer backward pass (issue 34): train.check_grads /
+--check-grads, log.grad_by_layer, the non-finite guard naming the first layer whose
+backward went non-finite, and loss.backward_policies by path glob -- each with a model in
+a user's own file, under ``none`` and ``fsdp`` (8 host devices)."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nnlite as nl
+import train
+from train import faults
+from train.data.dataset import host_batch, make_sampler
+from train.errors import ConfigError
+
+USER_MODELS = """
+import jax.numpy as jnp
+
+import nnlite as nl
+
+
+def gain_vjp(x, s, dret):
+    return dret * s[None], jnp.sum(dret * x, axis=0)
+
+
+def gain_vjp_wrong(x, s, dret):  # a slip: twice the input's cotangent
+    return 2 * dret * s[None], jnp.sum(dret * x, axis=0)
+
+
+def gain_vjp_nan(x, s, dret):  # right at init; non-finite once s has moved (step 2 on)
+    dx = jnp.where(jnp.any(s != 1.0), jnp.nan, dret * s[None])
+    return dx, jnp.sum(dret * x, axis=0)
+
+
+@nl.hand_rule(gain_vjp)
+def gain(x, s):
+    return x * s[None]
+
+
+@nl.hand_rule(gain_vjp_wrong)
+def gain_wrong(x, s):
+    return x * s[None]
+
+
+@nl.hand_rule(gain_vjp_nan)
+def gain_nan(x, s):
+    return x * s[None]
+
+
+RULES = {"right": gain, "wrong": gain_wrong, "nan": gain_nan}
+
+
+class Gain(nl.Module):
+    features: int
+    rule: str = "right"
+
+    def init(self, key):
+        return nl.ParamsDict(s=jnp.ones(self.features))
+
+    def __call__(self, params, x, *, key=None):
+        return RULES[self.rule](x, params.s)
+
+
+class Block(nl.Module):
+    features: int
+    rule: str = "right"
+
+    def setup(self):
+        self.lin = nl.Linear(self.features, self.features)
+        self.gain = Gain(self.features, self.rule)
+
+    def __call__(self, params, x, *, key=None):
+        return self.gain(params.gain, jnp.tanh(self.lin(params.lin, x)))
+
+
+class Net(nl.Module):
+    task = "classification"
+    in_features: int | None = None
+    num_classes: int | None = None
+    width: int = 16
+    depth: int = 3
+    rule: str = "right"  # the gain rule of block `at`
+    at: int = 1
+
+    def setup(self):
+        self.embed = nl.Linear(self.in_features, self.width)
+        self.blocks = [
+            Block(self.width, self.rule if i == self.at else "right") for i in range(self.depth)
+        ]
+        self.head = nl.Linear(self.width, self.num_classes)
+
+    def __call__(self, params, x, *, key=None):
+        h = self.embed(params.embed, x)
+        for block, p in zip(self.blocks, params.blocks):
+            h = block(p, h)
+        return self.head(params.head, h)
+"""
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    """The user's project: gtmodels.py (imported) and a config beside it."""
+    root = tmp_path_factory.mktemp("gradtrain")
+    (root / "gtmodels.py").write_text(USER_MODELS)
+    sys.path.insert(0, str(root))
+    try:
+        yield root, importlib.import_module("gtmodels")
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop("gtmodels", None)
+
+
+def config(root, strategy="none", steps=1, **sections):
+    cfg = {
+        "model": {"name": "gtmodels:Net"},
+        "data": {"name": "digits"},
+        "optimizer": {"name": "sgd", "learning_rate": 1.0},
+        "train": {"steps": steps, "batch_size": 32, "log_every": steps, "eval_every": steps},
+        "log": {"dir": str(root / "runs"), "progress": False, "plot": False},
+        "parallel": {"strategy": strategy},
+        "loss": {"grad": "manual"},
+    }
+    for section, keys in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **keys}
+    return cfg
+
+
+def fit(root, mod, name, cfg, lines=None, **model):
+    echo = (lambda *a: None) if lines is None else lines.append
+    cfg = {**cfg, "name": name, "model": {**cfg["model"], **model}}
+    return train.fit(mod.Net, cfg, resume="fresh", echo=echo)
+
+
+def records(run):
+    import json
+
+    with open(run.run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def first_batch(run):
+    idx = make_sampler(run.cfg.seed, run.data, run.cfg.train.batch_size).batch(0)
+    return host_batch(run.data, idx)
+
+
+def plain_loss(model):
+    def loss(p, x, y):
+        return nl.softmax_cross_entropy(model(p, x), y, reduction="mean")
+
+    return loss
+
+
+# -- check_grads, per-layer norms and policies from the config, in one run ---------------
+
+POLICIES = [
+    {"layers": "blocks/0/*", "stop": True},
+    {"layers": "head", "scale": 0.5},
+    {"layers": "blocks[2].lin", "float32": True},
+]
+
+
+@pytest.mark.parametrize("strategy", ["none", "fsdp"])
+def test_check_grads_norms_by_layer_and_policies(user, strategy):
+    """Right rules pass the check and the run trains; the logged norms and the update
+    equal jax.grad's on the first batch with the policies applied by hand: the head's
+    cotangent halved (all of the backward with it), nothing into blocks[0] or below."""
+    root, mod = user
+    lines = []
+    cfg = config(
+        root,
+        strategy,
+        train={"check_grads": True},
+        log={"grad_by_layer": True},
+        loss={"grad": "manual", "backward_policies": POLICIES},
+    )
+    run = fit(root, mod, f"right-{strategy}", cfg, lines)
+    table = [ln for ln in lines if ln.startswith("  ")]
+    gains = [ln for ln in table if "gain_vjp" in ln]
+    assert len(gains) == 3 and all(ln.rstrip().endswith("ok") for ln in gains), lines
+    assert any("params.blocks[1].gain" in ln for ln in gains), table
+    # the float32 policy's rule is checked too; stop and scale are not rules of their function
+    assert any("Linear_backward_in_float32" in ln and ln.rstrip().endswith("ok") for ln in table)
+    assert not any("cotangent_vjp" in ln for ln in table)
+    assert run.step == 1
+
+    model, p0 = run.model, jax.jit(run.model.init)(jax.random.key(0))
+    x, y = first_batch(run)
+
+    @jax.jit
+    def expected(p0, x, y):
+        def head_loss(h):  # the loss from the head's input
+            return nl.softmax_cross_entropy(model.head(p0.head, h), y, reduction="mean")
+
+        h = model.embed(p0.embed, x)
+        for block, p in zip(model.blocks, p0.blocks):
+            h = block(p, h)
+        return jax.grad(plain_loss(model))(p0, x, y), jnp.linalg.norm(jax.grad(head_loss)(h))
+
+    grads, head_cot = expected(p0, x, y)
+    grads = jax.tree.map(lambda g: 0.5 * np.asarray(g), grads)  # the head's cotangent halved
+    for part in ("embed", ("blocks", 0)):  # stopped at blocks[0]'s layers: nothing below
+        grads = _zero(grads, part)
+
+    rec = next(r for r in records(run) if r["split"] == "train")
+    assert rec["cotangent_norm/head"] == pytest.approx(0.5 * float(head_cot), rel=1e-5)
+    block1 = np.sqrt(sum(np.sum(g**2) for g in jax.tree.leaves(grads.blocks[1])))
+    assert rec["grad_norm/blocks[1]"] == pytest.approx(float(block1), rel=1e-5)
+    assert rec["grad_norm/blocks[1].gain"] == pytest.approx(
+        float(np.linalg.norm(grads.blocks[1].gain.s)), rel=1e-5
+    )
+    assert rec["grad_norm/embed"] == 0.0 and rec["cotangent_norm/blocks[0].lin"] == 0.0
+    want_keys = {"embed", "blocks[0]", "blocks[0].lin", "blocks[2].gain", "head"}
+    assert want_keys <= {k.split("/", 1)[1] for k in rec if k.startswith("grad_norm/")}
+
+    # the update (sgd, learning rate 1) is minus that gradient
+    got = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p0, run.params)
+    for (path, a), (_, b) in zip(got.items(), grads.items(), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6, err_msg=path)
+
+
+def _zero(tree, part):
+    keys = part if isinstance(part, tuple) else (part,)
+    node = tree
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = jax.tree.map(np.zeros_like, node[keys[-1]])
+    return tree
+
+
+def test_check_grads_refuses_a_wrong_rule_fsdp(user):
+    root, mod = user
+    lines = []
+    cfg = config(root, "fsdp", train={"check_grads": True})
+    with pytest.raises(ConfigError, match=r"gain_vjp_wrong of params\.blocks\[2\]\.gain"):
+        fit(root, mod, "wrong-fsdp", cfg, lines, rule="wrong", at=2)
+    assert any("WRONG" in ln and "gain_vjp_wrong" in ln for ln in lines)
+    assert not (root / "runs" / "wrong-fsdp" / "metrics.jsonl").exists()  # never trained
+
+
+def test_check_grads_cli_exit_2_one_line(user):
+    """``--check-grads`` on the command line: the table, then one error line, exit 2."""
+    root, _ = user
+    import yaml
+
+    cfg = config(root, "none", model={"rule": "wrong", "at": 0})
+    (root / "wrong.yaml").write_text(yaml.safe_dump({**cfg, "name": "cli"}))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, str(root)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "train", "--config", str(root / "wrong.yaml"), "--check-grads"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=repo,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train.check_grads: the hand rule "), err
+    assert "gain_vjp_wrong of params.blocks[0].gain" in err[0]
+    assert "WRONG" in done.stdout
+
+
+# -- the non-finite guard names the layer ------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["none", "fsdp"])
+def test_nonfinite_names_first_layer_whose_backward_went_nonfinite(user, strategy):
+    root, mod = user
+    cfg = config(root, strategy, steps=3)
+    with pytest.raises(faults.NonFinite) as e:
+        fit(root, mod, f"nan-{strategy}", cfg, rule="nan", at=1)
+    msg = str(e.value)
+    assert "first non-finite cotangent leaving blocks[1].gain at step 2" in msg, msg
+    assert "non-finite values at step 2" in msg
+
+
+# -- bad policies ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "loss, match",
+    [
+        ({"grad": "autodiff", "backward_policies": [{"layers": "head", "clip": 1.0}]},
+         r"need manual gradients; this run differentiates with autodiff"),
+        ({"grad": "manual", "backward_policies": [{"layers": "blocks/*/attn", "stop": True}]},
+         r"backward_policies\[0\]: layers 'blocks/\*/attn' matches no layer .* its layers are "
+         r"embed, blocks/0, blocks/0/lin"),
+        ({"backward_policies": [{"layers": "head", "clp": 1.0}]},
+         r"backward_policies\[0\]: unknown key 'clp'; valid keys: layers, stop, scale, clip"),
+        ({"backward_policies": [{"layers": "head", "clip": -1}]},
+         r"backward_policies\[0\]\.clip: must be a positive norm, got -1"),
+        ({"backward_policies": [{"layers": "head"}]}, r"but no policy"),
+    ],
+)  # fmt: skip
+def test_policy_config_errors(user, loss, match):
+    root, mod = user
+    with pytest.raises(ConfigError, match=match):
+        fit(root, mod, "bad", config(root, loss=loss))
+
+
+def test_glob_matches_whole_segments():
+    from train.loop.backward_config import PolicySpec
+
+    spec = PolicySpec("blocks/*/attn", clip=1.0)
+    assert spec.matches("blocks[2].attn") and spec.matches("blocks/0/attn")
+    assert not spec.matches("blocks[2].attn.qkv") and not spec.matches("attn")
+    assert PolicySpec("**/qkv", stop=True).matches("blocks[3].attn.qkv")
+    assert PolicySpec("blocks.1.*", stop=True).matches("blocks[1].mlp")
