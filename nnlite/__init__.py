@@ -12,13 +12,13 @@ from .core._axes import param_axes as param_axes
 from .core._batch_axis import batch_axis as batch_axis
 from .core._batch_axis import current_batch_axis as current_batch_axis
 
-# Choosing params by path (issue 32): globs over ParamsDict paths, freezing what they choose
-from .core._mode import frozen_scope as frozen_scope
-
 # issue 34 (gradtrain helper): a trace-time hook around each layer call (per-layer backward
 # diagnostics and policies by path in the trainer)
 from .core._layer_hook import LayerCall as LayerCall
 from .core._layer_hook import layer_hook as layer_hook
+
+# Choosing params by path (issue 32): globs over ParamsDict paths, freezing what they choose
+from .core._mode import frozen_scope as frozen_scope
 from .core._module import Module as Module
 from .core._module import ParamsMismatchError as ParamsMismatchError
 from .core._params import ParamsDict as ParamsDict
