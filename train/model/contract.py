@@ -107,14 +107,6 @@ class ModelError(ValueError):
     """A class or its configuration does not fit the model contract (one line)."""
 
 
-def model_optimizer(model: Any, optimizer: Any) -> Any:
-    """``optimizer`` as the model wants it applied: ``model.wrap_optimizer(optimizer)`` when
-    the model defines it (``nl.hf.Pretrained`` with LoRA: the adapters only, the rest
-    frozen), else ``optimizer``."""
-    wrap = getattr(model, "wrap_optimizer", None)
-    return wrap(optimizer) if callable(wrap) else optimizer
-
-
 def check_model_class(cls: Any, where: str) -> None:
     """Raise ModelError unless ``cls`` is an ``nl.Module`` subclass with a valid ``task``."""
     if not (isinstance(cls, type) and issubclass(cls, nl.Module)):
