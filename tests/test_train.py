@@ -264,7 +264,13 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
     )
 
 
-@pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
+# Without accumulation fused is a custom_vjp inside the loss that each strategy
+# differentiates as it does autodiff's: one device, and shard_map (the loss pmean-ed
+# before the fused backward pass); pmap differentiates the local loss as one device does
+# and pmeans afterwards (test_strategies_match_one_device), and the fused pass under
+# pmap is test_grad_accumulation_equals_one_big_batch[fused-pmap]'s and
+# tests/test_grad_modes.py's test_modes_under_pmap_match_one_device's.
+@pytest.mark.parametrize("strategy", ["none", "shard_map"])
 def test_fused_mode_trains_like_autodiff(tmp_path, strategy):
     # manual == autodiff for this model under every strategy: tests/test_manual_train.py
     par = [f"parallel.strategy={strategy}", "parallel.devices=4"]
