@@ -149,7 +149,15 @@ def test_show_jaxpr_prints_max_pool_gradients():
 
 
 def cli_error(capsys, tmp_path, *sets):
-    argv = ["--config", str(ROOT / CONFIG), "--set", f"log.dir={tmp_path}"]
+    # log.plot=false: no live-plot process to start and stop for a run that never begins
+    argv = [
+        "--config",
+        str(ROOT / CONFIG),
+        "--set",
+        f"log.dir={tmp_path}",
+        "--set",
+        "log.plot=false",
+    ]
     for s in sets:
         argv += ["--set", s]
     code = main(argv)

@@ -119,7 +119,10 @@ def _pmap_step(mode, act):
     return jax.pmap(step, axis_name="d", in_axes=(None, 0, 0))
 
 
-@pytest.mark.parametrize(("sizes", "act"), [CONFIGS[0], CONFIGS[1]])
+# One config: pmap only pmeans what each device's pass computes (the same code as on one
+# device, where test_modes_agree_under_jit checks every config); the per-device program of
+# a deeper net with another activation is test_modes_under_shard_map's CONFIGS[2].
+@pytest.mark.parametrize(("sizes", "act"), [CONFIGS[0]])
 def test_modes_under_pmap_match_one_device(sizes, act):
     n = jax.device_count()
     params, x, y = _problem(sizes, batch=4 * n)

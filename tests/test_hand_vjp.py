@@ -175,10 +175,14 @@ def test_a_layer_with_its_own_rule_passes(key):
         return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="sum")
 
     x = jax.random.normal(key, (2, 3))
-    _close(jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x), layers=3)
+    # jitted: one compile each instead of op-by-op dispatch
+    auto, hand = jax.jit(jax.grad(loss)), jax.jit(jax.grad(nl.manual_grads(loss)))
+    _close(auto(p, x), hand(p, x), layers=3)
 
 
-@pytest.mark.parametrize("heads", [1, 2])
+# Two heads: the rules treat the heads axis as a batch axis of their contractions, one
+# code path whatever its size; 2 (not 1) keeps a wrong transpose or sum over it visible.
+@pytest.mark.parametrize("heads", [2])
 def test_attention(rand, heads):
     from nnlite.nn import _attention
 

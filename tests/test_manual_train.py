@@ -5,10 +5,10 @@ Two checks (see tests/_tolerance.py for the reasoning):
   equals autodiff's to float32 rounding: at most ``ops`` roundings of each leaf's scale,
   ``ops`` = 8 per layer on the model's longest path. Measured worst case 7 (the CNN under
   shard_map) against bounds of 32-128, and ~1e6 for a wrong rule;
-- 100 Adam steps on one device stay within one learning rate of autodiff's params: rounding
-  drifts them apart by up to a few % of it (measured: 0.029 lr for the GPT, 0.0084 lr for
-  the CNN on an AVX-512 EPYC, 0 for the MLP; Adam magnifies the rounding of near-zero
-  gradients), a wrong rule by ~lr per step.
+- 40 Adam steps on one device stay within one learning rate of autodiff's params: rounding
+  drifts them apart by up to a few % of it (measured after 100 steps: 0.029 lr for the
+  GPT, 0.0084 lr for the CNN on an AVX-512 EPYC, 0 for the MLP; Adam magnifies the
+  rounding of near-zero gradients), a wrong rule by ~lr per step.
 ``test_the_checks_catch_wrong_rules`` shows both checks failing on wrong hand rules.
 """
 
@@ -28,6 +28,7 @@ from _tolerance import (
     max_abs_diff,
     rounding_errors,
 )
+from test_train import FirstStep
 
 import nnlite as nl
 from models import mlp as mlp_model
@@ -55,7 +56,7 @@ GPT_TINY = [
     "train.batch_size=8",
     "checkpoint.every=0",
 ]
-MODELS = {  # each under SAME_PROGRAMS: a 100-step run reuses the 1-step run's programs
+MODELS = {  # each under SAME_PROGRAMS: a run's first step is a 1-step run's program
     "mlp": ("configs/digits_mlp.yaml", ["train.batch_size=64"]),
     "cnn": ("configs/mnist1d_cnn.yaml", CNN_TINY),
     "gpt": ("configs/shakespeare_gpt.yaml", GPT_TINY),
@@ -68,12 +69,43 @@ LAYERS = {"mlp": 4, "cnn": 7, "gpt": 16}
 STEPS = ["train.eval_every=100", "train.log_every=50"]
 
 
-def run(tmp_path, config, *overrides):
+def run(tmp_path, config, *overrides, callbacks=()):
     cfg = load_config(
         ROOT / config,
         [f"log.dir={tmp_path}", "log.progress=false", "log.plot=false", *overrides],
     )
-    return train(cfg, resume="fresh", echo=lambda *_: None)
+    return train(cfg, resume="fresh", echo=lambda *_: None, callbacks=callbacks)
+
+
+def trained_with_first_step(tmp_path, config, *overrides):
+    """``({grad mode: first step's gradient}, {grad mode: run})`` for autodiff and manual:
+    one run each, its gradient read after its first step (test_train.FirstStep; under
+    SAME_PROGRAMS a 1-step run's step is the same program)."""
+    grads, runs = {}, {}
+    for g in ("autodiff", "manual"):
+        first = FirstStep()
+        over = [*overrides, "train.log_every=1", f"loss.grad={g}", f"name={g}"]
+        runs[g] = run(tmp_path, config, *over, callbacks=[first])
+        one = types.SimpleNamespace(cfg=runs[g].cfg, step=1, opt_state=first.opt_state)
+        grads[g] = first_step_grads(one)
+    return grads, runs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(model)``: each model's 40-step autodiff and manual runs on one device,
+    shared by the gradient check's strategy=none row and the trajectory check (a wrong
+    rule is ~10 lr off after 10 steps: test_the_checks_catch_wrong_rules)."""
+    done = {}
+
+    def get(model):
+        if model not in done:
+            tmp = tmp_path_factory.mktemp(f"trained_{model}")
+            config, extra = model_overrides(tmp, model)
+            done[model] = trained_with_first_step(tmp, config, *extra, "train.steps=40")
+        return done[model]
+
+    return get
 
 
 def model_overrides(tmp_path, model):
@@ -95,28 +127,33 @@ def one_step_grads(tmp_path, config, *overrides):
     }
 
 
-# Every model under every data-parallel strategy, but the GPT on one device only: its
-# hand rules inside a sharded step are checked by tests/test_sharding.py (fsdp, tensor)
-# and tests/test_grad_auto.py, and the strategies' reductions by the other models here.
+# Every strategy with the cheapest model (the MLP), every model once: the CNN under
+# shard_map over 2 devices (its measured worst case), the GPT on one device. The rules
+# are the same program on every strategy (the strategy only reduces what they compute,
+# the MLP's rows check each reduction); the CNN's and the GPT's one-device manual step
+# is also test_grad_auto's mnist1d_cnn and shakespeare_gpt rows (auto -> manual against
+# autodiff), the GPT's hand rules in a sharded step tests/test_sharding.py's (fsdp,
+# tensor).
 @pytest.mark.parametrize(
     "model, strategy",
-    [(m, s) for m in MODELS for s in ("none", "pmap", "shard_map") if m != "gpt" or s == "none"],
+    [("mlp", "none"), ("mlp", "pmap"), ("mlp", "shard_map"), ("cnn", "shard_map"), ("gpt", "none")],
 )
-def test_manual_gradient_equals_autodiff(tmp_path, model, strategy):
-    config, extra = model_overrides(tmp_path, model)
-    par = [f"parallel.strategy={strategy}", "parallel.devices=2"]
-    grads = one_step_grads(tmp_path, config, *extra, *par)
+def test_manual_gradient_equals_autodiff(tmp_path, model, strategy, trained):
+    if strategy == "none":  # the first step of test_manual_trains_like_autodiff's runs
+        grads = trained(model)[0]
+    else:
+        config, extra = model_overrides(tmp_path, model)
+        par = [f"parallel.strategy={strategy}", "parallel.devices=2"]
+        grads = one_step_grads(tmp_path, config, *extra, *par)
     assert_close_f32(grads["manual"], grads["autodiff"], ops=ROUNDINGS_PER_LAYER * LAYERS[model])
     # a real gradient in every leaf, or the comparison would prove little
     assert all(np.max(np.abs(g)) > 1e-6 for g in jax.tree.leaves(grads["autodiff"]))
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_manual_trains_like_autodiff(tmp_path, model):
-    config, extra = model_overrides(tmp_path, model)
-    extra = [*extra, "train.steps=100"]
-    auto = run(tmp_path, config, *extra, "loss.grad=autodiff", "name=auto")
-    hand = run(tmp_path, config, *extra, "loss.grad=manual", "name=hand")
+def test_manual_trains_like_autodiff(model, trained):
+    runs = trained(model)[1]
+    auto, hand = runs["autodiff"], runs["manual"]
     lr = auto.cfg.optimizer.learning_rate
     assert_same_trajectory(hand.params, auto.params, lr=lr)
     init = auto.model.init(jax.random.key(auto.cfg.seed))
@@ -160,19 +197,19 @@ def test_the_checks_catch_wrong_rules(tmp_path, monkeypatch):
     0.1 lr in 10 steps (its updates are invariant to a gradient's scale but for its eps):
     only the gradient check sees it, which is why each model has both."""
     config, extra = model_overrides(tmp_path, "mlp")
+    extra = [*extra, "model.name=wrong_rule_models:MLP"]
     errors = {}
-    # the mask slip last: the trajectory below trains with it
+    # the mask slip last: its runs train 100 steps for the trajectory check below
     for name, rule in [("double", relu_doubled_vjp), ("mask", relu_without_its_mask_vjp)]:
         monkeypatch.setitem(sys.modules, "wrong_rule_models", mlp_with_relu_rule(rule))
-        grads = one_step_grads(tmp_path, config, *extra, "model.name=wrong_rule_models:MLP")
+        steps = "train.steps=100" if name == "mask" else "train.steps=1"
+        grads, runs = trained_with_first_step(tmp_path / name, config, *extra, steps)
         errors[name] = max(rounding_errors(grads["manual"], grads["autodiff"]).values())
         with pytest.raises(AssertionError, match="roundings of its scale"):
             assert_close_f32(
                 grads["manual"], grads["autodiff"], ops=ROUNDINGS_PER_LAYER * LAYERS["mlp"]
             )
-    extra = [*extra, "model.name=wrong_rule_models:MLP", "train.steps=100"]
-    auto = run(tmp_path, config, *extra, "loss.grad=autodiff", "name=auto")
-    hand = run(tmp_path, config, *extra, "loss.grad=manual", "name=hand")
+    auto, hand = runs["autodiff"], runs["manual"]
     with pytest.raises(AssertionError, match="more than rounding can explain"):
         assert_same_trajectory(hand.params, auto.params, lr=auto.cfg.optimizer.learning_rate)
     assert min(errors.values()) > 1e5, errors

@@ -149,9 +149,9 @@ data:
   eval_windows: 32
 train:
   batch_size: 8
-  steps: 30
-  eval_every: 30
-  log_every: 10
+  steps: 10
+  eval_every: 10
+  log_every: 5
 log:
   progress: false
   plot: false
@@ -242,7 +242,7 @@ def test_user_model_trains_from_its_directory_and_records_only_its_keys(project,
     assert train_records[-1]["loss"] < train_records[0]["loss"]
 
 
-def test_user_model_resumes_bit_identically_after_sigkill(project, ref_run):
+def test_user_model_resumes_bit_identically_after_sigkill(project, ref_run, monkeypatch):
     args = ["--config", "res.yaml", *sets("name=killed", "train.log_every=7"), "--fresh"]
     for attempt in range(3):  # kill once mid-run; a machine fast enough to finish first retries
         proc = subprocess.Popen(
@@ -270,15 +270,17 @@ def test_user_model_resumes_bit_identically_after_sigkill(project, ref_run):
     done = run_cli(project, *args)
     assert done.returncode == 0, done.stderr
     assert "resuming at step" in done.stdout
-    ref = run_cli(project, "--config", "res.yaml", *sets("name=unkilled", "train.log_every=7"))
-    assert ref.returncode == 0, ref.stderr
-    runs = project / "runs"
-    a = nl.load(final_checkpoint(runs / "killed"))
-    b = nl.load(final_checkpoint(runs / "unkilled"))
+    # The uninterrupted reference in-process (train.fit is the CLI's run to the bit:
+    # test_fit_with_a_model_instance_is_the_cli_run); one subprocess fewer.
+    monkeypatch.chdir(project)
+    ref = _fit(project, "unkilled", "train.log_every=7")
+    killed = project / "runs" / "killed"
+    a = nl.load(final_checkpoint(killed))
+    b = nl.load(final_checkpoint(ref.run_dir))
     assert_same_tree(a, b)
     # The train records are means over each logging interval (7 steps across checkpoints
     # every 5): the resumed run restores the partial sums and logs the same values.
-    assert metrics(runs / "killed") == metrics(runs / "unkilled")
+    assert metrics(killed) == metrics(ref.run_dir)
 
 
 def _fit(project, name, *overrides):
@@ -292,18 +294,38 @@ def _fit(project, name, *overrides):
     )
 
 
+TEN = ["train.steps=10", "checkpoint.every=0"]
+
+
+def _fit_in(project, name, *overrides):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(project)  # data.path is relative to the current directory
+        return _fit(project, name, *overrides)
+
+
+@pytest.fixture(scope="module")
+def one_device(project):
+    """10 steps on one device, with TensorBoard on: the reference of the data-parallel
+    tests and the run whose event files test_tensorboard_scalars_match_metrics_jsonl reads
+    (TensorBoard only writes: the params are those of a run without it)."""
+    return _fit_in(project, "one", *TEN, "log.tensorboard=true")
+
+
+@pytest.fixture(scope="module")
+def shard_map_4(project):
+    """10 steps under shard_map on 4 devices: data_parallel_equals_one_device[shard_map]
+    and the two-process run's reference."""
+    return _fit_in(project, "shard_map", *TEN, "parallel.strategy=shard_map", "parallel.devices=4")
+
+
 @pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
-def test_user_model_data_parallel_equals_one_device(project, strategy, monkeypatch):
-    monkeypatch.chdir(project)  # data.path is relative to the current directory
-    one = _fit(project, "one", "train.steps=10", "checkpoint.every=0")
-    many = _fit(
-        project,
-        strategy,
-        "train.steps=10",
-        "checkpoint.every=0",
-        f"parallel.strategy={strategy}",
-        "parallel.devices=4",
-    )
+def test_user_model_data_parallel_equals_one_device(project, strategy, one_device, shard_map_4):
+    one = one_device
+    if strategy == "shard_map":
+        many = shard_map_4
+    else:
+        par = [f"parallel.strategy={strategy}", "parallel.devices=4"]
+        many = _fit_in(project, strategy, *TEN, *par)
     init = one.model.init(jax.random.key(0))
     moved = max(
         float(np.max(np.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, (one.params, init)))
@@ -335,51 +357,52 @@ def test_fit_with_a_model_instance_is_the_cli_run(project, ref_run, monkeypatch)
     assert_same_tree(run.params, nl.load(final_checkpoint(ref_run), subtree="params"))
 
 
-def test_load_run_and_predict(project, ref_run, tmp_path):
+def test_load_run_and_predict(project, ref_run, tmp_path, capsys):
     loaded = train.load_run(ref_run)
     assert type(loaded.model).__name__ == "ResMLP" and loaded.step == 40
     assert_same_tree(loaded.params, nl.load(final_checkpoint(ref_run), subtree="params"))
     data = np.load(project / "small.npz")
     np.savez(tmp_path / "new.npz", x=data["x_test"], y=data["y_test"])
-    proc = run_cli(
-        project,
-        "--run",
-        str(ref_run),
-        "--data",
-        str(tmp_path / "new.npz"),
-        "--out",
-        str(tmp_path / "pred.npz"),
-        module="train.predict",
+    # train.predict's main in-process (python -m train.predict is this function; the
+    # user's project under python -m train as a subprocess is ref_run)
+    from train.predict import main as predict_main
+
+    out_path = tmp_path / "pred.npz"
+    code = predict_main(
+        ["--run", str(ref_run), "--data", str(tmp_path / "new.npz"), "--out", str(out_path)]
     )
-    assert proc.returncode == 0, proc.stderr
-    out = np.load(tmp_path / "pred.npz")
+    stdout = capsys.readouterr().out
+    assert code == 0
+    out = np.load(out_path)
     logits = loaded.predict(data["x_test"])
     np.testing.assert_array_equal(out["predictions"], logits.argmax(-1))
     assert out["probabilities"].shape == (64, 4)
     accuracy = float(np.mean(out["predictions"] == data["y_test"]))
-    assert f"accuracy {accuracy:.4f}" in proc.stdout
+    assert f"accuracy {accuracy:.4f}" in stdout
     # Bad input: one line, exit 2.
     np.savez(tmp_path / "wide.npz", x=np.zeros((3, 9), np.float32))
-    bad = run_cli(
-        project, "--run", str(ref_run), "--data", str(tmp_path / "wide.npz"), module="train.predict"
-    )
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
-    assert "expected input with last axis 8" in bad.stderr
+    code = predict_main(["--run", str(ref_run), "--data", str(tmp_path / "wide.npz")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "expected input with last axis 8" in err
 
 
-def test_user_language_model_trains_samples_and_generates(project, monkeypatch):
-    proc = run_cli(project, "--config", "lm.yaml", "--fresh")
-    assert proc.returncode == 0, proc.stderr
+def test_user_language_model_trains_samples_and_generates(project, monkeypatch, capsys):
+    # The CLI in-process (a user's model from its directory under python -m train as a
+    # subprocess: ref_run), then train.fit, which runs what the CLI ran, to the same params
+    from train.sample import main as sample_main
+
+    monkeypatch.chdir(project)
+    assert main(["--config", "lm.yaml", "--fresh"]) == 0
     run_dir = project / "runs" / "lm"
-    monkeypatch.chdir(project)  # train.fit runs what the CLI ran, to the same params
     fitted = train.fit(None, "lm.yaml", overrides={"name": "lm_fit"}, echo=lambda line: None)
     assert "val_bits_per_char" in fitted.summary
     assert_same_tree(fitted.params, nl.load(final_checkpoint(run_dir), subtree="params"))
-    sample = run_cli(
-        project, "--run", str(run_dir), "--prompt", "the ", "--tokens", "20", module="train.sample"
-    )
-    assert sample.returncode == 0, sample.stderr
-    assert sample.stdout.startswith("the ") and len(sample.stdout.rstrip("\n")) == 24
+    capsys.readouterr()
+    code = sample_main(["--run", str(run_dir), "--prompt", "the ", "--tokens", "20"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith("the ") and len(out.rstrip("\n")) == 24
     loaded = train.load_run(run_dir)
     greedy = loaded.generate("the cat ", 12, temperature=0)
     assert greedy.startswith("the cat ") and len(greedy) == 20
@@ -394,8 +417,11 @@ def test_generation_by_windows_equals_the_gpts_cache_within_the_context():
     params = model.init(jax.random.key(0))
     prompt = jax.numpy.asarray([[1, 2, 3]])
     key = jax.random.key(1)
-    cached = model.generate(params, prompt, 9, key, 0.0, None)
-    windows = generate_by_windows(model, params, prompt, 9, key, 0.0, None)
+    # both jitted: one compile each instead of op-by-op dispatch (the promise is equality)
+    cached = jax.jit(lambda p, x, k: model.generate(p, x, 9, k, 0.0, None))(params, prompt, key)
+    windows = jax.jit(lambda p, x, k: generate_by_windows(model, p, x, 9, k, 0.0, None))(
+        params, prompt, key
+    )
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(windows))
 
 
@@ -416,9 +442,8 @@ def test_user_model_show_jaxpr_and_manual_gradients(project, capsys, monkeypatch
     assert "loss.grad=autodiff" in err  # the trainer's words for the library's second fix
 
 
-def test_user_model_on_two_processes_equals_one_process(project, monkeypatch):
-    monkeypatch.chdir(project)
-    par = ["parallel.strategy=shard_map", "train.steps=10", "checkpoint.every=0"]
+def test_user_model_on_two_processes_equals_one_process(project, shard_map_4):
+    par = ["parallel.strategy=shard_map", *TEN]
     proc = run_cli(
         project,
         "--config",
@@ -430,7 +455,7 @@ def test_user_model_on_two_processes_equals_one_process(project, monkeypatch):
     )
     assert proc.returncode == 0, proc.stderr
     assert "devices: 2 processes x 2 x cpu" in proc.stdout
-    one = _fit(project, "one4", "parallel.devices=4", *par)
+    one = shard_map_4  # the same 10 steps over 4 devices in one process
     two = nl.load(final_checkpoint(project / "runs" / "two"), subtree="params")
     for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=2e-5)
@@ -542,9 +567,8 @@ def _events(directory: Path) -> list:
     return events
 
 
-def test_tensorboard_scalars_match_metrics_jsonl(project, monkeypatch):
-    monkeypatch.chdir(project)
-    run = _fit(project, "tb", "train.steps=20", "checkpoint.every=0", "log.tensorboard=true")
+def test_tensorboard_scalars_match_metrics_jsonl(one_device):
+    run = one_device  # 10 steps, log.tensorboard=true
     scalars = {
         (v.tag, e.step): v.simple_value
         for e in _events(run.run_dir / "tensorboard")
@@ -553,7 +577,7 @@ def test_tensorboard_scalars_match_metrics_jsonl(project, monkeypatch):
     for record in metrics(run.run_dir):
         for k in ("loss", "accuracy"):
             assert scalars[(f"{record['split']}/{k}", record["step"])] == pytest.approx(record[k])
-    assert scalars[("train/lr", 20)] == pytest.approx(1e-3)
+    assert scalars[("train/lr", 10)] == pytest.approx(1e-3)
 
 
 def test_plot_is_titled_with_the_run_and_the_losss_unit(project, ref_run):
