@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 from _tolerance import (
     ROUNDINGS_PER_LAYER,
-    SAME_PROGRAMS,
     assert_close_f32,
     assert_same_trajectory,
-    first_step_grads,
     max_abs_diff,
 )
 from test_gpt import tiny_run
@@ -263,19 +261,5 @@ def test_a_checkpoint_of_one_layout_resumes_and_loads_in_the_other(tmp_path):
     )
 
 
-def test_gpt_scanned_and_rematted_under_shard_map_equals_one_device(tmp_path):
-    """The stack's manual rule inside shard_map: the replicated params' gradients summed
-    over the devices as one device computes them (the shipped config's manual mode)."""
-    one = ["train.steps=1", *SAME_PROGRAMS]
-    ref = tiny_run(tmp_path, *one, "parallel.strategy=none", name="ref")
-    got = tiny_run(
-        tmp_path,
-        *one,
-        "parallel.strategy=shard_map",
-        "parallel.devices=2",
-        "model.scan_layers=true",
-        "model.remat=block",
-        name="shard_map",
-    )
-    g = got.model.other_layout().convert_params(first_step_grads(got))
-    assert_close_f32(g, first_step_grads(ref), ops=ROUNDINGS_PER_LAYER * 16)
+# The scanned, rematted GPT under shard_map against one device: tests/test_gpt.py,
+# test_gpt_parallel_equals_one_device[shard_map] (it shares that file's one-device run).
