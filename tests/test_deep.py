@@ -81,7 +81,8 @@ def test_show_jaxpr_and_show_grad_print_the_stack_as_a_loop():
     assert src.count("lax.scan(") == 1  # one loop, not three copies
     ns: dict = {}
     exec(src, ns)
-    assert_close_f32(ns["loss"](*jax.tree.leaves(p), x, y), loss(p, x, y), ops=8)
+    # the printed code run under jit: one compile, not one per op
+    assert_close_f32(jax.jit(ns["loss"])(*jax.tree.leaves(p), x, y), loss(p, x, y), ops=8)
 
     # show_grad: a forward scan keeping what the copy's rules need, a reverse scan of
     # its hand VJPs, the copy's calls printed once; the code does not grow with n
@@ -96,7 +97,9 @@ def test_show_jaxpr_and_show_grad_print_the_stack_as_a_loop():
         exec(src, ns)
         for xb, yb in ((x, y), (X[1, :3, :4], y[:3])):  # at another batch size too
             assert_close_f32(
-                ns["grad"](p, xb, yb), jax.grad(loss)(p, xb, yb), ops=ROUNDINGS_PER_LAYER * 8
+                jax.jit(ns["grad"])(p, xb, yb),
+                jax.jit(jax.grad(loss))(p, xb, yb),
+                ops=ROUNDINGS_PER_LAYER * 8,
             )
     assert len(sources[2]) == len(sources[6])
 
@@ -109,8 +112,8 @@ def test_show_grad_prints_a_stack_with_dropout_keys_as_a_loop(stack_params):
     ns: dict = {}
     exec(src, ns)
     assert_close_f32(
-        ns["grad"](stack_params, X),
-        jax.grad(stacked_loss)(stack_params, X),
+        jax.jit(ns["grad"])(stack_params, X),
+        jax.jit(jax.grad(stacked_loss))(stack_params, X),
         ops=ROUNDINGS_PER_LAYER * 3 * 5,
     )
 
@@ -236,19 +239,20 @@ def test_gpt_bfloat16_computes_in_bfloat16_with_float32_params_and_gradients(gpt
 
 # -- checkpoints of the other layout -------------------------------------------------------------
 def test_a_checkpoint_of_one_layout_resumes_and_loads_in_the_other(tmp_path):
-    whole = tiny_run(tmp_path, name="whole")  # 1 block, unrolled: a list of 1; 12 steps
+    six = ["train.steps=6", "checkpoint.every=3"]
+    whole = tiny_run(tmp_path, *six, name="whole")  # 1 block, unrolled: a list of 1; 6 steps
     split = tmp_path / "split"
     shutil.copytree(whole.run_dir, split)
-    (split / "checkpoints" / "ckpt_00000012.safetensors").unlink()
-    # resumed from the unrolled step-6 checkpoint with the blocks scanned
-    resumed = tiny_run(tmp_path, "model.scan_layers=true", name="split", resume="require")
-    assert resumed.step == 12
+    (split / "checkpoints" / "ckpt_00000006.safetensors").unlink()
+    # resumed from the unrolled step-3 checkpoint with the blocks scanned
+    resumed = tiny_run(tmp_path, *six, "model.scan_layers=true", name="split", resume="require")
+    assert resumed.step == 6
     assert resumed.params.blocks.attn.qkv.W.shape[0] == 1
     lr = whole.cfg.optimizer.learning_rate
     assert_same_trajectory(whole.model.convert_params(resumed.params), whole.params, lr=lr)
     # the unrolled run's directory, loaded with the scanned run's checkpoint (and optimizer
     # state): converted into the unrolled layout
-    ckpt = split / "checkpoints" / "ckpt_00000012.safetensors"
+    ckpt = split / "checkpoints" / "ckpt_00000006.safetensors"
     loaded = load_run(whole.run_dir, checkpoint=ckpt, with_opt_state=True)
     assert isinstance(loaded.params.blocks, list)
     np.testing.assert_array_equal(
