@@ -83,7 +83,9 @@ def test_conv_transpose_rule(rand, kernel, strides, padding, dilation):
     W = rand(*kernel, 3, 4)
     static = dict(strides=strides, padding=padding, dilation=dilation)
     check(nl.rules.conv_transpose, x, W, rand(4), **static)
-    check(nl.rules.conv_transpose, x, W, None, **static)
+    if padding == "SAME" and dilation[0] == 1 and kernel[0] == 3:  # the first 1-d and 2-d
+        # no bias: the bias is added after the transposed conv, whatever its geometry
+        check(nl.rules.conv_transpose, x, W, None, **static)
 
 
 ADAPTIVE_CASES = [
