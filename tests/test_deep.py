@@ -59,9 +59,8 @@ def test_stack_equals_the_unrolled_loop_in_both_gradient_modes(stack_params):
     # the manual backward pass is a reverse scan, not 3 copies of the block's rules
     text = str(jax.make_jaxpr(jax.grad(nl.manual_grads(stacked_loss)))(p, X))
     assert text.count("reverse=True") == 1
-    # one block's matmuls (forward + backward), fewer than the 2 unrolled copies'
-    unrolled = str(jax.make_jaxpr(jax.grad(unrolled_loss))(STACK.unstack(p), X))
-    assert text.count("dot_general") < unrolled.count("dot_general")
+    # one block's matmuls, forward + backward (19), not the 2 unrolled copies' (36)
+    assert text.count("dot_general") < 30
 
 
 def _stack_loss(n):
