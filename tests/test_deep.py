@@ -34,7 +34,7 @@ KEY = jax.random.key(3)
 
 @pytest.fixture(scope="module")
 def stack_params():
-    return STACK.init(jax.random.key(0))
+    return jax.jit(STACK.init)(jax.random.key(0))  # one compile, not one per op
 
 
 def stacked_loss(p, x):
@@ -173,7 +173,7 @@ def gpt_grads(model, params, manual: bool):
 @pytest.fixture(scope="module")
 def gpt_ref():
     model = GPT(**GPT_KW)
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))
     return model, params, gpt_grads(model, params, manual=False)
 
 
@@ -187,7 +187,7 @@ def gpt_ref():
 def test_gpt_layouts_and_remat_give_the_same_loss_and_gradients(gpt_ref, options, manual):
     model, params, (ref_loss, ref) = gpt_ref
     other = dataclasses.replace(model, **options)
-    p = other.init(jax.random.key(0))
+    p = jax.jit(other.init)(jax.random.key(0))
     assert max_abs_diff(other.convert_params(params), p) == 0.0  # the same init
     loss, g = gpt_grads(other, p, manual)
     # dropout on: equal losses mean each block got the loop's key
@@ -215,7 +215,7 @@ def test_gpt_params_convert_both_ways(gpt_ref):
 def test_gpt_bfloat16_computes_in_bfloat16_with_float32_params_and_gradients(gpt_ref):
     model, params, (ref_loss, _) = gpt_ref
     bf16 = dataclasses.replace(model, dtype="bfloat16", scan_layers=True)
-    p = bf16.init(jax.random.key(0))
+    p = jax.jit(bf16.init)(jax.random.key(0))
     assert {a.dtype for a in jax.tree.leaves(p)} == {jnp.dtype(jnp.float32)}
     tokens = TOKENS[:, :-1]
     # the residual stream is bfloat16 through the blocks, the logits float32
