@@ -366,7 +366,8 @@ class Scanned(nl.Module):
 
 def test_setup_models_under_stack_remat_hand_rules_and_param_axes(key):
     model = Scanned()
-    p, x, y = model.init(key), jax.random.normal(key, (4, 8)), jnp.array([0, 1, 2, 0])
+    p, x = jax.jit(lambda k: (model.init(k), jax.random.normal(k, (4, 8))))(key)  # one compile
+    y = jnp.array([0, 1, 2, 0])
     assert model.uses_key and p.stack.mlp.layers[0].W.shape == (3, 8, 16)
 
     def loss(p, x, y, key):
