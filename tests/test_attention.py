@@ -133,10 +133,13 @@ def test_kv_cache_decoding_equals_full_forward():
         _, ys = jax.lax.scan(step, (cache_k, cache_v), jnp.arange(T))
         return jnp.swapaxes(ys, 0, 1)
 
+    @jax.jit  # one compile, not one per op
+    def last2(p, x):
+        q, k, v = mha.qkv(p, x)
+        return mha.project(p, mha.attend(q[:, -2:], k, v))  # default: last query = last key
+
     np.testing.assert_allclose(decode(p, x), full, rtol=1e-5, atol=1e-5)
-    q, k, v = mha.qkv(p, x)
-    last2 = mha.project(p, mha.attend(q[:, -2:], k, v))  # default: last query = last key
-    np.testing.assert_allclose(last2, full[:, -2:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(last2(p, x), full[:, -2:], rtol=1e-5, atol=1e-5)
 
 
 def test_transformer_block_matches_numpy():

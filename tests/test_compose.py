@@ -260,21 +260,30 @@ def fit(tmp_path, npz, *overrides, model):
     )
 
 
-def test_a_stateful_sequential_trains_under_none_shard_map_and_fsdp(tmp_path, npz):
-    common = [*SAME_PROGRAMS, "train.steps=4"]
-    ref = fit(tmp_path, npz, *common, "name=none", model=SeqBN)
+@pytest.fixture(scope="module")
+def seqbn_one_device(tmp_path_factory, npz):
+    """SeqBN trained 6 steps on one device without dropout: the reference of the
+    strategies' test and the dropout-free run the resume test compares with."""
+    tmp = tmp_path_factory.mktemp("compose")
+    return fit(tmp, npz, *SAME_PROGRAMS, "train.steps=6", "name=none", model=SeqBN)
+
+
+def test_a_stateful_sequential_trains_under_none_shard_map_and_fsdp(
+    tmp_path, npz, seqbn_one_device
+):
+    ref = seqbn_one_device
     assert not np.allclose(ref.state.net.layers[2].var, 1, atol=1e-3)  # the state moved
     lr = ref.cfg.optimizer.learning_rate
     for strategy in ("shard_map", "fsdp"):
         par = [f"parallel.strategy={strategy}", "parallel.devices=2", f"name={strategy}"]
-        got = fit(tmp_path, npz, *common, *par, model=SeqBN)
+        got = fit(tmp_path, npz, *SAME_PROGRAMS, "train.steps=6", *par, model=SeqBN)
         assert_same_trajectory(got.params, ref.params, lr=lr, what=f"{strategy}: ")
         close = functools.partial(np.testing.assert_allclose, rtol=1e-3, atol=1e-4)
         jax.tree.map(close, got.state, ref.state)
 
 
-def test_a_stateful_sequential_with_dropout_resumes_exactly(tmp_path, npz):
-    common = ["train.steps=6", "checkpoint.every=3", "model.dropout=0.2"]
+def test_a_stateful_sequential_with_dropout_resumes_exactly(tmp_path, npz, seqbn_one_device):
+    common = [*SAME_PROGRAMS, "train.steps=6", "checkpoint.every=3", "model.dropout=0.2"]
     full = fit(tmp_path, npz, *common, "name=full", model=SeqBN)
     assert SeqBN(8, 4, dropout=0.2).uses_key  # the trainer passes a key: dropout is on
     ckpts = sorted((full.run_dir / "checkpoints").iterdir())
@@ -299,7 +308,8 @@ def test_a_stateful_sequential_with_dropout_resumes_exactly(tmp_path, npz):
             strict=True,
         ):
             np.testing.assert_array_equal(a, b, err_msg=what)
-    no_dropout = fit(tmp_path, npz, "train.steps=6", "name=plain", model=SeqBN)
+    # the same run without dropout (the one-device reference) went elsewhere
+    no_dropout = seqbn_one_device
     assert not np.allclose(no_dropout.params.net.layers[5].W, full.params.net.layers[5].W)
 
 
@@ -356,15 +366,17 @@ class Scanned(nl.Module):
 
 def test_setup_models_under_stack_remat_hand_rules_and_param_axes(key):
     model = Scanned()
-    p, x, y = model.init(key), jax.random.normal(key, (4, 8)), jnp.array([0, 1, 2, 0])
+    p, x = jax.jit(lambda k: (model.init(k), jax.random.normal(k, (4, 8))))(key)  # one compile
+    y = jnp.array([0, 1, 2, 0])
     assert model.uses_key and p.stack.mlp.layers[0].W.shape == (3, 8, 16)
 
     def loss(p, x, y, key):
         return nl.softmax_cross_entropy(model(p, x, key=key), y, reduction="mean")
 
     k = jax.random.key(5)
-    auto = jax.jit(jax.grad(loss))(p, x, y, k)
-    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, y, k)
+    auto, hand = jax.jit(  # both passes in one compile
+        lambda *a: (jax.grad(loss)(*a), jax.grad(nl.manual_grads(loss))(*a))
+    )(p, x, y, k)
     close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
     jax.tree.map(close, hand, auto)
     assert nl.param_axes(model).stack.mlp.layers[0].W == nl.Axes((None, "embed", "mlp"))

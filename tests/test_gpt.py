@@ -144,8 +144,17 @@ def tiny_run(tmp_path, *overrides, name="g", resume="fresh"):
     return train(cfg, resume=resume, echo=lambda *_: None)
 
 
-def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(tmp_path):
-    r = tiny_run(tmp_path, "train.steps=24", "optimizer.learning_rate=0.003")
+# One trained run (dropout on) for the learning, resume and sampling CLI tests
+TRAINED = ["train.steps=24", "optimizer.learning_rate=0.003", "model.dropout=0.1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return tiny_run(tmp_path_factory.mktemp("trained"), *TRAINED, name="g")
+
+
+def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(trained):
+    r = trained
     records = [json.loads(ln) for ln in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [x for x in records if x["split"] == "val"]
     assert [x["step"] for x in val] == [6, 12, 18, 24]
@@ -157,10 +166,13 @@ def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(tmp_path):
 
 
 def grads_and_trajectory(tmp_path, *overrides, name):
-    """The first step's gradient and the 12-step run (which reuses the 1-step run's
+    """The first step's gradient and the 6-step run (which reuses the 1-step run's
     programs)."""
-    one = tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, "train.steps=1", name=name)
-    return first_step_grads(one), tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, name=name)
+    runs = [
+        tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, steps, name=name)
+        for steps in ("train.steps=1", "train.steps=6")
+    ]
+    return first_step_grads(runs[0]), runs[1]
 
 
 @pytest.fixture(scope="module")
@@ -172,29 +184,41 @@ def one_device_ref(tmp_path_factory):
     return ref
 
 
-@pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
-def test_gpt_parallel_equals_one_device(tmp_path, strategy, one_device_ref):
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        ("pmap", []),
+        # the stack's hand rule inside shard_map: the scanned, rematted blocks' gradients
+        # summed over the devices as one device computes the unrolled blocks'
+        ("shard_map", ["model.scan_layers=true", "model.remat=block"]),
+    ],
+)
+def test_gpt_parallel_equals_one_device(tmp_path, strategy, options, one_device_ref):
     ref = one_device_ref
     got = grads_and_trajectory(
-        tmp_path, f"parallel.strategy={strategy}", "parallel.devices=2", name=strategy
+        tmp_path, f"parallel.strategy={strategy}", "parallel.devices=2", *options, name=strategy
     )
+    # back in the unrolled layout (a no-op for the unrolled model)
+    layout = ref[1].model.convert_params
     # 16 layers: embeddings, norm, attention's 5 steps, residual, norm, MLP's 3, residual,
     # final norm, tied head, loss
-    assert_close_f32(got[0], ref[0], ops=ROUNDINGS_PER_LAYER * 16)
-    assert_same_trajectory(got[1].params, ref[1].params, lr=ref[1].cfg.optimizer.learning_rate)
+    assert_close_f32(layout(got[0]), ref[0], ops=ROUNDINGS_PER_LAYER * 16)
+    assert_same_trajectory(
+        layout(got[1].params), ref[1].params, lr=ref[1].cfg.optimizer.learning_rate
+    )
 
 
-def test_gpt_resume_with_dropout_is_bit_identical(tmp_path):
+def test_gpt_resume_with_dropout_is_bit_identical(trained):
+    # Simulate a crash right after the step-18 checkpoint: a copy of the trained run
+    # without the later checkpoint, resumed.
     import shutil
 
-    whole = tiny_run(tmp_path, "model.dropout=0.2", name="whole")
-    # Simulate a crash right after the step-6 checkpoint: a copy of the run without the
-    # later checkpoint, resumed.
-    split = tmp_path / "split"
+    whole = trained
+    split = whole.run_dir.parent / "split"
     shutil.copytree(whole.run_dir, split)
-    (split / "checkpoints" / "ckpt_00000012.safetensors").unlink()
-    resumed = tiny_run(tmp_path, "model.dropout=0.2", name="split", resume="require")
-    assert resumed.step == 12 and max_abs_diff(whole.params, resumed.params) == 0.0
+    (split / "checkpoints" / "ckpt_00000024.safetensors").unlink()
+    resumed = tiny_run(whole.run_dir.parent, *TRAINED, name="split", resume="require")
+    assert resumed.step == 24 and max_abs_diff(whole.params, resumed.params) == 0.0
 
 
 def test_gpt_dropout_is_on_with_a_key(tiny_params):
@@ -209,9 +233,8 @@ def test_gpt_dropout_is_on_with_a_key(tiny_params):
 
 # -- the sampling CLI ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sample")
-    return tiny_run(tmp, name="s").run_dir
+def trained_run(trained):
+    return trained.run_dir
 
 
 def test_sample_cli_prints_text_and_is_deterministic(trained_run, capsys):
