@@ -84,25 +84,35 @@ def rand(request):
 # --durations), longest first. pytest-xdist's --dist loadfile hands files to the workers
 # in collection order, so a long file collected last leaves one worker idle while the
 # other finishes it; handing out the longest first (LPT scheduling) evens the two out.
-LONGEST_FIRST = [
-    "test_docs.py",
-    "test_new_layers.py",
-    "test_train.py",
-    "test_your_model.py",
-    "test_hand_vjp.py",
+LONGEST_FIRST = [  # by each file's CPU in a whole-suite run (--durations=0), largest first
+    "test_benchmarks.py",
     "test_deep.py",
-    "test_distributed.py",
-    "test_manual_structural.py",
+    "test_your_model.py",
     "test_gpt.py",
     "test_sharding.py",
-    "test_manual_train.py",
-    "test_cnn.py",
-    "test_benchmarks.py",
+    "test_new_layers.py",
+    "test_train.py",
+    "test_jaxpr_sweep.py",
+    "test_hf.py",
+    "test_distributed.py",
     "test_batch_norm.py",
-    "test_grad_auto.py",
+    "test_manual_train.py",
+    "test_grad_modes.py",
     "test_streamed.py",
     "test_faults.py",
-    "test_config.py",
+    "test_data_source.py",
+    "test_grad_train.py",
+    "test_params_features.py",
+    "test_perf.py",
+    "test_checkpoint_policies.py",
+    "test_eject.py",
+    "test_debug_runs.py",
+    "test_grad_contract.py",
+    "test_compose.py",
+    "test_attention.py",
+    "test_docs.py",
+    "test_hand_vjp.py",
+    "test_grad_auto.py",
 ]
 
 
