@@ -205,6 +205,7 @@ def cmd_steps(a) -> dict:
 
     from train.config import load_config
     from train.loop.build import build
+    from train.loop.callbacks import Callbacks
     from train.loop.trainer import _Loop
     from train.prepare import main as prepare
     from train.report.timings import Timings
@@ -218,7 +219,10 @@ def cmd_steps(a) -> dict:
             sets = train_args(work / "tok", work / "runs", placement, 10**6, placement, a.tiny)[6:]
             cfg = load_config(ROOT / GPT_CONFIG, sets[1::2])
             r = build(cfg)
-            loops[placement] = _Loop.begin(r, "fresh", lambda *_: None, Timings())
+            no_callbacks = Callbacks([], [])  # (begin's default, None, is not one)
+            loops[placement] = _Loop.begin(
+                r, "fresh", lambda *_: None, Timings(), callbacks=no_callbacks
+            )
         k = next(iter(loops.values())).r.cfg.train.steps_per_call
         times = {p: [] for p in loops}
         for _ in range(2):  # warm up: compile, fill the prefetch queue
