@@ -120,7 +120,13 @@ def prepare_args(corpus: Path, out: Path, tokenizer: str) -> list[str]:
 
 
 # --tiny: a 1-layer GPT of width 32 instead of the baby GPT (the same code, seconds)
-TINY_MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "train.steps_per_call=2"]
+TINY_MODEL = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "train.steps_per_call=2",
+    "data.eval_windows=16",
+]
 
 
 def train_args(
@@ -271,7 +277,7 @@ def main(argv=None) -> int:
         p.add_argument("--tiny", action="store_true", help="1-2 MB, a 1-layer GPT: a smoke run")
     a = ap.parse_args(argv)
     if a.tiny and a.cmd == "rss":
-        a.big_mb, a.small_mb, a.tokenizers, a.steps = 2, 1, "char", 4
+        a.big_mb, a.small_mb, a.tokenizers, a.steps = 2, 1, "char", 2  # one call of K=2
         a.workdir = tempfile.mkdtemp(prefix="nnlite-data-tiny-")
     elif a.tiny:
         a.corpus_mb, a.calls, a.rounds = 1, 2, 1
