@@ -16,7 +16,7 @@ step is a boundary whose time a callback records, and a checkpoint every
 - ``write``: how long one write took (sync: inside the stall; async: on its thread).
 
 Rows run interleaved (sync, async, sync, ...), ``--rounds`` of each; medians. ``--tiny``
-(a smoke run): a 64-wide MLP, 20 steps, one round.
+(a smoke run): a 64-wide MLP, 7 steps, one round.
 """
 
 from __future__ import annotations
@@ -97,11 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="medium")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each mode, interleaved")
     ap.add_argument("--steps", type=int, default=4 * EVERY + 1, help="steps per run")
-    ap.add_argument("--tiny", action="store_true", help="a smoke run: tiny model, 20 steps")
+    ap.add_argument("--tiny", action="store_true", help="a smoke run: tiny model, 7 steps")
     args = ap.parse_args(argv)
     hidden, steps, every, rounds = SIZES[args.size], args.steps, EVERY, args.rounds
     if args.tiny:
-        hidden, steps, every, rounds = [64], 21, 5, 1
+        hidden, steps, every, rounds = [64], 7, 2, 1
     samples: dict[str, list[dict]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="nnlite-bench-ckpt-") as log_dir:
         for _ in range(rounds):

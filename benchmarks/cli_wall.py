@@ -3,8 +3,8 @@
     python -m benchmarks.cli_wall [--repeats N] [--quick] [CONFIG ...]
         [--set CONFIG:KEY=VALUE ...] [--baseline DIR] [--no-warm] [--no-sklearn] [--tiny]
 
-``--tiny`` (a smoke run): digits_mlp (or the CONFIGs given) for 10 steps, cold only, one
-repeat, without scikit-learn's script.
+``--tiny`` (a smoke run): digits_mlp (or the CONFIGs given) for 4 steps, cold only, one
+repeat and no untimed run, without scikit-learn's script.
 
 Each sample is ``python -m train --config configs/CONFIG.yaml --fresh --timings`` as a
 fresh process, timed from just before the process is spawned to just after it has exited.
@@ -59,7 +59,7 @@ DEFAULT_CONFIGS = ("digits_mlp", "mnist1d_mlp", "mnist1d_cnn", "shakespeare_gpt"
 # Overrides that keep a long config's sample short (the start-up is what is measured).
 # (train.steps must stay above the config's optimizer.warmup_steps: 100 for the GPT.)
 DEFAULT_SETS = {"shakespeare_gpt": ["train.steps=100", "optimizer.warmup_steps=10"]}
-TINY_SETS = ["train.steps=10", "train.eval_every=5", "train.log_every=5", "checkpoint.every=10"]
+TINY_SETS = ["train.steps=4", "train.eval_every=2", "train.log_every=2", "checkpoint.every=4"]
 # Columns of the breakdown, in the order a run meets them (train/report/timings.py PHASES + exit).
 COLUMNS = (
     "interpreter",
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache rows")
     ap.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn's script")
     ap.add_argument("--no-bytecode", action="store_true", help="no bytecode caches")
-    ap.add_argument("--tiny", action="store_true", help="digits_mlp, 10 steps, once, cold")
+    ap.add_argument("--tiny", action="store_true", help="digits_mlp, 4 steps, once, cold")
     args = ap.parse_args(argv)
     if args.tiny:
         args.configs = args.configs or ["digits_mlp"]
@@ -287,8 +287,9 @@ def main(argv=None) -> int:
                 )
         if not args.no_sklearn:
             cases[SKLEARN] = lambda: run_sklearn(cold_env)
-        # Untimed: bytecode caches, the warm rows' compilation caches, the OS's file cache.
-        for fn in cases.values():
+        # Untimed: bytecode caches, the warm rows' compilation caches, the OS's file cache
+        # (--tiny: one timed sample, cold, is the smoke run).
+        for fn in [] if args.tiny else cases.values():
             fn()
         samples: dict[str, list[dict]] = {n: [] for n in cases}
         rng = random.Random(0)

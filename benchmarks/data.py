@@ -120,7 +120,13 @@ def prepare_args(corpus: Path, out: Path, tokenizer: str) -> list[str]:
 
 
 # --tiny: a 1-layer GPT of width 32 instead of the baby GPT (the same code, seconds)
-TINY_MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "train.steps_per_call=2"]
+TINY_MODEL = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "train.steps_per_call=2",
+    "data.eval_windows=16",
+]
 
 
 def train_args(
@@ -205,6 +211,7 @@ def cmd_steps(a) -> dict:
 
     from train.config import load_config
     from train.loop.build import build
+    from train.loop.callbacks import Callbacks
     from train.loop.trainer import _Loop
     from train.prepare import main as prepare
     from train.report.timings import Timings
@@ -218,7 +225,10 @@ def cmd_steps(a) -> dict:
             sets = train_args(work / "tok", work / "runs", placement, 10**6, placement, a.tiny)[6:]
             cfg = load_config(ROOT / GPT_CONFIG, sets[1::2])
             r = build(cfg)
-            loops[placement] = _Loop.begin(r, "fresh", lambda *_: None, Timings())
+            no_callbacks = Callbacks([], [])  # (begin's default, None, is not one)
+            loops[placement] = _Loop.begin(
+                r, "fresh", lambda *_: None, Timings(), callbacks=no_callbacks
+            )
         k = next(iter(loops.values())).r.cfg.train.steps_per_call
         times = {p: [] for p in loops}
         for _ in range(2):  # warm up: compile, fill the prefetch queue
@@ -267,7 +277,7 @@ def main(argv=None) -> int:
         p.add_argument("--tiny", action="store_true", help="1-2 MB, a 1-layer GPT: a smoke run")
     a = ap.parse_args(argv)
     if a.tiny and a.cmd == "rss":
-        a.big_mb, a.small_mb, a.tokenizers, a.steps = 2, 1, "char", 4
+        a.big_mb, a.small_mb, a.tokenizers, a.steps = 2, 1, "char", 2  # one call of K=2
         a.workdir = tempfile.mkdtemp(prefix="nnlite-data-tiny-")
     elif a.tiny:
         a.corpus_mb, a.calls, a.rounds = 1, 2, 1

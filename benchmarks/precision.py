@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     from train.report import perf
 
     size = TINY if args.tiny else SHIPPED
-    rounds = 3 if args.tiny else args.rounds
+    rounds = 1 if args.tiny else args.rounds
     variants = list(VARIANTS)[:2] if args.tiny else list(VARIANTS)  # tiny: float32, bf16
     steps = {k: Step(size, args.grad, *VARIANTS[k]) for k in variants}
     profile, flops = {}, {}

@@ -18,8 +18,8 @@ Every run compiles from scratch (JAX's persistent compilation cache is switched 
 except "nnlite warm": nnlite with that cache on, filled by one untimed run before the
 repeats, i.e. what running the same config again costs.
 
-``--tiny`` checks that every implementation runs (the test suite's smoke test): 10 steps,
-an accuracy check every 5, each implementation once, in this process; its times mean
+``--tiny`` checks that every implementation runs (the test suite's smoke test): 4 steps,
+an accuracy check every 2, each implementation once, in this process; its times mean
 nothing.
 """
 
@@ -265,13 +265,13 @@ def write_weights(path: Path) -> None:
 
 
 def _tiny() -> int:
-    """Every implementation once, 10 steps, in this process (``--tiny``)."""
+    """Every implementation once, 4 steps, in this process (``--tiny``)."""
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "weights.npz"
         write_weights(weights)
         rows = []
         for impl in IMPLS:
-            out = worker(impl, str(weights), eval_every=5, steps=10)
+            out = worker(impl, str(weights), eval_every=2, steps=4)
             rows.append([impl, f"{out['wall_s']:.3f} s", out["steps"], f"{out['accuracy']:.4f}"])
     print(h.table(rows, ["implementation", "wall (tiny: meaningless)", "steps", "accuracy"]))
     return 0
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one repeat")
     ap.add_argument("--repeats", type=int, default=5, help="fresh-process runs per implementation")
     ap.add_argument("--eval-every", type=int, default=50, help="steps between accuracy checks")
-    ap.add_argument("--tiny", action="store_true", help="10 steps, in this process: a smoke run")
+    ap.add_argument("--tiny", action="store_true", help="4 steps, in this process: a smoke run")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--weights", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -67,10 +67,13 @@ def bench_size(size: str, rounds: int, quick: bool, tiny: bool = False) -> dict:
         n = max(k, n // 4 // k * k)
     if tiny:  # the same code on a tiny model: a smoke run, times mean nothing
         spec, k, n = (CNN_TINY if size in CNN_SPECS else TINY), 2, 2
+    # --tiny: the data of tests/test_benchmarks.py's agree tests, whose compiled programs
+    # (the persistent compilation cache's) it then reuses
+    nb = {"n_batches": 3} if tiny else {}
     if size in CNN_SPECS:
-        impls = build_all_cnn(spec, steps_per_call=k)
+        impls = build_all_cnn(spec, steps_per_call=k, **nb)
     else:
-        impls = build_all(spec, steps_per_call=k, matmul_floor=True)
+        impls = build_all(spec, steps_per_call=k, matmul_floor=True, **nb)
     losses = check_losses(impls)
     cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
     gemm_flops = None

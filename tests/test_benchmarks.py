@@ -104,13 +104,26 @@ def test_cnn_and_gpt_implementations_agree_on_loss(build, layers):
     assert_losses_agree(impls, 4, layers)
 
 
-def test_cli_wall_times_the_command_phase_by_phase(tmp_path):
-    """One real ``python -m train --timings`` sample: the phases partition its wall time."""
-    from benchmarks.cli_wall import COLUMNS, ROOT, child_env, run_cli, summarize
+def test_cli_wall_times_the_command_phase_by_phase(tmp_path, monkeypatch, capsys):
+    """``python -m benchmarks.cli_wall --tiny`` (its README smoke run, below) runs one real
+    ``python -m train --timings`` sample and prints its table; the phases partition the
+    sample's wall time."""
+    import contextlib
+    import json
+    import types
 
-    sets = ["train.steps=20", "train.eval_every=10", "train.log_every=10", "checkpoint.every=10"]
-    env = child_env(None, bytecode=False)
-    sample = run_cli(ROOT, "digits_mlp", sets, str(tmp_path / "runs"), env)
+    import benchmarks.cli_wall as cli_wall
+
+    # the samples' run directory kept (the command deletes its temporary directory)
+    keep = types.SimpleNamespace(TemporaryDirectory=lambda **_: contextlib.nullcontext(tmp_path))
+    monkeypatch.setattr(cli_wall, "tempfile", keep)
+    monkeypatch.setenv("NNLITE_BENCH_RESULTS", str(tmp_path / "results"))
+    module, argv = SMOKE[CLI_WALL]
+    assert cli_wall.main(argv) == 0
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) >= 3, out  # it printed its table
+    result = json.loads((tmp_path / "results" / "cli_wall-tiny-latest.json").read_text())
+    (sample,) = result["samples"]["digits_mlp cold"]
     phases = sample["phases"]
     assert {
         "interpreter",
@@ -126,8 +139,9 @@ def test_cli_wall_times_the_command_phase_by_phase(tmp_path):
     assert sum(phases.values()) == pytest.approx(sample["wall_s"], abs=0.05)
     assert sample["cpu_s"] > 0  # the process tree's CPU time, from getrusage
     assert (tmp_path / "runs" / "digits_mlp" / "curves.png").is_file()
-    rows, med = summarize({"digits_mlp cold": [sample]})
-    assert len(rows[0]) == 4 + len(COLUMNS) and med["digits_mlp cold"]["wall_s"] == sample["wall_s"]
+    rows, med = cli_wall.summarize({"digits_mlp cold": [sample]})
+    assert len(rows[0]) == 4 + len(cli_wall.COLUMNS)
+    assert med["digits_mlp cold"]["wall_s"] == sample["wall_s"]
 
 
 # -- every command of benchmarks/README.md runs, at a tiny size --------------------------------
@@ -160,6 +174,10 @@ SMOKE = {
 }
 
 
+# run (and its table checked) by test_cli_wall_times_the_command_phase_by_phase above
+CLI_WALL = "python -m benchmarks.cli_wall"
+
+
 def readme_commands() -> set[str]:
     """The commands of the README's first code block (arguments after ``#`` dropped)."""
     block = README.read_text().split("```")[1]
@@ -172,7 +190,7 @@ def test_every_readme_command_has_a_smoke_run():
 
 
 @jax.numpy_rank_promotion("allow")  # the peers are written as their users write them
-@pytest.mark.parametrize("command", list(SMOKE))
+@pytest.mark.parametrize("command", [c for c in SMOKE if c != CLI_WALL])
 def test_benchmark_command_runs_at_a_tiny_size(command, tmp_path, monkeypatch, capsys):
     import importlib
 
