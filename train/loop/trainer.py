@@ -198,11 +198,12 @@ class _Loop:
     ) -> _Loop:
         """Compile, agree on the starting state, then (process 0) set up the run directory."""
         cfg = r.cfg
+        callbacks = Callbacks([], []) if callbacks is None else callbacks
         sampler = overfit.run_sampler(cfg, r.data)  # train.overfit_batches: N, repeated
         first = dist.process_share(sampler.batches(0, steps_in_call(cfg, 0, boundaries(cfg))))
         prep = prepare(r, cfg.train.nonfinite, first)
         timings.lap("compile")
-        check_monitors(r, prep, callbacks or Callbacks([], []))  # before anything is written
+        check_monitors(r, prep, callbacks)  # before anything is written
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
         begin = agree_on_start(
             cfg,
