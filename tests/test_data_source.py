@@ -91,7 +91,9 @@ def quiet(*_):
 
 def metrics(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(ln).items() if k not in TIMING_KEYS} for ln in lines]
+    # flops_per_step is the compiled program's (streamed or not, how many devices), not the run's
+    skip = (*TIMING_KEYS, "flops_per_step")
+    return [{k: v for k, v in json.loads(ln).items() if k not in skip} for ln in lines]
 
 
 def leaves(tree):

@@ -109,7 +109,9 @@ def _check_target(target: Path) -> Path:
 def _check_config(cfg: Config) -> None:
     """One line for a config the one-device script does not reproduce (before anything is
     built or written)."""
-    if cfg.parallel.strategy != "none":
+    from .. import parallel
+
+    if not parallel.strategy_class(cfg.parallel.strategy).one_device:
         raise ConfigError(
             f"{HOW}: parallel.strategy={cfg.parallel.strategy} is not supported; eject with "
             "--set parallel.strategy=none (every strategy trains like one device on the same "

@@ -62,6 +62,8 @@ class Strategy:
     sharded_state: ClassVar[bool] = False  # see the class docstring
     #: whether ``parallel.tensor > 1`` (a tensor-parallel mesh axis) is accepted
     tensor_parallel: ClassVar[bool] = False
+    #: whether the step runs on one device with no collective (what ``--eject`` writes out)
+    one_device: ClassVar[bool] = False
 
     def __init__(self, devices: Sequence[jax.Device]):
         self.devices = list(devices)

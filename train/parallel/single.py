@@ -11,6 +11,7 @@ from .base import Strategy
 
 class Single(Strategy):
     name = "none"
+    one_device = True
 
     @classmethod
     def select_devices(cls, parallel, batch_size: int) -> list[jax.Device]:
