@@ -30,7 +30,7 @@ from .loop.precision import with_loss_scaling
 from .model import registry as models
 from .model.contract import Model, call_stateful, is_stateful
 from .model.registry import MODEL_SOURCE_KEY
-from .optim.ema import ema_params
+from .optim.ema import ema_params, ema_prefix
 from .optim.params import make_optimizer, plan_params
 
 
@@ -158,11 +158,13 @@ def load_run(
             f"{where} trained without a moving average of its params (train.ema_decay is "
             "unset in its config.yaml); load it without ema=True"
         )
-    if with_opt_state:
+    if with_opt_state or ema:
         optimizer, _ = make_optimizer(cfg, model)
         optimizer = with_loss_scaling(optimizer, cfg.train.precision, cfg.train.loss_scale)
+        o_template = jax.eval_shape(optimizer.init, template)
+    if with_opt_state:
         params, opt_state, state, _ = ckpt.restore_model(
-            model, checkpoint, template, jax.eval_shape(optimizer.init, template), s_template
+            model, checkpoint, template, o_template, s_template
         )
     else:
         params = ckpt.load_model_params(model, checkpoint, template)
@@ -170,8 +172,8 @@ def load_run(
             state = ckpt.load_state(checkpoint, s_template)
     if ema:
         plan = plan_params(cfg.optimizer, model, template)
-        inner = "/inner" if cfg.train.precision == "float16" else ""  # under the loss scale's state
-        params = ema_params(params, checkpoint, where, plan.trainable(params), inner)
+        prefix = ema_prefix(o_template)
+        params = ema_params(params, checkpoint, where, plan.trainable(params), prefix)
     vocab = None
     if "vocab" in meta:
         try:

@@ -20,7 +20,7 @@ import optax
 
 import nnlite as nl
 
-EMA_PREFIX = "/ema"  # where the average sits in the optimizer state's paths
+EMA_FIELD = "/ema"  # the average's field in :class:`EmaState`
 
 
 class EmaState(NamedTuple):
@@ -62,8 +62,21 @@ def with_ema(optimizer, decay: float, trainable=None) -> optax.GradientTransform
     return optax.GradientTransformation(init, update)
 
 
+def ema_prefix(o_avals) -> str:
+    """Where the average sits in an optimizer state's paths (``/ema``, or under the
+    wrappers around it, e.g. float16's loss scale: ``/inner/ema``); '' if it keeps none."""
+    is_ema = lambda x: isinstance(x, EmaState)  # noqa: E731
+    for path, node in jax.tree_util.tree_flatten_with_path(o_avals, is_leaf=is_ema)[0]:
+        if is_ema(node):
+            return nl.format_path(path) + EMA_FIELD
+    return ""
+
+
 def ema_index(p_avals, o_avals) -> list[tuple[int, int]]:
     """``(optimizer-state leaf, param leaf)`` index pairs of the average's leaves."""
+    prefix = ema_prefix(o_avals)
+    if not prefix:
+        return []
     p_paths = {
         nl.format_path(p): i
         for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(p_avals)[0])
@@ -71,8 +84,8 @@ def ema_index(p_avals, o_avals) -> list[tuple[int, int]]:
     out = []
     for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(o_avals)[0]):
         text = nl.format_path(path)
-        if text.startswith(EMA_PREFIX + "/") or text.startswith(EMA_PREFIX + "["):
-            out.append((i, p_paths[text[len(EMA_PREFIX) :]]))
+        if text.startswith(prefix + "/") or text.startswith(prefix + "["):
+            out.append((i, p_paths[text[len(prefix) :]]))
     return out
 
 
@@ -85,12 +98,12 @@ def swap_in(p_leaves: list, o_leaves: list, index: list[tuple[int, int]]) -> lis
 
 
 def ema_params(
-    params: nl.ParamsDict, checkpoint, where: str, trainable=None, inner: str = ""
+    params: nl.ParamsDict, checkpoint, where: str, trainable=None, prefix: str = EMA_FIELD
 ) -> nl.ParamsDict:
     """``params`` with the averages a checkpoint holds (``opt_state/ema/...``) in place of
     the trained params; ``trainable``: the tree of bools of the params averaged (None:
-    all), the frozen ones staying as they are; ``inner``: the path of the state holding the
-    average inside the optimizer's (``/inner`` under float16's loss scale)."""
+    all), the frozen ones staying as they are; ``prefix``: the average's place in the
+    optimizer state (:func:`ema_prefix`)."""
     from ..errors import ConfigError
 
     mask = jax.tree.map(lambda _: True, params) if trainable is None else trainable
@@ -100,7 +113,7 @@ def ema_params(
         mask,
     )
     try:
-        ema = nl.load(checkpoint, like, subtree="opt_state" + inner + EMA_PREFIX)
+        ema = nl.load(checkpoint, like, subtree="opt_state" + prefix)
     except nl.CheckpointError as e:
         raise ConfigError(
             f"{where}: checkpoint {checkpoint} holds no moving average of these params (the "
