@@ -29,6 +29,7 @@ import numpy as np
 import nnlite as nl
 
 from .backward_config import PolicySpec, slash_path
+from .step import tree_norm
 
 IN, OUT = 0, 1  # a slot's rows
 
@@ -205,8 +206,7 @@ class Backward:
                 metrics[f"cotangent_norm/{info.key}"] = jnp.where(s[1] > 0, jnp.nan, jnp.sqrt(s[0]))
             sub = subtree(grads, info.param_path)
             if sub is not None and jax.tree.leaves(sub):
-                sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(sub))
-                metrics[f"grad_norm/{info.key}"] = jnp.sqrt(sq)
+                metrics[f"grad_norm/{info.key}"] = tree_norm(sub)
         return metrics
 
 

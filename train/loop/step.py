@@ -232,14 +232,19 @@ def _trained_only(objective: Callable, mask: list[bool]) -> Callable:
     return value_and_grad
 
 
+def tree_norm(tree) -> jax.Array:
+    """The L2 norm of every leaf of ``tree`` together, summed in float32."""
+    leaves = [jnp.sum(jnp.square(v.astype(jnp.float32))) for v in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(leaves)) if leaves else jnp.float32(0)
+
+
 def global_norms(grads, updates, params) -> dict:
-    """``grad_norm``, ``update_norm`` and ``param_norm``: global L2 norms, summed in float32."""
-
-    def norm(tree):
-        leaves = [jnp.sum(jnp.square(v.astype(jnp.float32))) for v in jax.tree.leaves(tree)]
-        return jnp.sqrt(sum(leaves)) if leaves else jnp.float32(0)
-
-    return {"grad_norm": norm(grads), "update_norm": norm(updates), "param_norm": norm(params)}
+    """``grad_norm``, ``update_norm`` and ``param_norm``: :func:`tree_norm` of each."""
+    return {
+        "grad_norm": tree_norm(grads),
+        "update_norm": tree_norm(updates),
+        "param_norm": tree_norm(params),
+    }
 
 
 @dataclass
