@@ -58,6 +58,8 @@ class GPTSpec:
 GPT_SPECS = {
     "gpt_baby": GPTSpec("gpt_baby", 84, 64, 4, 4, 128, 12),
     "gpt_large": GPTSpec("gpt_large", 84, 256, 6, 6, 384, 64),
+    # GPT-2 small's shape (nanoGPT's padded vocabulary), for an accelerator
+    "gpt2_small": GPTSpec("gpt2_small", 50304, 1024, 12, 12, 768, 8),
 }
 GPT_TINY = GPTSpec("gpt_tiny", 11, 8, 1, 2, 16, 4)
 
@@ -523,18 +525,32 @@ class TorchGPT(Impl):
     """Optional (only when ``torch`` is importable): nanoGPT's model in PyTorch, as its
     ``model.py`` writes it (fused ``c_attn``, ``F.scaled_dot_product_attention`` with
     ``is_causal=True``, tied head), GELU with the tanh approximation to match the others,
-    ``torch.optim.AdamW`` (decay 0.1 on matrices only, ``fused`` off as on a CPU) and
-    ``clip_grad_norm_(1.0)``; eager mode, PyTorch's default thread count."""
+    ``torch.optim.AdamW`` (decay 0.1 on matrices only) and ``clip_grad_norm_(1.0)``; eager
+    mode. On a CPU: ``fused`` off, PyTorch's default thread count. With CUDA, as nanoGPT's
+    ``train.py`` sets it up: the model and batches on the GPU, TF32 matmuls allowed (XLA's
+    default for float32 dots on the GPU too), fused AdamW; ``autocast`` (the ``PyTorch
+    bf16 autocast`` row) is nanoGPT's default ``dtype='bfloat16'``."""
 
     name = "PyTorch"
+
+    def __init__(self, *args, autocast: bool = False, **kwargs):
+        self.autocast = autocast
+        if autocast:
+            self.name = "PyTorch bf16 autocast"
+        super().__init__(*args, **kwargs)
 
     def setup(self, X, Y, idx):
         import torch
 
         self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         t = self.spec.context
         self.batches = [
-            tuple(torch.from_numpy(a.astype(np.int64)) for a in windows(X, i, t)) for i in idx
+            tuple(torch.from_numpy(a.astype(np.int64)).to(self.device) for a in windows(X, i, t))
+            for i in idx
         ]
 
     @cached_property
@@ -569,7 +585,7 @@ class TorchGPT(Impl):
                 self.ln_f = nn.LayerNorm(c)
 
             def forward(self, idx, targets):
-                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
                 for blk in self.h:
                     x = blk(x)
                 logits = self.ln_f(x) @ self.wte.weight.T  # the tied head
@@ -600,20 +616,23 @@ class TorchGPT(Impl):
                 ):
                     lin.weight.copy_(T(blk[name]["W"].T))  # torch stores [out, in]
                     lin.bias.copy_(T(blk[name]["b"]))
-        params = list(model.parameters())
+        self.model = model.to(self.device)
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
         ]
-        self.model = model
-        self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), eps=1e-8)
+        fused = self.device == "cuda"
+        self.opt = torch.optim.AdamW(
+            groups, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, fused=fused or None
+        )
         self.t = 0
 
     def run(self, n):
         torch, model, opt = self.torch, self.model, self.opt
         for s in range(self.t, self.t + n):
             x, y = self.batches[s % len(self.batches)]
-            loss = model(x, y)
+            with torch.autocast(self.device, torch.bfloat16, enabled=self.autocast):
+                loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -658,6 +677,8 @@ def build_all_gpt(
         )
     if pytorch and torch_available():
         impls.append(TorchGPT(spec, weights, X, None, idx, None))
+        if pytorch == "autocast":
+            impls.append(TorchGPT(spec, weights, X, None, idx, None, autocast=True))
     if matmul_floor:
         impls.append(
             MatmulFloorGPT(spec, weights, X, None, idx, None, steps_per_call=steps_per_call)

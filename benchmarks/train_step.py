@@ -50,11 +50,11 @@ def gemm_case(n: int = GEMM_N, reps: int = 4):
     return run, 2 * n**3 * reps
 
 
-def check_losses(impls, steps: int = 10) -> dict[str, float]:
+def check_losses(impls, steps: int = 10, rtol: float = LOSS_RTOL) -> dict[str, float]:
     losses = losses_after(impls, steps)
     ref = losses["raw JAX"]
     for name, v in losses.items():
-        if not abs(v - ref) <= LOSS_RTOL * abs(ref):
+        if not abs(v - ref) <= rtol * abs(ref):
             raise SystemExit(f"loss mismatch after {steps} steps: {name} {v!r} vs raw JAX {ref!r}")
     return losses
 
@@ -142,30 +142,46 @@ GPT_ROUNDS = {"gpt_baby": 7, "gpt_large": 3}
 GPT_CHECK_STEPS = {"gpt_baby": 10, "gpt_large": 2}
 
 
-def bench_gpt(size: str, rounds: int, quick: bool, pytorch: bool = True, tiny=False) -> dict:
+def bench_gpt(
+    size: str,
+    rounds: int,
+    quick: bool,
+    pytorch: bool | str = True,
+    tiny=False,
+    *,
+    steps: tuple[int, int] | None = None,
+    rtol: float = LOSS_RTOL,
+) -> dict:
     """The GPT step: same loss after 10 steps, then interleaved timing, tokens/s and the
     fraction of the matmul floor (the step's matmuls alone) each implementation reaches.
-    With ``pytorch`` and torch installed, nanoGPT's PyTorch model is a row too."""
+    With ``pytorch`` and torch installed, nanoGPT's PyTorch model is a row too
+    (``"autocast"``: and its bf16 autocast). ``steps``: (nnlite's steps per call, steps per
+    timed sample) instead of the size's own; ``rtol``: the same-loss check's tolerance (an
+    accelerator's TF32 dots round differently per implementation). MFU is against the
+    device's peak (``train/report/perf.py``: a measured GEMM on a CPU, the data sheet's
+    float32 (TF32) figure on a GPU)."""
+    from train.report.perf import peak_flops
+
     from ._gpt_impls import GPT_SPECS, GPT_TINY, build_all_gpt
 
     spec = GPT_TINY if tiny else GPT_SPECS[size]
-    k, n = GPT_STEPS_PER_CALL[size], GPT_STEPS_PER_SAMPLE[size]
+    k, n = steps or (GPT_STEPS_PER_CALL[size], GPT_STEPS_PER_SAMPLE[size])
     if quick:
         n = k
     if tiny:
         k = n = 2
     impls = build_all_gpt(spec, steps_per_call=k, matmul_floor=True, pytorch=pytorch)
     with jax.numpy_rank_promotion("allow"):  # the peers are written as their users write them
-        losses = check_losses(impls, 2 if tiny else GPT_CHECK_STEPS[size])
+        losses = check_losses(impls, 2 if tiny else GPT_CHECK_STEPS.get(size, 2), rtol)
         cases = {impl.name: (lambda impl=impl: impl.run(n)) for impl in impls}
         # the check ran (and compiled) every implementation already; the large size skips
         # the extra warm-up call, which costs minutes
-        samples = h.time_interleaved(cases, rounds=rounds, warmup=0 if size == "gpt_large" else 1)
+        warmup = 0 if size == "gpt_large" and steps is None else 1
+        samples = h.time_interleaved(cases, rounds=rounds, warmup=warmup)
     per_step = {name: h.median(v) / n for name, v in samples.items()}
     floor = per_step["matmul floor"]
-    from train.report.perf import cpu_peak
-
-    peak = cpu_peak("float32")  # MFU: the step's matmul FLOPs against a measured GEMM
+    peak, _ = peak_flops(jax.devices()[:1], "float32")  # MFU: the step's matmul FLOPs
+    peak = peak or float("nan")
     return {
         "peak_flops_per_s": peak,
         "mfu": {name: spec.matmul_flops() / t / peak for name, t in per_step.items()},
@@ -173,7 +189,7 @@ def bench_gpt(size: str, rounds: int, quick: bool, pytorch: bool = True, tiny=Fa
         "steps_per_sample": n,
         "rounds": rounds,
         "nnlite_steps_per_call": k,
-        "check_steps": GPT_CHECK_STEPS[size],
+        "check_steps": GPT_CHECK_STEPS.get(size, 2),
         "loss_after_check_steps": losses,
         "median_s_per_step": per_step,
         "tokens_per_s": {name: spec.tokens_per_step / t for name, t in per_step.items()},
