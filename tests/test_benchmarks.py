@@ -167,6 +167,9 @@ SMOKE = {
     "python -m benchmarks.params_step extras": ("params_step", ["extras", "--tiny"]),
     "python -m benchmarks.grad_modes": ("grad_modes", ["--tiny"]),
     "python -m benchmarks.pytree": ("pytree", ["--tiny"]),
+    # its steps part is train_step's GPT rows and its trainer part python -m train, both
+    # covered at tiny sizes elsewhere: the smoke run is the precision table it adds
+    "python -m benchmarks.gpu": ("gpu", ["--tiny", "--parts", "precision"]),
     "python -m benchmarks.precision": (
         "precision",
         ["--tiny", "--train-steps", "0", "--grad", "autodiff"],

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import OptimizerConfig
 from ..errors import ConfigError
-from .build import INIT_COMPILER_OPTIONS, Run
+from .build import Run, init_compiler_options
 
 HOW = "--eject writes a one-device script of a plain train step"
 
@@ -165,7 +165,7 @@ def check_optimizer(src: str, r: Run, params) -> None:
     grads = jax.tree.map(lambda p: np.cos(np.asarray(p, np.float32) + 1).astype(p.dtype), params)
 
     # one program (run eagerly, each optax op would compile on its own), compiled fast
-    @functools.partial(jax.jit, compiler_options=INIT_COMPILER_OPTIONS)
+    @functools.partial(jax.jit, compiler_options=init_compiler_options())
     def both(grads, params):
         pair = (r.optimizer, mine)
         return tuple(opt.update(grads, opt.init(params), params)[0] for opt in pair)

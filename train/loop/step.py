@@ -450,10 +450,14 @@ def compile_async(executor: Executor, fn, *args) -> Future:
     dtype, weak type and sharding: abstract ``ShapeDtypeStruct`` arguments must carry the
     sharding the real ones will have) finds the executable in jit's caches; wait for the
     future first, or that call compiles the program a second time. The future's result is
-    the ``Compiled`` executable.
+    the ``Compiled`` executable; its ``lowered`` attribute the ``Lowered`` program (whose
+    cost analysis counts the model's FLOPs before the backend rewrites its dots).
     """
     traced = fn.trace(*args) if args else fn
-    return executor.submit(traced.lower().compile)
+    lowered = traced.lower()
+    future = executor.submit(lowered.compile)
+    future.lowered = lowered
+    return future
 
 
 def step_flags(metrics: dict) -> np.ndarray:

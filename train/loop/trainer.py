@@ -648,9 +648,12 @@ class _Loop:
 
 
 def _flops_and_peak(r: Run, prep: Prepared) -> tuple[float | None, float | None]:
-    """Model FLOPs per step from the compiled step, and the devices' peak FLOP/s."""
+    """Model FLOPs per step from the lowered step, and the devices' peak FLOP/s. A step
+    mapped over a batch axis (pmap, shard_map) is lowered as one device's program, run by
+    every device; a ``jit`` over sharded arrays (one device, fsdp, tensor) as the global one."""
     devices = r.strategy.devices
-    flops = perf.step_flops(prep.step_cost, len(devices), r.cfg.train.grad_accum_steps)
+    copies = 1 if r.strategy.axis is None else len(devices)
+    flops = perf.step_flops(prep.step_cost, copies, r.cfg.train.grad_accum_steps)
     if flops is None:
         return None, None
     return flops, perf.peak_flops(devices, r.cfg.train.precision)[0]
