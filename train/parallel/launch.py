@@ -35,6 +35,10 @@ from . import distributed as dist
 # instead of killing them.
 _AGREED = (EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_NONFINITE, EXIT_STUCK)
 _GRACE_S = 20.0  # how long the others may take to follow a process that exited that way
+# How long a failure waits for its peers before naming the cause: a SIGKILLed process can
+# be reaped after its peers have failed because of it (10 s was too short twice in a full
+# test run on 2 busy cores: tearing down a JAX process's memory takes a while there).
+_REAP_S = 30.0
 
 
 def free_port() -> int:
@@ -171,11 +175,14 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
             # After a forwarded SIGTERM, a process still starting up may die of it.
             agreed = (*_AGREED, -signal.SIGTERM) if signalled else _AGREED
             if c not in agreed or time.monotonic() - t > _GRACE_S:
-                # A killed process can take a moment to be reaped after its peers have
-                # already failed because of it (seconds on a loaded machine; 3 s was too short
-                # in a full test run): look again before naming the cause.
-                deadline = time.monotonic() + 10.0
-                while time.monotonic() < deadline and not any((p.poll() or 0) < 0 for p in procs):
+                # A killed process can take a while to be reaped after its peers have
+                # already failed because of it (_REAP_S): look again before naming the
+                # cause, until one is seen killed or all have exited.
+                deadline = time.monotonic() + _REAP_S
+                while time.monotonic() < deadline:
+                    polled = [p.poll() for p in procs]
+                    if any((c or 0) < 0 for c in polled) or None not in polled:
+                        break
                     time.sleep(0.05)
                 killed = [(j, p.poll()) for j, p in enumerate(procs) if (p.poll() or 0) < 0]
                 if killed and c >= 0:
