@@ -86,6 +86,19 @@ def test_bfloat16_trains_like_float32_manual_and_fsdp(user, f32_run):
         assert run.summary["test_loss"] != ref  # it really ran in another precision
         leaves = jax.tree.leaves(run.params)
         assert {np.asarray(a).dtype for a in leaves} == {np.dtype(np.float32)}  # params f32
+    # the FLOPs of one global step, on one device or 8 (fsdp's program is the global one:
+    # counted once, not once per device); autodiff and manual differ by a few ops
+    one, eight = bf16.summary["flops_per_step"], sharded.summary["flops_per_step"]
+    assert 0.8 * one < eight < 1.25 * one, (one, eight)
+
+
+def test_init_compiler_options_are_the_cpu_backends_only(monkeypatch):
+    from train.loop import build
+
+    assert build.init_compiler_options()["xla_backend_optimization_level"] == 0
+    # a GPU backend refuses XLA:CPU's options ("No such compile option"): none there
+    monkeypatch.setattr(build.jax, "default_backend", lambda: "gpu")
+    assert build.init_compiler_options() == {}
 
 
 def test_the_policy_computes_in_the_dtype_and_the_loss_in_float32(user):
