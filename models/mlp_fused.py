@@ -16,7 +16,7 @@ Example:
     >>> import nnlite as nl
     >>> params = nl.FFN(4, (8,), 3).init(jax.random.key(0))
     >>> x, y = jnp.ones((2, 4)), jnp.array([0, 2])
-    >>> loss, grads = fused_loss_and_grad(params, x, y)
+    >>> loss, grads = jax.jit(fused_loss_and_grad)(params, x, y)
     >>> grads.layers[0].W.shape
     (4, 8)
 """
@@ -278,9 +278,10 @@ def fused_grad_accum(
         >>> params = nl.FFN(4, (8,), 3).init(jax.random.key(0))
         >>> x, y = jnp.ones((6, 4)), jnp.array([0, 1, 2, 0, 1, 2])
         >>> zeros = jax.tree.map(jnp.zeros_like, params)
-        >>> _, acc = fused_grad_accum(params, x[:3], y[:3], zeros)
-        >>> _, acc = fused_grad_accum(params, x[3:], y[3:], acc)
-        >>> _, full = fused_loss_and_grad(params, x, y)
+        >>> accum = jax.jit(fused_grad_accum)
+        >>> _, acc = accum(params, x[:3], y[:3], zeros)
+        >>> _, acc = accum(params, x[3:], y[3:], acc)
+        >>> _, full = jax.jit(fused_loss_and_grad)(params, x, y)
         >>> bool(jnp.allclose(acc.layers[0].W / 2, full.layers[0].W, atol=1e-6))
         True
     """
@@ -343,8 +344,9 @@ def mlp_loss(
         >>> import nnlite as nl
         >>> params = nl.FFN(4, (8,), 3).init(jax.random.key(0))
         >>> x, y = jnp.ones((2, 4)), jnp.array([0, 2])
-        >>> g1 = jax.grad(mlp_loss)(params, x, y)
-        >>> g2 = jax.grad(mlp_loss)(params, x, y, mode="fused")
+        >>> grad = jax.jit(jax.grad(mlp_loss), static_argnames="mode")
+        >>> g1 = grad(params, x, y)
+        >>> g2 = grad(params, x, y, mode="fused")
         >>> bool(jnp.allclose(g1.layers[1].W, g2.layers[1].W, atol=1e-6))
         True
     """
