@@ -11,6 +11,7 @@ a test that starts a subprocess).
 
 import os
 import shutil
+import sys
 import tempfile
 
 from _xla import xla_flags
@@ -19,6 +20,12 @@ from _xla import xla_flags
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Bytecode on, whatever the environment says (PYTHONDONTWRITEBYTECODE=1 here and maybe in
+# CI): the suite's hundreds of ``python -m train`` subprocesses would each compile the
+# project's modules from source (~0.4 s of CPU a process), and each worker would rewrite
+# every test module's asserts again. The .pyc files go to the gitignored __pycache__.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # The process that creates the cache (pytest's main process; under pytest-xdist the
 # controller, which loads this file before it starts its workers) is the one that deletes
 # it; the workers and every subprocess find it in the environment they inherit.
