@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 from ._jax_private import batch_axis_trace_state
 
+batch_axis_trace_state()  # registered now, not on first use (see its docstring)
+
 __all__ = ["batch_axis", "current_batch_axis"]
 
 

@@ -71,7 +71,11 @@ def manual_trace_state():
     JAX caches what it traces (``jax.jit``, ``jax.checkpoint``) by function, argument types
     and trace context; manual mode changes what nnlite layers trace to (their hand rules),
     so it must be in that key, or a ``jax.checkpoint`` traced for autodiff first would be
-    reused in manual mode. Registered on first use.
+    reused in manual mode. Registered when nnlite is imported (``nnlite/core/_mode.py``):
+    registered later, on first use, it would lengthen the trace context of every call
+    after it, so each function traced (or compiled ahead of time) before that first use
+    would miss JAX's caches on its next call and be traced and lowered again (the
+    trainer's step, compiled ahead of time, was traced twice in every run).
     """
     return config.bool_state(
         "nnlite_manual_grads",
@@ -85,7 +89,8 @@ def manual_trace_state():
 def batch_axis_trace_state():
     """A JAX config state in JAX's trace context: the mapped axis the batch is split over
     (``nnlite.batch_axis``). Batch statistics trace to a ``pmean`` over it, so it must key
-    JAX's caches as manual mode does. Registered on first use."""
+    JAX's caches as manual mode does. Registered when nnlite is imported, for the reason
+    :func:`manual_trace_state` gives."""
     return config.string_or_object_state(
         "nnlite_batch_axis",
         None,

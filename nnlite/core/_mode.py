@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 from ._jax_private import manual_trace_state
 
+manual_trace_state()  # registered now, not on first use (see its docstring)
+
 __all__ = ["frozen_scope", "is_frozen", "manual_active", "manual_scope", "manual_tape"]
 
 _state = threading.local()
