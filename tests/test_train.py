@@ -95,14 +95,17 @@ def test_strategies_match_one_device(tmp_path, config):
         assert_same_training(got, ref, ops, f"{strategy} x {n}: ")
 
 
-@pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
-def test_steps_per_call_matches_single_steps(tmp_path, strategy):
+# (SAME_PROGRAMS and test_strategies_match_one_device's device counts: the one-step runs
+# are that test's programs, which the session's compile cache has)
+@pytest.mark.parametrize("strategy, devices", [("none", 1), ("pmap", 8), ("shard_map", 2)])
+def test_steps_per_call_matches_single_steps(tmp_path, strategy, devices):
     common = [
+        *SAME_PROGRAMS,
         "train.steps=12",
         "train.batch_size=64",
         "train.log_every=4",
         f"parallel.strategy={strategy}",
-        "parallel.devices=2",
+        f"parallel.devices={devices}",
     ]
     single = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=1", "name=a")
     multi = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=4", "name=b")
@@ -120,8 +123,8 @@ def test_steps_per_call_matches_single_steps(tmp_path, strategy):
 
 
 def test_resume_is_bit_identical(tmp_path):
-    common = [
-        "train.steps=40",
+    common = [  # 30 steps: test_same_config_gives_identical_metrics's step program
+        "train.steps=30",
         "checkpoint.every=10",
         "checkpoint.keep=10",
         "train.log_every=5",
@@ -133,7 +136,7 @@ def test_resume_is_bit_identical(tmp_path):
     part_dir = tmp_path / "part"
     shutil.copytree(full.run_dir, part_dir)
     ckpts = sorted((part_dir / "checkpoints").iterdir())
-    assert [p.name for p in ckpts][-1] == "ckpt_00000040.safetensors"
+    assert [p.name for p in ckpts][-1] == "ckpt_00000030.safetensors"
     for p in ckpts[2:]:
         p.unlink()
     # Step 20 as the trainer wrote it before it used nl.save (same keys, no "format" in the
@@ -148,7 +151,7 @@ def test_resume_is_bit_identical(tmp_path):
     safetensors.numpy.save_file(tensors, str(ckpts[1]), metadata=meta)
     ckpts[2].with_name(ckpts[2].name + ".tmp").write_bytes(b"half")
     resumed = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part", resume="auto")
-    assert resumed.step == 40
+    assert resumed.step == 30
     for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(full.opt_state), jax.tree.leaves(resumed.opt_state)):
@@ -273,7 +276,9 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
 @pytest.mark.parametrize("strategy", ["none", "shard_map"])
 def test_fused_mode_trains_like_autodiff(tmp_path, strategy):
     # manual == autodiff for this model under every strategy: tests/test_manual_train.py
-    par = [f"parallel.strategy={strategy}", "parallel.devices=4"]
+    # (2 devices: the autodiff runs are test_strategies_match_one_device's programs, the
+    # fused ones test_grad_accumulation_equals_one_big_batch's whole batches)
+    par = [f"parallel.strategy={strategy}", "parallel.devices=2"]
     mlp = "configs/digits_mlp.yaml"
     auto = grads_and_trajectory(tmp_path, mlp, *par, "loss.grad=autodiff", "name=auto")
     fused = grads_and_trajectory(tmp_path, mlp, *par, "loss.grad=fused", "name=fused")
@@ -298,9 +303,11 @@ def test_fused_mode_trains_like_autodiff(tmp_path, strategy):
     ],
 )
 def test_grad_accumulation_equals_one_big_batch(tmp_path, grad, strategy):
-    # k microbatches of B/k summed into one update == one step on the batch of B.
+    # k microbatches of B/k summed into one update == one step on the batch of B (B = 64:
+    # the whole batches are programs of test_strategies_match_one_device and
+    # test_fused_mode_trains_like_autodiff, which the session's compile cache has).
     common = [
-        "train.batch_size=128",
+        "train.batch_size=64",
         f"loss.grad={grad}",
         f"parallel.strategy={strategy}",
         "parallel.devices=2",
