@@ -210,13 +210,6 @@ def test_run_directory_contents(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
-def test_linreg_pmap_config_recovers_the_line(tmp_path):
-    r = run(tmp_path, "configs/linreg_pmap.yaml")
-    assert len(r.devices) == 8
-    w, b = float(r.params.W[0, 0]), float(r.params.b[0])
-    assert abs(w - 2) < 0.1 and abs(b + 1) < 0.1
-
-
 @pytest.fixture(scope="module")
 def digits_mlp_full(tmp_path_factory):
     """The shipped digits MLP config as it stands (its loss.grad: auto), trained once for
@@ -379,7 +372,8 @@ def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
     assert metrics["loss"].shape == (k,) and np.isfinite(np.asarray(metrics["loss"])).all()
 
 
-def test_small_models_print_their_learned_params(tmp_path, capsys):
+# (also test_linreg_pmap_config_recovers_the_line, which trained the same config again)
+def test_linreg_pmap_config_recovers_the_line_and_prints_its_learned_params(tmp_path, capsys):
     base = [
         "--set",
         f"log.dir={tmp_path}",
@@ -390,6 +384,7 @@ def test_small_models_print_their_learned_params(tmp_path, capsys):
     ]
     assert main(["--config", str(ROOT / "configs/linreg_pmap.yaml"), *base]) == 0
     out = capsys.readouterr().out
+    assert "devices: 8 x cpu (pmap" in out  # devices: all
     lines = out.splitlines()
     at = lines.index("learned params (2):")
     w = float(lines[at + 1].split("= [[")[1].rstrip("]"))
