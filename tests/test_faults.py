@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import shlex
 import signal
 import subprocess
@@ -95,93 +94,126 @@ def metrics_without_timings(path: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
-def test_sigterm_saves_exits_3_and_the_printed_command_resumes_exactly(tmp_path, npz):
-    over = [npz, "train.steps=600", "train.log_every=10", "train.eval_every=200"]
-    proc = spawn([*cli_args(tmp_path, *over), "--fresh"])
-    metrics = tmp_path / "run" / "metrics.jsonl"
+# One run, stopped in every way and resumed each time, serves the SIGTERM and the SIGKILL
+# tests (each restart pays a JAX start-up): SIGTERM first (a fresh run, then its printed
+# command), then one SIGKILL in each phase: a half-written checkpoint, start-up, a
+# written-but-unrenamed checkpoint, mid-training; then a run to the end, compared bit for
+# bit with one uninterrupted in-process run. Every run but the last pauses in each
+# checkpoint write (TEST_PAUSE_ENV), so that a signal sent after a write began lands
+# before the run can end, however loaded the machine.
+INTERRUPTED = [
+    "train.steps=100",
+    "checkpoint.every=5",
+    "checkpoint.keep=3",
+    "train.log_every=5",
+    "train.eval_every=20",
+]
+PAUSE = 0.2  # the hook pauses twice per checkpoint write: half-written, then unrenamed
+
+
+def tmp_steps(ckpt_dir: Path) -> list[int]:
+    """Steps of the checkpoints being written (nl.save's temporary names)."""
+    return [int(p.name[5:13]) for p in ckpt_dir.glob("ckpt_*.safetensors.*.tmp")]
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, npz):
+    tmp_path = tmp_path_factory.mktemp("interrupted")
+    over = [npz, *INTERRUPTED]
+    run_dir = tmp_path / "run"
+    ckpt_dir, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    out = {"run_dir": run_dir}
+    pause = {TEST_PAUSE_ENV: str(PAUSE)}
+
+    # SIGTERM once the first checkpoint write has begun: the run cannot end before it lands
+    proc = spawn([*cli_args(tmp_path, *over), "--fresh"], **pause)
     try:
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        while not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
             assert proc.poll() is None, proc.communicate()
-            time.sleep(0.02)
+            time.sleep(0.005)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        _, out["sigterm_err"] = proc.communicate(timeout=60)
     finally:
         proc.kill()
         proc.communicate()
-    assert proc.returncode == faults.EXIT_PREEMPTED, err
-    line = next(ln for ln in err.splitlines() if ln.startswith("preempted by SIGTERM"))
+    out["sigterm_rc"] = proc.returncode
+    line = next(
+        (ln for ln in out["sigterm_err"].splitlines() if ln.startswith("preempted by SIGTERM")),
+        "",
+    )
+    out["sigterm_line"] = line
+    args = shlex.split(line.split("resume with: ")[-1])[3:]  # drop "python -m train"
+
+    # SIGKILL in each phase, resuming with the printed command each time
+    kill_points = []
+    for phase in ["half-written", "start-up", "unrenamed", "mid-training"]:
+        before = latest_checkpoint(ckpt_dir)
+        proc = spawn(args, **pause)
+        try:
+            if phase in ("half-written", "unrenamed"):  # inside a write ahead of the latest
+                while not any(s > before for s in tmp_steps(ckpt_dir)) and proc.poll() is None:
+                    time.sleep(0.005)
+                # the temporary file stays 2 x PAUSE: half-written, then complete
+                time.sleep((0.25 if phase == "half-written" else 1.5) * PAUSE)
+            elif phase == "start-up":
+                proc.stdout.readline()  # the start line: jax is up, compiling follows
+                time.sleep(0.1)
+            else:  # right after a write has been renamed, before the next one
+                while latest_checkpoint(ckpt_dir) <= before and proc.poll() is None:
+                    time.sleep(0.005)
+            proc.kill()
+            stdout, _ = proc.communicate()
+        finally:
+            proc.kill()
+        done = sorted(p.name for p in ckpt_dir.glob("*"))
+        kill_points.append((phase, proc.returncode, done, stdout))
+        if phase == "unrenamed":  # a torn last line, as a kill mid-write leaves
+            with open(metrics, "a") as f:
+                f.write('{"step": 99, "split": "tr')
+    out["kill_points"] = kill_points
+    final = spawn(args)
+    out["final_out"], out["final_err"] = final.communicate(timeout=120)
+    out["final_rc"] = final.returncode
+    out["ref"] = in_process(tmp_path, *over, "name=ref")
+    return out
+
+
+def assert_finished_like_uninterrupted(interrupted) -> None:
+    run_dir, ref = interrupted["run_dir"], interrupted["ref"]
+    assert interrupted["final_rc"] == 0, interrupted["final_err"]
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    assert_bit_identical(saved_params(run_dir), ref)
+    assert metrics_without_timings(run_dir / "metrics.jsonl") == metrics_without_timings(
+        ref.run_dir / "metrics.jsonl"
+    )
+
+
+def test_sigterm_saves_exits_3_and_the_printed_command_resumes_exactly(interrupted):
+    err, line = interrupted["sigterm_err"], interrupted["sigterm_line"]
+    assert interrupted["sigterm_rc"] == faults.EXIT_PREEMPTED, err
+    assert line.startswith("preempted by SIGTERM"), err
     step = int(line.split("at step ")[1].split(":")[0])
-    assert 0 < step < 600
+    assert 0 < step < 100
     assert f"ckpt_{step:08d}.safetensors" in line
     command = line.split("resume with: ")[1]
     assert "--fresh" not in command  # it would delete the checkpoint we just wrote
-    resumed = spawn(shlex.split(command)[3:])  # drop "python -m train"
-    out, err = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0, err
-    assert f"resuming at step {step}" in out
-    ref = in_process(tmp_path, *over, "name=ref")
-    assert_bit_identical(saved_params(tmp_path / "run"), ref)
-    assert metrics_without_timings(metrics) == metrics_without_timings(
-        ref.run_dir / "metrics.jsonl"
-    )
+    # the printed command's first run resumed there (it was killed at a later write) ...
+    phase, _, _, stdout = interrupted["kill_points"][0]
+    assert f"resuming at step {step}" in stdout, (phase, stdout)
+    # ... and the run it continues ends exactly as an uninterrupted one
+    assert_finished_like_uninterrupted(interrupted)
 
 
-def test_sigkill_at_any_moment_resumes_bit_identically(tmp_path, npz):
-    """SIGKILL a run again and again (during checkpoint writes and at random times), resume
-    each time, and finish with exactly the params of an uninterrupted run."""
-    over = [
-        npz,
-        "train.steps=100",
-        "checkpoint.every=5",
-        "checkpoint.keep=3",
-        "train.log_every=5",
-        "train.eval_every=20",
-    ]
-    args = cli_args(tmp_path, *over)
-    ckpt_dir = tmp_path / "run" / "checkpoints"
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    rng = random.Random(0)
-    pause = 0.1  # the hook pauses twice per checkpoint write: half-written, then unrenamed
-    kill_points = []
-    for i in range(10):
-        proc = spawn(args, **{TEST_PAUSE_ENV: str(pause)})
-        try:
-            if i % 2 == 0:  # during (or right after) a checkpoint write ahead of the latest
-                target = min(latest_checkpoint(ckpt_dir) + 5 * rng.randint(1, 2), 100)
-                tmp = f"ckpt_{target:08d}.safetensors.*.tmp"  # nl.save's temporary name
-                while not list(ckpt_dir.glob(tmp)) and proc.poll() is None:
-                    time.sleep(0.005)
-                time.sleep(rng.uniform(0, 2.2 * pause))
-                where = f"write of step {target}"
-            else:  # anywhere, from start-up to training
-                proc.stdout.readline()  # the start line: jax is up
-                time.sleep(rng.uniform(0, 0.8))
-                where = "random time"
-            proc.kill()
-            proc.communicate()
-        finally:
-            proc.kill()
-        done = sorted(p.name for p in ckpt_dir.glob("*")) if ckpt_dir.exists() else []
-        kill_points.append((where, proc.returncode, done))
-        if proc.returncode == 0:
-            break
-        assert proc.returncode == -signal.SIGKILL, kill_points[-1]
-        if i == 3 and metrics.exists():  # a torn last line, as a kill mid-write leaves
-            with open(metrics, "a") as f:
-                f.write('{"step": 99, "split": "tr')
-    print("\n".join(f"{w}: status {rc}, left {d}" for w, rc, d in kill_points))
-    assert sum(rc == -signal.SIGKILL for _, rc, _ in kill_points) >= 9, kill_points
+def test_sigkill_at_any_moment_resumes_bit_identically(interrupted):
+    """SIGKILL a run again and again (inside both pauses of a checkpoint write, during
+    start-up and mid-training), resume each time, and finish with exactly the params and
+    metrics of an uninterrupted run."""
+    kill_points = interrupted["kill_points"]
+    print("\n".join(f"{w}: status {rc}, left {d}" for w, rc, d, _ in kill_points))
+    assert all(rc == -signal.SIGKILL for _, rc, _, _ in kill_points), kill_points
     # Kills landed on half-written or unrenamed temporary files, not only between writes.
-    assert any(any(n.endswith(".tmp") for n in done) for _, _, done in kill_points)
-    final = spawn(args)
-    out, err = final.communicate(timeout=120)
-    assert final.returncode == 0, err
-    assert not list(ckpt_dir.glob("*.tmp"))
-    ref = in_process(tmp_path, *over, "name=ref")
-    assert_bit_identical(saved_params(tmp_path / "run"), ref)
-    assert metrics_without_timings(metrics) == metrics_without_timings(
-        ref.run_dir / "metrics.jsonl"
-    )
+    assert any(any(n.endswith(".tmp") for n in done) for _, _, done, _ in kill_points)
+    assert_finished_like_uninterrupted(interrupted)
 
 
 # -- non-finite steps ------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from _tolerance import (
 from train import Callback
 from train.__main__ import main
 from train.checkpoint.rundir import TIMING_KEYS
-from train.config import load_config
+from train.config import load_config, to_dict
 from train.loop.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +69,25 @@ def grads_and_trajectory(tmp_path, config, *overrides, steps=10):
     return first_step_grads(one), r
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(config, *overrides)``: :func:`grads_and_trajectory`'s result, one run per
+    resulting config (its name and directory aside): tests that train the same thing (the
+    one-device and 2-device references of the strategy, fused and accumulation checks)
+    share one run."""
+    done = {}
+
+    def get(config, *overrides):
+        tmp = tmp_path_factory.mktemp("trained")
+        cfg = load_config(ROOT / config, [f"log.dir={tmp}", *SHORT, *overrides, *SAME_PROGRAMS])
+        key = json.dumps({**to_dict(cfg), "name": None, "log": None}, sort_keys=True)
+        if key not in done:
+            done[key] = grads_and_trajectory(tmp, config, *overrides, f"name=r{len(done)}")
+        return done[key]
+
+    return get
+
+
 def assert_same_training(got, want, ops, what):
     """``(grads, run)`` pairs: gradients to ``ops`` roundings, params within one lr."""
     assert_close_f32(got[0], want[0], ops=ops, what=what)
@@ -78,31 +97,34 @@ def assert_same_training(got, want, ops, what):
 @pytest.mark.parametrize(
     "config", ["configs/digits_mlp.yaml", "configs/linreg_pmap.yaml"], ids=["mlp", "linreg"]
 )
-def test_strategies_match_one_device(tmp_path, config):
+def test_strategies_match_one_device(trained, config):
     # adam for linreg too (it trains with sgd): adam's first moment shows the gradient
     adam = "optimizer.name=adam"
-    ref = grads_and_trajectory(tmp_path, config, adam, "parallel.strategy=none", "name=ref")
+    ref = trained(config, adam, "parallel.strategy=none")
     # The reference must have moved away from init, or equality would prove nothing.
     init = ref[1].model.init(jax.random.key(ref[1].cfg.seed))
     assert max_abs_diff(ref[1].params, init) > 1e-3
     # One device count per strategy: any count splits the batch and reduces its gradient
     # the same way (the count changes only the order of the sums).
     for strategy, n in [("pmap", 8), ("shard_map", 2)]:
-        par = [f"parallel.strategy={strategy}", f"parallel.devices={n}", f"name={strategy}"]
-        got = grads_and_trajectory(tmp_path, config, adam, *par)
+        par = [f"parallel.strategy={strategy}", f"parallel.devices={n}"]
+        got = trained(config, adam, *par)
         assert len(got[1].devices) == n
         ops = ROUNDINGS_PER_LAYER * LAYERS[config]
         assert_same_training(got, ref, ops, f"{strategy} x {n}: ")
 
 
-@pytest.mark.parametrize("strategy", ["none", "pmap", "shard_map"])
-def test_steps_per_call_matches_single_steps(tmp_path, strategy):
+# (SAME_PROGRAMS and test_strategies_match_one_device's device counts: the one-step runs
+# are that test's programs, which the session's compile cache has)
+@pytest.mark.parametrize("strategy, devices", [("none", 1), ("pmap", 8), ("shard_map", 2)])
+def test_steps_per_call_matches_single_steps(tmp_path, strategy, devices):
     common = [
+        *SAME_PROGRAMS,
         "train.steps=12",
         "train.batch_size=64",
         "train.log_every=4",
         f"parallel.strategy={strategy}",
-        "parallel.devices=2",
+        f"parallel.devices={devices}",
     ]
     single = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=1", "name=a")
     multi = run(tmp_path, "configs/digits_mlp.yaml", *common, "train.steps_per_call=4", "name=b")
@@ -120,8 +142,8 @@ def test_steps_per_call_matches_single_steps(tmp_path, strategy):
 
 
 def test_resume_is_bit_identical(tmp_path):
-    common = [
-        "train.steps=40",
+    common = [  # 30 steps: test_same_config_gives_identical_metrics's step program
+        "train.steps=30",
         "checkpoint.every=10",
         "checkpoint.keep=10",
         "train.log_every=5",
@@ -133,7 +155,7 @@ def test_resume_is_bit_identical(tmp_path):
     part_dir = tmp_path / "part"
     shutil.copytree(full.run_dir, part_dir)
     ckpts = sorted((part_dir / "checkpoints").iterdir())
-    assert [p.name for p in ckpts][-1] == "ckpt_00000040.safetensors"
+    assert [p.name for p in ckpts][-1] == "ckpt_00000030.safetensors"
     for p in ckpts[2:]:
         p.unlink()
     # Step 20 as the trainer wrote it before it used nl.save (same keys, no "format" in the
@@ -148,7 +170,7 @@ def test_resume_is_bit_identical(tmp_path):
     safetensors.numpy.save_file(tensors, str(ckpts[1]), metadata=meta)
     ckpts[2].with_name(ckpts[2].name + ".tmp").write_bytes(b"half")
     resumed = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part", resume="auto")
-    assert resumed.step == 40
+    assert resumed.step == 30
     for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(full.opt_state), jax.tree.leaves(resumed.opt_state)):
@@ -205,13 +227,6 @@ def test_run_directory_contents(tmp_path):
     ):
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(r.params), strict=True):
             np.testing.assert_array_equal(a, b)
-
-
-def test_linreg_pmap_config_recovers_the_line(tmp_path):
-    r = run(tmp_path, "configs/linreg_pmap.yaml")
-    assert len(r.devices) == 8
-    w, b = float(r.params.W[0, 0]), float(r.params.b[0])
-    assert abs(w - 2) < 0.1 and abs(b + 1) < 0.1
 
 
 @pytest.fixture(scope="module")
@@ -271,12 +286,14 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
 # pmap is test_grad_accumulation_equals_one_big_batch[fused-pmap]'s and
 # tests/test_grad_modes.py's test_modes_under_pmap_match_one_device's.
 @pytest.mark.parametrize("strategy", ["none", "shard_map"])
-def test_fused_mode_trains_like_autodiff(tmp_path, strategy):
+def test_fused_mode_trains_like_autodiff(trained, strategy):
     # manual == autodiff for this model under every strategy: tests/test_manual_train.py
-    par = [f"parallel.strategy={strategy}", "parallel.devices=4"]
+    # (shard_map on 2 devices: the autodiff runs are test_strategies_match_one_device's,
+    # the fused one on shard_map test_grad_accumulation_equals_one_big_batch's whole batch)
+    par = [f"parallel.strategy={strategy}"] + (["parallel.devices=2"] if strategy != "none" else [])
     mlp = "configs/digits_mlp.yaml"
-    auto = grads_and_trajectory(tmp_path, mlp, *par, "loss.grad=autodiff", "name=auto")
-    fused = grads_and_trajectory(tmp_path, mlp, *par, "loss.grad=fused", "name=fused")
+    auto = trained(mlp, *par, "loss.grad=autodiff")
+    fused = trained(mlp, *par, "loss.grad=fused")
     assert_same_training(fused, auto, ROUNDINGS_PER_LAYER * LAYERS[mlp], "fused: ")
 
 
@@ -297,17 +314,18 @@ def test_fused_mode_trains_like_autodiff(tmp_path, strategy):
         ("fused", "shard_map"),
     ],
 )
-def test_grad_accumulation_equals_one_big_batch(tmp_path, grad, strategy):
-    # k microbatches of B/k summed into one update == one step on the batch of B.
+def test_grad_accumulation_equals_one_big_batch(trained, grad, strategy):
+    # k microbatches of B/k summed into one update == one step on the batch of B (B = 64:
+    # two whole-batch runs are test_strategies_match_one_device's and
+    # test_fused_mode_trains_like_autodiff's, shared).
     common = [
-        "train.batch_size=128",
+        "train.batch_size=64",
         f"loss.grad={grad}",
         f"parallel.strategy={strategy}",
-        "parallel.devices=2",
-    ]
+    ] + (["parallel.devices=2"] if strategy != "none" else [])
     mlp = "configs/digits_mlp.yaml"
-    whole = grads_and_trajectory(tmp_path, mlp, *common, "train.grad_accum_steps=1", "name=w")
-    accum = grads_and_trajectory(tmp_path, mlp, *common, "train.grad_accum_steps=4", "name=a")
+    whole = trained(mlp, *common, "train.grad_accum_steps=1")
+    accum = trained(mlp, *common, "train.grad_accum_steps=4")
     # + 1 layer: the sum over microbatches
     assert_same_training(accum, whole, ROUNDINGS_PER_LAYER * (LAYERS[mlp] + 1), "accum: ")
 
@@ -372,7 +390,8 @@ def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
     assert metrics["loss"].shape == (k,) and np.isfinite(np.asarray(metrics["loss"])).all()
 
 
-def test_small_models_print_their_learned_params(tmp_path, capsys):
+# (also test_linreg_pmap_config_recovers_the_line, which trained the same config again)
+def test_linreg_pmap_config_recovers_the_line_and_prints_its_learned_params(tmp_path, capsys):
     base = [
         "--set",
         f"log.dir={tmp_path}",
@@ -383,6 +402,7 @@ def test_small_models_print_their_learned_params(tmp_path, capsys):
     ]
     assert main(["--config", str(ROOT / "configs/linreg_pmap.yaml"), *base]) == 0
     out = capsys.readouterr().out
+    assert "devices: 8 x cpu (pmap" in out  # devices: all
     lines = out.splitlines()
     at = lines.index("learned params (2):")
     w = float(lines[at + 1].split("= [[")[1].rstrip("]"))
