@@ -70,38 +70,51 @@ def test_matmul_floor_does_the_steps_matmuls():
 PEERS = ["raw JAX", "Equinox", "Flax NNX", "nnlite", "nnlite K=2"]
 
 
-def _build_cnn():
+def _gpt_names():
+    from benchmarks._gpt_impls import torch_available
+
+    # loss.grad manual and the trainer's default, auto (manual for the GPT), K=2 steps a
+    # call; nanoGPT's PyTorch model is a row only where torch is installed (an optional
+    # extra); the matmul floor is a timing reference that trains nothing
+    hand = ["nnlite manual K=2", "nnlite auto K=2"]
+    torch = ["PyTorch"] if torch_available() else []
+    return [*PEERS, *hand, *torch, "matmul floor"]
+
+
+@jax.numpy_rank_promotion("allow")
+def test_cnn_implementations_agree_on_loss():
+    """The CNN's rows (the GPT's are checked on the ``train_step --sizes gpt_baby`` smoke
+    run's own implementations, below)."""
+    pytest.importorskip("flax")  # the Flax NNX row (the bench extra)
     from benchmarks._impls_cnn import CNN_TINY, build_all_cnn
 
     # loss.grad manual and the trainer's default, auto (manual here: the same program, so
     # the compile cache has it), one step per call as the CNN's config trains
-    hand = ["nnlite manual", "nnlite auto"]
-    return build_all_cnn(CNN_TINY, n_batches=3, steps_per_call=2), [*PEERS, *hand]
+    impls = build_all_cnn(CNN_TINY, n_batches=3, steps_per_call=2)
+    assert [i.name for i in impls] == [*PEERS, "nnlite manual", "nnlite auto"]
+    # whole K=2 calls: one compiled program per nnlite row; 2 x (conv, relu), flatten,
+    # linear, loss
+    assert_losses_agree(impls, 4, layers=7)
 
 
-def _build_gpt():
-    from benchmarks._gpt_impls import GPT_TINY, build_all_gpt, torch_available
+def _check_gpt_rows(monkeypatch) -> list:
+    """Before ``train_step --sizes gpt_baby``'s own same-loss check (which exits on a
+    mismatch), its implementations checked as the CNN's above: every row named, the PyTorch
+    row where torch is installed, the first step's losses to rounding and 4 steps' within
+    1e-4. Returns a list that holds the checked names once the check ran."""
+    import benchmarks.train_step as train_step
 
-    # nanoGPT's PyTorch model is a row only where torch is installed (an optional extra)
-    hand = ["nnlite manual K=2", "nnlite auto K=2"]
-    names = [*PEERS, *hand, *(["PyTorch"] if torch_available() else [])]
-    return build_all_gpt(GPT_TINY, n_batches=3, steps_per_call=2, pytorch=True), names
+    own, checked = train_step.check_losses, []
 
+    def check(impls, *args, **kwargs):
+        assert [i.name for i in impls] == _gpt_names()
+        # 1 block of 12 (see tests/test_hand_vjp.py), embeddings, final norm, head, loss
+        assert_losses_agree(impls, 4, layers=16)
+        checked.append([i.name for i in impls])
+        return own(impls, *args, **kwargs)
 
-@jax.numpy_rank_promotion("allow")
-@pytest.mark.parametrize(
-    "build, layers",
-    # CNN: 2 x (conv, relu), flatten, linear, loss; GPT: 1 block of 12 (see
-    # tests/test_hand_vjp.py), embeddings, final norm, head, loss
-    [(_build_cnn, 7), (_build_gpt, 16)],
-    ids=["cnn", "gpt"],
-)
-def test_cnn_and_gpt_implementations_agree_on_loss(build, layers):
-    pytest.importorskip("flax")  # the Flax NNX row (the bench extra)
-    impls, names = build()
-    assert [i.name for i in impls] == names
-    # whole K=2 calls: one compiled program per nnlite row
-    assert_losses_agree(impls, 4, layers)
+    monkeypatch.setattr(train_step, "check_losses", check)
+    return checked
 
 
 def test_cli_wall_times_the_command_phase_by_phase(tmp_path, monkeypatch, capsys):
@@ -145,17 +158,16 @@ def test_cli_wall_times_the_command_phase_by_phase(tmp_path, monkeypatch, capsys
 
 
 # -- every command of benchmarks/README.md runs, at a tiny size --------------------------------
+GPT_STEP = "python -m benchmarks.train_step --sizes gpt_baby,gpt_large"
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
 # command (as benchmarks/README.md lists it) -> the module and the arguments of its smoke run
 SMOKE = {
-    # (the CNN's and the GPT's implementations are checked above at the same tiny sizes)
+    # (the MLP's and the CNN's implementations are checked above at the same tiny sizes)
     "python -m benchmarks.train_step": ("train_step", ["--tiny", "--sizes", "small"]),
     "python -m benchmarks.time_to_accuracy": ("time_to_accuracy", ["--tiny"]),
     "python -m benchmarks.first_step": ("first_step", ["--tiny"]),
-    "python -m benchmarks.train_step --sizes gpt_baby,gpt_large": (
-        "train_step",
-        ["--tiny", "--sizes", "gpt_baby", "--no-pytorch"],
-    ),
+    # with the PyTorch row where torch is installed; its rows' losses checked as the CNN's
+    GPT_STEP: ("train_step", ["--tiny", "--sizes", "gpt_baby"]),
     "python -m benchmarks.sample": ("sample", ["--tiny"]),
     "python -m benchmarks.cli_wall": ("cli_wall", ["--tiny"]),
     "python -m benchmarks.data steps": ("data", ["steps", "--tiny"]),
@@ -201,7 +213,10 @@ def test_benchmark_command_runs_at_a_tiny_size(command, tmp_path, monkeypatch, c
     module, argv = SMOKE[command]
     monkeypatch.setenv("NNLITE_BENCH_RESULTS", str(tmp_path))
     main = importlib.import_module(f"benchmarks.{module}").main
+    checked = _check_gpt_rows(monkeypatch) if command == GPT_STEP else None
     rc = main(argv)
+    if checked is not None:
+        assert checked == [_gpt_names()]  # the rows' check ran, once
     assert rc in (0, None) or isinstance(rc, dict)
     out = capsys.readouterr().out
     assert len(out.strip().splitlines()) >= 3, out  # it printed its table
