@@ -121,13 +121,15 @@ def test_cnn_strategies_match_one_device(tmp_path):
     ],
 )
 def test_show_jaxpr_roundtrips(what, overrides):
-    from train.loop.show import show_jaxpr, traced_function
+    from train.loop.show import traced_function
 
     cfg = load_config(ROOT / CONFIG, [*TINY, *overrides])
-    text = show_jaxpr(cfg, what)  # what python -m train --show-jaxpr prints
+    f, args = traced_function(cfg, what)
+    # what python -m train --show-jaxpr prints (train.loop.show.show_jaxpr is this line;
+    # tests/test_show_jaxpr.py and tests/test_your_model.py run it and the CLI)
+    text = nl.show_jaxpr(f, *args, name=what)
     assert "conv_general_dilated" in text
     assert ("jax.lax.with_sharding_constraint(" in text) == ("parallel.strategy=fsdp" in overrides)
-    f, args = traced_function(cfg, what)
     g = nl.roundtrip(f, *args, name=what)
     copy = lambda a: jax.tree.map(jnp.copy, a)  # the step donates its state
     want = jax.tree.leaves(f(*copy(args)))
