@@ -109,10 +109,11 @@ class RotaryEmbedding(Module):
         >>> import jax, jax.numpy as jnp
         >>> rope = RotaryEmbedding(8, seq_axis=-3)
         >>> q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))  # [B, T, heads, D]
-        >>> rope(rope.init(None), q).shape
+        >>> rope_jit = jax.jit(rope)  # offset may be traced (a cached decoder's position)
+        >>> rope_jit(rope.init(None), q).shape
         (2, 5, 4, 8)
-        >>> last = rope(ParamsDict(), q[:, 4:], offset=4)  # the 5th token alone, at position 4
-        >>> bool(jnp.allclose(last, rope(ParamsDict(), q)[:, 4:], atol=1e-6))
+        >>> last = rope_jit(ParamsDict(), q[:, 4:], offset=4)  # the 5th token alone, at position 4
+        >>> bool(jnp.allclose(last, rope_jit(ParamsDict(), q)[:, 4:], atol=1e-6))
         True
     """
 
