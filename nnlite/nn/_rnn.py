@@ -552,8 +552,8 @@ class RNN(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> rnn = RNN(LSTMCell(3, 8), return_carry=True)
-        >>> p = rnn.init(jax.random.key(0))
-        >>> (h, c), hs = rnn(p, jnp.ones((4, 10, 3)))  # batch 4, 10 steps
+        >>> p = jax.jit(rnn.init)(jax.random.key(0))
+        >>> (h, c), hs = jax.jit(rnn)(p, jnp.ones((4, 10, 3)))  # batch 4, 10 steps
         >>> hs.shape, h.shape
         ((4, 10, 8), (4, 8))
         >>> bool(jnp.allclose(hs[:, -1], h))

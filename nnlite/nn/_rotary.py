@@ -74,9 +74,9 @@ def rotary(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.
     (``[T, 1]`` against ``[B, T, heads, D]``).
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> x = jnp.array([[1.0, 0.0], [1.0, 0.0]])  # D = 2: one pair, frequency 1
-        >>> print(rotary(x, jnp.array([0, 1])).round(4))  # position 1: (cos 1, sin 1)
+        >>> print(jax.jit(rotary)(x, jnp.array([0, 1])).round(4))  # position 1: (cos 1, sin 1)
         [[1.     0.    ]
          [0.5403 0.8415]]
     """
