@@ -85,14 +85,18 @@ class LoRA(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> layer = LoRA(Linear(6, 4), rank=2, alpha=4)
-        >>> p = layer.init(jax.random.key(0))
+        >>> p = jax.jit(layer.init)(jax.random.key(0))
         >>> p.print()
         /W: f32[6,4]
         /b: f32[4]
         /lora_a: f32[6,2]
         /lora_b: f32[2,4]
         >>> x = jnp.ones((3, 6))
-        >>> bool(jnp.allclose(layer(p, x), Linear(6, 4)(layer.merge(p), x)))
+        >>> @jax.jit
+        ... def adapted_and_merged(p, x):  # LoRA's output; the plain layer's on merged weights
+        ...     return layer(p, x), Linear(6, 4)(layer.merge(p), x)
+        >>> y, y_merged = adapted_and_merged(p, x)
+        >>> bool(jnp.allclose(y, y_merged))
         True
     """
 
