@@ -239,10 +239,11 @@ def freeze_base(optimizer):
 
     Example:
         >>> import jax, optax
-        >>> p = LoRA(Linear(4, 3), rank=2).init(jax.random.key(0))
+        >>> p = jax.jit(LoRA(Linear(4, 3), rank=2).init)(jax.random.key(0))
         >>> opt = freeze_base(optax.adamw(0.1))
         >>> grads = jax.tree.map(jax.numpy.ones_like, p)
-        >>> updates, _ = opt.update(grads, opt.init(p), p)
+        >>> first_step = jax.jit(lambda grads, p: opt.update(grads, opt.init(p), p))
+        >>> updates, _ = first_step(grads, p)
         >>> float(abs(updates.W).max()), float(abs(updates.lora_b).max()) > 0
         (0.0, True)
     """
