@@ -31,12 +31,13 @@ def batch_axis(axis_name: str | None) -> Iterator[None]:
         >>> import jax, jax.numpy as jnp
         >>> import nnlite as nl
         >>> bn = nl.BatchNorm(2)
-        >>> p, s = bn.init(jax.random.key(0)), bn.init_state()
+        >>> p, s = jax.jit(bn.init)(jax.random.key(0)), bn.init_state()
         >>> def forward(x):  # each device holds 2 of the 4 examples
         ...     with nl.batch_axis("devices"):
         ...         return bn(p, x, state=s, train=True)[1].mean
         >>> x = jnp.arange(8.0).reshape(2, 2, 2)
-        >>> [round(v, 4) for v in jax.vmap(forward, axis_name="devices")(x)[0].tolist()]
+        >>> means = jax.jit(jax.vmap(forward, axis_name="devices"))(x)
+        >>> [round(v, 4) for v in means[0].tolist()]
         [0.3, 0.4]
     """
     with batch_axis_trace_state()(axis_name):

@@ -59,7 +59,7 @@ def layer_hook(fn: Callable[[LayerCall], Any] | None) -> Iterator[None]:
         >>> import jax, jax.numpy as jnp
         >>> import nnlite as nl
         >>> net = nl.FFN(3, (4,), 2)
-        >>> p = net.init(jax.random.key(0))
+        >>> p = jax.jit(net.init)(jax.random.key(0))
         >>> seen = []
         >>> def record(call):
         ...     seen.append(call.path)

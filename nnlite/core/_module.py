@@ -73,7 +73,7 @@ class Module:
         ...         h = self.drop(jax.nn.relu(self.fc1(params.fc1, x)))
         ...         return self.fc2(params.fc2, h)
         >>> mlp = MLP(3)
-        >>> p = mlp.init(jax.random.key(0))
+        >>> p = jax.jit(mlp.init)(jax.random.key(0))
         >>> p.print()
         /fc1/W: f32[3,8]
         /fc1/b: f32[8]
@@ -81,7 +81,7 @@ class Module:
         /fc2/b: f32[2]
         >>> mlp.uses_key  # derived from the Dropout
         True
-        >>> mlp(p, jnp.ones((4, 3)), key=jax.random.key(1)).shape  # the key reaches drop
+        >>> jax.jit(mlp)(p, jnp.ones((4, 3)), key=jax.random.key(1)).shape  # the key reaches drop
         (4, 2)
 
     A layer with its own arrays writes ``init`` by hand:

@@ -67,7 +67,7 @@ def path_mask(params: Any, globs: Iterable[str], where: str = "glob") -> Any:
     Example:
         >>> import jax
         >>> import nnlite as nl
-        >>> p = nl.FFN(3, (4,), 2).init(jax.random.key(0))
+        >>> p = jax.jit(nl.FFN(3, (4,), 2).init)(jax.random.key(0))
         >>> m = path_mask(p, ["layers/0/*"])
         >>> [bool(x) for x in jax.tree.leaves(m)]
         [True, True, False, False]
@@ -89,10 +89,11 @@ def freeze(optimizer: Any, trainable: Any | Callable[[Any], Any], *, label: str 
     Example:
         >>> import jax, optax
         >>> import nnlite as nl
-        >>> p = nl.FFN(3, (4,), 2).init(jax.random.key(0))
+        >>> p = jax.jit(nl.FFN(3, (4,), 2).init)(jax.random.key(0))
         >>> opt = freeze(optax.adamw(0.1), lambda q: nl.path_mask(q, ["layers/1/*"]))
         >>> grads = jax.tree.map(jax.numpy.ones_like, p)
-        >>> updates, _ = opt.update(grads, opt.init(p), p)
+        >>> first_step = jax.jit(lambda grads, p: opt.update(grads, opt.init(p), p))
+        >>> updates, _ = first_step(grads, p)
         >>> float(abs(updates.layers[0].W).max()), float(abs(updates.layers[1].W).max()) > 0
         (0.0, True)
     """

@@ -90,7 +90,7 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
         ... def cube(x):
         ...     return x**3
         >>> loss = manual_grads(lambda p: jnp.sum(cube(p)), check=False)
-        >>> jax.grad(loss)(jnp.array([1.0, 2.0]))
+        >>> jax.jit(jax.grad(loss))(jnp.array([1.0, 2.0]))
         Array([ 3., 12.], dtype=float32)
     """
 
@@ -284,12 +284,12 @@ def manual_grads(fn: Callable, *, check: bool = True) -> Callable:
         >>> import jax, jax.numpy as jnp
         >>> import nnlite as nl
         >>> net = nl.FFN(3, (4,), 2)
-        >>> p = net.init(jax.random.key(0))
+        >>> p = jax.jit(net.init)(jax.random.key(0))
         >>> x, y = jnp.ones((5, 3)), jnp.zeros(5, jnp.int32)
         >>> def loss(p, x, y):
         ...     return nl.softmax_cross_entropy(net(p, x), y, reduction="mean")
-        >>> g_hand = jax.grad(nl.manual_grads(loss))(p, x, y)
-        >>> g_auto = jax.grad(loss)(p, x, y)
+        >>> g_hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, y)
+        >>> g_auto = jax.jit(jax.grad(loss))(p, x, y)
         >>> bool(jnp.allclose(g_hand.layers[0].W, g_auto.layers[0].W, atol=1e-6))
         True
     """

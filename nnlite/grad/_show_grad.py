@@ -212,7 +212,7 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
         >>> import jax, jax.numpy as jnp
         >>> import nnlite as nl
         >>> net = nl.FFN(3, (4,), 2)
-        >>> p = net.init(jax.random.key(0))
+        >>> p = jax.jit(net.init)(jax.random.key(0))
         >>> def loss(params, x, y):
         ...     return nl.softmax_cross_entropy(net(params, x), y, reduction="mean")
         >>> x, y = jnp.ones((5, 3)), jnp.zeros(5, jnp.int32)
@@ -221,9 +221,10 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
             linear_layers_0 = linear(x, params.layers[0].W, params.layers[0].b)
         >>> ns = {}
         >>> exec(src, ns)
-        >>> g = ns["grad"](p, jnp.ones((7, 3)), jnp.zeros(7, jnp.int32))  # another batch
-        >>> bool(jnp.allclose(g.layers[0].W, jax.grad(loss)(p, jnp.ones((7, 3)),
-        ...     jnp.zeros(7, jnp.int32)).layers[0].W, atol=1e-6))
+        >>> x7, y7 = jnp.ones((7, 3)), jnp.zeros(7, jnp.int32)  # another batch size
+        >>> g = jax.jit(ns["grad"])(p, x7, y7)
+        >>> g_ad = jax.jit(jax.grad(loss))(p, x7, y7)  # autodiff's gradient
+        >>> bool(jnp.allclose(g.layers[0].W, g_ad.layers[0].W, atol=1e-6))
         True
     """
     return _show(loss_fn, params, batch, kwargs, "grad")

@@ -27,10 +27,13 @@ def sample_logits(
     Example:
         >>> import jax, jax.numpy as jnp
         >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-        >>> int(sample_logits(logits, jax.random.key(0), temperature=0)[0])
+        >>> int(jax.jit(sample_logits)(logits, jax.random.key(0), temperature=0)[0])
         0
-        >>> draws = jax.vmap(lambda k: sample_logits(logits, k, top_p=0.7))(
-        ...     jax.random.split(jax.random.key(0), 200))
+        >>> @jax.jit
+        ... def draw_200(key):  # 200 draws with top_p=0.7, as one compiled program
+        ...     keys = jax.random.split(key, 200)
+        ...     return jax.vmap(lambda k: sample_logits(logits, k, top_p=0.7))(keys)
+        >>> draws = draw_200(jax.random.key(0))
         >>> sorted(set(draws[:, 0].tolist()))  # 0.5 + 0.3 reaches 0.7: tokens 0 and 1 only
         [0, 1]
     """

@@ -153,7 +153,7 @@ class GPT2LM(_Decoder):
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> m = GPT2LM(vocab_size=50, context=16, n_layer=2, n_head=2, n_embd=8)
+        >>> m = GPT2LM(vocab_size=50, context=16, n_layer=1, n_head=2, n_embd=8)
         >>> p = jax.jit(m.init)(jax.random.key(0))
         >>> jax.jit(m)(p, jnp.zeros((1, 5), jnp.int32)).shape
         (1, 5, 50)

@@ -160,7 +160,7 @@ class LlamaLM(_Decoder):
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> m = LlamaLM(vocab_size=50, context=32, n_layer=2, n_head=4, n_kv_head=2,
+        >>> m = LlamaLM(vocab_size=50, context=32, n_layer=1, n_head=4, n_kv_head=2,
         ...             n_embd=16, hidden=32)
         >>> p = jax.jit(m.init)(jax.random.key(0))
         >>> jax.jit(m)(p, jnp.zeros((1, 5), jnp.int32)).shape

@@ -223,12 +223,12 @@ class AdaptiveAvgPool(_AdaptivePool):
         + """
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> pool = AdaptiveAvgPool(3)
         >>> x = jnp.arange(5.0)[:, None]  # 5 positions, 1 channel; bins [0,2) [1,4) [3,5)
-        >>> pool(x)[:, 0].tolist()
+        >>> jax.jit(pool)(x)[:, 0].tolist()
         [0.5, 2.0, 3.5]
-        >>> AdaptiveAvgPool((1, 1))(jnp.ones((8, 7, 9, 16))).shape
+        >>> jax.jit(AdaptiveAvgPool((1, 1)))(jnp.ones((8, 7, 9, 16))).shape
         (8, 1, 1, 16)
     """
     )
@@ -249,10 +249,10 @@ class AdaptiveMaxPool(_AdaptivePool):
         + """
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> pool = AdaptiveMaxPool(2)
         >>> x = jnp.array([1.0, 5.0, 2.0, 0.0, 3.0])[:, None]  # bins [0,3) [2,5)
-        >>> pool(x)[:, 0].tolist()
+        >>> jax.jit(pool)(x)[:, 0].tolist()
         [5.0, 3.0]
     """
     )

@@ -165,19 +165,19 @@ class MultiHeadAttention(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> mha = MultiHeadAttention(8, num_heads=2, causal=True)
-        >>> p = mha.init(jax.random.key(0))
+        >>> p = jax.jit(mha.init)(jax.random.key(0))
         >>> p.print()
         /qkv/W: f32[8,24]
         /qkv/b: f32[24]
         /out/W: f32[8,8]
         /out/b: f32[8]
         >>> x = jnp.ones((3, 5, 8))  # batch 3, 5 positions
-        >>> mha(p, x).shape
+        >>> jax.jit(mha)(p, x).shape
         (3, 5, 8)
-        >>> q, k, v = mha.qkv(p, x)  # the pieces, for a key/value-cache decoder
+        >>> q, k, v = jax.jit(mha.qkv)(p, x)  # the pieces, for a key/value-cache decoder
         >>> q.shape
         (3, 5, 2, 4)
-        >>> mha.project(p, mha.attend(q, k, v)).shape
+        >>> jax.jit(lambda p, q, k, v: mha.project(p, mha.attend(q, k, v)))(p, q, k, v).shape
         (3, 5, 8)
     """
 

@@ -258,14 +258,15 @@ class Conv(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> conv = Conv(3, 8, kernel_size=(3, 3), strides=2)
-        >>> p = conv.init(jax.random.key(0))
+        >>> p = jax.jit(conv.init)(jax.random.key(0))
         >>> p.print()
         /W: f32[3,3,3,8]
         /b: f32[8]
-        >>> conv(p, jnp.ones((4, 32, 32, 3))).shape  # batched, SAME padding, stride 2
+        >>> jax.jit(conv)(p, jnp.ones((4, 32, 32, 3))).shape  # batched, SAME padding, stride 2
         (4, 16, 16, 8)
-        >>> Conv(1, 25, 5, padding="VALID")(Conv(1, 25, 5).init(jax.random.key(1)),
-        ...                                  jnp.ones((40, 1))).shape  # unbatched 1-d
+        >>> conv1d = Conv(1, 25, 5, padding="VALID")
+        >>> p1 = jax.jit(conv1d.init)(jax.random.key(1))
+        >>> jax.jit(conv1d)(p1, jnp.ones((40, 1))).shape  # unbatched 1-d
         (36, 25)
     """
 

@@ -140,14 +140,14 @@ class ConvTranspose(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> up = ConvTranspose(8, 3, kernel_size=(4, 4), strides=2)
-        >>> p = up.init(jax.random.key(0))
+        >>> p = jax.jit(up.init)(jax.random.key(0))
         >>> p.print()
         /W: f32[4,4,8,3]
         /b: f32[3]
-        >>> up(p, jnp.ones((2, 16, 16, 8))).shape  # SAME, stride 2: twice the size
+        >>> jax.jit(up)(p, jnp.ones((2, 16, 16, 8))).shape  # SAME, stride 2: twice the size
         (2, 32, 32, 3)
-        >>> ConvTranspose(1, 1, 3, strides=2, padding=1)(
-        ...     ConvTranspose(1, 1, 3).init(jax.random.key(1)), jnp.ones((5, 1))).shape
+        >>> up1d = ConvTranspose(1, 1, 3, strides=2, padding=1)
+        >>> jax.jit(up1d)(jax.jit(up1d.init)(jax.random.key(1)), jnp.ones((5, 1))).shape
         (9, 1)
     """
 

@@ -245,13 +245,13 @@ def from_equinox(module: Any) -> EquinoxLayer:
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp
         >>> cell = from_equinox(eqx.nn.GRUCell(3, 4, key=jax.random.key(0)))
-        >>> p = cell.init(jax.random.key(1))
+        >>> p = jax.jit(cell.init)(jax.random.key(1))
         >>> p.print()
         /weight_ih: f32[12,3]
         /weight_hh: f32[12,4]
         /bias: f32[12]
         /bias_n: f32[4]
-        >>> cell(p, jnp.ones(3), jnp.zeros(4)).shape  # GRUCell(input, hidden)
+        >>> jax.jit(cell)(p, jnp.ones(3), jnp.zeros(4)).shape  # GRUCell(input, hidden)
         (4,)
         >>> mlp = from_equinox(eqx.nn.MLP(2, 1, 8, depth=2, key=jax.random.key(0)))
         >>> [path for path, _ in mlp.init(None).items()][:2]

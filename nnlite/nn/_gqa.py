@@ -78,9 +78,9 @@ def grouped_attention(
     ``[B, T, H, D]``.
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> q = jnp.ones((1, 2, 4, 8)); kv = jnp.ones((1, 3, 2, 8))
-        >>> grouped_attention(q, kv, kv).shape
+        >>> jax.jit(grouped_attention)(q, kv, kv).shape
         (1, 2, 4, 8)
     """
     b, t, h, d = q.shape

@@ -85,14 +85,18 @@ class LoRA(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> layer = LoRA(Linear(6, 4), rank=2, alpha=4)
-        >>> p = layer.init(jax.random.key(0))
+        >>> p = jax.jit(layer.init)(jax.random.key(0))
         >>> p.print()
         /W: f32[6,4]
         /b: f32[4]
         /lora_a: f32[6,2]
         /lora_b: f32[2,4]
         >>> x = jnp.ones((3, 6))
-        >>> bool(jnp.allclose(layer(p, x), Linear(6, 4)(layer.merge(p), x)))
+        >>> @jax.jit
+        ... def adapted_and_merged(p, x):  # LoRA's output; the plain layer's on merged weights
+        ...     return layer(p, x), Linear(6, 4)(layer.merge(p), x)
+        >>> y, y_merged = adapted_and_merged(p, x)
+        >>> bool(jnp.allclose(y, y_merged))
         True
     """
 
@@ -235,10 +239,11 @@ def freeze_base(optimizer):
 
     Example:
         >>> import jax, optax
-        >>> p = LoRA(Linear(4, 3), rank=2).init(jax.random.key(0))
+        >>> p = jax.jit(LoRA(Linear(4, 3), rank=2).init)(jax.random.key(0))
         >>> opt = freeze_base(optax.adamw(0.1))
         >>> grads = jax.tree.map(jax.numpy.ones_like, p)
-        >>> updates, _ = opt.update(grads, opt.init(p), p)
+        >>> first_step = jax.jit(lambda grads, p: opt.update(grads, opt.init(p), p))
+        >>> updates, _ = first_step(grads, p)
         >>> float(abs(updates.W).max()), float(abs(updates.lora_b).max()) > 0
         (0.0, True)
     """

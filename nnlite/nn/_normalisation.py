@@ -287,11 +287,11 @@ class GroupNorm(_Norm):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> gn = GroupNorm(2, 4)
-        >>> p = gn.init(jax.random.key(0))
+        >>> p = jax.jit(gn.init)(jax.random.key(0))
         >>> p.print()
         /scale: f32[4]
         /bias: f32[4]
-        >>> gn(p, jnp.ones((8, 10, 4))).shape  # batch 8, length 10, 4 channels
+        >>> jax.jit(gn)(p, jnp.ones((8, 10, 4))).shape  # batch 8, length 10, 4 channels
         (8, 10, 4)
     """
 

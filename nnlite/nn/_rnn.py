@@ -406,14 +406,17 @@ class GRUCell(_Cell):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> cell = GRUCell(3, 8)
-        >>> p = cell.init(jax.random.key(0))
+        >>> p = jax.jit(cell.init)(jax.random.key(0))
         >>> p.print()
         /W: f32[3,24]
         /U: f32[8,24]
         /b: f32[24]
         /b_n: f32[8]
-        >>> h = cell(p, jnp.ones((4, 3)))  # from h = 0
-        >>> cell(p, jnp.ones((4, 3)), h).shape
+        >>> @jax.jit
+        ... def two_steps(p, x):
+        ...     h = cell(p, x)  # from h = 0
+        ...     return cell(p, x, h)
+        >>> two_steps(p, jnp.ones((4, 3))).shape
         (4, 8)
     """
     )
@@ -472,13 +475,16 @@ class LSTMCell(_Cell):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> cell = LSTMCell(3, 8)
-        >>> p = cell.init(jax.random.key(0))
+        >>> p = jax.jit(cell.init)(jax.random.key(0))
         >>> p.print()
         /W: f32[3,32]
         /U: f32[8,32]
         /b: f32[32]
-        >>> h, c = cell(p, jnp.ones((4, 3)))
-        >>> h, c = cell(p, jnp.ones((4, 3)), (h, c))
+        >>> @jax.jit
+        ... def two_steps(p, x):
+        ...     h, c = cell(p, x)  # from (h, c) = 0
+        ...     return cell(p, x, (h, c))
+        >>> h, c = two_steps(p, jnp.ones((4, 3)))
         >>> h.shape, c.shape
         ((4, 8), (4, 8))
     """
@@ -552,8 +558,8 @@ class RNN(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> rnn = RNN(LSTMCell(3, 8), return_carry=True)
-        >>> p = rnn.init(jax.random.key(0))
-        >>> (h, c), hs = rnn(p, jnp.ones((4, 10, 3)))  # batch 4, 10 steps
+        >>> p = jax.jit(rnn.init)(jax.random.key(0))
+        >>> (h, c), hs = jax.jit(rnn)(p, jnp.ones((4, 10, 3)))  # batch 4, 10 steps
         >>> hs.shape, h.shape
         ((4, 10, 8), (4, 8))
         >>> bool(jnp.allclose(hs[:, -1], h))

@@ -74,9 +74,9 @@ def rotary(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.
     (``[T, 1]`` against ``[B, T, heads, D]``).
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> x = jnp.array([[1.0, 0.0], [1.0, 0.0]])  # D = 2: one pair, frequency 1
-        >>> print(rotary(x, jnp.array([0, 1])).round(4))  # position 1: (cos 1, sin 1)
+        >>> print(jax.jit(rotary)(x, jnp.array([0, 1])).round(4))  # position 1: (cos 1, sin 1)
         [[1.     0.    ]
          [0.5403 0.8415]]
     """
@@ -109,10 +109,11 @@ class RotaryEmbedding(Module):
         >>> import jax, jax.numpy as jnp
         >>> rope = RotaryEmbedding(8, seq_axis=-3)
         >>> q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))  # [B, T, heads, D]
-        >>> rope(rope.init(None), q).shape
+        >>> rope_jit = jax.jit(rope)  # offset may be traced (a cached decoder's position)
+        >>> rope_jit(rope.init(None), q).shape
         (2, 5, 4, 8)
-        >>> last = rope(ParamsDict(), q[:, 4:], offset=4)  # the 5th token alone, at position 4
-        >>> bool(jnp.allclose(last, rope(ParamsDict(), q)[:, 4:], atol=1e-6))
+        >>> last = rope_jit(ParamsDict(), q[:, 4:], offset=4)  # the 5th token alone, at position 4
+        >>> bool(jnp.allclose(last, rope_jit(ParamsDict(), q)[:, 4:], atol=1e-6))
         True
     """
 

@@ -207,17 +207,19 @@ class Stack(Module):
         >>> import jax, jax.numpy as jnp
         >>> import nnlite as nl
         >>> stack = nl.Stack(nl.TransformerBlock(8, num_heads=2, mlp_ratio=2), 3)
-        >>> p = stack.init(jax.random.key(0))
+        >>> p = jax.jit(stack.init)(jax.random.key(0))
         >>> p.attn.qkv.W.shape
         (3, 8, 24)
         >>> x = jnp.ones((2, 5, 8))
-        >>> y = stack(p, x)
+        >>> y = jax.jit(stack)(p, x)
         >>> y.shape
         (2, 5, 8)
-        >>> y_loop = x
-        >>> for p_i in stack.unstack(p):  # the same three blocks, unrolled
-        ...     y_loop = stack.layer(p_i, y_loop)
-        >>> bool(jnp.allclose(y, y_loop, atol=1e-5))
+        >>> @jax.jit
+        ... def unrolled(p, x):  # the same three blocks, one after another
+        ...     for p_i in stack.unstack(p):
+        ...         x = stack.layer(p_i, x)
+        ...     return x
+        >>> bool(jnp.allclose(y, unrolled(p, x), atol=1e-5))
         True
     """
 
@@ -327,10 +329,10 @@ class Remat(Module):
         >>> import jax, jax.numpy as jnp
         >>> import nnlite as nl
         >>> mlp = nl.FFN(4, (16,), 4)
-        >>> p = mlp.init(jax.random.key(0))
+        >>> p = jax.jit(mlp.init)(jax.random.key(0))
         >>> x = jnp.ones((2, 4))
-        >>> g = jax.grad(lambda p: nl.Remat(mlp)(p, x).sum())(p)
-        >>> g0 = jax.grad(lambda p: mlp(p, x).sum())(p)
+        >>> g = jax.jit(jax.grad(lambda p: nl.Remat(mlp)(p, x).sum()))(p)
+        >>> g0 = jax.jit(jax.grad(lambda p: mlp(p, x).sum()))(p)
         >>> bool(jnp.allclose(g.layers[0].W, g0.layers[0].W))
         True
     """

@@ -52,10 +52,10 @@ class SwiGLU(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> mlp = SwiGLU(8, 24)
-        >>> p = mlp.init(jax.random.key(0))
+        >>> p = jax.jit(mlp.init)(jax.random.key(0))
         >>> [(k, v.shape) for k, v in p.items()]
         [('/gate/W', (8, 24)), ('/up/W', (8, 24)), ('/down/W', (24, 8))]
-        >>> mlp(p, jnp.ones((2, 3, 8))).shape
+        >>> jax.jit(mlp)(p, jnp.ones((2, 3, 8))).shape
         (2, 3, 8)
     """
 

@@ -111,7 +111,7 @@ class TransformerBlock(Module):
     Example:
         >>> import jax, jax.numpy as jnp
         >>> block = TransformerBlock(8, num_heads=2, mlp_ratio=2)
-        >>> p = block.init(jax.random.key(0))
+        >>> p = jax.jit(block.init)(jax.random.key(0))
         >>> p.print()
         /ln1/scale: f32[8]
         /ln1/bias: f32[8]
@@ -125,7 +125,7 @@ class TransformerBlock(Module):
         /mlp/fc/b: f32[16]
         /mlp/proj/W: f32[16,8]
         /mlp/proj/b: f32[8]
-        >>> block(p, jnp.ones((4, 5, 8))).shape
+        >>> jax.jit(block)(p, jnp.ones((4, 5, 8))).shape
         (4, 5, 8)
     """
 
