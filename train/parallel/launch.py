@@ -36,9 +36,8 @@ from . import distributed as dist
 _AGREED = (EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_NONFINITE, EXIT_STUCK)
 _GRACE_S = 20.0  # how long the others may take to follow a process that exited that way
 # How long a failure waits for its peers before naming the cause: a SIGKILLed process can
-# be reaped after its peers have failed because of it (10 s was too short twice in a full
-# test run on 2 busy cores: tearing down a JAX process's memory takes a while there).
-_REAP_S = 30.0
+# be reaped after its peers have failed because of it (seconds on a busy machine).
+_REAP_S = 10.0
 
 
 def free_port() -> int:
@@ -221,8 +220,8 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
         return EXIT_PREEMPTED
     if all(c == codes[0] for c in codes) and codes[0] in _AGREED:
         return codes[0]
-    if first_exit is None:  # all exited between two polls
-        i = next(j for j, c in enumerate(codes) if c != EXIT_OK)
+    if first_exit is None:  # all exited between two polls: a killed one is the cause
+        i = killed[0][0] if killed else next(j for j, c in enumerate(codes) if c != EXIT_OK)
         first_exit = (i, codes[i], 0.0)
     i, c, _ = first_exit
     if i == 0 and c in _AGREED:  # process 0's own line said what happened: it stays last
