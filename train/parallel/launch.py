@@ -220,8 +220,14 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
         return EXIT_PREEMPTED
     if all(c == codes[0] for c in codes) and codes[0] in _AGREED:
         return codes[0]
-    if first_exit is None:  # all exited between two polls: a killed one is the cause
-        i = killed[0][0] if killed else next(j for j, c in enumerate(codes) if c != EXIT_OK)
+    if first_exit is None:  # all exited between two polls
+        # a killed one is the cause, unless process 0 stopped with a documented status
+        # (its own line said why)
+        said = codes[0] in _AGREED and codes[0] != EXIT_OK
+        if killed and not said:
+            i = killed[0][0]
+        else:
+            i = next(j for j, c in enumerate(codes) if c != EXIT_OK)
         first_exit = (i, codes[i], 0.0)
     i, c, _ = first_exit
     if i == 0 and c in _AGREED:  # process 0's own line said what happened: it stays last
