@@ -235,34 +235,6 @@ def test_launcher_stops_everything_when_one_process_dies(tmp_path):
     assert not any(Path(f"/proc/{pid}").exists() for pid in kids.values())
 
 
-class _Exited:
-    """A child process that has already exited with ``code`` (``Popen``'s poll/wait)."""
-
-    def __init__(self, code):
-        self.returncode = code
-
-    def poll(self):
-        return self.returncode
-
-    def wait(self):
-        return self.returncode
-
-    def kill(self):
-        raise AssertionError("an exited process is not killed")
-
-
-def test_a_killed_process_is_named_when_all_exit_between_two_polls(tmp_path):
-    """On a busy machine the launcher can first look when process 1 (SIGKILLed) and process
-    0 (failed on the lost peer) have both exited: the killed one is the cause."""
-    from train.parallel.launch import _supervise
-
-    lines = []
-    procs = [_Exited(1), _Exited(-signal.SIGKILL)]
-    status = _supervise(procs, 2, tmp_path, lambda s, **_: lines.append(s), [])
-    assert status == 1 and len(lines) == 1, lines
-    assert "error: process 1 of 2 was killed by SIGKILL; stopped the other processes" in lines[0]
-
-
 def test_sigterm_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path, npz):
     # 200 steps. The first run writes a checkpoint after every step (the first shows the
     # first step's gradient), each paused 2 x 0.05 s (TEST_PAUSE_ENV): the signal, sent at

@@ -1,6 +1,7 @@
 """Small promises at the edges: messages that name the key, an empty config, progress
 shown as plain lines when nobody watches a bar."""
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,18 @@ class _Proc:
 
     def wait(self):
         return self.returncode
+
+
+def test_a_killed_process_is_named_when_all_exit_between_two_polls(tmp_path):
+    """On a busy machine the launcher can first look when process 1 (SIGKILLed) and process
+    0 (failed on the lost peer) have both exited: the killed one is the cause."""
+    from train.parallel.launch import _supervise
+
+    lines = []
+    procs = [_Proc(1), _Proc(-signal.SIGKILL)]
+    status = _supervise(procs, 2, tmp_path, lambda s, **_: lines.append(s), [])
+    assert status == 1 and len(lines) == 1, lines
+    assert "error: process 1 of 2 was killed by SIGKILL; stopped the other processes" in lines[0]
 
 
 def test_launcher_leaves_the_childs_message_last(tmp_path):

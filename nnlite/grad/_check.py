@@ -153,7 +153,13 @@ def _random_like(key: jax.Array, tree: Any) -> Any:
     Drawn on the host with numpy, seeded from ``key``: no random kernel to compile for
     every shape checked.
     """
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    seed = np.asarray(jax.random.key_data(key)).ravel().tolist()
+    return host_random_like(np.random.default_rng(seed), tree)
+
+
+def host_random_like(rng: np.random.Generator, tree: Any) -> Any:
+    """Standard-normal numpy arrays from ``rng`` shaped like ``tree``'s float leaves
+    (float0 for the others)."""
     out = []
     for leaf in jax.tree.leaves(tree):
         if jnp.issubdtype(leaf.dtype, jnp.inexact):

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..core._jax_private import of_current_trace
 from ..core._mode import manual_scope
-from ._check import _dret_args
+from ._check import _dret_args, host_random_like
 from ._contract import cotangents, has_cotangent, is_hyperparameter
 
 __all__ = ["RuleCheck", "check_rules"]
@@ -132,7 +132,7 @@ def check_rules(
                 continue
             xs = [args[k] for k in dyn]
             ref_out, pullback = jax.vjp(plain, *xs)
-            dret = _host_random_like(seed, i, ref_out)
+            dret = host_random_like(np.random.default_rng([seed, i]), ref_out)
             want = pullback(dret)
             with manual_scope(False):
                 got = cotangents(
@@ -173,19 +173,6 @@ def check_rules(
             worst = max(worst, r)
         result.append(RuleCheck(layer, name, dtype or "-", worst, worst <= max_roundings))
     return result
-
-
-def _host_random_like(seed: int, i: int, tree: Any) -> Any:
-    """Standard-normal numpy arrays shaped like ``tree``'s float leaves (float0 for the
-    others), from a generator seeded by ``(seed, i)``: constants of the traced check."""
-    rng = np.random.default_rng([seed, i])
-    out = []
-    for leaf in jax.tree.leaves(tree):
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            out.append(rng.standard_normal(leaf.shape).astype(leaf.dtype))
-        else:
-            out.append(np.zeros(leaf.shape, jax.dtypes.float0))
-    return jax.tree.unflatten(jax.tree.structure(tree), out)
 
 
 def _bracket(path: str) -> str:
