@@ -54,6 +54,7 @@ def part_steps(tiny: bool) -> dict:
 def _precision_rows(size, tiny: bool, rounds: int) -> dict:
     import jax
 
+    from train.loop.build import step_cost
     from train.report import perf
 
     from .precision import VARIANTS, Step, hlo_profile
@@ -62,13 +63,13 @@ def _precision_rows(size, tiny: bool, rounds: int) -> dict:
     labels = list(VARIANTS)[:2] if tiny else list(VARIANTS)  # tiny: float32, bf16
     steps = {label: Step(size, "manual", *VARIANTS[label]) for label in labels}
     for label, step in steps.items():
-        compiled = step.compiled()
+        lowered = step.lowered()
         prec, dtype = VARIANTS[label]
         compute = prec if prec != "float32" else dtype
         peak, source = perf.peak_flops(jax.devices()[:1], compute)
         rows[label] = {
-            "hlo": hlo_profile(compiled.as_text()),
-            "flops": perf.step_flops(compiled.cost_analysis(), 1),
+            "hlo": hlo_profile(lowered.compile().as_text()),
+            "flops": perf.step_flops(step_cost(lowered), 1),
             "peak": peak,
             "peak_source": source,
         }

@@ -67,8 +67,8 @@ class Step:
             jax.random.key(0)
         )
 
-    def compiled(self):
-        return self.jitted.lower(self.params, self.opt, self.x, self.y).compile()
+    def lowered(self):
+        return self.jitted.lower(self.params, self.opt, self.x, self.y)
 
     def __call__(self):
         self.params, self.opt, loss = self.jitted(self.params, self.opt, self.x, self.y)
@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--hlo-dir", default=None, help="also write each step's optimised HLO here")
     args = ap.parse_args(argv)
+    from train.loop.build import step_cost
     from train.report import perf
 
     size = TINY if args.tiny else SHIPPED
@@ -112,10 +113,11 @@ def main(argv=None) -> int:
     steps = {k: Step(size, args.grad, *VARIANTS[k]) for k in variants}
     profile, flops = {}, {}
     for label, step in steps.items():
-        compiled = step.compiled()
-        text = compiled.as_text()
+        lowered = step.lowered()
+        text = lowered.compile().as_text()
         profile[label] = hlo_profile(text)
-        flops[label] = perf.step_flops(compiled.cost_analysis(), 1)
+        # the trainer's count (before the backend turns dots into library calls)
+        flops[label] = perf.step_flops(step_cost(lowered), 1)
         if args.hlo_dir:
             out = Path(args.hlo_dir) / f"{re.sub(r'[^a-z0-9]+', '_', label)}.hlo"
             out.parent.mkdir(parents=True, exist_ok=True)
