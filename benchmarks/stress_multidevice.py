@@ -109,7 +109,9 @@ def main(argv=None) -> int:
                     r = run_once(s, args.steps, tmp, env, args.timeout)
                     results[s].append(r)
                     mark = " STALL: " + r["last_line"] if r["stalled"] else ""
-                    print(f"run {i + 1}/{args.runs} {s}: exit {r['status']}{mark}", flush=True)
+                    ms = "n/a" if r["s_per_step"] is None else f"{r['s_per_step'] * 1e3:.2f}"
+                    print(f"run {i + 1}/{args.runs} {s}: exit {r['status']}, load {loads[-1]:.1f}, "
+                          f"{r['wall_s']:.1f} s, {ms} ms/step{mark}", flush=True)  # fmt: skip
     finally:
         for p in burners:
             p.kill()
