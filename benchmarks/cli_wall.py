@@ -3,8 +3,8 @@
     python -m benchmarks.cli_wall [--repeats N] [--quick] [CONFIG ...]
         [--set CONFIG:KEY=VALUE ...] [--baseline DIR] [--no-warm] [--no-sklearn] [--tiny]
 
-``--tiny`` (a smoke run): digits_mlp (or the CONFIGs given) for 4 steps, cold only, one
-repeat and no untimed run, without scikit-learn's script.
+``--tiny`` (a smoke run): digits_mlp (or the CONFIGs given) and the raw JAX script for 4
+steps, cold only, one repeat and no untimed run, without scikit-learn's script.
 
 Each sample is ``python -m train --config configs/CONFIG.yaml --fresh --timings`` as a
 fresh process, timed from just before the process is spawned to just after it has exited.
@@ -23,6 +23,10 @@ Rows, run interleaved in shuffled order, several repeats, medians:
 - ``scikit-learn``: scikit-learn's own digits script as a fresh process: ``import
   sklearn``, ``load_digits``, the same stratified split, ``MLPClassifier(128).fit``,
   ``score``.
+- ``raw JAX script``: the digits job written by hand in JAX (``RAW_JAX_SCRIPT``: the same
+  MLP, optimizer, batch, steps and evaluations, without checkpoints, metrics files or the
+  curves) as a fresh process: the floor. ``digits_mlp cold / the raw JAX script`` is the
+  row that catches a start-up regression on any machine, fast or slow.
 - ``CONFIG cold (DIR)`` with ``--baseline DIR``: the same command run from another
   checkout (e.g. ``git archive <commit> | tar -x -C DIR``), for before/after figures
   measured side by side. An older tree has no ``--timings``; its command runs under
@@ -76,6 +80,7 @@ COLUMNS = (
     "exit",
 )
 SKLEARN = "scikit-learn"
+RAW_JAX = "raw JAX script"
 
 # scikit-learn's own script, as a fresh process; prints its phases as JSON.
 SKLEARN_SCRIPT = """
@@ -98,6 +103,67 @@ t4 = time.time()
 print(json.dumps({"t_main": t0, "t_end": t4, "accuracy": acc,
                   "phases": {"imports": t1 - t0, "data": t2 - t1, "train": t3 - t2,
                              "eval": t4 - t3}}))
+"""
+
+
+# The same job written by hand in JAX, as a fresh process: the floor nnlite's command is
+# compared with (the ratio is what a regression moves, on any machine). The digits MLP of
+# configs/digits_mlp.yaml (64 -> 128 relu -> 10, adam with a cosine schedule from 3e-3,
+# batch 128, one jitted step per call, the test split evaluated every 250 steps), without
+# what the command adds (checkpoints, metrics files, the curves, the config's checks).
+# Prints its phases as JSON; argv[1]: the number of steps.
+RAW_JAX_SCRIPT = """
+import json, sys, time
+t0 = time.time()
+import jax, jax.numpy as jnp, numpy as np, optax
+from sklearn.datasets import load_digits
+t1 = time.time()
+steps, batch, every = int(sys.argv[1]), 128, 250
+x, y = load_digits(return_X_y=True)
+x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
+perm = np.random.default_rng(0).permutation(len(x))
+test, tr = perm[: len(x) // 5], perm[len(x) // 5 :]
+X, Y, Xt, Yt = (jax.device_put(a) for a in (x[tr], y[tr], x[test], y[test]))
+t2 = time.time()
+opt = optax.adam(optax.cosine_decay_schedule(3e-3, steps))
+
+def init(key):
+    k1, k2 = jax.random.split(key)
+    glorot = jax.nn.initializers.glorot_uniform()
+    p = {"W1": glorot(k1, (64, 128)), "b1": jnp.zeros(128),
+         "W2": glorot(k2, (128, 10)), "b2": jnp.zeros(10)}
+    return p, opt.init(p)
+
+def logits(p, x):
+    return jax.nn.relu(x @ p["W1"] + p["b1"]) @ p["W2"] + p["b2"]
+
+def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits(p, x), y).mean()
+
+def step(p, s, idx):
+    value, g = jax.value_and_grad(loss)(p, X[idx], Y[idx])
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, value
+
+def evaluate(p):
+    z = logits(p, Xt)
+    return optax.softmax_cross_entropy_with_integer_labels(z, Yt).mean(), (z.argmax(-1) == Yt).mean()
+
+p, s = jax.jit(init)(jax.random.key(0))
+idx0 = np.zeros(batch, np.int32)
+step_c = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, idx0).compile()
+eval_c = jax.jit(evaluate).lower(p).compile()
+t3 = time.time()
+rng = np.random.default_rng(1)
+order = np.concatenate([rng.permutation(len(tr)) for _ in range(steps * batch // len(tr) + 1)])
+for i in range(steps):
+    p, s, value = step_c(p, s, order[i * batch : (i + 1) * batch].astype(np.int32))
+    if (i + 1) % every == 0 or i + 1 == steps:
+        test_loss, acc = (float(v) for v in eval_c(p))
+t4 = time.time()
+print(json.dumps({"t_main": t0, "t_end": t4, "accuracy": acc,
+                  "phases": {"imports": t1 - t0, "data": t2 - t1, "compile": t3 - t2,
+                             "train": t4 - t3}}))
 """
 
 
@@ -203,6 +269,19 @@ def run_sklearn(env: dict) -> dict:
     return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
 
 
+def run_raw_jax(env: dict, steps: int) -> dict:
+    """:data:`RAW_JAX_SCRIPT` for ``steps`` steps as a fresh process, timed like a command."""
+    cpu0, t_spawn = _children_cpu(), time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", RAW_JAX_SCRIPT, str(steps)], env=env, capture_output=True, text=True
+    )
+    t_gone, cpu = time.time(), _children_cpu() - cpu0
+    if proc.returncode != 0:
+        raise RuntimeError(f"the raw JAX script failed:\n{proc.stderr[-3000:]}")
+    t = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
+
+
 def parse_sets(items: list[str]) -> dict[str, list[str]]:
     sets: dict[str, list[str]] = {k: list(v) for k, v in DEFAULT_SETS.items()}
     for item in items:
@@ -250,6 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", type=Path, help="another checkout to run the cold rows from")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache rows")
     ap.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn's script")
+    ap.add_argument("--no-raw-jax", action="store_true", help="skip the raw JAX script")
     ap.add_argument("--no-bytecode", action="store_true", help="no bytecode caches")
     ap.add_argument("--tiny", action="store_true", help="digits_mlp, 4 steps, once, cold")
     args = ap.parse_args(argv)
@@ -287,6 +367,10 @@ def main(argv=None) -> int:
                 )
         if not args.no_sklearn:
             cases[SKLEARN] = lambda: run_sklearn(cold_env)
+        if not args.no_raw_jax:  # the digits job's steps, as the (first) digits config runs it
+            digits = next((c for c in configs if c.startswith("digits")), None)
+            raw_steps = _config_steps(digits, sets.get(digits, [])) if digits else 1500
+            cases[RAW_JAX] = lambda: run_raw_jax(cold_env, raw_steps)
         # Untimed: bytecode caches, the warm rows' compilation caches, the OS's file cache
         # (--tiny: one timed sample, cold, is the smoke run).
         for fn in [] if args.tiny else cases.values():
@@ -320,6 +404,12 @@ def main(argv=None) -> int:
                     if f"{c} {m}" in med
                 ]
                 print(f"\n{c} / scikit-learn's script: {', '.join(ratios)}")
+    if RAW_JAX in med:
+        for c in configs:
+            if c.startswith("digits") and f"{c} cold" in med:
+                ratio = med[f"{c} cold"]["wall_s"] / med[RAW_JAX]["wall_s"]
+                cpu = med[f"{c} cold"]["cpu_s"] / med[RAW_JAX]["cpu_s"]
+                print(f"\n{c} cold / the raw JAX script: {ratio:.2f}x wall, {cpu:.2f}x CPU")
     path = h.write_json(
         "cli_wall-tiny" if args.tiny else "cli_wall",
         {
@@ -334,6 +424,16 @@ def main(argv=None) -> int:
     )
     print(f"\nwrote {path}")
     return 0
+
+
+def _config_steps(config: str, sets: list[str]) -> int:
+    """``train.steps`` of ``configs/CONFIG.yaml`` with ``sets`` applied."""
+    for kv in reversed(sets):
+        if kv.startswith("train.steps="):
+            return int(kv.split("=", 1)[1])
+    import yaml
+
+    return int(yaml.safe_load((ROOT / "configs" / f"{config}.yaml").read_text())["train"]["steps"])
 
 
 def _fmt_load(load) -> str:
