@@ -150,7 +150,7 @@ def load_run(
     _add_model_source(meta)
     cfg = load_config(cfg_path)
     model = model_of(cfg.model)
-    template = jax.eval_shape(model.init, jax.random.key(0))
+    template = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     s_template = jax.eval_shape(model.init_state) if is_stateful(model) else None
     opt_state = state = None
     if ema and cfg.train.ema_decay is None:

@@ -133,7 +133,7 @@ def prepare(specs: Sequence[str], model: Any, data: Any) -> tuple:
     from ..data.dataset import batch_dtype
     from .contract import init_state, per_example_loss
 
-    params = jax.eval_shape(model.init, jax.random.key(0))
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     state = jax.eval_shape(lambda: init_state(model))
     x1, y1 = (
         jax.ShapeDtypeStruct((1, *a.shape[1:]), batch_dtype(a)) for a in (data.x_test, data.y_test)

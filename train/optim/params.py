@@ -101,7 +101,7 @@ def make_optimizer(cfg, model, given: optax.GradientTransformation | None = None
     from .named import build_optimizer
 
     ocfg, steps = cfg.optimizer, cfg.train.steps
-    p_avals = jax.eval_shape(model.init, jax.random.key(0))
+    p_avals = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     plan = plan_params(ocfg, model, p_avals)
     if not plan.custom:
         optimizer = build_optimizer(ocfg, steps, given)

@@ -126,7 +126,7 @@ class Sharded(Strategy):
         return NamedSharding(self.mesh, self.spec(aval, axes))
 
     def plan(self, model, optimizer) -> None:
-        p_avals = jax.eval_shape(model.init, jax.random.key(0))
+        p_avals = jax.eval_shape(lambda: model.init(jax.random.key(0)))
         axes = nl.param_axes(model, p_avals)
         p_tree = jax.tree.map(self.sharding, p_avals, axes)
         o_avals = jax.eval_shape(optimizer.init, p_avals)

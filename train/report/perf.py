@@ -16,7 +16,7 @@ device, which uses every core (the host devices of ``--xla_force_host_platform_d
 share them, so the machine's peak is that one number, not one per device). It is measured
 once per process and cached on disk per machine (``$NNLITE_CACHE/peak_flops.json``, else
 ``~/.cache/nnlite``), so a run pays it (~0.2 s) once; a rate measured on a busy machine is
-measured again by the next run (:func:`cpu_peak`).
+measured again by the next run on a quiet one (:func:`cpu_peak`).
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def cpu_peak(dtype: str = "float32") -> float:
     VM, 6 GFLOP/s at load 7 against 18.5 quiet), and a cached low peak would inflate every
     later run's MFU past 100%. So the cache keeps the best rate measured and whether it was
     measured on a quiet machine (1-minute load average below 3/4 of the cores); an entry
-    measured busy is measured again by the next run, and the better of the two is kept."""
+    measured busy is measured again by the next run that finds the machine quiet (a busy
+    one uses it as it is: measuring costs ~0.5 s there), and the better of the two is kept."""
     if dtype in _MEASURED:
         return _MEASURED[dtype]
     key, path = _machine_key(dtype), _cache_file()
@@ -113,7 +114,7 @@ def cpu_peak(dtype: str = "float32") -> float:
         cached = {}
     cached = cached if isinstance(cached, dict) else {}
     value, quiet = _cache_entry(cached.get(key))
-    if value is None or not quiet:
+    if value is None or (not quiet and _quiet()):
         measured, quiet_now = measure_cpu_peak(dtype), _quiet()
         value, quiet = max(value or 0.0, measured), quiet or quiet_now
         try:
