@@ -7,10 +7,15 @@ from train.config import ConfigError, DataConfig
 from train.data import builtin as data_mod
 from train.data.builtin import load_dataset
 
-mnist1d_data = pytest.importorskip("mnist1d.data")
+
+def _mnist1d_data():
+    """The mnist1d package's data module, imported when a test needs it (it imports
+    matplotlib and scipy: ~1 s of every worker's collection at module level)."""
+    return pytest.importorskip("mnist1d.data")
 
 
 def _reference(num_samples: int, seed: int) -> dict:
+    mnist1d_data = _mnist1d_data()
     args = mnist1d_data.get_dataset_args()
     args.num_samples, args.seed = num_samples, seed
     state = np.random.get_state()

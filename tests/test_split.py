@@ -10,7 +10,11 @@ from train.config import ConfigError, DataConfig
 from train.data.builtin import load_dataset
 from train.data.split import split_indices
 
-sk_split = pytest.importorskip("sklearn.model_selection").train_test_split
+
+def sk_split(*arrays, **kwargs):
+    """scikit-learn's ``train_test_split``, imported when a test calls it (not at every
+    worker's collection)."""
+    return pytest.importorskip("sklearn.model_selection").train_test_split(*arrays, **kwargs)
 
 
 def _labels(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
