@@ -22,6 +22,7 @@ from test_distributed import (
     in_process,
     max_diff,
 )
+from test_faults import streamed_copy
 
 from train.config import DistributedConfig
 from train.errors import ConfigError
@@ -89,50 +90,64 @@ def test_a_named_cluster_without_its_variables_says_what_is_missing(clean_env):
         resolve(DistributedConfig(cluster="slurm"))
 
 
+# 2 processes x 2 devices: a mesh of several devices in each process (the launcher's
+# shard_map row of test_distributed was this; its pmap row is the SIGTERM test's)
 STEPS = ["train.steps=10", "train.log_every=5", "train.eval_every=10", "checkpoint.every=1",
-         "checkpoint.keep=10", "parallel.strategy=shard_map", "parallel.devices=1"]  # fmt: skip
+         "checkpoint.keep=10", "parallel.strategy=shard_map", "parallel.devices=2"]  # fmt: skip
 
 
-def _args(tmp_path, npz, name):
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, npz) -> list[str]:
+    """The npz fixture's data streamed from .npy files (data.placement=host): each process
+    reads only its share of every batch (once test_streamed's own two-process run)."""
+    return streamed_copy(npz, tmp_path_factory.mktemp("streamed") / "arrays")
+
+
+def _args(tmp_path, data, name):
     args = ["-m", "train", "--config", CONFIG]
-    for o in (*COMMON, f"log.dir={tmp_path}", npz, *STEPS, f"name={name}"):
+    for o in (*COMMON, f"log.dir={tmp_path}", *data, *STEPS, f"name={name}"):
         args += ["--set", o]
     return args
 
 
-def _same_as_one_process(tmp_path, npz, name):
-    ref = in_process(tmp_path, npz, *STEPS[:-1], "parallel.devices=2", "name=ref")
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, data):
+    """The same run in one process with 4 devices: both launchers' reference."""
+    return in_process(tmp_path_factory.mktemp("ref"), *data, *STEPS[:-1], "parallel.devices=4")
+
+
+def _same_as_one_process(tmp_path, ref, name):
     grads = first_step_grads_saved(tmp_path / name)
     assert_close_f32(grads, first_step_grads_saved(ref.run_dir), ops=ROUNDINGS_PER_LAYER * 4)
     assert max_diff(final_params(tmp_path / name), ref.params) <= ref.cfg.optimizer.learning_rate
 
 
-def test_slurm_simulated_on_loopback_equals_one_process(tmp_path, npz):
-    env = env_with_devices(1)
+def test_slurm_simulated_on_loopback_equals_one_process(tmp_path, data, one_process):
+    env = env_with_devices(2)
     env.update(SLURM, JAX_COORDINATOR_PORT=str(free_port()))
     procs = []
     for rank in (0, 1):
         e = dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank))
-        procs.append(subprocess.Popen([sys.executable, *_args(tmp_path, npz, "slurm")], cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, *_args(tmp_path, data, "slurm")], cwd=ROOT,
                                       env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
     outs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert "devices: 2 processes x 1 x cpu" in outs[0][0] and "nnlite train:" not in outs[1][0]
-    _same_as_one_process(tmp_path, npz, "slurm")
+    assert "devices: 2 processes x 2 x cpu" in outs[0][0] and "nnlite train:" not in outs[1][0]
+    _same_as_one_process(tmp_path, one_process, "slurm")
 
 
 @pytest.mark.skipif(
     shutil.which("mpirun") is None,
     reason="Open MPI's mpirun is not installed (Debian/Ubuntu: apt-get install -y openmpi-bin)",
 )
-def test_mpirun_two_processes_equal_one_process(tmp_path, npz):
-    env = env_with_devices(1)
+def test_mpirun_two_processes_equal_one_process(tmp_path, data, one_process):
+    env = env_with_devices(2)
     cmd = ["mpirun", "-n", "2", "--oversubscribe"]
     cmd += ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    cmd += [sys.executable, *_args(tmp_path, npz, "mpi")]
+    cmd += [sys.executable, *_args(tmp_path, data, "mpi")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("nnlite train:") == 1  # only process 0 prints
-    assert "devices: 2 processes x 1 x cpu" in proc.stdout
-    _same_as_one_process(tmp_path, npz, "mpi")
+    assert "devices: 2 processes x 2 x cpu" in proc.stdout
+    _same_as_one_process(tmp_path, one_process, "mpi")

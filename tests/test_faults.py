@@ -1,5 +1,7 @@
 """Faults: SIGTERM/SIGINT preemption, SIGKILL at any moment, and non-finite steps."""
 
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -95,10 +97,11 @@ def metrics_without_timings(path: Path) -> list[dict]:
 
 
 # One run, stopped in every way and resumed each time, serves the SIGTERM and the SIGKILL
-# tests (each restart pays a JAX start-up): SIGTERM first (a fresh run, then its printed
+# tests (each restart pays a JAX start-up), on streamed data: SIGTERM first (a fresh run, then its printed
 # command), then one SIGKILL in each phase: a half-written checkpoint, start-up, a
 # written-but-unrenamed checkpoint, mid-training; then a run to the end, compared bit for
-# bit with one uninterrupted in-process run. Every run but the last pauses in each
+# bit with one uninterrupted in-process run (the final run too is in-process: it is
+# a resume, not a signal's target). Every run but the last pauses in each
 # checkpoint write (TEST_PAUSE_ENV), so that a signal sent after a write began lands
 # before the run can end, however loaded the machine.
 INTERRUPTED = [
@@ -116,10 +119,22 @@ def tmp_steps(ckpt_dir: Path) -> list[int]:
     return [int(p.name[5:13]) for p in ckpt_dir.glob("ckpt_*.safetensors.*.tmp")]
 
 
+def streamed_copy(npz: str, d: Path) -> list[str]:
+    """--set keys of the ``npz`` fixture's data as a directory of .npy files, streamed
+    from the host (``data.placement=host``): read per batch a call ahead by a prefetcher."""
+    d.mkdir()
+    with np.load(npz.split("=", 1)[1]) as f:
+        for k in f.files:
+            np.save(d / f"{k}.npy", f[k])
+    return ["data.name=arrays", f"data.path={d}", "data.placement=host"]
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory, npz):
     tmp_path = tmp_path_factory.mktemp("interrupted")
-    over = [npz, *INTERRUPTED]
+    # streamed data: a kill finds the prefetcher reading ahead, and the resumed run must
+    # still read exactly the batches of (seed, step) (once test_streamed's own kill test)
+    over = [*streamed_copy(npz, tmp_path / "arrays"), *INTERRUPTED]
     run_dir = tmp_path / "run"
     ckpt_dir, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
     out = {"run_dir": run_dir}
@@ -171,9 +186,12 @@ def interrupted(tmp_path_factory, npz):
             with open(metrics, "a") as f:
                 f.write('{"step": 99, "split": "tr')
     out["kill_points"] = kill_points
-    final = spawn(args)
-    out["final_out"], out["final_err"] = final.communicate(timeout=120)
-    out["final_rc"] = final.returncode
+    # the run to the end: in this process (the subprocesses above compile with the same
+    # XLA flags, so its steps are bit for bit theirs; it pays no second JAX start-up)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        out["final_rc"] = main(args)
+    out["final_err"] = err.getvalue()
     out["ref"] = in_process(tmp_path, *over, "name=ref")
     return out
 
