@@ -80,12 +80,12 @@ def run(tmp_path, config, *overrides, callbacks=()):
     return train(cfg, resume="fresh", echo=lambda *_: None, callbacks=callbacks)
 
 
-def trained_with_first_step(tmp_path, config, *overrides):
-    """``({grad mode: first step's gradient}, {grad mode: run})`` for autodiff and manual:
-    one run each, its gradient read after its first step (test_train.FirstStep; under
-    SAME_PROGRAMS a 1-step run's step is the same program)."""
+def trained_with_first_step(tmp_path, config, *overrides, modes=("autodiff", "manual")):
+    """``({grad mode: first step's gradient}, {grad mode: run})`` for autodiff and manual
+    (or ``modes``): one run each, its gradient read after its first step
+    (test_train.FirstStep; under SAME_PROGRAMS a 1-step run's step is the same program)."""
     grads, runs = {}, {}
-    for g in ("autodiff", "manual"):
+    for g in modes:
         first = FirstStep()
         over = [*overrides, "train.log_every=1", f"loss.grad={g}", f"name={g}"]
         runs[g] = run(tmp_path, config, *over, callbacks=[first])
@@ -206,16 +206,22 @@ def test_the_checks_catch_wrong_rules(tmp_path, monkeypatch):
     config, extra = model_overrides(tmp_path, "mlp")
     extra = [*extra, "model.name=wrong_rule_models:MLP"]
     errors = {}
-    # the mask slip last: its runs train as long as the trajectory check's runs
-    for name, rule in [("double", relu_doubled_vjp), ("mask", relu_without_its_mask_vjp)]:
+    # the mask slip first: its runs train as long as the trajectory check's runs, and its
+    # autodiff run (which no hand rule touches) is the doubled rule's reference too
+    for name, rule in [("mask", relu_without_its_mask_vjp), ("double", relu_doubled_vjp)]:
         monkeypatch.setitem(sys.modules, "wrong_rule_models", mlp_with_relu_rule(rule))
-        steps = f"train.steps={TRAJECTORY_STEPS if name == 'mask' else 1}"
-        grads, runs = trained_with_first_step(tmp_path / name, config, *extra, steps)
-        errors[name] = max(rounding_errors(grads["manual"], grads["autodiff"]).values())
-        with pytest.raises(AssertionError, match="roundings of its scale"):
-            assert_close_f32(
-                grads["manual"], grads["autodiff"], ops=ROUNDINGS_PER_LAYER * LAYERS["mlp"]
+        if name == "mask":
+            steps = f"train.steps={TRAJECTORY_STEPS}"
+            grads, runs = trained_with_first_step(tmp_path / name, config, *extra, steps)
+            auto_grads = grads["autodiff"]
+        else:
+            modes = ("manual",)
+            grads, _ = trained_with_first_step(
+                tmp_path / name, config, *extra, "train.steps=1", modes=modes
             )
+        errors[name] = max(rounding_errors(grads["manual"], auto_grads).values())
+        with pytest.raises(AssertionError, match="roundings of its scale"):
+            assert_close_f32(grads["manual"], auto_grads, ops=ROUNDINGS_PER_LAYER * LAYERS["mlp"])
     auto, hand = runs["autodiff"], runs["manual"]
     with pytest.raises(AssertionError, match="more than rounding can explain"):
         assert_same_trajectory(hand.params, auto.params, lr=auto.cfg.optimizer.learning_rate)
