@@ -122,34 +122,22 @@ def test_early_stopping_from_the_config_stops_and_a_rerun_says_so(tmp_path, caps
             "min_delta": 0.5,
         }
     ]
+    # a small MLP, no plot or progress bar: the callback from the config is the point
     over = ["train.steps=400", "train.eval_every=20", "checkpoint.every=0"]
-    assert (
-        main(
-            [
-                "--config",
-                "configs/digits_mlp.yaml",
-                "--set",
-                f"log.dir={tmp_path}",
-                "--set",
-                f"callbacks={cbs!r}".replace("'", '"'),
-                *sum((["--set", o] for o in over), []),
-            ]
-        )
-        == 0
-    )
+    over += ["model.hidden_sizes=[16]", "log.plot=false", "log.progress=false"]
+    argv = [
+        "--config",
+        "configs/digits_mlp.yaml",
+        "--set",
+        f"log.dir={tmp_path}",
+        "--set",
+        f"callbacks={cbs!r}".replace("'", '"'),
+        *sum((["--set", o] for o in over), []),
+    ]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "stopped early at step 40: early stopping: accuracy has not improved" in out
-    rerun = main(
-        [
-            "--config",
-            "configs/digits_mlp.yaml",
-            "--set",
-            f"log.dir={tmp_path}",
-            "--set",
-            f"callbacks={cbs!r}".replace("'", '"'),
-            *sum((["--set", o] for o in over), []),
-        ]
-    )
+    rerun = main(argv)
     assert rerun == 0 and "nothing to train" in capsys.readouterr().out
 
 

@@ -53,11 +53,13 @@ class HandWritten(nl.Module):
 
 
 def test_derived_init_equals_hand_written_init(key):
-    derived, hand = Derived().init(key), HandWritten().init(key)
+    # both inits in one compile (eagerly, each random op compiles a program of its own)
+    derived, hand = jax.jit(lambda k: (Derived().init(k), HandWritten().init(k)))(key)
     assert [p for p, _ in derived.items()] == [p for p, _ in hand.items()]
     jax.tree.map(np.testing.assert_array_equal, derived, hand)
-    x = jax.random.normal(jax.random.key(1), (3, 4))
-    out, want = jax.jit(Derived())(derived, x), HandWritten()(hand, x)
+    x = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    both = jax.jit(lambda p, q, x: (Derived()(p, x), HandWritten()(q, x)))  # one compile
+    out, want = both(derived, hand, x)
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5), out, want)
 
 
@@ -82,7 +84,7 @@ def test_setup_modules_are_static_and_frozen():
         def inp(self):
             return nl.Linear(self.features, 8, use_bias=False)
 
-    assert "b" not in Override().init(jax.random.key(0)).inp
+    assert "b" not in jax.eval_shape(Override().init, jax.random.key(0)).inp  # no compile
 
 
 def test_parameterless_layers_take_no_params_and_add_none(key):
@@ -95,7 +97,7 @@ def test_parameterless_layers_take_no_params_and_add_none(key):
         nl.Flatten(2)(nl.ParamsDict(W=jnp.ones(2)), x)
     # In a Sequential they keep their index with {} (the layers' paths do not move).
     net = nl.Sequential([nl.Linear(4, 4), nl.Activation("relu"), nl.Linear(4, 2)])
-    assert [p for p, _ in net.init(key).items()] == [
+    assert [p for p, _ in jax.eval_shape(net.init, key).items()] == [
         "/layers[0]/W",
         "/layers[0]/b",
         "/layers[2]/W",
@@ -118,13 +120,14 @@ def test_the_key_reaches_a_declared_random_child(key):
     model = nl.Sequential([Dropper(), nl.Linear(8, 2)])
     assert Dropper().uses_key and model.uses_key and not nl.Linear(8, 2).uses_key
     assert not nl.Sequential([nl.Linear(2, 2), nl.Dropout(0.0)]).uses_key
-    p, x = model.init(key), jnp.ones((16, 8))
-    eval_out = model(p, x)
-    train_a = jax.jit(model)(p, x, key=jax.random.key(1))
-    train_b = model(p, x, key=jax.random.key(1))
+    p, x = jax.jit(model.init)(key), jnp.ones((16, 8))  # one compile, not one per op
+    jitted = jax.jit(model)
+    eval_out = jitted(p, x)
+    train_a = jitted(p, x, key=jax.random.key(1))
+    train_b = model(p, x, key=jax.random.key(1))  # eagerly: the same numbers
     assert not np.allclose(train_a, eval_out)  # dropout is on
     np.testing.assert_allclose(train_a, train_b, rtol=1e-6)  # deterministic in the key
-    assert not np.allclose(train_a, model(p, x, key=jax.random.key(2)))
+    assert not np.allclose(train_a, jitted(p, x, key=jax.random.key(2)))
 
 
 class Forgot(nl.Module):
@@ -145,7 +148,7 @@ class Forgot(nl.Module):
 
 def test_a_forgotten_key_declaration_is_refused(key, tmp_path, npz):
     model = Forgot(8, 4)
-    p = model.init(key)
+    p = jax.jit(model.init)(key)  # one compile, not one per op
     msg = r"Dropout\(rate=0.3\) in Forgot draws random numbers, but Forgot.uses_key is False"
     with pytest.raises(ValueError, match=msg):
         model(p, jnp.ones((2, 8)))
@@ -184,7 +187,7 @@ def test_a_shape_mistake_names_the_layer_path_and_the_users_line(key, tmp_path, 
     source = Path(__file__).read_text().splitlines()
     line = next(i for i, s in enumerate(source, 1) if "x + self.mlp(params.mlp" in s)
     want = re.escape("(in layer Deep.blocks[2].mlp") + r".*" + re.escape(f"{__file__}:{line}")
-    p = model.init(key)
+    p = jax.jit(model.init)(key)  # one compile, not one per op
     with pytest.raises(ValueError, match=r"expected input with last axis 8, got shape \(2, 7\)"):
         jax.jit(model)(p, jnp.ones((2, 8)))
     try:
@@ -223,20 +226,24 @@ class SeqBN(nl.Module):
 
 def test_a_stateful_sequential_threads_its_state(key):
     model = SeqBN(8, 4)
-    p, s = model.init(key), model.init_state()
+    p, s = jax.jit(model.init)(key), model.init_state()
     assert [q for q, _ in s.items()] == [
         "/net/layers[0]/mean",
         "/net/layers[0]/var",
         "/net/layers[2]/mean",
         "/net/layers[2]/var",
     ]
-    x = jax.random.normal(jax.random.key(1), (32, 8)) * 3 + 1
+    x = np.random.default_rng(1).normal(size=(32, 8)).astype(np.float32) * 3 + 1
     y, new = jax.jit(lambda p, s, x: model(p, x, state=s, train=True))(p, s, x)
-    # the same by hand
-    bn0, lin, bn2 = model.net.layers[:3]
-    h, s0 = bn0(p.net.layers[0], x, state=s.net.layers[0], train=True)
-    h, s2 = bn2(p.net.layers[2], lin(p.net.layers[1], h), state=s.net.layers[2], train=True)
-    want = model.net.layers[5](p.net.layers[5], nl.relu(h))
+
+    @jax.jit  # the same by hand (one compile: eagerly, each op compiles its own)
+    def by_hand(p, s, x):
+        bn0, lin, bn2 = model.net.layers[:3]
+        h, s0 = bn0(p.net.layers[0], x, state=s.net.layers[0], train=True)
+        h, s2 = bn2(p.net.layers[2], lin(p.net.layers[1], h), state=s.net.layers[2], train=True)
+        return model.net.layers[5](p.net.layers[5], nl.relu(h)), s0, s2
+
+    want, s0, s2 = by_hand(p, s, x)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new.net.layers[0].mean, s0.mean, rtol=1e-6)
     np.testing.assert_allclose(new.net.layers[2].var, s2.var, rtol=1e-6)

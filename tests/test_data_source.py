@@ -100,9 +100,22 @@ def leaves(tree):
     return [np.asarray(a) for a in jax.tree.leaves(tree)]
 
 
-def test_a_map_source_trains_streamed_as_arrays_train_on_the_device(tmp_path):
+@pytest.fixture(scope="module")
+def host_run(tmp_path_factory):
+    """A map-style source trained with the default settings, and the source: the streamed
+    run of the device-arrays test, and the plain rows the Grain dataset must equal."""
     src = Rows()
-    host = fit(tmp_path, src, "host")
+    return fit(tmp_path_factory.mktemp("host"), src, "host"), src
+
+
+@pytest.fixture(scope="module")
+def one_device_64(tmp_path_factory):
+    """A map source on one device, batch 64: the reference of every 8-device strategy."""
+    return fit(tmp_path_factory.mktemp("one"), Rows(), "one", train={"batch_size": 64})
+
+
+def test_a_map_source_trains_streamed_as_arrays_train_on_the_device(tmp_path, host_run):
+    host, src = host_run
     assert host.data.streamed and host.data.num_classes == 4 and host.model.in_features == 6
     # each step asked for one batch of its (seed, step) rows, never the whole source
     assert max(len(a) for a in src.asked) <= 4096 and any(len(a) == 32 for a in src.asked)
@@ -217,8 +230,8 @@ def test_each_process_asks_a_map_source_only_for_its_share(monkeypatch):
 
 
 @pytest.mark.parametrize("strategy", ["shard_map", "fsdp"])
-def test_a_map_source_under_8_devices_equals_one_device(tmp_path, strategy):
-    one = fit(tmp_path, Rows(), "one", train={"batch_size": 64})
+def test_a_map_source_under_8_devices_equals_one_device(tmp_path, strategy, one_device_64):
+    one = one_device_64
     many = fit(
         tmp_path, Rows(), strategy, train={"batch_size": 64}, parallel={"strategy": strategy}
     )
@@ -318,12 +331,12 @@ class Records:
         return "Records()"
 
 
-def test_grain_map_datasets_and_data_loaders_plug_in(tmp_path):
+def test_grain_map_datasets_and_data_loaders_plug_in(tmp_path, host_run):
     grain = pytest.importorskip("grain", reason="Grain is optional: pip install 'nnlite[grain]'")
     x, y = arrays()
     records = grain.MapDataset.source(list(range(N))).map(lambda i: {"x": x[i], "y": y[i]})
     mapped = fit(tmp_path, records, "map")
-    plain = fit(tmp_path, Rows(), "plain")
+    plain = host_run[0]  # the same settings, the plain Rows source
     assert metrics(mapped.run_dir) == metrics(plain.run_dir)  # the same rows, the same order
 
     def loader():  # 20-row batches, shuffled by Grain; its state is bytes

@@ -18,14 +18,22 @@ from train.__main__ import main
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
 
-# The script runs in a process where the trainer and the shipped models cannot be imported.
+# The scripts run in a process where the trainer and the shipped models cannot be
+# imported: one process runs each given script in turn, from its run's directory, as
+# ``python SCRIPT`` would (one process for both tests' scripts: ~1.5 s of imports each).
 RUN_BLOCKED = textwrap.dedent(
     """
-    import runpy, sys
+    import os, runpy, sys
     for name in ("train", "models", "nnlite.train", "nnlite.models"):
         sys.modules[name] = None  # importing it raises ImportError
-    sys.argv = [sys.argv[1]]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    for script in sys.argv[1:]:
+        os.chdir(os.path.dirname(os.path.dirname(script)))
+        sys.argv = [script]
+        print("script", script, flush=True)
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            assert not e.code, (script, e.code)
     """
 )
 
@@ -66,11 +74,11 @@ def _trainer_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r.get("split") == "train"}
 
 
-def _script_losses(script: Path) -> dict[int, float]:
+def _scripts_losses(*scripts: Path) -> dict[Path, dict[int, float]]:
+    """``{script: {step: loss}}`` as the scripts print them, run in one blocked process."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(
-        [sys.executable, "-c", RUN_BLOCKED, str(script)],
-        cwd=script.parent.parent,
+        [sys.executable, "-c", RUN_BLOCKED, *map(str, scripts)],
         env=env,
         capture_output=True,
         text=True,
@@ -79,22 +87,29 @@ def _script_losses(script: Path) -> dict[int, float]:
     assert out.returncode == 0, out.stderr[-3000:]
     losses = {}
     for line in out.stdout.splitlines():
+        if line.startswith("script "):
+            current = losses.setdefault(Path(line.split(" ", 1)[1]), {})
+            continue
         _, step, _, loss = line.split()
-        losses[int(step)] = float(loss)
+        current[int(step)] = float(loss)
+    assert sorted(losses) == sorted(scripts), out.stdout
     return losses
 
 
 def _eject_and_train(
     tmp: Path, config: str, overrides: list[str], empty_dir: bool = False
-) -> tuple[Path, Path]:
+) -> tuple[Path, Path, list[str]]:
+    """The ejected script, the trainer's run directory, and what --eject wrote (before
+    the script ran and saved its trained params beside it)."""
     sets = [f"train.steps={STEPS}", "train.log_every=1", f"train.eval_every={STEPS}"]
     sets += [f"log.dir={tmp / 'runs'}", "log.progress=false", "log.plot=false", *overrides]
     argv = ["--config", config] + [a for s in sets for a in ("--set", s)]
     if empty_dir:  # an existing empty directory is filled; else a new one is made
         (tmp / "ejected").mkdir()
     assert main([*argv, "--eject", str(tmp / "ejected")]) == 0
+    written = sorted(p.name for p in (tmp / "ejected").iterdir())
     run = train.fit(None, config, overrides=sets, echo=lambda *_: None)
-    return tmp / "ejected" / "train_ejected.py", run.run_dir
+    return tmp / "ejected" / "train_ejected.py", run.run_dir, written
 
 
 @pytest.fixture(scope="module")
@@ -128,27 +143,33 @@ def user_dropout(tmp_path_factory):
     return _eject_and_train(tmp, str(config), [], empty_dir=True)
 
 
-def test_shipped_config_script_reproduces_the_trainer_losses(mlp_shipped):
-    script, run_dir = mlp_shipped
+@pytest.fixture(scope="module")
+def script_losses(mlp_shipped, user_dropout):
+    """Both ejected scripts' printed losses, from one process."""
+    return _scripts_losses(mlp_shipped[0], user_dropout[0])
+
+
+def test_shipped_config_script_reproduces_the_trainer_losses(mlp_shipped, script_losses):
+    script, run_dir, written = mlp_shipped
     src = script.read_text()
     # autodiff: the forward pass by the layers' functions, differentiated by JAX
     assert "from nnlite.rules import linear, mean, relu, softmax_cross_entropy" in src
     assert "jax.value_and_grad(loss_fn)" in src and "optax.adam(" in src
     assert not any(w in src for w in ("import train", "from train", "models"))
-    assert sorted(p.name for p in script.parent.iterdir()) == [
+    assert written == [
         "data.npz",
         "params.safetensors",
         "train_ejected.py",
     ]
     want = _trainer_losses(run_dir)
-    got = _script_losses(script)
+    got = script_losses[script]
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-5)
     assert want[STEPS] < want[1]  # it trained
 
 
-def test_user_model_with_rule_and_dropout_reproduces(user_dropout):
-    script, run_dir = user_dropout
+def test_user_model_with_rule_and_dropout_reproduces(user_dropout, script_losses):
+    script, run_dir, _ = user_dropout
     src = script.read_text()
     # manual: the hand VJPs called by name, the user's from the user's module
     assert "from dropmods import scaled_tanh, scaled_tanh_vjp" in src
@@ -157,7 +178,7 @@ def test_user_model_with_rule_and_dropout_reproduces(user_dropout):
     assert "for i in range(2):" in src and "jax.random.fold_in(key, i)" in src  # microbatches
     assert "optax.clip_by_global_norm(0.5)" in src and "mask=decay_mask" in src
     want = _trainer_losses(run_dir)
-    got = _script_losses(script)
+    got = script_losses[script]
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-5)
 

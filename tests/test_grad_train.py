@@ -4,8 +4,6 @@ backward went non-finite, and loss.backward_policies by path glob -- each with a
 a user's own file, under ``none`` and ``fsdp`` (8 host devices)."""
 
 import importlib
-import os
-import subprocess
 import sys
 
 import jax
@@ -243,29 +241,23 @@ def test_check_grads_refuses_a_wrong_rule_fsdp(user):
     assert not (root / "runs" / "wrong-fsdp" / "metrics.jsonl").exists()  # never trained
 
 
-def test_check_grads_cli_exit_2_one_line(user):
-    """``--check-grads`` on the command line: the table, then one error line, exit 2."""
+def test_check_grads_cli_exit_2_one_line(user, capsys):
+    """``--check-grads`` on the command line: the table, then one error line, exit 2 (the
+    command's main in this process: the user's module is on its path already)."""
     root, _ = user
     import yaml
 
+    from train.__main__ import main
+
     cfg = config(root, "none", model={"rule": "wrong", "at": 0})
     (root / "wrong.yaml").write_text(yaml.safe_dump({**cfg, "name": "cli"}))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, str(root)])}
-    done = subprocess.run(
-        [sys.executable, "-m", "train", "--config", str(root / "wrong.yaml"), "--check-grads"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=repo,
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    err = done.stderr.strip().splitlines()
+    assert main(["--config", str(root / "wrong.yaml"), "--check-grads"]) == 2
+    out, stderr = capsys.readouterr()
+    assert "Traceback" not in stderr
+    err = stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: train.check_grads: the hand rule "), err
     assert "gain_vjp_wrong of params.blocks[0].gain" in err[0]
-    assert "WRONG" in done.stdout
+    assert "WRONG" in out
 
 
 # -- the non-finite guard names the layer ------------------------------------------------

@@ -5,7 +5,7 @@ Two checks (see tests/_tolerance.py for the reasoning):
   equals autodiff's to float32 rounding: at most ``ops`` roundings of each leaf's scale,
   ``ops`` = 8 per layer on the model's longest path. Measured worst case 7 (the CNN under
   shard_map) against bounds of 32-128, and ~1e6 for a wrong rule;
-- 40 Adam steps on one device stay within one learning rate of autodiff's params: rounding
+- 20 Adam steps on one device stay within one learning rate of autodiff's params: rounding
   drifts them apart by up to a few % of it (measured after 100 steps: 0.029 lr for the
   GPT, 0.0084 lr for the CNN on an AVX-512 EPYC, 0 for the MLP; Adam magnifies the
   rounding of near-zero gradients), a wrong rule by ~lr per step.
@@ -67,6 +67,9 @@ MODELS = {  # each under SAME_PROGRAMS: a run's first step is a 1-step run's pro
 # residual, layer norm, MLP (linear, gelu, linear), residual, final norm, tied head, loss.
 LAYERS = {"mlp": 4, "cnn": 7, "gpt": 16}
 STEPS = ["train.eval_every=100", "train.log_every=50"]
+# The trajectory check's length: a wrong rule is ~lr off per step, rounding a few % of lr
+# after 100 (each step is logged, for the first step's gradient: fewer steps, less CPU)
+TRAJECTORY_STEPS = 20
 
 
 def run(tmp_path, config, *overrides, callbacks=()):
@@ -77,12 +80,12 @@ def run(tmp_path, config, *overrides, callbacks=()):
     return train(cfg, resume="fresh", echo=lambda *_: None, callbacks=callbacks)
 
 
-def trained_with_first_step(tmp_path, config, *overrides):
-    """``({grad mode: first step's gradient}, {grad mode: run})`` for autodiff and manual:
-    one run each, its gradient read after its first step (test_train.FirstStep; under
-    SAME_PROGRAMS a 1-step run's step is the same program)."""
+def trained_with_first_step(tmp_path, config, *overrides, modes=("autodiff", "manual")):
+    """``({grad mode: first step's gradient}, {grad mode: run})`` for autodiff and manual
+    (or ``modes``): one run each, its gradient read after its first step
+    (test_train.FirstStep; under SAME_PROGRAMS a 1-step run's step is the same program)."""
     grads, runs = {}, {}
-    for g in ("autodiff", "manual"):
+    for g in modes:
         first = FirstStep()
         over = [*overrides, "train.log_every=1", f"loss.grad={g}", f"name={g}"]
         runs[g] = run(tmp_path, config, *over, callbacks=[first])
@@ -93,7 +96,7 @@ def trained_with_first_step(tmp_path, config, *overrides):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """``trained(model)``: each model's 40-step autodiff and manual runs on one device,
+    """``trained(model)``: each model's 20-step autodiff and manual runs on one device,
     shared by the gradient check's strategy=none row and the trajectory check (a wrong
     rule is ~10 lr off after 10 steps: test_the_checks_catch_wrong_rules)."""
     done = {}
@@ -102,7 +105,9 @@ def trained(tmp_path_factory):
         if model not in done:
             tmp = tmp_path_factory.mktemp(f"trained_{model}")
             config, extra = model_overrides(tmp, model)
-            done[model] = trained_with_first_step(tmp, config, *extra, "train.steps=40")
+            done[model] = trained_with_first_step(
+                tmp, config, *extra, f"train.steps={TRAJECTORY_STEPS}"
+            )
         return done[model]
 
     return get
@@ -157,7 +162,7 @@ def test_manual_trains_like_autodiff(model, trained):
     auto, hand = runs["autodiff"], runs["manual"]
     lr = auto.cfg.optimizer.learning_rate
     assert_same_trajectory(hand.params, auto.params, lr=lr)
-    init = auto.model.init(jax.random.key(auto.cfg.seed))
+    init = jax.jit(auto.model.init)(jax.random.key(auto.cfg.seed))  # one compile, not per op
     assert max_abs_diff(auto.params, init) > 10 * lr  # the params did move
 
 
@@ -193,23 +198,30 @@ def mlp_with_relu_rule(rule):
 
 def test_the_checks_catch_wrong_rules(tmp_path, monkeypatch):
     """Both checks above fail on a wrong rule, with room to spare: the gradient check by
-    ~1e6 roundings, the trajectory check for relu's VJP without its mask by ~100 lr (18 lr
-    after 10 steps). A rule off by a constant factor moves Adam's trajectory by less than
+    ~1e6 roundings, the trajectory check for relu's VJP without its mask by 32 lr after the
+    trajectory check's 20 steps (18 lr after 10, ~100 after 100; a right rule: 0.0015 lr
+    for the GPT after 20). A rule off by a constant factor moves Adam's trajectory by less than
     0.1 lr in 10 steps (its updates are invariant to a gradient's scale but for its eps):
     only the gradient check sees it, which is why each model has both."""
     config, extra = model_overrides(tmp_path, "mlp")
     extra = [*extra, "model.name=wrong_rule_models:MLP"]
     errors = {}
-    # the mask slip last: its runs train 100 steps for the trajectory check below
-    for name, rule in [("double", relu_doubled_vjp), ("mask", relu_without_its_mask_vjp)]:
+    # the mask slip first: its runs train as long as the trajectory check's runs, and its
+    # autodiff run (which no hand rule touches) is the doubled rule's reference too
+    for name, rule in [("mask", relu_without_its_mask_vjp), ("double", relu_doubled_vjp)]:
         monkeypatch.setitem(sys.modules, "wrong_rule_models", mlp_with_relu_rule(rule))
-        steps = "train.steps=100" if name == "mask" else "train.steps=1"
-        grads, runs = trained_with_first_step(tmp_path / name, config, *extra, steps)
-        errors[name] = max(rounding_errors(grads["manual"], grads["autodiff"]).values())
-        with pytest.raises(AssertionError, match="roundings of its scale"):
-            assert_close_f32(
-                grads["manual"], grads["autodiff"], ops=ROUNDINGS_PER_LAYER * LAYERS["mlp"]
+        if name == "mask":
+            steps = f"train.steps={TRAJECTORY_STEPS}"
+            grads, runs = trained_with_first_step(tmp_path / name, config, *extra, steps)
+            auto_grads = grads["autodiff"]
+        else:
+            modes = ("manual",)
+            grads, _ = trained_with_first_step(
+                tmp_path / name, config, *extra, "train.steps=1", modes=modes
             )
+        errors[name] = max(rounding_errors(grads["manual"], auto_grads).values())
+        with pytest.raises(AssertionError, match="roundings of its scale"):
+            assert_close_f32(grads["manual"], auto_grads, ops=ROUNDINGS_PER_LAYER * LAYERS["mlp"])
     auto, hand = runs["autodiff"], runs["manual"]
     with pytest.raises(AssertionError, match="more than rounding can explain"):
         assert_same_trajectory(hand.params, auto.params, lr=auto.cfg.optimizer.learning_rate)

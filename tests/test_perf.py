@@ -108,8 +108,8 @@ def test_the_policy_computes_in_the_dtype_and_the_loss_in_float32(user):
     from train.model.contract import objective_fn
 
     model = TwoLayer(64, 10)
-    params = model.init(jax.random.key(0))
-    x, y = jnp.ones((4, 64)), jnp.zeros((4,), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0))  # traced below: shapes suffice
+    x, y = np.ones((4, 64), np.float32), np.zeros((4,), np.int32)
     objective = objective_fn(precision.apply(model, "bfloat16"))
     jaxpr = jax.make_jaxpr(lambda p: objective(p, x, y)[0])(params)
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
@@ -129,7 +129,7 @@ def test_float16_skips_overflowing_steps_and_resumes_bit_identically(user):
     whole = fit(user, "f16", steps=12, **kw)
     from perf_user import TwoLayer
 
-    init = TwoLayer(64, 10).init(jax.random.key(0))  # the run's seed 0
+    init = jax.jit(TwoLayer(64, 10).init)(jax.random.key(0))  # the run's seed 0; one compile
     scale = float(whole.opt_state.scale)
     assert 2.0**12 <= scale < 2.0**24  # halved on each overflow, then kept
     assert int(whole.opt_state.good_steps) > 0
