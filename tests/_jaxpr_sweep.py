@@ -69,7 +69,11 @@ def arr(dtype, shape, lo=-0.9, hi=0.9, seed=0) -> jax.Array:
         v = rng.uniform(lo, hi, n) + 1j * rng.uniform(lo, hi, n)
     else:
         v = rng.uniform(lo, hi, n)
-    return jnp.asarray(np.asarray(v).reshape(shape), dtype)
+    # converted on the host as jnp.asarray would on the device (64-bit values to 32 bits
+    # first) and placed: building the cases compiles no program per dtype and shape
+    v = np.asarray(v).reshape(shape)
+    v = v.astype({"f": np.float32, "c": np.complex64, "i": np.int32}.get(v.dtype.kind, v.dtype))
+    return jax.device_put(v.astype(dt))
 
 
 def pos(shape, dtype=F32, seed=0):

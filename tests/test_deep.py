@@ -1,28 +1,23 @@
 """Deep models: nl.Stack equals the unrolled loop (outputs and gradients, autodiff and
-manual, dropout keys), its hand rule, the GPT's scan_layers / remat / dtype options, and a
-checkpoint of one block layout loading into the other."""
+manual, dropout keys), its hand rule, the GPT's scan_layers / remat / dtype options (a
+checkpoint of one block layout loading into the other: tests/test_gpt.py)."""
 
 import dataclasses
 import functools
-import shutil
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from _tolerance import (
     ROUNDINGS_PER_LAYER,
     assert_close_f32,
-    assert_same_trajectory,
     max_abs_diff,
 )
-from test_gpt import tiny_run
 
 import nnlite as nl
 from models.gpt import GPT, stack_blocks, unstack_blocks
 from nnlite.rules import stack_scan, stack_scan_vjp
 from nnlite.vjp import check_vjp
-from train import load_run
 from train.model.contract import objective_fn
 
 BLOCK = nl.TransformerBlock(8, num_heads=2, mlp_ratio=2, dropout_rate=0.25)
@@ -56,20 +51,27 @@ def stack_autodiff(stack_params):
 
 def test_stack_equals_the_unrolled_loop_in_both_gradient_modes(stack_params, stack_autodiff):
     p = stack_params
-    ref_loss, ref = jax.jit(jax.value_and_grad(unrolled_loss))(STACK.unstack(p), X)
-    ref = STACK.stack(ref)
-    manual = jax.jit(jax.value_and_grad(nl.manual_grads(stacked_loss), argnums=(0, 1)))(p, X)
+
+    def unrolled(p, x):  # the layouts converted inside the one program (not op by op)
+        loss, g = jax.value_and_grad(unrolled_loss)(STACK.unstack(p), x)
+        return loss, STACK.stack(g)
+
+    ref_loss, ref = jax.jit(unrolled)(p, X)
+    # one trace of the manual gradient: its program's text and its compiled run
+    traced = jax.jit(jax.value_and_grad(nl.manual_grads(stacked_loss), argnums=(0, 1))).trace(p, X)
+    manual = traced.lower().compile()(p, X)
     for loss, g in (stack_autodiff, manual):
         assert_close_f32(loss, ref_loss, ops=ROUNDINGS_PER_LAYER * 2 * 5)
         # 2 blocks of ~5 layers each, forward and backward
         assert_close_f32(g[0], ref, ops=ROUNDINGS_PER_LAYER * 2 * 5)
     # the manual backward pass is a reverse scan, not 3 copies of the block's rules
-    text = str(jax.make_jaxpr(jax.grad(nl.manual_grads(stacked_loss)))(p, X))
+    text = str(traced.jaxpr)
     assert text.count("reverse=True") == 1
     # one block's matmuls, forward + backward (19), not the 2 unrolled copies' (36)
     assert text.count("dot_general") < 30
 
 
+@functools.cache  # one init compile per n for the tests below
 def _stack_loss(n):
     ffn = nl.FFN(4, (8,), 4)
     stack = nl.Stack(ffn, n)
@@ -86,14 +88,15 @@ def _stack_loss(n):
 
 
 def test_show_jaxpr_and_show_grad_print_the_stack_as_a_loop():
-    loss, p = _stack_loss(3)
+    loss, p = _stack_loss(2)
     x, y = X[0, :, :4], jnp.array([0, 1, 2, 0, 1])
     src = nl.show_jaxpr(loss, p, x, y)
-    assert src.count("lax.scan(") == 1  # one loop, not three copies
+    assert src.count("lax.scan(") == 1  # one loop, not two copies
     ns: dict = {}
     exec(src, ns)
     # the printed code run under jit: one compile, not one per op
-    assert_close_f32(jax.jit(ns["loss"])(*jax.tree.leaves(p), x, y), loss(p, x, y), ops=8)
+    want = jax.jit(loss)(p, x, y)  # one compile (op by op would compile every op)
+    assert_close_f32(jax.jit(ns["loss"])(*jax.tree.leaves(p), x, y), want, ops=8)
 
     # show_grad: a forward scan keeping what the copy's rules need, a reverse scan of
     # its hand VJPs, the copy's calls printed once; the code does not grow with n
@@ -196,11 +199,13 @@ def test_gpt_layouts_and_remat_give_the_same_loss_and_gradients(gpt_ref, options
     model, params, (ref_loss, ref) = gpt_ref
     other = dataclasses.replace(model, **options)
     p = jax.jit(other.init)(jax.random.key(0))
-    assert max_abs_diff(other.convert_params(params), p) == 0.0  # the same init
+    # the layouts converted by one compiled program each (not one per op and leaf shape)
+    assert max_abs_diff(jax.jit(other.convert_params)(params), p) == 0.0  # the same init
     loss, g = gpt_grads(other, p, manual)
     # dropout on: equal losses mean each block got the loop's key
     assert_close_f32(loss, ref_loss, ops=ROUNDINGS_PER_LAYER * 2 * 5)
-    assert_close_f32(model.convert_params(g), ref, ops=ROUNDINGS_PER_LAYER * (2 * 5 + 4))
+    g = jax.jit(model.convert_params)(g)
+    assert_close_f32(g, ref, ops=ROUNDINGS_PER_LAYER * (2 * 5 + 4))
 
 
 def test_gpt_params_convert_both_ways(gpt_ref):
@@ -237,8 +242,9 @@ def test_gpt_bfloat16_computes_in_bfloat16_with_float32_params_and_gradients(gpt
     with pytest.raises(ValueError, match="remat must be one of auto, none, block, full, "):
         dataclasses.replace(model, remat="all")
     # decoding with the key/value cache in bfloat16, each layer's params sliced out
+    # (traced for its dtypes: the cache's values are tests/test_gpt.py's, in float32)
     cache = bf16.empty_cache(2, jnp.bfloat16)
-    logits, cache = jax.jit(bf16.decode_step)(p, cache, TOKENS[:, 0], jnp.int32(0))
+    logits, cache = jax.eval_shape(bf16.decode_step, p, cache, TOKENS[:, 0], jnp.int32(0))
     assert logits.dtype == jnp.float32 and cache[0].dtype == jnp.bfloat16
     # the hand rules' backward pass in bfloat16 traced (its dtypes; the values of the
     # rules are the float32 tests'), the loss computed
@@ -250,32 +256,9 @@ def test_gpt_bfloat16_computes_in_bfloat16_with_float32_params_and_gradients(gpt
 
 
 # -- checkpoints of the other layout -------------------------------------------------------------
-def test_a_checkpoint_of_one_layout_resumes_and_loads_in_the_other(tmp_path):
-    six = ["train.steps=6", "checkpoint.every=3"]
-    whole = tiny_run(tmp_path, *six, name="whole")  # 1 block, unrolled: a list of 1; 6 steps
-    split = tmp_path / "split"
-    shutil.copytree(whole.run_dir, split)
-    (split / "checkpoints" / "ckpt_00000006.safetensors").unlink()
-    # resumed from the unrolled step-3 checkpoint with the blocks scanned
-    resumed = tiny_run(tmp_path, *six, "model.scan_layers=true", name="split", resume="require")
-    assert resumed.step == 6
-    assert resumed.params.blocks.attn.qkv.W.shape[0] == 1
-    lr = whole.cfg.optimizer.learning_rate
-    assert_same_trajectory(whole.model.convert_params(resumed.params), whole.params, lr=lr)
-    # the unrolled run's directory, loaded with the scanned run's checkpoint (and optimizer
-    # state): converted into the unrolled layout
-    ckpt = split / "checkpoints" / "ckpt_00000006.safetensors"
-    loaded = load_run(whole.run_dir, checkpoint=ckpt, with_opt_state=True)
-    assert isinstance(loaded.params.blocks, list)
-    np.testing.assert_array_equal(
-        loaded.params.blocks[0].mlp.fc.W, resumed.params.blocks.mlp.fc.W[0]
-    )
-    mu = loaded.opt_state
-    assert any(
-        isinstance(getattr(s, "mu", None), nl.ParamsDict) and isinstance(s.mu.blocks, list)
-        for s in jax.tree.leaves(mu, is_leaf=lambda s: hasattr(s, "mu"))
-    )
-
+# A checkpoint of the unrolled GPT resumed and loaded with the blocks scanned:
+# tests/test_gpt.py, test_a_checkpoint_of_one_layout_resumes_and_loads_in_the_other (it
+# resumes that file's one-device reference run instead of training one of its own).
 
 # The scanned, rematted GPT under shard_map against one device: tests/test_gpt.py,
 # test_gpt_parallel_equals_one_device[shard_map] (it shares that file's one-device run).

@@ -1,7 +1,10 @@
 """The GPT model: key/value-cache decoding equals the full forward pass, sampling, the
-training run on text (parallel equality, resume with dropout) and the sampling CLI."""
+training run on text (parallel equality, resume with dropout, a checkpoint of the unrolled
+blocks resumed scanned) and the sampling CLI."""
 
 import json
+import shutil
+import types
 from pathlib import Path
 
 import jax
@@ -17,7 +20,9 @@ from _tolerance import (
     max_abs_diff,
 )
 
+import nnlite as nl
 from models.gpt import GPT
+from train import Callback, load_run
 from train import sample as sample_cli
 from train.config import load_config
 from train.loop.trainer import train
@@ -116,7 +121,7 @@ def text_file(tmp_path) -> str:
     return str(p)
 
 
-def tiny_run(tmp_path, *overrides, name="g", resume="fresh"):
+def tiny_run(tmp_path, *overrides, name="g", resume="fresh", callbacks=()):
     cfg = load_config(
         ROOT / "configs/shakespeare_gpt.yaml",
         [
@@ -141,7 +146,7 @@ def tiny_run(tmp_path, *overrides, name="g", resume="fresh"):
             *overrides,
         ],
     )
-    return train(cfg, resume=resume, echo=lambda *_: None)
+    return train(cfg, resume=resume, echo=lambda *_: None, callbacks=callbacks)
 
 
 # One trained run (dropout on) for the learning, resume and sampling CLI tests
@@ -165,20 +170,41 @@ def test_gpt_trains_and_logs_val_loss_in_nats_and_bits(trained):
     assert r.summary["val_loss"] == val[-1]["loss"]
 
 
+class FirstStep(Callback):
+    """Keeps the optimizer state after step 1 (a boundary: one step a call, logged)."""
+
+    opt_state = None
+
+    def on_step_end(self, loop, step, metrics):
+        if step == 1:
+            self.opt_state = loop.opt_state()
+
+
+def six_steps(*overrides):
+    """The overrides of a 6-step run whose first step's gradient is read (SAME_PROGRAMS,
+    tests/_tolerance.py; a boundary after every step)."""
+    return [*overrides, *SAME_PROGRAMS, "train.steps=6", "train.log_every=1"]
+
+
 def grads_and_trajectory(tmp_path, *overrides, name):
-    """The first step's gradient and the 6-step run (which reuses the 1-step run's
-    programs)."""
-    runs = [
-        tiny_run(tmp_path, *overrides, *SAME_PROGRAMS, steps, name=name)
-        for steps in ("train.steps=1", "train.steps=6")
-    ]
-    return first_step_grads(runs[0]), runs[1]
+    """The first step's gradient and the 6-step run: one run, read after its first step
+    (under SAME_PROGRAMS that step is the one a 1-step run takes)."""
+    first = FirstStep()
+    r = tiny_run(tmp_path, *six_steps(*overrides), name=name, callbacks=[first])
+    assert first.opt_state is not None, "no boundary after step 1"
+    one = types.SimpleNamespace(cfg=r.cfg, step=1, opt_state=first.opt_state)
+    return first_step_grads(one), r
+
+
+#: the one-device reference: unrolled blocks; checkpoints at 3 and 6 for the layout test
+REF = ["parallel.strategy=none", "checkpoint.every=3"]
 
 
 @pytest.fixture(scope="module")
 def one_device_ref(tmp_path_factory):
-    """One device's gradient and run, trained once for both strategies' tests."""
-    ref = grads_and_trajectory(tmp_path_factory.mktemp("ref"), "parallel.strategy=none", name="ref")
+    """One device's gradient and run, trained once for both strategies' tests and the
+    checkpoint layout test."""
+    ref = grads_and_trajectory(tmp_path_factory.mktemp("ref"), *REF, name="ref")
     init = ref[1].model.init(jax.random.key(ref[1].cfg.seed))
     assert max_abs_diff(ref[1].params, init) > 1e-3
     return ref
@@ -208,11 +234,37 @@ def test_gpt_parallel_equals_one_device(tmp_path, strategy, options, one_device_
     )
 
 
+# -- checkpoints of the other block layout (nl.Stack: tests/test_deep.py) ------------------------
+def test_a_checkpoint_of_one_layout_resumes_and_loads_in_the_other(one_device_ref):
+    whole = one_device_ref[1]  # 1 block, unrolled: a list of 1; 6 steps, checkpoints at 3, 6
+    split = whole.run_dir.parent / "split"
+    shutil.copytree(whole.run_dir, split)
+    (split / "checkpoints" / "ckpt_00000006.safetensors").unlink()
+    # resumed from the unrolled step-3 checkpoint with the blocks scanned
+    sets = six_steps(*REF, "model.scan_layers=true")
+    resumed = tiny_run(whole.run_dir.parent, *sets, name="split", resume="require")
+    assert resumed.step == 6
+    assert resumed.params.blocks.attn.qkv.W.shape[0] == 1
+    lr = whole.cfg.optimizer.learning_rate
+    assert_same_trajectory(whole.model.convert_params(resumed.params), whole.params, lr=lr)
+    # the unrolled run's directory, loaded with the scanned run's checkpoint (and optimizer
+    # state): converted into the unrolled layout
+    ckpt = split / "checkpoints" / "ckpt_00000006.safetensors"
+    loaded = load_run(whole.run_dir, checkpoint=ckpt, with_opt_state=True)
+    assert isinstance(loaded.params.blocks, list)
+    np.testing.assert_array_equal(
+        loaded.params.blocks[0].mlp.fc.W, resumed.params.blocks.mlp.fc.W[0]
+    )
+    mu = loaded.opt_state
+    assert any(
+        isinstance(getattr(s, "mu", None), nl.ParamsDict) and isinstance(s.mu.blocks, list)
+        for s in jax.tree.leaves(mu, is_leaf=lambda s: hasattr(s, "mu"))
+    )
+
+
 def test_gpt_resume_with_dropout_is_bit_identical(trained):
     # Simulate a crash right after the step-18 checkpoint: a copy of the trained run
     # without the later checkpoint, resumed.
-    import shutil
-
     whole = trained
     split = whole.run_dir.parent / "split"
     shutil.copytree(whole.run_dir, split)

@@ -71,6 +71,10 @@ def _reload(tf, path):
 def _configs(transformers):
     small = dict(vocab_size=97, max_position_embeddings=64)
     dims = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2)
+    # GPT-2 and the first Llama have 2 layers: the layer index in each of the two weight-name
+    # tables (gpt2's, and the llama family's that every other arch here shares); the others'
+    # differences (biases, tied heads, scalings, head_dim) are in every layer, so one is enough
+    one = dict(dims, num_hidden_layers=1)
     return {
         "gpt2": transformers.GPT2Config(
             vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
@@ -85,18 +89,18 @@ def _configs(transformers):
         # SmolLM's shape (tied head) with multi-query attention, linear scaling, another
         # theta, and every bias Llama's config can switch on
         "llama-tied-linear-biases": transformers.LlamaConfig(
-            **small, **dims, num_attention_heads=4, num_key_value_heads=1,
+            **small, **one, num_attention_heads=4, num_key_value_heads=1,
             tie_word_embeddings=True, rope_theta=500.0, attention_bias=True, mlp_bias=True,
             rope_scaling={"rope_type": "linear", "factor": 2.0},
         ),
         # Qwen2: q/k/v biases, tied head
         "qwen2": transformers.Qwen2Config(
-            **small, **dims, num_attention_heads=4, num_key_value_heads=2,
+            **small, **one, num_attention_heads=4, num_key_value_heads=2,
             tie_word_embeddings=True,
         ),
         # Mistral without a sliding window, YaRN scaling, head_dim != hidden / heads
         "mistral-yarn": transformers.MistralConfig(
-            **small, **dims, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            **small, **one, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             sliding_window=None,
             rope_scaling={"rope_type": "yarn", "factor": 4.0,
                           "original_max_position_embeddings": 16},
@@ -107,11 +111,25 @@ def _configs(transformers):
 ARCHS = ["gpt2", "llama-gqa-llama3", "llama-tied-linear-biases", "qwen2", "mistral-yarn"]
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tf, tmp_path_factory):
+    """``checkpoint(arch)``: the arch's transformers-made checkpoint directory and its torch
+    model, made once for the tests that read it."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            path = tmp_path_factory.mktemp(arch)
+            made[arch] = path, _save(tf, _configs(tf[0])[arch], path)
+        return made[arch]
+
+    return get
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_generation_and_export_equal_transformers(tf, tmp_path, arch):
-    transformers, _ = tf
-    ref_model = _save(tf, _configs(transformers)[arch], tmp_path / "in")
-    model, params = nl.hf.load_pretrained(tmp_path / "in")
+def test_logits_generation_and_export_equal_transformers(tf, checkpoint, tmp_path, arch):
+    src, ref_model = checkpoint(arch)
+    model, params = nl.hf.load_pretrained(src)
     tokens = np.random.default_rng(1).integers(0, 97, (2, 20))
     ops = ROUNDINGS_PER_LAYER * (model.n_layer + 2)
     forward = jax.jit(model)  # one compile for both weights (op by op compiles each op)
@@ -135,20 +153,18 @@ def test_logits_generation_and_export_equal_transformers(tf, tmp_path, arch):
 
     # a fine-tuned run (params moved) exported back: transformers reloads the same function
     # (jitted: one compile, not one per op and weight shape)
-    moved = jax.jit(lambda p: jax.tree.map(lambda a: a + 0.01 * jnp.sign(a), p))(params)
-    nl.hf.save_pretrained(tmp_path / "out", model, moved, source=tmp_path / "in")
+    # (on the host: no program to compile for it)
+    moved = jax.device_put(jax.tree.map(lambda a: a + 0.01 * np.sign(a), jax.device_get(params)))
+    nl.hf.save_pretrained(tmp_path / "out", model, moved, source=src)
     again = _reload(tf, tmp_path / "out")
     assert_close_f32(_torch_logits(tf, again, tokens), forward(moved, jnp.asarray(tokens)), ops=ops)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["eos_token_id"] == json.loads((tmp_path / "in" / "config.json").read_text()).get(
-        "eos_token_id"
-    )
+    assert cfg["eos_token_id"] == json.loads((src / "config.json").read_text()).get("eos_token_id")
 
 
-def test_sharded_files_load_onto_a_mesh(tf, tmp_path):
-    transformers, _ = tf
-    ref = _save(tf, _configs(transformers)["llama-gqa-llama3"], tmp_path / "in")
-    model, params = nl.hf.load_pretrained(tmp_path / "in")
+def test_sharded_files_load_onto_a_mesh(tf, checkpoint, tmp_path):
+    src, ref = checkpoint("llama-gqa-llama3")
+    model, params = nl.hf.load_pretrained(src)
     files = nl.hf.save_pretrained(tmp_path / "sharded", model, params, max_shard_bytes=20_000)
     index = json.loads((files / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
@@ -227,9 +243,10 @@ def test_manual_grads_equal_autodiff_through_a_llama_with_lora(key):
                           n_embd=16, hidden=24, qkv_bias=True)  # fmt: skip
     params = jax.jit(model.init)(key)
     model, params = nl.hf.add_lora(model, params, ["*/attn/[qv]", "*/mlp/down"], key, rank=2)
-    # move B off zero so every adapter's gradient is non-trivial
-    params = jax.tree.map(lambda a: a + 0.1, params)
-    tokens = jax.random.randint(key, (2, 9), 0, 31)
+    # move B off zero so every adapter's gradient is non-trivial (on the host: no program
+    # compiled for each weight shape)
+    params = jax.device_put(jax.tree.map(lambda a: a + np.float32(0.1), jax.device_get(params)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 31, (2, 9)), jnp.int32)
 
     def loss(p):
         logits = model(p, tokens[:, :-1])
@@ -244,7 +261,7 @@ def test_manual_grads_equal_autodiff_through_a_llama_with_lora(key):
 def test_lora_trains_only_adapters_and_merges(key):
     model = nl.hf.GPT2LM(vocab_size=23, context=16, n_layer=2, n_head=2, n_embd=8)
     params = jax.jit(model.init)(key)
-    tokens = np.asarray(jax.random.randint(key, (2, 8), 0, 23))
+    tokens = np.random.default_rng(0).integers(0, 23, (2, 8)).astype(np.int32)
     lmodel, lparams = nl.hf.add_lora(model, params, ["*/attn/qkv", "/blocks[[]1]/mlp/fc"], key)
     np.testing.assert_array_equal(jax.jit(lmodel)(lparams, tokens), jax.jit(model)(params, tokens))
     assert sorted(lmodel.lora_paths) == [
@@ -258,15 +275,18 @@ def test_lora_trains_only_adapters_and_merges(key):
         return jnp.mean(lmodel(p, tokens) ** 2)
 
     grads = jax.jit(jax.grad(loss))(adapters)
-    assert all(float(jnp.abs(g).max()) > 0 for k, g in grads.items() if k.endswith("lora_b"))
+    # (the checks and the update below on the host: no program compiled for each shape)
+    grads = jax.device_get(grads)
+    assert all(np.abs(g).max() > 0 for k, g in grads.items() if k.endswith("lora_b"))
     # the base weights get no gradient even when differentiated: frozen inside the layer
     full = jax.jit(jax.grad(lambda p: jnp.mean(lmodel(p, tokens) ** 2)))(lparams)
-    assert float(jnp.abs(full.blocks[0].attn.qkv.W).max()) == 0.0
-    assert float(jnp.abs(full.blocks[1].attn.out.W).max()) > 0  # not a target: trainable
+    assert np.abs(full.blocks[0].attn.qkv.W).max() == 0.0
+    assert np.abs(full.blocks[1].attn.out.W).max() > 0  # not a target: trainable
     mask = nl.lora_mask(lparams)
     assert mask.blocks[0].attn.qkv.lora_a is True and mask.blocks[0].attn.qkv.W is False
 
-    trained = nl.lora_join(jax.tree.map(lambda a, g: a - 0.5 * g, adapters, grads), frozen)
+    moved = jax.tree.map(lambda a, g: np.asarray(a) - np.float32(0.5) * g, adapters, grads)
+    trained = nl.lora_join(jax.device_put(moved), frozen)
     merged_model, merged = nl.hf.merge_lora(lmodel, trained)
     assert not merged_model.lora_targets and "lora_a" not in merged.blocks[0].attn.qkv
     assert_close_f32(
@@ -274,11 +294,9 @@ def test_lora_trains_only_adapters_and_merges(key):
     )
 
 
-def test_lora_fine_tune_exports_to_transformers(tf, tmp_path, key):
-    transformers, _ = tf
-    _save(tf, _configs(transformers)["qwen2"], tmp_path / "in")
+def test_lora_fine_tune_exports_to_transformers(tf, checkpoint, tmp_path, key):
     model, params, _ = nl.hf.from_pretrained(
-        tmp_path / "in", lora={"rank": 4, "alpha": 8, "targets": ["*/attn/*", "*/mlp/up"]}
+        checkpoint("qwen2")[0], lora={"rank": 4, "alpha": 8, "targets": ["*/attn/*", "*/mlp/up"]}
     )
     adapters, frozen = nl.lora_split(params)
     adapters = jax.tree.map(lambda a: a + 0.05, adapters)  # a "trained" adapter
@@ -314,12 +332,11 @@ def test_lora_layer_and_bad_targets(key):
 def test_sampling_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
     keys = jax.random.split(jax.random.key(0), 300)
-    seen = lambda **kw: [
-        set(np.asarray(d).tolist())
-        for d in jax.vmap(  # noqa: E731
-            lambda k: nl.hf.sample_logits(logits, k, **kw)
-        )(keys).T
-    ]
+
+    def seen(**kw):  # 300 draws as one compiled program (op by op compiles every op)
+        draw = jax.jit(jax.vmap(lambda k: nl.hf.sample_logits(logits, k, **kw)))
+        return [set(np.asarray(d).tolist()) for d in draw(keys).T]
+
     assert seen(top_k=2) == [{0, 1}, {2, 3}]
     assert seen(top_p=0.7) == [{0, 1}, {2, 3}]
     assert seen(top_p=0.4) == [{0}, {3}]  # the most likely token is always kept
@@ -329,7 +346,8 @@ def test_sampling_filters():
         nl.hf.sample_logits(logits, keys[0], top_p=1.5)
     m = nl.hf.GPT2LM(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=8)
     with pytest.raises(ValueError, match=r"= 10 exceeds the model's context of 8"):
-        m.generate(m.init(jax.random.key(0)), jnp.zeros((1, 4), jnp.int32), 6, keys[0])
+        # refused before the params are read: their shapes are enough (no init computed)
+        m.generate(jax.eval_shape(m.init, keys[0]), jnp.zeros((1, 4), jnp.int32), 6, keys[0])
 
 
 # --- what is refused ------------------------------------------------------------------------
