@@ -4,7 +4,7 @@ baby GPT's step time streamed vs on the device.
     python -m benchmarks.data rss [--big-mb 2048] [--small-mb 20] [--tokenizers char,byte,bpe]
                                   [--steps 300] [--workdir /tmp/nnlite-data-bench] [--keep]
     python -m benchmarks.data steps [--corpus-mb 20] [--calls 40] [--rounds 5]
-    python -m benchmarks.data {rss,steps} --tiny   # a smoke run: 1-2 MB, a 1-layer GPT
+    python -m benchmarks.data {rss,steps} --tiny   # a smoke run: 0.1-0.2 MB, a 1-layer GPT
 
 ``rss`` generates two corpora under ``--workdir`` (random words of a generated
 vocabulary, streamed to disk in 4 MiB blocks: the generator holds one block), then, each
@@ -64,10 +64,10 @@ def generate_corpus(path: Path, megabytes: int, seed: int = 0) -> None:
     words += [b",", b".", b"\n", b"!", b"?", b";"]
     p = 1.0 / np.arange(1, len(words) + 1)
     p /= p.sum()
-    left = megabytes * 1_000_000
+    left = int(megabytes * 1_000_000)
     with open(path, "wb") as f:
-        while left > 0:
-            ids = rng.choice(len(words), BLOCK // 5, p=p)
+        while left > 0:  # (~6 bytes a word: the words of a block, or of what is left, cut)
+            ids = rng.choice(len(words), min(BLOCK, left) // 5, p=p)
             block = b" ".join(words[i] for i in ids.tolist())[: min(BLOCK, left)]
             f.write(block)
             left -= len(block)
@@ -274,13 +274,14 @@ def main(argv=None) -> int:
     steps.add_argument("--calls", type=int, default=40, help="calls timed per round and path")
     steps.add_argument("--rounds", type=int, default=5)
     for p in (rss, steps):
-        p.add_argument("--tiny", action="store_true", help="1-2 MB, a 1-layer GPT: a smoke run")
+        p.add_argument("--tiny", action="store_true", help="0.1-0.2 MB, a 1-layer GPT: a smoke run")
     a = ap.parse_args(argv)
     if a.tiny and a.cmd == "rss":
-        a.big_mb, a.small_mb, a.tokenizers, a.steps = 2, 1, "char", 2  # one call of K=2
+        # 200 and 100 kB (the word list's 20k words and a GPT context fit many times over)
+        a.big_mb, a.small_mb, a.tokenizers, a.steps = 0.2, 0.1, "char", 2  # one call of K=2
         a.workdir = tempfile.mkdtemp(prefix="nnlite-data-tiny-")
     elif a.tiny:
-        a.corpus_mb, a.calls, a.rounds = 1, 2, 1
+        a.corpus_mb, a.calls, a.rounds = 0.2, 2, 1
     result = cmd_rss(a) if a.cmd == "rss" else cmd_steps(a)
     h.write_json(f"data-{a.cmd}" + ("-tiny" if a.tiny else ""), {"args": vars(a), **result})
     return 0

@@ -6,7 +6,7 @@ import jax
 import pytest
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 
-from benchmarks._impls import TINY, Spec, build_all, losses_after
+from benchmarks._impls import TINY, Spec, losses_after
 
 
 def assert_losses_agree(impls, n_steps, layers):
@@ -24,16 +24,6 @@ def assert_losses_agree(impls, n_steps, layers):
         assert value == pytest.approx(ref, rel=1e-4), name
     # Training moved: the loss differs from the untrained loss.
     assert first["raw JAX"] != pytest.approx(ref, rel=1e-3)
-
-
-# The peers are written as their users write them (``x @ W + b``), with rank promotion.
-@jax.numpy_rank_promotion("allow")
-def test_implementations_agree_on_loss():
-    pytest.importorskip("flax")  # the Flax NNX row (the bench extra)
-    impls = build_all(TINY, n_batches=3, steps_per_call=2)
-    assert [i.name for i in impls] == ["raw JAX", "Equinox", "Flax NNX", "nnlite", "nnlite K=2"]
-    # 5 steps: nnlite K=2 also takes a shorter last call; 3 linear, 2 relu, the loss
-    assert_losses_agree(impls, 5, layers=6)
 
 
 def test_matmul_flops_counts_what_autodiff_computes():
@@ -83,8 +73,8 @@ def _gpt_names():
 
 @jax.numpy_rank_promotion("allow")
 def test_cnn_implementations_agree_on_loss():
-    """The CNN's rows (the GPT's are checked on the ``train_step --sizes gpt_baby`` smoke
-    run's own implementations, below)."""
+    """The CNN's rows (the MLP's and the GPT's are checked on the ``train_step --sizes
+    small`` and ``gpt_baby`` smoke runs' own implementations, below)."""
     pytest.importorskip("flax")  # the Flax NNX row (the bench extra)
     from benchmarks._impls_cnn import CNN_TINY, build_all_cnn
 
@@ -97,19 +87,18 @@ def test_cnn_implementations_agree_on_loss():
     assert_losses_agree(impls, 4, layers=7)
 
 
-def _check_gpt_rows(monkeypatch) -> list:
-    """Before ``train_step --sizes gpt_baby``'s own same-loss check (which exits on a
-    mismatch), its implementations checked as the CNN's above: every row named, the PyTorch
-    row where torch is installed, the first step's losses to rounding and 4 steps' within
-    1e-4. Returns a list that holds the checked names once the check ran."""
+def _check_rows(monkeypatch, names, n_steps, layers) -> list:
+    """Before a ``train_step`` smoke run's own same-loss check (which exits on a mismatch),
+    its implementations checked as the CNN's above: every row named (``names``), the first
+    step's losses to rounding and ``n_steps`` steps' within 1e-4. Returns a list that holds
+    the checked names once the check ran."""
     import benchmarks.train_step as train_step
 
     own, checked = train_step.check_losses, []
 
     def check(impls, *args, **kwargs):
-        assert [i.name for i in impls] == _gpt_names()
-        # 1 block of 12 (see tests/test_hand_vjp.py), embeddings, final norm, head, loss
-        assert_losses_agree(impls, 4, layers=16)
+        assert [i.name for i in impls] == names
+        assert_losses_agree(impls, n_steps, layers=layers)
         checked.append([i.name for i in impls])
         return own(impls, *args, **kwargs)
 
@@ -159,11 +148,13 @@ def test_cli_wall_times_the_command_phase_by_phase(tmp_path, monkeypatch, capsys
 
 # -- every command of benchmarks/README.md runs, at a tiny size --------------------------------
 GPT_STEP = "python -m benchmarks.train_step --sizes gpt_baby,gpt_large"
+MLP_STEP = "python -m benchmarks.train_step"
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
 # command (as benchmarks/README.md lists it) -> the module and the arguments of its smoke run
 SMOKE = {
-    # (the MLP's and the CNN's implementations are checked above at the same tiny sizes)
-    "python -m benchmarks.train_step": ("train_step", ["--tiny", "--sizes", "small"]),
+    # its MLP rows' losses checked as the CNN's (the CNN's implementations are checked
+    # above at the same tiny size)
+    MLP_STEP: ("train_step", ["--tiny", "--sizes", "small"]),
     "python -m benchmarks.time_to_accuracy": ("time_to_accuracy", ["--tiny"]),
     "python -m benchmarks.first_step": ("first_step", ["--tiny"]),
     # with the PyTorch row where torch is installed; its rows' losses checked as the CNN's
@@ -213,10 +204,16 @@ def test_benchmark_command_runs_at_a_tiny_size(command, tmp_path, monkeypatch, c
     module, argv = SMOKE[command]
     monkeypatch.setenv("NNLITE_BENCH_RESULTS", str(tmp_path))
     main = importlib.import_module(f"benchmarks.{module}").main
-    checked = _check_gpt_rows(monkeypatch) if command == GPT_STEP else None
+    checked = None
+    if command == GPT_STEP:  # the PyTorch row where torch is installed; 1 block of 12 (see
+        # tests/test_hand_vjp.py), embeddings, final norm, head, the loss
+        checked = _check_rows(monkeypatch, _gpt_names(), 4, layers=16)
+    elif command == MLP_STEP:  # 5 steps: nnlite K=2 also takes a shorter last call; 3
+        # linear, 2 relu, the loss
+        checked = _check_rows(monkeypatch, [*PEERS, "matmul floor"], 5, layers=6)
     rc = main(argv)
     if checked is not None:
-        assert checked == [_gpt_names()]  # the rows' check ran, once
+        assert len(checked) == 1  # the rows' check ran (its names asserted), once
     assert rc in (0, None) or isinstance(rc, dict)
     out = capsys.readouterr().out
     assert len(out.strip().splitlines()) >= 3, out  # it printed its table
