@@ -382,16 +382,27 @@ def test_untrusted_checkpoint_metadata_and_nan_checkpoints_are_refused(
         safetensors.numpy.save_file(tensors, str(ckpt), metadata=meta)
         return cli(capsys, *later)
 
+    from train.checkpoint.store import restore
+
+    # Each through the check that every resume's restore makes (before a tensor is read;
+    # the templates are not needed), the last also through the CLI, one line and exit 2
+    # as every ConfigError (each CLI run compiles the step before it resumes).
     for changed, message in [
         ({"step": None}, "its metadata has no 'step'"),
         ({"step": "four"}, "its metadata 'step' is 'four', not an integer"),
         ({"step": "-4"}, "its metadata 'step' is '-4', not an integer"),
-        ({"step": "3"}, "its metadata says step 3 but its name says step 4"),
         ({"skipped_steps": "1.5"}, "'skipped_steps' is '1.5', not an integer"),
+        ({"step": "3"}, "its metadata says step 3 but its name says step 4"),
     ]:
         m = {k: v for k, v in {**meta, **changed}.items() if v is not None}
-        code, err = resume_with(m)
-        assert code == 2 and err.count("\n") == 1 and message in err, err
+        safetensors.numpy.save_file(tensors, str(ckpt), metadata=m)
+        with pytest.raises(config_mod.ConfigError) as e:
+            restore(ckpt, None, None)
+        said = str(e.value)
+        assert said.startswith(f"checkpoint {ckpt}: ") and message in said, said
+        assert "\n" not in said
+    code, err = resume_with(m)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
     key = next(k for k in tensors if k.startswith("params/"))
     nan = {**tensors, key: np.full_like(tensors[key], np.nan)}
     # written with NaN (its checksums match): the finiteness check refuses it
