@@ -5,6 +5,7 @@ equal to one device's under pmap/shard_map, resumed bit-identically, read back b
 
 import dataclasses
 import functools
+import types
 from pathlib import Path
 
 import jax
@@ -228,7 +229,7 @@ class BNMLP(nl.Module):
         return m["out"](params.out, nl.relu(h)), nl.ParamsDict(**new)
 
 
-def fit(tmp_path, npz, *overrides, model=BNMLP):
+def fit(tmp_path, npz, *overrides, model=BNMLP, callbacks=()):
     config = {
         "name": "bnmlp",
         "data": {"name": "npz"},
@@ -238,20 +239,42 @@ def fit(tmp_path, npz, *overrides, model=BNMLP):
         "log": {"dir": str(tmp_path), "progress": False, "plot": False},
     }
     return train.fit(
-        model, config, overrides=[npz, *overrides], resume="fresh", echo=lambda *_: None
+        model,
+        config,
+        overrides=[npz, *overrides],
+        resume="fresh",
+        echo=lambda *_: None,
+        callbacks=list(callbacks),
     )
+
+
+class FirstStep(train.Callback):
+    """The optimizer state and the model state after step 1 (a boundary: log_every=1),
+    as a 1-step run ends with them (SAME_PROGRAMS: its step is the same program)."""
+
+    one = None
+
+    def on_step_end(self, loop, step, metrics):
+        if step == 1:
+            # the model state: the trainer's loop behind the callbacks' view (LoopState
+            # shows params and opt_state only)
+            state = loop._host_state.__self__.model_state()
+            self.one = types.SimpleNamespace(
+                cfg=loop.cfg, step=1, opt_state=loop.opt_state(), state=state
+            )
 
 
 def test_user_model_with_batch_norm_data_parallel_equals_one_device(tmp_path, npz):
     """The first step's gradients and state tightly, five steps' params and state loosely,
     on pmap over 8 devices (autodiff) and shard_map over 2 (manual gradients: the hand
-    rules' pmeans too)."""
+    rules' pmeans too): one run each, read after its first step."""
     common = [*SAME_PROGRAMS, "train.eval_every=1"]
 
     def runs(name, *par):
-        one = fit(tmp_path, npz, *common, *par, f"name={name}", "train.steps=1")
-        five = fit(tmp_path, npz, *common, *par, f"name={name}", "train.steps=5")
-        return one, five
+        first = FirstStep()
+        five = fit(tmp_path, npz, *common, *par, f"name={name}", "train.steps=5", callbacks=[first])
+        assert first.one is not None, "no boundary after step 1"
+        return first.one, five
 
     ref = runs("ref", "parallel.strategy=none")
     assert not np.allclose(ref[0].state.bn.var, 1, atol=1e-3)  # the step updated the state

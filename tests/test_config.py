@@ -87,7 +87,7 @@ def test_registry_names_resolve_to_their_classes():
     ],
 )
 def test_bad_config_values(capsys, tmp_path, overrides, message):
-    sets = [x for o in overrides for x in ("--set", o)]
+    sets = [x for o in ["log.plot=false", *overrides] for x in ("--set", o)]  # (NO_PLOT)
     code, err = cli(capsys, "--config", DIGITS, "--set", f"log.dir={tmp_path}", *sets)
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1
@@ -116,10 +116,15 @@ def test_error_names_the_file(capsys, tmp_path):
     assert code == 2 and path in err and "train.stepz" in err
 
 
+# NO_PLOT: log.plot=false where the CLI gets past the config: with curves on it starts the
+# plotter's helper process (a Python that imports matplotlib, ~1 s of CPU) before the data
+# loads, and an error then stops it: tests/test_plot.py's promises, not these tests'.
+
+
 def npz_args(path, tmp_path, *sets):
-    """CLI arguments training the digits config on the npz file ``path``."""
+    """CLI arguments training the digits config on the npz file ``path`` (NO_PLOT)."""
     args = ["--config", DIGITS]
-    for o in ("data.name=npz", f"data.path={path}", f"log.dir={tmp_path}", *sets):
+    for o in ("data.name=npz", f"data.path={path}", f"log.dir={tmp_path}", "log.plot=false", *sets):
         args += ["--set", o]
     return args
 
@@ -201,21 +206,11 @@ def test_npz_that_is_something_else_says_what_it_is(tmp_path, capsys, content, m
 
 
 def test_npz_missing_and_unreadable(tmp_path, capsys):
-    code, err = cli(
-        capsys,
-        "--config",
-        DIGITS,
-        "--set",
-        "data.name=npz",
-        "--set",
-        f"data.path={tmp_path}/no.npz",
-    )
+    code, err = cli(capsys, *npz_args(f"{tmp_path}/no.npz", tmp_path))
     assert code == 2 and "no.npz" in err and "file not found" in err
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip")
-    code, err = cli(
-        capsys, "--config", DIGITS, "--set", "data.name=npz", "--set", f"data.path={bad}"
-    )
+    code, err = cli(capsys, *npz_args(bad, tmp_path))
     assert code == 2 and "is a text file (first line 'not a zip'), not an .npz" in err
 
 
@@ -232,42 +227,56 @@ def test_npz_trains(tmp_path, capsys):
     assert "test accuracy" in capsys.readouterr().out
 
 
-def test_bad_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
-    base = [
-        "--config",
-        DIGITS,
-        "--set",
-        f"log.dir={tmp_path}",
-        "--set",
-        "log.progress=false",
-        "--set",
-        "train.steps=10",
-    ]
-    assert main(base) == 0
-    run_dir = tmp_path / "digits_mlp"
+def small_run(tmp_path, *sets):
+    args = ["--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", "log.progress=false"]
+    for o in ("log.plot=false", "model.hidden_sizes=[8]", "train.steps=4", *sets):
+        args += ["--set", o]
+    return args
+
+
+@pytest.fixture(scope="module")
+def small_done(tmp_path_factory):
+    """``small_done(log_dir)``: the finished run of ``small_run`` (4 steps, a checkpoint at
+    step 4), trained once for the module and copied into ``log_dir``; its run directory.
+    ``small_done.out``: what that run printed."""
+    import contextlib
+    import io
+    import shutil
+
+    trained = tmp_path_factory.mktemp("small_done")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(small_run(trained)) == 0
+
+    def copy(log_dir):
+        return Path(shutil.copytree(trained / "digits_mlp", log_dir / "digits_mlp"))
+
+    copy.out = out.getvalue()
+    return copy
+
+
+def test_bad_checkpoint_is_reported_and_left_alone(small_done, tmp_path, capsys):
+    base = small_run(tmp_path)
+    run_dir = small_done(tmp_path)
     metrics_before = (run_dir / "metrics.jsonl").read_bytes()
-    ckpt = run_dir / "checkpoints" / "ckpt_00000010.safetensors"
+    ckpt = run_dir / "checkpoints" / "ckpt_00000004.safetensors"
     ckpt_before = ckpt.read_bytes()
-    capsys.readouterr()
 
     # A different architecture: refused by the key that changed, before the tensors are read.
-    code, err = cli(capsys, *base, "--set", "model.hidden_sizes=[32]", "--set", "train.steps=20")
+    code, err = cli(capsys, *base, "--set", "model.hidden_sizes=[32]", "--set", "train.steps=8")
     assert code == 2
     assert (
-        "was written with model.hidden_sizes=[128] but the config has model.hidden_sizes=[32]"
-        in err
+        "was written with model.hidden_sizes=[8] but the config has model.hidden_sizes=[32]" in err
     )
     # A changed hyperparameter that keeps the shapes: refused by name.
-    code, err = cli(
-        capsys, *base, "--set", "optimizer.learning_rate=0.5", "--set", "train.steps=20"
-    )
+    code, err = cli(capsys, *base, "--set", "optimizer.learning_rate=0.5", "--set", "train.steps=8")
     assert (
         code == 2
         and "optimizer.learning_rate=0.003 but the config has optimizer.learning_rate=0.5" in err
     )
     # A corrupt file.
     ckpt.write_bytes(b"\x00" * 16)
-    code, err = cli(capsys, *base, "--set", "train.steps=20")
+    code, err = cli(capsys, *base, "--set", "train.steps=8")
     assert code == 2 and f"checkpoint {ckpt}: not a safetensors file" in err
     ckpt.write_bytes(ckpt_before)
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
@@ -354,17 +363,16 @@ def test_utf8_with_bom_is_read(tmp_path):
     assert config_mod.load_config(path).train.steps == 3
 
 
-def test_untrusted_checkpoint_metadata_and_nan_checkpoints_are_refused(tmp_path, capsys):
+def test_untrusted_checkpoint_metadata_and_nan_checkpoints_are_refused(
+    small_done, tmp_path, capsys
+):
     import safetensors
     import safetensors.numpy
 
     from nnlite.core._save import CHECKSUMS, checksums_json
 
-    base = ["--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", "log.progress=false"]
-    base += ["--set", "model.hidden_sizes=[8]", "--set", "train.steps=4", "--set", "log.plot=false"]
-    assert main(base) == 0
-    capsys.readouterr()
-    ckpt = tmp_path / "digits_mlp" / "checkpoints" / "ckpt_00000004.safetensors"
+    base = small_run(tmp_path)
+    ckpt = small_done(tmp_path) / "checkpoints" / "ckpt_00000004.safetensors"
     with safetensors.safe_open(str(ckpt), framework="numpy") as f:
         meta = dict(f.metadata())
     tensors = safetensors.numpy.load_file(str(ckpt))
@@ -374,16 +382,27 @@ def test_untrusted_checkpoint_metadata_and_nan_checkpoints_are_refused(tmp_path,
         safetensors.numpy.save_file(tensors, str(ckpt), metadata=meta)
         return cli(capsys, *later)
 
+    from train.checkpoint.store import restore
+
+    # Each through the check that every resume's restore makes (before a tensor is read;
+    # the templates are not needed), the last also through the CLI, one line and exit 2
+    # as every ConfigError (each CLI run compiles the step before it resumes).
     for changed, message in [
         ({"step": None}, "its metadata has no 'step'"),
         ({"step": "four"}, "its metadata 'step' is 'four', not an integer"),
         ({"step": "-4"}, "its metadata 'step' is '-4', not an integer"),
-        ({"step": "3"}, "its metadata says step 3 but its name says step 4"),
         ({"skipped_steps": "1.5"}, "'skipped_steps' is '1.5', not an integer"),
+        ({"step": "3"}, "its metadata says step 3 but its name says step 4"),
     ]:
         m = {k: v for k, v in {**meta, **changed}.items() if v is not None}
-        code, err = resume_with(m)
-        assert code == 2 and err.count("\n") == 1 and message in err, err
+        safetensors.numpy.save_file(tensors, str(ckpt), metadata=m)
+        with pytest.raises(config_mod.ConfigError) as e:
+            restore(ckpt, None, None)
+        said = str(e.value)
+        assert said.startswith(f"checkpoint {ckpt}: ") and message in said, said
+        assert "\n" not in said
+    code, err = resume_with(m)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
     key = next(k for k in tensors if k.startswith("params/"))
     nan = {**tensors, key: np.full_like(tensors[key], np.nan)}
     # written with NaN (its checksums match): the finiteness check refuses it
@@ -423,7 +442,7 @@ def test_checkpoints_past_step_99999999_are_found_in_step_order(tmp_path):
     ],
 )
 def test_absurd_sizes_are_refused_before_allocating(capsys, tmp_path, overrides, message):
-    sets = [x for o in overrides for x in ("--set", o)]
+    sets = [x for o in ["log.plot=false", *overrides] for x in ("--set", o)]  # (NO_PLOT)
     code, err = cli(capsys, "--config", DIGITS, "--set", f"log.dir={tmp_path}", *sets)
     assert code == 2 and err.count("\n") == 1, err
     assert re.search(r"needs at least [\d.]+ [KMGTP]iB", err), err
@@ -444,15 +463,8 @@ def test_memory_estimate_is_a_lower_bound_that_passes_real_configs():
     assert est.data >= 9 * r.data.x.nbytes and est.total < est.limit
 
 
-# -- the run directory: checked before anything is written ----------------------------------
-def small_run(tmp_path, *sets):
-    args = ["--config", DIGITS, "--set", f"log.dir={tmp_path}", "--set", "log.progress=false"]
-    for o in ("log.plot=false", "model.hidden_sizes=[8]", "train.steps=4", *sets):
-        args += ["--set", o]
-    return args
-
-
-def test_file_system_problems_are_one_line_and_damage_nothing(tmp_path, capsys):
+def test_file_system_problems_are_one_line_and_damage_nothing(small_done, tmp_path, capsys):
+    # (the run directory problems before the run: its files afterwards are small_done's)
     logfile = tmp_path / "logfile"
     logfile.write_text("x")
     code, err = cli(capsys, *small_run(logfile))
@@ -462,8 +474,7 @@ def test_file_system_problems_are_one_line_and_damage_nothing(tmp_path, capsys):
     code, err = cli(capsys, *small_run(tmp_path))
     assert code == 2 and "digits_mlp is a file, but it must be the run directory" in err, err
     (tmp_path / "digits_mlp").unlink()
-    assert main(small_run(tmp_path)) == 0
-    run_dir = tmp_path / "digits_mlp"
+    run_dir = small_done(tmp_path)
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     import shutil
 
@@ -477,12 +488,13 @@ def test_file_system_problems_are_one_line_and_damage_nothing(tmp_path, capsys):
     assert after == before  # metrics.jsonl was not rewritten
 
 
-def test_a_read_only_run_directory_is_refused_before_writing(tmp_path, capsys, monkeypatch):
+def test_a_read_only_run_directory_is_refused_before_writing(
+    small_done, tmp_path, capsys, monkeypatch
+):
     import os
     import tempfile
 
-    assert main(small_run(tmp_path)) == 0
-    run_dir = tmp_path / "digits_mlp"
+    run_dir = small_done(tmp_path)
     metrics = (run_dir / "metrics.jsonl").read_bytes()
     run_dir.chmod(0o555)
     if os.geteuid() == 0:  # root writes anyway: make the write fail as it would for others
@@ -504,9 +516,9 @@ def test_a_read_only_run_directory_is_refused_before_writing(tmp_path, capsys, m
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
 
 
-def test_rerunning_a_finished_run_says_so_with_its_final_metrics(tmp_path, capsys):
-    assert main(small_run(tmp_path)) == 0
-    done = capsys.readouterr().out.splitlines()[-1]
+def test_rerunning_a_finished_run_says_so_with_its_final_metrics(small_done, tmp_path, capsys):
+    small_done(tmp_path)
+    done = small_done.out.splitlines()[-1]
     assert main(small_run(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "already finished: step 4 of train.steps=4, test loss " in out, out

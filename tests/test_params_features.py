@@ -146,9 +146,10 @@ def test_param_groups_scale_the_learning_rate_and_set_weight_decay(project):
     cfg = config_from_dict(CONFIG, ["model.in_features=64", "model.num_classes=10"])
     model = cfg.model.cls(**cfg.model.options)
     opt, plan = make_optimizer(cfg, model)
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))
     grads = jax.tree.map(jnp.ones_like, params)
-    upd, _ = opt.update(grads, opt.init(params), params)
+    # jitted: one compile each instead of the optimizer chain's ops dispatched one by one
+    upd, _ = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
     # Adam's first step is lr * sign(grad); adamw adds lr * weight_decay * param
     np.testing.assert_allclose(upd.out.W, -0.1 * 0.01, rtol=1e-4)  # lr_scale, no decay
     w = params.blocks[1].layers[0].W
@@ -263,12 +264,14 @@ def _grads_fn(model, trainable, grad):
 
 
 def _dots(model, trainable, grad):
-    """``dot_general``s in the step's traced jaxpr and in the StableHLO jit compiles."""
+    """``dot_general``s in the step's traced jaxpr and in the StableHLO jit compiles, and
+    that lowered program (to run: one compile instead of op-by-op dispatch)."""
     params = jax.eval_shape(model.init, jax.random.key(0))
     x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
     y = jax.ShapeDtypeStruct((8,), jnp.int32)
     traced = jax.jit(_grads_fn(model, trainable, grad)).trace(params, x, y)
-    return str(traced.jaxpr).count("dot_general"), traced.lower().as_text().count("dot_general")
+    lowered = traced.lower()
+    return str(traced.jaxpr).count("dot_general"), lowered.as_text().count("dot_general"), lowered
 
 
 def test_frozen_weight_gradients_are_not_computed(project):
@@ -280,13 +283,17 @@ def test_frozen_weight_gradients_are_not_computed(project):
     # input cotangents) but computes none of their 3 weight gradients; under manual the
     # hand rules leave them out of the traced step already (nl.frozen_scope)
     trainable = jax.tree.map(lambda m: not m, nl.path_mask(params, ["out/*", "blocks/1/*"]))
-    for grad in ("manual", "autodiff"):
-        (jaxpr_all, hlo_all), (jaxpr, hlo) = _dots(model, None, grad), _dots(model, trainable, grad)
-        assert (jaxpr, hlo) == (jaxpr_all - 3, hlo_all - 3), grad
     x = jax.random.normal(jax.random.key(1), (8, 64))
     y = jnp.arange(8) % 10
-    by_hand = _grads_fn(model, trainable, "manual")(params, x, y)[2]
-    auto = _grads_fn(model, trainable, "autodiff")(params, x, y)[2]
+    grads = {}
+    for grad in ("manual", "autodiff"):
+        (jaxpr_all, hlo_all, _), (jaxpr, hlo, lowered) = (
+            _dots(model, None, grad),
+            _dots(model, trainable, grad),
+        )
+        assert (jaxpr, hlo) == (jaxpr_all - 3, hlo_all - 3), grad
+        grads[grad] = lowered.compile()(params, x, y)[2]
+    by_hand, auto = grads["manual"], grads["autodiff"]
     for a, b, m in zip(
         jax.tree.leaves(by_hand), jax.tree.leaves(auto), jax.tree.leaves(trainable), strict=True
     ):

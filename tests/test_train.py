@@ -141,35 +141,46 @@ def test_steps_per_call_matches_single_steps(tmp_path, strategy, devices):
         assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1 / 64)  # one example
 
 
-def test_resume_is_bit_identical(tmp_path):
-    common = [  # 30 steps: test_same_config_gives_identical_metrics's step program
-        "train.steps=30",
-        "checkpoint.every=10",
-        "checkpoint.keep=10",
-        "train.log_every=5",
-        "train.eval_every=10",
-    ]
-    full = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=full")
+# 30 steps, checkpoints at 20 and 30 (keep=2), curves on: the run whose directory
+# test_run_directory_contents reads, the uninterrupted run test_resume_is_bit_identical
+# resumes a copy of, and the first of test_same_config_gives_identical_metrics's two runs.
+THIRTY = [
+    "train.steps=30",
+    "checkpoint.every=10",
+    "checkpoint.keep=2",
+    "train.log_every=5",
+    "train.eval_every=10",
+]
+
+
+@pytest.fixture(scope="module")
+def thirty(tmp_path_factory):
+    return run(
+        tmp_path_factory.mktemp("thirty"), "configs/digits_mlp.yaml", *THIRTY, "log.plot=true"
+    )
+
+
+def test_resume_is_bit_identical(tmp_path, thirty):
+    full = thirty
     # The same run's directory, then a crash right after step 20: later checkpoints never
     # happened.
     part_dir = tmp_path / "part"
     shutil.copytree(full.run_dir, part_dir)
     ckpts = sorted((part_dir / "checkpoints").iterdir())
-    assert [p.name for p in ckpts][-1] == "ckpt_00000030.safetensors"
-    for p in ckpts[2:]:
-        p.unlink()
+    assert [p.name for p in ckpts] == ["ckpt_00000020.safetensors", "ckpt_00000030.safetensors"]
+    ckpts[1].unlink()
     # Step 20 as the trainer wrote it before it used nl.save (same keys, no "format" in the
     # metadata), beside a temporary file of the old name that a kill left.
     import safetensors
     import safetensors.numpy
 
-    with safetensors.safe_open(str(ckpts[1]), framework="numpy") as f:
+    with safetensors.safe_open(str(ckpts[0]), framework="numpy") as f:
         meta = {k: v for k, v in f.metadata().items() if k != "format"}
-    tensors = safetensors.numpy.load_file(str(ckpts[1]))
+    tensors = safetensors.numpy.load_file(str(ckpts[0]))
     assert meta["format_version"] == "1" and "params/ffn/layers[0]/W" in tensors
-    safetensors.numpy.save_file(tensors, str(ckpts[1]), metadata=meta)
-    ckpts[2].with_name(ckpts[2].name + ".tmp").write_bytes(b"half")
-    resumed = run(tmp_path, "configs/digits_mlp.yaml", *common, "name=part", resume="auto")
+    safetensors.numpy.save_file(tensors, str(ckpts[0]), metadata=meta)
+    ckpts[1].with_name(ckpts[1].name + ".tmp").write_bytes(b"half")
+    resumed = run(tmp_path, "configs/digits_mlp.yaml", *THIRTY, "name=part", resume="auto")
     assert resumed.step == 30
     for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(a, b)
@@ -180,26 +191,20 @@ def test_resume_is_bit_identical(tmp_path):
     )
 
 
-def test_same_config_gives_identical_metrics(tmp_path):
-    a = run(tmp_path / "a", "configs/digits_mlp.yaml", "train.steps=30", "train.log_every=5")
-    b = run(tmp_path / "b", "configs/digits_mlp.yaml", "train.steps=30", "train.log_every=5")
-    ma = metrics_without_timings(a.run_dir / "metrics.jsonl")
+def test_same_config_gives_identical_metrics(tmp_path, thirty):
+    # a second fresh run of thirty's config (its curves aside: they change no metric)
+    b = run(tmp_path / "b", "configs/digits_mlp.yaml", *THIRTY)
+    ma = metrics_without_timings(thirty.run_dir / "metrics.jsonl")
     assert len(ma) > 5
     assert ma == metrics_without_timings(b.run_dir / "metrics.jsonl")
 
 
-def test_run_directory_contents(tmp_path):
+def test_run_directory_contents(thirty):
+    r = thirty
     cfg = load_config(
         ROOT / "configs/digits_mlp.yaml",
-        [
-            f"log.dir={tmp_path}",
-            "log.progress=false",
-            "train.steps=30",
-            "checkpoint.every=10",
-            "checkpoint.keep=2",
-        ],
+        [f"log.dir={r.run_dir.parent}", "log.progress=false", "log.plot=false", *THIRTY],
     )
-    r = train(cfg, resume="fresh", echo=lambda *_: None)
     names = sorted(p.name for p in r.run_dir.iterdir())
     assert names == ["checkpoints", "config.yaml", "curves.png", "metrics.jsonl"]
     assert (r.run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -409,15 +414,11 @@ def test_linreg_pmap_config_recovers_the_line_and_prints_its_learned_params(tmp_
     b = float(lines[at + 2].split("= [")[1].rstrip("]"))
     assert lines[at + 1].startswith("  /W = ") and lines[at + 2].startswith("  /b = ")
     assert abs(w - 2) < 0.1 and abs(b + 1) < 0.1  # what configs/linreg_pmap.yaml promises
-    # a model with more than 100 params prints no such table
-    assert (
-        main(["--config", str(ROOT / "configs/digits_mlp.yaml"), *base, "--set", "train.steps=2"])
-        == 0
-    )
-    assert "learned params" not in capsys.readouterr().out
+    # (a model with more than 100 params prints no such table: the digits MLP's run in
+    # test_compile_cache_is_the_clis_alone)
 
 
-def test_compile_cache_is_the_clis_alone(tmp_path, monkeypatch):
+def test_compile_cache_is_the_clis_alone(tmp_path, monkeypatch, capsys):
     from train import __main__ as cli
 
     before = jax.config.jax_compilation_cache_dir
@@ -434,6 +435,9 @@ def test_compile_cache_is_the_clis_alone(tmp_path, monkeypatch):
         main(["--config", str(ROOT / "configs/digits_mlp.yaml"), *base, "--set", "train.steps=2"])
         == 0
     )
+    # a model with more than 100 params prints no learned-params table (linreg's: see
+    # test_linreg_pmap_config_recovers_the_line_and_prints_its_learned_params)
+    assert "learned params" not in capsys.readouterr().out
     assert jax.config.jax_compilation_cache_dir == before  # in-process callers: untouched
     assert not (tmp_path / "cache").exists()
     assert cli.compile_cache_dir("auto") == tmp_path / "cache" / "jax"
@@ -442,8 +446,7 @@ def test_compile_cache_is_the_clis_alone(tmp_path, monkeypatch):
     assert cli.compile_cache_dir("~/x") == Path.home() / "x" and cli.compile_cache_dir(None) is None
 
 
-@pytest.mark.parametrize("setting", ["auto", None])
-def test_python_m_train_fills_the_compile_cache_unless_off(tmp_path, setting):
+def test_python_m_train_fills_the_compile_cache_unless_off(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION")}
     env.update(NNLITE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     sets = [
@@ -453,7 +456,7 @@ def test_python_m_train_fills_the_compile_cache_unless_off(tmp_path, setting):
         "log.plot=false",
         f"log.dir={tmp_path}",
     ]
-    sets += ["model.hidden_sizes=[8]", f"compile_cache={setting or 'null'}"]
+    sets += ["model.hidden_sizes=[8]", "compile_cache=auto"]
     args = [sys.executable, "-m", "train", "--config", "configs/digits_mlp.yaml"]
     proc = subprocess.run(
         [*args, *[x for s in sets for x in ("--set", s)]],
@@ -465,7 +468,19 @@ def test_python_m_train_fills_the_compile_cache_unless_off(tmp_path, setting):
     )
     assert proc.returncode == 0, proc.stderr
     cached = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "jax").glob("*-cache"))
-    if setting is None:
-        assert cached == []
-    else:
-        assert {"jit_init", "jit_multi_step", "jit_evaluate"} <= set(cached), cached
+    assert {"jit_init", "jit_multi_step", "jit_evaluate"} <= set(cached), cached
+    # compile_cache: null, off: python -m train's main passes the config's None to the
+    # same enable_compile_cache, which turns JAX's persistent cache off for the process
+    # (in this process: the setting, put back; a subprocess for it compiled everything
+    # again only to find no files)
+    from train import __main__ as cli
+
+    assert (
+        load_config(ROOT / "configs/digits_mlp.yaml", ["compile_cache=null"]).compile_cache is None
+    )
+    was = jax.config.jax_enable_compilation_cache
+    try:
+        cli.enable_compile_cache(None)
+        assert jax.config.jax_enable_compilation_cache is False
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)

@@ -151,12 +151,19 @@ def last_checkpoint(run_dir: Path):
     return path, safetensors.numpy.load_file(str(path)), nl.load_metadata(path)
 
 
-def test_the_project_trains_stops_at_a_plateau_and_resumes_exactly_after_a_kill(project):
+@pytest.fixture(scope="module")
+def ref_stop(project) -> str:
+    """The project's run to its plateau (runs/ref), under the install's name; its
+    "stopped early at step N: plateau: ..." line."""
     ref = run(project, "--set", "name=ref", module="nnlite.train")  # the installed name
     assert ref.returncode == 0, ref.stderr
-    stop = next(ln for ln in ref.stdout.splitlines() if ln.startswith("stopped early"))
+    return next(ln for ln in ref.stdout.splitlines() if ln.startswith("stopped early"))
+
+
+def test_the_project_trains_stops_at_a_plateau_and_resumes_exactly_after_a_kill(project, ref_stop):
+    stop = ref_stop
     stop_step = int(stop.split("at step ")[1].split(":")[0])
-    assert 100 < stop_step < 2000, ref.stdout
+    assert 100 < stop_step < 2000, stop
 
     killed = run(project, "--set", "name=killed", KILL_AT=str(stop_step - 50))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -174,17 +181,20 @@ def test_the_project_trains_stops_at_a_plateau_and_resumes_exactly_after_a_kill(
     cb_a, cb_b = json.loads(meta_a["callbacks"]), json.loads(meta_b["callbacks"])
     assert cb_a == cb_b and len(cb_a["0:parts:Plateau"]["history"]) == stop_step // 50
     assert meta_a["stopped"] == meta_b["stopped"] == stop.split(": ", 1)[1]
-
-    again = run(project, "--set", "name=ref")  # a rerun says so, and trains nothing
-    assert again.returncode == 0, again.stderr
-    assert "stopped early at step" in again.stdout and "nothing to train" in again.stdout
+    # (a rerun of ref says so and trains nothing: test_train_fit_takes_callback_and_optimizer_objects's
+    # process runs it, one interpreter fewer)
 
 
-def test_train_fit_takes_callback_and_optimizer_objects(project):
+def test_train_fit_takes_callback_and_optimizer_objects(project, ref_stop):
+    # One process (the project's models package is not the shipped one that this one
+    # imported): train.fit, then the CLI's main in it (python -m train runs this main; its
+    # exit status from a shell: tests/test_train.py's test_cli_bad_input_exits_2_without_traceback),
+    # twice: the refusal below, and a rerun of the plateau test's finished run (ref_stop)
     code = textwrap.dedent(
         """
-        import json, optax
+        import contextlib, io, json, optax
         import nnlite.train as train
+        from nnlite.train.__main__ import main
         from models.net import Net
         from parts import Plateau, make_data
 
@@ -199,8 +209,15 @@ def test_train_fit_takes_callback_and_optimizer_objects(project):
             data=make_data(2000, 0),
             echo=lambda *a: None,
         )
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            cli = main(["--config", "cfg.yaml", "--set", "name=fit", "--set", "optimizer.name=given"])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            again = main(["--config", "cfg.yaml", "--set", "name=ref"])
         print(json.dumps({"stopped": run.summary.get("stopped"), "step": run.step,
-                          "history": cb.history}))
+                          "history": cb.history, "cli": [cli, err.getvalue()],
+                          "again": [again, out.getvalue()]}))
         """
     )
     out = subprocess.run(
@@ -217,18 +234,29 @@ def test_train_fit_takes_callback_and_optimizer_objects(project):
     config = (project / "runs" / "fit" / "config.yaml").read_text()
     assert "name: given" in config  # the optimizer object, named for what it is
     # the CLI refuses to resume it without the object, in one line
-    cli = run(project, "--set", "name=fit", "--set", "optimizer.name=given")
-    assert cli.returncode == 2 and "train.fit(optimizer=...)" in cli.stderr
+    code, err = got["cli"]
+    assert code == 2 and err.count("\n") == 1 and "train.fit(optimizer=...)" in err, err
+    # a rerun of a run that stopped early says so, and trains nothing
+    code, out = got["again"]
+    assert code == 0 and "stopped early at step" in out and "nothing to train" in out, out
+
+
+TRAIN_100 = ["--set", "train.steps=100", "--set", "callbacks=[]"]
+
+
+@pytest.fixture(scope="module")
+def one_device(project) -> Path:
+    """100 steps on one device: the reference of both strategies' runs."""
+    one = run(project, *TRAIN_100, "--set", "name=one")
+    assert one.returncode == 0, one.stderr
+    return project / "runs" / "one"
 
 
 @pytest.mark.parametrize("strategy", ["shard_map", "fsdp"])
-def test_the_project_under_parallel_strategies_equals_one_device(project, strategy):
-    args = ["--set", "train.steps=100", "--set", "callbacks=[]"]
-    one = run(project, *args, "--set", "name=one")
-    assert one.returncode == 0, one.stderr
+def test_the_project_under_parallel_strategies_equals_one_device(project, one_device, strategy):
     many = run(
         project,
-        *args,
+        *TRAIN_100,
         "--set",
         f"name={strategy}",
         "--set",
@@ -237,12 +265,8 @@ def test_the_project_under_parallel_strategies_equals_one_device(project, strate
     )
     assert many.returncode == 0, many.stderr
     a, b = (
-        dict(
-            nl.load(
-                sorted((project / "runs" / n / "checkpoints").glob("ckpt_*"))[-1], subtree="params"
-            ).items()
-        )
-        for n in ("one", strategy)
+        dict(nl.load(sorted((d / "checkpoints").glob("ckpt_*"))[-1], subtree="params").items())
+        for d in (one_device, project / "runs" / strategy)
     )
     assert a and sorted(a) == sorted(b)
     for k in a:

@@ -242,7 +242,7 @@ def test_user_model_trains_from_its_directory_and_records_only_its_keys(project,
     assert train_records[-1]["loss"] < train_records[0]["loss"]
 
 
-def test_user_model_resumes_bit_identically_after_sigkill(project, ref_run, monkeypatch):
+def test_user_model_resumes_bit_identically_after_sigkill(project, ref_run, monkeypatch, capsys):
     args = ["--config", "res.yaml", *sets("name=killed", "train.log_every=7"), "--fresh"]
     for attempt in range(3):  # kill once mid-run; a machine fast enough to finish first retries
         proc = subprocess.Popen(
@@ -267,12 +267,13 @@ def test_user_model_resumes_bit_identically_after_sigkill(project, ref_run, monk
             break
     assert proc.returncode == -signal.SIGKILL
     args.remove("--fresh")
-    done = run_cli(project, *args)
-    assert done.returncode == 0, done.stderr
-    assert "resuming at step" in done.stdout
-    # The uninterrupted reference in-process (train.fit is the CLI's run to the bit:
-    # test_fit_with_a_model_instance_is_the_cli_run); one subprocess fewer.
+    # The resume and the uninterrupted reference in-process (the CLI's main, which python
+    # -m train runs; train.fit is the CLI's run to the bit:
+    # test_fit_with_a_model_instance_is_the_cli_run): the killed process is the subprocess.
     monkeypatch.chdir(project)
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "resuming at step" in capsys.readouterr().out
     ref = _fit(project, "unkilled", "train.log_every=7")
     killed = project / "runs" / "killed"
     a = nl.load(final_checkpoint(killed))
@@ -388,15 +389,15 @@ def test_load_run_and_predict(project, ref_run, tmp_path, capsys):
 
 
 def test_user_language_model_trains_samples_and_generates(project, monkeypatch, capsys):
-    # The CLI in-process (a user's model from its directory under python -m train as a
-    # subprocess: ref_run), then train.fit, which runs what the CLI ran, to the same params
+    # train.fit of the config file (a user's model from its directory under python -m train
+    # as a subprocess: ref_run; train.fit is the CLI's run to the bit:
+    # test_fit_with_a_model_instance_is_the_cli_run and the sigkill test's reference)
     from train.sample import main as sample_main
 
     monkeypatch.chdir(project)
-    assert main(["--config", "lm.yaml", "--fresh"]) == 0
-    run_dir = project / "runs" / "lm"
-    fitted = train.fit(None, "lm.yaml", overrides={"name": "lm_fit"}, echo=lambda line: None)
+    fitted = train.fit(None, "lm.yaml", echo=lambda line: None)
     assert "val_bits_per_char" in fitted.summary
+    run_dir = project / "runs" / "lm"  # (fitted.run_dir: relative to the project)
     assert_same_tree(fitted.params, nl.load(final_checkpoint(run_dir), subtree="params"))
     capsys.readouterr()
     code = sample_main(["--run", str(run_dir), "--prompt", "the ", "--tokens", "20"])
