@@ -7,7 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _check_many import case, check_many
+from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
+    case,
+    check_many,
+    host_rand,
+)
 from jax import lax
 
 import nnlite as nl
@@ -192,7 +196,9 @@ def _math_loss(p, x):
 
 
 def _normal(seed, *shape):  # numpy: no random kernel compiled per shape
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    return jax.device_put(
+        np.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    )
 
 
 def _math_params():

@@ -4,7 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _check_many import case, check_many, rule_case
+from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
+    case,
+    check_many,
+    host_rand,
+    rule_case,
+)
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 
 import nnlite as nl
@@ -65,7 +70,7 @@ def test_pools(rand):
         cases += [
             rule_case(_pool.max_pool, x, **static),
             # ties: the first maximum gets it
-            rule_case(_pool.max_pool, jnp.asarray(np.maximum(np.asarray(x), 0)), **static),
+            rule_case(_pool.max_pool, jax.device_put(np.maximum(np.asarray(x), 0)), **static),
             rule_case(_pool.avg_pool, x, **static),
             rule_case(_pool.avg_pool, x, **static, count_include_pad=False),
         ]
@@ -102,7 +107,7 @@ def test_normalisation_embedding_dropout_and_losses(rand):
             rule_case(
                 nl.rules.softmax_cross_entropy,
                 rand(2, 3, 5),
-                jnp.asarray(np.repeat(np.array([[0], [4]]), 3, 1)),
+                jax.device_put(np.repeat(np.array([[0], [4]]), 3, 1)),
             ),
             rule_case(_losses.nll_values, rand(4, 5), labels),
             rule_case(_losses.squared_error_values, rand(4, 5), rand(4, 5)),
@@ -140,7 +145,9 @@ def test_manual_grads_equal_autodiff_through_every_layer(key):
         )
     )
     p = jax.jit(net.init)(key)  # one compile, not one per random op
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 20, 1)), jnp.float32)
+    x = jax.device_put(
+        np.asarray(np.random.default_rng(0).standard_normal((6, 20, 1)), jnp.float32)
+    )
     y = jnp.array([0, 1, 2, 0, 1, 2])
 
     def loss(p, x, y):
@@ -198,7 +205,7 @@ def test_a_layer_with_its_own_rule_passes(key):
     def loss(p, x):
         return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="sum")
 
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3)), jnp.float32)
+    x = jax.device_put(np.asarray(np.random.default_rng(0).standard_normal((2, 3)), jnp.float32))
     auto, hand = _both(loss, p, x)  # one compile instead of op-by-op dispatch
     _close(auto, hand, layers=3)
 
@@ -210,9 +217,11 @@ def test_attention(rand, heads):
     from nnlite.nn import _attention
 
     q, k, v = rand(2, 5, heads, 4), rand(2, 5, heads, 4), rand(2, 5, heads, 4)
-    causal = jnp.asarray(np.tril(np.ones((5, 5), bool)))
+    causal = jax.device_put(np.tril(np.ones((5, 5), bool)))
     assert np.array_equal(causal, _attention.causal_mask(5, 5))
-    padded = jnp.asarray(np.arange(5)[None, None, None, :] < np.array([3, 5])[:, None, None, None])
+    padded = jax.device_put(
+        np.arange(5)[None, None, None, :] < np.array([3, 5])[:, None, None, None]
+    )
     attn = _attention.dot_product_attention
     check_many(
         [
@@ -233,7 +242,7 @@ def test_manual_transformer_block_equals_autodiff(key):
             emb=emb.init(key), block=blocks[0].init(jax.random.fold_in(key, 1))
         )
     )(key)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 11, (3, 6)), jnp.int32)
+    ids = jax.device_put(np.asarray(np.random.default_rng(0).integers(0, 11, (3, 6)), jnp.int32))
 
     def loss_of(block):
         def loss(p, ids):

@@ -17,7 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _check_many import case, check_many
+from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
+    case,
+    check_many,
+    host_rand,
+)
 from jax import lax
 
 import nnlite as nl
@@ -168,7 +172,9 @@ def test_structural_rules_match_jax_vjp(rand):
 
 
 def _normal(seed, *shape):  # numpy: no random kernel compiled per shape
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    return jax.device_put(
+        np.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    )
 
 
 class TinyTransformer(nl.Module):
@@ -278,7 +284,9 @@ def _grads_match_to_float32_rounding(model, batch, labels):
 def test_transformer_classifier_written_the_natural_way():
     model = TinyTransformer()
     rng = np.random.default_rng(1)  # numpy: no random kernel to compile
-    ids = jnp.asarray(rng.integers(0, model.vocab_size, (5, model.context)), jnp.int32)
+    ids = jax.device_put(
+        np.asarray(rng.integers(0, model.vocab_size, (5, model.context)), jnp.int32)
+    )
     params, loss = _grads_match_to_float32_rounding(model, ids, jnp.arange(5) % 3)
     # the structural rules did the work: every tok + pos, mean, gather and slice is a
     # custom_vjp in the manual loss, none of them a bare primitive on the params
@@ -288,7 +296,7 @@ def test_transformer_classifier_written_the_natural_way():
 
 
 def test_residual_cnn_with_global_average_pool():
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 6, 5)), jnp.float32)
+    x = jax.device_put(np.asarray(np.random.default_rng(1).standard_normal((4, 6, 5)), jnp.float32))
     _grads_match_to_float32_rounding(ResidualCNN(), x, jnp.array([0, 1, 2, 0]))
 
 
@@ -402,7 +410,9 @@ def _stack(remat: bool, residual: bool, depth: int = 16, width: int = 128):
     rng = np.random.default_rng(0)  # numpy: no compile per random op of each layer's init
     shapes = jax.eval_shape(layer.init, jax.random.key(0))
     return loss, jax.tree.map(
-        lambda s: jnp.asarray(rng.standard_normal((depth, *s.shape)) / np.sqrt(width), s.dtype),
+        lambda s: jax.device_put(
+            np.asarray(rng.standard_normal((depth, *s.shape)) / np.sqrt(width), s.dtype)
+        ),
         shapes,
     )
 

@@ -16,7 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _check_many import check_many, rule_case
+from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
+    check_many,
+    host_rand,
+    rule_case,
+)
 
 import nnlite as nl
 from nnlite.nn import _adaptive_pool
@@ -111,7 +115,7 @@ def test_adaptive_pool_rules(rand):
 
 def test_adaptive_max_pool_ties_go_to_the_first_maximum():
     # After relu most entries tie at 0: the rule and JAX's autodiff both pick the first.
-    x = jnp.asarray(np.maximum(_np(2, 7, 6, 3) - 1.0, 0.0))
+    x = jax.device_put(np.maximum(_np(2, 7, 6, 3) - 1.0, 0.0))
     check_many([rule_case(nl.rules.adaptive_max_pool, x, output_size=(3, 2))])
     dx = nl.rules.adaptive_max_pool.f_vjp(
         jnp.zeros((1, 4, 1)), jnp.ones((1, 2, 1)), output_size=(2,)
@@ -123,8 +127,8 @@ def test_rotary_rule(rand):
     rotary = nl.rules.rotary
     check_many(
         [
-            rule_case(rotary, rand(2, 5, 3, 8), jnp.asarray(np.arange(5)[:, None])),
-            rule_case(rotary, rand(5, 6), jnp.asarray(np.arange(5) + 100), base=500.0),
+            rule_case(rotary, rand(2, 5, 3, 8), jax.device_put(np.arange(5)[:, None])),
+            rule_case(rotary, rand(5, 6), jax.device_put(np.arange(5) + 100), base=500.0),
             rule_case(rotary, rand(2, 4, 6), jnp.array([[0, 1, 2, 3], [5, 6, 7, 8]])),  # per row
         ]
     )
@@ -186,7 +190,7 @@ def test_conv_transpose_matches_pytorch_formula(kernel, strides, padding, dilati
     n = len(kernel)
     layer = nl.ConvTranspose(3, 4, kernel, strides, padding, dilation, use_bias=False)
     x, W = _np(2, *(5, 4)[:n], 3), _np(*kernel, 3, 4, seed=1)
-    y = layer(nl.ParamsDict(W=jnp.asarray(W)), jnp.asarray(x))
+    y = layer(nl.ParamsDict(W=jax.device_put(W)), jax.device_put(x))
     if padding == "VALID":
         pads = ((0, 0),) * n
     elif padding == "SAME":  # out = in * stride; the conv it transposes pads as "SAME"
@@ -209,10 +213,10 @@ def test_conv_transpose_is_the_adjoint_of_conv(key):
     for kernel, strides, padding in [(3, 2, "SAME"), (4, 2, 1), (3, 2, "VALID")]:
         ct = nl.ConvTranspose(3, 5, kernel, strides, padding, use_bias=False)
         conv = nl.Conv(5, 3, kernel, strides, padding, use_bias=False)
-        x = jnp.asarray(_np(2, 6, 3))
-        W = jnp.asarray(_np(kernel, 3, 5, seed=1))
+        x = jax.device_put(_np(2, 6, 3))
+        W = jax.device_put(_np(kernel, 3, 5, seed=1))
         y = ct(nl.ParamsDict(W=W), x)
-        u = jnp.asarray(_np(*y.shape, seed=2))
+        u = jax.device_put(_np(*y.shape, seed=2))
         cu = conv(nl.ParamsDict(W=jnp.swapaxes(W, -1, -2)), u)
         assert cu.shape == x.shape
         # float32 sums that cancel: the bound is float rounding of the terms' magnitude
@@ -240,7 +244,7 @@ def test_adaptive_pools_match_pytorch_bins():
     pools = [(nl.AdaptiveAvgPool(out), nl.AdaptiveMaxPool(out)) for _, out in ADAPTIVE_CASES]
     ys = jax.jit(  # every case's two pools in one compile
         lambda xs: [(a(nl.ParamsDict(), x), m(nl.ParamsDict(), x)) for (a, m), x in zip(pools, xs)]
-    )([jnp.asarray(x) for x in xs])
+    )([jax.device_put(x) for x in xs])
     for (shape, out), x, (y_avg, y_max) in zip(ADAPTIVE_CASES, xs, ys):
         for y, reduce in [(y_avg, np.mean), (y_max, np.max)]:
             want = _adaptive_ref(x, out, reduce)
@@ -282,7 +286,7 @@ def test_gru_and_lstm_steps_match_pytorchs_equations():
     b = b_ih + np.concatenate([b_hh[: 2 * H], np.zeros(H, np.float32)])
     p = nl.ParamsDict(W=w_ih.T, U=w_hh.T, b=b, b_n=b_hh[2 * H :])
     p = jax.tree.map(jnp.asarray, p)
-    got = nl.GRUCell(F, H)(p, jnp.asarray(x), jnp.asarray(h))
+    got = nl.GRUCell(F, H)(p, jax.device_put(x), jax.device_put(h))
     np.testing.assert_allclose(
         got, _torch_gru_step(x, h, w_ih, w_hh, b_ih, b_hh), rtol=1e-5, atol=1e-6
     )
@@ -294,7 +298,7 @@ def test_gru_and_lstm_steps_match_pytorchs_equations():
         _np(4 * H, seed=10),
     )
     p = jax.tree.map(jnp.asarray, nl.ParamsDict(W=w_ih.T, U=w_hh.T, b=b_ih + b_hh))
-    got_h, got_c = nl.LSTMCell(F, H)(p, jnp.asarray(x), (jnp.asarray(h), jnp.asarray(c)))
+    got_h, got_c = nl.LSTMCell(F, H)(p, jax.device_put(x), (jax.device_put(h), jax.device_put(c)))
     want_h, want_c = _torch_lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh)
     np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_c, want_c, rtol=1e-5, atol=1e-6)
@@ -304,7 +308,7 @@ def test_gru_and_lstm_steps_match_pytorchs_equations():
 def test_rnn_equals_the_cell_stepped_in_python(cell, key):
     rnn = nl.RNN(cell, return_carry=True)
     p = jax.jit(rnn.init)(key)  # one compile, not one per random op
-    x = jnp.asarray(_np(2, 7, 3))
+    x = jax.device_put(_np(2, 7, 3))
     carry, hs = jax.jit(rnn)(p, x)
 
     @jax.jit
@@ -337,13 +341,13 @@ def test_rotary_matches_the_complex_rotation():
     theta = 10000.0 ** (-np.arange(D // 2) * 2 / D)
     z = (x[:, : D // 2] + 1j * x[:, D // 2 :]) * np.exp(1j * pos[:, None] * theta)
     want = np.concatenate([z.real, z.imag], axis=-1)
-    got = nl.RotaryEmbedding(D)(nl.ParamsDict(), jnp.asarray(x), offset=offset)
+    got = nl.RotaryEmbedding(D)(nl.ParamsDict(), jax.device_put(x), offset=offset)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_rotary_scores_depend_on_relative_positions_only():
     rope = nl.RotaryEmbedding(8)
-    q, k = jnp.asarray(_np(5, 8)), jnp.asarray(_np(5, 8, seed=1))
+    q, k = jax.device_put(_np(5, 8)), jax.device_put(_np(5, 8, seed=1))
 
     def scores(offset):
         p = nl.ParamsDict()
@@ -383,7 +387,7 @@ def _manual_vs_auto(layer, x):
     loss of the layer's output; ``check(auto, hand)`` asserts they agree to rounding."""
     p = _random_params(layer)
     out = jax.eval_shape(lambda: _out(layer(p, x)))
-    target = jnp.asarray(_np(*out.shape, seed=9))
+    target = jax.device_put(_np(*out.shape, seed=9))
 
     def loss(p, x):
         return nl.mse(_out(layer(p, x)), target, reduction="mean")
@@ -400,7 +404,9 @@ def _manual_vs_auto(layer, x):
 def _random_params(layer, seed=0):
     shapes = jax.eval_shape(layer.init, jax.random.key(0))
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: jnp.asarray(0.5 * rng.standard_normal(s.shape), s.dtype), shapes)
+    return jax.tree.map(
+        lambda s: jax.device_put(np.asarray(0.5 * rng.standard_normal(s.shape), s.dtype)), shapes
+    )
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -409,7 +415,7 @@ def test_layer_grid(name):
     layer under nl.manual_grads against jax.grad, in the same compiled program."""
     layer, shape = LAYERS[name]
     p = _random_params(layer)
-    x = jnp.asarray(_np(*shape))
+    x = jax.device_put(_np(*shape))
     manual = _manual_vs_auto(layer, x) if not name.startswith("Rotary") else None
 
     @jax.jit  # one compile for the grid and the manual check
@@ -475,7 +481,7 @@ def test_manual_grads_through_a_model_of_every_new_layer(key):
     )
     # numpy-drawn params: no compile per random op of eight inits
     p = nl.ParamsDict(**{n: _random_params(m, seed=i) for i, (n, m) in enumerate(layers.items())})
-    x, y = jnp.asarray(_np(3, 5, 2)), jnp.array([0, 1, 1])
+    x, y = jax.device_put(_np(3, 5, 2)), jnp.array([0, 1, 1])
 
     def loss(p, x):
         m = layers
@@ -500,9 +506,9 @@ def test_manual_grads_reach_the_initial_carry(key):
     """The scan rules' cotangent of the initial state: h0 (and c0) held as params."""
     for cell in (nl.GRUCell(3, 4), nl.LSTMCell(3, 4)):
         rnn = nl.RNN(cell, return_carry=True)
-        p = nl.ParamsDict(cell=_random_params(rnn), h0=jnp.asarray(_np(2, 4, seed=3)))
-        p.c0 = jnp.asarray(_np(2, 4, seed=4))
-        x = jnp.asarray(_np(2, 6, 3))
+        p = nl.ParamsDict(cell=_random_params(rnn), h0=jax.device_put(_np(2, 4, seed=3)))
+        p.c0 = jax.device_put(_np(2, 4, seed=4))
+        x = jax.device_put(_np(2, 6, 3))
 
         def loss(p, x, rnn=rnn, cell=cell):
             carry = (p.h0, p.c0) if isinstance(cell, nl.LSTMCell) else p.h0
@@ -529,7 +535,7 @@ def test_rotary_cached_decoding_equals_full_forward():
     F, H, T = 16, 2, 7
     mha = nl.MultiHeadAttention(F, H, causal=True, rotary=True)
     p = _random_params(mha)
-    x = jnp.asarray(_np(2, T, F))
+    x = jax.device_put(_np(2, T, F))
     full, plain = jax.jit(lambda p, x: (mha(p, x), nl.MultiHeadAttention(F, H, causal=True)(p, x)))(
         p, x
     )
@@ -669,7 +675,7 @@ def test_gpt_with_rotary_positions(key):
     gpt = GPT(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=16, positional="rotary")
     p = jax.jit(gpt.init)(key)
     assert "wpe" not in p and gpt.block.attn.rotary
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 8)), jnp.int32)
+    tokens = jax.device_put(np.asarray(np.random.default_rng(0).integers(0, 11, (2, 8)), jnp.int32))
 
     def decode(p, tokens):
         def step(cache, pos):
@@ -681,7 +687,7 @@ def test_gpt_with_rotary_positions(key):
     def loss(p, x, y):
         return objective_fn(gpt)(p, x, y)[0]
 
-    y = jnp.asarray(np.roll(np.asarray(tokens), -1, axis=1))
+    y = jax.device_put(np.roll(np.asarray(tokens), -1, axis=1))
     full, decoded, auto, hand = jax.jit(  # the forward, decoding and both passes: one compile
         lambda p, x, y: (
             gpt(p, x),
@@ -715,7 +721,7 @@ def test_rnn_scans_any_cell_plainly_for_autodiff(key):
 
     rnn = nl.RNN(Elman(), return_carry=True)
     p = rnn.init(key)
-    x = jnp.asarray(_np(2, 5, 3))
+    x = jax.device_put(_np(2, 5, 3))
     h, hs = jax.jit(rnn)(p, x)
     assert hs.shape == (2, 5, 4)
     np.testing.assert_allclose(h, hs[:, -1], rtol=1e-6)
@@ -740,7 +746,7 @@ def test_show_grad_prints_the_new_rules(key):
         y = nl.AdaptiveMaxPool(4)(nl.ParamsDict(), nl.elu(up(p.up, nl.silu(hs))))
         return nl.add(nl.mse(y, t, reduction="mean"), nl.mse(c, h, reduction="mean"))
 
-    x, t = jnp.asarray(_np(2, 5, 2)), jnp.zeros((2, 4, 2))
+    x, t = jax.device_put(_np(2, 5, 2)), jnp.zeros((2, 4, 2))
     src = nl.show_grad(loss, p, x, t)
     for rule in ("lstm_scan_vjp(", "gru_scan_vjp(", "rotary_vjp(", "conv_transpose_vjp("):
         assert rule in src

@@ -23,13 +23,13 @@ def _cases(seed, dtype):
     rng = np.random.default_rng(seed)
 
     def r(*shape):
-        return jnp.asarray(rng.standard_normal(shape).astype(dtype))
+        return jax.device_put(rng.standard_normal(shape).astype(dtype))
 
     def pos(*shape):
-        return jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(dtype))
+        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(dtype))
 
     def lab(*shape, n=5):
-        return jnp.asarray(rng.integers(0, n, shape).astype(np.int32))
+        return jax.device_put(rng.integers(0, n, shape).astype(np.int32))
 
     unary = [(r(7),), (r(4, 5),), (r(2, 3, 4),)]
     return {
@@ -193,8 +193,8 @@ def test_plugin_static_and_integer_arguments(key):
 def _params(seed=0, n_in=6, n_out=4):
     rng = np.random.default_rng(seed)
     return {
-        "W": jnp.asarray(rng.standard_normal((n_in, n_out)).astype(np.float32) / 3),
-        "b": jnp.asarray(rng.standard_normal(n_out).astype(np.float32)),
+        "W": jax.device_put(rng.standard_normal((n_in, n_out)).astype(np.float32) / 3),
+        "b": jax.device_put(rng.standard_normal(n_out).astype(np.float32)),
     }
 
 
@@ -211,7 +211,7 @@ def _loss_hand(p, x, labels):
 def _data(seed=1, batch=16, n_in=6, n_out=4):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, n_in)).astype(np.float32)
-    return jnp.asarray(x), jnp.asarray(rng.integers(0, n_out, batch).astype(np.int32))
+    return jax.device_put(x), jax.device_put(rng.integers(0, n_out, batch).astype(np.int32))
 
 
 # The plain loss's value and gradient at the pmap and shard_map tests' batch: one compile.
@@ -285,10 +285,10 @@ def _column_cases(seed, dtype):
     rng = np.random.default_rng(seed)
 
     def r(*shape):
-        return jnp.asarray(rng.standard_normal(shape).astype(dtype))
+        return jax.device_put(rng.standard_normal(shape).astype(dtype))
 
     def pos(*shape):
-        return jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(dtype))
+        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(dtype))
 
     unary = [(r(7),), (r(4, 5),)]
     return {
