@@ -51,20 +51,30 @@ def test_activation_rules(rand):
 
 
 def test_activations_are_named_and_match_jax_nn():
-    x = jnp.linspace(-4, 4, 17)
-    for name, ref in [
-        ("silu", jax.nn.silu),
-        ("leaky_relu", jax.nn.leaky_relu),
-        ("elu", jax.nn.elu),
-    ]:
+    x = jax.device_put(np.linspace(-4, 4, 17, dtype=np.float32))
+    refs = {"silu": jax.nn.silu, "leaky_relu": jax.nn.leaky_relu, "elu": jax.nn.elu}
+    for name in refs:
         assert nl.get_activation(name) is getattr(nl, name)
-        np.testing.assert_allclose(nl.ACTIVATIONS[name](x), ref(x), rtol=1e-6)
-    # At the kinks the rules give jax.nn's gradients, so manual and autodiff agree there.
-    zero = jnp.zeros(3)
-    for name in ("leaky_relu", "elu", "silu"):
-        f = getattr(nl.rules, name)
-        auto = jax.grad(lambda x, f=f: jnp.sum(f(x)))(zero)
-        np.testing.assert_allclose(f.f_vjp(zero, jnp.ones(3)), auto)
+
+    @jax.jit  # every value below in one compile
+    def values(x):
+        zero = jnp.zeros(3)
+        return {
+            name: (
+                (nl.ACTIVATIONS[name](x), ref(x)),
+                # at the kinks
+                (
+                    getattr(nl.rules, name).f_vjp(zero, jnp.ones(3)),
+                    jax.grad(lambda z, n=name: jnp.sum(getattr(nl.rules, n)(z)))(zero),
+                ),
+            )
+            for name, ref in refs.items()
+        }
+
+    for (ours, ref), (rule, auto) in values(x).values():
+        np.testing.assert_allclose(ours, ref, rtol=1e-6)
+        # At the kinks the rules give jax.nn's gradients, so manual and autodiff agree there.
+        np.testing.assert_allclose(rule, auto)
 
 
 CONV_T_CASES = [
@@ -307,11 +317,9 @@ def test_gru_and_lstm_steps_match_pytorchs_equations():
 @pytest.mark.parametrize("cell", [nl.GRUCell(3, 4), nl.LSTMCell(3, 4)], ids=["gru", "lstm"])
 def test_rnn_equals_the_cell_stepped_in_python(cell, key):
     rnn = nl.RNN(cell, return_carry=True)
-    p = jax.jit(rnn.init)(key)  # one compile, not one per random op
+    p = _random_params(rnn)  # numpy-drawn: no init to compile
     x = jax.device_put(_np(2, 7, 3))
-    carry, hs = jax.jit(rnn)(p, x)
 
-    @jax.jit
     def stepped(p, x):  # the Python loop, unrolled under jit
         state, hs = cell.zero_carry((2,)), []
         for t in range(7):
@@ -319,19 +327,19 @@ def test_rnn_equals_the_cell_stepped_in_python(cell, key):
             hs.append(_out(state))
         return state, jnp.stack(hs, axis=1)
 
-    state, want = stepped(p, x)
-    np.testing.assert_allclose(hs, want, rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(carry), jax.tree.leaves(state)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
     # The carry continues a sequence: two halves equal the whole.
-    @jax.jit  # one compile, not one per op
     def halves(p, x):
         first, hs1 = rnn(p, x[:, :3])
         _, hs2 = rnn(p, x[:, 3:], first)
         return jnp.concatenate([hs1, hs2], axis=1)
 
-    np.testing.assert_allclose(halves(p, x), hs, rtol=1e-5, atol=1e-6)
+    (carry, hs), (state, want), by_halves = jax.jit(  # the three in one compile
+        lambda p, x: (rnn(p, x), stepped(p, x), halves(p, x))
+    )(p, x)
+    np.testing.assert_allclose(hs, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(carry), jax.tree.leaves(state)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(by_halves, hs, rtol=1e-5, atol=1e-6)
 
 
 def test_rotary_matches_the_complex_rotation():
@@ -504,6 +512,7 @@ def test_manual_grads_through_a_model_of_every_new_layer(key):
 
 def test_manual_grads_reach_the_initial_carry(key):
     """The scan rules' cotangent of the initial state: h0 (and c0) held as params."""
+    checks = []
     for cell in (nl.GRUCell(3, 4), nl.LSTMCell(3, 4)):
         rnn = nl.RNN(cell, return_carry=True)
         p = nl.ParamsDict(cell=_random_params(rnn), h0=jax.device_put(_np(2, 4, seed=3)))
@@ -519,9 +528,14 @@ def test_manual_grads_reach_the_initial_carry(key):
                 nl.reduce(nl.mse(last, jnp.ones_like(last)), "mean"),
             )
 
-        auto, hand = jax.jit(  # both passes in one compile
-            lambda *a: (jax.grad(loss)(*a), jax.grad(nl.manual_grads(loss))(*a))
-        )(p, x)
+        checks.append((cell, loss, p, x))
+    results = jax.jit(  # both cells, both passes, in one compile
+        lambda args: [
+            (jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x))
+            for (_, loss, _, _), (p, x) in zip(checks, args)
+        ]
+    )([(p, x) for _, _, p, x in checks])
+    for (cell, *_), (auto, hand) in zip(checks, results):
         _assert_grads_close(auto, hand, terms=2 * 6 * 4)  # hs: [2, 6, 4]
         if isinstance(cell, nl.GRUCell):
             assert not np.any(auto.c0)  # unused
@@ -622,7 +636,7 @@ def test_shape_errors_name_the_layer(layer, x, match):
 
 def test_state_and_hyperparameter_errors(key):
     cell = nl.LSTMCell(3, 4)
-    p = cell.init(key)
+    p = _random_params(cell)  # the errors are about shapes: no init to compile
     with pytest.raises(
         ValueError, match=r"LSTMCell\(3, 4\): expected c of shape \(2, 4\).*got \(2, 5\)"
     ):
@@ -630,9 +644,9 @@ def test_state_and_hyperparameter_errors(key):
     with pytest.raises(ValueError, match=r"LSTMCell\(3, 4\): the carry is the pair \(h, c\)"):
         cell(p, jnp.ones((2, 3)), jnp.zeros((2, 4)))
     with pytest.raises(ValueError, match=r"GRUCell\(3, 4\): expected h of shape \(2, 4\)"):
-        nl.GRUCell(3, 4)(nl.GRUCell(3, 4).init(key), jnp.ones((2, 3)), jnp.zeros(4))
+        nl.GRUCell(3, 4)(_random_params(nl.GRUCell(3, 4)), jnp.ones((2, 3)), jnp.zeros(4))
     gru = nl.GRUCell(3, 4)
-    p_gru = gru.init(key)
+    p_gru = _random_params(gru)
     p_gru.U = jnp.zeros((4, 10))
     with pytest.raises(
         nl.ParamsMismatchError,
@@ -640,7 +654,7 @@ def test_state_and_hyperparameter_errors(key):
     ):
         gru(p_gru, jnp.ones(3))
     with pytest.raises(ValueError, match=r"RNN\(GRUCell\(3, 4\)\): each carry array"):
-        nl.RNN(nl.GRUCell(3, 4))(nl.GRUCell(3, 4).init(key), jnp.ones((2, 5, 3)), jnp.zeros((3, 4)))
+        nl.RNN(nl.GRUCell(3, 4))(_random_params(gru), jnp.ones((2, 5, 3)), jnp.zeros((3, 4)))
     with pytest.raises(TypeError, match="RNN: cell must be an nnlite cell"):
         nl.RNN(nl.Linear(3, 4))
     with pytest.raises(ValueError, match="rotary=True needs an even head_dim"):
