@@ -3,17 +3,19 @@ the rules at work: ``manual_grads`` on ordinary JAX math equals ``jax.grad``, an
 ``show_grad`` prints it as code that equals ``jax.grad``.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
+    case,
+    check_many,
+    host_rand,
+)
 from jax import lax
 
 import nnlite as nl
 from nnlite.grad._structural import PRIMITIVE_RULES
-from nnlite.vjp import check_vjp
 
 DN2 = lax.ConvDimensionNumbers((0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3))  # NCHW, OIHW
 DN1_NWC = lax.ConvDimensionNumbers((0, 2, 1), (2, 1, 0), (0, 2, 1))  # NWC, WIO
@@ -150,30 +152,31 @@ def test_every_primitive_rule_is_checked_here_or_with_the_structural_ones():
     assert set(PRIMITIVE_RULES) == set(CASES) | LINEAR, set(PRIMITIVE_RULES) ^ (set(CASES) | LINEAR)
 
 
-@pytest.mark.parametrize("name", NONLINEAR)
-def test_primitive_rule_against_jax_vjp(rand, name):
-    rule = PRIMITIVE_RULES[name]
-    for make, params in CASES[name]:
-        args = make(rand)
-        f = functools.partial(rule.f, **params)
-        f_vjp = functools.partial(rule.f_vjp, **params)
-        f.__name__, f_vjp.__name__ = name, name + "_vjp"
-        check_vjp(f, f_vjp, *args)
+def test_primitive_rules_against_jax_vjp(rand):
+    """Every case of every rule in one check_vjp per dtype (tests/_check_many.py: one
+    compile, not one per case; a failure names its rule)."""
+    check_many(
+        case(PRIMITIVE_RULES[name].f, PRIMITIVE_RULES[name].f_vjp, *make(rand), **params)
+        for name in NONLINEAR
+        for make, params in CASES[name]
+    )
 
 
 def test_ties_and_zeros_follow_jax():
     """Where the function has no derivative JAX makes a choice; the rules make the same."""
     x = jnp.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, -1.0, 0.0]])
-    for loss in (
+    losses = (
         lambda x: jnp.sum(jnp.max(x, axis=1) * jnp.array([1.0, 2.0])),
         lambda x: jnp.sum(jnp.maximum(x, 2.0) + jnp.minimum(x, 2.0)),
         lambda x: jnp.sum(jnp.abs(x) + jnp.clip(x, 0.0, 2.0)),
         lambda x: jnp.sum(jnp.prod(x, axis=1)),  # a zero factor: no division by it
         lambda x: jnp.sum(lax.cummax(x, 1) + lax.cumprod(x, 1)),
         lambda x: jnp.sum(jax.nn.relu(x) * x),  # relu's derivative is 0 at 0
-    ):
-        want = jax.jit(jax.grad(loss))(x)
-        got = jax.jit(jax.grad(nl.manual_grads(loss)))(x)
+    )
+    both = jax.jit(  # every loss, both ways, in one compile
+        lambda x: [(jax.grad(f)(x), jax.grad(nl.manual_grads(f))(x)) for f in losses]
+    )
+    for want, got in both(x):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -192,39 +195,47 @@ def _math_loss(p, x):
     return jnp.mean(s + jnp.sum(lax.cumlogsumexp(a, axis=1) + lax.cummax(g, axis=1), -1) / 10)
 
 
+def _normal(seed, *shape):  # numpy: no random kernel compiled per shape
+    return jax.device_put(
+        np.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    )
+
+
 def _math_params():
-    k = jax.random.split(jax.random.key(3), 2)
-    return {"W": jax.random.normal(k[0], (4, 6)) / 2, "V": jax.random.normal(k[1], (6, 6)) / 3}
+    return {"W": _normal(3, 4, 6) / 2, "V": _normal(30, 6, 6) / 3}
+
+
+def _auto_and_manual(loss, *args):
+    """jax.grad and the manual gradient of ``loss`` in one compiled program."""
+    return jax.jit(lambda *a: (jax.grad(loss)(*a), jax.grad(nl.manual_grads(loss))(*a)))(*args)
 
 
 def test_manual_grads_of_ordinary_jax_math_equals_jax_grad():
     p = _math_params()
-    x = jax.random.normal(jax.random.key(4), (5, 4))
+    x = _normal(4, 5, 4)
     nl.check_manual(_math_loss, p, x)  # every operation has a rule: auto picks manual
-    want = jax.jit(jax.grad(_math_loss))(p, x)
-    got = jax.jit(jax.grad(nl.manual_grads(_math_loss)))(p, x)
+    want, got = _auto_and_manual(_math_loss, p, x)
     for k in p:
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-5)
 
 
 def test_show_grad_prints_the_math_rules_as_code_equal_to_jax_grad():
     p = nl.ParamsDict(_math_params())
-    src = nl.show_grad(_math_loss, p, jax.random.normal(jax.random.key(4), (5, 4)))
+    src = nl.show_grad(_math_loss, p, _normal(4, 5, 4))
     for call in ("sin_vjp(", "exp_vjp(", "reduce_max_vjp(", "sort_vjp(", "top_k_vjp(", "pow_vjp("):
         assert call in src, call
     assert "nnlite.grad" not in src and "from nnlite.rules import" in src
     ns: dict = {}
     exec(src, ns)
-    x7 = jax.random.normal(jax.random.key(5), (7, 4))  # another batch size
-    got, want = jax.jit(ns["grad"])(p, x7), jax.jit(jax.grad(_math_loss))(p, x7)
+    x7 = _normal(5, 7, 4)  # another batch size
+    got, want = jax.jit(lambda p, x: (ns["grad"](p, x), jax.grad(_math_loss)(p, x)))(p, x7)
     for k in ("W", "V"):
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-5)
 
 
 def test_conv_in_general_form_under_manual_grads():
-    k = jax.random.split(jax.random.key(0), 3)
-    p = {"w": jax.random.normal(k[0], (6, 3, 2)), "v": jax.random.normal(k[1], (4, 3, 3))}
-    x = jax.random.normal(k[2], (2, 6, 9))  # NCW
+    p = {"w": _normal(0, 6, 3, 2), "v": _normal(1, 4, 3, 3)}
+    x = _normal(2, 2, 6, 9)  # NCW
 
     def loss(p, x):
         h = lax.conv_general_dilated(x, jnp.transpose(p["w"], (1, 0, 2)), (2,), "SAME",
@@ -233,8 +244,7 @@ def test_conv_in_general_form_under_manual_grads():
         w2 = jnp.transpose(p["v"], (1, 0, 2))  # [3, 4, 3] OIW: depthwise-ish groups of 1
         return jnp.sum(lax.conv_general_dilated(h, w2[:, :3], (1,), ((1, 0),)) ** 2)
 
-    want = jax.grad(loss)(p, x)
-    got = jax.grad(nl.manual_grads(loss))(p, x)
+    want, got = _auto_and_manual(loss, p, x)
     for name in p:
         np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-5)
 
@@ -253,8 +263,9 @@ def test_counted_while_loop_is_a_scan_and_a_data_dependent_one_is_refused():
             h = lax.fori_loop(0, 3, lambda i, c: jnp.sin(c) * 1.5, h)
         return jnp.sum(h**2)
 
-    want = jax.grad(loss)(p, x, "fori")  # jax.grad refuses the while_loop itself
-    got = jax.grad(nl.manual_grads(loss))(p, x, "while")
+    want, got = jax.jit(  # one compile; jax.grad refuses the while_loop itself
+        lambda p, x: (jax.grad(loss)(p, x, "fori"), jax.grad(nl.manual_grads(loss))(p, x, "while"))
+    )(p, x)
     np.testing.assert_allclose(got["W"], want["W"], rtol=1e-6, atol=1e-6)
 
     def until(p, x):
@@ -266,8 +277,8 @@ def test_counted_while_loop_is_a_scan_and_a_data_dependent_one_is_refused():
 
 
 def test_cond_switch_and_scan_written_by_hand():
-    p = {"W": jax.random.normal(jax.random.key(1), (3, 3)) / 2}
-    x = jax.random.normal(jax.random.key(2), (4, 3))
+    p = {"W": _normal(1, 3, 3) / 2}
+    x = _normal(2, 4, 3)
 
     def loss(p, x):
         h = x @ p["W"]
@@ -282,6 +293,5 @@ def test_cond_switch_and_scan_written_by_hand():
         return jnp.sum(z) + jnp.sum(ys**2)
 
     nl.check_manual(loss, p, x)
-    want = jax.grad(loss)(p, x)
-    got = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x)
+    want, got = _auto_and_manual(loss, p, x)
     np.testing.assert_allclose(got["W"], want["W"], rtol=2e-5, atol=2e-5)

@@ -2,75 +2,88 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
+    case,
+    check_many,
+    host_rand,
+    rule_case,
+)
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
-from _tolerance import check_rule as check
 
 import nnlite as nl
 from nnlite.nn import _conv, _dropout, _embedding, _linear, _losses, _pool
 from nnlite.nn import _normalisation as norm
-from nnlite.vjp import check_vjp
 from train.model.contract import objective_fn
 
 DTYPES = ["float32", "float64"]
 
 
-def test_linear(rand):
-    check(_linear.linear, rand(3, 4, 5), rand(5, 6), rand(6))
-    check(_linear.linear, rand(5), rand(5, 6), None)
+# Each test checks its cases in one check_vjp (tests/_check_many.py: one compile, not one per
+# case; a failure names its rule), once per dtype (the rand fixture).
 
 
-@pytest.mark.parametrize("name", ["relu", "gelu", "tanh", "sigmoid", "softplus", "identity"])
-def test_activations(rand, name):
-    check(nl.ACTIVATIONS[name], rand(4, 5))
+def test_linear_and_activations(rand):
+    check_many(
+        [
+            rule_case(_linear.linear, rand(3, 4, 5), rand(5, 6), rand(6)),
+            rule_case(_linear.linear, rand(5), rand(5, 6), None),
+            *(
+                rule_case(nl.ACTIVATIONS[name], rand(4, 5))
+                for name in ["relu", "gelu", "tanh", "sigmoid", "softplus", "identity"]
+            ),
+        ]
+    )
 
 
-@pytest.mark.parametrize(
-    "kernel, strides, padding, dilation, groups",
-    [
-        ((1,), (1,), "VALID", (1,), 1),  # kernel 1
-        ((3,), (2,), "SAME", (1,), 1),  # stride > 1, SAME
-        ((3,), (2,), ((1, 2),), (2,), 2),  # explicit padding, dilation, groups
-        ((2,), (3,), "VALID", (1,), 1),  # stride > kernel: inputs no window reads
-        ((3, 2), (2, 1), "SAME", (1, 1), 1),  # 2-d
-    ],
-)
-def test_conv(rand, kernel, strides, padding, dilation, groups):
-    n = len(kernel)
-    x = rand(2, *(11, 8)[:n], 4)
-    w = rand(*kernel, 4 // groups, 6)
-    static = dict(strides=strides, padding=padding, dilation=dilation, groups=groups)
-    check(_conv.conv, x, w, rand(6), **static)
-    check(_conv.conv, x, w, None, **static)
+CONV_CASES = [  # kernel, strides, padding, dilation, groups
+    ((1,), (1,), "VALID", (1,), 1),  # kernel 1
+    ((3,), (2,), "SAME", (1,), 1),  # stride > 1, SAME
+    ((3,), (2,), ((1, 2),), (2,), 2),  # explicit padding, dilation, groups
+    ((2,), (3,), "VALID", (1,), 1),  # stride > kernel: inputs no window reads
+    ((3, 2), (2, 1), "SAME", (1, 1), 1),  # 2-d
+]
 
 
-@pytest.mark.parametrize(
-    "window, strides, padding", [((2,), (2,), "VALID"), ((3,), (2,), "SAME"), ((1,), (1,), "VALID")]
-)
-def test_pools(rand, window, strides, padding):
-    x = rand(2, 9, 3)
-    static = dict(window=window, strides=strides, padding=padding)
-    check(_pool.max_pool, x, **static)
-    check(_pool.max_pool, jax.nn.relu(x), **static)  # ties: the first maximum gets it
-    check(_pool.avg_pool, x, **static)
-    check(_pool.avg_pool, x, **static, count_include_pad=False)
-    check(_pool.avg_pool, rand(2, 6, 7, 3), window=(2, 3), strides=(1, 2), padding="SAME")
-    check(_pool.flatten, rand(2, 3, 4), num_axes=2)
+def test_conv(rand):
+    cases = []
+    for kernel, strides, padding, dilation, groups in CONV_CASES:
+        n = len(kernel)
+        x = rand(2, *(11, 8)[:n], 4)
+        w = rand(*kernel, 4 // groups, 6)
+        static = dict(strides=strides, padding=padding, dilation=dilation, groups=groups)
+        cases.append(rule_case(_conv.conv, x, w, rand(6), **static))
+        cases.append(rule_case(_conv.conv, x, w, None, **static))
+    check_many(cases)
 
 
-def test_normalisation(rand):
-    check(norm.layer_norm, rand(3, 5, 8), rand(8), rand(8), eps=1e-5)
-    check(norm.layer_norm, rand(3, 8), None, None, eps=1e-5)
-    check(norm.rms_norm, rand(3, 5, 8), rand(8), eps=1e-6)
+def test_pools(rand):
+    cases = []
+    for window, strides, padding in [
+        ((2,), (2,), "VALID"),
+        ((3,), (2,), "SAME"),
+        ((1,), (1,), "VALID"),
+    ]:
+        x = rand(2, 9, 3)
+        static = dict(window=window, strides=strides, padding=padding)
+        cases += [
+            rule_case(_pool.max_pool, x, **static),
+            # ties: the first maximum gets it
+            rule_case(_pool.max_pool, jax.device_put(np.maximum(np.asarray(x), 0)), **static),
+            rule_case(_pool.avg_pool, x, **static),
+            rule_case(_pool.avg_pool, x, **static, count_include_pad=False),
+        ]
+    cases += [
+        rule_case(_pool.avg_pool, rand(2, 6, 7, 3), window=(2, 3), strides=(1, 2), padding="SAME"),
+        rule_case(_pool.flatten, rand(2, 3, 4), num_axes=2),
+    ]
+    check_many(cases)
+
+
+def test_normalisation_embedding_dropout_and_losses(rand):
     gn = dict(num_groups=2, num_spatial_axes=1, eps=1e-5)
-    check(norm.group_norm, rand(3, 5, 8), rand(8), rand(8), **gn)
-    check(norm.group_norm, rand(3, 8), rand(8), None, **{**gn, "num_groups": 8})
-
-
-def test_embedding_and_dropout(rand):
     ids = jnp.array([[1, 2, 9], [0, 0, 3]])  # a repeated id: its rows' cotangents add up
-    check(_embedding.embed, rand(10, 4), ids)
-    check(_embedding.embed_attend, rand(10, 4), rand(2, 3, 4))
     key = jax.random.key(3)
 
     def drop(x):
@@ -79,18 +92,35 @@ def test_embedding_and_dropout(rand):
     def drop_vjp(x, dret):
         return _dropout.dropout_vjp(x, key, 0.3, dret)[0]
 
-    check_vjp(drop, drop_vjp, rand(4, 5))
-
-
-def test_losses(rand):
     labels = jnp.array([0, 1, 4, 2])
-    check(nl.rules.softmax_cross_entropy, rand(4, 5), labels)
-    check(nl.rules.softmax_cross_entropy, rand(2, 3, 5), labels.reshape(2, 2)[:, :1].repeat(3, 1))
-    check(_losses.nll_values, rand(4, 5), labels)
-    check(_losses.squared_error_values, rand(4, 5), rand(4, 5))
-    check(_losses.squared_error_values, rand(4), rand(4))
-    check(nl.rules.mean, rand(4, 5))
-    check(nl.rules.sum, rand(4, 5))
+    check_many(
+        [
+            rule_case(norm.layer_norm, rand(3, 5, 8), rand(8), rand(8), eps=1e-5),
+            rule_case(norm.layer_norm, rand(3, 8), None, None, eps=1e-5),
+            rule_case(norm.rms_norm, rand(3, 5, 8), rand(8), eps=1e-6),
+            rule_case(norm.group_norm, rand(3, 5, 8), rand(8), rand(8), **gn),
+            rule_case(norm.group_norm, rand(3, 8), rand(8), None, **{**gn, "num_groups": 8}),
+            rule_case(_embedding.embed, rand(10, 4), ids),
+            rule_case(_embedding.embed_attend, rand(10, 4), rand(2, 3, 4)),
+            case(drop, drop_vjp, rand(4, 5)),
+            rule_case(nl.rules.softmax_cross_entropy, rand(4, 5), labels),
+            rule_case(
+                nl.rules.softmax_cross_entropy,
+                rand(2, 3, 5),
+                jax.device_put(np.repeat(np.array([[0], [4]]), 3, 1)),
+            ),
+            rule_case(_losses.nll_values, rand(4, 5), labels),
+            rule_case(_losses.squared_error_values, rand(4, 5), rand(4, 5)),
+            rule_case(_losses.squared_error_values, rand(4), rand(4)),
+            rule_case(nl.rules.mean, rand(4, 5)),
+            rule_case(nl.rules.sum, rand(4, 5)),
+        ]
+    )
+
+
+def _both(loss, *args):
+    """jax.grad and the manual gradient of ``loss`` in one compiled program."""
+    return jax.jit(lambda *a: (jax.grad(loss)(*a), jax.grad(nl.manual_grads(loss))(*a)))(*args)
 
 
 def _close(a, b, layers):
@@ -115,15 +145,16 @@ def test_manual_grads_equal_autodiff_through_every_layer(key):
         )
     )
     p = jax.jit(net.init)(key)  # one compile, not one per random op
-    x = jax.random.normal(key, (6, 20, 1))
+    x = jax.device_put(
+        np.asarray(np.random.default_rng(0).standard_normal((6, 20, 1)), jnp.float32)
+    )
     y = jnp.array([0, 1, 2, 0, 1, 2])
 
     def loss(p, x, y):
         logits = net(p, x, key=jax.random.key(5))
         return nl.softmax_cross_entropy(logits, y, reduction="mean")
 
-    auto = jax.jit(jax.grad(loss))(p, x, y)
-    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, y)
+    auto, hand = _both(loss, p, x, y)
     _close(auto, hand, layers=12)  # the 11 layers and the loss
 
 
@@ -174,10 +205,9 @@ def test_a_layer_with_its_own_rule_passes(key):
     def loss(p, x):
         return nl.mse(net(p, x), jnp.zeros((2, 4)), reduction="sum")
 
-    x = jax.random.normal(key, (2, 3))
-    # jitted: one compile each instead of op-by-op dispatch
-    auto, hand = jax.jit(jax.grad(loss)), jax.jit(jax.grad(nl.manual_grads(loss)))
-    _close(auto(p, x), hand(p, x), layers=3)
+    x = jax.device_put(np.asarray(np.random.default_rng(0).standard_normal((2, 3)), jnp.float32))
+    auto, hand = _both(loss, p, x)  # one compile instead of op-by-op dispatch
+    _close(auto, hand, layers=3)
 
 
 # Two heads: the rules treat the heads axis as a batch axis of their contractions, one
@@ -187,40 +217,56 @@ def test_attention(rand, heads):
     from nnlite.nn import _attention
 
     q, k, v = rand(2, 5, heads, 4), rand(2, 5, heads, 4), rand(2, 5, heads, 4)
-    causal = _attention.causal_mask(5, 5)
-    check(_attention.dot_product_attention, q, k, v, None)
-    check(_attention.dot_product_attention, q, k, v, causal)  # masked positions
-    padded = jnp.arange(5)[None, None, None, :] < jnp.array([3, 5])[:, None, None, None]
-    check(
-        _attention.dot_product_attention, q, k, v, padded, key=jax.random.key(1), dropout_rate=0.25
+    causal = jax.device_put(np.tril(np.ones((5, 5), bool)))
+    assert np.array_equal(causal, _attention.causal_mask(5, 5))
+    padded = jax.device_put(
+        np.arange(5)[None, None, None, :] < np.array([3, 5])[:, None, None, None]
     )
-    check(_attention.slot, rand(2, 5, 3, heads, 4), index=1)
+    attn = _attention.dot_product_attention
+    check_many(
+        [
+            rule_case(attn, q, k, v, None),
+            rule_case(attn, q, k, v, causal),  # masked positions
+            rule_case(attn, q, k, v, padded, key=jax.random.key(1), dropout_rate=0.25),
+            rule_case(_attention.slot, rand(2, 5, 3, heads, 4), index=1),
+        ]
+    )
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_manual_transformer_block_equals_autodiff(key, dropout):
-    block = nl.TransformerBlock(8, 2, dropout_rate=dropout)
+def test_manual_transformer_block_equals_autodiff(key):
+    """Without and with dropout: both blocks, both passes, in one compiled program."""
     emb = nl.Embedding(11, 8)
-    p = jax.jit(  # one compile, not one per random op
-        lambda key: nl.ParamsDict(emb=emb.init(key), block=block.init(jax.random.fold_in(key, 1)))
+    blocks = [nl.TransformerBlock(8, 2, dropout_rate=dropout) for dropout in (0.0, 0.1)]
+    p = jax.jit(  # one compile, not one per random op (the blocks' params are alike)
+        lambda key: nl.ParamsDict(
+            emb=emb.init(key), block=blocks[0].init(jax.random.fold_in(key, 1))
+        )
     )(key)
-    ids = jax.random.randint(key, (3, 6), 0, 11)
+    ids = jax.device_put(np.asarray(np.random.default_rng(0).integers(0, 11, (3, 6)), jnp.int32))
 
-    def loss(p, ids):
-        h = block(p.block, emb(p.emb, ids), key=jax.random.key(2))
-        return nl.softmax_cross_entropy(emb.attend(p.emb, h), ids, reduction="mean")
+    def loss_of(block):
+        def loss(p, ids):
+            h = block(p.block, emb(p.emb, ids), key=jax.random.key(2))
+            return nl.softmax_cross_entropy(emb.attend(p.emb, h), ids, reduction="mean")
 
-    # embedding, the block's 12 (2 norms, attention's 5, 2 residuals, MLP's 3), head, loss
-    _close(jax.jit(jax.grad(loss))(p, ids), jax.jit(jax.grad(nl.manual_grads(loss)))(p, ids), 15)
+        return loss
+
+    losses = [loss_of(block) for block in blocks]
+    both = jax.jit(
+        lambda p, ids: [(jax.grad(f)(p, ids), jax.grad(nl.manual_grads(f))(p, ids)) for f in losses]
+    )
+    for auto, hand in both(p, ids):
+        # embedding, the block's 12 (2 norms, attention's 5, 2 residuals, MLP's 3), head, loss
+        _close(auto, hand, 15)
 
 
 def _show_grad_matches(layers, loss, params, *batch):
     src = nl.show_grad(loss, params, *batch)
     namespace: dict = {}
     exec(src, namespace)  # noqa: S102 -- the point: the printed code runs
-    # Both sides jitted: one compile each instead of hundreds of op-by-op dispatches.
-    got = jax.jit(namespace["grad"])(params, *batch)
-    _close(jax.jit(jax.grad(loss))(params, *batch), got, layers)
+    # Both sides in one jitted program instead of hundreds of op-by-op dispatches.
+    got, auto = jax.jit(lambda *a: (namespace["grad"](*a), jax.grad(loss)(*a)))(params, *batch)
+    _close(auto, got, layers)
     return src
 
 
@@ -286,9 +332,9 @@ def test_equinox_layers_use_autodiff_and_say_so_once(caplog):
         return nl.softmax_cross_entropy(head(p.b, nl.tanh(h)), y, reduction="mean")
 
     with caplog.at_level("WARNING", logger="nnlite"):
-        hand = jax.grad(nl.manual_grads(loss))(p, x, y)
-        jax.grad(nl.manual_grads(loss))(p, x, y)
-    _close(jax.grad(loss)(p, x, y), hand, layers=4)
+        auto, hand = _both(loss, p, x, y)  # one compile, not op-by-op dispatch
+        jax.make_jaxpr(jax.grad(nl.manual_grads(loss)))(p, x, y)  # a second differentiation
+    _close(auto, hand, layers=4)
     said = [r for r in caplog.records if "EquinoxLayer(Linear)" in r.getMessage()]
     assert len(said) == 1 and "autodiff" in said[0].getMessage()
 

@@ -17,29 +17,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
+    case,
+    check_many,
+    host_rand,
+)
 from jax import lax
 
 import nnlite as nl
 from nnlite.grad._structural import PRIMITIVE_RULES
-from nnlite.vjp import check_vjp
 
 DTYPES = ["float32", "float64"]
 
 
-def check(name, *args, **params):
-    """check_vjp of ``nnlite.rules.<name>`` with the primitive's parameters bound, and its
-    forward against ``want`` when given."""
-    f, f_vjp = nl.rules.RULES[name]
-    fp, fp_vjp = functools.partial(f, **params), functools.partial(f_vjp, **params)
-    fp.__name__, fp_vjp.__name__ = name, name + "_vjp"
-    check_vjp(fp, fp_vjp, *args)
-
-
-def _cases(rand):
+def _cases(x, y1, s, m, w, xb):
     """``{case id: (rule name, args, params, expected forward or None)}`` for every
     structural rule: size-1 and rank-0 broadcasting, negative axes, strides, negative and
     interior padding, repeated and clamped indices."""
-    x, y1, s, m, w = rand(2, 3, 4), rand(1, 3, 1), rand(), rand(3, 1), rand(4, 5)
     i2 = jnp.array([2, 0, 2])  # a repeated index: its cotangents add up
     gdn = lax.GatherDimensionNumbers(
         offset_dims=(0, 2), collapsed_slice_dims=(1,), start_index_map=(1,)
@@ -79,7 +73,7 @@ def _cases(rand):
         ("mul-scalar", "mul", (s, x), {}, s * x),
         ("div", "div", (x, y1 * y1 + 1), {}, x / (y1 * y1 + 1)),
         ("dot", "dot_general", (x, w), dict(dimension_numbers=(((2,), (0,)), ((), ()))), x @ w),
-        ("dot-batched", "dot_general", (rand(2, 5, 4), x),
+        ("dot-batched", "dot_general", (xb, x),
          dict(dimension_numbers=(((2,), (2,)), ((0,), (0,)))), None),
         ("reduce_sum", "reduce_sum", (x,), dict(axes=(1,)), x.sum(1)),
         ("reduce_sum-negative", "reduce_sum", (x,), dict(axes=(-1, 0)), x.sum((0, 2))),
@@ -121,13 +115,32 @@ def _cases(rand):
     return {case[0]: case[1:] for case in cases}
 
 
-CASE_IDS = list(_cases(lambda *shape: jnp.ones(shape)))
+def _case_table(*base):
+    """``({case id: (rule name, params)}, {case id: (args, want)})``: the cases' arrays
+    built in one compiled program (not one per eager op), or their shapes when ``base``
+    holds shapes."""
+    meta = {}
+
+    def arrays(*base):
+        out = {}
+        for cid, (name, args, params, want) in _cases(*base).items():
+            meta[cid] = (name, params)
+            out[cid] = (args, want)
+        return out
+
+    if all(isinstance(b, jax.ShapeDtypeStruct) for b in base):
+        return meta, jax.eval_shape(arrays, *base)
+    return meta, jax.jit(arrays)(*base)
+
+
+BASE_SHAPES = [(2, 3, 4), (1, 3, 1), (), (3, 1), (4, 5), (2, 5, 4)]
 
 
 def test_every_primitive_rule_is_in_nnlite_rules_and_checked():
     from test_grad_primitives import CASES  # the nonlinear ones are checked there
 
-    checked = {name for name, *_ in _cases(lambda *shape: jnp.ones(shape)).values()}
+    meta, _ = _case_table(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in BASE_SHAPES))
+    checked = {name for name, _ in meta.values()}
     for prim, rule in PRIMITIVE_RULES.items():
         public = rule.f.__name__
         assert nl.rules.RULES[public][1] is rule.f_vjp, prim
@@ -135,18 +148,33 @@ def test_every_primitive_rule_is_in_nnlite_rules_and_checked():
         assert public in checked or prim in CASES or public == "pvary", prim
 
 
-@pytest.mark.parametrize("case", CASE_IDS)
-def test_structural_rule_matches_jax_vjp(rand, case):
-    name, args, params, want = _cases(rand)[case]
-    check(name, *args, **params)
-    got = nl.rules.RULES[name][0](*args, **params)
-    if want is not None:
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+def test_structural_rules_match_jax_vjp(rand):
+    """Every case's rule against jax.vjp in one check_vjp (tests/_check_many.py: one compile,
+    not one per case; a failure names its rule), and every forward, computed in one program,
+    against the expected value."""
+    meta, arrays = _case_table(*(rand(*s) for s in BASE_SHAPES))
+    rules = {cid: nl.rules.RULES[name] for cid, (name, _) in meta.items()}
+    check_many(case(*rules[cid], *arrays[cid][0], **params) for cid, (_, params) in meta.items())
+    forwards = jax.jit(
+        lambda arrays: {cid: rules[cid][0](*arrays[cid][0], **meta[cid][1]) for cid in meta}
+    )(arrays)
+    for cid, (_, want) in arrays.items():
+        if want is None:
+            continue
+        for g, w in zip(jax.tree.leaves(forwards[cid]), jax.tree.leaves(want), strict=True):
             eps = np.finfo(w.dtype).eps  # the forward is the primitive: equal up to rounding
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=4 * eps, atol=4 * eps)
+            np.testing.assert_allclose(
+                np.asarray(g), np.asarray(w), rtol=4 * eps, atol=4 * eps, err_msg=cid
+            )
 
 
 # --- models written the natural way -------------------------------------------------------
+
+
+def _normal(seed, *shape):  # numpy: no random kernel compiled per shape
+    return jax.device_put(
+        np.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    )
 
 
 class TinyTransformer(nl.Module):
@@ -230,8 +258,9 @@ def _grads_match_to_float32_rounding(model, batch, labels):
 
     params = jax.jit(model.init)(jax.random.key(0))  # one compile, not one per random op
     loss = loss_of(model)
-    auto = jax.jit(jax.grad(loss))(params, batch, labels)
-    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params, batch, labels)
+    auto, hand = jax.jit(  # both passes in one compile
+        lambda *a: (jax.grad(loss)(*a), jax.grad(nl.manual_grads(loss))(*a))
+    )(params, batch, labels)
     with jax.enable_x64(True):
         m64 = dataclasses.replace(model, param_dtype="float64")
         p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
@@ -254,7 +283,10 @@ def _grads_match_to_float32_rounding(model, batch, labels):
 
 def test_transformer_classifier_written_the_natural_way():
     model = TinyTransformer()
-    ids = jax.random.randint(jax.random.key(1), (5, model.context), 0, model.vocab_size)
+    rng = np.random.default_rng(1)  # numpy: no random kernel to compile
+    ids = jax.device_put(
+        np.asarray(rng.integers(0, model.vocab_size, (5, model.context)), jnp.int32)
+    )
     params, loss = _grads_match_to_float32_rounding(model, ids, jnp.arange(5) % 3)
     # the structural rules did the work: every tok + pos, mean, gather and slice is a
     # custom_vjp in the manual loss, none of them a bare primitive on the params
@@ -264,7 +296,7 @@ def test_transformer_classifier_written_the_natural_way():
 
 
 def test_residual_cnn_with_global_average_pool():
-    x = jax.random.normal(jax.random.key(1), (4, 6, 5))
+    x = jax.device_put(np.asarray(np.random.default_rng(1).standard_normal((4, 6, 5)), jnp.float32))
     _grads_match_to_float32_rounding(ResidualCNN(), x, jnp.array([0, 1, 2, 0]))
 
 
@@ -310,9 +342,8 @@ def test_products_of_two_param_values_have_rules_and_repeated_scatter_indices_ar
     def square(p):  # outside any Module: both factors differentiated
         return jnp.sum(p * p) + jnp.sum(p / (p * p + 1.0))
 
-    np.testing.assert_allclose(
-        jax.grad(nl.manual_grads(square))(w), jax.grad(square)(w), rtol=1e-6, atol=1e-6
-    )
+    got, want = jax.jit(lambda w: (jax.grad(nl.manual_grads(square))(w), jax.grad(square)(w)))(w)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
     def overwrite(p):
         return jnp.sum(jnp.zeros(4).at[jnp.array([1, 1, 2])].set(p))
@@ -333,10 +364,13 @@ def test_linear_ops_with_a_constant_side_and_inputs_gradients():
         h = jnp.where(x[:, :1] > 0, h, -h) / 3.0
         return jnp.sum(jnp.concatenate([h, h[:, ::-1]], axis=-1) * x[:, :1])
 
-    p = {"W": jax.random.normal(jax.random.key(0), (3, 4))}
-    x = jax.random.normal(jax.random.key(1), (5, 3))
-    want = jax.grad(loss, argnums=(0, 1))(p, x)
-    got = jax.jit(jax.grad(nl.manual_grads(loss), argnums=(0, 1)))(p, x)
+    p, x = {"W": _normal(0, 3, 4)}, _normal(1, 5, 3)
+    want, got = jax.jit(  # one compile
+        lambda p, x: (
+            jax.grad(loss, argnums=(0, 1))(p, x),
+            jax.grad(nl.manual_grads(loss), argnums=(0, 1))(p, x),
+        )
+    )(p, x)
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
@@ -373,8 +407,14 @@ def _stack(remat: bool, residual: bool, depth: int = 16, width: int = 128):
         h, _ = jax.lax.scan(step, x, params)
         return nl.reduce(h, "mean")
 
-    layers = [layer.init(k) for k in jax.random.split(jax.random.key(0), depth)]
-    return loss, jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    rng = np.random.default_rng(0)  # numpy: no compile per random op of each layer's init
+    shapes = jax.eval_shape(layer.init, jax.random.key(0))
+    return loss, jax.tree.map(
+        lambda s: jax.device_put(
+            np.asarray(rng.standard_normal((depth, *s.shape)) / np.sqrt(width), s.dtype)
+        ),
+        shapes,
+    )
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -382,16 +422,18 @@ def test_checkpoint_recomputes_with_hand_rules_and_saves_memory(residual):
     # A scan over the layers: on the CPU backend an unrolled stack shows the same temp
     # bytes with or without jax.checkpoint even in plain JAX (XLA's CSE merges the
     # recomputation back into the forward pass); across loop iterations it cannot.
-    x = jax.random.normal(jax.random.key(1), (256, 128))
+    x = _normal(1, 256, 128)
     temp, grads = {}, {}
     for remat in (False, True):
         loss, params = _stack(remat, residual)
         f = jax.jit(jax.grad(nl.manual_grads(loss)))
         _RELU_VJP_TRACES.clear()
-        temp[remat] = f.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+        traced = f.trace(params, x)
+        assert ("remat" in str(traced.jaxpr)) == remat
+        compiled = traced.lower().compile()  # one compile: measured, then run
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
         assert _RELU_VJP_TRACES, "the backward pass did not run the hand rule"
-        grads[remat] = f(params, x)
-        assert ("remat" in str(jax.make_jaxpr(f)(params, x))) == remat
+        grads[remat] = compiled(params, x)
     auto = jax.jit(jax.grad(_stack(False, residual)[0]))(params, x)
     for a, plain, rematted in zip(*(jax.tree.leaves(g) for g in (auto, grads[False], grads[True]))):
         np.testing.assert_allclose(plain, a, rtol=1e-5, atol=1e-7)
@@ -410,11 +452,14 @@ def test_structural_ops_inside_jit_cond_scan_and_a_counted_while():
         h, _ = jax.lax.scan(lambda c, r: (c + r, None), jnp.zeros(4), h)  # rows summed
         return jnp.sum(pool(h[None]) * jnp.arange(4.0))
 
-    p = {"W": jax.random.normal(jax.random.key(0), (3, 4))}
-    x = jax.random.normal(jax.random.key(1), (5, 3))
-    for flag in (True, False):
-        want = jax.grad(loss)(p, x, flag)
-        got = jax.jit(jax.grad(nl.manual_grads(loss)))(p, x, flag)
+    p, x = {"W": _normal(0, 3, 4)}, _normal(1, 5, 3)
+    both = jax.jit(  # both flags, both ways, one compile
+        lambda p, x: [
+            (jax.grad(loss)(p, x, flag), jax.grad(nl.manual_grads(loss))(p, x, flag))
+            for flag in (True, False)
+        ]
+    )
+    for want, got in both(p, x):
         np.testing.assert_allclose(got["W"], want["W"], rtol=1e-6, atol=1e-6)
 
     def looped(p, x):
@@ -428,8 +473,10 @@ def test_structural_ops_inside_jit_cond_scan_and_a_counted_while():
         return jnp.sum(jax.lax.fori_loop(0, 3, lambda i, c: c * 0.5, h))
 
     # a while_loop counting from a constant to a constant runs as a scan
-    got = jax.grad(nl.manual_grads(looped))(p, x)
-    np.testing.assert_allclose(got["W"], jax.grad(fori)(p, x)["W"], rtol=1e-6, atol=1e-6)
+    got, want = jax.jit(
+        lambda p, x: (jax.grad(nl.manual_grads(looped))(p, x), jax.grad(fori)(p, x))
+    )(p, x)
+    np.testing.assert_allclose(got["W"], want["W"], rtol=1e-6, atol=1e-6)
 
     def until(p, x):  # the trip count depends on the data: refused by name
         h = nl.linear(x, p["W"], None)
@@ -518,15 +565,17 @@ import {module} as user
 model = user.TinyTransformer()
 params = jax.jit(model.init)(jax.random.key(0))  # one compile, not one per random op
 eps = np.finfo(np.float32).eps
-for n in (4, 8):  # traced at 4; 8 is the batch the issue's code broke at
-    ids, y = user.batch(n)
-    got = jax.jit(printed_grad.grad)(params, ids, y)
-    auto = jax.jit(jax.grad(user.loss_of(model)))(params, ids, y)
-    with jax.enable_x64(True):
-        m64 = user.TinyTransformer(param_dtype="float64")
-        p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
-        exact = jax.jit(jax.grad(user.loss_of(m64)))(p64, ids, y)
-        exact = jax.tree.map(np.asarray, exact)
+batches = [user.batch(n) for n in (4, 8)]  # traced at 4; 8 is the batch the issue's code broke at
+# both batches in one program per precision: two compiles, not six
+got_auto = jax.jit(
+    lambda p, bs: [(printed_grad.grad(p, *b), jax.grad(user.loss_of(model))(p, *b)) for b in bs]
+)(params, batches)
+with jax.enable_x64(True):
+    m64 = user.TinyTransformer(param_dtype="float64")
+    p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+    exacts = jax.jit(lambda p, bs: [jax.grad(user.loss_of(m64))(p, *b) for b in bs])(p64, batches)
+    exacts = jax.tree.map(np.asarray, exacts)
+for n, (got, auto), exact in zip((4, 8), got_auto, exacts):
     for g, a, e in zip(*(jax.tree.leaves(t) for t in (got, auto, exact)), strict=True):
         err_printed = np.max(np.abs(np.asarray(g, np.float64) - e))
         err_auto = np.max(np.abs(np.asarray(a, np.float64) - e))

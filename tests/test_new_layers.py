@@ -16,7 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _tolerance import check_rule as check
+from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
+    check_many,
+    host_rand,
+    rule_case,
+)
 
 import nnlite as nl
 from nnlite.nn import _adaptive_pool
@@ -31,37 +35,46 @@ def _np(*shape, seed=0):
 
 
 # -- every new rule against jax.vjp -----------------------------------------------------------
+# Each test checks its cases in one check_vjp (tests/_check_many.py: one compile, not one per
+# case; a failure names its rule), once per dtype (the rand fixture).
 
 
-@pytest.mark.parametrize(
-    "name, static",
-    [
+def test_activation_rules(rand):
+    cases = [
         ("silu", {}),
         ("leaky_relu", {}),
         ("leaky_relu", {"negative_slope": 0.2}),
         ("elu", {}),
         ("elu", {"alpha": 0.5}),
-    ],
-)
-def test_activation_rules(rand, name, static):
-    check(getattr(nl.rules, name), rand(4, 5) * 3, **static)
+    ]
+    check_many(rule_case(getattr(nl.rules, n), rand(4, 5) * 3, **st) for n, st in cases)
 
 
 def test_activations_are_named_and_match_jax_nn():
-    x = jnp.linspace(-4, 4, 17)
-    for name, ref in [
-        ("silu", jax.nn.silu),
-        ("leaky_relu", jax.nn.leaky_relu),
-        ("elu", jax.nn.elu),
-    ]:
+    x = jax.device_put(np.linspace(-4, 4, 17, dtype=np.float32))
+    refs = {"silu": jax.nn.silu, "leaky_relu": jax.nn.leaky_relu, "elu": jax.nn.elu}
+    for name in refs:
         assert nl.get_activation(name) is getattr(nl, name)
-        np.testing.assert_allclose(nl.ACTIVATIONS[name](x), ref(x), rtol=1e-6)
-    # At the kinks the rules give jax.nn's gradients, so manual and autodiff agree there.
-    zero = jnp.zeros(3)
-    for name in ("leaky_relu", "elu", "silu"):
-        f = getattr(nl.rules, name)
-        auto = jax.grad(lambda x, f=f: jnp.sum(f(x)))(zero)
-        np.testing.assert_allclose(f.f_vjp(zero, jnp.ones(3)), auto)
+
+    @jax.jit  # every value below in one compile
+    def values(x):
+        zero = jnp.zeros(3)
+        return {
+            name: (
+                (nl.ACTIVATIONS[name](x), ref(x)),
+                # at the kinks
+                (
+                    getattr(nl.rules, name).f_vjp(zero, jnp.ones(3)),
+                    jax.grad(lambda z, n=name: jnp.sum(getattr(nl.rules, n)(z)))(zero),
+                ),
+            )
+            for name, ref in refs.items()
+        }
+
+    for (ours, ref), (rule, auto) in values(x).values():
+        np.testing.assert_allclose(ours, ref, rtol=1e-6)
+        # At the kinks the rules give jax.nn's gradients, so manual and autodiff agree there.
+        np.testing.assert_allclose(rule, auto)
 
 
 CONV_T_CASES = [
@@ -76,16 +89,18 @@ CONV_T_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel, strides, padding, dilation", CONV_T_CASES)
-def test_conv_transpose_rule(rand, kernel, strides, padding, dilation):
-    n = len(kernel)
-    x = rand(2, *(5, 4)[:n], 3)
-    W = rand(*kernel, 3, 4)
-    static = dict(strides=strides, padding=padding, dilation=dilation)
-    check(nl.rules.conv_transpose, x, W, rand(4), **static)
-    if padding == "SAME" and dilation[0] == 1 and kernel[0] == 3:  # the first 1-d and 2-d
-        # no bias: the bias is added after the transposed conv, whatever its geometry
-        check(nl.rules.conv_transpose, x, W, None, **static)
+def test_conv_transpose_rule(rand):
+    cases = []
+    for kernel, strides, padding, dilation in CONV_T_CASES:
+        n = len(kernel)
+        x = rand(2, *(5, 4)[:n], 3)
+        W = rand(*kernel, 3, 4)
+        static = dict(strides=strides, padding=padding, dilation=dilation)
+        cases.append(rule_case(nl.rules.conv_transpose, x, W, rand(4), **static))
+        if padding == "SAME" and dilation[0] == 1 and kernel[0] == 3:  # the first 1-d and 2-d
+            # no bias: the bias is added after the transposed conv, whatever its geometry
+            cases.append(rule_case(nl.rules.conv_transpose, x, W, None, **static))
+    check_many(cases)
 
 
 ADAPTIVE_CASES = [
@@ -99,17 +114,19 @@ ADAPTIVE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape, out", ADAPTIVE_CASES)
-def test_adaptive_pool_rules(rand, shape, out):
-    x = rand(*shape)
-    check(nl.rules.adaptive_avg_pool, x, output_size=out)
-    check(nl.rules.adaptive_max_pool, x, output_size=out)
+def test_adaptive_pool_rules(rand):
+    cases = []
+    for shape, out in ADAPTIVE_CASES:
+        x = rand(*shape)
+        cases.append(rule_case(nl.rules.adaptive_avg_pool, x, output_size=out))
+        cases.append(rule_case(nl.rules.adaptive_max_pool, x, output_size=out))
+    check_many(cases)
 
 
 def test_adaptive_max_pool_ties_go_to_the_first_maximum():
     # After relu most entries tie at 0: the rule and JAX's autodiff both pick the first.
-    x = jax.nn.relu(jnp.asarray(_np(2, 7, 6, 3)) - 1.0)
-    check(nl.rules.adaptive_max_pool, x, output_size=(3, 2))
+    x = jax.device_put(np.maximum(_np(2, 7, 6, 3) - 1.0, 0.0))
+    check_many([rule_case(nl.rules.adaptive_max_pool, x, output_size=(3, 2))])
     dx = nl.rules.adaptive_max_pool.f_vjp(
         jnp.zeros((1, 4, 1)), jnp.ones((1, 2, 1)), output_size=(2,)
     )
@@ -117,28 +134,37 @@ def test_adaptive_max_pool_ties_go_to_the_first_maximum():
 
 
 def test_rotary_rule(rand):
-    check(nl.rules.rotary, rand(2, 5, 3, 8), jnp.arange(5)[:, None])
-    check(nl.rules.rotary, rand(5, 6), jnp.arange(5) + 100, base=500.0)
-    check(nl.rules.rotary, rand(2, 4, 6), jnp.array([[0, 1, 2, 3], [5, 6, 7, 8]]))  # per row
+    rotary = nl.rules.rotary
+    check_many(
+        [
+            rule_case(rotary, rand(2, 5, 3, 8), jax.device_put(np.arange(5)[:, None])),
+            rule_case(rotary, rand(5, 6), jax.device_put(np.arange(5) + 100), base=500.0),
+            rule_case(rotary, rand(2, 4, 6), jnp.array([[0, 1, 2, 3], [5, 6, 7, 8]])),  # per row
+        ]
+    )
 
 
 def test_recurrent_rules(rand):
     F, H = 3, 4
     W3, U3, W4, U4 = rand(F, 3 * H), rand(H, 3 * H), rand(F, 4 * H), rand(H, 4 * H)
+    R = nl.rules
+    cases = []
     for lead in [(), (2, 3)]:  # one example; two batch axes
         x, h, c = rand(*lead, F), rand(*lead, H), rand(*lead, H)
-        check(nl.rules.gru_cell, x, h, W3, U3, rand(3 * H), rand(H))
-        check(nl.rules.lstm_cell, x, h, c, W4, U4, rand(4 * H))
+        cases.append(rule_case(R.gru_cell, x, h, W3, U3, rand(3 * H), rand(H)))
+        cases.append(rule_case(R.lstm_cell, x, h, c, W4, U4, rand(4 * H)))
     xs, h0, c0 = rand(2, 6, F), rand(2, H), rand(2, H)
-    check(nl.rules.gru_scan, xs, h0, W3, U3, rand(3 * H), rand(H))
-    check(nl.rules.lstm_scan, xs, h0, c0, W4, U4, rand(4 * H))
-    check(nl.rules.subarray, rand(2, 6, 2, H), index=(slice(None), -1, 1, slice(None)))
+    cases.append(rule_case(R.gru_scan, xs, h0, W3, U3, rand(3 * H), rand(H)))
+    cases.append(rule_case(R.lstm_scan, xs, h0, c0, W4, U4, rand(4 * H)))
+    index = (slice(None), -1, 1, slice(None))
+    cases.append(rule_case(R.subarray, rand(2, 6, 2, H), index=index))
     # No biases and no state (a fresh sequence's zeros made inside the rule, no
     # cotangent), both optional paths in one check per rule; the LSTM scan in one step
-    check(nl.rules.gru_cell, rand(2, F), None, W3, U3, None, None)
-    check(nl.rules.lstm_cell, rand(2, F), None, None, W4, U4, None)
-    check(nl.rules.gru_scan, xs, None, W3, U3, None, None)
-    check(nl.rules.lstm_scan, rand(2, 1, F), None, None, W4, U4, None)
+    cases.append(rule_case(R.gru_cell, rand(2, F), None, W3, U3, None, None))
+    cases.append(rule_case(R.lstm_cell, rand(2, F), None, None, W4, U4, None))
+    cases.append(rule_case(R.gru_scan, xs, None, W3, U3, None, None))
+    cases.append(rule_case(R.lstm_scan, rand(2, 1, F), None, None, W4, U4, None))
+    check_many(cases)
 
 
 def test_the_rules_are_listed():
@@ -174,7 +200,7 @@ def test_conv_transpose_matches_pytorch_formula(kernel, strides, padding, dilati
     n = len(kernel)
     layer = nl.ConvTranspose(3, 4, kernel, strides, padding, dilation, use_bias=False)
     x, W = _np(2, *(5, 4)[:n], 3), _np(*kernel, 3, 4, seed=1)
-    y = layer(nl.ParamsDict(W=jnp.asarray(W)), jnp.asarray(x))
+    y = layer(nl.ParamsDict(W=jax.device_put(W)), jax.device_put(x))
     if padding == "VALID":
         pads = ((0, 0),) * n
     elif padding == "SAME":  # out = in * stride; the conv it transposes pads as "SAME"
@@ -197,10 +223,10 @@ def test_conv_transpose_is_the_adjoint_of_conv(key):
     for kernel, strides, padding in [(3, 2, "SAME"), (4, 2, 1), (3, 2, "VALID")]:
         ct = nl.ConvTranspose(3, 5, kernel, strides, padding, use_bias=False)
         conv = nl.Conv(5, 3, kernel, strides, padding, use_bias=False)
-        x = jnp.asarray(_np(2, 6, 3))
-        W = jnp.asarray(_np(kernel, 3, 5, seed=1))
+        x = jax.device_put(_np(2, 6, 3))
+        W = jax.device_put(_np(kernel, 3, 5, seed=1))
         y = ct(nl.ParamsDict(W=W), x)
-        u = jnp.asarray(_np(*y.shape, seed=2))
+        u = jax.device_put(_np(*y.shape, seed=2))
         cu = conv(nl.ParamsDict(W=jnp.swapaxes(W, -1, -2)), u)
         assert cu.shape == x.shape
         # float32 sums that cancel: the bound is float rounding of the terms' magnitude
@@ -223,12 +249,16 @@ def _adaptive_ref(x, out, reduce):
     return y
 
 
-@pytest.mark.parametrize("shape, out", ADAPTIVE_CASES)
-def test_adaptive_pools_match_pytorch_bins(shape, out):
-    x = _np(*shape)
-    for layer, reduce in [(nl.AdaptiveAvgPool(out), np.mean), (nl.AdaptiveMaxPool(out), np.max)]:
-        y = layer(nl.ParamsDict(), jnp.asarray(x))
-        np.testing.assert_allclose(y, _adaptive_ref(x, out, reduce), rtol=1e-6, atol=1e-6)
+def test_adaptive_pools_match_pytorch_bins():
+    xs = [_np(*shape) for shape, _ in ADAPTIVE_CASES]
+    pools = [(nl.AdaptiveAvgPool(out), nl.AdaptiveMaxPool(out)) for _, out in ADAPTIVE_CASES]
+    ys = jax.jit(  # every case's two pools in one compile
+        lambda xs: [(a(nl.ParamsDict(), x), m(nl.ParamsDict(), x)) for (a, m), x in zip(pools, xs)]
+    )([jax.device_put(x) for x in xs])
+    for (shape, out), x, (y_avg, y_max) in zip(ADAPTIVE_CASES, xs, ys):
+        for y, reduce in [(y_avg, np.mean), (y_max, np.max)]:
+            want = _adaptive_ref(x, out, reduce)
+            np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6, err_msg=f"{shape} {out}")
     assert _adaptive_pool.adaptive_bins(10, 4) == [(0, 3), (2, 5), (5, 8), (7, 10)]
 
 
@@ -266,7 +296,7 @@ def test_gru_and_lstm_steps_match_pytorchs_equations():
     b = b_ih + np.concatenate([b_hh[: 2 * H], np.zeros(H, np.float32)])
     p = nl.ParamsDict(W=w_ih.T, U=w_hh.T, b=b, b_n=b_hh[2 * H :])
     p = jax.tree.map(jnp.asarray, p)
-    got = nl.GRUCell(F, H)(p, jnp.asarray(x), jnp.asarray(h))
+    got = nl.GRUCell(F, H)(p, jax.device_put(x), jax.device_put(h))
     np.testing.assert_allclose(
         got, _torch_gru_step(x, h, w_ih, w_hh, b_ih, b_hh), rtol=1e-5, atol=1e-6
     )
@@ -278,7 +308,7 @@ def test_gru_and_lstm_steps_match_pytorchs_equations():
         _np(4 * H, seed=10),
     )
     p = jax.tree.map(jnp.asarray, nl.ParamsDict(W=w_ih.T, U=w_hh.T, b=b_ih + b_hh))
-    got_h, got_c = nl.LSTMCell(F, H)(p, jnp.asarray(x), (jnp.asarray(h), jnp.asarray(c)))
+    got_h, got_c = nl.LSTMCell(F, H)(p, jax.device_put(x), (jax.device_put(h), jax.device_put(c)))
     want_h, want_c = _torch_lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh)
     np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_c, want_c, rtol=1e-5, atol=1e-6)
@@ -287,11 +317,9 @@ def test_gru_and_lstm_steps_match_pytorchs_equations():
 @pytest.mark.parametrize("cell", [nl.GRUCell(3, 4), nl.LSTMCell(3, 4)], ids=["gru", "lstm"])
 def test_rnn_equals_the_cell_stepped_in_python(cell, key):
     rnn = nl.RNN(cell, return_carry=True)
-    p = rnn.init(key)
-    x = jnp.asarray(_np(2, 7, 3))
-    carry, hs = jax.jit(rnn)(p, x)
+    p = _random_params(rnn)  # numpy-drawn: no init to compile
+    x = jax.device_put(_np(2, 7, 3))
 
-    @jax.jit
     def stepped(p, x):  # the Python loop, unrolled under jit
         state, hs = cell.zero_carry((2,)), []
         for t in range(7):
@@ -299,19 +327,19 @@ def test_rnn_equals_the_cell_stepped_in_python(cell, key):
             hs.append(_out(state))
         return state, jnp.stack(hs, axis=1)
 
-    state, want = stepped(p, x)
-    np.testing.assert_allclose(hs, want, rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(carry), jax.tree.leaves(state)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
     # The carry continues a sequence: two halves equal the whole.
-    @jax.jit  # one compile, not one per op
     def halves(p, x):
         first, hs1 = rnn(p, x[:, :3])
         _, hs2 = rnn(p, x[:, 3:], first)
         return jnp.concatenate([hs1, hs2], axis=1)
 
-    np.testing.assert_allclose(halves(p, x), hs, rtol=1e-5, atol=1e-6)
+    (carry, hs), (state, want), by_halves = jax.jit(  # the three in one compile
+        lambda p, x: (rnn(p, x), stepped(p, x), halves(p, x))
+    )(p, x)
+    np.testing.assert_allclose(hs, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(carry), jax.tree.leaves(state)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(by_halves, hs, rtol=1e-5, atol=1e-6)
 
 
 def test_rotary_matches_the_complex_rotation():
@@ -321,13 +349,13 @@ def test_rotary_matches_the_complex_rotation():
     theta = 10000.0 ** (-np.arange(D // 2) * 2 / D)
     z = (x[:, : D // 2] + 1j * x[:, D // 2 :]) * np.exp(1j * pos[:, None] * theta)
     want = np.concatenate([z.real, z.imag], axis=-1)
-    got = nl.RotaryEmbedding(D)(nl.ParamsDict(), jnp.asarray(x), offset=offset)
+    got = nl.RotaryEmbedding(D)(nl.ParamsDict(), jax.device_put(x), offset=offset)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_rotary_scores_depend_on_relative_positions_only():
     rope = nl.RotaryEmbedding(8)
-    q, k = jnp.asarray(_np(5, 8)), jnp.asarray(_np(5, 8, seed=1))
+    q, k = jax.device_put(_np(5, 8)), jax.device_put(_np(5, 8, seed=1))
 
     def scores(offset):
         p = nl.ParamsDict()
@@ -362,26 +390,52 @@ def _out(y):
     return y[0] if isinstance(y, tuple) else y
 
 
+def _manual_vs_auto(layer, x):
+    """``(both, check)``: ``both(p, x)`` gives autodiff's and the manual gradient of an MSE
+    loss of the layer's output; ``check(auto, hand)`` asserts they agree to rounding."""
+    p = _random_params(layer)
+    out = jax.eval_shape(lambda: _out(layer(p, x)))
+    target = jax.device_put(_np(*out.shape, seed=9))
+
+    def loss(p, x):
+        return nl.mse(_out(layer(p, x)), target, reduction="mean")
+
+    def both(p, x):
+        return jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x)
+
+    def check(auto, hand):
+        _assert_grads_close(auto, hand, terms=max(x.size, out.size))
+
+    return both, check
+
+
 def _random_params(layer, seed=0):
     shapes = jax.eval_shape(layer.init, jax.random.key(0))
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: jnp.asarray(0.5 * rng.standard_normal(s.shape), s.dtype), shapes)
+    return jax.tree.map(
+        lambda s: jax.device_put(np.asarray(0.5 * rng.standard_normal(s.shape), s.dtype)), shapes
+    )
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_layer_grid(name):
+    """Shape, dtype, jit, grad, vmap; and (but for the param-less rotary embedding) the
+    layer under nl.manual_grads against jax.grad, in the same compiled program."""
     layer, shape = LAYERS[name]
     p = _random_params(layer)
-    x = jnp.asarray(_np(*shape))
+    x = jax.device_put(_np(*shape))
+    manual = _manual_vs_auto(layer, x) if not name.startswith("Rotary") else None
 
-    @jax.jit
+    @jax.jit  # one compile for the grid and the manual check
     def run(p, x):
         y = _out(layer(p, x))
         y_single = jax.vmap(lambda x: _out(layer(p, x)))(x)  # one example at a time
         grads = jax.grad(lambda p, x: jnp.sum(_out(layer(p, x)) ** 2), argnums=(0, 1))(p, x)
-        return y, y_single, grads
+        return y, y_single, grads, manual and manual[0](p, x)
 
-    y, y_single, (g_p, g_x) = run(p, x)
+    y, y_single, (g_p, g_x), both = run(p, x)
+    if manual:
+        manual[1](*both)
     assert y.dtype == jnp.float32 and y.shape[0] == 2
     assert jax.eval_shape(lambda: _out(layer(p, x[0]))).shape == y.shape[1:]  # unbatched
     two = jax.eval_shape(lambda: _out(layer(p, jnp.stack([x, x]))))  # two batch axes
@@ -400,7 +454,7 @@ def test_layer_grid(name):
 
 def test_rnn_cells_in_bfloat16_compute(key):
     rnn = nl.RNN(nl.LSTMCell(3, 4, dtype="bfloat16"))
-    hs = rnn(rnn.init(key), jnp.ones((2, 5, 3)))
+    hs = jax.jit(lambda key: rnn(rnn.init(key), jnp.ones((2, 5, 3))))(key)  # one compile
     assert hs.dtype == jnp.bfloat16 and hs.shape == (2, 5, 4)
 
 
@@ -419,28 +473,6 @@ def _assert_grads_close(auto, hand, terms):
         assert err <= terms * EPS32 * scale, (jax.tree_util.keystr(path), err, scale)
 
 
-def _manual_vs_auto(layer, x):
-    p = _random_params(layer)
-    out = jax.eval_shape(lambda: _out(layer(p, x)))
-    target = jnp.asarray(_np(*out.shape, seed=9))
-
-    def loss(p, x):
-        return nl.mse(_out(layer(p, x)), target, reduction="mean")
-
-    @jax.jit  # both passes in one compile
-    def both(p, x):
-        return jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x)
-
-    auto, hand = both(p, x)
-    _assert_grads_close(auto, hand, terms=max(x.size, out.size))
-
-
-@pytest.mark.parametrize("name", [n for n in LAYERS if not n.startswith("Rotary")])
-def test_manual_grads_equal_autodiff(name):
-    layer, shape = LAYERS[name]
-    _manual_vs_auto(layer, jnp.asarray(_np(*shape)))
-
-
 def test_manual_grads_through_a_model_of_every_new_layer(key):
     """One model of them all (ConvTranspose, the activations, both adaptive pools, rotary
     attention, a GRU's final carry feeding an LSTM's): the manual check passes and every
@@ -455,9 +487,9 @@ def test_manual_grads_through_a_model_of_every_new_layer(key):
         head_gru=nl.Linear(5, 2),
         head_lstm=nl.Linear(3, 2),
     )
-    keys = jax.random.split(key, len(layers))
-    p = nl.ParamsDict(**{n: m.init(k) for (n, m), k in zip(layers.items(), keys)})
-    x, y = jnp.asarray(_np(3, 5, 2)), jnp.array([0, 1, 1])
+    # numpy-drawn params: no compile per random op of eight inits
+    p = nl.ParamsDict(**{n: _random_params(m, seed=i) for i, (n, m) in enumerate(layers.items())})
+    x, y = jax.device_put(_np(3, 5, 2)), jnp.array([0, 1, 1])
 
     def loss(p, x):
         m = layers
@@ -480,11 +512,12 @@ def test_manual_grads_through_a_model_of_every_new_layer(key):
 
 def test_manual_grads_reach_the_initial_carry(key):
     """The scan rules' cotangent of the initial state: h0 (and c0) held as params."""
+    checks = []
     for cell in (nl.GRUCell(3, 4), nl.LSTMCell(3, 4)):
         rnn = nl.RNN(cell, return_carry=True)
-        p = nl.ParamsDict(cell=_random_params(rnn), h0=jnp.asarray(_np(2, 4, seed=3)))
-        p.c0 = jnp.asarray(_np(2, 4, seed=4))
-        x = jnp.asarray(_np(2, 6, 3))
+        p = nl.ParamsDict(cell=_random_params(rnn), h0=jax.device_put(_np(2, 4, seed=3)))
+        p.c0 = jax.device_put(_np(2, 4, seed=4))
+        x = jax.device_put(_np(2, 6, 3))
 
         def loss(p, x, rnn=rnn, cell=cell):
             carry = (p.h0, p.c0) if isinstance(cell, nl.LSTMCell) else p.h0
@@ -495,9 +528,14 @@ def test_manual_grads_reach_the_initial_carry(key):
                 nl.reduce(nl.mse(last, jnp.ones_like(last)), "mean"),
             )
 
-        auto, hand = jax.jit(  # both passes in one compile
-            lambda *a: (jax.grad(loss)(*a), jax.grad(nl.manual_grads(loss))(*a))
-        )(p, x)
+        checks.append((cell, loss, p, x))
+    results = jax.jit(  # both cells, both passes, in one compile
+        lambda args: [
+            (jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x))
+            for (_, loss, _, _), (p, x) in zip(checks, args)
+        ]
+    )([(p, x) for _, _, p, x in checks])
+    for (cell, *_), (auto, hand) in zip(checks, results):
         _assert_grads_close(auto, hand, terms=2 * 6 * 4)  # hs: [2, 6, 4]
         if isinstance(cell, nl.GRUCell):
             assert not np.any(auto.c0)  # unused
@@ -511,7 +549,7 @@ def test_rotary_cached_decoding_equals_full_forward():
     F, H, T = 16, 2, 7
     mha = nl.MultiHeadAttention(F, H, causal=True, rotary=True)
     p = _random_params(mha)
-    x = jnp.asarray(_np(2, T, F))
+    x = jax.device_put(_np(2, T, F))
     full, plain = jax.jit(lambda p, x: (mha(p, x), nl.MultiHeadAttention(F, H, causal=True)(p, x)))(
         p, x
     )
@@ -598,7 +636,7 @@ def test_shape_errors_name_the_layer(layer, x, match):
 
 def test_state_and_hyperparameter_errors(key):
     cell = nl.LSTMCell(3, 4)
-    p = cell.init(key)
+    p = _random_params(cell)  # the errors are about shapes: no init to compile
     with pytest.raises(
         ValueError, match=r"LSTMCell\(3, 4\): expected c of shape \(2, 4\).*got \(2, 5\)"
     ):
@@ -606,9 +644,9 @@ def test_state_and_hyperparameter_errors(key):
     with pytest.raises(ValueError, match=r"LSTMCell\(3, 4\): the carry is the pair \(h, c\)"):
         cell(p, jnp.ones((2, 3)), jnp.zeros((2, 4)))
     with pytest.raises(ValueError, match=r"GRUCell\(3, 4\): expected h of shape \(2, 4\)"):
-        nl.GRUCell(3, 4)(nl.GRUCell(3, 4).init(key), jnp.ones((2, 3)), jnp.zeros(4))
+        nl.GRUCell(3, 4)(_random_params(nl.GRUCell(3, 4)), jnp.ones((2, 3)), jnp.zeros(4))
     gru = nl.GRUCell(3, 4)
-    p_gru = gru.init(key)
+    p_gru = _random_params(gru)
     p_gru.U = jnp.zeros((4, 10))
     with pytest.raises(
         nl.ParamsMismatchError,
@@ -616,7 +654,7 @@ def test_state_and_hyperparameter_errors(key):
     ):
         gru(p_gru, jnp.ones(3))
     with pytest.raises(ValueError, match=r"RNN\(GRUCell\(3, 4\)\): each carry array"):
-        nl.RNN(nl.GRUCell(3, 4))(nl.GRUCell(3, 4).init(key), jnp.ones((2, 5, 3)), jnp.zeros((3, 4)))
+        nl.RNN(nl.GRUCell(3, 4))(_random_params(gru), jnp.ones((2, 5, 3)), jnp.zeros((3, 4)))
     with pytest.raises(TypeError, match="RNN: cell must be an nnlite cell"):
         nl.RNN(nl.Linear(3, 4))
     with pytest.raises(ValueError, match="rotary=True needs an even head_dim"):
@@ -633,14 +671,14 @@ def test_state_and_hyperparameter_errors(key):
 
 def test_recurrent_init(key):
     cell = nl.GRUCell(5, 6)
-    p = cell.init(key)
+    rnn = nl.RNN(nl.GRUCell(5, 6, use_bias=False))
+    p, p_rnn = jax.jit(lambda key: (cell.init(key), rnn.init(key)))(key)  # one compile
     assert not np.any(p.b) and not np.any(p.b_n)
     for g in range(3):  # each gate's recurrent block is orthogonal
         block = np.asarray(p.U[:, 6 * g : 6 * (g + 1)], np.float64)
         np.testing.assert_allclose(block.T @ block, np.eye(6), atol=1e-5)
-    assert set(nl.LSTMCell(5, 6, use_bias=False).init(key)) == {"W", "U"}
-    rnn = nl.RNN(nl.GRUCell(5, 6, use_bias=False))
-    assert rnn(rnn.init(key), jnp.ones((5, 5))).shape == (5, 6)  # unbatched, no biases
+    assert set(jax.eval_shape(nl.LSTMCell(5, 6, use_bias=False).init, key)) == {"W", "U"}
+    assert rnn(p_rnn, jnp.ones((5, 5))).shape == (5, 6)  # unbatched, no biases
 
 
 def test_gpt_with_rotary_positions(key):
@@ -651,10 +689,8 @@ def test_gpt_with_rotary_positions(key):
     gpt = GPT(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=16, positional="rotary")
     p = jax.jit(gpt.init)(key)
     assert "wpe" not in p and gpt.block.attn.rotary
-    tokens = jax.random.randint(key, (2, 8), 0, 11)
-    full = jax.jit(gpt)(p, tokens)
+    tokens = jax.device_put(np.asarray(np.random.default_rng(0).integers(0, 11, (2, 8)), jnp.int32))
 
-    @jax.jit
     def decode(p, tokens):
         def step(cache, pos):
             logits, cache = gpt.decode_step(p, cache, tokens[:, pos], pos)
@@ -662,15 +698,19 @@ def test_gpt_with_rotary_positions(key):
 
         return jnp.swapaxes(jax.lax.scan(step, gpt.empty_cache(2), jnp.arange(8))[1], 0, 1)
 
-    np.testing.assert_allclose(decode(p, tokens), full, rtol=1e-5, atol=1e-5)
-
     def loss(p, x, y):
         return objective_fn(gpt)(p, x, y)[0]
 
-    y = jnp.roll(tokens, -1, axis=1)
-    auto, hand = jax.jit(  # both passes in one compile
-        lambda *a: (jax.grad(loss)(*a), jax.grad(nl.manual_grads(loss))(*a))
+    y = jax.device_put(np.roll(np.asarray(tokens), -1, axis=1))
+    full, decoded, auto, hand = jax.jit(  # the forward, decoding and both passes: one compile
+        lambda p, x, y: (
+            gpt(p, x),
+            decode(p, x),
+            jax.grad(loss)(p, x, y),
+            jax.grad(nl.manual_grads(loss))(p, x, y),
+        )
     )(p, tokens, y)
+    np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-5)
     _assert_grads_close(auto, hand, terms=2 * 8 * 4 * 16)  # the MLP's [2, 8, 64] activations
     with pytest.raises(ValueError, match="positional must be one of learned, rotary, got 'alibi'"):
         GPT(vocab_size=11, context=8, positional="alibi")
@@ -695,7 +735,7 @@ def test_rnn_scans_any_cell_plainly_for_autodiff(key):
 
     rnn = nl.RNN(Elman(), return_carry=True)
     p = rnn.init(key)
-    x = jnp.asarray(_np(2, 5, 3))
+    x = jax.device_put(_np(2, 5, 3))
     h, hs = jax.jit(rnn)(p, x)
     assert hs.shape == (2, 5, 4)
     np.testing.assert_allclose(h, hs[:, -1], rtol=1e-6)
@@ -710,9 +750,9 @@ def test_show_grad_prints_the_new_rules(key):
     gru = nl.RNN(nl.GRUCell(4, 4))
     attn = nl.MultiHeadAttention(4, 2, causal=True, rotary=True)
     up = nl.ConvTranspose(4, 2, 3, strides=2)
-    ks = jax.random.split(key, 4)
-    p = nl.ParamsDict(lstm=lstm.init(ks[0]), gru=gru.init(ks[1]), attn=attn.init(ks[2]))
-    p.up = up.init(ks[3])
+    # numpy-drawn params: no compile per random op of four inits
+    p = nl.ParamsDict(lstm=_random_params(lstm), gru=_random_params(gru, 1))
+    p.attn, p.up = _random_params(attn, 2), _random_params(up, 3)
 
     def loss(p, x, t):
         (h, c), hs = lstm(p.lstm, x)
@@ -720,11 +760,13 @@ def test_show_grad_prints_the_new_rules(key):
         y = nl.AdaptiveMaxPool(4)(nl.ParamsDict(), nl.elu(up(p.up, nl.silu(hs))))
         return nl.add(nl.mse(y, t, reduction="mean"), nl.mse(c, h, reduction="mean"))
 
-    x, t = jnp.asarray(_np(2, 5, 2)), jnp.zeros((2, 4, 2))
+    x, t = jax.device_put(_np(2, 5, 2)), jnp.zeros((2, 4, 2))
     src = nl.show_grad(loss, p, x, t)
     for rule in ("lstm_scan_vjp(", "gru_scan_vjp(", "rotary_vjp(", "conv_transpose_vjp("):
         assert rule in src
     namespace: dict = {}
     exec(src, namespace)  # noqa: S102 -- the point: the printed code runs
-    got = jax.jit(namespace["grad"])(p, x, t)
-    _assert_grads_close(jax.jit(jax.grad(loss))(p, x, t), got, terms=2 * 10 * 4)
+    got, auto = jax.jit(  # both in one compile
+        lambda *a: (namespace["grad"](*a), jax.grad(loss)(*a))
+    )(p, x, t)
+    _assert_grads_close(auto, got, terms=2 * 10 * 4)

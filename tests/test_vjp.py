@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _check_many import case, check_many
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -22,13 +23,13 @@ def _cases(seed, dtype):
     rng = np.random.default_rng(seed)
 
     def r(*shape):
-        return jnp.asarray(rng.standard_normal(shape).astype(dtype))
+        return jax.device_put(rng.standard_normal(shape).astype(dtype))
 
     def pos(*shape):
-        return jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(dtype))
+        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(dtype))
 
     def lab(*shape, n=5):
-        return jnp.asarray(rng.integers(0, n, shape).astype(np.int32))
+        return jax.device_put(rng.integers(0, n, shape).astype(np.int32))
 
     unary = [(r(7),), (r(4, 5),), (r(2, 3, 4),)]
     return {
@@ -66,22 +67,23 @@ def test_every_rule_has_cases():
     assert set(_cases(0, np.float32)) == set(V.RULES)
 
 
-@pytest.mark.parametrize("name", sorted(V.RULES))
-def test_rule_matches_jax_vjp_float32(name):
-    f, f_vjp = V.RULES[name]
-    for args in _cases(0, np.float32)[name]:
-        check_vjp(f, f_vjp, *args, key=jax.random.key(1))
+# Every rule's cases in one check_vjp (tests/_check_many.py: one compile, not one per case;
+# a failure names its rule).
+def test_rules_match_jax_vjp_float32():
+    cases = _cases(0, np.float32)
+    check_many(
+        (case(f, f_vjp, *args) for name, (f, f_vjp) in V.RULES.items() for args in cases[name]),
+        key=jax.random.key(1),
+    )
 
 
 def test_rules_match_jax_vjp_float64():
     with jax.enable_x64(True):
         cases = _cases(1, np.float64)
-        for name, (f, f_vjp) in V.RULES.items():
-            for args in cases[name][-1:]:  # the most batched case of each rule
-                assert all(
-                    a.dtype != jnp.float32 for a in jax.tree.leaves(args) if hasattr(a, "dtype")
-                )
-                check_vjp(f, f_vjp, *args)
+        for args in (args for name in V.RULES for args in cases[name][-1:]):
+            assert all(a.dtype != jnp.float32 for a in jax.tree.leaves(args) if hasattr(a, "dtype"))
+        # the most batched case of each rule
+        check_many(case(f, f_vjp, *cases[name][-1]) for name, (f, f_vjp) in V.RULES.items())
 
 
 def test_check_vjp_catches_inverted_relu_mask(key):
@@ -93,6 +95,20 @@ def test_check_vjp_catches_inverted_relu_mask(key):
         VJPCheckError, match=r"argument 0 differs from jax.vjp: max abs error .* at index \("
     ):
         check_vjp(V.relu, bad_relu_vjp, x)
+
+
+def test_check_many_fails_like_check_vjp_naming_the_rule():
+    """The bundled check (tests/_check_many.py) the rule tests use: a wrong rule among right
+    ones fails, with its own check_vjp error."""
+
+    def bad_relu_vjp(x, dret):
+        return jnp.where(x > 0, 0, dret)
+
+    x = jnp.linspace(-1.0, 1.0, 6)
+    right = [case(V.relu, V.relu_vjp, x), case(V.index, V.index_vjp, x, jnp.array([1, 1]))]
+    check_many(right)
+    with pytest.raises(VJPCheckError, match=r"check_vjp\(relu, bad_relu_vjp\): .*argument 0"):
+        check_many([*right, case(V.relu, bad_relu_vjp, x)])
 
 
 def test_check_vjp_names_argument_and_path():
@@ -177,8 +193,8 @@ def test_plugin_static_and_integer_arguments(key):
 def _params(seed=0, n_in=6, n_out=4):
     rng = np.random.default_rng(seed)
     return {
-        "W": jnp.asarray(rng.standard_normal((n_in, n_out)).astype(np.float32) / 3),
-        "b": jnp.asarray(rng.standard_normal(n_out).astype(np.float32)),
+        "W": jax.device_put(rng.standard_normal((n_in, n_out)).astype(np.float32) / 3),
+        "b": jax.device_put(rng.standard_normal(n_out).astype(np.float32)),
     }
 
 
@@ -195,7 +211,11 @@ def _loss_hand(p, x, labels):
 def _data(seed=1, batch=16, n_in=6, n_out=4):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, n_in)).astype(np.float32)
-    return jnp.asarray(x), jnp.asarray(rng.integers(0, n_out, batch).astype(np.int32))
+    return jax.device_put(x), jax.device_put(rng.integers(0, n_out, batch).astype(np.int32))
+
+
+# The plain loss's value and gradient at the pmap and shard_map tests' batch: one compile.
+_plain_value_and_grad = jax.jit(jax.value_and_grad(_loss_plain))
 
 
 def _close(a, b):
@@ -235,7 +255,7 @@ def test_plugin_under_pmap():
     got = jax.pmap(step, axis_name="d", in_axes=(None, 0, 0))(
         p, x.reshape(n, 4, -1), y.reshape(n, 4)
     )
-    _close(jax.tree.map(lambda v: v[0], got), jax.value_and_grad(_loss_plain)(p, x, y))
+    _close(jax.tree.map(lambda v: v[0], got), _plain_value_and_grad(p, x, y))
 
 
 def _mesh():
@@ -254,7 +274,7 @@ def test_plugin_under_shard_map():
         return jax.value_and_grad(lambda p: jax.lax.pmean(_loss_hand(p, x, y), "d"))(p)
 
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P()))
-    _close(f(p, *_shard(mesh, x, y)), jax.value_and_grad(_loss_plain)(p, x, y))
+    _close(f(p, *_shard(mesh, x, y)), _plain_value_and_grad(p, x, y))
 
 
 # --- nnlite.vjp: the seed's column-vector library -----------------------------------------
@@ -265,10 +285,10 @@ def _column_cases(seed, dtype):
     rng = np.random.default_rng(seed)
 
     def r(*shape):
-        return jnp.asarray(rng.standard_normal(shape).astype(dtype))
+        return jax.device_put(rng.standard_normal(shape).astype(dtype))
 
     def pos(*shape):
-        return jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(dtype))
+        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(dtype))
 
     unary = [(r(7),), (r(4, 5),)]
     return {
@@ -305,14 +325,16 @@ def test_every_column_rule_has_cases():
     assert set(_column_cases(0, np.float32)) == set(vjp.RULES)
 
 
-@pytest.mark.parametrize("name", sorted(vjp.RULES))
-def test_column_rule_matches_jax_vjp(name):
-    f, f_vjp = vjp.RULES[name]
-    for args in _column_cases(0, np.float32)[name]:
-        check_vjp(f, f_vjp, *args, key=jax.random.key(2))
+def test_column_rules_match_jax_vjp():
+    """Every case in float32, the last of each rule in float64: one check_vjp each."""
+    cases = _column_cases(0, np.float32)
+    check_many(
+        (case(f, f_vjp, *args) for name, (f, f_vjp) in vjp.RULES.items() for args in cases[name]),
+        key=jax.random.key(2),
+    )
     with jax.enable_x64(True):
-        for args in _column_cases(1, np.float64)[name][-1:]:
-            check_vjp(f, f_vjp, *args)
+        cases = _column_cases(1, np.float64)
+        check_many(case(f, f_vjp, *cases[name][-1]) for name, (f, f_vjp) in vjp.RULES.items())
 
 
 def test_column_conventions_differ_from_batched():
