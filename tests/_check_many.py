@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import numpy as np
-import pytest
-
 from nnlite.grad._check import ensure_tuple
 from nnlite.grad._contract import cotangents
 from nnlite.vjp import VJPCheckError, check_vjp
@@ -65,16 +61,3 @@ def check_many(cases, **kw) -> None:
         for f, f_vjp, args in cases:
             check_vjp(f, f_vjp, *args, **kw)  # raises with the rule's name
         raise
-
-
-@pytest.fixture(params=["float32", "float64"], name="rand")
-def host_rand(request):
-    """conftest.py's ``rand`` (imported as ``host_rand`` by the rule-check modules, it
-    replaces it there), its arrays cast by numpy and put on the device with
-    ``jax.device_put``: ``jnp.asarray`` of a numpy array compiles a program (a convert, or a
-    copy) for every new shape -- 16 of the 26 compiles of test_new_layers' recurrent rules
-    check."""
-    dtype = request.param
-    with jax.enable_x64(dtype == "float64"):
-        rng = np.random.default_rng(0)
-        yield lambda *shape: jax.device_put(rng.standard_normal(shape).astype(dtype))

@@ -42,7 +42,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -88,7 +87,9 @@ def rand(request):
     dtype = request.param
     with jax.enable_x64(dtype == "float64"):
         rng = np.random.default_rng(0)
-        yield lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+        # cast by numpy and placed with device_put: jnp.asarray of a numpy array compiles
+        # a program (a convert, or a copy) for every new shape
+        yield lambda *shape: jax.device_put(rng.standard_normal(shape).astype(dtype))
 
 
 # The test files that take longest (seconds of compile and run on 2 cores, measured with

@@ -7,11 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
-    case,
-    check_many,
-    host_rand,
-)
+from _check_many import case, check_many
 from jax import lax
 
 import nnlite as nl

@@ -4,12 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
-    case,
-    check_many,
-    host_rand,
-    rule_case,
-)
+from _check_many import case, check_many, rule_case
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 
 import nnlite as nl

@@ -16,11 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _check_many import (  # noqa: F401 -- host_rand: the rand fixture
-    check_many,
-    host_rand,
-    rule_case,
-)
+from _check_many import check_many, rule_case
 
 import nnlite as nl
 from nnlite.nn import _adaptive_pool
