@@ -197,8 +197,12 @@ t = time.perf_counter()
 rc = cli.main(argv)
 inside = time.perf_counter() - t
 laps["train"] = inside - sum(v for k, v in laps.items() if k != "imports")
-cfg = cli.load_config(argv[argv.index("--config") + 1],
-                       [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
+try:  # where the tree keeps it: train.config, or (older) train.__main__
+    from train.config import load_config
+except ImportError:
+    load_config = cli.load_config
+cfg = load_config(argv[argv.index("--config") + 1],
+                  [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
 out = Path(cfg.log.dir) / cfg.name / "timings.json"
 out.write_text(json.dumps({"phases": laps, "t_main": t_main, "t_end": time.time()}))
 sys.exit(rc)
