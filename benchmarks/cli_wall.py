@@ -261,27 +261,16 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_sklearn(env: dict) -> dict:
+def run_script(code: str, env: dict, what: str, *args: str) -> dict:
+    """A peer's script (``code``, which prints its phases as JSON) as a fresh process with
+    ``args``, timed like a command; ``what`` names it in an error."""
     cpu0, t_spawn = _children_cpu(), time.time()
     proc = subprocess.run(
-        [sys.executable, "-c", SKLEARN_SCRIPT], env=env, capture_output=True, text=True
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True
     )
     t_gone, cpu = time.time(), _children_cpu() - cpu0
     if proc.returncode != 0:
-        raise RuntimeError(f"the scikit-learn script failed:\n{proc.stderr[-3000:]}")
-    t = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
-
-
-def run_raw_jax(env: dict, steps: int) -> dict:
-    """:data:`RAW_JAX_SCRIPT` for ``steps`` steps as a fresh process, timed like a command."""
-    cpu0, t_spawn = _children_cpu(), time.time()
-    proc = subprocess.run(
-        [sys.executable, "-c", RAW_JAX_SCRIPT, str(steps)], env=env, capture_output=True, text=True
-    )
-    t_gone, cpu = time.time(), _children_cpu() - cpu0
-    if proc.returncode != 0:
-        raise RuntimeError(f"the raw JAX script failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"the {what} script failed:\n{proc.stderr[-3000:]}")
     t = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
 
@@ -370,11 +359,11 @@ def main(argv=None) -> int:
                     args.baseline, c, s, log, cold_env, probe=True
                 )
         if not args.no_sklearn:
-            cases[SKLEARN] = lambda: run_sklearn(cold_env)
+            cases[SKLEARN] = lambda: run_script(SKLEARN_SCRIPT, cold_env, SKLEARN)
         if not args.no_raw_jax:  # the digits job's steps, as the (first) digits config runs it
             digits = next((c for c in configs if c.startswith("digits")), None)
             raw_steps = _config_steps(digits, sets.get(digits, [])) if digits else 1500
-            cases[RAW_JAX] = lambda: run_raw_jax(cold_env, raw_steps)
+            cases[RAW_JAX] = lambda: run_script(RAW_JAX_SCRIPT, cold_env, "raw JAX", str(raw_steps))
         # Untimed: bytecode caches, the warm rows' compilation caches, the OS's file cache
         # (--tiny: one timed sample, cold, is the smoke run).
         for fn in [] if args.tiny else cases.values():

@@ -28,7 +28,7 @@ from .config import Config, ModelConfig, load_config
 from .errors import ConfigError
 from .loop.precision import with_loss_scaling
 from .model import registry as models
-from .model.contract import Model, call_stateful, is_stateful
+from .model.contract import Model, call_stateful, is_stateful, param_shapes
 from .model.registry import MODEL_SOURCE_KEY
 from .optim.ema import ema_params, ema_prefix
 from .optim.params import make_optimizer, plan_params
@@ -150,7 +150,7 @@ def load_run(
     _add_model_source(meta)
     cfg = load_config(cfg_path)
     model = model_of(cfg.model)
-    template = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    template = param_shapes(model)
     s_template = jax.eval_shape(model.init_state) if is_stateful(model) else None
     opt_state = state = None
     if ema and cfg.train.ema_decay is None:

@@ -221,7 +221,7 @@ def summary(
         212
     """
     if params is None:
-        params = jax.eval_shape(model.init, jax.random.key(0))
+        params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     params = jax.tree.map(_aval, params)
     x = jax.tree.map(_aval, x)
     records: list[tuple] = []

@@ -154,7 +154,7 @@ def load_pretrained(
     model = build_model(directory, ignore_keys=ignore_keys)
     family = _family(model)
     weights = SafetensorsDir(directory, HFConfigError)
-    like = jax.eval_shape(model.init, jax.random.key(0))
+    like = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     place = _placer(sharding, like)
     targets = dict(like.items())
     plan = []
@@ -311,7 +311,7 @@ def save_pretrained(
     if source is not None:
         old = read_config(source)
         cfg.update({k: old[k] for k in _CARRIED if k in old})
-    like = jax.eval_shape(model.init, jax.random.key(0))
+    like = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     if jax.tree.structure(like) != jax.tree.structure(params):
         raise ValueError(
             f"save_pretrained: params do not fit {type(model).__name__}: tree "

@@ -312,7 +312,7 @@ def build_backward(cfg, model, data, strategy, grad) -> Backward | None:
             "log.grad_by_layer needs loss.grad=autodiff or manual (the fused pass has no "
             "layers to measure); this run has loss.grad=fused"
         )
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    params = contract.param_shapes(model)
     x, y = gradmode.microbatch(cfg, data, strategy)
     kw = {}
     if contract.uses_key(model):

@@ -160,8 +160,7 @@ def build(
 def _check_init(cfg: Config, model) -> None:
     """A model's ``init`` returns an ``nl.ParamsDict`` (the trainer prints, checkpoints and
     shards it by its paths): anything else is the user's mistake, named in one line."""
-    # the key made inside the trace: made eagerly, it compiles two programs (~0.1 s)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    params = contract.param_shapes(model)
     if not isinstance(params, nl.ParamsDict):
         kind = type(params).__name__
         raise ConfigError(

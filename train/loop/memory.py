@@ -74,7 +74,7 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     params, gradients (placed like the params) and optimizer state is the strategy's
     ``bytes_per_device``."""
     n_local, n_global = len(strategy.local_devices), len(strategy.devices)
-    p_avals = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    p_avals = contract.param_shapes(model)
     o_avals = jax.eval_shape(optimizer.init, p_avals)
     p, o = _nbytes(p_avals), _nbytes(o_avals)
     p_dev, o_dev = strategy.bytes_per_device(p_avals), strategy.bytes_per_device(o_avals)

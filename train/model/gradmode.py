@@ -57,7 +57,7 @@ def resolve_auto(model, x, y) -> GradMode:
     its objective, else autodiff. Traces the objective once; runs and compiles nothing."""
     if "manual" not in contract.grad_modes(model):
         return GradMode(AUTO, "autodiff")
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    params = contract.param_shapes(model)
     objective = contract.objective_fn(model, "manual")
     key = jax.eval_shape(jax.random.key, 0) if contract.uses_key(model) else None
     # a stateful model's state is an argument beside the params, never differentiated

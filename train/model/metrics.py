@@ -131,9 +131,9 @@ def prepare(specs: Sequence[str], model: Any, data: Any) -> tuple:
     import numpy as np
 
     from ..data.dataset import batch_dtype
-    from .contract import init_state, per_example_loss
+    from .contract import init_state, param_shapes, per_example_loss
 
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    params = param_shapes(model)
     state = jax.eval_shape(lambda: init_state(model))
     x1, y1 = (
         jax.ShapeDtypeStruct((1, *a.shape[1:]), batch_dtype(a)) for a in (data.x_test, data.y_test)

@@ -25,6 +25,7 @@ import optax
 import nnlite as nl
 
 from ..errors import ConfigError
+from ..model.contract import param_shapes
 from . import GIVEN
 from .ema import with_ema
 from .groups import group_globs
@@ -101,7 +102,7 @@ def make_optimizer(cfg, model, given: optax.GradientTransformation | None = None
     from .named import build_optimizer
 
     ocfg, steps = cfg.optimizer, cfg.train.steps
-    p_avals = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    p_avals = param_shapes(model)
     plan = plan_params(ocfg, model, p_avals)
     if not plan.custom:
         optimizer = build_optimizer(ocfg, steps, given)

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import nnlite as nl
 
 from ..errors import ConfigError
+from ..model.contract import param_shapes
 from . import distributed as dist
 from .base import Strategy, nbytes, place_by_batch
 
@@ -126,7 +127,7 @@ class Sharded(Strategy):
         return NamedSharding(self.mesh, self.spec(aval, axes))
 
     def plan(self, model, optimizer) -> None:
-        p_avals = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+        p_avals = param_shapes(model)
         axes = nl.param_axes(model, p_avals)
         p_tree = jax.tree.map(self.sharding, p_avals, axes)
         o_avals = jax.eval_shape(optimizer.init, p_avals)

@@ -114,9 +114,9 @@ def cpu_peak(dtype: str = "float32") -> float:
         cached = {}
     cached = cached if isinstance(cached, dict) else {}
     value, quiet = _cache_entry(cached.get(key))
-    if value is None or (not quiet and _quiet()):
-        measured, quiet_now = measure_cpu_peak(dtype), _quiet()
-        value, quiet = max(value or 0.0, measured), quiet or quiet_now
+    quiet_now = None if quiet else _quiet()
+    if value is None or quiet_now:
+        value, quiet = max(value or 0.0, measure_cpu_peak(dtype)), quiet_now
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             cached[key] = {"flops": value, "quiet": quiet}
