@@ -114,3 +114,15 @@ def test_concrete_ids_closed_over_by_a_jit_are_checked_not_traced():
     bad = jnp.array([[1, 12]])
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 10\), got values from 1 to 12"):
         jax.jit(lambda p: emb(p, bad))(p)
+
+
+def test_bf16_table_gradient_sums_in_float32():
+    # 1000 positions look up row 0: summed in bfloat16 the row's gradient would stop at 256
+    # (and on a GPU contend in a 16-bit compare-and-swap loop); both rules sum in float32.
+    W = jnp.zeros((3, 4), jnp.bfloat16)
+    ids, d = jnp.zeros(1000, jnp.int32), jnp.ones((1000, 4), jnp.bfloat16)
+    hand = nl.nn._embedding.embed_vjp(W, ids, d)[0]
+    auto = jax.vjp(lambda W: nl.nn._embedding.embed(W, ids), W)[1](d)[0]
+    for g in (hand, auto):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g, np.float32)[:, 0], [1000, 0, 0])

@@ -247,3 +247,20 @@ def test_a_cpu_peak_measured_busy_is_measured_again_and_the_best_kept(tmp_path, 
     assert next(rates) == 12e9
     entry = json.loads((tmp_path / "peak_flops.json").read_text())
     assert list(entry.values()) == [{"flops": 18e9, "quiet": True}]
+
+
+def test_flops_of_a_program_whose_client_analyses_no_lowered_program():
+    # A GPU's CUDA plugin (PJRT C API) gives no Lowered.cost_analysis(): the trainer's MFU
+    # and the summary's FLOPs read the same module through the CPU client instead.
+    from train.loop.build import step_cost
+
+    lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 32)), jnp.ones((32, 16)))
+
+    class PluginLowered:
+        def cost_analysis(self):
+            return None
+
+        def compiler_ir(self, dialect):
+            return lowered.compiler_ir(dialect)
+
+    assert step_cost(PluginLowered())["flops"] == step_cost(lowered)["flops"] == 2 * 64 * 32 * 16

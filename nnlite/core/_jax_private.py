@@ -1,4 +1,5 @@
-"""The few JAX internals that show_jaxpr needs, in one place.
+"""The few JAX internals that nnlite needs (show_jaxpr, its rules, the trainer's FLOP count),
+in one place.
 
 JAX has no public API for these: where a traced equation came from in the user's source,
 and the JVP / forward / backward rules that ``custom_jvp_call`` and ``custom_vjp_call``
@@ -21,6 +22,7 @@ from jax.extend.core import ClosedJaxpr
 
 __all__ = [
     "bind_equation",
+    "lowered_cost_analysis",
     "dce_call",
     "custom_jvp_rule",
     "custom_vjp_rules",
@@ -252,3 +254,27 @@ def of_current_trace(tree: Any) -> bool:
         for x in jax.tree.leaves(tree)
         if isinstance(x, core.Tracer)
     )
+
+
+def lowered_cost_analysis(lowered) -> dict | None:
+    """XLA's cost analysis of a lowered (not yet compiled) program: before compilation every
+    dot is counted (a GPU's compiled program calls cuBLAS for them, whose FLOPs its own
+    analysis leaves out).
+
+    ``Lowered.cost_analysis()`` is implemented only by clients outside the PJRT C API: a
+    GPU's CUDA plugin raises ``NotImplementedError`` (JAX turns it into None), which left a
+    GPU run with no FLOP count and no MFU. The lowered module is the same on any backend and
+    the analysis only reads it, so the CPU client counts it there. None where neither can
+    (no CPU backend: ``JAX_PLATFORMS=cuda``)."""
+    cost = lowered.cost_analysis()
+    if cost is None:
+        from jax._src.lib import _jax
+
+        try:
+            cpu = jax.devices("cpu")[0].client
+        except RuntimeError:
+            return None
+        cost = _jax.hlo_module_cost_analysis(cpu, lowered.compiler_ir("hlo").as_hlo_module())
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    return cost

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compose
+from ._jax_private import lowered_cost_analysis
 
 __all__ = ["Summary", "summary"]
 
@@ -117,14 +118,11 @@ def _size_bytes(tree) -> tuple[int, int]:
 
 
 def _flops(fn, *args) -> float | None:
-    # The lowered program's cost analysis: no compile, and every dot counted (a GPU's
-    # compiled program calls cuBLAS for them, whose FLOPs its analysis leaves out).
+    # The lowered program's cost analysis: no compile, and every dot counted.
     try:
-        cost = jax.jit(fn).lower(*args).cost_analysis()
+        cost = lowered_cost_analysis(jax.jit(fn).lower(*args))
     except Exception:  # noqa: BLE001 - a layer that cannot run alone shows "-"
         return None
-    if isinstance(cost, list | tuple):
-        cost = cost[0] if cost else {}
     flops = (cost or {}).get("flops")
     return None if flops is None else max(float(flops), 0.0)
 

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 import nnlite as nl
+from nnlite.core._jax_private import lowered_cost_analysis
 
 from .. import parallel
 from ..config import Config, ModelConfig
@@ -473,9 +474,9 @@ def step_cost(lowered) -> dict | None:
     """The step's XLA cost analysis (per device; None where XLA gives none), read from the
     lowered program: after compilation a GPU's matrix products are library calls (cuBLAS)
     whose FLOPs the compiled program's analysis leaves out (an H200 run reported 90 of the
-    GPT step's 1160 GFLOP), while before it every dot is counted, on any backend."""
+    GPT step's 1160 GFLOP), while before it every dot is counted, on any backend. A GPU's
+    client analyses no lowered program: the CPU client counts it there."""
     try:
-        cost = lowered.cost_analysis()
+        return lowered_cost_analysis(lowered)
     except Exception:  # noqa: BLE001 - a backend without cost analysis: no MFU, no failure
         return None
-    return cost[0] if isinstance(cost, list | tuple) and cost else cost
