@@ -525,3 +525,17 @@ def test_rerunning_a_finished_run_says_so_with_its_final_metrics(small_done, tmp
     assert "test accuracy" in out and "nan" not in out and "examples/s" not in out
     loss = re.search(r"test loss (\d\.\d{4})", done).group(1)
     assert f"test loss {loss}" in out
+
+
+def test_peek_reads_a_key_as_load_config_will_before_any_import(tmp_path):
+    # The CLI starts the curves' helper before the config is built (building it imports the
+    # model's module, and so JAX): it decides from these values.
+    from train.config import peek
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  name: linreg\nlog:\n  plot: false\n")
+    assert peek(path, [], "log.plot", "data.name", "model.name") == (False, "linreg", None)
+    assert peek(path, ["log.plot=true"], "log.plot") == (True,)  # --set wins, as it will
+    assert peek(tmp_path / "missing.yaml", [], "log.plot", "data.name") == (None, None)
+    path.write_text("log: [1, 2]\n")  # not a section: load_config says so, peek finds nothing
+    assert peek(path, [], "log.plot") == (None,)

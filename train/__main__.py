@@ -230,7 +230,17 @@ def main(
     saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with _ImportsDeferSignals():
-            from .config import dump_yaml, load_config  # PyYAML: the [train] extra
+            from .config import dump_yaml, load_config, peek  # PyYAML: the [train] extra
+
+        if standalone and _trains(args):
+            plot, data_name = peek(args.config, args.overrides, "log.plot", "data.name")
+            if plot is not False:
+                from .report.plot import CurvePlotter
+
+                # Imports matplotlib in another process while this one builds the config
+                # (which imports the model's module and so JAX); closed below if the run
+                # draws no curves.
+                plotter = CurvePlotter(accuracy=data_name != "linreg")
 
         if args.check_grads:
             args.overrides.append("train.check_grads=true")
@@ -283,10 +293,13 @@ def main(
 
         settings = dist.resolve(cfg.distributed)
         multiprocess = settings is not None
-        if cfg.log.plot and (settings is None or settings.process_id == 0):
+        if not cfg.log.plot or (settings is not None and settings.process_id != 0):
+            if plotter is not None:
+                plotter.close()
+                plotter = None
+        elif plotter is None:
             from .report.plot import CurvePlotter
 
-            # Imports matplotlib in another process while this one imports JAX and trains.
             plotter = CurvePlotter(accuracy=cfg.data.name != "linreg")
         with _ImportsDeferSignals():
             from .data.builtin import load_dataset, text_context
@@ -374,6 +387,18 @@ def main(
         if standalone:
             _freeze_heap()
     return 0
+
+
+def _trains(args) -> bool:
+    """Whether the command trains in this process (not a summary, a printed config, an
+    ejected script, a printed jaxpr or the launcher of ``--processes``)."""
+    return not (
+        args.summary
+        or args.print_config
+        or args.eject
+        or args.show_jaxpr
+        or args.processes is not None
+    )
 
 
 def _fast_dev_run(cfg, args, timings, plotter, data) -> int:

@@ -826,7 +826,25 @@ def config_from_dict(
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of sections at the top level")
     raw = _copy_sections(raw)
-    sources: dict[str, str] = {}  # dotted key (and its sections) -> the --set that set it
+    sources = _apply_overrides(raw, overrides)
+    search = tuple(dict.fromkeys([*([base_dir] if base_dir else []), Path.cwd()]))
+    cfg = _build(Config, raw, "", source, sources, search, model_class)
+    _check(cfg, source, sources)
+    from .report import loggers  # a user's logger class is imported now, like a model
+
+    loggers.check(cfg.log.loggers, cfg.log.tensorboard, sources.get("log.loggers", source), search)
+    where = sources.get("data.options", sources.get("data.name", source))
+    check_data(cfg.data.name, cfg.data.options, search, where)
+    from .model.metrics import check_specs  # a user's metric is imported now, like a model
+
+    check_specs(cfg.eval.metrics, search, sources.get("eval.metrics", source))
+    return cfg
+
+
+def _apply_overrides(raw: dict, overrides) -> dict[str, str]:
+    """Apply ``--set`` overrides to ``raw`` in place; return the dotted keys they set (and
+    their sections), each mapped to the ``--set`` that set it."""
+    sources: dict[str, str] = {}
     for text in overrides:
         keys, value = parse_override(text)
         node = raw
@@ -840,18 +858,32 @@ def config_from_dict(
         node[keys[-1]] = value
         for i in range(1, len(keys) + 1):
             sources[".".join(keys[:i])] = f"--set {text}"
-    search = tuple(dict.fromkeys([*([base_dir] if base_dir else []), Path.cwd()]))
-    cfg = _build(Config, raw, "", source, sources, search, model_class)
-    _check(cfg, source, sources)
-    from .report import loggers  # a user's logger class is imported now, like a model
+    return sources
 
-    loggers.check(cfg.log.loggers, cfg.log.tensorboard, sources.get("log.loggers", source), search)
-    where = sources.get("data.options", sources.get("data.name", source))
-    check_data(cfg.data.name, cfg.data.options, search, where)
-    from .model.metrics import check_specs  # a user's metric is imported now, like a model
 
-    check_specs(cfg.eval.metrics, search, sources.get("eval.metrics", source))
-    return cfg
+def peek(path: str | Path, overrides: list[str], *dotted: str) -> tuple:
+    """The values of the ``dotted`` keys (``"log.plot"``) as :func:`load_config` will read
+    them (the file, then the overrides), unvalidated: for start-up work that can begin
+    before the config is built, which imports the model's module and with it JAX. None for
+    a key that is not set, all None where the file does not read (:func:`load_config` then
+    says why)."""
+    try:
+        raw = read_yaml(Path(path))
+        if not isinstance(raw, dict):
+            raw = {}
+        _apply_overrides(raw, overrides)
+    except ConfigError:
+        return (None,) * len(dotted)
+
+    def value(key: str) -> Any:
+        node: Any = raw
+        for k in key.split("."):
+            if not isinstance(node, dict) or k not in node:
+                return None
+            node = node[k]
+        return node
+
+    return tuple(value(key) for key in dotted)
 
 
 def _copy_sections(raw: dict) -> dict:
