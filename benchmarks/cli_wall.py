@@ -218,9 +218,17 @@ def child_env(cache_dir: str | None, bytecode: bool) -> dict[str, str]:
     return env
 
 
+def has_timings(root: Path) -> bool:
+    """Whether the tree at ``root`` has the CLI's own ``--timings`` (its phases then come
+    from the command itself, as the current tree's do, rather than from BASELINE_PROBE)."""
+    main = root / "train" / "__main__.py"
+    return main.is_file() and '"--timings"' in main.read_text(encoding="utf-8")
+
+
 def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, probe: bool = False):
-    """One ``python -m train ... --timings`` process from ``root`` (``probe``: the older
+    """One ``python -m train ... --timings`` process from ``root`` (``probe``: an older
     tree's command under BASELINE_PROBE); returns wall and CPU seconds and the phases."""
+    probe = probe and not has_timings(root)
     head = [sys.executable, "-c", BASELINE_PROBE] if probe else [sys.executable, "-m", "train"]
     cmd = [*head, "--config", f"configs/{config}.yaml", "--fresh"]
     cmd += [] if probe else ["--timings"]

@@ -108,7 +108,9 @@ def _child(accuracy: bool) -> int:
     plot_curves(
         Path(request["metrics"]), Path(request["out"]), request["title"], request["loss_unit"]
     )
-    return 0
+    # The PNG is in place (written, closed, renamed): end without the interpreter's
+    # teardown of matplotlib, ~0.1 s that the run would otherwise wait for.
+    os._exit(0)
 
 
 class CurvePlotter:
