@@ -34,6 +34,7 @@ from ..report.timings import Timings
 from . import memory, precision
 from .backward import build_backward
 from .step import (
+    AfterCompile,
     Stepper,
     batch_grads_fn,
     build_chunk_eval,
@@ -394,11 +395,13 @@ def prepare(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
 def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     """The initial state, the train step and the evaluation, compiled side by side.
 
-    A small model's cold start is compile time: for the digits MLP ~0.3 s of XLA for the
-    step, ~0.1 s each for init and eval, against a few ms of training per 50 steps. XLA
+    A small model's cold start is compile time: for the digits MLP ~0.8 s of XLA for the
+    step, ~0.3 s each for init and eval (CPU, this 2-core VM), against ~15 ms of training
+    per 50 steps. XLA
     compiles with the GIL released, so each program is traced and lowered here and
     compiled on a worker thread: the step compiles while init is traced, compiled and run
-    and the eval is traced. The step is traced for init's output *types* placed as
+    and the eval is traced, and the eval may go on compiling while the first steps run
+    (``Prepared.evaluate`` waits for it at its first call). The step is traced for init's output *types* placed as
     ``put_state`` places them (the key of jit's caches) and for ``first_indices`` (this
     process's ``[K, batch]`` indices of the first call), so the loop's first call finds it
     compiled (other call sizes compile on first use).
@@ -441,7 +444,11 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     eval_params, eval_state = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)
     )
-    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="nnlite-compile") as pool:
+    # The evaluation is first needed at the first eval boundary: it may still compile while
+    # the first steps run (on a 2-core machine a small model's three programs otherwise take
+    # turns on the cores before the first step). Its first call waits for it.
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="nnlite-compile")
+    try:
         jobs, step_job = [], None
         p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
         if p_abs is not None:  # pmap compiles on its first call
@@ -452,7 +459,9 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
             jobs.append(step_job)
         init_job = compile_async(pool, init)
         state_args = () if s_avals is None else (eval_state,)
-        jobs.append(compile_async(pool, evaluate, eval_params, *eval_args, *state_args))
+        evaluate = AfterCompile(
+            evaluate, compile_async(pool, evaluate, eval_params, *eval_args, *state_args)
+        )
         # Host copies: the step donates its inputs, and these are needed again (resume, replay).
         state = init_job.result()(seed)
         if init_shardings is not None:  # created sharded: the strategy gathers the shards
@@ -466,6 +475,10 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         state0 = None if state_init is None else jax.device_get(state_init())
         for job in jobs:
             job.result()  # the first calls must find them compiled, not compile them again
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=False)  # the evaluation's compile goes on; its first call waits
     cost = None if step_job is None else step_cost(step_job.lowered)
     return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0, cost)
 

@@ -460,6 +460,23 @@ def compile_async(executor: Executor, fn, *args) -> Future:
     return future
 
 
+class AfterCompile:
+    """``fn`` (a ``jax.jit`` function) while ``job`` (its :func:`compile_async` future)
+    may still be compiling it: the first call waits for the job, so that it finds the
+    executable in jit's caches rather than compiling the program a second time (a compile
+    error is raised there). ``__wrapped__`` is ``fn`` itself, for tracing without waiting
+    (``jax.eval_shape``)."""
+
+    def __init__(self, fn, job: Future):
+        self.__wrapped__, self._job = fn, job
+
+    def __call__(self, *args):
+        if self._job is not None:
+            self._job.result()
+            self._job = None
+        return self.__wrapped__(*args)
+
+
 def step_flags(metrics: dict) -> np.ndarray:
     """A call's per-step non-finite flags as host bools ``[K]``: its ``nonfinite`` metric
     where the stepper reports one, else a non-finite loss (``nonfinite="stop"``)."""
