@@ -250,9 +250,17 @@ def test_norms_are_logged_at_the_log_cadence(runs):
         assert 0 < r["grad_norm"] and 0 < r["update_norm"] < r["param_norm"]
     fsdp = [r for r in records(runs["fsdp"].run_dir) if r["split"] == "train"]
     assert fsdp[-1]["grad_norm"] == pytest.approx(train_records[-1]["grad_norm"], rel=1e-4)
-    tree = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2), jnp.bfloat16)}
-    out = global_norms(tree, tree, tree)
-    assert float(out["grad_norm"]) == pytest.approx(float(optax.tree.norm(tree)), rel=1e-6)
+    # small params: one variadic reduction each; one above VARIADIC_MAX: three plain ones;
+    # trees that do not pair up by shape: one norm per tree. Each equals optax's norm.
+    rng = np.random.default_rng(0)
+    big = jnp.asarray(rng.standard_normal(70_000), jnp.float32)
+    grads = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2), jnp.bfloat16), "c": big}
+    updates = jax.tree.map(lambda a: -0.5 * a, grads)
+    params = {"a": jnp.full(3, 2.0), "b": jnp.zeros((2, 2)), "c": big + 1}
+    for g, u, p in [(grads, updates, params), (grads, updates, {"a": jnp.ones(5)})]:
+        out = jax.jit(global_norms)(g, u, p)
+        for name, tree in zip(("grad_norm", "update_norm", "param_norm"), (g, u, p)):
+            assert float(out[name]) == pytest.approx(float(optax.tree.norm(tree)), rel=1e-5)
 
 
 def _grads_fn(model, trainable, grad):

