@@ -288,6 +288,73 @@ def launcher_with_progress(tmp_path, *overrides):
     )
 
 
+def test_sigterm_while_waiting_for_the_coordinator_exits_3_with_a_line(tmp_path):
+    # jax.distributed.initialize blocks in C++ until its coordinator answers: a SIGTERM
+    # there must still stop the process at once (it went unanswered until the timeout).
+    import socket
+
+    coordinator = socket.socket()  # listens, never answers: the process waits in connect
+    coordinator.bind(("127.0.0.1", 0))
+    coordinator.listen()
+    env = env_with_devices(1)
+    env.update(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{coordinator.getsockname()[1]}",
+        JAX_NUM_PROCESSES="2",
+        JAX_PROCESS_ID="1",
+    )
+    args = [sys.executable, "-m", "train", "--config", "configs/digits_mlp.yaml"]
+    args += ["--set", f"log.dir={tmp_path}", "--set", "log.plot=false"]
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        coordinator.settimeout(1)
+        for _ in range(120):  # until the process is inside initialize (or has failed)
+            try:
+                conn, _ = coordinator.accept()
+                break
+            except TimeoutError:
+                assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+        conn.close()
+    finally:
+        coordinator.close()
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 3, err[-2000:]
+    assert "stopped by SIGTERM outside the training loop" in err and "Traceback" not in err
+
+
+def test_a_sigterm_while_the_launcher_starts_a_process_reaches_that_process(tmp_path, monkeypatch):
+    # The launcher's handler runs once Popen returns, before the new process is recorded:
+    # that process must get the SIGTERM too, not wait for a stopped coordinator until the
+    # launcher's grace ends and it is killed.
+    from train.parallel import launch as launcher
+
+    real, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        p = real(*args, **kwargs)
+        started.append(p)
+        if len(started) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before this returns p
+        return p
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    for k, v in env_with_devices(1).items():
+        monkeypatch.setenv(k, v)
+    overrides = [*COMMON, f"log.dir={tmp_path}", *LINREG]
+    argv = ["--config", CONFIG, *(a for o in overrides for a in ("--set", o))]
+    status = launcher.launch(
+        load_config(ROOT / CONFIG, overrides), argv, 2, echo=lambda *a, **k: None
+    )
+    assert status == 3
+    # each stopped of the SIGTERM: its line (3) or, still starting, its default action
+    assert all(p.returncode in (3, -signal.SIGTERM) for p in started), started
+
+
 def test_launcher_second_ctrl_c_names_itself_not_its_sigkill(tmp_path):
     # the first SIGINT is forwarded as SIGTERM, which a child waits out here: JAX's
     # preemption sync point comes only with the next call, and the step is stuck

@@ -8,6 +8,7 @@ Nothing here touches a device before ``jax.distributed.initialize`` has run.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,14 +110,16 @@ def initialize(dc: DistributedConfig) -> Settings | None:
     # SIGTERM -> the preemption sync point all processes agree on (see faults.py).
     jax.config.update("jax_enable_preemption_service", True)
     if settings.cluster != "env":  # the launcher's variables, read by JAX
-        jax.distributed.initialize(
+        _interruptible(
+            jax.distributed.initialize,
             coordinator_address=settings.coordinator_address,
             cluster_detection_method=settings.jax_method,
             initialization_timeout=settings.initialization_timeout,
             heartbeat_timeout_seconds=settings.heartbeat_timeout,
         )
         return settings
-    jax.distributed.initialize(
+    _interruptible(
+        jax.distributed.initialize,
         coordinator_address=settings.coordinator_address,
         num_processes=settings.num_processes,
         process_id=settings.process_id,
@@ -124,6 +127,35 @@ def initialize(dc: DistributedConfig) -> Settings | None:
         heartbeat_timeout_seconds=settings.heartbeat_timeout,
     )
     return settings
+
+
+def _interruptible(fn, **kwargs) -> None:
+    """``fn(**kwargs)`` on a helper thread while the main thread waits in short joins.
+
+    ``jax.distributed.initialize`` blocks in C++ until every process has joined (up to
+    ``initialization_timeout``), and Python runs a signal handler only when the main thread
+    is back in the interpreter: a SIGTERM sent during start-up (the launcher forwards its
+    own) went unanswered there while the other processes had already stopped, and the
+    launcher waited its 20 s grace for this one. Waiting here, the handler runs within
+    0.1 s and the run stops with exit 3 and its line (the helper thread is a daemon: the
+    exit does not wait for it)."""
+    if threading.current_thread() is not threading.main_thread():
+        fn(**kwargs)
+        return
+    failed: list[BaseException] = []
+
+    def target():
+        try:
+            fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
+            failed.append(e)
+
+    helper = threading.Thread(target=target, name="nnlite-distributed-init", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.1)
+    if failed:
+        raise failed[0]
 
 
 def is_multiprocess() -> bool:

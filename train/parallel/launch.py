@@ -66,6 +66,7 @@ def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
     """Run ``python -m train argv`` as ``processes`` local processes; return the exit status."""
     signalled: list[int] = []  # signals received, in order
     procs: list[subprocess.Popen] = []
+    forwarded: set[int] = set()  # pids the first signal was forwarded to
 
     def forward(signum, _frame):
         signalled.append(signum)
@@ -77,6 +78,7 @@ def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)  # each process saves at the agreed step
+                forwarded.add(p.pid)
 
     # First of all, so that a signal during start-up is forwarded and reported too.
     saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -117,9 +119,13 @@ def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
                     preexec_fn=_die_with_parent,
                 )
             )
-        if signalled and len(procs) < processes:
+        if signalled:
+            # The signal may have come while a process was being started (its handler runs
+            # once Popen returns, before the process is in ``procs``): that one, started
+            # anyway, would wait for a coordinator that has stopped, until the grace ends.
             for p in procs:
-                p.send_signal(signal.SIGTERM)
+                if p.pid not in forwarded and p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
         status = _supervise(procs, processes, log_dir, echo, signalled, fresh_line)
         if status == EXIT_OK:
             _remove(log_dir)
