@@ -327,32 +327,41 @@ def test_sigterm_while_waiting_for_the_coordinator_exits_3_with_a_line(tmp_path)
     assert "stopped by SIGTERM outside the training loop" in err and "Traceback" not in err
 
 
-def test_a_sigterm_while_the_launcher_starts_a_process_reaches_that_process(tmp_path, monkeypatch):
+def test_a_sigterm_while_the_launcher_starts_a_process_reaches_that_process(tmp_path):
     # The launcher's handler runs once Popen returns, before the new process is recorded:
     # that process must get the SIGTERM too, not wait for a stopped coordinator until the
-    # launcher's grace ends and it is killed.
-    from train.parallel import launch as launcher
-
-    real, started = subprocess.Popen, []
-
-    def popen(*args, **kwargs):
-        p = real(*args, **kwargs)
-        started.append(p)
-        if len(started) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # handled before this returns p
-        return p
-
-    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
-    for k, v in env_with_devices(1).items():
-        monkeypatch.setenv(k, v)
+    # launcher's grace ends and it is killed. (A launcher of its own: this process has
+    # JAX's threads, which a fork here would warn about.)
     overrides = [*COMMON, f"log.dir={tmp_path}", *LINREG]
-    argv = ["--config", CONFIG, *(a for o in overrides for a in ("--set", o))]
-    status = launcher.launch(
-        load_config(ROOT / CONFIG, overrides), argv, 2, echo=lambda *a, **k: None
-    )
-    assert status == 3
+    code = f"""
+import os, signal, subprocess
+from train.config import load_config
+from train.parallel import launch as launcher
+real, started = subprocess.Popen, []
+def popen(*args, **kwargs):
+    p = real(*args, **kwargs)
+    started.append(p)
+    if len(started) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before this returns p
+    return p
+launcher.subprocess.Popen = popen
+overrides = {overrides!r}
+argv = ["--config", {CONFIG!r}, *(a for o in overrides for a in ("--set", o))]
+status = launcher.launch(load_config({CONFIG!r}, overrides), argv, 2, echo=lambda *a, **k: None)
+print(status, *(p.returncode for p in started))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env_with_devices(1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    assert out[0] == "3", out
     # each stopped of the SIGTERM: its line (3) or, still starting, its default action
-    assert all(p.returncode in (3, -signal.SIGTERM) for p in started), started
+    assert all(int(c) in (3, -signal.SIGTERM) for c in out[1:]) and len(out) == 3, out
 
 
 def test_launcher_second_ctrl_c_names_itself_not_its_sigkill(tmp_path):
