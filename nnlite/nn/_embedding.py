@@ -15,27 +15,17 @@ from ._names import get_initializer
 __all__ = ["Embedding", "embed", "embed_attend", "embed_attend_vjp", "embed_vjp"]
 
 
-def _sum_dtype(dtype) -> jnp.dtype:
-    """The dtype a table's gradient is summed in: float32 for a float narrower than that.
-
-    A row's gradient is the sum of every position that looked it up, thousands of them for a
-    character vocabulary. Added up in bfloat16 it rounds at each add (the sum stops growing
-    once it is 256 times an addend), and on a GPU a 16-bit scatter-add is a compare-and-swap
-    loop that many positions contend for: the trainer's bfloat16 GPT step took 2.35x its
-    float32 step on an H200 for that scatter alone. PyTorch's embedding backward sums in
-    float32 too."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-        return jnp.dtype(jnp.float32)
-    return dtype
-
-
 def embed_vjp(W, ids, dret):
     """Hand VJP of ``embed``: the rows' cotangents scatter-added into the table (ids out of
-    range, whose rows were NaN, add nothing), summed in float32 for a 16-bit table;
-    ``ids`` get none."""
+    range, whose rows were NaN, add nothing); ``ids`` get none.
+
+    Summed in float32 for a 16-bit table, as PyTorch's embedding backward does: a row's
+    gradient sums every position that looked it up, thousands for a character vocabulary.
+    In bfloat16 the sum rounds at each add (it stops growing at 256 times an addend), and on
+    a GPU a 16-bit scatter-add is a compare-and-swap loop those positions contend for (the
+    trainer's bfloat16 GPT step took 2.35x its float32 step on an H200 for it alone)."""
     flat_ids = ids.reshape(-1)
-    acc = _sum_dtype(W.dtype)
+    acc = jnp.promote_types(W.dtype, jnp.float32)
     rows = dret.reshape(-1, W.shape[1]).astype(acc)
     dW = jnp.zeros(W.shape, acc).at[flat_ids].add(rows, mode="drop")
     return dW.astype(W.dtype), None
@@ -55,7 +45,7 @@ def embed(W: jax.Array, ids: jax.Array) -> jax.Array:
     rather than a silently clamped row. A 16-bit table is looked up through a float32 copy
     (the same values), so that autodiff's transpose, the scatter-add, sums in float32 as the
     hand rule does."""
-    acc = _sum_dtype(W.dtype)
+    acc = jnp.promote_types(W.dtype, jnp.float32)
     rows = jnp.take(W.astype(acc), ids, axis=0, mode="fill", fill_value=jnp.nan)
     return rows.astype(W.dtype)
 

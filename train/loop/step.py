@@ -256,15 +256,12 @@ def global_norms(grads, updates, params) -> dict:
     against 2.03). A param above :data:`VARIADIC_MAX` elements gets three plain
     reductions, which XLA:CPU vectorises (the variadic form took 1.5x their time there).
     Trees whose leaves do not pair up by shape get :func:`tree_norm` each."""
-    leaves = [jax.tree.leaves(t) for t in (grads, updates, params)]
+    names, trees = ("grad_norm", "update_norm", "param_norm"), (grads, updates, params)
+    leaves = [jax.tree.leaves(t) for t in trees]
     if len({len(ls) for ls in leaves}) != 1 or any(
         len({np.shape(a) for a in trio}) != 1 for trio in zip(*leaves)
     ):
-        return {
-            "grad_norm": tree_norm(grads),
-            "update_norm": tree_norm(updates),
-            "param_norm": tree_norm(params),
-        }
+        return {name: tree_norm(t) for name, t in zip(names, trees)}
     zero = jnp.float32(0)
     totals = [zero, zero, zero]
     for trio in zip(*leaves):
@@ -274,8 +271,7 @@ def global_norms(grads, updates, params) -> dict:
         else:
             sums = jax.lax.reduce(flat, [zero] * 3, _add3, (0,))
         totals = _add3(totals, sums)
-    g, u, p = (jnp.sqrt(t) for t in totals)
-    return {"grad_norm": g, "update_norm": u, "param_norm": p}
+    return {name: jnp.sqrt(t) for name, t in zip(names, totals)}
 
 
 @dataclass
