@@ -108,6 +108,16 @@ def host_run(tmp_path_factory):
     return fit(tmp_path_factory.mktemp("host"), src, "host"), src
 
 
+
+def same_record(a, b, **tol):
+    """Two metrics records agree: numbers within `tol`, strings (the split's name) equal."""
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], str) or isinstance(b[k], str):
+            assert a[k] == b[k], k
+        else:
+            assert a[k] == pytest.approx(b[k], **tol), k
+
 @pytest.fixture(scope="module")
 def one_device_64(tmp_path_factory):
     """A map source on one device, batch 64: the reference of every 8-device strategy."""
@@ -122,9 +132,7 @@ def test_a_map_source_trains_streamed_as_arrays_train_on_the_device(tmp_path, ho
     dev = fit(tmp_path, arrays(), "device")  # (x, y) arrays: the built-ins' device path
     assert not dev.data.streamed
     for a, b in zip(metrics(host.run_dir), metrics(dev.run_dir), strict=True):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert a[k] == pytest.approx(b[k], rel=1e-5), k
+        same_record(a, b, rel=1e-5)
     saved = yaml.safe_load((host.run_dir / "config.yaml").read_text())
     assert saved["data"]["name"] == "<test_data_source.Rows>"  # what train.fit(data=...) was given
 
@@ -237,8 +245,7 @@ def test_a_map_source_under_8_devices_equals_one_device(tmp_path, strategy, one_
     )
     assert len(many.devices) == 8 and many.data.streamed
     for a, b in zip(metrics(one.run_dir), metrics(many.run_dir), strict=True):
-        for k in a:
-            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+        same_record(a, b, rel=1e-4, abs=1e-6)
     for a, b in zip(leaves(one.params), leaves(many.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
