@@ -826,6 +826,12 @@ def lax_cases() -> Iterator[Case]:
             lambda a: lax.composite(lambda t: jnp.sin(t) * 2.0, name="nnlite.sin2")(a),
             v,
         ),
+        "composite_kwargs": (  # attributes reach the decomposition as keyword arguments
+            lambda a: lax.composite(lambda t, *, scale: jnp.sin(t) * scale, name="nnlite.sc")(
+                a, scale=2.0
+            ),
+            v,
+        ),
         "empty_zero_size": (lambda a: jnp.sum(lax.slice(a, (1,), (1,))), v),
         "tie_in_cond_python_bool": (lambda a: lax.cond(True, jnp.sin, jnp.cos, a), v),
         "cond_python_false": (lambda a: lax.cond(False, jnp.sin, jnp.cos, a), v),

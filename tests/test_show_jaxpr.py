@@ -727,3 +727,43 @@ def test_printer_core_sits_below_the_rule_modules():
         assert "_printer" in _imports(ext)
         assert not _imports(ext) & {"_show_jaxpr", *rule_modules} - {ext}
     assert rule_modules <= _imports("_show_jaxpr")
+
+
+# -- primitives that a public function makes print as that function, not as a bind ---------
+_KEY = jax.random.key(0)
+PUBLIC_SPELLINGS = {
+    "iota (2-d)": (lambda a: jnp.tril(a), X, "lax.broadcasted_iota("),
+    "copy": (lambda a: jnp.copy(a), X, "jnp.copy("),
+    "neg (complex)": (lambda a: -a, X.astype(jnp.complex64), "lax.neg("),
+    "random_bits": (lambda k: jax.random.bits(k, (3, 4)), _KEY, "jax.random.bits("),
+    "random_split": (lambda k: jax.random.split(k, 2), _KEY, "jax.random.split("),
+    "random_fold_in": (lambda k: jax.random.fold_in(k, 3), _KEY, "jax.random.fold_in("),
+    "tile": (lambda a: jnp.tile(a, (2, 1)), X, "lax.tile("),
+    "dynamic_slice": (lambda a: jnp.nanmedian(a), X, "lax.dynamic_slice("),
+    "dynamic_update_slice": (
+        lambda a, i: lax.dynamic_update_slice(a, V[:2], (i,)),
+        (V, jnp.int32(1)),
+        "lax.dynamic_update_slice(",
+    ),
+    "fft": (lambda a: jnp.fft.fft(a), V, "lax.fft("),
+    "cholesky": (lambda a: jnp.linalg.cholesky(a), jnp.eye(3) * 2.0 + 0.1, "jnp.linalg.cholesky("),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PUBLIC_SPELLINGS))
+def test_a_primitive_with_a_public_function_prints_as_it(name):
+    fn, args, spelling = PUBLIC_SPELLINGS[name]
+    args = args if isinstance(args, tuple) else (args,)
+    text = nl.show_jaxpr(fn, *args)
+    assert spelling in text and "_p.bind" not in text, text
+    outcome, detail = sweep.check(sweep.Case("t", name, fn, args), numeric=True)
+    assert outcome == "ok", detail
+
+
+def test_a_composite_with_keyword_attributes_runs_as_printed():
+    fn = lambda a: lax.composite(lambda t, *, scale: jnp.sin(t) * scale, name="t.sc")(  # noqa: E731
+        a, scale=2.0
+    )
+    g = nl.roundtrip(fn, V)
+    np.testing.assert_array_equal(g(V), fn(V))
+    assert nl.show_jaxpr(g, V) == nl.show_jaxpr(fn, V)

@@ -186,8 +186,10 @@ def _composite(pr: _Printer, eqn, args, env, scope, indent):
     base = getattr(closed.jaxpr.debug_info, "func_name", None) or "decomposition"
     fname = pr.unique(base, ("composite", str(closed.jaxpr)))
     # the decomposition's constants lead its operands: the printed one takes them as
-    # arguments (so it has no constants, and prints the same again)
-    pr.define(fname, closed, [None] * len(args), {}, [], single_ret, scope, indent, origin)
+    # arguments (so it has no constants, and prints the same again). lax.composite calls it
+    # with the attributes as keyword arguments, whose values its body already holds.
+    sig = [None] * len(args) + ([("**attributes", 0)] if attrs else [])
+    pr.define(fname, closed, sig, {}, [], single_ret, scope, indent, origin)
     call = Call(Call("lax.composite", [fname], kw), args, attrs)
     pr.assign(eqn, env, call, indent, origin, structured=True)
 

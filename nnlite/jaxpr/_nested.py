@@ -28,7 +28,7 @@ from ._exprs import (
     pystr,
     pyval,
 )
-from ._printer import JITTED, register, single_ret
+from ._printer import JITTED, JITTED_BODIES, register, single_ret
 
 if TYPE_CHECKING:
     from ._printer import Printer as _Printer
@@ -71,7 +71,10 @@ def _jit(pr: _Printer, eqn, args, env, scope, indent):
 
 
 def _wrapped_public(pr: _Printer, eqn, closed: ClosedJaxpr, args, env, indent) -> bool:
-    """Print ``jit(fft)`` of one ``fft`` equation as ``lax.fft(...)``, which makes both."""
+    """Print ``jit(fft)`` of one ``fft`` equation as ``lax.fft(...)``, which makes both, and
+    a jit whose body a public function makes as it is (``jnp.linalg.cholesky``) as a call."""
+    if _public_body(pr, eqn, closed, args, env, indent):
+        return True
     (inner,) = closed.jaxpr.eqns if len(closed.jaxpr.eqns) == 1 else (None,)
     if inner is None or closed.consts:
         return False
@@ -87,6 +90,26 @@ def _wrapped_public(pr: _Printer, eqn, closed: ClosedJaxpr, args, env, indent) -
         return False
     pr.assign(eqn, env, expr, indent, structured=not inner.primitive.multiple_results)
     return True
+
+
+def _public_body(pr: _Printer, eqn, closed: ClosedJaxpr, args, env, indent) -> bool:
+    candidates = JITTED_BODIES.get(eqn.params["name"])
+    if not candidates or closed.consts or any(eqn.params["donated_invars"]):
+        return False
+    avals = [v.aval for v in closed.jaxpr.invars]
+    want = str(closed.jaxpr)
+    for call, fn in candidates:
+        try:
+            traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+        except Exception:  # not this function's operands
+            continue
+        (jit,) = traced.jaxpr.eqns if len(traced.jaxpr.eqns) == 1 else (None,)
+        if jit is None or jit.primitive.name != "jit" or jit.params["name"] != eqn.params["name"]:
+            continue
+        if str(jit.params["jaxpr"].jaxpr) == want and not jit.params["jaxpr"].consts:
+            pr.assign(eqn, env, call.format(*map(flat, args)), indent, structured=True)
+            return True
+    return False
 
 
 def _jaxpr_key(closed: ClosedJaxpr):

@@ -40,6 +40,7 @@ __all__ = [
     "HIGHER_ORDER",
     "IMPORT_LINES",
     "JITTED",
+    "JITTED_BODIES",
     "ORIGINS",
     "RULES",
     "Printer",
@@ -71,6 +72,10 @@ FUNCTION_NAMES: dict[str, Callable] = {}
 #: primitive name -> ``(jit name, rule)``: a public function that wraps its primitive in a
 #: ``jax.jit`` of that name (``lax.fft``); the jit prints as the rule's call.
 JITTED: dict[str, tuple[str, Rule]] = {}
+#: jit name -> ``[(printed call, function)]``: public functions that are a ``jax.jit`` of
+#: that name around several equations (``jnp.linalg.cholesky``); a jit whose body is exactly
+#: what one of them traces to at the same operands prints as that call.
+JITTED_BODIES: dict[str, list[tuple[str, Callable]]] = {}
 #: ``pass(jaxpr, env) -> ids of equations not to print`` run before printing a body.
 BODY_PASSES: list[Callable] = []
 #: generated file name -> ``(first line, last line, origin)`` of each nested construct.
@@ -84,10 +89,12 @@ def register(
     body_pass: Callable | None = None,
     function_names: dict[str, Callable] | None = None,
     jitted: dict[str, tuple[str, Rule]] | None = None,
+    jitted_bodies: dict[str, list[tuple[str, Callable]]] | None = None,
 ) -> None:
     """Add rules to the printer (called once by each rule module when it is imported)."""
     RULES.update(rules or {})
     JITTED.update(jitted or {})
+    JITTED_BODIES.update(jitted_bodies or {})
     HIGHER_ORDER.update(higher_order or {})
     FUNCTION_NAMES.update(function_names or {})
     if body_pass is not None and body_pass not in BODY_PASSES:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import jax.numpy as jnp
 import numpy as np
 
 from ._exprs import Call, Rule, Tup, dtype_expr, pyval, scalar_expr
@@ -222,4 +223,22 @@ PUBLIC_RULES: dict[str, Rule] = {
     "polygamma": _plain("lax.polygamma"),
 }
 
-register(rules=PUBLIC_RULES, higher_order={"svd": _svd}, jitted={"fft": ("fft", _fft)})
+PUBLIC_RULES["fft"] = _fft  # re-traced, lax.fft adds its jit(fft) around it: same values
+
+#: the cholesky primitive alone has no public function; jnp.linalg.cholesky's jit has it
+#: between the symmetrisation and the triangle's mask
+JITTED_BODIES = {
+    "cholesky": [
+        ("jnp.linalg.cholesky({0})", lambda a: jnp.linalg.cholesky(a)),
+        ("jnp.linalg.cholesky({0}, upper=True)", lambda a: jnp.linalg.cholesky(a, upper=True)),
+        ("jnp.linalg.cholesky({0}, symmetrize_input=False)",
+         lambda a: jnp.linalg.cholesky(a, symmetrize_input=False)),
+    ],
+}  # fmt: skip
+
+register(
+    rules=PUBLIC_RULES,
+    higher_order={"svd": _svd},
+    jitted={"fft": ("fft", _fft)},
+    jitted_bodies=JITTED_BODIES,
+)

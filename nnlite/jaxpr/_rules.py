@@ -110,8 +110,10 @@ RULES["not"] = _unary("lax.bitwise_not")
 RULES["neg"] = lambda eqn, args, _mesh: (
     f"-{_paren(args[0])}"
     if _operands_plain(eqn, args) and np.dtype(eqn.invars[0].aval.dtype).kind in "fi"
-    else None
+    else Call("lax.neg", args)  # complex and unsigned: NumPy's operator would run first
 )
+RULES["copy"] = _unary("jnp.copy")
+RULES["copy_p"] = _unary("jnp.copy")
 for _n in ("exp", "exp2", "log", "sin", "cos", "tan", "tanh", "logistic", "sinh", "cosh",
            "asin", "acos", "atan", "asinh", "acosh", "atanh"):  # fmt: skip
     RULES[_n] = _unary(f"lax.{_n}", accuracy=None)
@@ -147,6 +149,7 @@ def _out_sharding(eqn, param: str, mesh) -> list | None:
 
 
 RULES["integer_pow"] = _kw_rule("lax.integer_pow", ("y",))
+RULES["tile"] = _kw_rule("lax.tile", ("reps",))
 RULES["round"] = _kw_rule("lax.round", ("rounding_method",))
 for _n in ("sum", "max", "min", "prod", "and", "or", "xor"):
     RULES[f"reduce_{_n}"] = _kw_rule(f"lax.reduce_{_n}", ("axes",), sharding="out_sharding")
@@ -180,6 +183,8 @@ RULES["clamp"] = _unary("lax.clamp")
 
 
 def _convert(eqn, args, _mesh):
+    # a weakly typed result (jnp's own promotion of a Python scalar) has no public function:
+    # printed strong, the next print would differ (the round trip's fixed point)
     if not _has(eqn, sharding=None) or eqn.params["weak_type"]:
         return None
     return Call(
@@ -343,9 +348,12 @@ RULES["scatter-max"] = _scatter("lax.scatter_max", "max")
 
 def _iota(eqn, args, _mesh):
     p = eqn.params
-    if not _has(eqn, sharding=None) or len(p["shape"]) != 1 or args:
+    if not _has(eqn, sharding=None) or args:
         return None
-    return Call("lax.iota", [dtype_expr(p["dtype"]), pyval(p["shape"][0])])
+    if len(p["shape"]) == 1:
+        return Call("lax.iota", [dtype_expr(p["dtype"]), pyval(p["shape"][0])])
+    shape = pyval(tuple(p["shape"]))
+    return Call("lax.broadcasted_iota", [dtype_expr(p["dtype"]), shape, pyval(p["dimension"])])
 
 
 RULES["iota"] = _iota
@@ -379,6 +387,34 @@ def _random_unwrap(eqn, args, _mesh):
     return Call("jax.random.key_data", args)
 
 
+def _random_bits(eqn, args, _mesh):
+    p = eqn.params
+    dtype = dtype_expr(np.dtype(f"uint{p['bit_width']}"))
+    return Call("jax.random.bits", [args[0], pyval(tuple(p["shape"]))], [("dtype", dtype)])
+
+
+def _random_split(eqn, args, _mesh):
+    return Call("jax.random.split", [args[0], pyval(tuple(eqn.params["shape"]))])
+
+
+def _dynamic_slice(eqn, args, _mesh):
+    # without allow_negative_indices=False, the function adds the wrap-around of negatives
+    kw = [("slice_sizes", pyval(tuple(eqn.params["slice_sizes"])))]
+    kw.append(("allow_negative_indices", "False"))
+    return Call("lax.dynamic_slice", [args[0], "[" + ", ".join(map(flat, args[1:])) + "]"], kw)
+
+
+def _dynamic_update_slice(eqn, args, _mesh):
+    starts = "[" + ", ".join(map(flat, args[2:])) + "]"
+    kw = [("allow_negative_indices", "False")]
+    return Call("lax.dynamic_update_slice", [args[0], args[1], starts], kw)
+
+
+RULES["random_bits"] = _random_bits
+RULES["random_split"] = _random_split
+RULES["random_fold_in"] = _unary("jax.random.fold_in")
+RULES["dynamic_slice"] = _dynamic_slice
+RULES["dynamic_update_slice"] = _dynamic_update_slice
 RULES["random_wrap"] = _random_wrap
 RULES["random_unwrap"] = _random_unwrap
 
