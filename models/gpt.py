@@ -20,6 +20,7 @@ for every new token).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -142,12 +143,14 @@ class GPT(nl.Module):
         p = nl.ParamsDict(wte=self.wte.init(keys[0]))
         if self.positional == "learned":
             p.wpe = self.wpe.init(keys[1])
-        p.blocks = [self.block.init(k) for k in keys[3:]]
+        if self.scan_layers:  # one vmapped init, not n_layer copies in the init program
+            p.blocks = jax.vmap(self.block.init)(keys[3:])
+        else:
+            p.blocks = [self.block.init(k) for k in keys[3:]]
         p.ln_f = self.ln_f.init(keys[2])
         if not self.tie_head:
             p.head = self.head.init(keys[2])
-        p = gpt2_init(p, self.n_layer, jax.random.fold_in(key, 1))
-        return stack_blocks(p) if self.scan_layers else p  # the same numbers either way
+        return gpt2_init(p, self.n_layer, jax.random.fold_in(key, 1))  # the same numbers either way
 
     def convert_params(self, params: nl.ParamsDict) -> nl.ParamsDict:
         """``params`` in this model's block layout, from either layout (a list of
@@ -311,16 +314,34 @@ def sample(logits, key, temperature, top_k: int | None):
 def gpt2_init(params: nl.ParamsDict, n_layer: int, key) -> nl.ParamsDict:
     """GPT-2's initialisation of ``params``: matrices (and embeddings) ``N(0, 0.02)``, the
     blocks' residual output projections ``N(0, 0.02 / sqrt(2 n_layer))``; vectors (biases,
-    LayerNorm scales and offsets) as their layers made them."""
+    LayerNorm scales and offsets) as their layers made them.
+
+    Either layout: a stacked block's leaf ``/blocks/X`` draws layer ``i`` with the key that
+    ``/blocks[i]/X`` has in the list layout (one vmapped draw), so both give the same numbers.
+    """
+    stacked = "blocks" in params and isinstance(params.blocks, nl.ParamsDict)
+    listed = jax.eval_shape(unstack_blocks, params) if stacked else params
+    paths = [nl.format_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(listed)]
+    order = {p: i for i, p in enumerate(paths)}
+    keys = jax.random.split(key, len(order))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(key, len(leaves))
     out = []
-    for (path, leaf), k in zip(leaves, keys):
-        if leaf.ndim == 2:
+    for path, leaf in leaves:
+        name = nl.format_path(path)
+        layered = stacked and name.startswith("/blocks/")
+        if leaf.ndim - layered == 2:
             std = 0.02
-            if nl.format_path(path).endswith(RESIDUAL_OUT):
+            if name.endswith(RESIDUAL_OUT):
                 std /= math.sqrt(2 * n_layer)
-            leaf = std * jax.random.normal(k, leaf.shape, leaf.dtype)
+            if layered:
+                rest = name[len("/blocks") :]
+                ks = keys[jnp.array([order[f"/blocks[{i}]{rest}"] for i in range(n_layer)])]
+                normal = functools.partial(
+                    jax.random.normal, shape=leaf.shape[1:], dtype=leaf.dtype
+                )
+                leaf = std * jax.vmap(normal)(ks)
+            else:
+                leaf = std * jax.random.normal(keys[order[name]], leaf.shape, leaf.dtype)
         out.append(leaf)
     return jax.tree.unflatten(treedef, out)
 

@@ -208,6 +208,16 @@ def test_gpt_layouts_and_remat_give_the_same_loss_and_gradients(gpt_ref, options
     assert_close_f32(g, ref, ops=ROUNDINGS_PER_LAYER * (2 * 5 + 4))
 
 
+def test_the_scanned_gpts_init_program_does_not_grow_with_depth():
+    # one vmapped block init and one vmapped draw per block leaf, whatever n_layer: a deep
+    # scanned model's start-up compiles an init the size of a shallow one's
+    def n_eqns(n_layer):
+        model = GPT(**{**GPT_KW, "n_layer": n_layer}, scan_layers=True)
+        return len(jax.make_jaxpr(model.init)(jax.random.key(0)).jaxpr.eqns)
+
+    assert n_eqns(2) == n_eqns(12)
+
+
 def test_gpt_params_convert_both_ways(gpt_ref):
     model, params, _ = gpt_ref
     # the scanned layout's logical axes (for fsdp/tensor): the block's, the copies first
