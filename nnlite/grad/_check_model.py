@@ -184,19 +184,22 @@ def check_rules(
         return errors(*jax.tree.unflatten(treedef, merged))
 
     measured = jax.device_get(jax.jit(traced)(*(leaves[i] for i in dyn)))
-    result = []
-    for (layer, name, dtype, which, fn), pairs in zip(rows, measured, strict=True):
-        eps = float(jnp.finfo(dtype).eps) if dtype else 0.0
-        worst, argument, relative = 0.0, None, 0.0
-        for k, (err, scale) in zip(which, pairs, strict=True):
-            err, scale = float(err), float(scale)
-            r = math.inf if math.isnan(err) else err / (eps * max(1.0, scale))
-            if argument is None or r > worst:
-                worst, argument = r, k
-                relative = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
-        ok = worst <= max_roundings
-        result.append(RuleCheck(layer, name, dtype or "-", worst, ok, argument, relative, fn))
-    return result
+    return [_row(*row, pairs, max_roundings) for row, pairs in zip(rows, measured, strict=True)]
+
+
+def _row(layer, name, dtype, which, fn, pairs, max_roundings) -> RuleCheck:
+    """A call's ``RuleCheck`` from its ``(largest error, largest magnitude)`` per compared
+    leaf (``which``: each leaf's argument)."""
+    eps = float(jnp.finfo(dtype).eps) if dtype else 0.0
+    worst, argument, relative = 0.0, None, 0.0
+    for k, (err, scale) in zip(which, pairs, strict=True):
+        err, scale = float(err), float(scale)
+        r = math.inf if math.isnan(err) else err / (eps * max(1.0, scale))
+        if argument is None or r > worst:
+            worst, argument = r, k
+            relative = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+    ok = worst <= max_roundings
+    return RuleCheck(layer, name, dtype or "-", worst, ok, argument, relative, fn)
 
 
 def _stack_copy(layer, params, x, keys, paths: dict) -> list:
