@@ -5,6 +5,7 @@ a user's own file, under ``none`` and ``fsdp`` (8 host devices)."""
 
 import importlib
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -343,6 +344,33 @@ def test_a_model_of_nnlite_layers_only_checks_nothing(tmp_path, rule_cache, monk
     assert run.grad.mode == "manual" and run.grad.rules == () and run.grad.rules_note is None
     assert not any("hand rules of yours" in ln for ln in lines)
     assert not rule_cache.exists()
+
+
+def test_the_rule_cache_key_follows_the_rules_code_and_shapes():
+    """What a rule computes by -- its closure, the helpers it calls and their constants --
+    and the check's shapes are in the key; the same rule again has the same key."""
+    from train.loop import rulecache
+
+    def rule(factor, const):
+        def helper(x):
+            return x * const
+
+        def f(x):
+            return x * x
+
+        def f_vjp(x, dret):
+            return factor * helper(x) * dret
+
+        return types.SimpleNamespace(f=f, f_vjp=f_vjp)
+
+    x = jnp.ones((2, 3))
+
+    def key(r, arrays=(x,)):
+        return rulecache.key([r], arrays, "ctx")
+
+    assert key(rule(2, 1.0)) == key(rule(2, 1.0))
+    assert len({key(rule(2, 1.0)), key(rule(3, 1.0)), key(rule(2, 0.5))}) == 3
+    assert key(rule(2, 1.0), (jnp.ones((4, 3)),)) != key(rule(2, 1.0))
 
 
 # -- the non-finite guard names the layer ------------------------------------------------

@@ -23,6 +23,7 @@ import types
 from pathlib import Path
 
 import jax
+import numpy as np
 
 import nnlite as nl
 
@@ -76,11 +77,27 @@ def fingerprint(fn, h, seen: set | None = None) -> None:
     for v in values:
         if _scalar(v):
             h.update(repr(v).encode())
-        elif isinstance(v, types.FunctionType) and v.__module__ == module:
-            fingerprint(v, h, seen)  # a helper of the same file: its code counts too
+        elif hasattr(v, "shape") and hasattr(v, "dtype") and _size(v) <= MAX_CONSTANT:
+            a = np.asarray(v)  # a constant array the rule reads
+            h.update(f"{a.dtype}{a.shape}".encode() + a.tobytes())
         elif callable(getattr(v, "f_vjp", None)):
             fingerprint(v.f, h, seen)  # another rule of the user's, called inside
             fingerprint(v.f_vjp, h, seen)
+        elif isinstance(v, types.FunctionType) and _users(v.__module__ or module):
+            fingerprint(v, h, seen)  # a helper of the user's: its code counts too
+
+
+#: Libraries whose functions a rule calls as they are: not fingerprinted.
+LIBRARIES = frozenset({"jax", "jaxlib", "numpy", "nnlite", "optax", "scipy", "math"})
+MAX_CONSTANT = 1 << 20  # elements of a module-level array hashed with the rule
+
+
+def _users(module: str | None) -> bool:
+    return (module or "").split(".")[0] not in LIBRARIES
+
+
+def _size(v) -> int:
+    return int(np.prod(getattr(v, "shape", ()) or (1,)))
 
 
 def _has(cell) -> bool:
