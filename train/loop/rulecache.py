@@ -77,7 +77,7 @@ def fingerprint(fn, h, seen: set | None = None) -> None:
     for v in values:
         if _scalar(v):
             h.update(repr(v).encode())
-        elif hasattr(v, "shape") and hasattr(v, "dtype") and _size(v) <= MAX_CONSTANT:
+        elif isinstance(v, (np.ndarray, np.generic, jax.Array)) and v.size <= MAX_CONSTANT:
             a = np.asarray(v)  # a constant array the rule reads
             h.update(f"{a.dtype}{a.shape}".encode() + a.tobytes())
         elif callable(getattr(v, "f_vjp", None)):
@@ -94,10 +94,6 @@ MAX_CONSTANT = 1 << 20  # elements of a module-level array hashed with the rule
 
 def _users(module: str | None) -> bool:
     return (module or "").split(".")[0] not in LIBRARIES
-
-
-def _size(v) -> int:
-    return int(np.prod(getattr(v, "shape", ()) or (1,)))
 
 
 def _has(cell) -> bool:
