@@ -148,9 +148,12 @@ def check_user_rules(r, params0, state0, sampler) -> None:
     cfg = r.cfg
     model = re.sub(r" at 0x[0-9a-f]+", "", repr(r.model))  # a field's object: no address
     context = f"{model}|{cfg.train.precision}|{cfg.loss.backward_policies!r}|{where}"
-    key = rulecache.key(grad.rules, (params, batch, kw), context)
+    try:
+        key = rulecache.key(grad.rules, (params, batch, kw), context)
+    except Exception:  # noqa: BLE001 -- something of the user's the hash cannot read:
+        key = None  # no cache for these rules, checked at every run
     multi = dist.is_multiprocess()  # every process checks alike: no cache to disagree on
-    if not multi and rulecache.seen(key):
+    if key is not None and not multi and rulecache.seen(key):
         note = (
             f"hand rules of yours checked against jax.vjp by an earlier run (same code, same "
             f"shapes; {rulecache.path()}): {names}"
@@ -167,7 +170,7 @@ def check_user_rules(r, params0, state0, sampler) -> None:
     reached = {row.fn for row in rows}
     checked = [rule_name(rule) for rule in grad.rules if rule in reached]
     missed = [rule_name(rule) for rule in grad.rules if rule not in reached]
-    if not missed and dist.is_main():
+    if key is not None and not missed and dist.is_main():
         rulecache.store(key, checked)
     note = f"hand rules of yours checked against jax.vjp at {where}: {', '.join(checked)}"
     if missed:  # traced apart from the loss: the check's tape does not hold their calls
