@@ -141,3 +141,40 @@ def test_check_rules_reports_each_layer_and_catches_a_wrong_rule():
     assert table[("tanh#1", "tanh_vjp")].roundings < 100
     wrong = table[("sq#1", "bad_vjp")]
     assert not wrong.ok and wrong.roundings > 1e5 and "WRONG" in str(wrong)
+
+
+def test_check_manual_lists_the_rules_and_check_rules_checks_those_selected():
+    """``nl.check_manual`` returns the hand rules a loss calls (a user's, also inside an
+    ``nl.Stack``'s copies); ``check_rules(select=...)`` compares only those, names the
+    argument whose cotangent is off and its relative error, and reaches into the stack."""
+
+    def bad_vjp(x, s, dret):  # the input's cotangent off by a factor of two
+        return 2 * dret * s[None], jnp.sum(dret * x, axis=0)
+
+    @nl.hand_rule(bad_vjp)
+    def gain(x, s):
+        return x * s[None]
+
+    class Gain(nl.Module):
+        def init(self, key):
+            return nl.ParamsDict(s=jnp.ones(4))
+
+        def __call__(self, params, x, *, key=None):
+            return gain(jnp.tanh(x), params.s)
+
+    net = nl.Sequential((nl.Linear(3, 4), nl.Stack(Gain(), 2)))
+    p = net.init(jax.random.key(0))
+
+    def loss(p, x):
+        return jnp.sum(net(p, x))
+
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (p, x))
+    rules = nl.check_manual(loss, *shapes)
+    assert [r.__name__ for r in rules] == ["linear", "gain"]
+    rows = nl.check_rules(loss, p, x, select=lambda r: r is gain)
+    assert [(r.layer, r.rule, r.ok, r.argument) for r in rows] == [
+        ("params.layers[1]", "bad_vjp", False, 0)
+    ]
+    assert rows[0].fn is gain and rows[0].relative == pytest.approx(1.0, rel=1e-5)
+    assert all(r.ok for r in nl.check_rules(loss, p, x, select=lambda r: r is not gain))

@@ -5,6 +5,7 @@ a user's own file, under ``none`` and ``fsdp`` (8 host devices)."""
 
 import importlib
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +259,118 @@ def test_check_grads_cli_exit_2_one_line(user, capsys):
     assert len(err) == 1 and err[0].startswith("error: train.check_grads: the hand rule "), err
     assert "gain_vjp_wrong of params.blocks[0].gain" in err[0]
     assert "WRONG" in out
+
+
+# -- loss.check_rules: the user's own rules, checked before step 1 (issue 46) -----------
+
+
+@pytest.fixture
+def rule_cache(tmp_path, monkeypatch):
+    """The rule-check cache in a directory of this test's own."""
+    monkeypatch.setenv("NNLITE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "checked_rules.json"
+
+
+def test_a_user_rule_wrong_by_two_stops_a_default_run_in_one_line(user, rule_cache, capsys):
+    """``loss.grad: auto`` (the default): the wrong rule is checked against jax.vjp before
+    step 1 without --check-grads; one line names it, its error and argument; exit 2."""
+    root, _ = user
+    import yaml
+
+    from train.__main__ import main
+
+    cfg = config(root, "none", model={"rule": "wrong", "at": 1, "width": 8, "depth": 2})
+    del cfg["loss"]  # loss.grad: auto
+    (root / "default.yaml").write_text(yaml.safe_dump({**cfg, "name": "default-wrong"}))
+    assert main(["--config", str(root / "default.yaml")]) == 2
+    out, stderr = capsys.readouterr()
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in stderr, err
+    assert err[0].startswith(
+        "error: loss.check_rules: your hand rule gain_vjp_wrong (of gain_wrong, gtmodels.py:"
+    ), err
+    assert "at params.blocks[1].gain: relative error 1 in the cotangent of argument 0 (x)" in err[0]
+    assert "WRONG" not in out  # no table: only --check-grads prints one
+    assert not (root / "runs" / "default-wrong" / "metrics.jsonl").exists()  # never trained
+    assert not rule_cache.exists()  # a wrong rule is never remembered
+
+
+def test_a_right_user_rule_is_checked_once_per_code(user, rule_cache, monkeypatch):
+    """A right rule trains, the banner naming it as checked (nnlite's own rules not); a
+    rerun of the same code and shapes is not checked again, and says so."""
+    root, mod = user
+    cfg = config(root, "none", model={"width": 8, "depth": 2}, loss={"grad": "auto"})
+    lines = []
+    run = fit(root, mod, "right", cfg, lines)
+    assert run.grad.describe() == "auto -> manual"
+    note = [ln for ln in "\n".join(lines).splitlines() if "hand rules of yours" in ln]
+    assert len(note) == 1 and "checked against jax.vjp at batch 32 on one device" in note[0]
+    assert "gain_vjp (of gain, gtmodels.py:" in note[0] and "linear" not in note[0], note
+    assert records(run)[-1]["step"] == 1 and rule_cache.exists()
+
+    def no_check(*a, **k):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(nl, "check_rules", no_check)
+    lines.clear()
+    fit(root, mod, "right-again", cfg, lines)
+    assert any("checked against jax.vjp by an earlier run (same code" in ln for ln in lines)
+
+
+def test_check_rules_false_trains_a_wrong_rule_unchecked(user, rule_cache):
+    root, mod = user
+    cfg = config(root, "none", model={"width": 8, "depth": 2}, loss={"check_rules": False})
+    lines = []
+    run = fit(root, mod, "unchecked", cfg, lines, rule="wrong", at=0)
+    banner = "\n".join(lines)
+    assert "hand rules of yours NOT checked against jax.vjp (loss.check_rules=false): " in banner
+    assert "gain_vjp_wrong (of gain_wrong, gtmodels.py:" in banner
+    assert records(run)[-1]["step"] == 1 and not rule_cache.exists()
+
+
+@pytest.mark.parametrize("grad", ["auto", "manual"])
+def test_a_model_of_nnlite_layers_only_checks_nothing(tmp_path, rule_cache, monkeypatch, grad):
+    """nnlite's own rules are never rechecked at start-up: no check runs, nothing is said,
+    nothing is cached."""
+
+    def no_check(*a, **k):
+        raise AssertionError("nnlite's own rules checked")
+
+    monkeypatch.setattr(nl, "check_rules", no_check)
+    cfg = config(tmp_path, "none", loss={"grad": grad})
+    cfg["model"] = {"name": "mlp", "hidden_sizes": [8]}
+    lines = []
+    run = train.fit(None, {**cfg, "name": f"own-{grad}"}, resume="fresh", echo=lines.append)
+    assert run.grad.mode == "manual" and run.grad.rules == () and run.grad.rules_note is None
+    assert not any("hand rules of yours" in ln for ln in lines)
+    assert not rule_cache.exists()
+
+
+def test_the_rule_cache_key_follows_the_rules_code_and_shapes():
+    """What a rule computes by -- its closure, the helpers it calls and their constants --
+    and the check's shapes are in the key; the same rule again has the same key."""
+    from train.loop import rulecache
+
+    def rule(factor, const):
+        def helper(x):
+            return x * const
+
+        def f(x):
+            return x * x
+
+        def f_vjp(x, dret):
+            return factor * helper(x) * dret
+
+        return types.SimpleNamespace(f=f, f_vjp=f_vjp)
+
+    x = jnp.ones((2, 3))
+
+    def key(r, arrays=(x,)):
+        return rulecache.key([r], arrays, "ctx")
+
+    assert key(rule(2, 1.0)) == key(rule(2, 1.0))
+    assert len({key(rule(2, 1.0)), key(rule(3, 1.0)), key(rule(2, 0.5))}) == 3
+    assert key(rule(2, 1.0), (jnp.ones((4, 3)),)) != key(rule(2, 1.0))
 
 
 # -- the non-finite guard names the layer ------------------------------------------------

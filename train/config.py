@@ -101,6 +101,10 @@ class LossConfig:
     # (forward unchanged; needs manual gradients): a list of {layers: "blocks/*/attn",
     # stop: true | scale: S | clip: C | float32: true} (train/loop/backward_config.py)
     backward_policies: tuple[dict, ...] = ()
+    # issue 46: under manual (or auto -> manual) each hand rule of yours -- not nnlite's --
+    # is checked against jax.vjp at the step's shapes before step 1, once per code
+    # (train/loop/checkgrads.py); false trains it unchecked (the banner says so)
+    check_rules: bool = True
 
 
 @dataclass(frozen=True)

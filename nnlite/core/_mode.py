@@ -16,7 +16,15 @@ from ._jax_private import manual_trace_state
 
 manual_trace_state()  # registered now, not on first use (see its docstring)
 
-__all__ = ["frozen_scope", "is_frozen", "manual_active", "manual_scope", "manual_tape"]
+__all__ = [
+    "collect_rules",
+    "frozen_scope",
+    "is_frozen",
+    "manual_active",
+    "manual_scope",
+    "manual_tape",
+    "note_rule",
+]
 
 _state = threading.local()
 
@@ -63,3 +71,25 @@ def frozen_scope(values) -> Iterator[None]:
         yield
     finally:
         _state.frozen = prev
+
+
+@contextlib.contextmanager
+def collect_rules() -> Iterator[dict]:
+    """Collect, in call order, every hand rule called in manual mode in the block (the
+    keys of the dict it yields). Unlike the tape it survives ``manual_scope``, so a rule
+    called where manual mode is entered anew (an ``nl.Stack``'s body, analysed on its own)
+    is collected too; a collection inside another also feeds the outer one."""
+    stack = getattr(_state, "collectors", ())
+    seen: dict = {}
+    _state.collectors = (*stack, seen)
+    try:
+        yield seen
+    finally:
+        _state.collectors = stack
+
+
+def note_rule(rule) -> None:
+    """Record ``rule`` (a hand-rule function with ``.f`` and ``.f_vjp``) in every open
+    :func:`collect_rules`; nothing when none is open (one attribute test)."""
+    for seen in getattr(_state, "collectors", ()):
+        seen.setdefault(rule, None)

@@ -31,13 +31,22 @@ __all__ = ["RuleCheck", "check_rules"]
 @dataclasses.dataclass(frozen=True)
 class RuleCheck:
     """One hand-rule call of a loss: where (the params it reads, or its position), which
-    rule, its error in roundings of its dtype, and whether that is within ``max_roundings``."""
+    rule, its error in roundings of its dtype, and whether that is within ``max_roundings``.
+
+    ``argument``: the argument whose cotangent is farthest off (None: nothing compared);
+    ``relative``: that error relative to ``jax.vjp``'s cotangent (its largest difference
+    over the cotangent's largest magnitude: 1.0 for a rule off by a factor of two);
+    ``fn``: the hand-rule function called (with ``.f`` and ``.f_vjp``).
+    """
 
     layer: str
     rule: str
     dtype: str
     roundings: float
     ok: bool
+    argument: int | None = None
+    relative: float = 0.0
+    fn: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         mark = "ok" if self.ok else "WRONG"
@@ -69,6 +78,7 @@ def check_rules(
     *batch: Any,
     max_roundings: float = 1000.0,
     seed: int = 0,
+    select: Callable[[Callable], bool] | None = None,
     **kwargs: Any,
 ) -> list[RuleCheck]:
     """Check every hand rule ``loss_fn(params, *batch, **kwargs)`` calls, at its inputs.
@@ -79,6 +89,9 @@ def check_rules(
         max_roundings: the largest error, in roundings of the call's dtype (its epsilon
             times the cotangent's largest magnitude), a rule may have.
         seed: for the random cotangents.
+        select: which rules to check: ``select(rule)`` for each hand-rule function called
+            (``rule.f``, ``rule.f_vjp``; e.g. one of ``nl.check_manual``'s); default all.
+            The loss still runs whole; only the selected rules are compared.
 
     Returns:
         One ``RuleCheck`` per call, in call order (a backward policy's stop, scale or clip,
@@ -113,7 +126,13 @@ def check_rules(
             loss_fn(params, *batch, **kwargs)
         counts: dict = {}
         out = []
-        for i, (wrapped, args, static, _out) in enumerate(tape):
+        for i, (wrapped, args, static, _out) in enumerate(tape):  # grows: stacks' copies
+            if hasattr(wrapped, "layer") and not hasattr(wrapped, "f"):  # an nl.Stack
+                if of_current_trace(args):
+                    tape.extend(_stack_copy(wrapped.layer, *args, paths))
+                continue
+            if select is not None and not select(wrapped):
+                continue
             f, f_vjp = wrapped.f, wrapped.f_vjp
             if getattr(f, "_backward_policy", False):  # stop/scale/clip: not f's VJP, by design
                 continue
@@ -138,7 +157,7 @@ def check_rules(
                 got = cotangents(
                     f_vjp(*args, *_dret_args(dret), **static), list(args), f"{name} (check_rules)"
                 )
-            pairs, dtype = [], None
+            pairs, dtype, which = [], None, []
             for k, w in zip(dyn, want, strict=True):
                 if not has_cotangent(args[k]) or got[k] is None and w is None:
                     continue
@@ -149,8 +168,9 @@ def check_rules(
                     dtype = dtype or jnp.dtype(wl.dtype).name
                     w64, g64 = wl.astype(jnp.float32), jnp.asarray(gl).astype(jnp.float32)
                     pairs.append((jnp.max(jnp.abs(g64 - w64)), jnp.max(jnp.abs(w64))))
+                    which.append(k)
             layer = _label(args, paths, getattr(wrapped, "__name__", name), counts)
-            rows.append((layer, name, dtype, [jnp.finfo(dtype).eps if dtype else 0.0]))
+            rows.append((layer, name, dtype, which, wrapped))
             out.append(pairs)
         return out
 
@@ -164,15 +184,36 @@ def check_rules(
         return errors(*jax.tree.unflatten(treedef, merged))
 
     measured = jax.device_get(jax.jit(traced)(*(leaves[i] for i in dyn)))
-    result = []
-    for (layer, name, dtype, (eps,)), pairs in zip(rows, measured, strict=True):
-        worst = 0.0
-        for err, scale in pairs:
-            err = float(err)
-            r = math.inf if math.isnan(err) else err / (float(eps) * max(1.0, float(scale)))
-            worst = max(worst, r)
-        result.append(RuleCheck(layer, name, dtype or "-", worst, worst <= max_roundings))
-    return result
+    return [_row(*row, pairs, max_roundings) for row, pairs in zip(rows, measured, strict=True)]
+
+
+def _row(layer, name, dtype, which, fn, pairs, max_roundings) -> RuleCheck:
+    """A call's ``RuleCheck`` from its ``(largest error, largest magnitude)`` per compared
+    leaf (``which``: each leaf's argument)."""
+    eps = float(jnp.finfo(dtype).eps) if dtype else 0.0
+    worst, argument, relative = 0.0, None, 0.0
+    for k, (err, scale) in zip(which, pairs, strict=True):
+        err, scale = float(err), float(scale)
+        r = math.inf if math.isnan(err) else err / (eps * max(1.0, scale))
+        if argument is None or r > worst:
+            worst, argument = r, k
+            relative = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+    ok = worst <= max_roundings
+    return RuleCheck(layer, name, dtype or "-", worst, ok, argument, relative, fn)
+
+
+def _stack_copy(layer, params, x, keys, paths: dict) -> list:
+    """The tape of an ``nl.Stack``'s first copy, run on the stack's input: its rules are
+    checked at the inputs the first copy gets (the stack's own rule is the scan of
+    theirs). The copy's params are labelled with the stacked params' paths."""
+    copy = jax.tree.map(lambda a: a[0], params)
+    for stacked, leaf in zip(jax.tree.leaves(params), jax.tree.leaves(copy), strict=True):
+        if id(stacked) in paths:
+            paths[id(leaf)] = paths[id(stacked)]
+    tape: list = []
+    with manual_scope(True, tape):
+        layer(copy, x, key=None if keys is None else keys[0])
+    return tape
 
 
 def _bracket(path: str) -> str:

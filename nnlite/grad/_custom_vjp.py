@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core._jax_private import dce_call
-from ..core._mode import manual_tape
+from ..core._mode import manual_active, manual_tape, note_rule
 from ._check import _dret_args, _is_none, _name
 from ._contract import check_rule_signature, cotangents, has_cotangent, is_hyperparameter
 
@@ -154,9 +154,11 @@ def plug(
 
         g.defvjp(fwd, bwd)
         out = g(*(args[i] for i in dyn_idx))
-        tape = manual_tape() if record else None
-        if tape is not None:  # show_grad prints this call with the rule
-            tape.append((wrapped, args, {}, out))
+        if record and manual_active():
+            note_rule(wrapped)  # nl.check_manual lists it (a user's plug-in: checked)
+            tape = manual_tape()
+            if tape is not None:  # show_grad prints this call with the rule
+                tape.append((wrapped, args, {}, out))
         return out
 
     wrapped.f = f

@@ -30,7 +30,15 @@ from typing import Any
 
 import jax
 
-from ..core._mode import frozen_scope, is_frozen, manual_active, manual_scope, manual_tape
+from ..core._mode import (
+    collect_rules,
+    frozen_scope,
+    is_frozen,
+    manual_active,
+    manual_scope,
+    manual_tape,
+    note_rule,
+)
 from ._contract import check_rule_signature, cotangents, is_hyperparameter
 from ._custom_vjp import plug
 from ._interpret import Evaluator, Refusal, analyse, refusal_message, refusal_place
@@ -108,6 +116,7 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
         def wrapped(*args, **static):
             if not manual_active():
                 return f(*args, **static)
+            note_rule(wrapped)
             # Every positional parameter as an argument (defaults filled in: the rule gets
             # ``(*args, dret)`` in f's order); keyword-only ones are static hyperparameters.
             bound = sig.bind(*args, **static)
@@ -216,7 +225,7 @@ def _signature(leaves: list, treedef, dyn: list[int]):
     return key
 
 
-def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> None:
+def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> tuple:
     """Raise ``ManualGradError`` unless every float computed from ``params`` by
     ``fn(params, *args)`` in manual mode comes out of a hand rule (a ``custom_vjp``) or an
     operation with a library rule (structural and linear primitives).
@@ -225,13 +234,20 @@ def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> None:
     whether ``manual_grads(fn)`` can differentiate a model is known before any compile
     (the trainer's ``loss.grad: auto`` asks this).
 
+    Returns:
+        The hand rules ``fn`` calls (``@nl.hand_rule`` functions and ``nl.vjp.custom_vjp``
+        plug-ins, each with ``.f`` and ``.f_vjp``), once each, in call order: what a
+        caller checks with ``nl.check_rules`` (the trainer checks the user's own).
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> import nnlite as nl
         >>> net = nl.Linear(3, 2)
         >>> p = jax.eval_shape(net.init, jax.random.key(0))
         >>> x = jax.ShapeDtypeStruct((4, 3), jnp.float32)
-        >>> nl.check_manual(lambda p, x: jnp.sum(net(p, x)), p, x)  # covered: no error
+        >>> rules = nl.check_manual(lambda p, x: jnp.sum(net(p, x)), p, x)  # covered
+        >>> [rule.__name__ for rule in rules]
+        ['linear']
         >>> try:
         ...     nl.check_manual(lambda p, x: jnp.sum(jax.lax.lgamma(net(p, x))), p, x)
         ... except nl.ManualGradError as e:
@@ -239,11 +255,13 @@ def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> None:
         lgamma True
     """
     leaves, treedef, dyn = _flat_call(fn, params, args, kwargs)
-    closed, _ = _trace(fn, leaves, treedef, dyn)
+    with collect_rules() as rules:
+        closed, _ = _trace(fn, leaves, treedef, dyn)
     n_params = len(jax.tree.leaves(params))
     analysis = analyse(closed.jaxpr, [i < n_params for i in dyn])
     if analysis.refusal is not None:
         raise _refused(analysis.refusal)
+    return tuple(rules)
 
 
 def _refused(refusal: Refusal) -> ManualGradError:

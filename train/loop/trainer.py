@@ -41,7 +41,7 @@ from ..report.timings import Timings
 from . import nonfinite
 from .build import Prepared, Run, build, init_compiler_options, make_stepper, prepare
 from .callbacks import Callback, Callbacks, LoopState, build_callbacks
-from .checkgrads import check_grads
+from .checkgrads import check_grads, check_user_rules
 from .monitors import check_monitors
 from .step import policy_loss_fn, step_flags
 
@@ -218,6 +218,8 @@ class _Loop:
         start = begin.step
         if cfg.train.check_grads and start < cfg.train.steps:  # issue 34: rules checked first
             check_grads(r, prep.params0, prep.state0, sampler, echo)
+        elif start < cfg.train.steps:  # issue 46: the user's own rules, before step 1
+            check_user_rules(r, prep.params0, prep.state0, sampler)
         if r.data.stream is not None:  # an iterable source continues at its saved position
             saved = begin.checkpoint and ckpt.read_metadata(begin.checkpoint)
             sampler.restore(start, saved or None)

@@ -12,11 +12,20 @@ autodiff. ``auto`` never picks a model's own pass (``fused``).
 The result is a pure function of the model and the config (a trace is deterministic), so
 every process of a run, and a resumed run, resolve alike; the banner shows it
 (``grad auto -> manual``) and each checkpoint records it (metadata ``grad_mode``).
+
+The same trace lists the hand rules the objective calls (``nl.check_manual`` returns
+them); those that are not nnlite's own (a user's ``@nl.hand_rule`` or ``nl.vjp.custom_vjp``)
+are ``GradMode.rules``, which the trainer checks against ``jax.vjp`` before step 1
+(``loss.check_rules``, train/loop/checkgrads.py). Under ``loss.grad: manual`` the objective
+is traced for that list alone (on shapes; what ``auto`` costs).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 
@@ -36,6 +45,9 @@ class GradMode:
     asked: str  # the config's loss.grad (auto, autodiff, manual, fused)
     mode: str  # what the step differentiates with: autodiff, manual or fused
     note: str | None = None  # auto fell back to autodiff because of an operation: one line
+    # the user's hand rules the objective calls (manual only; nnlite's own left out)
+    rules: tuple = ()
+    rules_note: str | None = None  # the banner's line on them: checked, or not (checkgrads)
 
     def describe(self) -> str:
         """``auto -> manual`` for a resolved auto, else the mode itself."""
@@ -46,9 +58,15 @@ def resolve(cfg, model, data, strategy) -> GradMode:
     """``cfg.loss.grad`` for ``model`` on ``data`` under ``strategy``: ``auto`` resolved to
     manual or autodiff (see the module docstring), any other mode as it is."""
     asked = cfg.loss.grad
-    if asked != AUTO:
-        return GradMode(asked, asked)
-    return resolve_auto(model, *microbatch(cfg, data, strategy))
+    if asked == AUTO:
+        return resolve_auto(model, *microbatch(cfg, data, strategy))
+    if asked == "manual":  # which of the user's rules it runs: checked, or named unchecked
+        try:
+            rules = manual_rules(model, *microbatch(cfg, data, strategy))
+        except nl.ManualGradError:  # the step's compile refuses it, in its own words
+            rules = ()
+        return GradMode(asked, asked, rules=user_rules(rules))
+    return GradMode(asked, asked)
 
 
 def resolve_auto(model, x, y) -> GradMode:
@@ -57,6 +75,17 @@ def resolve_auto(model, x, y) -> GradMode:
     its objective, else autodiff. Traces the objective once; runs and compiles nothing."""
     if "manual" not in contract.grad_modes(model):
         return GradMode(AUTO, "autodiff")
+    try:
+        rules = manual_rules(model, x, y)
+    except nl.ManualGradError as e:
+        return GradMode(AUTO, "autodiff", fallback_line(e))
+    return GradMode(AUTO, "manual", rules=user_rules(rules))
+
+
+def manual_rules(model, x, y) -> tuple:
+    """The hand rules ``model``'s objective calls in manual mode on batches like ``x``,
+    ``y`` (``nl.check_manual``: one trace on shapes); raises ``nl.ManualGradError`` when
+    an operation on the params has no rule."""
     params = contract.param_shapes(model)
     objective = contract.objective_fn(model, "manual")
     key = jax.eval_shape(jax.random.key, 0) if contract.uses_key(model) else None
@@ -67,12 +96,32 @@ def resolve_auto(model, x, y) -> GradMode:
         kw = {} if key is None else {"key": key}
         return objective(p, x, y, **kw, **({} if state is None else {"state": state}))
 
-    args = (x, y, key, state)
-    try:
-        nl.check_manual(fn, params, *args)
-    except nl.ManualGradError as e:
-        return GradMode(AUTO, "autodiff", fallback_line(e))
-    return GradMode(AUTO, "manual")
+    return nl.check_manual(fn, params, x, y, key, state)
+
+
+#: Where nnlite's own rules live besides the library: the trainer (its taps).
+_TRAINER = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def _own_module(name: str) -> bool:
+    if name == "nnlite" or name.startswith("nnlite."):
+        return True
+    file = getattr(sys.modules.get(name), "__file__", None)
+    return bool(file) and Path(file).resolve().is_relative_to(_TRAINER)
+
+
+def is_own_rule(rule) -> bool:
+    """Whether ``rule`` (a hand-rule function, ``.f`` and ``.f_vjp``) is nnlite's own: both
+    functions defined in nnlite or in the trainer. Those are tested with the library and
+    never checked at start-up."""
+    fns = (getattr(rule, "f", None), getattr(rule, "f_vjp", None))
+    return all(_own_module(getattr(fn, "__module__", None) or "") for fn in fns)
+
+
+def user_rules(rules) -> tuple:
+    """The rules of ``rules`` that are not nnlite's own, in order."""
+    return tuple(rule for rule in rules if not is_own_rule(rule))
 
 
 def fallback_line(e: nl.ManualGradError) -> str:

@@ -29,6 +29,8 @@ def banner(r, num_params: int, start: int, state_bytes: int | None = None) -> st
     note = f"\n  note: {r.data.name}: {r.data.note}" if r.data.note else ""
     if r.grad.note:  # why auto fell back to autodiff: the operation without a rule
         note += f"\n  {r.grad.note}"
+    if r.grad.rules_note:  # the user's hand rules: checked against jax.vjp, or not
+        note += f"\n  {r.grad.rules_note}"
     per_device = ""
     if state_bytes is not None:
         per_device = f", params + optimizer {format_bytes(state_bytes)} per device"
