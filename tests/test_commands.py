@@ -287,7 +287,7 @@ def test_the_trainers_texts_name_only_installed_commands():
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, found
     readme = (ROOT / "README.md").read_text()
-    assert "In a checkout, `python -m train --config FILE` is the" in readme
+    assert "In a checkout,\n`python -m train --config FILE` is the same command" in readme
 
 
 def test_an_ejected_script_names_no_absolute_directory(tmp_path, monkeypatch, capsys):
@@ -334,3 +334,13 @@ def test_an_ejected_script_names_no_absolute_directory(tmp_path, monkeypatch, ca
     src = (tmp_path / "out" / "ejected" / "train_ejected.py").read_text()
     assert "from mods import twice" in src and str(tmp_path) not in src
     assert "sys.path[:0] = [os.path.join(HERE, '../..'), os.getcwd()]" in src
+
+
+def test_the_launchers_processes_run_its_own_package():
+    """``--processes N`` starts the trainer it belongs to (``nnlite.train`` installed), not
+    whatever ``train`` the user's directory holds."""
+    import importlib
+
+    for package in ("train", "nnlite.train"):
+        launch = importlib.import_module(f"{package}.parallel.launch")
+        assert launch.TRAINER == package
