@@ -254,6 +254,21 @@ def test_a_configs_relative_paths_are_read_from_its_directory_then_the_current_o
     assert path_of(str(tmp_path / "here.npz")) == str(tmp_path / "here.npz")
 
 
+def test_a_hugging_face_directory_follows_the_same_rule(tmp_path, monkeypatch):
+    from train.config import _resolve_paths
+
+    (tmp_path / "cfgs" / "smollm").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    raw = {"model": {"name": "hf:smollm", "path": "smollm"}}
+    _resolve_paths(raw, {}, tmp_path / "cfgs", "cfgs/c.yaml")
+    smollm = os.path.join("cfgs", "smollm")
+    assert raw["model"] == {"name": f"hf:{smollm}", "path": smollm}
+    given = {"model.name": "--set model.name=hf:smollm", "model": "--set model.name=hf:smollm"}
+    raw = {"model": {"name": "hf:smollm"}}
+    _resolve_paths(raw, given, tmp_path / "cfgs", "cfgs/c.yaml")
+    assert raw["model"] == {"name": "hf:smollm"}  # --set: the current directory's
+
+
 def test_not_found_states_the_base_it_used(tmp_path, monkeypatch, capsys):
     (tmp_path / "cfgs").mkdir()
     config = tmp_path / "cfgs" / "c.yaml"
