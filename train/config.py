@@ -795,7 +795,7 @@ def load_config(
         )
     base_dir = path.resolve().parent
     return config_from_dict(
-        raw, overrides, source=str(path), base_dir=base_dir, paths_from=resolve_paths
+        raw, overrides, source=str(path), base_dir=base_dir, resolve_paths=resolve_paths
     )
 
 
@@ -824,12 +824,12 @@ def config_from_dict(
     source: str = "the config",
     base_dir: Path | None = None,
     model_class: type | None = None,
-    paths_from: bool = True,
+    resolve_paths: bool = True,
 ) -> Config:
     """A ``Config`` from a dict of sections (as a YAML file holds them) and ``--set``
     overrides, validated; ``source`` names it in messages. A user's model module is
     imported from ``base_dir`` (the config file's directory), then the current directory,
-    then sys.path; so are the files the config names (:func:`input_path`; ``paths_from``
+    then sys.path; so are the files the config names (:func:`input_path`; ``resolve_paths``
     False: left as written). ``model_class`` is the model's class itself (``train.fit``)."""
     if raw is None:
         raw = {}
@@ -837,7 +837,7 @@ def config_from_dict(
         raise ConfigError(f"{source}: expected a mapping of sections at the top level")
     raw = _copy_sections(raw)
     sources = _apply_overrides(raw, overrides)
-    if paths_from and base_dir is not None:
+    if resolve_paths and base_dir is not None:
         _resolve_paths(raw, sources, Path(base_dir), source)
     search = tuple(dict.fromkeys([*([base_dir] if base_dir else []), Path.cwd()]))
     cfg = _build(Config, raw, "", source, sources, search, model_class)
