@@ -74,12 +74,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog=PROG,
         usage=f"{PROG} --config FILE [--set KEY=VALUE ...] [options]\n"
         f"       {PROG} {{{','.join(COMMANDS)}}} ...",
-        description="Train an nnlite model from a YAML config, or run one of the commands "
-        "below.",
+        description="Train an nnlite model from a YAML config, or run one of the commands below.",
         epilog=_commands_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    ap.add_argument(
+        "--config",
+        required=True,
+        help="YAML config file (the checkout's configs/ has the shipped ones)",
+    )
     ap.add_argument(
         "--set",
         dest="overrides",

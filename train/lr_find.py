@@ -49,7 +49,11 @@ def parse_args(argv):
         description="An LR range test: train with an exponentially growing learning rate, "
         "plot the loss against it and suggest a learning rate.",
     )
-    ap.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    ap.add_argument(
+        "--config",
+        required=True,
+        help="YAML config file (the checkout's configs/ has the shipped ones)",
+    )
     ap.add_argument(
         "--set",
         dest="overrides",
