@@ -122,6 +122,7 @@ LONGEST_FIRST = [  # by each file's time in a whole-suite run (--durations=0), l
     "test_grad_contract.py",
     "test_params_features.py",
     "test_user_project.py",
+    "test_commands.py",
     "test_checkpoint_policies.py",
     "test_grad_train.py",
     "test_layers.py",

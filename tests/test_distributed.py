@@ -239,7 +239,7 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path,
     # Both processes saved at the agreed step and exited 3; a disagreement would have hung
     # one of them in a collective and made the launcher kill it.
     assert launcher.returncode == 3, err
-    assert "preempted by SIGTERM at step" in err and "resume with: python -m train" in err
+    assert "preempted by SIGTERM at step" in err and "resume with: nnlite-train" in err
     saved = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*.safetensors"))
     assert saved and int(saved[-1].name[5:13]) < 120
     args = [*cli(tmp_path, *steps, *par, "checkpoint.every=100"), "--processes", "2"]

@@ -5,10 +5,12 @@ reference to a file, a page or a heading dangles.
   printed, and so must the text of a ``# prints: TEXT`` comment; a ```text block right
   after the marker ``<!-- output of the block above -->`` must be the block's whole
   output (source locations such as ``file.py:31`` aside).
-- ```bash blocks are checked, not run (they train): every ``python -m train`` names a
-  config that exists, uses only flags that ``python -m train --help`` lists, and its
-  ``--set`` overrides load (``train.config.load_config``: real keys, valid values);
-  every other ``python -m MODULE`` names a module that exists and flags it defines;
+- ```bash blocks are checked, not run (they train): every ``nnlite-train`` (the same
+  command as a checkout's ``python -m train``) names a config that exists, uses only flags
+  that ``nnlite-train --help`` lists, and its ``--set`` overrides load
+  (``train.config.load_config``: real keys, valid values); every ``nnlite-train COMMAND``
+  is a command of it and uses flags that command defines; every other
+  ``python -m MODULE`` names a module that exists and flags it defines;
   every ``pip install -e '.[extra]'`` names an extra of pyproject.toml.
 - ```yaml blocks are valid (partial) configs, and one that names a shipped config
   (``name: digits_mlp``) agrees with that file.
@@ -164,11 +166,26 @@ def commands(block: Block) -> list[Command]:
                 while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
                     argv.pop(0)
                 if argv:
-                    out.append(Command(block.where, argv))
+                    out.append(Command(block.where, as_module(argv)))
                 argv = []
             else:
                 argv.append(w)
     return out
+
+
+def as_module(argv: list[str]) -> list[str]:
+    """``nnlite-train [COMMAND] ARGS`` as the module it runs, ``python -m train[.COMMAND]
+    ARGS`` (the checkout's spelling of the same command); other commands as they are.
+    A command that ``nnlite-train`` does not have keeps its name (and fails below)."""
+    from train.__main__ import COMMANDS
+
+    if argv[0] != "nnlite-train":
+        return argv
+    if len(argv) > 1 and not argv[1].startswith("-"):
+        name = argv[1]
+        module = COMMANDS[name][0].lstrip(".") if name in COMMANDS else f"<{name}>"
+        return ["python", "-m", f"train.{module}", *argv[2:]]
+    return ["python", "-m", "train", *argv[1:]]
 
 
 COMMANDS = [c for b in of("bash") for c in commands(b)]
@@ -212,7 +229,7 @@ def test_train_command_is_valid(cmd, train_help):
     flags = _flags(cmd.argv[3:])
     known = set(re.findall(r"(--[a-z][a-z-]*)", train_help))
     for flag, value in flags:
-        assert flag in known, f"{cmd.where}: {flag} is not a flag of python -m train"
+        assert flag in known, f"{cmd.where}: {flag} is not a flag of nnlite-train"
         choices = re.search(rf"{flag} \{{([\w,]+)\}}", train_help)
         if choices:
             assert value in choices.group(1).split(","), (cmd.where, flag, value)
@@ -260,7 +277,7 @@ def test_readme_commands_match_ci():
     assert bash.path == README
     lines = bash.text.splitlines()
     assert lines[0].startswith("pip install -e '.[dev]'")
-    assert "python -m train --config configs/digits_mlp.yaml" in lines[0]
+    assert "nnlite-train --config configs/digits_mlp.yaml" in lines[0]
     ci = (ROOT / ".ci" / "run").read_text()
     assert lines[1] in ci.splitlines()
 
@@ -299,8 +316,9 @@ def test_yaml_block_is_a_valid_config(block, tmp_path):
     shipped = found[0] if found else ROOT / "configs" / f"{raw.get('name')}.yaml"
     path = tmp_path / "block.yaml"
     path.write_text(block.text)
-    # (an excerpt of an example beside its own model module loads from its directory)
-    load_config(shipped if "examples" in shipped.parts else path)
+    # (an excerpt of an example beside its own model module loads from its directory; the
+    # files a block names, data/my_text, are the reader's: their paths are not looked up)
+    load_config(shipped if "examples" in shipped.parts else path, resolve_paths=False)
     if shipped.is_file():  # an excerpt of a shipped config must agree with it
         full = yaml.safe_load(shipped.read_text())
         for section, value in raw.items():
@@ -471,6 +489,12 @@ def test_reference_checks_catch_mistakes(tmp_path):
     assert [c.argv for c in commands(block)] == [
         ["python", "-m", "train", "--x"],
         ["pip", "install", "y"],
+    ]
+    text = "nnlite-train --config c.yaml\nnnlite-train lr-find --steps 3\nnnlite-train foo\n"
+    assert [c.argv for c in commands(Block(README, 1, "bash", text, False))] == [
+        ["python", "-m", "train", "--config", "c.yaml"],
+        ["python", "-m", "train.lr_find", "--steps", "3"],
+        ["python", "-m", "train.<foo>"],
     ]
 
 

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
 
 # The scripts run in a process where the trainer and the shipped models cannot be
-# imported: one process runs each given script in turn, from its run's directory, as
+# imported: one process runs each given script in turn, from the script's own directory
+# (where a user's modules are not: the script finds them relative to itself), as
 # ``python SCRIPT`` would (one process for both tests' scripts: ~1.5 s of imports each).
 RUN_BLOCKED = textwrap.dedent(
     """
@@ -27,7 +28,7 @@ RUN_BLOCKED = textwrap.dedent(
     for name in ("train", "models", "nnlite.train", "nnlite.models"):
         sys.modules[name] = None  # importing it raises ImportError
     for script in sys.argv[1:]:
-        os.chdir(os.path.dirname(os.path.dirname(script)))
+        os.chdir(os.path.dirname(script))
         sys.argv = [script]
         print("script", script, flush=True)
         try:
@@ -145,8 +146,17 @@ def user_dropout(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def script_losses(mlp_shipped, user_dropout):
-    """Both ejected scripts' printed losses, from one process."""
-    return _scripts_losses(mlp_shipped[0], user_dropout[0])
+    """Both ejected scripts' printed losses, from one process; the user's project moved
+    elsewhere first (the script names no directory of the machine it was made on)."""
+    project = user_dropout[0].parents[1]
+    moved = project.rename(project.with_name(project.name + "_moved"))
+    try:
+        script = moved / user_dropout[0].relative_to(project)
+        losses = _scripts_losses(mlp_shipped[0], script)
+    finally:
+        moved.rename(project)
+    losses[user_dropout[0]] = losses.pop(script)
+    return losses
 
 
 def test_shipped_config_script_reproduces_the_trainer_losses(mlp_shipped, script_losses):
@@ -173,6 +183,9 @@ def test_user_model_with_rule_and_dropout_reproduces(user_dropout, script_losses
     src = script.read_text()
     # manual: the hand VJPs called by name, the user's from the user's module
     assert "from dropmods import scaled_tanh, scaled_tanh_vjp" in src
+    # found relative to the script (and from where it runs), no absolute directory
+    assert "sys.path[:0] = [os.path.join(HERE, '..'), os.getcwd()]" in src
+    assert str(script.parents[1]) not in src
     assert "scaled_tanh_vjp(" in src and "linear_vjp(" in src and "dropout_vjp(" in src
     assert "key = jax.random.fold_in(jax.random.key(SEED), step)" in src
     assert "for i in range(2):" in src and "jax.random.fold_in(key, i)" in src  # microbatches

@@ -157,7 +157,7 @@ def interrupted(tmp_path_factory, npz):
         "",
     )
     out["sigterm_line"] = line
-    args = shlex.split(line.split("resume with: ")[-1])[3:]  # drop "python -m train"
+    args = shlex.split(line.split("resume with: ")[-1])[1:]  # drop "nnlite-train"
 
     # SIGKILL in each phase, resuming with the printed command each time
     kill_points = []

@@ -1,5 +1,5 @@
-"""nnlite's trainer: ``python -m train --config FILE`` (or the ``nnlite-train`` command),
-and the same from Python.
+"""nnlite's trainer: ``nnlite-train --config FILE`` (in a checkout, ``python -m train``),
+and the same from Python (``import nnlite.train as train``).
 
 - ``train.fit(model, config)``: train a model (yours or a shipped one) as the CLI does;
 - ``train.load_run(run_dir)``: a run's model, params, config and vocabulary, back;
@@ -9,7 +9,7 @@ and the same from Python.
 - ``train.Logger``: where records go (``train.fit(..., loggers=[...])`` or ``log.loggers:``
   in a config): metrics.jsonl, TensorBoard, CSV, W&B, MLflow or yours.
 
-The names load on first use, so ``python -m train`` starts without importing JAX early.
+The names load on first use, so ``nnlite-train`` starts without importing JAX early.
 """
 
 _LAZY = {
@@ -33,7 +33,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'train' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = sorted(_LAZY)

@@ -1,5 +1,7 @@
-"""``python -m train --config FILE [--set key=value ...] [--print-config] [--resume | --fresh]
-[--processes N] [--timings]``.
+"""``nnlite-train --config FILE [--set key=value ...] [--print-config] [--resume | --fresh]
+[--processes N] [--timings]``, and its commands ``nnlite-train prepare | sample | predict |
+lr-find | verify ...`` (``COMMANDS``). In a checkout, ``python -m train`` is the same
+command; installed, ``python -m nnlite.train`` is too.
 
 Exit statuses: 0 done, 1 unexpected failure (a lost peer included), 2 bad input,
 3 preempted (a checkpoint was written, or a signal came before/after the loop; rerun to
@@ -25,8 +27,9 @@ from .report.timings import Timings
 
 # SIGTERM/SIGINT while the command imports (a C extension interrupted in the middle of its
 # import fails to load: a traceback, status 1): recorded here and raised as
-# faults.Interrupted (exit 3 and its line) once the import is done. ``python -m train``
-# records them from its first statement on; before it, the interpreter's default applies.
+# faults.Interrupted (exit 3 and its line) once the import is done. Run as a module (a
+# checkout's ``python -m train``, or ``python -m nnlite.train``), this module records them
+# from its first statement on; before it, the interpreter's default applies.
 _PENDING: list[int] = []
 _DEFERRING = [False]
 
@@ -40,15 +43,46 @@ if __name__ == "__main__":
         signal.signal(_s, _record)
 
 
+#: The command's name, as every printed command spells it (it runs from any directory once
+#: nnlite is installed; in a checkout ``python -m train`` is the same command).
+PROG = "nnlite-train"
+
+#: ``nnlite-train COMMAND ...``: the module (relative to this package) whose ``main(argv)``
+#: runs it, and what it does (``nnlite-train --help`` lists them).
+COMMANDS = {
+    "prepare": (".prepare", "text files -> token files for data.name: tokens (a tokenizer)"),
+    "sample": (".sample", "generate text from a trained language model (--run DIR)"),
+    "predict": (".predict", "a trained run's predictions for an .npz file (--run DIR)"),
+    "lr-find": (".lr_find", "an LR range test: suggest a learning rate for a config"),
+    "verify": (".verify", "check a run's checkpoints against their checksums"),
+}
+
+
+def _commands_help() -> str:
+    rows = "\n".join(f"  {name:<9} {what}" for name, (_, what) in COMMANDS.items())
+    statuses = textwrap.fill(
+        "exit statuses: 0 done, 1 failure, 2 bad input, 3 preempted (checkpoint written; "
+        "rerun to resume), 4 stopped on a non-finite loss/gradient/param, 5 stuck (no "
+        "compiled call finished within train.step_timeout)",
+        78,
+    )
+    return f"commands ({PROG} COMMAND --help for each):\n{rows}\n\n{statuses}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m train",
-        description="Train an nnlite model from a YAML config.",
-        epilog="exit statuses: 0 done, 1 failure, 2 bad input, 3 preempted (checkpoint "
-        "written; rerun to resume), 4 stopped on a non-finite loss/gradient/param, 5 stuck "
-        "(no compiled call finished within train.step_timeout)",
+        prog=PROG,
+        usage=f"{PROG} --config FILE [--set KEY=VALUE ...] [options]\n"
+        f"       {PROG} {{{','.join(COMMANDS)}}} ...",
+        description="Train an nnlite model from a YAML config, or run one of the commands below.",
+        epilog=_commands_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    ap.add_argument(
+        "--config",
+        required=True,
+        help="YAML config file (the checkout's configs/ has the shipped ones)",
+    )
     ap.add_argument(
         "--set",
         dest="overrides",
@@ -139,9 +173,34 @@ def _without_processes(argv: list[str]) -> list[str]:
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command that resumes this run: the same one, minus --fresh (it would delete)."""
+    """The command that resumes this run: the same one, minus --fresh (it would delete),
+    spelt as it runs from the user's directory."""
     args = [a for a in argv if a != "--fresh"]
-    return shlex.join(["python", "-m", "train", *args])
+    return shlex.join([PROG, *args])
+
+
+def run_command(argv: list[str]) -> int:
+    """``nnlite-train COMMAND ARGS``: the command's own ``main(ARGS)``; an unknown one is one
+    line, exit 2."""
+    import importlib
+
+    name = argv[0]
+    if name not in COMMANDS:
+        import difflib
+
+        known = ", ".join(COMMANDS)
+        close = difflib.get_close_matches(name.replace("_", "-"), COMMANDS, n=1)
+        hint = f"; did you mean {PROG} {close[0]}?" if close else ""
+        if name.endswith((".yaml", ".yml")):
+            hint = f"; to train, {PROG} --config {shlex.quote(name)}"
+        print(
+            f"error: {PROG}: unknown command {name!r}; the commands are {known}, or "
+            f"--config FILE to train{hint}",
+            file=sys.stderr,
+        )
+        return faults.EXIT_BAD_INPUT
+    module = importlib.import_module(COMMANDS[name][0], __package__)
+    return module.main(argv[1:])
 
 
 def _show_jaxpr(cfg, what: str) -> int:
@@ -212,14 +271,17 @@ def format_params(params) -> str:
 def main(
     argv: list[str] | None = None, *, compile_cache: bool = False, standalone: bool = False
 ) -> int:
-    """The CLI. ``compile_cache``: honour the config's ``compile_cache`` (``python -m
-    train`` does; in-process callers leave JAX's global cache settings alone).
-    ``standalone``: the process ends when this returns (``python -m train``), so the
-    garbage collector is tuned for a short-lived process (see ``_freeze_heap``)."""
+    """The CLI (``argv``: a command's name first runs that command, ``COMMANDS``).
+    ``compile_cache``: honour the config's ``compile_cache`` (``nnlite-train`` does;
+    in-process callers leave JAX's global cache settings alone). ``standalone``: the
+    process ends when this returns (``nnlite-train``), so the garbage collector is tuned
+    for a short-lived process (see ``_freeze_heap``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and not argv[0].startswith("-"):  # nnlite-train prepare|sample|... ARGS
+        return run_command(argv)
     timings = Timings()
     if standalone:
         gc.disable()  # imports make few cycles; back on (frozen heap) once JAX is loaded
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if standalone:  # before JAX's backend starts: the watchdog, not XLA, ends a stuck call
         from .parallel import xla_collectives
@@ -480,8 +542,8 @@ def _exit(message: str, status: int, multiprocess: bool) -> int:
 
 
 def run() -> None:
-    """The ``nnlite-train`` command (installed with the package): ``python -m train``
-    from any directory, a user's project included."""
+    """The ``nnlite-train`` command (installed with the package), from any directory, a
+    user's project included (one with its own ``train.py`` or ``models/``)."""
     sys.exit(main(compile_cache=True, standalone=True))
 
 

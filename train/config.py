@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -21,11 +22,11 @@ import yaml
 from . import parallel
 from .data.registry import DATA_SETS, NEEDS_PATH
 from .data.registry import check as check_data
-from .errors import ConfigError
+from .errors import ConfigError, relative_to
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse for the ``python -m train.*`` commands: a bad argument raises ConfigError
+    """argparse for the ``nnlite-train COMMAND`` commands: a bad argument raises ConfigError
     (one line, exit 2, like every other bad input) instead of printing usage."""
 
     def error(self, message):
@@ -71,7 +72,7 @@ class DataConfig:
     name: str = "digits"
     options: dict = field(default_factory=dict)  # data.name module:function: its arguments
     # npz: file with arrays x, y (x_test, y_test); text: a UTF-8 file; tokens: a directory
-    # written by python -m train.prepare; arrays: a directory of x.npy, y.npy (x_test.npy,
+    # written by nnlite-train prepare; arrays: a directory of x.npy, y.npy (x_test.npy,
     # y_test.npy), memory-mapped
     path: str | None = None
     # Where the training set lives: "device" (whole, each step gathers its batch there),
@@ -296,7 +297,7 @@ class Config:
     # Callbacks run at the loop's boundaries (train/loop/callbacks.py): a list of names or
     # {name: "module:Class", ...its constructor's arguments}
     callbacks: tuple[CallbackConfig, ...] = ()
-    # python -m train only: JAX's persistent compilation cache, so a second run of a config
+    # nnlite-train only: JAX's persistent compilation cache, so a second run of a config
     # compiles nothing. "auto": $NNLITE_CACHE/jax, else ~/.cache/nnlite/jax; a directory;
     # or null (off). Library calls (train.loop.trainer.train) never touch JAX's global cache.
     compile_cache: str | None = "auto"
@@ -783,8 +784,12 @@ def read_text(path: Path) -> str:
         ) from None
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
-    """Read ``path`` (YAML), apply ``--set`` overrides, validate, return a ``Config``."""
+def load_config(
+    path: str | Path, overrides: list[str] = (), *, resolve_paths: bool = True
+) -> Config:
+    """Read ``path`` (YAML), apply ``--set`` overrides, validate, return a ``Config``.
+    ``resolve_paths``: find the relative paths the file names (:func:`input_path`); off for
+    a run's own ``config.yaml``, a record whose paths were resolved when it trained."""
     path = Path(path)
     raw = read_yaml(path)
     if raw in (None, {}) and not overrides:  # not every default trained without a word
@@ -792,14 +797,17 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
             f"{path}: the config is empty (no keys, or only comments); name at least a model "
             "or data section (see configs/digits_mlp.yaml), or give --set overrides"
         )
-    return config_from_dict(raw, overrides, source=str(path), base_dir=path.resolve().parent)
+    base_dir = path.resolve().parent
+    return config_from_dict(
+        raw, overrides, source=str(path), base_dir=base_dir, resolve_paths=resolve_paths
+    )
 
 
 def read_yaml(path: Path) -> Any:
     """The parsed YAML of config file ``path`` (ConfigError for a file that is not)."""
     source = str(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {source}")
+        raise ConfigError(f"config file not found: {source}{relative_to(path)}")
     try:
         text = read_text(path)
     except OSError as e:
@@ -820,17 +828,21 @@ def config_from_dict(
     source: str = "the config",
     base_dir: Path | None = None,
     model_class: type | None = None,
+    resolve_paths: bool = True,
 ) -> Config:
     """A ``Config`` from a dict of sections (as a YAML file holds them) and ``--set``
     overrides, validated; ``source`` names it in messages. A user's model module is
     imported from ``base_dir`` (the config file's directory), then the current directory,
-    then sys.path; ``model_class`` is the model's class itself (``train.fit``)."""
+    then sys.path; so are the files the config names (:func:`input_path`; ``resolve_paths``
+    False: left as written). ``model_class`` is the model's class itself (``train.fit``)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of sections at the top level")
     raw = _copy_sections(raw)
     sources = _apply_overrides(raw, overrides)
+    if resolve_paths and base_dir is not None:
+        _resolve_paths(raw, sources, Path(base_dir), source)
     search = tuple(dict.fromkeys([*([base_dir] if base_dir else []), Path.cwd()]))
     cfg = _build(Config, raw, "", source, sources, search, model_class)
     _check(cfg, source, sources)
@@ -843,6 +855,56 @@ def config_from_dict(
 
     check_specs(cfg.eval.metrics, search, sources.get("eval.metrics", source))
     return cfg
+
+
+#: The rule for the files a config names, stated in every message about one not found.
+PATH_RULE = (
+    "a relative path in a config file is read from the file's directory, then the current "
+    "directory; one given with --set, from the current directory"
+)
+
+
+def input_path(value: str, key: str, base_dir: Path, source: str) -> str:
+    """``value``, a path the config file ``source`` names for the trainer to read, as the
+    trainer opens it (relative to the current directory, or absolute).
+
+    The rule (``PATH_RULE``), as for a ``module:Class``: a relative path in a config file is
+    found from the file's directory (``base_dir``) first, then from the current directory
+    (where earlier versions looked, and where a path given with ``--set`` is read). One
+    found in neither is a ConfigError naming both.
+    """
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return value
+    cwd = Path.cwd()
+    for base in dict.fromkeys([base_dir.resolve(), cwd.resolve()]):
+        if (base / path).exists():
+            return value if base == cwd.resolve() else os.path.relpath(base / path)
+    bases = f"the config file's directory {base_dir}"
+    if base_dir.resolve() != cwd.resolve():
+        bases += f" nor in the current directory {cwd}"
+    raise ConfigError(f"{source}: {key}={value!r}: not found in {bases} ({PATH_RULE})")
+
+
+def _resolve_paths(raw: dict, sources: dict[str, str], base_dir: Path, source: str) -> None:
+    """The relative paths the config file names (``data.path``, ``model.name: hf:DIR``), as
+    :func:`input_path` finds them; those that ``--set`` gave are the current directory's."""
+
+    def from_file(section: str, key: str) -> bool:
+        whole = sources.get(section, "")
+        return f"{section}.{key}" not in sources and not whole.startswith(f"--set {section}=")
+
+    data = raw.get("data")
+    if isinstance(data, dict) and isinstance(data.get("path"), str) and from_file("data", "path"):
+        data["path"] = input_path(data["path"], "data.path", base_dir, source)
+    model = raw.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    if isinstance(name, str) and name.strip().startswith("hf:") and from_file("model", "name"):
+        directory = name.strip()[3:]
+        found = input_path(directory, "model.name: hf:DIR", base_dir, source)
+        model["name"] = f"hf:{found}"
+        if model.get("path") == directory:
+            model["path"] = found
 
 
 def _apply_overrides(raw: dict, overrides) -> dict[str, str]:

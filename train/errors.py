@@ -26,3 +26,19 @@ def missing_extra(e: ImportError) -> str | None:
     return (
         f"the trainer needs {TRAIN_EXTRA[top]}, which is not installed: pip install 'nnlite[train]'"
     )
+
+
+def relative_to(path) -> str:
+    """For a relative ``path``, the base it was looked for in: `` (relative to the current
+    directory /home/me/proj)``; for an absolute one, nothing (it names its base)."""
+    import os
+
+    if os.path.isabs(path):
+        return ""
+    return f" (relative to the current directory {os.getcwd()})"
+
+
+def not_found(path, what: str = "file not found") -> str:
+    """``path: what``, with the base a relative path was looked for in (every "not found"
+    message states it)."""
+    return f"{path}: {what}{relative_to(path)}"

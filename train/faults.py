@@ -1,6 +1,6 @@
 """Surviving faults: exit statuses, preemption (SIGTERM/SIGINT) and the non-finite guard.
 
-Exit statuses of ``python -m train`` (also listed in docs/faults.md):
+Exit statuses of ``nnlite-train`` (also listed in docs/faults.md):
 
 ====  ==================================================================================
 0     finished
@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-# No jax/numpy/optax at import time: ``python -m train`` imports this module first and
+# No jax/numpy/optax at import time: ``nnlite-train`` imports this module first and
 # installs its start-up signal handlers right after, before the heavy imports.
 
 EXIT_OK = 0

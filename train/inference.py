@@ -1,7 +1,7 @@
 """Back from a run: :func:`load_run` rebuilds a run's model and params from its directory
 (any model, a user's own included), for prediction and text generation.
 
-Example (after ``python -m train --config configs/digits_mlp.yaml``)::
+Example (after ``nnlite-train --config configs/digits_mlp.yaml``)::
 
     run = train.load_run("runs/digits_mlp")
     probabilities = run.predict(x)                # [n, num_classes]
@@ -25,7 +25,7 @@ import nnlite as nl
 from .checkpoint import best
 from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
-from .errors import ConfigError
+from .errors import ConfigError, relative_to
 from .loop.precision import with_loss_scaling
 from .model import registry as models
 from .model.contract import Model, call_stateful, is_stateful, param_shapes
@@ -137,7 +137,7 @@ def load_run(
     run_dir = Path(run_dir)
     where = f"run {str(run_dir)!r}"
     if not run_dir.is_dir():
-        raise ConfigError(f"{where}: no such run directory")
+        raise ConfigError(f"{where}: no such run directory{relative_to(run_dir)}")
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise ConfigError(f"{where}: no config.yaml; is it a training run?")
@@ -148,7 +148,7 @@ def load_run(
     checkpoint = Path(checkpoint)
     meta = ckpt.read_metadata(checkpoint)
     _add_model_source(meta)
-    cfg = load_config(cfg_path)
+    cfg = load_config(cfg_path, resolve_paths=False)  # its paths were resolved to train
     model = model_of(cfg.model)
     template = param_shapes(model)
     s_template = jax.eval_shape(model.init_state) if is_stateful(model) else None

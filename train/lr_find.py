@@ -1,4 +1,4 @@
-"""``python -m train.lr_find --config FILE [--set key=value ...] [--min-lr LR] [--max-lr LR]
+"""``nnlite-train lr-find --config FILE [--set key=value ...] [--min-lr LR] [--max-lr LR]
 [--steps N] [--out DIR]``: an LR range test, and a suggested learning rate.
 
 The run's model, data, optimizer and parallel strategy, trained from their initial state
@@ -45,11 +45,15 @@ SUGGESTIONS = {
 
 def parse_args(argv):
     ap = ArgumentParser(
-        prog="python -m train.lr_find",
+        prog="nnlite-train lr-find",
         description="An LR range test: train with an exponentially growing learning rate, "
         "plot the loss against it and suggest a learning rate.",
     )
-    ap.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    ap.add_argument(
+        "--config",
+        required=True,
+        help="YAML config file (the checkout's configs/ has the shipped ones)",
+    )
     ap.add_argument(
         "--set",
         dest="overrides",

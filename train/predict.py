@@ -1,4 +1,4 @@
-"""``python -m train.predict --run DIR --data FILE.npz [--out FILE.npz] [--batch-size N]
+"""``nnlite-train predict --run DIR --data FILE.npz [--out FILE.npz] [--batch-size N]
 [--best]``: a trained classifier's or regression's predictions for new data (from the
 run's newest checkpoint, or with ``--best`` its best by ``checkpoint.monitor``).
 
@@ -21,12 +21,12 @@ import numpy as np
 
 from . import faults
 from .config import ArgumentParser
-from .errors import ConfigError
+from .errors import ConfigError, relative_to
 
 
 def parse_args(argv):
     ap = ArgumentParser(
-        prog="python -m train.predict",
+        prog="nnlite-train predict",
         description="Predict with a trained classifier or regression from its run directory.",
     )
     ap.add_argument("--run", required=True, help="run directory, e.g. runs/digits_mlp")
@@ -53,7 +53,7 @@ def read_data(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     """``(x, y or None)`` of a prediction data file."""
     where = f"--data {str(path)!r}"
     if not path.is_file():
-        raise ConfigError(f"{where}: file not found")
+        raise ConfigError(f"{where}: file not found{relative_to(path)}")
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files} if hasattr(f, "files") else {}
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         task = run.model.task
         if task == "language_model":
             raise ConfigError(
-                f"run {args.run} is a language model; generate text with python -m train.sample"
+                f"run {args.run} is a language model; generate text with nnlite-train sample"
             )
         x, y = read_data(Path(args.data))
         out_path = Path(args.out) if args.out else run.run_dir / "predictions.npz"

@@ -1,4 +1,4 @@
-"""``python -m train.prepare --input FILE_OR_DIR --out DIR [--tokenizer char|byte|bpe]
+"""``nnlite-train prepare --input FILE_OR_DIR --out DIR [--tokenizer char|byte|bpe]
 [--vocab-size N] [--val-fraction F] [--dtype auto|uint8|uint16|uint32] [--glob PATTERN]
 [--bpe-sample-mb M] [--force]``: tokenise text of any size into memmappable token files.
 
@@ -79,7 +79,7 @@ TEST_PAUSE_ENV = "NNLITE_TEST_PREPARE_PAUSE_S"
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = ArgumentParser(
-        prog="python -m train.prepare",
+        prog="nnlite-train prepare",
         description="Tokenise a text file or a directory of text files into train.bin / "
         "val.bin / meta.json (memmappable token ids), streaming in constant memory.",
         epilog="exit statuses: 0 written, 1 failure, 2 bad input, 3 interrupted (nothing "

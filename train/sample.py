@@ -1,4 +1,4 @@
-"""``python -m train.sample --run DIR [--prompt TEXT] [--tokens N] [--temperature T]
+"""``nnlite-train sample --run DIR [--prompt TEXT] [--tokens N] [--temperature T]
 [--top-k K] [--seed S] [--best]``: generate text from a run's newest checkpoint (``--best``:
 its best by ``checkpoint.monitor``).
 
@@ -26,7 +26,7 @@ from .errors import ConfigError
 
 def parse_args(argv):
     ap = ArgumentParser(
-        prog="python -m train.sample",
+        prog="nnlite-train sample",
         description="Generate text from a trained language model's newest checkpoint.",
     )
     ap.add_argument("--run", required=True, help="run directory, e.g. runs/shakespeare_gpt")

@@ -1,4 +1,4 @@
-"""A model of your own for ``python -m train``: the README's "Write your own module"."""
+"""A model of your own for ``nnlite-train``: the README's "Write your own module"."""
 
 import nnlite as nl
 

@@ -233,7 +233,7 @@ def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str
 def show_value_and_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str:
     """:func:`show_grad`, with the loss returned too: the source defines
     ``value_and_grad(params, <batch names>) -> (loss, grads)``, as ``jax.value_and_grad``
-    of the loss (what a train step needs; ``python -m train --eject`` writes it)."""
+    of the loss (what a train step needs; ``nnlite-train --eject`` writes it)."""
     return _show(loss_fn, params, batch, kwargs, "value_and_grad")
 
 

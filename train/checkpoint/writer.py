@@ -29,7 +29,7 @@ WAIT_FACTOR = 20.0
 
 class CheckpointWriteError(OSError):
     """A checkpoint write that failed on the writer thread, or did not finish in time.
-    An OSError: ``python -m train`` prints it as one line, exit status 1, as a failed
+    An OSError: ``nnlite-train`` prints it as one line, exit status 1, as a failed
     synchronous write."""
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DataConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, relative_to
 from .dataset import Dataset, labels_are_ids
 from .split import split_indices
 from .text import corpus as text_corpus
@@ -172,7 +172,7 @@ def _npz(cfg: DataConfig) -> Dataset:
     path = Path(cfg.path)
     where = f"data.path {str(path)!r}"
     if not path.is_file():
-        raise ConfigError(f"{where}: file not found")
+        raise ConfigError(f"{where}: file not found{relative_to(path)}")
     _check_npz_magic(path, where)
     try:
         with np.load(path, allow_pickle=False) as f:

@@ -4,7 +4,7 @@ lives during training (``data.placement``).
 Both loaders memory-map their files: a :class:`~train.data.builtin.Dataset` whose ``x``/``y`` are
 ``np.memmap`` views costs no host memory until a batch reads its rows or windows.
 
-- ``tokens``: a directory written by ``python -m train.prepare`` (``train/data/text/tokens.py`` reads
+- ``tokens``: a directory written by ``nnlite-train prepare`` (``train/data/text/tokens.py`` reads
   it). ``x``/``y`` are ``train.bin[:-1]`` and ``train.bin[1:]`` (views of one map), the
   validation split is ``data.eval_windows`` fixed windows of ``val.bin`` chosen as for
   ``data.name: text``, and the checkpoint carries the tokenizer (``tokenizer`` spec).
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DataConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, relative_to
 from .dataset import Dataset, batch_dtype, labels_are_ids
 from .reader import read_rows
 
@@ -109,7 +109,9 @@ def arrays(cfg: DataConfig, context: int | None = None) -> Dataset:
     path = Path(cfg.path)
     where = f"data.path {str(path)!r}"
     if not path.is_dir():
-        raise ConfigError(f"{where}: no such directory; expected one holding x.npy and y.npy")
+        raise ConfigError(
+            f"{where}: no such directory{relative_to(path)}; expected one holding x.npy and y.npy"
+        )
     found = {p.stem: p for p in path.glob("*.npy")}
     for k in ("x", "y"):
         if k not in found:

@@ -88,7 +88,7 @@ def build(
 ) -> Run:
     """Data, model, optimizer and strategy for ``cfg``; raises ConfigError on bad input.
 
-    ``data``: the data set if already loaded, or a Future of it (``python -m train`` loads
+    ``data``: the data set if already loaded, or a Future of it (``nnlite-train`` loads
     it while JAX imports); None loads it here. ``optimizer``: the object that
     ``optimizer.name: given`` stands for (``train.fit(optimizer=...)``).
     """

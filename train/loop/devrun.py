@@ -1,4 +1,4 @@
-"""``python -m train --config FILE --fast-dev-run [N]``: does every part of this run work?
+"""``nnlite-train --config FILE --fast-dev-run [N]``: does every part of this run work?
 
 A few steps of everything a real run does, in a temporary directory, so that a mistake in
 a model, a data source, a callback, a logger or a parallel layout shows in seconds rather

@@ -1,4 +1,4 @@
-"""``python -m train --config FILE --eject DIR``: the run as a standalone training script.
+"""``nnlite-train --config FILE --eject DIR``: the run as a standalone training script.
 
 DIR gets three files: ``train_ejected.py`` (the data read, the train step as Python with
 the hand rules called by name, the config's optax chain, the loop), ``params.safetensors``
@@ -61,7 +61,7 @@ def eject(cfg: Config, out: str | os.PathLike) -> Path:
         step_src, how = _step_source(r, params, x0, y0)
         opt_src = optimizer_source(cfg.optimizer, cfg.train.steps)
         check_optimizer(opt_src, r, params)
-        script = script_text(r, step_src, how, opt_src)
+        script = script_text(r, step_src, how, opt_src, target)
         nl.save(tmp / PARAMS, params)
         if jax.tree.structure(nl.load(tmp / PARAMS)) != jax.tree.structure(params):
             raise ConfigError(  # the script rebuilds the params from the file's paths alone

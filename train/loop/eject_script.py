@@ -3,7 +3,9 @@ and the optimizer's source."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -41,7 +43,44 @@ def _split_imports(src: str) -> tuple[list[str], str]:
     return imports, "\n".join(rest).strip("\n")
 
 
-def script_text(r: Run, step_src: str, how: str, opt_src: str) -> str:
+#: ``sys.path.insert(0, '/abs/dir')  # where the run found module`` (eject_optax.with_paths)
+_PATH_LINE = re.compile(r"sys\.path\.insert\(0, (['\"])(.*)\1\)  # where the run found (\S+)$")
+
+
+def _portable_paths(lines: list[str], script_dir: Path) -> tuple[list[str], list[str]]:
+    """``lines`` without their ``sys.path.insert`` of an absolute directory, and the lines
+    that replace them: each directory relative to the script's own, then the directory the
+    script runs in (the script runs on another machine, or after the project moved)."""
+    roots: dict[str, list[str]] = {}
+    rest = []
+    for line in lines:
+        m = _PATH_LINE.match(line)
+        if m is None:
+            rest.append(line)
+            continue
+        try:
+            rel = os.path.relpath(m.group(2), script_dir)
+        except ValueError:  # another drive (Windows): only the working directory is left
+            rel = None
+        modules = roots.setdefault(rel, [])
+        if m.group(3) not in modules:
+            modules.append(m.group(3))
+    if not roots:
+        return rest, []
+    names = ", ".join(dict.fromkeys(m for ms in roots.values() for m in ms))
+    entries = [f"os.path.join(HERE, {rel!r})" for rel in roots if rel is not None]
+    block = [
+        "",
+        f"# Your own modules ({names}): where the run found them, relative to this script",
+        "# (the project's directory as it was ejected), else the directory you run it from.",
+        "HERE = os.path.dirname(os.path.abspath(__file__))",
+        f"sys.path[:0] = [{', '.join([*entries, 'os.getcwd()'])}]",
+    ]
+    return rest, block
+
+
+def script_text(r: Run, step_src: str, how: str, opt_src: str, script_dir: Path) -> str:
+    """The ejected script, to be written into ``script_dir``."""
     cfg = r.cfg
     data = r.data
     keyed = contract.uses_key(r.model)
@@ -95,7 +134,7 @@ def script_text(r: Run, step_src: str, how: str, opt_src: str) -> str:
         sampler = _WINDOW_SAMPLER
         n_src = "len(X) - WINDOW + 1"
     opt_lines = [i for i in opt_imports if not i.startswith(("import jax", "import optax"))]
-    header = f'''"""The training run of {cfg.name}, ejected by ``python -m train --eject``.
+    header = f'''"""The training run of {cfg.name}, ejected by ``nnlite-train --eject``.
 
     {config_line}
 
@@ -109,11 +148,10 @@ float rounding. Evaluation, checkpoints, callbacks and loggers stay the trainer'
     python {SCRIPT} [--steps N]
 """
 '''
-    text = header + "\n" + "\n".join(base + extra) + "\n"
-    text += "\n".join(opt_lines) + ("\n" if opt_lines else "")
+    user_imports, paths = _portable_paths([*extra, *opt_lines], Path(script_dir).absolute())
+    text = header + "\n" + "\n".join(base + paths + user_imports) + "\n"
+    text += "" if paths else "\nHERE = os.path.dirname(os.path.abspath(__file__))\n"
     text += f"""
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 # -- the run's settings (the resolved config) --
 SEED = {cfg.seed}
 BATCH_SIZE = {cfg.train.batch_size}

@@ -1,4 +1,4 @@
-"""``train.fit(model, config)``: what ``python -m train --config`` runs, from Python.
+"""``train.fit(model, config)``: what ``nnlite-train --config`` runs, from Python.
 
 Example::
 

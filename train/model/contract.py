@@ -1,4 +1,4 @@
-"""The model contract: what any model trained by ``python -m train`` provides.
+"""The model contract: what any model trained by ``nnlite-train`` provides.
 
 A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
 

@@ -78,7 +78,7 @@ def _check_shipped_package(where: str) -> None:
     if origin != here / "models" and origin.name == "models" and origin.parent != here:
         raise ModelError(
             f"{where}: the shipped models' package name {SHIPPED!r} is taken by your own "
-            f"{origin}; run the installed trainer (python -m nnlite.train or nnlite-train)"
+            f"{origin}; run the installed trainer (nnlite-train)"
         )
 
 

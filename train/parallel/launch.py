@@ -1,8 +1,9 @@
-"""``python -m train --config X --processes N``: N local processes on loopback, as one run.
+"""``nnlite-train --config X --processes N``: N local processes on loopback, as one run.
 
 For testing multi-host code paths on one machine, and for users who want several CPU
-processes. Each child is ``python -m train`` with the same arguments, CPU devices and gloo
-collectives, and the environment that ``train.parallel.distributed`` reads (JAX_COORDINATOR_ADDRESS,
+processes. Each child is this trainer's package run with the same arguments (``python -m
+nnlite.train``; ``train`` when the launcher itself runs as a checkout's ``python -m train``;
+never a user's own ``train.py``), CPU devices and gloo collectives, and the environment that ``train.parallel.distributed`` reads (JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES, JAX_PROCESS_ID). Process 0's output streams to this terminal; the
 others' goes to log files that are named when something fails. If any process fails, the
 others are stopped and the launcher exits non-zero with one message.
@@ -62,8 +63,12 @@ def _describe(code: int) -> str:
     return f"exited with status {code}"
 
 
+#: The package the children run (``python -m``): the one this launcher belongs to.
+TRAINER = __name__.rsplit(".parallel.", 1)[0]
+
+
 def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
-    """Run ``python -m train argv`` as ``processes`` local processes; return the exit status."""
+    """Run ``nnlite-train argv`` as ``processes`` local processes; return the exit status."""
     signalled: list[int] = []  # signals received, in order
     procs: list[subprocess.Popen] = []
     forwarded: set[int] = set()  # pids the first signal was forwarded to
@@ -110,7 +115,7 @@ def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
                 logs.append(out)
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "train", *argv],
+                    [sys.executable, "-m", TRAINER, *argv],
                     env=child_env,
                     stdout=out,
                     stderr=subprocess.STDOUT if out else None,

@@ -7,7 +7,7 @@ a slow step, not a deadlock, and it always pre-empts the training loop's watchdo
 (``train.step_timeout``, automatic: 300 s for the first calls, then at least 30 s), whose
 exit 5 says what happened, keeps the checkpoints and tells how to resume. So the command
 sets XLA's limit to a day, unless ``XLA_FLAGS`` sets it already: the watchdog decides
-when a call is stuck. It must happen before JAX starts its backend (``python -m train``
+when a call is stuck. It must happen before JAX starts its backend (``nnlite-train``
 does it first thing; the ``--processes`` launcher's children inherit it).
 """
 

