@@ -6,10 +6,11 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Tokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "load_tokenizer", "stop_ids"]
 
 TOKENIZER_FILE = "tokenizer.json"
 # Files beside tokenizer.json that transformers' AutoTokenizer reads; copied on save.
@@ -31,8 +32,9 @@ class Tokenizer:
 
     ``encode(text) -> int32 array`` (without the special tokens a model's template adds,
     unless ``add_special_tokens=True``), ``decode(ids) -> str``, ``vocab_size``,
-    ``eos_id`` (None where unknown), ``save(dir)``. The same protocol as the trainer's
-    tokenizers, ``kind = "hf"``.
+    ``eos_id`` (None where unknown), ``stop_ids`` (the end-of-text ids where generation
+    stops: the directory's ``eos_token_id`` values), ``save(dir)``. The same protocol as the
+    trainer's tokenizers, ``kind = "hf"``.
     """
 
     kind = "hf"
@@ -41,6 +43,7 @@ class Tokenizer:
         self.tokenizer = tokenizer
         self.source = None if source is None else Path(source)
         self.eos_id = eos_id
+        self.stop_ids: tuple[int, ...] = () if eos_id is None else (int(eos_id),)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Tokenizer:
@@ -81,6 +84,38 @@ class Tokenizer:
         return {"kind": self.kind, "file": TOKENIZER_FILE}
 
 
+def _json(path: Path, error: type[Exception]) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _ids(value: Any, path: Path, error: type[Exception]) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise error(f"{path}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
+
+
+def stop_ids(directory: str | os.PathLike, error: type[Exception] = ValueError) -> tuple:
+    """The end-of-text ids of a Hugging Face model directory, where generation stops:
+    ``generation_config.json``'s ``eos_token_id`` (an id or a list), else ``config.json``'s;
+    ``()`` where neither names one."""
+    d = Path(directory)
+    for name in ("generation_config.json", "config.json"):
+        if (d / name).is_file():
+            found = _ids(_json(d / name, error).get("eos_token_id"), d / name, error)
+            if found is not None:
+                return found
+    return ()
+
+
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """The tokenizer of a Hugging Face model directory (its ``tokenizer.json``); ``eos_id``
     from ``config.json`` or ``tokenizer_config.json`` where they name one."""
@@ -104,4 +139,5 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         if isinstance(name, str):
             eos = tok.tokenizer.token_to_id(name)
     tok.eos_id = eos
+    tok.stop_ids = stop_ids(path.parent) or (() if eos is None else (int(eos),))
     return tok
