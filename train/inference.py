@@ -324,22 +324,30 @@ class _Bound:
         return self._call(params, x)
 
 
-def generator(model: Model, state=None, top_p: float | None = None):
+def generator(
+    model: Model,
+    state=None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+):
     """The jitted ``(params, prompt [1, T], n_tokens, key, temperature, top_k) -> ids``
     of a language model: its own ``generate`` if it has one, else
     :func:`generate_by_windows` (``n_tokens`` and ``top_k`` are static). A stateful
-    model generates by windows in eval mode with ``state`` (closed over)."""
+    model generates by windows in eval mode with ``state`` (closed over). ``top_p`` and
+    ``repetition_penalty`` need the model's own generate to take them (nl.hf models)."""
     if _state_args(model, state):
         bound = _Bound(model, functools.partial(eval_call, model, state=state))
         return jax.jit(lambda p, *a: generate_by_windows(bound, p, *a), static_argnums=(2, 5))
     fn = getattr(model, "generate", None)
-    if top_p is not None:  # nucleus sampling: the model's own generate takes it (nl.hf)
-        if fn is None or _state_args(model, state):
+    extra = {"top_p": top_p, "repetition_penalty": repetition_penalty}
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if extra:  # options only the model's own generate takes (nl.hf)
+        if fn is None:
             raise ConfigError(
-                f"top_p needs a model whose own generate takes it (nl.hf models); "
-                f"{type(model).__name__} samples by windows"
+                f"{next(iter(extra))} needs a model whose own generate takes it (nl.hf "
+                f"models); {type(model).__name__} samples by windows"
             )
-        fn = functools.partial(fn, top_p=top_p)
+        fn = functools.partial(fn, **extra)
     if fn is None:
         fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731
     return jax.jit(fn, static_argnums=(2, 5))

@@ -26,8 +26,9 @@ from ._config import HFConfigError, model_kwargs, read_config
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM, merge_lora
 from ._safetensors import SafetensorsDir, write_safetensors
+from ._tokenizer import check_tokenizer
 
-__all__ = ["hf_name", "load_pretrained", "save_pretrained"]
+__all__ = ["hf_name", "load_pretrained", "plan_weights", "save_pretrained"]
 
 # (nnlite path regex, Hugging Face name template, transposed)
 _GPT2 = [
@@ -99,7 +100,12 @@ def build_model(directory: str | os.PathLike, *, ignore_keys=()) -> GPT2LM | Lla
     """The nnlite model a Hugging Face directory's ``config.json`` describes (no weights)."""
     cfg = read_config(directory)
     where = f"{Path(directory) / 'config.json'}"
-    family, kwargs = model_kwargs(cfg, where, ignore_keys)
+    try:
+        family, kwargs = model_kwargs(cfg, where, ignore_keys)
+    except HFConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # e.g. "hidden_size": "big"
+        raise HFConfigError(f"{where}: a key has a value of the wrong type ({e})") from None
     try:
         return GPT2LM(**kwargs) if family == "gpt2" else LlamaLM(**kwargs)
     except ValueError as e:  # a value the layers refuse (a rope kind, head sizes)
@@ -148,17 +154,41 @@ def load_pretrained(
         ``(model, params)``: an ``nl.hf.GPT2LM`` or ``nl.hf.LlamaLM`` and its ParamsDict.
 
     Raises:
-        HFConfigError: not a model directory, an unsupported architecture or config key
-            (named), a missing or misshapen tensor (named).
+        HFConfigError: one line naming the file and what is wrong: not a model directory,
+            a ``config.json`` that is not JSON, lacks a key or has an unsupported
+            architecture or key, a weight file or shard that is missing, empty, truncated or
+            not safetensors (a PyTorch ``.bin``, text), a missing or misshapen tensor, a
+            ``tokenizer.json`` with more tokens than the embedding has rows.
     """
     model = build_model(directory, ignore_keys=ignore_keys)
-    family = _family(model)
+    check_tokenizer(directory, model.vocab_size)
     weights = SafetensorsDir(directory, HFConfigError)
     like = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     place = _placer(sharding, like)
     targets = dict(like.items())
+    plan = plan_weights(directory, model, weights, like)
+    out: dict[str, Any] = {}
+    for file in sorted({p[0] for p in plan}):  # file by file, each map dropped after
+        for _, path, name, transposed, aval in (p for p in plan if p[0] == file):
+            host = weights.tensor(name)
+            host = host.T if transposed else host
+            # float32 params (bfloat16 and float16 checkpoints upcast), as the models' layers
+            out[path] = _to_device(host, jnp.float32, place(path, aval.shape))
+        weights.close(file)
+    return model, ParamsDict.from_flat({p: out[p] for p in targets})
+
+
+def plan_weights(directory, model, weights: SafetensorsDir, like: ParamsDict | None = None):
+    """``[(file, nnlite path, tensor name, transposed, aval)]``: where each param of
+    ``model`` is in the directory's files, checked from the files' headers alone (every
+    file whole, every tensor there with the shape the config implies, none left over);
+    nothing is read. HFConfigError (one line, naming the file) otherwise."""
+    family = _family(model)
+    if like is None:
+        like = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    weights.check()
     plan = []
-    for path, aval in targets.items():
+    for path, aval in like.items():
         name, transposed = hf_name(family, path)
         found = name if name in weights else None
         if found is None and family == "gpt2":  # the original GPT-2 files: no "transformer."
@@ -166,6 +196,13 @@ def load_pretrained(
             found = bare if bare in weights else None
         if found is None:
             raise HFConfigError(f"{directory}: tensor {name!r} (nnlite {path}) is missing")
+        shape = weights.shape(found)
+        want = tuple(aval.shape)[::-1] if transposed else tuple(aval.shape)
+        if shape != want:
+            raise HFConfigError(
+                f"{weights.file_of(found)}: tensor {found!r} has shape {shape}, "
+                f"{Path(directory) / 'config.json'} implies {want}"
+            )
         plan.append((weights.file_of(found), path, found, transposed, aval))
     used = {p[2] for p in plan}
     extra = sorted(
@@ -180,20 +217,7 @@ def load_pretrained(
             f"{directory}: tensor {extra[0]!r} is not part of the {family} model nnlite builds "
             f"from config.json ({len(extra)} such tensors)"
         )
-    out: dict[str, Any] = {}
-    for file in sorted({p[0] for p in plan}):  # file by file, each map dropped after
-        for _, path, name, transposed, aval in (p for p in plan if p[0] == file):
-            host = weights.tensor(name)
-            host = host.T if transposed else host
-            if tuple(host.shape) != tuple(aval.shape):
-                raise HFConfigError(
-                    f"{directory}: tensor {name!r} has shape {tuple(weights.tensor(name).shape)}"
-                    f", config.json implies {tuple(aval.shape)[::-1] if transposed else aval.shape}"
-                )
-            # float32 params (bfloat16 and float16 checkpoints upcast), as the models' layers
-            out[path] = _to_device(host, jnp.float32, place(path, aval.shape))
-        weights.close(file)
-    return model, ParamsDict.from_flat({p: out[p] for p in targets})
+    return plan
 
 
 def _to_device(host: np.ndarray, dtype: Any, sharding: Any) -> jax.Array:

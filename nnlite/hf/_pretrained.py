@@ -11,6 +11,7 @@ gives the same params (the weights, plus LoRA adapters drawn from ``key``).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,11 +22,12 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..nn._lora import freeze_base, lora_mask
 from ._config import HFConfigError
-from ._convert import build_model, hf_name
+from ._convert import build_model, hf_name, plan_weights
 from ._generate import generate, generate_stream
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM
 from ._safetensors import SafetensorsDir
+from ._tokenizer import check_tokenizer
 from ._tokenizer import stop_ids as read_stop_ids
 
 __all__ = ["Pretrained"]
@@ -33,9 +35,25 @@ __all__ = ["Pretrained"]
 _LORA_KEYS = ("rank", "alpha", "targets")
 
 
-@functools.lru_cache(maxsize=8)
 def _base(path: str, ignore_keys: tuple) -> GPT2LM | LlamaLM:
-    return build_model(path, ignore_keys=ignore_keys)
+    """The directory's model, its files checked (again whenever one of them changed)."""
+    try:
+        stamp = tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size)
+                             for f in Path(path).iterdir()))  # fmt: skip
+    except OSError:
+        stamp = ()
+    return _checked(path, ignore_keys, stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _checked(path: str, ignore_keys: tuple, stamp: tuple) -> GPT2LM | LlamaLM:
+    """``config.json``, every weight file's header against the model it builds, and a
+    ``tokenizer.json`` against its embedding: a broken file is one HFConfigError naming it
+    here, not a failure inside ``init``'s host callbacks."""
+    model = build_model(path, ignore_keys=ignore_keys)
+    plan_weights(path, model, SafetensorsDir(path, HFConfigError))
+    check_tokenizer(path, model.vocab_size)
+    return model
 
 
 @functools.lru_cache(maxsize=8)

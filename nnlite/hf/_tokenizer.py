@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Tokenizer", "load_tokenizer", "stop_ids"]
+from ._config import HFConfigError
+
+__all__ = ["Tokenizer", "check_tokenizer", "load_tokenizer", "stop_ids"]
 
 TOKENIZER_FILE = "tokenizer.json"
 # Files beside tokenizer.json that transformers' AutoTokenizer reads; copied on save.
@@ -46,9 +48,15 @@ class Tokenizer:
         self.stop_ids: tuple[int, ...] = () if eos_id is None else (int(eos_id),)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
-        """A tokenizer from a ``tokenizer.json`` file."""
-        tok = _tokenizers().Tokenizer.from_file(str(path))
+    def from_file(cls, path: str | os.PathLike, error: type[Exception] = ValueError) -> Tokenizer:
+        """A tokenizer from a ``tokenizer.json`` file (``error``, one line, if it is not
+        one)."""
+        tk = _tokenizers()
+        try:
+            tok = tk.Tokenizer.from_file(str(path))
+        except Exception as e:  # the package raises its own exception types
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise error(f"{path}: not a readable tokenizers file ({first})") from None
         return cls(tok, Path(path).parent)
 
     @property
@@ -114,6 +122,24 @@ def stop_ids(directory: str | os.PathLike, error: type[Exception] = ValueError) 
             if found is not None:
                 return found
     return ()
+
+
+def check_tokenizer(directory: str | os.PathLike, vocab_size: int) -> None:
+    """A directory's ``tokenizer.json`` (when it has one, and ``tokenizers`` is installed)
+    must be readable and make no id past the model's ``vocab_size`` embedding rows."""
+    path = Path(directory) / TOKENIZER_FILE
+    if not path.is_file():
+        return
+    try:
+        _tokenizers()
+    except ImportError:
+        return  # nothing reads the tokenizer without the package
+    n = Tokenizer.from_file(path, HFConfigError).vocab_size
+    if n > vocab_size:
+        raise HFConfigError(
+            f"{path}: {n} tokens, more than the model's {vocab_size} embedding rows "
+            f"(config.json vocab_size): the tokenizer is not this model's"
+        )
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
