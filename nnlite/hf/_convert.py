@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from ._config import HFConfigError, model_kwargs, read_config
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM, merge_lora
 from ._safetensors import SafetensorsDir, write_safetensors
-from ._tokenizer import check_tokenizer
+from ._tokenizer import as_tokenizer, check_tokenizer, copy_tokenizer
 
 __all__ = ["hf_name", "load_pretrained", "plan_weights", "save_pretrained"]
 
@@ -253,7 +254,7 @@ def hf_config(model: GPT2LM | LlamaLM, dtype: str = "float32") -> dict[str, Any]
             "activation_function": _ACT_BACK[model.activation],
             "layer_norm_epsilon": model.eps,
             "tie_word_embeddings": model.tie_head,
-            "torch_dtype": dtype,
+            "dtype": dtype,  # transformers 5 (torch_dtype before it)
         }
     mt = model.model_type
     if mt == "qwen2" and (not model.qkv_bias or model.out_bias):
@@ -282,7 +283,7 @@ def hf_config(model: GPT2LM | LlamaLM, dtype: str = "float32") -> dict[str, Any]
         "rope_scaling": scaling,
         "mlp_bias": model.mlp_bias,
         "tie_word_embeddings": model.tie_head,
-        "torch_dtype": dtype,
+        "dtype": dtype,  # transformers 5 (torch_dtype before it)
     }
     if mt == "qwen2":
         cfg["use_sliding_window"] = False
@@ -302,23 +303,28 @@ def save_pretrained(
     params: ParamsDict,
     tokenizer: Any = None,
     *,
-    dtype: Any = "float32",
+    dtype: Any = None,
     source: str | os.PathLike | None = None,
     max_shard_bytes: int | None = None,
 ) -> Path:
     """Write ``model`` and ``params`` as a Hugging Face model directory that
     ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads: ``config.json``,
     ``model.safetensors`` (or shards of at most ``max_shard_bytes`` with their index) in
-    Hugging Face's names and layouts, and the tokenizer's files when given. LoRA adapters
-    are merged into their weights first.
+    Hugging Face's names and layouts, and the tokenizer's files, which
+    ``transformers.AutoTokenizer.from_pretrained(directory)`` reads. LoRA adapters are
+    merged into their weights first.
 
     Args:
         directory: created if missing.
         model, params: an ``nl.hf.GPT2LM`` / ``nl.hf.LlamaLM`` and its params.
-        tokenizer: an ``nl.hf.Tokenizer`` (written beside the weights) or None.
-        dtype: the tensors' dtype in the file (``"float32"``, ``"bfloat16"``, ``"float16"``).
-        source: the directory the model came from: its token ids (bos/eos/pad) are copied
-            into the new config.
+        tokenizer: an ``nl.hf.Tokenizer``, a ``tokenizers.Tokenizer`` or a trainer's BPE
+            tokenizer, written beside the weights; None: the ``source`` directory's
+            tokenizer files, where it has them.
+        dtype: the tensors' dtype in the file (``"float32"``, ``"bfloat16"``, ``"float16"``);
+            None: the ``source`` checkpoint's (a bfloat16 checkpoint exports as bfloat16),
+            else the params'.
+        source: the directory the model came from: its token ids (bos/eos/pad) go into the
+            new config, its ``generation_config.json`` and tokenizer files are copied.
         max_shard_bytes: split the weights into files of at most this size.
 
     Returns:
@@ -326,7 +332,7 @@ def save_pretrained(
     """
     family = _family(model)
     model, params = merge_lora(model, params)
-    dtype_name = str(jnp.dtype(dtype))
+    dtype_name = str(jnp.dtype(dtype if dtype is not None else _dtype_of(source, params)))
     if dtype_name not in ("float32", "bfloat16", "float16"):
         raise ValueError(
             f"save_pretrained: dtype must be float32, bfloat16 or float16, not {dtype!r}"
@@ -350,6 +356,32 @@ def save_pretrained(
     d.mkdir(parents=True, exist_ok=True)
     write_safetensors(d, tensors, max_shard_bytes=max_shard_bytes)
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if source is not None and (Path(source) / _GENERATION).is_file():
+        if Path(source).resolve() != d.resolve():
+            shutil.copyfile(Path(source) / _GENERATION, d / _GENERATION)
     if tokenizer is not None:
-        tokenizer.save(d)
+        as_tokenizer(tokenizer).save(d, context=model.context)
+    elif source is not None:
+        copy_tokenizer(source, d)
     return d
+
+
+_GENERATION = "generation_config.json"
+
+
+def _dtype_of(source: str | os.PathLike | None, params: ParamsDict) -> str:
+    """The dtype an export keeps: the source checkpoint's (its config's ``dtype`` /
+    ``torch_dtype``, else its first floating tensor's), else the params' (float32 where
+    they mix)."""
+    if source is not None:
+        cfg = read_config(source)
+        named = cfg.get("dtype") or cfg.get("torch_dtype")
+        if named in ("float32", "bfloat16", "float16"):
+            return named
+        weights = SafetensorsDir(source, HFConfigError)
+        for name in weights.names():
+            kind = weights.tensor(name).dtype
+            if jnp.issubdtype(kind, jnp.floating):
+                return str(jnp.dtype(kind))
+    kinds = {str(jnp.dtype(leaf.dtype)) for _, leaf in params.items()}
+    return kinds.pop() if len(kinds) == 1 else "float32"

@@ -12,11 +12,24 @@ import numpy as np
 
 from ._config import HFConfigError
 
-__all__ = ["Tokenizer", "check_tokenizer", "load_tokenizer", "stop_ids"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "Tokenizer",
+    "as_tokenizer",
+    "check_tokenizer",
+    "copy_tokenizer",
+    "load_tokenizer",
+    "stop_ids",
+]
 
 TOKENIZER_FILE = "tokenizer.json"
 # Files beside tokenizer.json that transformers' AutoTokenizer reads; copied on save.
-_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_SIDE_FILES = (
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+#: What a model directory's tokenizer is: ``tokenizer.json`` and the files beside it.
+TOKENIZER_FILES = (TOKENIZER_FILE, *_SIDE_FILES)
 
 
 def _tokenizers():
@@ -78,10 +91,13 @@ class Tokenizer:
             )
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def save(self, directory: str | os.PathLike) -> dict:
-        """Write ``tokenizer.json`` (and the source directory's ``tokenizer_config.json``,
-        ``special_tokens_map.json``) into ``directory``; returns ``{"kind": "hf", "file":
-        "tokenizer.json"}``."""
+    def save(self, directory: str | os.PathLike, *, context: int | None = None) -> dict:
+        """Write ``tokenizer.json`` into ``directory``, with the source directory's files
+        beside it (``tokenizer_config.json``, ``special_tokens_map.json``, a chat
+        template), or, for a tokenizer without them, a ``tokenizer_config.json`` naming its
+        end-of-text token (and ``model_max_length=context``), so ``transformers``'
+        ``AutoTokenizer.from_pretrained(directory)`` reads it; returns ``{"kind": "hf",
+        "file": "tokenizer.json"}``."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.tokenizer.save(str(d / TOKENIZER_FILE))
@@ -89,7 +105,44 @@ class Tokenizer:
             for name in _SIDE_FILES:
                 if (self.source / name).is_file():
                     shutil.copyfile(self.source / name, d / name)
+        if not (d / "tokenizer_config.json").is_file():
+            special = {}
+            if self.eos_id is not None:
+                special["eos_token"] = self.tokenizer.id_to_token(int(self.eos_id))
+            cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+            if context is not None:
+                cfg["model_max_length"] = int(context)
+            (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            (d / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
         return {"kind": self.kind, "file": TOKENIZER_FILE}
+
+
+def as_tokenizer(tokenizer: Any) -> Tokenizer:
+    """An ``nl.hf.Tokenizer`` of ``tokenizer``: one already, a ``tokenizers.Tokenizer``, or
+    a trainer's tokenizer that wraps one (``.tokenizer``, its end-of-text id ``eot_id``)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    inner = getattr(tokenizer, "tokenizer", tokenizer)
+    if type(inner).__module__.split(".")[0] == "tokenizers" and hasattr(inner, "to_str"):
+        return Tokenizer(inner, eos_id=getattr(tokenizer, "eot_id", None))
+    raise TypeError(
+        "tokenizer: expected an nl.hf.Tokenizer, a tokenizers.Tokenizer or a trainer's BPE "
+        f"tokenizer (a run on prepared tokens), got {type(tokenizer).__name__}"
+    )
+
+
+def copy_tokenizer(source: str | os.PathLike, directory: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer files of the model directory ``source`` into ``directory``
+    (those it has); returns their names."""
+    src, d = Path(source), Path(directory)
+    if src.resolve() == d.resolve():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, d / name)
+            copied.append(name)
+    return copied
 
 
 def _json(path: Path, error: type[Exception]) -> dict:
