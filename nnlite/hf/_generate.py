@@ -240,6 +240,8 @@ def _prepare(model, prompt, n_tokens, key, temperature, top_k, top_p, attention_
     if stop_ids is None:
         stop_ids = getattr(model, "stop_ids", None) or ()
     stop = tuple(int(s) for s in ([stop_ids] if isinstance(stop_ids, int) else stop_ids))
+    if any(s < 0 for s in stop):
+        raise ValueError(f"generate: stop_ids must be token ids >= 0, got {stop}")
     if pad_id is None:
         pad_id = stop[0] if stop else 0
     if repetition_penalty is None:
@@ -253,7 +255,8 @@ def _prepare(model, prompt, n_tokens, key, temperature, top_k, top_p, attention_
         key,
         jnp.asarray(temperature, jnp.float32),
         jnp.asarray(repetition_penalty, jnp.float32),
-        jnp.asarray(stop, jnp.int32),
+        # padded with -1 (no token) to a multiple of 4: another list compiles nothing new
+        jnp.asarray(stop + (-1,) * (-len(stop) % 4 or (0 if stop else 4)), jnp.int32),
         jnp.asarray(pad_id, jnp.int32),
     )
     static = dict(n_tokens=n_tokens, top_k=top_k, top_p=top_p)
