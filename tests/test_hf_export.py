@@ -4,6 +4,7 @@ trainer's run on a Hugging Face directory exported with ``run.model.export``, sa
 with ``train.sample`` (streamed and not)."""
 
 import json
+import sys
 import warnings
 
 import jax
@@ -92,7 +93,7 @@ def test_a_trainer_run_exports_and_samples(tf, src, tmp_path, capsys):
     tokenizer and bfloat16 (adapters merged); ``train.sample --stream`` prints what ``train.sample`` prints."""
     from train import prepare, sample
     from train.config import config_from_dict
-    from train.inference import load_run
+    from train.inference import load_run, until_stop
     from train.loop.trainer import train as train_run
 
     (tmp_path / "t.txt").write_text(TEXT)
@@ -121,4 +122,20 @@ def test_a_trainer_run_exports_and_samples(tf, src, tmp_path, capsys):
     made = run.model.generate(
         run.params, np.asarray([ids]), 12, jax.random.key(0), 0.0, repetition_penalty=1.3
     )
-    assert whole == run.decode(sample._until_stop(np.asarray(made)[0], len(ids), (0,))) + "\n"
+    made = until_stop(np.asarray(made)[0], len(ids), run.model.stop_ids)
+    assert whole == run.decode(made) + "\n" and run.model.stop_ids == (0,)
+    assert run.generate("the king", 12, temperature=0.0) == run.decode(
+        until_stop(np.asarray(run.model.generate(
+            run.params, np.asarray([ids]), 12, jax.random.key(0), 0.0, top_k=40
+        ))[0], len(ids), (0,))
+    )  # fmt: skip
+
+
+def test_nnlite_train_runs_its_tools(tmp_path, monkeypatch, capsys):
+    from train.__main__ import run
+
+    argv = ["nnlite-train", "sample", "--run", str(tmp_path / "nope"), "--stream"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        run()
+    assert e.value.code == 2 and "no such run directory" in capsys.readouterr().err

@@ -479,9 +479,19 @@ def _exit(message: str, status: int, multiprocess: bool) -> int:
     return status
 
 
+#: ``nnlite-train TOOL ...``: the trainer's other commands (``python -m train.TOOL``).
+TOOLS = ("sample", "predict", "prepare", "lr_find")
+
+
 def run() -> None:
     """The ``nnlite-train`` command (installed with the package): ``python -m train``
-    from any directory, a user's project included."""
+    from any directory, a user's project included; ``nnlite-train sample ...`` (and
+    ``predict``, ``prepare``, ``lr_find``) runs that tool."""
+    if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
+        import importlib
+
+        tool = importlib.import_module(f"{__package__}.{sys.argv[1]}")
+        sys.exit(tool.main(sys.argv[2:]))
     sys.exit(main(compile_cache=True, standalone=True))
 
 

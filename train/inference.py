@@ -111,7 +111,7 @@ class LoadedRun:
             top_k,
             state=self.state,
         )
-        return self.decode(out)
+        return self.decode(until_stop(out, len(ids), getattr(self.model, "stop_ids", ())))
 
 
 def load_run(
@@ -311,6 +311,14 @@ def generate(
         )
     run = generator(model, state)
     return np.asarray(run(params, jnp.asarray(ids), n_tokens, key, temperature, top_k))[0]
+
+
+def until_stop(out: np.ndarray, start: int, stop_ids) -> np.ndarray:
+    """``out`` up to and including its first stop id at or after ``start`` (a model that
+    stops, ``nl.hf``'s, pads the rest of a row after one)."""
+    stops = {int(s) for s in stop_ids}
+    hits = [i for i in range(start, len(out)) if int(out[i]) in stops]
+    return out[: hits[0] + 1] if hits else out
 
 
 class _Bound:

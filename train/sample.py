@@ -130,7 +130,7 @@ def generate(
     import jax.numpy as jnp
     import numpy as np
 
-    from .inference import generator
+    from .inference import generator, until_stop
 
     fn = generator(model, state, top_p=top_p, repetition_penalty=repetition_penalty)
     prompt = jnp.asarray(np.asarray(ids, np.int32)[None, :])
@@ -140,14 +140,7 @@ def generate(
     t1 = time.perf_counter()
     out = np.asarray(compiled(params, prompt, key, temperature))[0]
     t2 = time.perf_counter()
-    return _until_stop(out, len(ids), getattr(model, "stop_ids", ())), t1 - t0, t2 - t1
-
-
-def _until_stop(out, start: int, stop_ids):
-    """``out`` up to and including the first stop id at or after ``start``."""
-    stops = {int(s) for s in stop_ids}
-    hits = [i for i in range(start, len(out)) if int(out[i]) in stops]
-    return out[: hits[0] + 1] if hits else out
+    return until_stop(out, len(ids), getattr(model, "stop_ids", ())), t1 - t0, t2 - t1
 
 
 def stream(run, ids, args, top_k, write=None) -> tuple[int, float]:
