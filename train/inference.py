@@ -11,6 +11,7 @@ Example (after ``python -m train --config configs/digits_mlp.yaml``)::
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -349,16 +350,27 @@ def generator(
     fn = getattr(model, "generate", None)
     extra = {"top_p": top_p, "repetition_penalty": repetition_penalty}
     extra = {k: v for k, v in extra.items() if v is not None}
-    if extra:  # options only the model's own generate takes (nl.hf)
-        if fn is None:
+    for name in extra:  # options only some models' own generate takes (nl.hf)
+        if fn is None or not _takes(fn, name):
+            how = "samples by windows" if fn is None else "has a generate without it"
             raise ConfigError(
-                f"{next(iter(extra))} needs a model whose own generate takes it (nl.hf "
-                f"models); {type(model).__name__} samples by windows"
+                f"{name} needs a model whose own generate takes it (nl.hf models); "
+                f"{type(model).__name__} {how}"
             )
+    if extra:
         fn = functools.partial(fn, **extra)
     if fn is None:
         fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731
     return jax.jit(fn, static_argnums=(2, 5))
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` (by name or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def generate_by_windows(model, params, prompt, n_tokens: int, key, temperature, top_k):
