@@ -64,6 +64,10 @@ def test_batched_greedy_with_stop_and_penalty_equals_transformers(tf, tmp_path, 
     # transformers on that prompt alone (no padding), then the pad id to the end
     eos = int(free[0, width + 4])
     stopped = ours(stop_ids=[eos], repetition_penalty=1.5)
+    alone = model.generate(  # nnlite on the shortest prompt alone: its row of the batch
+        params, rows[0][None], N, key, 0.0, stop_ids=[eos], repetition_penalty=1.5
+    )
+    np.testing.assert_array_equal(np.asarray(alone)[0], stopped[0, width - len(rows[0]) :])
     for i, r in enumerate(rows):
         alone = _theirs(
             tf, ref, r[None], eos_token_id=eos, pad_token_id=eos, repetition_penalty=1.5
