@@ -69,6 +69,10 @@ BROKEN = {
                 r"model.safetensors: not a safetensors file \(a zip archive \(a PyTorch"),
     "missing": ("one", lambda d, root: (d / "model.safetensors").unlink(),
                 r"one: no model.safetensors nor model.safetensors.index.json"),
+    "only pytorch": ("one", lambda d, root: (
+        (d / "model.safetensors").unlink(),
+        shutil.copy(root / "pytorch.bin", d / "pytorch_model-00001-of-00001.bin"),
+    ), r"one: no model.safetensors .* \(it has pytorch_model-00001-of-00001.bin, a pickle"),
     "missing shard": ("sharded", lambda d, root: _shard(d).unlink(),
                       r"model.safetensors.index.json: shard model-00002-of-\d+.safetensors is "
                       "missing"),

@@ -142,7 +142,7 @@ class SafetensorsDir:
             f = _File(d / SINGLE, error)
             self.where = dict.fromkeys(f.header, str(d / SINGLE))
         else:
-            pickled = [p for p in ("pytorch_model.bin", "model.bin") if (d / p).exists()]
+            pickled = sorted(p.name for p in d.glob("*.bin")) if d.is_dir() else []
             hint = (
                 f" (it has {pickled[0]}, a pickle: nnlite reads no pickle; convert it to "
                 "safetensors with transformers' save_pretrained(safe_serialization=True))"
