@@ -310,6 +310,10 @@ def generate(
         raise ConfigError(
             f"the prompt is {ids.shape[1]} tokens, longer than the model's context of {context}"
         )
+    if state is None and getattr(model, "generate_stream", None) is not None:
+        # nl.hf models compile their own programs, one per prompt-length bucket: called as
+        # they are (no jit around them), a new prompt length compiles nothing
+        return np.asarray(model.generate(params, ids, n_tokens, key, temperature, top_k))[0]
     run = generator(model, state)
     return np.asarray(run(params, jnp.asarray(ids), n_tokens, key, temperature, top_k))[0]
 
