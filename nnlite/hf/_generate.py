@@ -134,7 +134,9 @@ def _prefill(model, params, prompt, mask, opts, n_tokens, top_k, top_p) -> dict:
     cache = model.empty_cache(batch, total)
     logits, cache = model.decode_step(params, cache, prompt, 0, mask=keys, positions=positions)
     rows = jnp.arange(batch)[:, None]
-    seen = jnp.zeros((batch, logits.shape[-1]), jnp.int32).at[rows, prompt].max(mask.astype(jnp.int32))
+    seen = (
+        jnp.zeros((batch, logits.shape[-1]), jnp.int32).at[rows, prompt].max(mask.astype(jnp.int32))
+    )
     state = {"seen": seen > 0, "done": jnp.zeros((batch,), bool)}
     nxt, seen, done = _pick(logits[:, -1], state, 0, opts, top_k, top_p)
     buf = jnp.full((batch, total), opts.pad, jnp.int32).at[:, :width].set(prompt)
