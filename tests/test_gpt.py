@@ -313,6 +313,9 @@ def test_sample_cli_prints_text_and_is_deterministic(trained_run, capsys):
         (["--run", "{run}", "--temperature", "-1"], "--temperature must be a finite number"),
         (["--run", "{run}", "--top-k", "-2"], "--top-k must be >= 0"),
         (["--prompt", "x"], "the following arguments are required: --run"),
+        (["--run", "{run}", "--stream"], "--stream needs a model that decodes step by step"),
+        (["--run", "{run}", "--repetition-penalty", "1.2"], "repetition_penalty needs a model"),
+        (["--run", "{run}", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     ],
     ids=[
         "no_run",
@@ -324,6 +327,9 @@ def test_sample_cli_prints_text_and_is_deterministic(trained_run, capsys):
         "temperature",
         "top_k",
         "missing_run",
+        "stream",
+        "repetition_penalty",
+        "repetition_penalty_0",
     ],
 )
 def test_sample_cli_bad_arguments_exit_2(trained_run, tmp_path, capsys, args, match):

@@ -199,6 +199,7 @@ def test_tokenizer_round_trips_and_exports(tf, tmp_path):
     # GPT-2 with an untied head and another activation (the other GPT-2 variants)
     cfg = _configs(transformers)["gpt2"]
     cfg.tie_word_embeddings, cfg.activation_function = False, "relu"
+    cfg.vocab_size = tok.get_vocab_size()  # the byte alphabet: 257 ids, all embedded
     ref = _save(tf, cfg, src)
     tok.save(str(src / "tokenizer.json"))
     model, params, hf_tok = nl.hf.from_pretrained(src)

@@ -11,6 +11,7 @@ Example (after ``nnlite-train --config configs/digits_mlp.yaml``)::
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +112,7 @@ class LoadedRun:
             top_k,
             state=self.state,
         )
-        return self.decode(out)
+        return self.decode(until_stop(out, len(ids), getattr(self.model, "stop_ids", ())))
 
 
 def load_run(
@@ -309,8 +310,20 @@ def generate(
         raise ConfigError(
             f"the prompt is {ids.shape[1]} tokens, longer than the model's context of {context}"
         )
+    if state is None and getattr(model, "generate_stream", None) is not None:
+        # nl.hf models compile their own programs, one per prompt-length bucket: called as
+        # they are (no jit around them), a new prompt length compiles nothing
+        return np.asarray(model.generate(params, ids, n_tokens, key, temperature, top_k))[0]
     run = generator(model, state)
     return np.asarray(run(params, jnp.asarray(ids), n_tokens, key, temperature, top_k))[0]
+
+
+def until_stop(out: np.ndarray, start: int, stop_ids) -> np.ndarray:
+    """``out`` up to and including its first stop id at or after ``start`` (a model that
+    stops, ``nl.hf``'s, pads the rest of a row after one)."""
+    stops = {int(s) for s in stop_ids}
+    hits = [i for i in range(start, len(out)) if int(out[i]) in stops]
+    return out[: hits[0] + 1] if hits else out
 
 
 class _Bound:
@@ -324,25 +337,44 @@ class _Bound:
         return self._call(params, x)
 
 
-def generator(model: Model, state=None, top_p: float | None = None):
+def generator(
+    model: Model,
+    state=None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+):
     """The jitted ``(params, prompt [1, T], n_tokens, key, temperature, top_k) -> ids``
     of a language model: its own ``generate`` if it has one, else
     :func:`generate_by_windows` (``n_tokens`` and ``top_k`` are static). A stateful
-    model generates by windows in eval mode with ``state`` (closed over)."""
+    model generates by windows in eval mode with ``state`` (closed over). ``top_p`` and
+    ``repetition_penalty`` need the model's own generate to take them (nl.hf models)."""
     if _state_args(model, state):
         bound = _Bound(model, functools.partial(eval_call, model, state=state))
         return jax.jit(lambda p, *a: generate_by_windows(bound, p, *a), static_argnums=(2, 5))
     fn = getattr(model, "generate", None)
-    if top_p is not None:  # nucleus sampling: the model's own generate takes it (nl.hf)
-        if fn is None or _state_args(model, state):
+    extra = {"top_p": top_p, "repetition_penalty": repetition_penalty}
+    extra = {k: v for k, v in extra.items() if v is not None}
+    for name in extra:  # options only some models' own generate takes (nl.hf)
+        if fn is None or not _takes(fn, name):
+            how = "samples by windows" if fn is None else "has a generate without it"
             raise ConfigError(
-                f"top_p needs a model whose own generate takes it (nl.hf models); "
-                f"{type(model).__name__} samples by windows"
+                f"{name} needs a model whose own generate takes it (nl.hf models); "
+                f"{type(model).__name__} {how}"
             )
-        fn = functools.partial(fn, top_p=top_p)
+    if extra:
+        fn = functools.partial(fn, **extra)
     if fn is None:
         fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731
     return jax.jit(fn, static_argnums=(2, 5))
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` (by name or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def generate_by_windows(model, params, prompt, n_tokens: int, key, temperature, top_k):

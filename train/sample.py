@@ -1,6 +1,9 @@
 """``nnlite-train sample --run DIR [--prompt TEXT] [--tokens N] [--temperature T]
-[--top-k K] [--seed S] [--best]``: generate text from a run's newest checkpoint (``--best``:
-its best by ``checkpoint.monitor``).
+[--top-k K] [--top-p P] [--repetition-penalty R] [--seed S] [--best] [--stream]``: generate
+text from a run's newest checkpoint (``--best``: its best by ``checkpoint.monitor``).
+
+A Hugging Face model (``model.name: hf:DIR``) stops at its directory's end-of-text ids;
+``--stream`` prints its tokens as they are made (``nl.hf.generate_stream``).
 
 The run directory holds what sampling needs: ``config.yaml`` (the model) and checkpoints
 whose metadata carry the character vocabulary, or the tokenizer of a run on prepared
@@ -41,6 +44,14 @@ def parse_args(argv):
         help="nucleus sampling: among the most likely tokens whose probability reaches p "
         "(models with their own generate: nl.hf models)",
     )  # fmt: skip
+    ap.add_argument(
+        "--repetition-penalty", type=float, default=None,
+        help="divide the logits of tokens already seen by R (> 1 repeats less; nl.hf models)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--stream", action="store_true",
+        help="print the tokens as they are made (models that decode step by step: nl.hf)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     ap.add_argument(
         "--best", action="store_true",
@@ -61,6 +72,8 @@ def parse_args(argv):
         raise ConfigError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.repetition_penalty is not None and not 0 < args.repetition_penalty < float("inf"):
+        raise ConfigError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
     if not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     return args
@@ -106,25 +119,63 @@ def encode_prompt(prompt: str, run) -> list[int]:
     return ids
 
 
-def generate(model, params, ids, n_tokens, seed, temperature, top_k, state=None, top_p=None):
+def generate(
+    model, params, ids, n_tokens, seed, temperature, top_k, state=None, top_p=None,
+    repetition_penalty=None,
+):  # fmt: skip
     """``(all ids, compile seconds, generate seconds)``: one compiled call of the model's
     generator (``train.inference.generator``) for a batch of one (``state``: a stateful
-    model's)."""
+    model's); cut after the model's first end-of-text id (``stop_ids``) where it made one."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from .inference import generator
+    from .inference import generator, until_stop
 
-    fn = generator(model, state, top_p=top_p)
+    fn = generator(model, state, top_p=top_p, repetition_penalty=repetition_penalty)
     prompt = jnp.asarray(np.asarray(ids, np.int32)[None, :])
     key = jax.random.key(seed)
     t0 = time.perf_counter()
     compiled = fn.lower(params, prompt, n_tokens, key, temperature, top_k).compile()
     t1 = time.perf_counter()
-    out = np.asarray(compiled(params, prompt, key, temperature))
+    out = np.asarray(compiled(params, prompt, key, temperature))[0]
     t2 = time.perf_counter()
-    return out[0], t1 - t0, t2 - t1
+    return until_stop(out, len(ids), getattr(model, "stop_ids", ())), t1 - t0, t2 - t1
+
+
+def stream(run, ids, args, top_k, write=None) -> tuple[int, float]:
+    """Print the prompt, then each token's text as soon as it is made (a model's
+    ``generate_stream``); returns ``(tokens made, seconds)``. Text is written once it
+    decodes whole (a character split over byte-level tokens waits for its last byte)."""
+    import jax
+    import numpy as np
+
+    write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    steps = getattr(run.model, "generate_stream", None)
+    if steps is None:
+        raise ConfigError(
+            f"--stream needs a model that decodes step by step (nl.hf models); "
+            f"{type(run.model).__name__} generates in one compiled program: drop --stream"
+        )
+    extra = {} if args.repetition_penalty is None else {
+        "repetition_penalty": args.repetition_penalty
+    }  # fmt: skip
+    prompt = np.asarray(ids, np.int32)[None, :]
+    key = jax.random.key(args.seed)
+    made = list(ids)
+    shown = run.decode(made)
+    write(shown)
+    t0 = time.perf_counter()
+    for tok in steps(
+        run.params, prompt, args.tokens, key, args.temperature, top_k, args.top_p, **extra
+    ):
+        made.append(int(tok[0]))
+        text = run.decode(made)
+        if text.startswith(shown) and not text.endswith("\ufffd"):
+            write(text[len(shown) :])
+            shown = text
+    write(run.decode(made)[len(shown) :] + "\n")
+    return len(made) - len(ids), time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -145,17 +196,22 @@ def main(argv=None) -> int:
                 f"--tokens {args.tokens} after a prompt of {len(ids)} tokens exceeds the "
                 f"model's {limit} positions; ask for at most {limit - len(ids)}"
             )
+        if args.stream:
+            n, t_gen = stream(run, ids, args, top_k)
+            print(f"[{path.name}: {n} tokens in {t_gen:.3f} s, streamed]", file=sys.stderr)
+            return 0
         out, t_compile, t_gen = generate(
             run.model, run.params, ids, args.tokens, args.seed, args.temperature, top_k,
-            run.state, args.top_p,
+            run.state, args.top_p, args.repetition_penalty,
         )  # fmt: skip
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_BAD_INPUT
     print(run.decode(out))
+    n = len(out) - len(ids)
     print(
-        f"[{path.name}: {args.tokens} tokens in {t_gen:.3f} s, "
-        f"{args.tokens / max(t_gen, 1e-9):,.0f} tokens/s; compiled in {t_compile:.2f} s]",
+        f"[{path.name}: {n} tokens in {t_gen:.3f} s, "
+        f"{n / max(t_gen, 1e-9):,.0f} tokens/s; compiled in {t_compile:.2f} s]",
         file=sys.stderr,
     )
     return 0

@@ -24,7 +24,10 @@ from ._convert import hf_config as hf_config
 from ._convert import hf_name as hf_name
 from ._convert import load_pretrained as load_pretrained
 from ._convert import save_pretrained as save_pretrained
+from ._generate import MIN_BUCKET as MIN_BUCKET
+from ._generate import bucket as bucket
 from ._generate import generate as generate
+from ._generate import generate_stream as generate_stream
 from ._generate import sample_logits as sample_logits
 from ._gpt2 import GPT2LM as GPT2LM
 from ._gpt2 import GPT2Block as GPT2Block
@@ -34,6 +37,7 @@ from ._models import merge_lora as merge_lora
 from ._pretrained import Pretrained as Pretrained
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import load_tokenizer as load_tokenizer
+from ._tokenizer import stop_ids as stop_ids
 
 
 def from_pretrained(
@@ -82,12 +86,15 @@ __all__ = [
     "HFConfigError",
     "IGNORED_KEYS",
     "LlamaLM",
+    "MIN_BUCKET",
     "Pretrained",
     "Tokenizer",
     "add_lora",
+    "bucket",
     "build_model",
     "from_pretrained",
     "generate",
+    "generate_stream",
     "hf_config",
     "hf_name",
     "load_pretrained",
@@ -98,4 +105,5 @@ __all__ = [
     "merge_lora",
     "sample_logits",
     "save_pretrained",
+    "stop_ids",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,9 @@ from ._config import HFConfigError, model_kwargs, read_config
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM, merge_lora
 from ._safetensors import SafetensorsDir, write_safetensors
+from ._tokenizer import as_tokenizer, check_tokenizer, copy_tokenizer
 
-__all__ = ["hf_name", "load_pretrained", "save_pretrained"]
+__all__ = ["hf_name", "load_pretrained", "plan_weights", "save_pretrained"]
 
 # (nnlite path regex, Hugging Face name template, transposed)
 _GPT2 = [
@@ -99,7 +101,12 @@ def build_model(directory: str | os.PathLike, *, ignore_keys=()) -> GPT2LM | Lla
     """The nnlite model a Hugging Face directory's ``config.json`` describes (no weights)."""
     cfg = read_config(directory)
     where = f"{Path(directory) / 'config.json'}"
-    family, kwargs = model_kwargs(cfg, where, ignore_keys)
+    try:
+        family, kwargs = model_kwargs(cfg, where, ignore_keys)
+    except HFConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # e.g. "hidden_size": "big"
+        raise HFConfigError(f"{where}: a key has a value of the wrong type ({e})") from None
     try:
         return GPT2LM(**kwargs) if family == "gpt2" else LlamaLM(**kwargs)
     except ValueError as e:  # a value the layers refuse (a rope kind, head sizes)
@@ -148,17 +155,41 @@ def load_pretrained(
         ``(model, params)``: an ``nl.hf.GPT2LM`` or ``nl.hf.LlamaLM`` and its ParamsDict.
 
     Raises:
-        HFConfigError: not a model directory, an unsupported architecture or config key
-            (named), a missing or misshapen tensor (named).
+        HFConfigError: one line naming the file and what is wrong: not a model directory,
+            a ``config.json`` that is not JSON, lacks a key or has an unsupported
+            architecture or key, a weight file or shard that is missing, empty, truncated or
+            not safetensors (a PyTorch ``.bin``, text), a missing or misshapen tensor, a
+            ``tokenizer.json`` with more tokens than the embedding has rows.
     """
     model = build_model(directory, ignore_keys=ignore_keys)
-    family = _family(model)
+    check_tokenizer(directory, model.vocab_size)
     weights = SafetensorsDir(directory, HFConfigError)
     like = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     place = _placer(sharding, like)
     targets = dict(like.items())
+    plan = plan_weights(directory, model, weights, like)
+    out: dict[str, Any] = {}
+    for file in sorted({p[0] for p in plan}):  # file by file, each map dropped after
+        for _, path, name, transposed, aval in (p for p in plan if p[0] == file):
+            host = weights.tensor(name)
+            host = host.T if transposed else host
+            # float32 params (bfloat16 and float16 checkpoints upcast), as the models' layers
+            out[path] = _to_device(host, jnp.float32, place(path, aval.shape))
+        weights.close(file)
+    return model, ParamsDict.from_flat({p: out[p] for p in targets})
+
+
+def plan_weights(directory, model, weights: SafetensorsDir, like: ParamsDict | None = None):
+    """``[(file, nnlite path, tensor name, transposed, aval)]``: where each param of
+    ``model`` is in the directory's files, checked from the files' headers alone (every
+    file whole, every tensor there with the shape the config implies, none left over);
+    nothing is read. HFConfigError (one line, naming the file) otherwise."""
+    family = _family(model)
+    if like is None:
+        like = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    weights.check()
     plan = []
-    for path, aval in targets.items():
+    for path, aval in like.items():
         name, transposed = hf_name(family, path)
         found = name if name in weights else None
         if found is None and family == "gpt2":  # the original GPT-2 files: no "transformer."
@@ -166,6 +197,13 @@ def load_pretrained(
             found = bare if bare in weights else None
         if found is None:
             raise HFConfigError(f"{directory}: tensor {name!r} (nnlite {path}) is missing")
+        shape = weights.shape(found)
+        want = tuple(aval.shape)[::-1] if transposed else tuple(aval.shape)
+        if shape != want:
+            raise HFConfigError(
+                f"{weights.file_of(found)}: tensor {found!r} has shape {shape}, "
+                f"{Path(directory) / 'config.json'} implies {want}"
+            )
         plan.append((weights.file_of(found), path, found, transposed, aval))
     used = {p[2] for p in plan}
     extra = sorted(
@@ -180,20 +218,7 @@ def load_pretrained(
             f"{directory}: tensor {extra[0]!r} is not part of the {family} model nnlite builds "
             f"from config.json ({len(extra)} such tensors)"
         )
-    out: dict[str, Any] = {}
-    for file in sorted({p[0] for p in plan}):  # file by file, each map dropped after
-        for _, path, name, transposed, aval in (p for p in plan if p[0] == file):
-            host = weights.tensor(name)
-            host = host.T if transposed else host
-            if tuple(host.shape) != tuple(aval.shape):
-                raise HFConfigError(
-                    f"{directory}: tensor {name!r} has shape {tuple(weights.tensor(name).shape)}"
-                    f", config.json implies {tuple(aval.shape)[::-1] if transposed else aval.shape}"
-                )
-            # float32 params (bfloat16 and float16 checkpoints upcast), as the models' layers
-            out[path] = _to_device(host, jnp.float32, place(path, aval.shape))
-        weights.close(file)
-    return model, ParamsDict.from_flat({p: out[p] for p in targets})
+    return plan
 
 
 def _to_device(host: np.ndarray, dtype: Any, sharding: Any) -> jax.Array:
@@ -229,7 +254,7 @@ def hf_config(model: GPT2LM | LlamaLM, dtype: str = "float32") -> dict[str, Any]
             "activation_function": _ACT_BACK[model.activation],
             "layer_norm_epsilon": model.eps,
             "tie_word_embeddings": model.tie_head,
-            "torch_dtype": dtype,
+            "dtype": dtype,  # transformers 5 (torch_dtype before it)
         }
     mt = model.model_type
     if mt == "qwen2" and (not model.qkv_bias or model.out_bias):
@@ -258,7 +283,7 @@ def hf_config(model: GPT2LM | LlamaLM, dtype: str = "float32") -> dict[str, Any]
         "rope_scaling": scaling,
         "mlp_bias": model.mlp_bias,
         "tie_word_embeddings": model.tie_head,
-        "torch_dtype": dtype,
+        "dtype": dtype,  # transformers 5 (torch_dtype before it)
     }
     if mt == "qwen2":
         cfg["use_sliding_window"] = False
@@ -278,23 +303,28 @@ def save_pretrained(
     params: ParamsDict,
     tokenizer: Any = None,
     *,
-    dtype: Any = "float32",
+    dtype: Any = None,
     source: str | os.PathLike | None = None,
     max_shard_bytes: int | None = None,
 ) -> Path:
     """Write ``model`` and ``params`` as a Hugging Face model directory that
     ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads: ``config.json``,
     ``model.safetensors`` (or shards of at most ``max_shard_bytes`` with their index) in
-    Hugging Face's names and layouts, and the tokenizer's files when given. LoRA adapters
-    are merged into their weights first.
+    Hugging Face's names and layouts, and the tokenizer's files, which
+    ``transformers.AutoTokenizer.from_pretrained(directory)`` reads. LoRA adapters are
+    merged into their weights first.
 
     Args:
         directory: created if missing.
         model, params: an ``nl.hf.GPT2LM`` / ``nl.hf.LlamaLM`` and its params.
-        tokenizer: an ``nl.hf.Tokenizer`` (written beside the weights) or None.
-        dtype: the tensors' dtype in the file (``"float32"``, ``"bfloat16"``, ``"float16"``).
-        source: the directory the model came from: its token ids (bos/eos/pad) are copied
-            into the new config.
+        tokenizer: an ``nl.hf.Tokenizer``, a ``tokenizers.Tokenizer`` or a trainer's BPE
+            tokenizer, written beside the weights; None: the ``source`` directory's
+            tokenizer files, where it has them.
+        dtype: the tensors' dtype in the file (``"float32"``, ``"bfloat16"``, ``"float16"``);
+            None: the ``source`` checkpoint's (a bfloat16 checkpoint exports as bfloat16),
+            else the params'.
+        source: the directory the model came from: its token ids (bos/eos/pad) go into the
+            new config, its ``generation_config.json`` and tokenizer files are copied.
         max_shard_bytes: split the weights into files of at most this size.
 
     Returns:
@@ -302,7 +332,7 @@ def save_pretrained(
     """
     family = _family(model)
     model, params = merge_lora(model, params)
-    dtype_name = str(jnp.dtype(dtype))
+    dtype_name = str(jnp.dtype(dtype if dtype is not None else _dtype_of(source, params)))
     if dtype_name not in ("float32", "bfloat16", "float16"):
         raise ValueError(
             f"save_pretrained: dtype must be float32, bfloat16 or float16, not {dtype!r}"
@@ -326,6 +356,32 @@ def save_pretrained(
     d.mkdir(parents=True, exist_ok=True)
     write_safetensors(d, tensors, max_shard_bytes=max_shard_bytes)
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if source is not None and (Path(source) / _GENERATION).is_file():
+        if Path(source).resolve() != d.resolve():
+            shutil.copyfile(Path(source) / _GENERATION, d / _GENERATION)
     if tokenizer is not None:
-        tokenizer.save(d)
+        as_tokenizer(tokenizer).save(d, context=model.context)
+    elif source is not None:
+        copy_tokenizer(source, d)
     return d
+
+
+_GENERATION = "generation_config.json"
+
+
+def _dtype_of(source: str | os.PathLike | None, params: ParamsDict) -> str:
+    """The dtype an export keeps: the source checkpoint's (its config's ``dtype`` /
+    ``torch_dtype``, else its first floating tensor's), else the params' (float32 where
+    they mix)."""
+    if source is not None:
+        cfg = read_config(source)
+        named = cfg.get("dtype") or cfg.get("torch_dtype")
+        if named in ("float32", "bfloat16", "float16"):
+            return named
+        weights = SafetensorsDir(source, HFConfigError)
+        for name in weights.names():
+            kind = weights.tensor(name).dtype
+            if jnp.issubdtype(kind, jnp.floating):
+                return str(jnp.dtype(kind))
+    kinds = {str(jnp.dtype(leaf.dtype)) for _, leaf in params.items()}
+    return kinds.pop() if len(kinds) == 1 else "float32"

@@ -138,8 +138,9 @@ class GPT2Block(Module):
         with self.params_scope(""):
             return self._mlp_half(params, x)
 
-    def decode(self, params, x, cache, pos):
-        o, cache = self.attn.decode(params.attn, self.ln1(params.ln1, x), cache, pos)
+    def decode(self, params, x, cache, pos, *, mask=None, positions=None):
+        h = self.ln1(params.ln1, x)
+        o, cache = self.attn.decode(params.attn, h, cache, pos, mask=mask, positions=positions)
         return self._mlp_half(params, x + o), cache
 
 
@@ -215,6 +216,9 @@ class GPT2LM(_Decoder):
     def _embed(self, params, tokens, pos):
         x = self.wte(params.wte, tokens)
         t = tokens.shape[-1]
+        if getattr(pos, "ndim", 0) == 2:  # per-row positions [batch, T] (left padding)
+            wpe = jnp.take(params.wpe.W, pos, axis=0, mode="clip")
+            return add(x, wpe.astype(x.dtype))
         if isinstance(pos, int) and pos == 0:
             wpe = params.wpe.W[:t]
         else:

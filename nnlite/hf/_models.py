@@ -23,7 +23,7 @@ from ..nn._linear import Linear
 from ..nn._llama import LlamaBlock
 from ..nn._lora import adapter_axes, match_targets
 from ..nn._normalisation import RMSNorm
-from ._generate import generate
+from ._generate import generate, generate_stream
 
 __all__ = ["LlamaLM", "add_lora", "merge_lora"]
 
@@ -126,20 +126,38 @@ class _Decoder(Module):
             self.block_at(i).attn.empty_cache(batch, length, dtype) for i in range(self.n_layer)
         ]
 
-    def decode_step(self, params: ParamsDict, cache: list, tokens: jax.Array, pos: Any):
-        """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` at positions ``pos ..``
-        (``pos`` may be traced) given the cache of the positions before; returns the logits
-        and the cache with these positions written in."""
-        x = self._embed(params, tokens, pos)
+    def decode_step(
+        self,
+        params: ParamsDict,
+        cache: list,
+        tokens: jax.Array,
+        pos: Any,
+        *,
+        mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ):
+        """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` at cache slots ``pos ..``
+        (``pos`` may be traced) given the cache of the slots before; returns the logits
+        and the cache with these slots written in. A left-padded batch gives ``mask [batch,
+        S]`` (False: a padding slot of the cache) and ``positions [batch, T]`` (each row's
+        token positions); without them a slot is its position."""
+        x = self._embed(params, tokens, pos if positions is None else positions)
         new = []
         for i, p in enumerate(params.blocks):
-            x, c = self.block_at(i).decode(p, x, cache[i], pos)
+            x, c = self.block_at(i).decode(p, x, cache[i], pos, mask=mask, positions=positions)
             new.append(c)
         return self.logits(params, x), new
 
-    def generate(self, params, prompt, n_tokens: int, key, temperature=1.0, top_k=None, top_p=None):
-        """``prompt [batch, P]`` and ``n_tokens`` sampled tokens (``nl.hf.generate``)."""
-        return generate(self, params, prompt, n_tokens, key, temperature, top_k, top_p)
+    def generate(
+        self, params, prompt, n_tokens: int, key, temperature=1.0, top_k=None, top_p=None, **kw
+    ):
+        """``prompt [batch, P]`` and ``n_tokens`` sampled tokens (``nl.hf.generate``: also
+        ``attention_mask``, ``stop_ids``, ``pad_id``, ``repetition_penalty``)."""
+        return generate(self, params, prompt, n_tokens, key, temperature, top_k, top_p, **kw)
+
+    def generate_stream(self, params, prompt, n_tokens: int, key, *args, **kw):
+        """``nl.hf.generate_stream``: the new tokens ``[batch]`` of each step as they come."""
+        return generate_stream(self, params, prompt, n_tokens, key, *args, **kw)
 
     # -- LoRA -------------------------------------------------------------------------------
     def with_lora(self, targets, rank: int = 8, alpha: float = 16.0):

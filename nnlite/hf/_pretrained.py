@@ -11,6 +11,7 @@ gives the same params (the weights, plus LoRA adapters drawn from ``key``).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,19 +21,44 @@ import numpy as np
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..nn._lora import freeze_base, lora_mask
-from ._convert import build_model, hf_name
+from ._config import HFConfigError
+from ._convert import build_model, hf_name, plan_weights
+from ._generate import generate, generate_stream
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM
 from ._safetensors import SafetensorsDir
+from ._tokenizer import check_tokenizer
+from ._tokenizer import stop_ids as read_stop_ids
 
 __all__ = ["Pretrained"]
 
 _LORA_KEYS = ("rank", "alpha", "targets")
 
 
-@functools.lru_cache(maxsize=8)
 def _base(path: str, ignore_keys: tuple) -> GPT2LM | LlamaLM:
-    return build_model(path, ignore_keys=ignore_keys)
+    """The directory's model, its files checked (again whenever one of them changed)."""
+    try:
+        stamp = tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size)
+                             for f in Path(path).iterdir()))  # fmt: skip
+    except OSError:
+        stamp = ()
+    return _checked(path, ignore_keys, stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _checked(path: str, ignore_keys: tuple, stamp: tuple) -> GPT2LM | LlamaLM:
+    """``config.json``, every weight file's header against the model it builds, and a
+    ``tokenizer.json`` against its embedding: a broken file is one HFConfigError naming it
+    here, not a failure inside ``init``'s host callbacks."""
+    model = build_model(path, ignore_keys=ignore_keys)
+    plan_weights(path, model, SafetensorsDir(path, HFConfigError))
+    check_tokenizer(path, model.vocab_size)
+    return model
+
+
+@functools.lru_cache(maxsize=8)
+def _stop_ids(path: str) -> tuple[int, ...]:
+    return read_stop_ids(path, HFConfigError)
 
 
 def _lora_pairs(lora: Any) -> tuple:
@@ -183,15 +209,30 @@ class Pretrained(Module):
     def __call__(self, params: ParamsDict, tokens: jax.Array, *, key: jax.Array | None = None):
         return self.model(params, tokens)
 
-    def decode_step(self, params, cache, tokens, pos):
-        return self.model.decode_step(params, cache, tokens, pos)
+    def decode_step(self, params, cache, tokens, pos, **kw):
+        return self.model.decode_step(params, cache, tokens, pos, **kw)
 
     def empty_cache(self, batch: int, length: int, dtype: Any = jnp.float32):
         return self.model.empty_cache(batch, length, dtype)
 
-    def generate(self, params, prompt, n_tokens: int, key, temperature=1.0, top_k=None, top_p=None):
-        """``prompt [batch, P]`` and ``n_tokens`` sampled tokens (``nl.hf.generate``)."""
-        return self.model.generate(params, prompt, n_tokens, key, temperature, top_k, top_p)
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The directory's end-of-text ids (``nl.hf.stop_ids``): ``generate`` stops there."""
+        return _stop_ids(self.path)
+
+    def generate(
+        self, params, prompt, n_tokens: int, key, temperature=1.0, top_k=None, top_p=None, **kw
+    ):
+        """``prompt [batch, P]`` and ``n_tokens`` sampled tokens (``nl.hf.generate``),
+        stopping at the directory's end-of-text ids unless ``stop_ids`` says otherwise."""
+        kw.setdefault("stop_ids", self.stop_ids)
+        model = self.model  # the decoder's own programs: shared with load_pretrained's
+        return generate(model, params, prompt, n_tokens, key, temperature, top_k, top_p, **kw)
+
+    def generate_stream(self, params, prompt, n_tokens: int, key, *args, **kw):
+        """``nl.hf.generate_stream``: the new tokens ``[batch]`` of each step as they come."""
+        kw.setdefault("stop_ids", self.stop_ids)
+        return generate_stream(self.model, params, prompt, n_tokens, key, *args, **kw)
 
     def export(self, directory, params: ParamsDict, tokenizer: Any = None, **kwargs):
         """``nl.hf.save_pretrained`` of the trained params (adapters merged), with this

@@ -267,10 +267,11 @@ class GroupedQueryAttention(Module):
             return layer(p, x)
 
     def qkv(
-        self, params: ParamsDict, x: jax.Array, *, offset: Any = 0
+        self, params: ParamsDict, x: jax.Array, *, offset: Any = 0, positions: Any = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``q: [..., T, num_heads, head_dim]``, ``k, v: [..., T, num_kv_heads, head_dim]`` of
-        ``x: [..., T, features]``; q and k rotated at positions ``offset ..`` when ``rotary``."""
+        ``x: [..., T, features]``; q and k rotated at positions ``offset ..`` when ``rotary``,
+        or at ``positions: [..., T]`` (integers, e.g. per row of a left-padded batch)."""
         self.check_input(x, self.features, min_rank=2)
         lead, h, kv, d = x.shape[:-1], self.num_heads, self.kv_heads, self.dim
         if self.fused_qkv:
@@ -284,6 +285,8 @@ class GroupedQueryAttention(Module):
             inv_freq, factor = self.frequencies
             t = x.shape[-2]
             pos = (jnp.arange(t, dtype=jnp.int32) + jnp.asarray(offset, jnp.int32))[:, None]
+            if positions is not None:
+                pos = jnp.asarray(positions, jnp.int32)[..., None]
             q = rope(q, pos, inv_freq=inv_freq, attention_factor=factor)
             k = rope(k, pos, inv_freq=inv_freq, attention_factor=factor)
         return q, k, v
@@ -338,17 +341,29 @@ class GroupedQueryAttention(Module):
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
     def decode(
-        self, params: ParamsDict, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: Any
+        self,
+        params: ParamsDict,
+        x: jax.Array,
+        cache: tuple[jax.Array, jax.Array],
+        pos: Any,
+        *,
+        mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """``x: [B, T, features]`` at positions ``pos .. pos + T - 1`` (``pos`` may be traced)
-        against a fixed-size ``cache`` holding positions ``< pos``: the attention output and
-        the cache with these positions' keys and values written in. Inference only."""
+        """``x: [B, T, features]`` at cache slots ``pos .. pos + T - 1`` (``pos`` may be
+        traced) against a fixed-size ``cache`` holding slots ``< pos``: the attention output
+        and the cache with these slots' keys and values written in. Inference only.
+
+        A left-padded batch passes ``mask: [B, S]`` (boolean over the cache's ``S`` slots:
+        False for padding, which no query sees) and ``positions: [B, T]`` (each row's
+        rotary positions; default: the slots)."""
         ck, cv = cache
-        q, k, v = self.qkv(params, x, offset=pos)
+        q, k, v = self.qkv(params, x, offset=pos, positions=positions)
         at = (0, pos, 0, 0)
         ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), at)
         cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), at)
-        o = self.attend(q, ck.astype(q.dtype), cv.astype(q.dtype), q_offset=pos)
+        keys = None if mask is None else mask[:, None, None, :]
+        o = self.attend(q, ck.astype(q.dtype), cv.astype(q.dtype), mask=keys, q_offset=pos)
         return self.project(params, o), (ck, cv)
 
     def __call__(

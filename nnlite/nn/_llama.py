@@ -174,12 +174,20 @@ class LlamaBlock(Module):
         return self._mlp_half(params, x)
 
     def decode(
-        self, params: ParamsDict, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: Any
+        self,
+        params: ParamsDict,
+        x: jax.Array,
+        cache: tuple[jax.Array, jax.Array],
+        pos: Any,
+        *,
+        mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """The block on ``x: [B, T, features]`` at positions ``pos ..`` against this layer's
-        key/value ``cache`` (``attn.empty_cache``); returns the output and the updated cache."""
+        """The block on ``x: [B, T, features]`` at cache slots ``pos ..`` against this layer's
+        key/value ``cache`` (``attn.empty_cache``); returns the output and the updated cache.
+        ``mask``, ``positions``: a left-padded batch's (``GroupedQueryAttention.decode``)."""
         if self.dtype is not None:
             x = x.astype(self.dtype)
         h = self.ln1(params.ln1, x)
-        o, cache = self.attn.decode(params.attn, h, cache, pos)
+        o, cache = self.attn.decode(params.attn, h, cache, pos, mask=mask, positions=positions)
         return self._mlp_half(params, x + o.astype(x.dtype)), cache
