@@ -20,7 +20,7 @@ import numpy as np
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..nn._lora import freeze_base, lora_mask
-from ._convert import build_model, hf_name
+from ._convert import build_model, family_of, hf_name
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM
 from ._safetensors import SafetensorsDir
@@ -132,7 +132,7 @@ class Pretrained(Module):
         """The directory's weights (float32), each read by a host callback, plus fresh LoRA
         adapters from ``key``."""
         base = self.base
-        family = "gpt2" if isinstance(base, GPT2LM) else "llama"
+        family = family_of(base)
         like = jax.eval_shape(base.init, jax.random.key(0))
         path = self.path
 
