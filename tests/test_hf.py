@@ -430,7 +430,11 @@ LLAMA = dict(
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"model_type": "bert"}, "model_type 'bert' is not supported; supported: gpt2, llama"),
+        (
+            {"model_type": "bert"},
+            "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3, "
+            "gemma, gemma2$",
+        ),
         ({"sliding_window": 8}, "transformers' llama has no sliding-window attention"),
         (
             {"model_type": "qwen3", "layer_types": ["chunked_attention"]},
