@@ -141,8 +141,8 @@ class GroupedQueryAttention(Module):
         fused_qkv: one ``qkv`` projection instead of ``q``, ``k``, ``v``.
         rotary, rope_theta, rope_scaling, max_position_embeddings: rotary embeddings (the
             last is YaRN's default original context).
-        qk_norm, norm_eps: RMSNorm of each head of q and k (``/q_norm``, ``/k_norm``), its
-            epsilon.
+        qk_norm, norm_eps, norm_offset: RMSNorm of each head of q and k (``/q_norm``,
+            ``/k_norm``), its epsilon and ``scale_offset``.
         scale: the logits' factor (None: ``1 / sqrt(head_dim)``).
         softcap: cap the logits at ``softcap * tanh(logits / softcap)`` (None: no cap).
         window: sliding-window size, with ``causal`` (None: every earlier key).
@@ -178,6 +178,7 @@ class GroupedQueryAttention(Module):
     max_position_embeddings: int | None = None
     qk_norm: bool = False
     norm_eps: float = 1e-6
+    norm_offset: float = 0.0
     scale: float | None = None
     softcap: float | None = None
     window: int | None = None
@@ -284,7 +285,13 @@ class GroupedQueryAttention(Module):
     @property
     def head_norm(self) -> RMSNorm:
         """The RMSNorm of one head's features (``/q_norm`` and ``/k_norm`` with ``qk_norm``)."""
-        return RMSNorm(self.dim, self.norm_eps, param_dtype=self.param_dtype, dtype=self.dtype)
+        return RMSNorm(
+            self.dim,
+            self.norm_eps,
+            scale_offset=self.norm_offset,
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+        )
 
     @property
     def children(self) -> dict[str, Linear | LoRA]:

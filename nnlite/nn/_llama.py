@@ -146,6 +146,7 @@ class LlamaBlock(Module):
             max_position_embeddings=self.max_position_embeddings,
             qk_norm=self.qk_norm,
             norm_eps=self.eps,
+            norm_offset=self.norm_offset,
             scale=self.attn_scale,
             softcap=self.attn_softcap,
             window=self.window,
