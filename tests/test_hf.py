@@ -113,11 +113,11 @@ def _configs(transformers):
         ),
         # Gemma 2: a sliding layer then a global one, soft caps low enough to bite (and
         # larger weights, so that the logits reach them), query_pre_attn_scalar != head_dim,
-        # four norms a block
+        # four norms a block, and the cache_implementation key Gemma 2's configs carry
         "gemma2": transformers.Gemma2Config(
             **small, **dims, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
-            final_logit_softcapping=5.0, initializer_range=0.3,
+            final_logit_softcapping=5.0, initializer_range=0.3, cache_implementation="hybrid",
         ),
         # Qwen3: q/k norms, head_dim 16; Qwen's sliding window from layer max_window_layers on
         "qwen3-window": transformers.Qwen3Config(

@@ -82,7 +82,8 @@ IGNORED_KEYS = frozenset(
     num_beams repetition_penalty typical_p num_return_sequences
     attention_dropout resid_pdrop embd_pdrop attn_pdrop summary_type summary_use_proj
     summary_activation summary_proj_to_labels summary_first_dropout n_ctx pretraining_tp
-    is_llama_config quantization_config_none use_return_dict""".split()
+    is_llama_config quantization_config_none use_return_dict
+    cache_implementation""".split()
 )
 
 _GPT2_USED = {
