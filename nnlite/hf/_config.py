@@ -304,29 +304,29 @@ def model_kwargs(cfg: dict, where: str = "config.json", ignore_keys=()) -> tuple
         )
     family = FAMILIES[model_type]
     try:
-        if family == "llama":
-            return family, _llama_kwargs(cfg, model_type, where, ignore_keys)
-        _check_keys(cfg, _GPT2_USED, where, ignore_keys)
-        _windows(cfg, model_type, int(cfg.get("n_layer", 12)), where)
-        act = cfg.get("activation_function", "gelu_new")
-        acts = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
-        acts |= {"tanh": "tanh", "silu": "silu", "swish": "silu"}
-        if act not in acts:
-            raise HFConfigError(
-                f"{where}: activation_function {act!r} is not supported; supported: "
-                + ", ".join(acts)
+        if family == "gpt2":
+            _check_keys(cfg, _GPT2_USED, where, ignore_keys)
+            _windows(cfg, model_type, int(cfg.get("n_layer", 12)), where)
+            act = cfg.get("activation_function", "gelu_new")
+            acts = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
+            acts |= {"tanh": "tanh", "silu": "silu", "swish": "silu"}
+            if act not in acts:
+                raise HFConfigError(
+                    f"{where}: activation_function {act!r} is not supported; supported: "
+                    + ", ".join(acts)
+                )
+            n_embd = int(cfg.get("n_embd", 768))
+            return family, dict(
+                vocab_size=int(cfg["vocab_size"]),
+                context=int(cfg.get("n_positions", cfg.get("n_ctx", 1024))),
+                n_layer=int(cfg.get("n_layer", 12)),
+                n_head=int(cfg.get("n_head", 12)),
+                n_embd=n_embd,
+                n_inner=int(cfg.get("n_inner") or 4 * n_embd),
+                activation=acts[act],
+                eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+                tie_head=bool(cfg.get("tie_word_embeddings", True)),
             )
-        n_embd = int(cfg.get("n_embd", 768))
-        return family, dict(
-            vocab_size=int(cfg["vocab_size"]),
-            context=int(cfg.get("n_positions", cfg.get("n_ctx", 1024))),
-            n_layer=int(cfg.get("n_layer", 12)),
-            n_head=int(cfg.get("n_head", 12)),
-            n_embd=n_embd,
-            n_inner=int(cfg.get("n_inner") or 4 * n_embd),
-            activation=acts[act],
-            eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-            tie_head=bool(cfg.get("tie_word_embeddings", True)),
-        )
+        return family, _llama_kwargs(cfg, model_type, where, ignore_keys)
     except KeyError as e:
         raise HFConfigError(f"{where}: missing key {e.args[0]!r}") from None
