@@ -134,6 +134,8 @@ from .nn._activations import leaky_relu as leaky_relu
 from .nn._activations import leaky_relu_vjp as leaky_relu_vjp
 from .nn._activations import silu as silu
 from .nn._activations import silu_vjp as silu_vjp
+from .nn._activations import softcap as softcap
+from .nn._activations import softcap_vjp as softcap_vjp
 from .nn._adaptive_pool import adaptive_avg_pool as adaptive_avg_pool
 from .nn._adaptive_pool import adaptive_avg_pool_vjp as adaptive_avg_pool_vjp
 from .nn._adaptive_pool import adaptive_max_pool as adaptive_max_pool
@@ -196,6 +198,8 @@ from .nn._rotary import rotary as rotary
 from .nn._rotary import rotary_vjp as rotary_vjp
 from .nn._stack import stack_scan as stack_scan
 from .nn._stack import stack_scan_vjp as stack_scan_vjp
+from .nn._swiglu import geglu as geglu
+from .nn._swiglu import geglu_vjp as geglu_vjp
 from .nn._swiglu import swiglu as swiglu
 from .nn._swiglu import swiglu_vjp as swiglu_vjp
 from .vjp import batched as batched  # noqa: E402 -- the seed's libraries, by convention

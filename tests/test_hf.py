@@ -14,7 +14,7 @@ from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from _tolerance import check_rule as check
 
 import nnlite as nl
-from nnlite.nn import _gqa, _lora, _rope_scaling, _swiglu
+from nnlite.nn import _activations, _gqa, _lora, _normalisation, _rope_scaling, _swiglu
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,17 +98,39 @@ def _configs(transformers):
             **small, **one, num_attention_heads=4, num_key_value_heads=2,
             tie_word_embeddings=True,
         ),
-        # Mistral without a sliding window, YaRN scaling, head_dim != hidden / heads
-        "mistral-yarn": transformers.MistralConfig(
+        # Mistral with a sliding window shorter than the test's sequences, YaRN scaling,
+        # head_dim != hidden / heads
+        "mistral-yarn-window": transformers.MistralConfig(
             **small, **one, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            sliding_window=None,
+            sliding_window=7,
             rope_scaling={"rope_type": "yarn", "factor": 4.0,
                           "original_max_position_embeddings": 16},
+        ),
+        # Gemma: (1 + w) RMSNorms, embeddings times sqrt(hidden), GeGLU, head_dim 16 != 32 / 4,
+        # tied head
+        "gemma": transformers.GemmaConfig(
+            **small, **one, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        ),
+        # Gemma 2: a sliding layer then a global one, soft caps low enough to bite (and
+        # larger weights, so that the logits reach them), query_pre_attn_scalar != head_dim,
+        # four norms a block, and the cache_implementation key Gemma 2's configs carry
+        "gemma2": transformers.Gemma2Config(
+            **small, **dims, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0, initializer_range=0.3, cache_implementation="hybrid",
+        ),
+        # Qwen3: q/k norms, head_dim 16; Qwen's sliding window from layer max_window_layers on
+        "qwen3-window": transformers.Qwen3Config(
+            **small, **dims, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            use_sliding_window=True, sliding_window=5, max_window_layers=1,
         ),
     }  # fmt: skip
 
 
-ARCHS = ["gpt2", "llama-gqa-llama3", "llama-tied-linear-biases", "qwen2", "mistral-yarn"]
+ARCHS = [
+    "gpt2", "llama-gqa-llama3", "llama-tied-linear-biases", "qwen2", "mistral-yarn-window",
+    "gemma", "gemma2", "qwen3-window",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +259,47 @@ def test_rope_swiglu_lora_rules(rand):
     check(_swiglu.swiglu, rand(3, 7), rand(3, 7))
     check(_lora.lora_linear, rand(2, 3, 5), rand(5, 4), rand(4), rand(5, 2), rand(2, 4), scale=2.0)
     check(_lora.lora_linear, rand(3, 5), rand(5, 4), None, rand(5, 2), rand(2, 4), scale=0.5)
+
+
+def test_gemma_and_qwen3_rules(rand):
+    """The rules Gemma, Gemma 2 and Qwen3 added: the (1 + w) RMSNorm, GeGLU, soft capping,
+    and grouped attention with another scale, capped logits and a sliding window."""
+    check(_normalisation.rms_norm, rand(2, 5, 6), rand(6), eps=1e-6, offset=1.0)
+    check(_swiglu.geglu, rand(3, 7), rand(3, 7))
+    check(_activations.softcap, 3 * rand(3, 7), cap=2.0)  # well into tanh's bend
+    q, k, v = 2 * rand(2, 7, 4, 3), 2 * rand(2, 7, 2, 3), rand(2, 7, 2, 3)
+    window = nl.nn._attention.causal_mask(7, 7, window=3)[None, None]
+    check(_gqa.grouped_attention, q, k, v, window, scale=0.7, softcap=0.8)
+    # a cached decode step's query at position 5 sees keys 3, 4, 5
+    assert nl.nn._attention.causal_mask(1, 8, 5, window=3).tolist() == [[0, 0, 0, 1, 1, 1, 0, 0]]
+    for name in ("geglu", "softcap"):
+        f, f_vjp = nl.rules.RULES[name]
+        assert f.f_vjp is f_vjp and f"{name}_vjp" in nl.rules.__all__
+
+
+def test_manual_grads_equal_autodiff_through_gemma2_and_qwen3_options(key):
+    """Every new option at once (GeGLU, (1 + w) norms, scaled embeddings, q/k norms, post
+    norms, query_pre_attn_scalar, both soft caps, a sliding layer then a full one): the
+    hand rules cover the model and give autodiff's gradients."""
+    model = nl.hf.LlamaLM(
+        vocab_size=31, context=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, hidden=24,
+        head_dim=8, tie_head=True, activation="gelu", norm_offset=1.0, scale_embeddings=True,
+        qk_norm=True, post_norms=True, query_pre_attn_scalar=12.0, attn_softcap=1.0,
+        logit_softcap=2.0, sliding_window=3, layer_types=("sliding_attention", "full_attention"),
+    )  # fmt: skip
+    params = jax.device_get(jax.jit(model.init)(key))
+    rng = np.random.default_rng(0)  # norms off zero, weights large enough for the caps to bite
+    params = jax.device_put(jax.tree.map(lambda a: a + np.float32(0.3) * rng.standard_normal(
+        a.shape, np.float32), params))  # fmt: skip
+    tokens = jnp.asarray(rng.integers(0, 31, (2, 9)), jnp.int32)
+
+    def loss(p):
+        logits = model(p, tokens[:, :-1])
+        return nl.softmax_cross_entropy(logits, tokens[:, 1:], reduction="mean")
+
+    auto = jax.jit(jax.grad(loss))(params)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params)
+    assert_close_f32(hand, auto, ops=ROUNDINGS_PER_LAYER * 6)
 
 
 def test_manual_grads_equal_autodiff_through_a_llama_with_lora(key):
@@ -368,8 +431,25 @@ LLAMA = dict(
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"model_type": "bert"}, "model_type 'bert' is not supported; supported: gpt2, llama"),
-        ({"model_type": "mistral", "sliding_window": 8}, "sliding_window=8 .* not supported"),
+        (
+            {"model_type": "bert"},
+            "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3, "
+            "gemma, gemma2$",
+        ),
+        ({"sliding_window": 8}, "transformers' llama has no sliding-window attention"),
+        (
+            {"model_type": "qwen3", "layer_types": ["chunked_attention"]},
+            "layer_types must list 1 of full_attention, sliding_attention",
+        ),
+        (
+            {"model_type": "gemma2", "hidden_activation": "gelu"},
+            "hidden_activation 'gelu' is not supported",
+        ),
+        (
+            {"model_type": "gemma", "hidden_act": "gelu", "hidden_activation": "silu"},
+            "hidden_activation 'silu' disagrees with hidden_act 'gelu_pytorch_tanh'",
+        ),
+        ({"model_type": "gemma", "use_bidirectional_attention": True}, "bidirectional attention"),
         ({"num_local_experts": 8}, "num_local_experts=8: mixture-of-experts layers"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
@@ -403,6 +483,27 @@ def test_bad_directories(tmp_path):
         nl.hf.HFConfigError, match=r"'model.layers.0.mlp.up_proj.weight' .* missing"
     ):
         nl.hf.load_pretrained(d)
+
+
+def test_export_refuses_what_its_model_type_cannot_describe():
+    kw = dict(vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=8, hidden=8)
+    with pytest.raises(ValueError, match="a llama config describes qk_norm=False; this model"):
+        nl.hf.hf_config(nl.hf.LlamaLM(**kw, qk_norm=True))
+    with pytest.raises(ValueError, match="a qwen3 config describes norm_offset=0.0"):
+        nl.hf.hf_config(nl.hf.LlamaLM(**kw, qk_norm=True, norm_offset=1.0, model_type="qwen3"))
+    with pytest.raises(ValueError, match="model_type 'llama' has no sliding-window attention"):
+        nl.hf.hf_config(nl.hf.LlamaLM(**kw, sliding_window=4))
+    alternate = dict(sliding_window=4, layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ValueError, match="a mistral config slides every layer or none"):
+        nl.hf.hf_config(nl.hf.LlamaLM(**kw, **alternate, model_type="mistral"))
+    cfg = nl.hf.hf_config(nl.hf.LlamaLM(**kw, **alternate, qk_norm=True, model_type="qwen3"))
+    assert cfg["use_sliding_window"] and cfg["layer_types"] == list(alternate["layer_types"])
+    with pytest.raises(ValueError, match="layer_types has 1 entries, n_layer=2"):
+        nl.hf.LlamaLM(**kw, sliding_window=4, layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match="layer_types has sliding_attention but sliding_window"):
+        nl.hf.LlamaLM(**kw, layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ValueError, match="activation 'relu' is not one of silu, gelu"):
+        nl.hf.LlamaLM(**kw, activation="relu")
 
 
 def test_importing_nnlite_pulls_no_new_dependency():
@@ -526,3 +627,33 @@ def test_trainer_fine_tunes_a_pretrained_directory_with_lora(tmp_path, capsys):
     m2, p2 = nl.hf.load_pretrained(out)
     tokens = np.arange(10).reshape(1, 10)
     assert_close_f32(jax.jit(m2)(p2, tokens), jax.jit(loaded.model)(loaded.params, tokens), ops=24)
+
+
+def test_trainer_fine_tunes_a_gemma2_directory(tf, checkpoint, tmp_path):
+    """model.name "hf:DIR" on a transformers-made Gemma 2 (windows shorter than the training
+    context, soft caps, four norms a block): loss.grad auto resolves to the hand rules and
+    one full fine-tuning step moves every weight."""
+    from train import prepare
+    from train.config import config_from_dict
+    from train.loop.trainer import train as train_run
+
+    src = checkpoint("gemma2")[0]
+    text = " ".join(np.random.default_rng(0).choice(["abc", "de", "fgh", "ij"], 400))
+    (tmp_path / "t.txt").write_text(text)
+    assert prepare.main(["--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "tok")]) == 0
+    raw = {
+        "name": "gemma2",
+        "model": {"name": f"hf:{src}"},
+        "data": {"name": "tokens", "path": str(tmp_path / "tok"), "context": 16,
+                 "placement": "host", "eval_windows": 4},
+        "optimizer": {"name": "adam", "learning_rate": 0.01, "schedule": "constant",
+                      "clip_norm": None},
+        "train": {"batch_size": 4, "steps": 1, "eval_every": 1, "log_every": 1},
+        "parallel": {"strategy": "none"},
+        "log": {"dir": str(tmp_path / "runs"), "progress": False, "plot": False},
+    }  # fmt: skip
+    r = train_run(config_from_dict(raw), resume="fresh", echo=lambda s: None)
+    assert r.grad_mode == "manual" and r.step == 1
+    base = nl.hf.load_pretrained(src)[1]
+    for (path, new), (_, old) in zip(r.params.items(), base.items(), strict=True):
+        assert np.isfinite(new).all() and not np.array_equal(new, old), path

@@ -1,4 +1,5 @@
-"""Pretrained models in and out: Hugging Face GPT-2 and Llama-family model directories.
+"""Pretrained models in and out: Hugging Face GPT-2 and Llama-family model directories
+(Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2).
 
 ``model, params = nl.hf.load_pretrained(dir)`` builds an ``nl.hf.GPT2LM`` or ``nl.hf.LlamaLM``
 from ``config.json`` and reads its safetensors lazily; ``nl.hf.save_pretrained(dir, model,
@@ -18,8 +19,10 @@ from ..nn._lora import lora_mask as lora_mask
 from ..nn._lora import lora_split as lora_split
 from ._config import FAMILIES as FAMILIES
 from ._config import IGNORED_KEYS as IGNORED_KEYS
+from ._config import PROFILES as PROFILES
 from ._config import HFConfigError as HFConfigError
 from ._convert import build_model as build_model
+from ._convert import family_of as family_of
 from ._convert import hf_config as hf_config
 from ._convert import hf_name as hf_name
 from ._convert import load_pretrained as load_pretrained
@@ -87,11 +90,13 @@ __all__ = [
     "IGNORED_KEYS",
     "LlamaLM",
     "MIN_BUCKET",
+    "PROFILES",
     "Pretrained",
     "Tokenizer",
     "add_lora",
     "bucket",
     "build_model",
+    "family_of",
     "from_pretrained",
     "generate",
     "generate_stream",

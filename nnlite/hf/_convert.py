@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._params import ParamsDict
-from ._config import HFConfigError, model_kwargs, read_config
+from ._config import PROFILES, HFConfigError, model_kwargs, read_config
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM, merge_lora
 from ._safetensors import SafetensorsDir, write_safetensors
 from ._tokenizer import as_tokenizer, check_tokenizer, copy_tokenizer
 
-__all__ = ["hf_name", "load_pretrained", "plan_weights", "save_pretrained"]
+__all__ = ["family_of", "hf_name", "load_pretrained", "plan_weights", "save_pretrained"]
 
 # (nnlite path regex, Hugging Face name template, transposed)
 _GPT2 = [
@@ -67,14 +67,36 @@ _LLAMA = [
         for k in ("gate", "up", "down")
         for p, n in (("W", "weight"), ("b", "bias"))
     ],
+    *[
+        (
+            rf"/blocks\[(\d+)\]/attn/{k}_norm/scale",
+            f"model.layers.{{0}}.self_attn.{k}_norm.weight",
+            False,
+        )
+        for k in ("q", "k")
+    ],
     (r"/ln_f/scale", "model.norm.weight", False),
     (r"/head/W", "lm_head.weight", True),
 ]
-_TABLES = {"gpt2": _GPT2, "llama": _LLAMA}
+# Gemma 2 normalises each half's output too, and its "post_attention_layernorm" is the norm
+# after the attention, not the one before the MLP as in Llama
+_GEMMA2_NORMS = {
+    "ln2": "pre_feedforward_layernorm",
+    "post_ln1": "post_attention_layernorm",
+    "post_ln2": "post_feedforward_layernorm",
+}
+_GEMMA2 = [
+    *[(rf"/blocks\[(\d+)\]/{k}/scale", f"model.layers.{{0}}.{v}.weight", False)
+      for k, v in _GEMMA2_NORMS.items()],
+    *(row for row in _LLAMA if not row[0].startswith(r"/blocks\[(\d+)\]/ln2")),
+]  # fmt: skip
+_TABLES = {"gpt2": _GPT2, "llama": _LLAMA, "gemma2": _GEMMA2}
 
 
 def hf_name(family: str, path: str) -> tuple[str, bool]:
-    """``(Hugging Face tensor name, transposed)`` of the nnlite param ``path``.
+    """``(Hugging Face tensor name, transposed)`` of the nnlite param ``path`` in the naming
+    ``family`` (``"gpt2"``, ``"llama"``, or ``"gemma2"``: Llama's with Gemma 2's four norms
+    a block; ``family_of(model)``).
 
     Example:
         >>> hf_name("llama", "/blocks[3]/attn/q/W")
@@ -87,11 +109,12 @@ def hf_name(family: str, path: str) -> tuple[str, bool]:
     raise ValueError(f"no Hugging Face name for the {family} param {path}")
 
 
-def _family(model: Any) -> str:
+def family_of(model: Any) -> str:
+    """The weight-naming family of an ``nl.hf`` model (``hf_name``'s first argument)."""
     if isinstance(model, GPT2LM):
         return "gpt2"
     if isinstance(model, LlamaLM):
-        return "llama"
+        return "gemma2" if model.post_norms else "llama"
     raise TypeError(
         f"save_pretrained: expected an nl.hf.GPT2LM or nl.hf.LlamaLM, got {type(model).__name__}"
     )
@@ -184,7 +207,7 @@ def plan_weights(directory, model, weights: SafetensorsDir, like: ParamsDict | N
     ``model`` is in the directory's files, checked from the files' headers alone (every
     file whole, every tensor there with the shape the config implies, none left over);
     nothing is read. HFConfigError (one line, naming the file) otherwise."""
-    family = _family(model)
+    family = family_of(model)
     if like is None:
         like = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     weights.check()
@@ -235,8 +258,12 @@ _ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 _ACT_BACK = {"gelu": "gelu_new", "relu": "relu", "tanh": "tanh", "silu": "silu"}
+_GATE_BACK = {"silu": "silu", "gelu": "gelu_pytorch_tanh"}
 
 
 def hf_config(model: GPT2LM | LlamaLM, dtype: str = "float32") -> dict[str, Any]:
@@ -257,15 +284,7 @@ def hf_config(model: GPT2LM | LlamaLM, dtype: str = "float32") -> dict[str, Any]
             "dtype": dtype,  # transformers 5 (torch_dtype before it)
         }
     mt = model.model_type
-    if mt == "qwen2" and (not model.qkv_bias or model.out_bias):
-        raise ValueError("save_pretrained: a qwen2 model has q/k/v biases and no output bias")
-    if mt != "qwen2" and model.qkv_bias != model.out_bias:
-        raise ValueError(
-            f"save_pretrained: a {mt} config has one attention_bias for q, k, v and the output "
-            f"projection; this model has qkv_bias={model.qkv_bias}, out_bias={model.out_bias} "
-            "(build it with model_type='qwen2' for q/k/v biases only)"
-        )
-    scaling = dict(model.rope_scaling) or None
+    _check_exportable(model)
     cfg = {
         "architectures": [_ARCH[mt]],
         "model_type": mt,
@@ -276,22 +295,80 @@ def hf_config(model: GPT2LM | LlamaLM, dtype: str = "float32") -> dict[str, Any]
         "num_attention_heads": model.n_head,
         "num_key_value_heads": model.n_kv_head or model.n_head,
         "head_dim": model.head_dim or model.n_embd // model.n_head,
-        "hidden_act": "silu",
+        "hidden_act": _GATE_BACK[model.activation],
         "max_position_embeddings": model.context,
         "rms_norm_eps": model.eps,
         "rope_theta": model.rope_theta,
-        "rope_scaling": scaling,
-        "mlp_bias": model.mlp_bias,
+        "rope_scaling": dict(model.rope_scaling) or None,
         "tie_word_embeddings": model.tie_head,
         "dtype": dtype,  # transformers 5 (torch_dtype before it)
     }
-    if mt == "qwen2":
-        cfg["use_sliding_window"] = False
-    else:
+    if mt == "llama":
+        cfg["mlp_bias"] = model.mlp_bias
+    if mt != "qwen2":  # Qwen2's q/k/v biases are not a key
         cfg["attention_bias"] = model.out_bias
+    if mt == "gemma2":
+        cfg["hidden_activation"] = cfg.pop("hidden_act")
+        scalar = model.query_pre_attn_scalar or cfg["head_dim"]  # None: head_dim's scale
+        cfg["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
+        cfg["attn_logit_softcapping"] = model.attn_softcap
+        cfg["final_logit_softcapping"] = model.logit_softcap
+    return cfg | _window_keys(model)
+
+
+def _window_keys(model: LlamaLM) -> dict[str, Any]:
+    """The sliding-window keys of ``model``'s type; refuses layers the type cannot slide."""
+    mt, window = model.model_type, model.sliding_window
+    kind = "full_attention" if window is None else "sliding_attention"
+    types = list(model.layer_types) or [kind] * model.n_layer
+    if mt == "mistral" and window is not None and set(types) != {"sliding_attention"}:
+        raise ValueError(
+            f"save_pretrained: a mistral config slides every layer or none; this model's "
+            f"layer_types are {model.layer_types} (build it with model_type='qwen2' or 'gemma2')"
+        )
+    if mt in ("qwen2", "qwen3"):
+        return {"use_sliding_window": window is not None, "sliding_window": window,
+                "max_window_layers": model.n_layer, "layer_types": types}  # fmt: skip
+    if mt == "gemma2":
+        return {"sliding_window": window, "layer_types": types}
     if mt == "mistral":
-        cfg["sliding_window"] = None
-    return cfg
+        return {"sliding_window": window}
+    if window is not None:
+        raise ValueError(
+            f"save_pretrained: model_type {mt!r} has no sliding-window attention; this model "
+            f"has sliding_window={window} (build it with model_type mistral, qwen2, qwen3 or "
+            "gemma2)"
+        )
+    return {}
+
+
+def _check_exportable(model: LlamaLM) -> None:
+    """Refuses a model whose layers its ``model_type`` cannot describe, naming the field."""
+    mt = model.model_type
+    if mt not in PROFILES:
+        raise ValueError(f"save_pretrained: model_type {mt!r} is not one of {', '.join(PROFILES)}")
+    want = dict(PROFILES[mt])
+    if mt != "gemma2":
+        want |= {"query_pre_attn_scalar": None, "attn_softcap": None, "logit_softcap": None}
+    if mt != "llama":
+        want["mlp_bias"] = False
+    if mt == "mistral":
+        want |= {"qkv_bias": False, "out_bias": False}
+    wrong = [(k, v) for k, v in want.items() if getattr(model, k) != v]
+    if wrong:
+        k, v = wrong[0]
+        raise ValueError(
+            f"save_pretrained: a {mt} config describes {k}={v!r}; this model has "
+            f"{k}={getattr(model, k)!r} (build it with the model_type whose layers it has)"
+        )
+    if mt == "qwen2" and (not model.qkv_bias or model.out_bias):
+        raise ValueError("save_pretrained: a qwen2 model has q/k/v biases and no output bias")
+    if mt != "qwen2" and model.qkv_bias != model.out_bias:
+        raise ValueError(
+            f"save_pretrained: a {mt} config has one attention_bias for q, k, v and the output "
+            f"projection; this model has qkv_bias={model.qkv_bias}, out_bias={model.out_bias} "
+            "(build it with model_type='qwen2' for q/k/v biases only)"
+        )
 
 
 _CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -330,7 +407,7 @@ def save_pretrained(
     Returns:
         The directory.
     """
-    family = _family(model)
+    family = family_of(model)
     model, params = merge_lora(model, params)
     dtype_name = str(jnp.dtype(dtype if dtype is not None else _dtype_of(source, params)))
     if dtype_name not in ("float32", "bfloat16", "float16"):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ..core._axes import param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
+from ..nn._activations import softcap
 from ..nn._embedding import Embedding
 from ..nn._linear import Linear
 from ..nn._llama import LlamaBlock
@@ -168,10 +169,21 @@ class _Decoder(Module):
 
 
 class LlamaLM(_Decoder):
-    """A Llama-family decoder as Hugging Face's ``LlamaForCausalLM`` (also Mistral without
-    sliding windows, Qwen2 with its q/k/v biases, SmolLM): a token table, ``n_layer``
-    ``nl.LlamaBlock``s (grouped-query attention with rotary embeddings, SwiGLU MLP), a final
+    """A Llama-family decoder as Hugging Face's ``LlamaForCausalLM`` (also Mistral, Qwen2 with
+    its q/k/v biases, Qwen3, Gemma, Gemma 2, SmolLM): a token table, ``n_layer``
+    ``nl.LlamaBlock``s (grouped-query attention with rotary embeddings, gated MLP), a final
     RMSNorm, the head tied to the token table or its own.
+
+    The variants are fields (``model_type`` names the Hugging Face type it exports as):
+    ``activation`` (``"silu"``: SwiGLU, ``"gelu"``: Gemma's GeGLU), ``norm_offset`` (1: Gemma's
+    ``(1 + w)`` RMSNorms), ``scale_embeddings`` (Gemma: the embeddings times
+    ``sqrt(n_embd)``), ``qk_norm`` (Qwen3), ``post_norms`` (Gemma 2's norms on each half's
+    output), ``query_pre_attn_scalar`` (Gemma 2: logits scaled by its ``-1/2`` power, not
+    ``head_dim``'s), ``attn_softcap`` and ``logit_softcap`` (Gemma 2's soft caps of the
+    attention logits and the output logits), ``sliding_window`` with ``layer_types``
+    (Mistral: every layer sees its ``sliding_window`` latest keys; Gemma 2 and Qwen: the
+    layers whose type is ``"sliding_attention"``, the others ``"full_attention"``; empty:
+    every layer slides when ``sliding_window`` is set).
 
     Params: ``/embed/W [vocab, n_embd]``, ``/blocks[i]/...``, ``/ln_f/scale``, ``/head/W
     [n_embd, vocab]`` when untied.
@@ -200,6 +212,16 @@ class LlamaLM(_Decoder):
     out_bias: bool = False
     mlp_bias: bool = False
     tie_head: bool = False
+    activation: str = "silu"
+    norm_offset: float = 0.0
+    scale_embeddings: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
     model_type: str = "llama"
     lora_targets: tuple[str, ...] = ()
     lora_rank: int = 8
@@ -211,9 +233,37 @@ class LlamaLM(_Decoder):
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         super().__post_init__()
         self._check_common()
-        self.block_at(0)  # noqa: B018
+        self._check_windows()
+        if self.logit_softcap is not None and not (
+            isinstance(self.logit_softcap, int | float) and self.logit_softcap > 0
+        ):
+            raise ValueError(
+                f"LlamaLM: logit_softcap must be a number > 0 or None, got {self.logit_softcap!r}"
+            )
+        for i in range(self.n_layer):
+            self.block_at(i)  # validates each block's fields  # noqa: B018
+
+    def _check_windows(self) -> None:
+        kinds = ("full_attention", "sliding_attention")
+        if self.layer_types and len(self.layer_types) != self.n_layer:
+            raise ValueError(
+                f"LlamaLM: layer_types has {len(self.layer_types)} entries, n_layer={self.n_layer}"
+            )
+        bad = [t for t in self.layer_types if t not in kinds]
+        if bad:
+            raise ValueError(f"LlamaLM: layer_types entry {bad[0]!r} is not one of {kinds}")
+        if self.sliding_window is None and "sliding_attention" in self.layer_types:
+            raise ValueError("LlamaLM: layer_types has sliding_attention but sliding_window=None")
+
+    def window_at(self, i: int) -> int | None:
+        """Block ``i``'s sliding window, None where it attends to every earlier position."""
+        if self.layer_types and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def wte(self) -> Embedding:
@@ -221,7 +271,7 @@ class LlamaLM(_Decoder):
 
     @property
     def ln_f(self) -> RMSNorm:
-        return RMSNorm(self.n_embd, self.eps)
+        return RMSNorm(self.n_embd, self.eps, scale_offset=self.norm_offset)
 
     def block_at(self, i: int) -> LlamaBlock:
         return LlamaBlock(
@@ -237,6 +287,15 @@ class LlamaLM(_Decoder):
             self.qkv_bias,
             self.out_bias,
             self.mlp_bias,
+            activation=self.activation,
+            norm_offset=self.norm_offset,
+            qk_norm=self.qk_norm,
+            post_norms=self.post_norms,
+            attn_scale=(
+                None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
+            ),
+            attn_softcap=self.attn_softcap,
+            window=self.window_at(i),
             lora=self._block_lora(i),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
@@ -249,7 +308,16 @@ class LlamaLM(_Decoder):
         return ParamsDict(embed=param_axes(self.wte))
 
     def _embed(self, params, tokens, pos):
-        return self.wte(params.embed, tokens)
+        x = self.wte(params.embed, tokens)
+        if self.scale_embeddings:  # Gemma: sqrt(n_embd), rounded to the table's dtype
+            x = x * jnp.asarray(self.n_embd**0.5, x.dtype)
+        return x
+
+    def logits(self, params: ParamsDict, h: jax.Array) -> jax.Array:
+        out = super().logits(params, h)
+        if self.logit_softcap is None:
+            return out
+        return softcap(out, cap=float(self.logit_softcap))
 
 
 def merge_lora(model: _Decoder, params: ParamsDict) -> tuple[_Decoder, ParamsDict]:

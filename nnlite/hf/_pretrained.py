@@ -22,7 +22,7 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..nn._lora import freeze_base, lora_mask
 from ._config import HFConfigError
-from ._convert import build_model, hf_name, plan_weights
+from ._convert import build_model, family_of, hf_name, plan_weights
 from ._generate import generate, generate_stream
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM
@@ -158,7 +158,7 @@ class Pretrained(Module):
         """The directory's weights (float32), each read by a host callback, plus fresh LoRA
         adapters from ``key``."""
         base = self.base
-        family = "gpt2" if isinstance(base, GPT2LM) else "llama"
+        family = family_of(base)
         like = jax.eval_shape(base.init, jax.random.key(0))
         path = self.path
 

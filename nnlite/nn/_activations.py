@@ -1,4 +1,4 @@
-"""More activations with hand rules: silu, leaky_relu, elu.
+"""More activations with hand rules: silu, leaky_relu, elu, softcap.
 
 The first six (relu, gelu, tanh, sigmoid, softplus, identity) live with the batched VJP
 library; these are layer-side additions, each beside its hand-derived VJP and named in
@@ -13,7 +13,9 @@ import jax.numpy as jnp
 
 from ..grad._manual import hand_rule
 
-__all__ = ["elu", "elu_vjp", "leaky_relu", "leaky_relu_vjp", "silu", "silu_vjp"]
+__all__ = [
+    "elu", "elu_vjp", "leaky_relu", "leaky_relu_vjp", "silu", "silu_vjp", "softcap", "softcap_vjp",
+]  # fmt: skip
 
 
 def silu_vjp(x, dret):
@@ -69,3 +71,23 @@ def elu(x: jax.Array, *, alpha: float = 1.0) -> jax.Array:
         [-0.6321  2.    ]
     """
     return jax.nn.elu(x, alpha)
+
+
+def softcap_vjp(x, dret, *, cap: float):
+    """``d softcap = 1 - tanh(x / cap)^2``."""
+    t = jnp.tanh(x / jnp.asarray(cap, x.dtype))
+    return dret * (1 - t * t)
+
+
+@hand_rule(softcap_vjp)
+def softcap(x: jax.Array, *, cap: float) -> jax.Array:
+    """Soft capping (Gemma 2's logits): ``cap * tanh(x / cap)``, smooth, odd, within ``(-cap,
+    cap)`` and close to ``x`` where ``|x|`` is small against ``cap``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [round(v, 3) for v in softcap(jnp.array([0.5, 30.0, -1e4]), cap=30.0).tolist()]
+        [0.5, 22.848, -30.0]
+    """
+    c = jnp.asarray(cap, x.dtype)
+    return c * jnp.tanh(x / c)

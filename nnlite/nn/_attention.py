@@ -35,14 +35,24 @@ __all__ = [
 IMPLEMENTATIONS = (None, "xla", "cudnn", "plain")
 
 
-def causal_mask(t_q: int, t_k: int, q_offset: Any = None) -> jax.Array:
+def causal_mask(t_q: int, t_k: int, q_offset: Any = None, window: int | None = None) -> jax.Array:
     """``[t_q, t_k]`` boolean mask, True where query ``i`` may see key ``j``:
     ``j <= i + q_offset``. ``q_offset`` is the position of the first query among the keys;
-    the default ``t_k - t_q`` aligns the last query with the last key."""
+    the default ``t_k - t_q`` aligns the last query with the last key. ``window`` (sliding-
+    window attention, Mistral's and Gemma 2's): also ``j > i + q_offset - window``, the
+    ``window`` latest keys, the query's own included.
+
+    Example:
+        >>> causal_mask(4, 4, window=2).astype(int).tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    """
     offset = t_k - t_q if q_offset is None else q_offset
     i = jnp.arange(t_q)[:, None]
     j = jnp.arange(t_k)[None, :]
-    return j <= jnp.broadcast_to(i + offset, (t_q, t_k))
+    at = jnp.broadcast_to(i + offset, (t_q, t_k))  # the query's own position among the keys
+    if window is None:
+        return j <= at
+    return (j <= at) & (j > at - window)
 
 
 _BIG_NEGATIVE = -0.7 * np.finfo(np.float32).max

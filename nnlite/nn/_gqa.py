@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._axes import param_axes
 from ..core._mode import manual_active
 from ..core._module import Module
 from ..core._params import ParamsDict
@@ -24,6 +25,7 @@ from ..grad._manual import hand_rule
 from ._attention import causal_mask
 from ._linear import Linear
 from ._lora import LoRA, adapter_axes, wrap
+from ._normalisation import RMSNorm
 from ._rope_scaling import rope, rope_frequencies
 
 __all__ = ["GroupedQueryAttention", "grouped_attention", "grouped_attention_vjp"]
@@ -31,28 +33,33 @@ __all__ = ["GroupedQueryAttention", "grouped_attention", "grouped_attention_vjp"
 _BIG_NEGATIVE = -0.7 * np.finfo(np.float32).max
 
 
-def _grouped(q, k, mask):
+def _grouped(q, k, mask, scale, softcap):
     """Float32 logits ``[B, KV, G, T, S]`` of ``q: [B, T, H, D]`` against ``k: [B, S, KV,
-    D]``, masked; and the mask in that layout."""
+    D]``, scaled, soft-capped and masked; the mask in that layout; and ``tanh(logits /
+    softcap)`` (None without a cap), which the rule's chain factor needs."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     acc = jnp.promote_types(q.dtype, jnp.float32)
     qg = q.reshape(b, t, kv, h // kv, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc)
-    logits = logits * jnp.asarray(1.0 / math.sqrt(d), acc)
+    logits = logits * jnp.asarray(1.0 / math.sqrt(d) if scale is None else scale, acc)
+    tanh = None
+    if softcap is not None:  # Gemma 2: cap * tanh(logits / cap), before the mask
+        tanh = jnp.tanh(logits / jnp.asarray(softcap, acc))
+        logits = tanh * jnp.asarray(softcap, acc)
     if mask is not None:
         mask = jnp.broadcast_to(mask, (b, h, t, k.shape[1])).reshape(logits.shape)
         logits = jnp.where(mask, logits, jnp.asarray(_BIG_NEGATIVE, acc))
-    return logits, mask
+    return logits, mask, tanh
 
 
-def grouped_attention_vjp(q, k, v, mask, dret):
+def grouped_attention_vjp(q, k, v, mask, dret, *, scale=None, softcap=None):
     """Hand VJP of ``grouped_attention``: the attention rule (``dv = p^T do``, ``ds = p (dp -
-    sum p dp)`` masked and scaled, ``dq = ds k``, ``dk = ds^T q``) with each kv head's
-    cotangents summed over the query heads of its group."""
+    sum p dp)`` masked, through the cap's ``1 - tanh^2`` and scaled, ``dq = ds k``, ``dk =
+    ds^T q``) with each kv head's cotangents summed over the query heads of its group."""
     b, t, h, d = q.shape
     kv = k.shape[2]
-    logits, mask = _grouped(q, k, mask)
+    logits, mask, tanh = _grouped(q, k, mask, scale, softcap)
     acc = logits.dtype
     probs = jax.nn.softmax(logits, axis=-1)
     dog = dret.reshape(b, t, kv, h // kv, d)
@@ -61,7 +68,9 @@ def grouped_attention_vjp(q, k, v, mask, dret):
     ds = probs * (dp - jnp.sum(probs * dp, axis=-1, keepdims=True))
     if mask is not None:
         ds = jnp.where(mask, ds, jnp.zeros((), acc))
-    ds = ds * jnp.asarray(1.0 / math.sqrt(d), acc)
+    if tanh is not None:
+        ds = ds * (1 - tanh * tanh)
+    ds = ds * jnp.asarray(1.0 / math.sqrt(d) if scale is None else scale, acc)
     dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(acc)).reshape(q.shape).astype(q.dtype)
     qg = q.reshape(b, t, kv, h // kv, d).astype(acc)
     dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg).astype(k.dtype)
@@ -70,12 +79,19 @@ def grouped_attention_vjp(q, k, v, mask, dret):
 
 @hand_rule(grouped_attention_vjp)
 def grouped_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """``softmax(q k^T / sqrt(D)) v`` for ``q: [B, T, H, D]`` and ``k, v: [B, S, KV, D]``
+    """``softmax(q k^T * scale) v`` for ``q: [B, T, H, D]`` and ``k, v: [B, S, KV, D]``
     (``KV`` divides ``H``; query head ``h`` reads kv head ``h // (H // KV)``), ``mask``
-    boolean broadcastable to ``[B, H, T, S]`` (True = attend). Logits and softmax in float32;
-    ``[B, T, H, D]``.
+    boolean broadcastable to ``[B, H, T, S]`` (True = attend). ``scale`` defaults to ``1 /
+    sqrt(D)``; ``softcap`` caps the scaled logits at ``softcap * tanh(logits / softcap)``
+    (Gemma 2's). Logits and softmax in float32; ``[B, T, H, D]``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -84,7 +100,7 @@ def grouped_attention(
         (1, 2, 4, 8)
     """
     b, t, h, d = q.shape
-    logits, _ = _grouped(q, k, mask)
+    logits, _, _ = _grouped(q, k, mask, scale, softcap)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, d)
@@ -100,6 +116,14 @@ class GroupedQueryAttention(Module):
     * head_dim``, ``out: num_heads * head_dim -> features``; with ``fused_qkv`` one ``qkv``
     projection whose columns are ``[q | k | v]`` (GPT-2's ``c_attn``). Heads are contiguous
     blocks of ``head_dim`` columns.
+
+    Optional, as pretrained decoders have them: an RMSNorm over each head's features of q
+    and of k before the rotation (``qk_norm``, Qwen3's ``q_norm``/``k_norm``), another
+    logit scale than ``1 / sqrt(head_dim)`` (``scale``, Gemma 2's ``query_pre_attn_scalar **
+    -0.5``), soft-capped logits (``softcap``, Gemma 2's ``attn_logit_softcapping``), and a
+    sliding window (``window``: each query sees its ``window`` latest keys, itself included,
+    as Mistral's and Gemma 2's ``sliding_window``), part of the causal mask, so prefill and
+    the cached decode step apply it alike.
 
     Rotary embeddings (``rotary``): q and k rotated at their positions by
     ``rope_frequencies(head_dim, rope_theta, rope_scaling)`` (the "rotate-half" pairing of
@@ -117,12 +141,18 @@ class GroupedQueryAttention(Module):
         fused_qkv: one ``qkv`` projection instead of ``q``, ``k``, ``v``.
         rotary, rope_theta, rope_scaling, max_position_embeddings: rotary embeddings (the
             last is YaRN's default original context).
+        qk_norm, norm_eps, norm_offset: RMSNorm of each head of q and k (``/q_norm``,
+            ``/k_norm``), its epsilon and ``scale_offset``.
+        scale: the logits' factor (None: ``1 / sqrt(head_dim)``).
+        softcap: cap the logits at ``softcap * tanh(logits / softcap)`` (None: no cap).
+        window: sliding-window size, with ``causal`` (None: every earlier key).
         lora: names of the projections wrapped in ``nl.LoRA`` (``"q"``, ``"k"``, ``"v"``,
             ``"qkv"``, ``"out"``), with ``lora_rank`` and ``lora_alpha``.
         w_init, param_dtype, dtype: as ``nl.Linear``.
 
     Params: ``/q``, ``/k``, ``/v`` (or ``/qkv``) and ``/out``, each a ``Linear``'s (``W``,
-    ``b``) or a ``LoRA``'s (also ``lora_a``, ``lora_b``).
+    ``b``) or a ``LoRA``'s (also ``lora_a``, ``lora_b``); ``/q_norm/scale``,
+    ``/k_norm/scale`` ``[head_dim]`` with ``qk_norm``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -146,6 +176,12 @@ class GroupedQueryAttention(Module):
     rope_theta: float = 10000.0
     rope_scaling: Any = ()
     max_position_embeddings: int | None = None
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -178,6 +214,16 @@ class GroupedQueryAttention(Module):
                 raise ValueError(
                     f"GroupedQueryAttention: lora names {name!r}, not a projection of this "
                     f"layer; valid: {', '.join(names)}"
+                )
+        if self.window is not None:
+            self._check_positive_ints("window")
+            if not self.causal:
+                raise ValueError("GroupedQueryAttention: a sliding window needs causal=True")
+        for name in ("scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(
+                    f"GroupedQueryAttention: {name} must be a number > 0 or None, got {value!r}"
                 )
         if self.rotary:
             self.frequencies  # validates the scaling and an even head_dim  # noqa: B018
@@ -237,6 +283,17 @@ class GroupedQueryAttention(Module):
         return self._linear("out", self.num_heads * self.dim, self.features, self.out_bias)
 
     @property
+    def head_norm(self) -> RMSNorm:
+        """The RMSNorm of one head's features (``/q_norm`` and ``/k_norm`` with ``qk_norm``)."""
+        return RMSNorm(
+            self.dim,
+            self.norm_eps,
+            scale_offset=self.norm_offset,
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+        )
+
+    @property
     def children(self) -> dict[str, Linear | LoRA]:
         """The projections by param name."""
         if self.fused_qkv:
@@ -251,14 +308,21 @@ class GroupedQueryAttention(Module):
             p[name] = adapter_axes(
                 layer, *(("heads", "embed") if name == "out" else ("embed", "qkv"))
             )
+        if self.qk_norm:
+            p.q_norm = p.k_norm = param_axes(self.head_norm)
         return p
 
     def init(self, key: jax.Array) -> ParamsDict:
         children = self.children
         keys = jax.random.split(key, len(children))
-        return ParamsDict(
-            **{n: c.init(k) for (n, c), k in zip(children.items(), keys, strict=True)}
-        )
+        p = ParamsDict(**{n: c.init(k) for (n, c), k in zip(children.items(), keys, strict=True)})
+        if self.qk_norm:
+            p.q_norm, p.k_norm = self.head_norm.init(key), self.head_norm.init(key)
+        return p
+
+    def _norm_heads(self, params: ParamsDict, name: str, x: jax.Array) -> jax.Array:
+        with self.params_scope(f"/{name}"):
+            return self.head_norm(self.child(params, name), x)
 
     def _project(self, params: ParamsDict, name: str, x: jax.Array) -> jax.Array:
         layer = self.children[name]
@@ -281,6 +345,8 @@ class GroupedQueryAttention(Module):
             q, k, v = (self._project(params, n, x) for n in ("q", "k", "v"))
         q = q.reshape(*lead, h, d)
         k, v = k.reshape(*lead, kv, d), v.reshape(*lead, kv, d)
+        if self.qk_norm:
+            q, k = self._norm_heads(params, "q_norm", q), self._norm_heads(params, "k_norm", k)
         if self.rotary:
             inv_freq, factor = self.frequencies
             t = x.shape[-2]
@@ -304,7 +370,8 @@ class GroupedQueryAttention(Module):
         head_dim]``: ``[B, T, num_heads, head_dim]``. ``mask``: boolean, broadcastable to
         ``[B, num_heads, T, S]``. ``q_offset``: the causal alignment, query ``i`` sees keys
         ``j <= i + q_offset`` (default ``S - T``; a fixed-size cache passes the position of
-        the first query, which also hides its unfilled slots)."""
+        the first query, which also hides its unfilled slots), and with ``window`` only
+        ``j > i + q_offset - window``."""
         h, kv, d = self.num_heads, self.kv_heads, self.dim
         if q.ndim != 4 or q.shape[2:] != (h, d) or k.shape[2:] != (kv, d) or v.shape != k.shape:
             raise ValueError(
@@ -324,12 +391,12 @@ class GroupedQueryAttention(Module):
                     f"broadcast to [B, num_heads, T, S] = {full}"
                 ) from None
         if self.causal:
-            c = jnp.broadcast_to(causal_mask(t, s, q_offset), full)
+            c = jnp.broadcast_to(causal_mask(t, s, q_offset, self.window), full)
             mask = c if mask is None else jnp.logical_and(mask, c)
-        if manual_active():
-            return grouped_attention(q, k, v, mask)
+        if manual_active() or self.softcap is not None:
+            return grouped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
         # jax.nn.dot_product_attention groups kv heads itself (its XLA path: same arithmetic)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=self.scale)
 
     def project(self, params: ParamsDict, o: jax.Array) -> jax.Array:
         """Merge the heads of ``o: [..., T, num_heads, head_dim]``; the output projection."""

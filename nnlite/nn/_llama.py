@@ -1,5 +1,6 @@
-"""The Llama decoder block (Llama, Mistral, Qwen2, SmolLM): RMSNorm, grouped-query attention
-with rotary embeddings, RMSNorm, SwiGLU MLP, each half behind a residual add."""
+"""The Llama decoder block (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, SmolLM): RMSNorm,
+grouped-query attention with rotary embeddings, RMSNorm, gated MLP, each half behind a
+residual add; Gemma 2 also normalises each half's output."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ class LlamaBlock(Module):
     """Pre-RMSNorm decoder block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``, the attention
     an ``nl.GroupedQueryAttention`` with rotary embeddings, the MLP an ``nl.SwiGLU`` (Hugging
     Face's ``LlamaDecoderLayer``; ``MistralDecoderLayer`` and ``Qwen2DecoderLayer`` are the
-    same block, Qwen2 with ``qkv_bias``).
+    same block, Qwen2 with ``qkv_bias``; Qwen3's adds ``qk_norm``; Gemma's has ``(1 + w)``
+    norms, ``norm_offset=1``, and a GeGLU MLP, ``activation="gelu"``; Gemma 2's also
+    ``post_norms``, ``x + post_ln1(attn(ln1(x)))`` and ``x + post_ln2(mlp(ln2(x)))``, soft-capped
+    attention logits and sliding-window layers).
 
     Args:
         features: model width (``hidden_size``).
@@ -37,12 +41,20 @@ class LlamaBlock(Module):
             ``GroupedQueryAttention``).
         qkv_bias, out_bias: attention biases (Llama's ``attention_bias`` sets both, Qwen2
             has ``qkv_bias`` only); ``mlp_bias``: MLP biases.
+        activation: the MLP's gate, ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU, tanh form).
+        norm_offset: every RMSNorm multiplies by ``norm_offset + scale`` (Gemma's 1).
+        qk_norm: RMSNorm of each head of q and k (Qwen3).
+        post_norms: an RMSNorm on each half's output before its residual add (Gemma 2).
+        attn_scale, attn_softcap, window: the attention's ``scale``, ``softcap`` and sliding
+            ``window`` (see ``GroupedQueryAttention``; None: ``1 / sqrt(head_dim)``, no cap,
+            no window).
         lora: projections wrapped in ``nl.LoRA``, as paths inside the block (``"attn/q"``,
             ``"attn/v"``, ``"mlp/down"``, ...), with ``lora_rank`` and ``lora_alpha``.
         w_init, param_dtype, dtype: as ``nl.Linear``.
 
     Params: ``/ln1/scale``, ``/attn/{q,k,v,out}/...``, ``/ln2/scale``,
-    ``/mlp/{gate,up,down}/...``.
+    ``/mlp/{gate,up,down}/...``; with ``qk_norm`` ``/attn/{q_norm,k_norm}/scale``, with
+    ``post_norms`` ``/post_ln1/scale`` and ``/post_ln2/scale``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -68,6 +80,13 @@ class LlamaBlock(Module):
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
+    activation: str = "silu"
+    norm_offset: float = 0.0
+    qk_norm: bool = False
+    post_norms: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    window: int | None = None
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -95,11 +114,21 @@ class LlamaBlock(Module):
 
     @property
     def ln1(self) -> RMSNorm:
-        return RMSNorm(self.features, self.eps, param_dtype=self.param_dtype, dtype=self.dtype)
+        return RMSNorm(
+            self.features,
+            self.eps,
+            scale_offset=self.norm_offset,
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+        )
 
     @property
     def ln2(self) -> RMSNorm:
         return self.ln1
+
+    @property
+    def _norms(self) -> tuple[str, ...]:
+        return ("ln1", "ln2", "post_ln1", "post_ln2") if self.post_norms else ("ln1", "ln2")
 
     @property
     def attn(self) -> GroupedQueryAttention:
@@ -115,6 +144,12 @@ class LlamaBlock(Module):
             rope_theta=self.rope_theta,
             rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings,
+            qk_norm=self.qk_norm,
+            norm_eps=self.eps,
+            norm_offset=self.norm_offset,
+            scale=self.attn_scale,
+            softcap=self.attn_softcap,
+            window=self.window,
             lora=self._lora_of("attn"),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
@@ -129,6 +164,7 @@ class LlamaBlock(Module):
             self.features,
             self.hidden,
             use_bias=self.mlp_bias,
+            activation=self.activation,
             lora=self._lora_of("mlp"),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
@@ -138,23 +174,34 @@ class LlamaBlock(Module):
         )
 
     def param_axes(self) -> ParamsDict:
-        ln = param_axes(self.ln1)
-        return ParamsDict(ln1=ln, attn=param_axes(self.attn), ln2=ln, mlp=param_axes(self.mlp))
+        p = ParamsDict(attn=param_axes(self.attn), mlp=param_axes(self.mlp))
+        for name in self._norms:
+            p[name] = param_axes(self.ln1)
+        return p
 
     def init(self, key: jax.Array) -> ParamsDict:
         k_attn, k_mlp = jax.random.split(key)
-        return ParamsDict(
-            ln1=self.ln1.init(key),
-            attn=self.attn.init(k_attn),
-            ln2=self.ln2.init(key),
-            mlp=self.mlp.init(k_mlp),
-        )
+        p = ParamsDict(ln1=self.ln1.init(key), attn=self.attn.init(k_attn))
+        p.ln2, p.mlp = self.ln2.init(key), self.mlp.init(k_mlp)
+        if self.post_norms:
+            p.post_ln1, p.post_ln2 = self.ln1.init(key), self.ln1.init(key)
+        return p
+
+    def _norm(self, params: ParamsDict, name: str, x: jax.Array) -> jax.Array:
+        with self.params_scope(f"/{name}"):
+            return self.ln1(self.child(params, name), x)
+
+    def _residual(self, params: ParamsDict, x: jax.Array, y: jax.Array, post: str) -> jax.Array:
+        """``x + y``, ``y`` (a half's output) normalised first with ``post_norms``."""
+        if self.post_norms:
+            y = self._norm(params, post, y)
+        return add(x, y.astype(x.dtype))
 
     def _mlp_half(self, params: ParamsDict, x: jax.Array) -> jax.Array:
-        with self.params_scope("/ln2"):
-            h = self.ln2(self.child(params, "ln2"), x)
+        h = self._norm(params, "ln2", x)
         with self.params_scope("/mlp"):
-            return add(x, self.mlp(self.child(params, "mlp"), h).astype(x.dtype))
+            y = self.mlp(self.child(params, "mlp"), h)
+        return self._residual(params, x, y, "post_ln2")
 
     def __call__(
         self,
@@ -167,11 +214,10 @@ class LlamaBlock(Module):
         self.check_input(x, self.features, min_rank=3)
         if self.dtype is not None:
             x = x.astype(self.dtype)  # the residual stream in the compute dtype
-        with self.params_scope("/ln1"):
-            h = self.ln1(self.child(params, "ln1"), x)
+        h = self._norm(params, "ln1", x)
         with self.params_scope("/attn"):
-            x = add(x, self.attn(self.child(params, "attn"), h, mask=mask).astype(x.dtype))
-        return self._mlp_half(params, x)
+            y = self.attn(self.child(params, "attn"), h, mask=mask)
+        return self._mlp_half(params, self._residual(params, x, y, "post_ln1"))
 
     def decode(
         self,
@@ -190,4 +236,4 @@ class LlamaBlock(Module):
             x = x.astype(self.dtype)
         h = self.ln1(params.ln1, x)
         o, cache = self.attn.decode(params.attn, h, cache, pos, mask=mask, positions=positions)
-        return self._mlp_half(params, x + o.astype(x.dtype)), cache
+        return self._mlp_half(params, self._residual(params, x, o, "post_ln1")), cache

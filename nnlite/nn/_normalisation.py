@@ -36,6 +36,10 @@ def _affine(y: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> ja
     return y
 
 
+def _shifted(scale: jax.Array | None, offset: float) -> jax.Array | None:
+    return scale if scale is None or not offset else scale + jnp.asarray(offset, scale.dtype)
+
+
 # --- hand-derived VJPs ----------------------------------------------------------------------
 # With xhat = (x - mean) * r, r = 1 / sqrt(var + eps), and g = dy * scale (the cotangent
 # of xhat), the input cotangent is r * (g - mean(g) - xhat * mean(g * xhat)) over the
@@ -74,10 +78,11 @@ def layer_norm_vjp(x, scale=None, bias=None, dret=None, *, eps: float = 1e-5):
     return dx, dscale, dbias
 
 
-def rms_norm_vjp(x, scale=None, dret=None, *, eps: float = 1e-6):
-    """Hand VJP of ``rms_norm``: ``(dx, dscale)``."""
+def rms_norm_vjp(x, scale=None, dret=None, *, eps: float = 1e-6, offset: float = 0.0):
+    """Hand VJP of ``rms_norm``: ``(dx, dscale)``; the offset shifts the factor ``g = dy *
+    (offset + scale)`` and leaves ``dscale = sum(dy * xhat)`` as it is."""
     y = rms_norm.f(x, None, eps=eps)
-    g, dscale, _ = _affine_vjp(y, scale, None, dret)
+    g, dscale, _ = _affine_vjp(y, _shifted(scale, offset), None, dret)
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     dx = _normalised_vjp(x32, g.astype(x32.dtype), -1, eps, False).astype(x.dtype)
     return dx, dscale
@@ -114,12 +119,13 @@ def layer_norm(x, scale=None, bias=None, *, eps: float = 1e-5) -> jax.Array:
 
 
 @hand_rule(rms_norm_vjp)
-def rms_norm(x, scale=None, *, eps: float = 1e-6) -> jax.Array:
-    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (statistics in float32)."""
+def rms_norm(x, scale=None, *, eps: float = 1e-6, offset: float = 0.0) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps) * (offset + scale)`` over the last axis (statistics in
+    float32); ``offset`` 1 is Gemma's ``(1 + w)`` norm, whose zero weights are the identity."""
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
     y = (x32 * jax.lax.rsqrt(ms + eps)).astype(x.dtype)
-    return _affine(y, scale, None)
+    return _affine(y, _shifted(scale, offset), None)
 
 
 @hand_rule(group_norm_vjp)
@@ -226,12 +232,16 @@ class RMSNorm(_Norm):
         features: size of the last axis.
         eps: added to the mean square (1e-6, as Flax).
         use_scale: learn ``scale: [features]``.
+        scale_offset: multiply by ``scale_offset + scale`` (1.0: Gemma's ``(1 + w)`` norm;
+            ``scale`` then starts at zeros, so a fresh norm still multiplies by one).
         param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
 
     ``__call__(params, x)``: ``x: [..., features]`` -> same shape.
 
     Example:
         >>> import jax, jax.numpy as jnp
+        >>> RMSNorm(2, scale_offset=1.0).init(None).scale.tolist()  # (1 + 0): the identity
+        [0.0, 0.0]
         >>> norm = RMSNorm(2)
         >>> p = norm.init(jax.random.key(0))
         >>> p.print()
@@ -243,6 +253,7 @@ class RMSNorm(_Norm):
     features: int
     eps: float = 1e-6
     use_scale: bool = True
+    scale_offset: float = 0.0
     param_dtype: str = "float32"
     dtype: str | None = None
 
@@ -251,15 +262,24 @@ class RMSNorm(_Norm):
         self._check_positive_ints("features")
         self._check_eps()
         self._check_dtypes()
+        if not isinstance(self.scale_offset, int | float) or isinstance(self.scale_offset, bool):
+            raise ValueError(f"RMSNorm: scale_offset must be a number, got {self.scale_offset!r}")
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"scale": (self.features,)} if self.use_scale else {}
+
+    def init(self, key: jax.Array) -> ParamsDict:
+        """``scale`` at ``1 - scale_offset``: the factor ``scale_offset + scale`` starts at 1."""
+        p = super().init(key)
+        if self.use_scale and self.scale_offset:
+            p.scale = jnp.full(self.features, 1.0 - self.scale_offset, self.param_dtype)
+        return p
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.features)
         self.check_params(params)
         x, arrays = self._cast(x, params, self.param_shapes())
-        return rms_norm(x, *arrays, eps=self.eps)
+        return rms_norm(x, *arrays, eps=self.eps, offset=float(self.scale_offset))
 
 
 class GroupNorm(_Norm):

@@ -1,5 +1,6 @@
-"""The SwiGLU MLP (Shazeer 2020; Llama, Mistral, Qwen2): ``down(silu(gate(x)) * up(x))``,
-with the gating product's hand rule."""
+"""The gated MLPs (Shazeer 2020): SwiGLU (Llama, Mistral, Qwen) ``down(silu(gate(x)) *
+up(x))`` and GeGLU (Gemma) with GELU's tanh form in silu's place, with the gating products'
+hand rules."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import jax.numpy as jnp
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
+from ..grad._vjp_batched import gelu_grad
 from ._linear import Linear
 from ._lora import LoRA, adapter_axes, wrap
 
-__all__ = ["SwiGLU", "swiglu", "swiglu_vjp"]
+__all__ = ["SwiGLU", "geglu", "geglu_vjp", "swiglu", "swiglu_vjp"]
 
 
 def swiglu_vjp(gate, up, dret):
@@ -34,15 +36,39 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def geglu_vjp(gate, up, dret):
+    """Hand VJP of ``geglu``: ``d gate = dy * up * gelu'(gate)``, ``d up = dy * gelu(gate)``
+    (GELU's tanh form and its derivative, as ``nl.rules.gelu``)."""
+    return dret * up * gelu_grad(gate), dret * jax.nn.gelu(gate, approximate=True)
+
+
+@hand_rule(geglu_vjp)
+def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``gelu(gate) * up`` elementwise, GELU's tanh approximation (``gelu_pytorch_tanh``).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [round(v, 4) for v in geglu(jnp.array([0.0, 2.0]), jnp.array([3.0, 1.0])).tolist()]
+        [0.0, 1.9546]
+    """
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+#: ``activation`` -> the gating product: silu is SwiGLU, gelu (tanh form) GeGLU.
+_GATES = {"silu": swiglu, "gelu": geglu}
+
+
 class SwiGLU(Module):
     """Gated MLP: ``down(silu(gate(x)) * up(x))`` (the feed-forward of Llama, Mistral, Qwen2,
     SmolLM; Flax and Equinox have none), ``gate`` and ``up`` ``features -> hidden``, ``down``
-    ``hidden -> features``.
+    ``hidden -> features``; with ``activation="gelu"`` GeGLU, Gemma's, ``gelu(gate(x)) *
+    up(x)`` (GELU's tanh form).
 
     Args:
         features: model width.
         hidden: the gated hidden width (``intermediate_size``).
         use_bias: biases on the three projections (Llama's ``mlp_bias``).
+        activation: the gate's activation, ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU).
         lora: projections wrapped in ``nl.LoRA`` (``"gate"``, ``"up"``, ``"down"``), with
             ``lora_rank`` and ``lora_alpha``.
         w_init, param_dtype, dtype: as ``nl.Linear``.
@@ -62,6 +88,7 @@ class SwiGLU(Module):
     features: int
     hidden: int
     use_bias: bool = False
+    activation: str = "silu"
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -72,6 +99,10 @@ class SwiGLU(Module):
     def __post_init__(self):
         super().__post_init__()
         self._check_positive_ints("features", "hidden")
+        if self.activation not in _GATES:
+            raise ValueError(
+                f"SwiGLU: activation {self.activation!r} is not one of {', '.join(_GATES)}"
+            )
         for name in self.lora:
             if name not in ("gate", "up", "down"):
                 raise ValueError(
@@ -128,4 +159,5 @@ class SwiGLU(Module):
                 h[name] = self.children[name](p, x)
         p = self.child(params, "down")
         with self.params_scope("/down"):
-            return self.down(p, swiglu(h["gate"], h["up"]).astype(jnp.result_type(h["up"])))
+            gated = _GATES[self.activation](h["gate"], h["up"])
+            return self.down(p, gated.astype(jnp.result_type(h["up"])))
