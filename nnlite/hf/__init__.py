@@ -16,6 +16,9 @@ import jax
 from ..nn._lora import lora_join as lora_join
 from ..nn._lora import lora_mask as lora_mask
 from ..nn._lora import lora_split as lora_split
+from ._adapter import AdapterError as AdapterError
+from ._adapter import load_adapter as load_adapter
+from ._adapter import save_adapter as save_adapter
 from ._config import FAMILIES as FAMILIES
 from ._config import IGNORED_KEYS as IGNORED_KEYS
 from ._config import HFConfigError as HFConfigError
@@ -34,6 +37,17 @@ from ._models import merge_lora as merge_lora
 from ._pretrained import Pretrained as Pretrained
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import load_tokenizer as load_tokenizer
+
+
+def without_lora(model: Any, params: Any):
+    """``(model, params)`` with LoRA disabled: the base decoder of an ``nl.hf`` model (or of
+    an ``nl.hf.Pretrained``) and the params without their adapters, sharing the base
+    weights. ``model(params, x)`` of the result is the frozen base's output (DPO's
+    reference model)."""
+    inner = model if isinstance(model, GPT2LM | LlamaLM) else getattr(model, "model", None)
+    if not isinstance(inner, GPT2LM | LlamaLM):
+        raise TypeError(f"without_lora: expected an nl.hf model, got {type(model).__name__}")
+    return inner.without_lora(params)
 
 
 def from_pretrained(
@@ -76,6 +90,7 @@ def from_pretrained(
 
 
 __all__ = [
+    "AdapterError",
     "FAMILIES",
     "GPT2Block",
     "GPT2LM",
@@ -90,6 +105,7 @@ __all__ = [
     "generate",
     "hf_config",
     "hf_name",
+    "load_adapter",
     "load_pretrained",
     "load_tokenizer",
     "lora_join",
@@ -97,5 +113,7 @@ __all__ = [
     "lora_split",
     "merge_lora",
     "sample_logits",
+    "save_adapter",
     "save_pretrained",
+    "without_lora",
 ]

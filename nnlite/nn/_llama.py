@@ -11,6 +11,7 @@ from ..core._axes import param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ._gqa import GroupedQueryAttention
+from ._lora import split_key
 from ._normalisation import RMSNorm
 from ._ops import add
 from ._swiglu import SwiGLU
@@ -38,7 +39,8 @@ class LlamaBlock(Module):
         qkv_bias, out_bias: attention biases (Llama's ``attention_bias`` sets both, Qwen2
             has ``qkv_bias`` only); ``mlp_bias``: MLP biases.
         lora: projections wrapped in ``nl.LoRA``, as paths inside the block (``"attn/q"``,
-            ``"attn/v"``, ``"mlp/down"``, ...), with ``lora_rank`` and ``lora_alpha``.
+            ``"attn/v"``, ``"mlp/down"``, ...), with ``lora_rank``, ``lora_alpha`` and
+            ``lora_dropout``.
         w_init, param_dtype, dtype: as ``nl.Linear``.
 
     Params: ``/ln1/scale``, ``/attn/{q,k,v,out}/...``, ``/ln2/scale``,
@@ -71,6 +73,7 @@ class LlamaBlock(Module):
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
     w_init: str = "lecun_normal"
     param_dtype: str = "float32"
     dtype: str | None = None
@@ -118,6 +121,7 @@ class LlamaBlock(Module):
             lora=self._lora_of("attn"),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
             w_init=self.w_init,
             param_dtype=self.param_dtype,
             dtype=self.dtype,
@@ -132,6 +136,7 @@ class LlamaBlock(Module):
             lora=self._lora_of("mlp"),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
             w_init=self.w_init,
             param_dtype=self.param_dtype,
             dtype=self.dtype,
@@ -150,11 +155,11 @@ class LlamaBlock(Module):
             mlp=self.mlp.init(k_mlp),
         )
 
-    def _mlp_half(self, params: ParamsDict, x: jax.Array) -> jax.Array:
+    def _mlp_half(self, params: ParamsDict, x: jax.Array, key=None) -> jax.Array:
         with self.params_scope("/ln2"):
             h = self.ln2(self.child(params, "ln2"), x)
         with self.params_scope("/mlp"):
-            return add(x, self.mlp(self.child(params, "mlp"), h).astype(x.dtype))
+            return add(x, self.mlp(self.child(params, "mlp"), h, key=key).astype(x.dtype))
 
     def __call__(
         self,
@@ -169,9 +174,11 @@ class LlamaBlock(Module):
             x = x.astype(self.dtype)  # the residual stream in the compute dtype
         with self.params_scope("/ln1"):
             h = self.ln1(self.child(params, "ln1"), x)
+        k_attn, k_mlp = split_key(key, 2)  # keys: LoRA dropout in training
         with self.params_scope("/attn"):
-            x = add(x, self.attn(self.child(params, "attn"), h, mask=mask).astype(x.dtype))
-        return self._mlp_half(params, x)
+            a = self.attn(self.child(params, "attn"), h, mask=mask, key=k_attn)
+            x = add(x, a.astype(x.dtype))
+        return self._mlp_half(params, x, k_mlp)
 
     def decode(
         self, params: ParamsDict, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: Any

@@ -10,7 +10,7 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ._linear import Linear
-from ._lora import LoRA, adapter_axes, wrap
+from ._lora import LoRA, adapter_axes, split_key, wrap
 
 __all__ = ["SwiGLU", "swiglu", "swiglu_vjp"]
 
@@ -44,7 +44,7 @@ class SwiGLU(Module):
         hidden: the gated hidden width (``intermediate_size``).
         use_bias: biases on the three projections (Llama's ``mlp_bias``).
         lora: projections wrapped in ``nl.LoRA`` (``"gate"``, ``"up"``, ``"down"``), with
-            ``lora_rank`` and ``lora_alpha``.
+            ``lora_rank``, ``lora_alpha`` and ``lora_dropout``.
         w_init, param_dtype, dtype: as ``nl.Linear``.
 
     Params: ``/gate``, ``/up``, ``/down``.
@@ -65,6 +65,7 @@ class SwiGLU(Module):
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
     w_init: str = "lecun_normal"
     param_dtype: str = "float32"
     dtype: str | None = None
@@ -89,7 +90,7 @@ class SwiGLU(Module):
             param_dtype=self.param_dtype,
             dtype=self.dtype,
         )
-        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha)
+        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha, self.lora_dropout)
 
     @property
     def gate(self):
@@ -121,11 +122,16 @@ class SwiGLU(Module):
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.features)
-        h = {}
+        h, keys = {}, dict(zip(("gate", "up", "down"), split_key(key, 3), strict=True))
+
+        def call(name, p, x):  # a key only for LoRA dropout in training
+            layer = self.children[name]
+            return layer(p, x) if keys[name] is None else layer(p, x, key=keys[name])
+
         for name in ("gate", "up"):
             p = self.child(params, name)
             with self.params_scope(f"/{name}"):
-                h[name] = self.children[name](p, x)
+                h[name] = call(name, p, x)
         p = self.child(params, "down")
         with self.params_scope("/down"):
-            return self.down(p, swiglu(h["gate"], h["up"]).astype(jnp.result_type(h["up"])))
+            return call("down", p, swiglu(h["gate"], h["up"]).astype(jnp.result_type(h["up"])))
