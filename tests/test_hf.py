@@ -438,8 +438,8 @@ def test_pretrained_model_for_a_trainer(tmp_path):
         nl.hf.Pretrained(tmp_path, vocab_size=50)
     with pytest.raises(ValueError, match="lora: targets must be a non-empty list"):
         nl.hf.Pretrained(tmp_path, lora={"rank": 2, "targets": "*/mlp/up"})
-    with pytest.raises(ValueError, match="lora: unknown key 'dropout'"):
-        nl.hf.Pretrained(tmp_path, lora={"dropout": 0.1, "targets": ["*"]})
+    with pytest.raises(ValueError, match="lora: unknown key 'lora_dropout'"):
+        nl.hf.Pretrained(tmp_path, lora={"lora_dropout": 0.1, "targets": ["*"]})
 
 
 # --- the trainer: model.name "hf:DIR", model.lora, prepare --tokenizer hf:DIR, sampling ---

@@ -120,6 +120,13 @@ def test_exported_adapter_loads_in_peft_with_equal_logits(tf, tmp_path, arch, ta
         assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in names
 
 
+def _data_bytes(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+    return max(v["data_offsets"][1] for k, v in head.items() if k != "__metadata__")
+
+
 def _header(path):
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
@@ -174,3 +181,148 @@ def test_mismatched_adapters_are_one_line(tf, tmp_path):
     (tmp_path / "head_ad" / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": 1}))
     with pytest.raises(nl.hf.AdapterError, match="use_dora=1 is not supported"):
         nl.hf.load_adapter(tmp_path / "head_ad", model, params)
+
+
+# --- LoRA dropout -----------------------------------------------------------------------
+def test_lora_dropout_is_peft_s_and_changes_training_outputs_only(key):
+    from _tolerance import check_rule
+
+    from nnlite.nn import _dropout, _lora
+
+    layer = nl.LoRA(nl.Linear(6, 4), rank=2, alpha=4, dropout=0.5)
+    p = jax.jit(layer.init)(key)
+    p.lora_b = jnp.ones_like(p.lora_b)
+    x = jax.random.normal(jax.random.key(1), (3, 6))
+    k = jax.random.key(2)
+    plain = x @ p.W + p.b[None] + 2.0 * (x @ p.lora_a) @ p.lora_b
+    np.testing.assert_allclose(layer(p, x), plain, rtol=1e-6)  # inference: no dropout
+    xd = _dropout.dropout(x, k, 0.5)  # peft: lora_B(lora_A(dropout(x))) * scaling, base on x
+    np.testing.assert_allclose(
+        layer(p, x, key=k), x @ p.W + p.b[None] + 2.0 * (xd @ p.lora_a) @ p.lora_b, rtol=1e-6
+    )
+    assert float(jnp.abs(layer(p, x, key=k) - plain).max()) > 1e-3
+    ks = jax.random.split(jax.random.key(3), 6)
+    shapes = [(3, 5), (3, 5), (5, 4), (4,), (5, 2), (2, 4)]  # x, xd, W, b, A, B
+    args = [jax.random.normal(kk, s) for kk, s in zip(ks, shapes, strict=True)]
+    check_rule(_lora.lora_linear_dropout, *args, scale=2.0)
+    with pytest.raises(ValueError, match="LoRA: dropout must be a float in"):
+        nl.LoRA(nl.Linear(6, 4), dropout=1.0)
+
+
+def test_llama_lora_dropout_and_mlp_targets_train_through_the_hand_rules(key):
+    """The mlp glob wraps gate/up/down; dropout draws from the call's key only; the hand
+    rules' gradients equal autodiff's with dropout on."""
+    from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
+
+    model = nl.hf.LlamaLM(vocab_size=30, context=8, n_layer=2, n_head=2, n_embd=8, hidden=12)
+    params = jax.jit(model.init)(key)
+    model, params = nl.hf.add_lora(model, params, ["*/attn/q", "*/mlp/*"], key, rank=2)
+    assert sorted(p for p in model.lora_paths if "blocks[0]" in p) == [
+        "/blocks[0]/attn/q", "/blocks[0]/mlp/down", "/blocks[0]/mlp/gate", "/blocks[0]/mlp/up",
+    ]  # fmt: skip
+    model = model.with_lora(model.lora_targets, 2, 16.0, dropout=0.3)
+    flat = {k: v + 0.1 if k.endswith("lora_b") else v for k, v in params.to_flat().items()}
+    params = nl.ParamsDict.from_flat(flat)
+    tokens = jnp.arange(12).reshape(2, 6) % 30
+    assert model.uses_key and not model.with_lora(("*/attn/q",)).uses_key
+    eval_out = jax.jit(model)(params, tokens)
+    k1, k2 = jax.random.key(5), jax.random.key(6)
+    train1 = jax.jit(model)(params, tokens, key=k1)
+    assert float(jnp.abs(train1 - eval_out).max()) > 1e-4  # dropout in training
+    np.testing.assert_array_equal(train1, jax.jit(model)(params, tokens, key=k1))
+    assert float(jnp.abs(train1 - jax.jit(model)(params, tokens, key=k2)).max()) > 1e-4
+    base_model, base_params = nl.hf.without_lora(model, params)
+    assert not base_model.uses_key
+
+    def loss(p):
+        logits = model(p, tokens[:, :-1], key=k1)
+        return nl.softmax_cross_entropy(logits, tokens[:, 1:], reduction="mean")
+
+    auto = jax.jit(jax.grad(loss))(params)
+    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params)
+    assert_close_f32(hand, auto, ops=ROUNDINGS_PER_LAYER * 4)
+    assert float(jnp.abs(hand.blocks[0].mlp.gate.lora_a).max()) > 0
+
+
+# --- the trainer: a LoRA run's checkpoints hold the adapters; the base by path and hash -----
+def _tokens_run(tmp_path):
+    """A GPT-2 directory with its tokenizer (test_hf's) and the text prepared with it; a
+    function that trains a LoRA run on it."""
+    from test_hf import _tiny_hf_dir
+
+    from train import prepare
+    from train.config import config_from_dict
+    from train.loop.trainer import train as train_run
+
+    src = tmp_path / "gpt2"
+    (tmp_path / "t.txt").write_text(_tiny_hf_dir(src))
+    args = ["--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "tok")]
+    assert prepare.main([*args, "--tokenizer", f"hf:{src}"]) == 0
+
+    def run(name, steps, resume="fresh", lora=None, echo=lambda s: None):
+        lora = lora or {"rank": 2, "alpha": 4, "targets": ["*/attn/qkv", "*/mlp/*"],
+                        "dropout": 0.1}  # fmt: skip
+        raw = {
+            "name": name,
+            "model": {"name": f"hf:{src}", "lora": lora},
+            "data": {"name": "tokens", "path": str(tmp_path / "tok"), "context": 16,
+                     "placement": "host", "eval_windows": 8},
+            "optimizer": {"name": "adamw", "learning_rate": 0.01, "schedule": "constant"},
+            "train": {"batch_size": 4, "steps": steps, "eval_every": 2, "log_every": 2},
+            "checkpoint": {"every": 2},
+            "parallel": {"strategy": "none"},
+            "log": {"dir": str(tmp_path / "runs"), "progress": False, "plot": False},
+        }  # fmt: skip
+        return train_run(config_from_dict(raw), resume=resume, echo=echo)
+
+    return src, run
+
+
+def test_lora_run_checkpoints_hold_adapters_and_refuse_a_changed_base(tmp_path, capsys):
+    from train import sample
+    from train.errors import ConfigError
+    from train.inference import load_run
+
+    src, run = _tokens_run(tmp_path)
+    lines = []
+    whole = run("whole", 4, echo=lines.append)
+    banner = next(s for s in lines if s.startswith("nnlite train:"))
+    n_total = whole.params.num_params()
+    n_ad = sum(v.size for k, v in whole.params.items() if k.rsplit("/", 1)[-1].startswith("lora_"))
+    assert f"params: {n_ad:,} trainable of {n_total:,} ({100 * n_ad / n_total:.1f}%)" in banner
+    run("resumed", 2)
+    resumed = run("resumed", 4, resume="require")
+    for (k, a), (_, b) in zip(whole.params.items(), resumed.params.items(), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=k)  # exact resume, dropout and all
+
+    ckpt = sorted((resumed.run_dir / "checkpoints").iterdir())[-1]
+    keys = _header(ckpt)
+    adapter = ("lora_a", "lora_b")
+    assert all(k.split("/")[-1] in adapter for k in keys if k.startswith("params/"))
+    # the optimizer state: the adapters' moments and scalars (Adam's count), nothing of the base
+    opt = [k for k in keys if k.startswith("opt_state")]
+    assert all(k.split("/")[-1] in adapter + ("count",) for k in opt) and len(opt) > 2
+    assert {f"params{k}" for k, _ in resumed.params.items() if k.endswith(adapter)} <= set(keys)
+    meta = nl.load_metadata(ckpt)
+    assert meta["base_model"] == str(src) and len(meta["base_sha256"]) == 64
+    # adapter-sized: the params, Adam's two moments of them, two counts
+    ad_bytes = sum(v.nbytes for k, v in resumed.params.items() if k.endswith(adapter))
+    assert _data_bytes(ckpt) == 3 * ad_bytes + 2 * 4 < _data_bytes(src / "model.safetensors") / 4
+
+    loaded = load_run(resumed.run_dir)  # the base read again from its directory
+    for (k, a), (_, b) in zip(loaded.params.items(), resumed.params.items(), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=k)
+
+    # the base changes: its last float moves
+    weights = src / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-4:] = np.float32(np.frombuffer(bytes(blob[-4:]), np.float32)[0] + 1).tobytes()
+    weights.write_bytes(bytes(blob))
+    with pytest.raises(ConfigError, match="the base changed: restore the original base"):
+        load_run(resumed.run_dir)
+    capsys.readouterr()
+    assert sample.main(["--run", str(resumed.run_dir), "--prompt", "the", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "now hashes to" in err and len(err.splitlines()) == 1
+    with pytest.raises(ConfigError, match="the base changed"):
+        run("resumed", 6, resume="require")
