@@ -155,7 +155,13 @@ def test_peft_made_adapter_loads_with_logits_equal_to_peft(tf, tmp_path, arch, m
     model, params = nl.hf.load_pretrained(base_dir)
     model, params = nl.hf.load_adapter(tmp_path / "ad", model, params)
     assert model.lora_rank == 2 and model.lora_alpha == 8
-    _assert_rel(jax.jit(model)(params, TOKENS), _logits(tf, peft_model, TOKENS))
+    want = _logits(tf, peft_model, TOKENS)
+    _assert_rel(jax.jit(model)(params, TOKENS), want)
+    # the trainer's model.lora: {path: DIR}
+    pre = nl.hf.Pretrained(base_dir, lora={"path": str(tmp_path / "ad")})
+    _assert_rel(jax.jit(pre)(jax.jit(pre.init)(jax.random.key(0)), TOKENS), want)
+    with pytest.raises(ValueError, match=r"gives rank, alpha and targets; leave out \['rank'\]"):
+        nl.hf.Pretrained(base_dir, lora={"path": str(tmp_path / "ad"), "rank": 4})
     # the model with LoRA disabled is the base
     base_model, base_params = nl.hf.without_lora(model, params)
     assert "lora_a" not in str(base_params.to_flat())
@@ -278,14 +284,15 @@ def _tokens_run(tmp_path):
     return src, run
 
 
-def test_lora_run_checkpoints_hold_adapters_and_refuse_a_changed_base(tmp_path, capsys):
-    from train import sample
+def test_lora_run_checkpoints_hold_adapters_and_refuse_a_changed_base(tf, tmp_path, capsys):
+    from train import export, sample
     from train.errors import ConfigError
     from train.inference import load_run
 
     src, run = _tokens_run(tmp_path)
     lines = []
     whole = run("whole", 4, echo=lines.append)
+    assert whole.model.uses_key  # lora.dropout: the step's key reaches the adapters
     banner = next(s for s in lines if s.startswith("nnlite train:"))
     n_total = whole.params.num_params()
     n_ad = sum(v.size for k, v in whole.params.items() if k.rsplit("/", 1)[-1].startswith("lora_"))
@@ -312,6 +319,23 @@ def test_lora_run_checkpoints_hold_adapters_and_refuse_a_changed_base(tmp_path, 
     loaded = load_run(resumed.run_dir)  # the base read again from its directory
     for (k, a), (_, b) in zip(loaded.params.items(), resumed.params.items(), strict=True):
         np.testing.assert_array_equal(a, b, err_msg=k)
+
+    # the CLI's adapter export loads in peft with the run's logits; a run starts from it
+    out = tmp_path / "adapter"
+    assert export.main(["--run", str(resumed.run_dir), "--out", str(out), "--adapter"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = tf[2].PeftModel.from_pretrained(_torch_model(tf, src), out).eval()
+    _assert_rel(_logits(tf, peft_model, TOKENS), jax.jit(loaded.model)(loaded.params, TOKENS))
+    assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+    again = run("from_peft", 2, lora={"path": str(out), "dropout": 0.0})
+    assert not again.model.uses_key
+    ref = resumed.params.to_flat()
+    for k, v in again.params.items():  # two Adam steps of lr 0.01 from the adapter
+        bound = 0.0 if not k.endswith(adapter) else 2 * 0.01 * 1.5
+        assert float(jnp.abs(v - ref[k]).max()) <= bound, k
+    assert export.main(["--run", str(again.run_dir), "--out", str(tmp_path / "x")]) == 0
+    assert (tmp_path / "x" / "model.safetensors").is_file()  # merged, for transformers
 
     # the base changes: its last float moves
     weights = src / "model.safetensors"
