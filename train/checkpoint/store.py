@@ -351,8 +351,10 @@ def _fill(model: Any, template: Any, kept: Any) -> Any:
     flat = dict(template.to_flat())
     missing = [k for k in flat if k not in have]
     if any(not isinstance(flat[k], jax.Array | np.ndarray) for k in missing):
-        shardings = [getattr(v, "sharding", None) for v in jax.tree.leaves(template)]
-        init = jax.jit(model.init, out_shardings=shardings if all(shardings) else None)
+        leaves, treedef = jax.tree.flatten(template)
+        shardings = [getattr(v, "sharding", None) for v in leaves]
+        placed = treedef.unflatten(shardings) if all(shardings) else None
+        init = jax.jit(model.init, out_shardings=placed)
         inited = init(jax.random.key(0)).to_flat()
         for k in missing:
             flat[k] = inited[k].astype(flat[k].dtype)
