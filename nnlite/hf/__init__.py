@@ -60,16 +60,24 @@ def from_pretrained(
 ):
     """``(model, params, tokenizer)`` for a training run: the model and weights of
     ``directory``, with LoRA adapters when ``lora`` is given (``{"rank": 8, "alpha": 16,
-    "targets": ["*/attn/q", "*/attn/v"]}``; ``key`` draws the adapters' ``A``), and the
+    "targets": ["*/attn/q", "*/attn/v"], "dropout": 0.05}``; ``key`` draws the adapters'
+    ``A``; or ``{"path": DIR}``, a peft adapter: ``load_adapter``), and the
     directory's tokenizer (None without a ``tokenizer.json``).
 
     The trainer's ``model.name: "hf:DIR"`` and ``model.lora`` are this call."""
     model, params = load_pretrained(directory, sharding=sharding, ignore_keys=ignore_keys)
-    if lora:
-        unknown = sorted(set(lora) - {"rank", "alpha", "targets"})
+    if lora and set(lora) <= {"path", "dropout"} and "path" in lora:  # a peft adapter
+        model, params = load_adapter(lora["path"], model, params)
+        if "dropout" in lora:
+            model = model.with_lora(
+                model.lora_targets, model.lora_rank, model.lora_alpha, lora["dropout"]
+            )
+    elif lora:
+        unknown = sorted(set(lora) - {"rank", "alpha", "targets", "dropout"})
         if unknown or "targets" not in lora:
             raise ValueError(
-                f"lora: expected keys rank, alpha, targets (targets required), got {sorted(lora)}"
+                "lora: expected keys rank, alpha, targets (required), dropout, or path (a peft "
+                f"adapter directory) and dropout; got {sorted(lora)}"
             )
         targets = lora["targets"]
         if isinstance(targets, str) or not targets:
@@ -81,6 +89,9 @@ def from_pretrained(
             jax.random.key(0) if key is None else key,
             rank=int(lora.get("rank", 8)),
             alpha=float(lora.get("alpha", 16.0)),
+        )
+        model = model.with_lora(
+            model.lora_targets, model.lora_rank, model.lora_alpha, lora.get("dropout", 0.0)
         )
     try:
         tokenizer = load_tokenizer(directory)
