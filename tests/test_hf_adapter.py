@@ -220,10 +220,10 @@ def test_llama_lora_dropout_and_mlp_targets_train_through_the_hand_rules(key):
     rules' gradients equal autodiff's with dropout on."""
     from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 
-    model = nl.hf.LlamaLM(vocab_size=30, context=8, n_layer=2, n_head=2, n_embd=8, hidden=12)
+    model = nl.hf.LlamaLM(vocab_size=30, context=8, n_layer=1, n_head=2, n_embd=8, hidden=12)
     params = jax.jit(model.init)(key)
     model, params = nl.hf.add_lora(model, params, ["*/attn/q", "*/mlp/*"], key, rank=2)
-    assert sorted(p for p in model.lora_paths if "blocks[0]" in p) == [
+    assert sorted(model.lora_paths) == [
         "/blocks[0]/attn/q", "/blocks[0]/mlp/down", "/blocks[0]/mlp/gate", "/blocks[0]/mlp/up",
     ]  # fmt: skip
     model = model.with_lora(model.lora_targets, 2, 16.0, dropout=0.3)
@@ -231,12 +231,13 @@ def test_llama_lora_dropout_and_mlp_targets_train_through_the_hand_rules(key):
     params = nl.ParamsDict.from_flat(flat)
     tokens = jnp.arange(12).reshape(2, 6) % 30
     assert model.uses_key and not model.with_lora(("*/attn/q",)).uses_key
-    eval_out = jax.jit(model)(params, tokens)
+    call = jax.jit(model)
+    eval_out = call(params, tokens)
     k1, k2 = jax.random.key(5), jax.random.key(6)
-    train1 = jax.jit(model)(params, tokens, key=k1)
+    train1 = call(params, tokens, key=k1)
     assert float(jnp.abs(train1 - eval_out).max()) > 1e-4  # dropout in training
-    np.testing.assert_array_equal(train1, jax.jit(model)(params, tokens, key=k1))
-    assert float(jnp.abs(train1 - jax.jit(model)(params, tokens, key=k2)).max()) > 1e-4
+    np.testing.assert_array_equal(train1, call(params, tokens, key=k1))
+    assert float(jnp.abs(train1 - call(params, tokens, key=k2)).max()) > 1e-4
     base_model, base_params = nl.hf.without_lora(model, params)
     assert not base_model.uses_key
 
