@@ -211,6 +211,7 @@ def test_lora_dropout_is_peft_s_and_changes_training_outputs_only(key):
     shapes = [(3, 5), (3, 5), (5, 4), (4,), (5, 2), (2, 4)]  # x, xd, W, b, A, B
     args = [jax.random.normal(kk, s) for kk, s in zip(ks, shapes, strict=True)]
     check_rule(_lora.lora_linear_dropout, *args, scale=2.0)
+    assert nl.rules.RULES["lora_linear_dropout"][1] is _lora.lora_linear_dropout_vjp
     with pytest.raises(ValueError, match="LoRA: dropout must be a float in"):
         nl.LoRA(nl.Linear(6, 4), dropout=1.0)
 
