@@ -57,13 +57,13 @@ def _lora_pairs(lora: Any) -> tuple:
     check_rate("lora", "dropout", dropout)
     if "path" in items:  # a peft adapter: its config gives rank, alpha and targets
         given = [k for k in ("rank", "alpha", "targets") if k in items]
-        if given or not isinstance(items["path"], str | os.PathLike):
+        if given:
             raise ValueError(
                 f"lora: path {items['path']!r} is a peft adapter directory whose "
                 f"adapter_config.json gives rank, alpha and targets; leave out {given}"
-                if given
-                else f"lora: path must be a directory name, got {items['path']!r}"
             )
+        if not isinstance(items["path"], str | os.PathLike):
+            raise ValueError(f"lora: path must be a directory name, got {items['path']!r}")
         pairs = (("path", str(items["path"])),)
         return ((("dropout", float(dropout)),) if "dropout" in items else ()) + pairs
     targets = items.get("targets")
