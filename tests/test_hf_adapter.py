@@ -295,6 +295,7 @@ def test_lora_run_checkpoints_hold_adapters_and_refuse_a_changed_base(tf, tmp_pa
     lines = []
     whole = run("whole", 4, echo=lines.append)
     assert whole.model.uses_key  # lora.dropout: the step's key reaches the adapters
+    assert whole.grad_mode == "manual"  # dropout keeps loss.grad: auto on the hand rules
     banner = next(s for s in lines if s.startswith("nnlite train:"))
     n_total = whole.params.num_params()
     n_ad = sum(v.size for k, v in whole.params.items() if k.rsplit("/", 1)[-1].startswith("lora_"))

@@ -3,7 +3,8 @@
 ``model, params = nl.hf.load_pretrained(dir)`` builds an ``nl.hf.GPT2LM`` or ``nl.hf.LlamaLM``
 from ``config.json`` and reads its safetensors lazily; ``nl.hf.save_pretrained(dir, model,
 params, tokenizer)`` writes a directory ``transformers`` loads; ``nl.hf.load_tokenizer(dir)``
-reads ``tokenizer.json``. See docs/pretrained.md.
+reads ``tokenizer.json``; ``nl.hf.save_adapter`` / ``nl.hf.load_adapter`` write and read LoRA
+adapters in peft's format. See docs/pretrained.md.
 """
 
 from __future__ import annotations
