@@ -113,8 +113,9 @@ def test_exported_adapter_loads_in_peft_with_equal_logits(tf, tmp_path, arch, ta
     _assert_rel(_logits(tf, loaded, TOKENS), want)
     # the adapters change the logits: the test compares more than the base
     assert float(jnp.abs(want - _logits(tf, _torch_model(tf, base_dir), TOKENS)).max()) > 1e-3
-    # its tensors are peft's names and layouts
+    # its tensors are peft's names (what peft itself would save of the loaded model)
     names = _header(out / "adapter_model.safetensors")
+    assert sorted(names) == sorted(peft.get_peft_model_state_dict(loaded))
     if arch == "llama":
         assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in names
         assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in names
