@@ -163,6 +163,8 @@ from .nn._gqa import grouped_attention_vjp as grouped_attention_vjp
 from .nn._linear import linear as linear
 from .nn._linear import linear_vjp as linear_vjp
 from .nn._lora import lora_linear as lora_linear
+from .nn._lora import lora_linear_dropout as lora_linear_dropout
+from .nn._lora import lora_linear_dropout_vjp as lora_linear_dropout_vjp
 from .nn._lora import lora_linear_vjp as lora_linear_vjp
 from .nn._losses import nll_values as nll_values
 from .nn._losses import nll_values_vjp as nll_values_vjp

@@ -540,8 +540,8 @@ def test_pretrained_model_for_a_trainer(tmp_path):
         nl.hf.Pretrained(tmp_path, vocab_size=50)
     with pytest.raises(ValueError, match="lora: targets must be a non-empty list"):
         nl.hf.Pretrained(tmp_path, lora={"rank": 2, "targets": "*/mlp/up"})
-    with pytest.raises(ValueError, match="lora: unknown key 'dropout'"):
-        nl.hf.Pretrained(tmp_path, lora={"dropout": 0.1, "targets": ["*"]})
+    with pytest.raises(ValueError, match="lora: unknown key 'lora_dropout'"):
+        nl.hf.Pretrained(tmp_path, lora={"lora_dropout": 0.1, "targets": ["*"]})
 
 
 # --- the trainer: model.name "hf:DIR", model.lora, prepare --tokenizer hf:DIR, sampling ---
@@ -611,7 +611,8 @@ def test_trainer_fine_tunes_a_pretrained_directory_with_lora(tmp_path, capsys):
     np.testing.assert_array_equal(r.params.blocks[0].attn.qkv.W, base.blocks[0].attn.qkv.W)
     np.testing.assert_array_equal(r.params.wte.W, base.wte.W)
     assert float(jnp.abs(r.params.blocks[0].mlp.fc.lora_b).max()) > 0
-    sharded = run("fsdp", 4, strategy="fsdp", tensor=2)
+    run("fsdp", 2, strategy="fsdp", tensor=2)  # resumed onto the mesh: the base re-read there
+    sharded = run("fsdp", 4, resume="require", strategy="fsdp", tensor=2)
     assert_same_trajectory(sharded.params, r.params, lr=0.01)
 
     loaded = load_run(r.run_dir)

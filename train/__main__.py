@@ -1,6 +1,6 @@
 """``nnlite-train --config FILE [--set key=value ...] [--print-config] [--resume | --fresh]
 [--processes N] [--timings]``, and its commands ``nnlite-train prepare | sample | predict |
-lr-find | verify ...`` (``COMMANDS``). In a checkout, ``python -m train`` is the same
+lr-find | verify | export ...`` (``COMMANDS``). In a checkout, ``python -m train`` is the same
 command; installed, ``python -m nnlite.train`` is too.
 
 Exit statuses: 0 done, 1 unexpected failure (a lost peer included), 2 bad input,
@@ -55,6 +55,7 @@ COMMANDS = {
     "predict": (".predict", "a trained run's predictions for an .npz file (--run DIR)"),
     "lr-find": (".lr_find", "an LR range test: suggest a learning rate for a config"),
     "verify": (".verify", "check a run's checkpoints against their checksums"),
+    "export": (".export", "a Hugging Face run back as a model directory or a peft adapter"),
 }
 
 

@@ -4,7 +4,8 @@
 ``model, params = nl.hf.load_pretrained(dir)`` builds an ``nl.hf.GPT2LM`` or ``nl.hf.LlamaLM``
 from ``config.json`` and reads its safetensors lazily; ``nl.hf.save_pretrained(dir, model,
 params, tokenizer)`` writes a directory ``transformers`` loads; ``nl.hf.load_tokenizer(dir)``
-reads ``tokenizer.json``. See docs/pretrained.md.
+reads ``tokenizer.json``; ``nl.hf.save_adapter`` / ``nl.hf.load_adapter`` write and read LoRA
+adapters in peft's format. See docs/pretrained.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import jax
 from ..nn._lora import lora_join as lora_join
 from ..nn._lora import lora_mask as lora_mask
 from ..nn._lora import lora_split as lora_split
+from ._adapter import AdapterError as AdapterError
+from ._adapter import load_adapter as load_adapter
+from ._adapter import save_adapter as save_adapter
 from ._config import FAMILIES as FAMILIES
 from ._config import IGNORED_KEYS as IGNORED_KEYS
 from ._config import PROFILES as PROFILES
@@ -43,6 +47,17 @@ from ._tokenizer import load_tokenizer as load_tokenizer
 from ._tokenizer import stop_ids as stop_ids
 
 
+def without_lora(model: Any, params: Any):
+    """``(model, params)`` with LoRA disabled: the base decoder of an ``nl.hf`` model (or of
+    an ``nl.hf.Pretrained``) and the params without their adapters, sharing the base
+    weights. ``model(params, x)`` of the result is the frozen base's output (DPO's
+    reference model)."""
+    inner = model if isinstance(model, GPT2LM | LlamaLM) else getattr(model, "model", None)
+    if not isinstance(inner, GPT2LM | LlamaLM):
+        raise TypeError(f"without_lora: expected an nl.hf model, got {type(model).__name__}")
+    return inner.without_lora(params)
+
+
 def from_pretrained(
     directory: str | os.PathLike,
     *,
@@ -53,16 +68,24 @@ def from_pretrained(
 ):
     """``(model, params, tokenizer)`` for a training run: the model and weights of
     ``directory``, with LoRA adapters when ``lora`` is given (``{"rank": 8, "alpha": 16,
-    "targets": ["*/attn/q", "*/attn/v"]}``; ``key`` draws the adapters' ``A``), and the
+    "targets": ["*/attn/q", "*/attn/v"], "dropout": 0.05}``; ``key`` draws the adapters'
+    ``A``; or ``{"path": DIR}``, a peft adapter: ``load_adapter``), and the
     directory's tokenizer (None without a ``tokenizer.json``).
 
     The trainer's ``model.name: "hf:DIR"`` and ``model.lora`` are this call."""
     model, params = load_pretrained(directory, sharding=sharding, ignore_keys=ignore_keys)
-    if lora:
-        unknown = sorted(set(lora) - {"rank", "alpha", "targets"})
+    if lora and set(lora) <= {"path", "dropout"} and "path" in lora:  # a peft adapter
+        model, params = load_adapter(lora["path"], model, params)
+        if "dropout" in lora:
+            model = model.with_lora(
+                model.lora_targets, model.lora_rank, model.lora_alpha, lora["dropout"]
+            )
+    elif lora:
+        unknown = sorted(set(lora) - {"rank", "alpha", "targets", "dropout"})
         if unknown or "targets" not in lora:
             raise ValueError(
-                f"lora: expected keys rank, alpha, targets (targets required), got {sorted(lora)}"
+                "lora: expected keys rank, alpha, targets (required), dropout, or path (a peft "
+                f"adapter directory) and dropout; got {sorted(lora)}"
             )
         targets = lora["targets"]
         if isinstance(targets, str) or not targets:
@@ -75,6 +98,9 @@ def from_pretrained(
             rank=int(lora.get("rank", 8)),
             alpha=float(lora.get("alpha", 16.0)),
         )
+        model = model.with_lora(
+            model.lora_targets, model.lora_rank, model.lora_alpha, lora.get("dropout", 0.0)
+        )
     try:
         tokenizer = load_tokenizer(directory)
     except FileNotFoundError:
@@ -83,6 +109,7 @@ def from_pretrained(
 
 
 __all__ = [
+    "AdapterError",
     "FAMILIES",
     "GPT2Block",
     "GPT2LM",
@@ -102,6 +129,7 @@ __all__ = [
     "generate_stream",
     "hf_config",
     "hf_name",
+    "load_adapter",
     "load_pretrained",
     "load_tokenizer",
     "lora_join",
@@ -109,6 +137,8 @@ __all__ = [
     "lora_split",
     "merge_lora",
     "sample_logits",
+    "save_adapter",
     "save_pretrained",
     "stop_ids",
+    "without_lora",
 ]

@@ -12,7 +12,7 @@ from ..core._params import ParamsDict
 from ..nn._embedding import Embedding
 from ..nn._gqa import GroupedQueryAttention
 from ..nn._linear import Linear
-from ..nn._lora import LoRA, adapter_axes, wrap
+from ..nn._lora import LoRA, adapter_axes, split_key, wrap
 from ..nn._names import get_activation
 from ..nn._normalisation import LayerNorm
 from ..nn._ops import add
@@ -30,9 +30,11 @@ class _GeluMLP(Module):
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
 
     def _lin(self, name, n_in, n_out):
-        return wrap(Linear(n_in, n_out), name in self.lora, self.lora_rank, self.lora_alpha)
+        on = name in self.lora
+        return wrap(Linear(n_in, n_out), on, self.lora_rank, self.lora_alpha, self.lora_dropout)
 
     @property
     def fc(self):
@@ -56,10 +58,11 @@ class _GeluMLP(Module):
         return ParamsDict(fc=self.fc.init(k1), proj=self.proj.init(k2))
 
     def __call__(self, params, x, *, key=None):
+        k_fc, k_proj = split_key(key, 2)  # keys: LoRA dropout in training
         with self.params_scope("/fc"):
-            h = get_activation(self.activation)(self.fc(self.child(params, "fc"), x))
+            h = get_activation(self.activation)(self.fc(self.child(params, "fc"), x, key=k_fc))
         with self.params_scope("/proj"):
-            return self.proj(self.child(params, "proj"), h)
+            return self.proj(self.child(params, "proj"), h, key=k_proj)
 
 
 class GPT2Block(Module):
@@ -77,6 +80,7 @@ class GPT2Block(Module):
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
 
     def _sub(self, prefix):
         return tuple(n.split("/", 1)[1] for n in self.lora if n.startswith(prefix + "/"))
@@ -102,6 +106,7 @@ class GPT2Block(Module):
             lora=self._sub("attn"),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
         )
 
     @property
@@ -113,6 +118,7 @@ class GPT2Block(Module):
             self._sub("mlp"),
             self.lora_rank,
             self.lora_alpha,
+            self.lora_dropout,
         )
 
     def param_axes(self) -> ParamsDict:
@@ -128,15 +134,16 @@ class GPT2Block(Module):
             mlp=self.mlp.init(k2),
         )
 
-    def _mlp_half(self, params, x):
-        return add(x, self.mlp(params.mlp, self.ln2(params.ln2, x)))
+    def _mlp_half(self, params, x, key=None):
+        return add(x, self.mlp(params.mlp, self.ln2(params.ln2, x), key=key))
 
     def __call__(self, params, x, *, mask=None, key=None):
+        k_attn, k_mlp = split_key(key, 2)  # keys: LoRA dropout in training
         h = self.ln1(self.child(params, "ln1"), x)
         with self.params_scope("/attn"):
-            x = add(x, self.attn(self.child(params, "attn"), h, mask=mask))
+            x = add(x, self.attn(self.child(params, "attn"), h, mask=mask, key=k_attn))
         with self.params_scope(""):
-            return self._mlp_half(params, x)
+            return self._mlp_half(params, x, k_mlp)
 
     def decode(self, params, x, cache, pos, *, mask=None, positions=None):
         h = self.ln1(params.ln1, x)
@@ -172,6 +179,7 @@ class GPT2LM(_Decoder):
     lora_targets: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
 
     _LINEARS = ("attn/qkv", "attn/out", "mlp/fc", "mlp/proj")
     _EMBED = "wte"
@@ -204,6 +212,7 @@ class GPT2LM(_Decoder):
             self._block_lora(i),
             self.lora_rank,
             self.lora_alpha,
+            self.lora_dropout,
         )
 
     def _init_embed(self, key):

@@ -19,10 +19,11 @@ from ..core._axes import param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..nn._activations import softcap
+from ..nn._dropout import check_rate
 from ..nn._embedding import Embedding
 from ..nn._linear import Linear
 from ..nn._llama import LlamaBlock
-from ..nn._lora import adapter_axes, match_targets
+from ..nn._lora import ADAPTER_NAMES, adapter_axes, match_targets, split_key
 from ..nn._normalisation import RMSNorm
 from ._generate import generate, generate_stream
 
@@ -40,6 +41,7 @@ class _Decoder(Module):
         self._check_positive_ints("vocab_size", "context", "n_layer", "n_head", "n_embd")
         if self.lora_targets:
             self._check_positive_ints("lora_rank")
+            check_rate(type(self).__name__, "lora_dropout", self.lora_dropout)
             self.lora_paths  # every glob matches  # noqa: B018
 
     @property
@@ -61,7 +63,9 @@ class _Decoder(Module):
 
     @property
     def uses_key(self) -> bool:
-        return False  # no dropout: imported models fine-tune without it
+        """Only LoRA dropout draws random numbers (imported models fine-tune without the
+        pretraining dropout)."""
+        return bool(self.lora_targets) and self.lora_dropout > 0
 
     @property
     def max_positions(self) -> int:
@@ -107,9 +111,10 @@ class _Decoder(Module):
             raise ValueError(
                 f"{type(self).__name__}: params hold {len(blocks)} blocks, n_layer={self.n_layer}"
             )
-        for i, p in enumerate(blocks):
+        keys = split_key(key if self.uses_key else None, self.n_layer)
+        for i, (p, k) in enumerate(zip(blocks, keys, strict=True)):
             with self.params_scope(f"/blocks[{i}]"):
-                x = self.block_at(i)(p, x)
+                x = self.block_at(i)(p, x, key=k)
         return self.logits(params, x)
 
     def param_axes(self) -> ParamsDict:
@@ -161,11 +166,24 @@ class _Decoder(Module):
         return generate_stream(self, params, prompt, n_tokens, key, *args, **kw)
 
     # -- LoRA -------------------------------------------------------------------------------
-    def with_lora(self, targets, rank: int = 8, alpha: float = 16.0):
-        """This model with LoRA adapters on the projections the globs ``targets`` select."""
+    def with_lora(self, targets, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0):
+        """This model with LoRA adapters on the projections the globs ``targets`` select
+        (``dropout``: on each adapter's input in training, peft's ``lora_dropout``)."""
         return dataclasses.replace(
-            self, lora_targets=tuple(targets), lora_rank=rank, lora_alpha=float(alpha)
+            self,
+            lora_targets=tuple(targets),
+            lora_rank=rank,
+            lora_alpha=float(alpha),
+            lora_dropout=float(dropout),
         )
+
+    def without_lora(self, params: ParamsDict) -> tuple[_Decoder, ParamsDict]:
+        """``(the base model, params without the adapters)``: the model with LoRA disabled,
+        sharing the base weights (no copy); a reference model for DPO, or the base's logits
+        beside the adapted ones."""
+        flat = params.to_flat()
+        kept = {k: v for k, v in flat.items() if k.rsplit("/", 1)[-1] not in ADAPTER_NAMES}
+        return dataclasses.replace(self, lora_targets=()), ParamsDict.from_flat(kept)
 
 
 class LlamaLM(_Decoder):
@@ -226,6 +244,7 @@ class LlamaLM(_Decoder):
     lora_targets: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
 
     _LINEARS = ("attn/q", "attn/k", "attn/v", "attn/out", "mlp/gate", "mlp/up", "mlp/down")
     _EMBED = "embed"
@@ -299,6 +318,7 @@ class LlamaLM(_Decoder):
             lora=self._block_lora(i),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
         )
 
     def _init_embed(self, key):

@@ -11,6 +11,8 @@ gives the same params (the weights, plus LoRA adapters drawn from ``key``).
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,9 @@ import numpy as np
 
 from ..core._module import Module
 from ..core._params import ParamsDict
+from ..nn._dropout import check_rate
 from ..nn._lora import freeze_base, lora_mask
+from ._adapter import read_adapter
 from ._config import HFConfigError
 from ._convert import build_model, family_of, hf_name, plan_weights
 from ._generate import generate, generate_stream
@@ -32,7 +36,7 @@ from ._tokenizer import stop_ids as read_stop_ids
 
 __all__ = ["Pretrained"]
 
-_LORA_KEYS = ("rank", "alpha", "targets")
+_LORA_KEYS = ("rank", "alpha", "targets", "dropout", "path")
 
 
 def _base(path: str, ignore_keys: tuple) -> GPT2LM | LlamaLM:
@@ -61,6 +65,11 @@ def _stop_ids(path: str) -> tuple[int, ...]:
     return read_stop_ids(path, HFConfigError)
 
 
+@functools.lru_cache(maxsize=4)
+def _adapter(path: str, base: GPT2LM | LlamaLM) -> dict:
+    return read_adapter(path, base)
+
+
 def _lora_pairs(lora: Any) -> tuple:
     """``lora`` as sorted ``(key, value)`` pairs (hashable), from a dict or pairs."""
     if lora is None or lora == () or lora == {}:
@@ -68,7 +77,20 @@ def _lora_pairs(lora: Any) -> tuple:
     items = dict(lora) if not isinstance(lora, dict) else lora
     unknown = sorted(set(items) - set(_LORA_KEYS))
     if unknown:
-        raise ValueError(f"lora: unknown key {unknown[0]!r}; keys: rank, alpha, targets")
+        raise ValueError(f"lora: unknown key {unknown[0]!r}; keys: {', '.join(_LORA_KEYS)}")
+    dropout = items.get("dropout", 0.0)
+    check_rate("lora", "dropout", dropout)
+    if "path" in items:  # a peft adapter: its config gives rank, alpha and targets
+        given = [k for k in ("rank", "alpha", "targets") if k in items]
+        if given:
+            raise ValueError(
+                f"lora: path {items['path']!r} is a peft adapter directory whose "
+                f"adapter_config.json gives rank, alpha and targets; leave out {given}"
+            )
+        if not isinstance(items["path"], str | os.PathLike):
+            raise ValueError(f"lora: path must be a directory name, got {items['path']!r}")
+        pairs = (("path", str(items["path"])),)
+        return ((("dropout", float(dropout)),) if "dropout" in items else ()) + pairs
     targets = items.get("targets")
     if isinstance(targets, str) or not targets or not all(isinstance(t, str) for t in targets):
         raise ValueError(
@@ -81,7 +103,32 @@ def _lora_pairs(lora: Any) -> tuple:
     alpha = items.get("alpha", 16.0)
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise ValueError(f"lora: alpha must be a number, got {alpha!r}")
-    return (("alpha", float(alpha)), ("rank", rank), ("targets", tuple(targets)))
+    pairs = (("alpha", float(alpha)), ("dropout", float(dropout)), ("rank", rank))
+    return pairs + (("targets", tuple(targets)),)
+
+
+_HASHED = ("config.json", "*.safetensors", "model.safetensors.index.json")
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_files(files: tuple) -> str:
+    h = hashlib.sha256()
+    for name, path, _size, _mtime in files:
+        h.update(name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def content_hash(directory: str | os.PathLike) -> str:
+    """sha256 of a model directory's ``config.json`` and weight files (names and bytes): what
+    a LoRA checkpoint records of its base. Cached per file size and modification time, so
+    a run hashes its base once."""
+    d = Path(directory)
+    found = sorted({p for pattern in _HASHED for p in d.glob(pattern) if p.is_file()})
+    files = tuple((p.name, str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in found)
+    return _hash_files(files)
 
 
 class Pretrained(Module):
@@ -93,7 +140,11 @@ class Pretrained(Module):
 
     Args:
         path: the model directory.
-        lora: ``{"rank": 8, "alpha": 16, "targets": [globs]}`` or None (full fine-tuning).
+        lora: ``{"rank": 8, "alpha": 16, "targets": [globs], "dropout": 0.05}`` (dropout
+            optional), or ``{"path": DIR}``: start from the peft adapter in ``DIR`` (its
+            rank, alpha, targets and dropout; ``dropout`` may override); or None (full
+            fine-tuning). With LoRA, a checkpoint holds the adapters only
+            (:meth:`checkpointed`), and names the base by path and content hash.
         vocab_size: the data's vocabulary size, at most the model's (a trainer fills it).
         context: the training window, at most the model's positions (a trainer fills it).
         ignore_keys: config keys to pass over (see ``load_pretrained``).
@@ -143,11 +194,15 @@ class Pretrained(Module):
         if not self.lora:
             return self.base
         lora = dict(self.lora)
-        return self.base.with_lora(lora["targets"], lora["rank"], lora["alpha"])
+        if "path" in lora:
+            ad = _adapter(lora["path"], self.base)
+            dropout = lora.get("dropout", ad["dropout"])
+            return self.base.with_lora(ad["targets"], ad["rank"], ad["alpha"], dropout)
+        return self.base.with_lora(lora["targets"], lora["rank"], lora["alpha"], lora["dropout"])
 
     @property
     def uses_key(self) -> bool:
-        return False
+        return self.model.uses_key  # LoRA dropout
 
     @property
     def max_positions(self) -> int:
@@ -184,6 +239,11 @@ class Pretrained(Module):
             return params
         model = self.model
         flat = dict(params.to_flat())
+        if "path" in dict(self.lora):  # the peft adapter's weights
+            found = _adapter(dict(self.lora)["path"], self.base)["tensors"]
+            for lpath, (a, b) in found.items():
+                flat[lpath + "/lora_a"], flat[lpath + "/lora_b"] = jnp.asarray(a), jnp.asarray(b)
+            return ParamsDict.from_flat(flat)
         paths = sorted(model.lora_paths)
         for lpath, k in zip(paths, jax.random.split(key, len(paths)), strict=True):
             i = int(lpath.split("]")[0].split("[")[1])
@@ -207,7 +267,32 @@ class Pretrained(Module):
         return freeze_base(optimizer) if self.lora else optimizer
 
     def __call__(self, params: ParamsDict, tokens: jax.Array, *, key: jax.Array | None = None):
-        return self.model(params, tokens)
+        return self.model(params, tokens, key=key)
+
+    # -- checkpoints of a LoRA run: the adapters, and the base named by path and hash ---------
+    def checkpointed(self, params):
+        """Which params a checkpoint holds (a tree of bools; None: all): with ``lora`` the
+        adapters only; the base is read again from :attr:`path` when the run is loaded."""
+        return lora_mask(params) if self.lora else None
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """What a LoRA checkpoint records of its base: its directory and content hash."""
+        if not self.lora:
+            return {}
+        return {"base_model": self.path, "base_sha256": content_hash(self.path)}
+
+    def check_checkpoint(self, meta: dict[str, str], where: str) -> None:
+        """Refuse (one line) a LoRA checkpoint whose base has changed since it was written."""
+        saved = meta.get("base_sha256")
+        if not self.lora or saved is None:
+            return
+        now = content_hash(self.path)
+        if now != saved:
+            raise ValueError(
+                f"{where}: its adapters were trained on the base model {meta.get('base_model')} "
+                f"with content hash {saved[:12]}..., but {self.path} now hashes to {now[:12]}...; "
+                "the base changed: restore the original base directory"
+            )
 
     def decode_step(self, params, cache, tokens, pos, **kw):
         return self.model.decode_step(params, cache, tokens, pos, **kw)

@@ -24,7 +24,7 @@ from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ._attention import causal_mask
 from ._linear import Linear
-from ._lora import LoRA, adapter_axes, wrap
+from ._lora import LoRA, adapter_axes, split_key, wrap
 from ._normalisation import RMSNorm
 from ._rope_scaling import rope, rope_frequencies
 
@@ -147,7 +147,8 @@ class GroupedQueryAttention(Module):
         softcap: cap the logits at ``softcap * tanh(logits / softcap)`` (None: no cap).
         window: sliding-window size, with ``causal`` (None: every earlier key).
         lora: names of the projections wrapped in ``nl.LoRA`` (``"q"``, ``"k"``, ``"v"``,
-            ``"qkv"``, ``"out"``), with ``lora_rank`` and ``lora_alpha``.
+            ``"qkv"``, ``"out"``), with ``lora_rank``, ``lora_alpha`` and ``lora_dropout``
+            (dropout on each adapter's input when called with a ``key``).
         w_init, param_dtype, dtype: as ``nl.Linear``.
 
     Params: ``/q``, ``/k``, ``/v`` (or ``/qkv``) and ``/out``, each a ``Linear``'s (``W``,
@@ -185,6 +186,7 @@ class GroupedQueryAttention(Module):
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
     w_init: str = "lecun_normal"
     param_dtype: str = "float32"
     dtype: str | None = None
@@ -259,7 +261,7 @@ class GroupedQueryAttention(Module):
             param_dtype=self.param_dtype,
             dtype=self.dtype,
         )
-        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha)
+        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha, self.lora_dropout)
 
     @property
     def q(self):
@@ -324,14 +326,20 @@ class GroupedQueryAttention(Module):
         with self.params_scope(f"/{name}"):
             return self.head_norm(self.child(params, name), x)
 
-    def _project(self, params: ParamsDict, name: str, x: jax.Array) -> jax.Array:
+    def _project(self, params: ParamsDict, name: str, x: jax.Array, key=None) -> jax.Array:
         layer = self.children[name]
         p = self.child(params, name)
         with self.params_scope(f"/{name}"):
-            return layer(p, x)
+            return layer(p, x) if key is None else layer(p, x, key=key)
 
     def qkv(
-        self, params: ParamsDict, x: jax.Array, *, offset: Any = 0, positions: Any = None
+        self,
+        params: ParamsDict,
+        x: jax.Array,
+        *,
+        offset: Any = 0,
+        positions: Any = None,
+        key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``q: [..., T, num_heads, head_dim]``, ``k, v: [..., T, num_kv_heads, head_dim]`` of
         ``x: [..., T, features]``; q and k rotated at positions ``offset ..`` when ``rotary``,
@@ -339,10 +347,11 @@ class GroupedQueryAttention(Module):
         self.check_input(x, self.features, min_rank=2)
         lead, h, kv, d = x.shape[:-1], self.num_heads, self.kv_heads, self.dim
         if self.fused_qkv:
-            y = self._project(params, "qkv", x)
+            y = self._project(params, "qkv", x, key)
             q, k, v = jnp.split(y, [h * d, (h + kv) * d], axis=-1)
-        else:
-            q, k, v = (self._project(params, n, x) for n in ("q", "k", "v"))
+        else:  # a key (training with LoRA dropout) is one per projection
+            keys = split_key(key, 3)
+            q, k, v = (self._project(params, n, x, kn) for n, kn in zip("qkv", keys, strict=True))
         q = q.reshape(*lead, h, d)
         k, v = k.reshape(*lead, kv, d), v.reshape(*lead, kv, d)
         if self.qk_norm:
@@ -398,9 +407,10 @@ class GroupedQueryAttention(Module):
         # jax.nn.dot_product_attention groups kv heads itself (its XLA path: same arithmetic)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=self.scale)
 
-    def project(self, params: ParamsDict, o: jax.Array) -> jax.Array:
+    def project(self, params: ParamsDict, o: jax.Array, key: jax.Array | None = None):
         """Merge the heads of ``o: [..., T, num_heads, head_dim]``; the output projection."""
-        return self._project(params, "out", o.reshape(*o.shape[:-2], self.num_heads * self.dim))
+        o = o.reshape(*o.shape[:-2], self.num_heads * self.dim)
+        return self._project(params, "out", o, key)
 
     def empty_cache(self, batch: int, length: int, dtype: Any = jnp.float32):
         """Zeroed ``(k, v)`` caches, each ``[batch, length, num_kv_heads, head_dim]``."""
@@ -446,5 +456,6 @@ class GroupedQueryAttention(Module):
                 f"{self._short_repr()}: expected x [B, T, {self.features}], got shape "
                 f"{tuple(getattr(x, 'shape', ()))}"
             )
-        q, k, v = self.qkv(params, x)
-        return self.project(params, self.attend(q, k, v, mask=mask))
+        k_qkv, k_out = split_key(key, 2)
+        q, k, v = self.qkv(params, x, key=k_qkv)
+        return self.project(params, self.attend(q, k, v, mask=mask), k_out)

@@ -12,6 +12,7 @@ from ..core._axes import param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ._gqa import GroupedQueryAttention
+from ._lora import split_key
 from ._normalisation import RMSNorm
 from ._ops import add
 from ._swiglu import SwiGLU
@@ -49,7 +50,8 @@ class LlamaBlock(Module):
             ``window`` (see ``GroupedQueryAttention``; None: ``1 / sqrt(head_dim)``, no cap,
             no window).
         lora: projections wrapped in ``nl.LoRA``, as paths inside the block (``"attn/q"``,
-            ``"attn/v"``, ``"mlp/down"``, ...), with ``lora_rank`` and ``lora_alpha``.
+            ``"attn/v"``, ``"mlp/down"``, ...), with ``lora_rank``, ``lora_alpha`` and
+            ``lora_dropout``.
         w_init, param_dtype, dtype: as ``nl.Linear``.
 
     Params: ``/ln1/scale``, ``/attn/{q,k,v,out}/...``, ``/ln2/scale``,
@@ -90,6 +92,7 @@ class LlamaBlock(Module):
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
     w_init: str = "lecun_normal"
     param_dtype: str = "float32"
     dtype: str | None = None
@@ -153,6 +156,7 @@ class LlamaBlock(Module):
             lora=self._lora_of("attn"),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
             w_init=self.w_init,
             param_dtype=self.param_dtype,
             dtype=self.dtype,
@@ -168,6 +172,7 @@ class LlamaBlock(Module):
             lora=self._lora_of("mlp"),
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
             w_init=self.w_init,
             param_dtype=self.param_dtype,
             dtype=self.dtype,
@@ -197,10 +202,10 @@ class LlamaBlock(Module):
             y = self._norm(params, post, y)
         return add(x, y.astype(x.dtype))
 
-    def _mlp_half(self, params: ParamsDict, x: jax.Array) -> jax.Array:
+    def _mlp_half(self, params: ParamsDict, x: jax.Array, key=None) -> jax.Array:
         h = self._norm(params, "ln2", x)
         with self.params_scope("/mlp"):
-            y = self.mlp(self.child(params, "mlp"), h)
+            y = self.mlp(self.child(params, "mlp"), h, key=key)
         return self._residual(params, x, y, "post_ln2")
 
     def __call__(
@@ -215,9 +220,10 @@ class LlamaBlock(Module):
         if self.dtype is not None:
             x = x.astype(self.dtype)  # the residual stream in the compute dtype
         h = self._norm(params, "ln1", x)
+        k_attn, k_mlp = split_key(key, 2)  # keys: LoRA dropout in training
         with self.params_scope("/attn"):
-            y = self.attn(self.child(params, "attn"), h, mask=mask)
-        return self._mlp_half(params, self._residual(params, x, y, "post_ln1"))
+            y = self.attn(self.child(params, "attn"), h, mask=mask, key=k_attn)
+        return self._mlp_half(params, self._residual(params, x, y, "post_ln1"), k_mlp)
 
     def decode(
         self,

@@ -23,6 +23,7 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..core._select import matches
 from ..grad._manual import hand_rule
+from ._dropout import check_rate, dropout
 from ._linear import Linear, linear_axes
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "adapter_axes",
     "lora_join",
     "lora_linear",
+    "lora_linear_dropout",
     "lora_linear_vjp",
     "lora_mask",
     "lora_split",
@@ -68,6 +70,30 @@ def lora_linear(x, W, b, A, B, *, scale: float) -> jax.Array:
     return y + jnp.broadcast_to(jax.lax.stop_gradient(b), y.shape)
 
 
+def lora_linear_dropout_vjp(x, xd, W, b, A, B, dret, *, scale: float):
+    """Hand VJP of ``lora_linear_dropout``: ``dx = dy W^T``, ``dxd = s (dy B^T) A^T``, ``dA =
+    s xd^T (dy B^T)``, ``dB = s (xd A)^T dy``; zeros for the frozen ``W`` and ``b``."""
+    s = jnp.asarray(scale, dret.dtype)
+    dy2 = dret.reshape(-1, W.shape[1])
+    xd2 = xd.reshape(-1, W.shape[0])
+    dxa = (dy2 @ B.T) * s  # [N, rank]
+    dx = (dy2 @ W.T).reshape(x.shape)
+    dxd = (dxa @ A.T).reshape(xd.shape)
+    db = None if b is None else jnp.zeros_like(b)
+    return dx, dxd, jnp.zeros_like(W), db, xd2.T @ dxa, ((xd2 @ A) * s).T @ dy2
+
+
+@hand_rule(lora_linear_dropout_vjp)
+def lora_linear_dropout(x, xd, W, b, A, B, *, scale: float) -> jax.Array:
+    """``x W + b + scale (xd A) B``: ``lora_linear`` whose adapter branch reads ``xd`` (``x``
+    after dropout, as peft's ``lora_dropout``) while the frozen base reads ``x``."""
+    W = jax.lax.stop_gradient(W)
+    y = x @ W + ((xd @ A) * jnp.asarray(scale, x.dtype)) @ B
+    if b is None:
+        return y
+    return y + jnp.broadcast_to(jax.lax.stop_gradient(b), y.shape)
+
+
 class LoRA(Module):
     """A ``Linear`` with a low-rank adapter (LoRA; ``peft.LoraConfig`` in PyTorch):
     ``base(x) + (alpha / rank) (x A) B``, only ``A`` and ``B`` trained.
@@ -78,6 +104,8 @@ class LoRA(Module):
         base: the wrapped ``nl.Linear`` (its params keep their names ``W``, ``b``).
         rank: the adapter's rank.
         alpha: scale numerator: the update is multiplied by ``alpha / rank``.
+        dropout: dropout rate on the adapter branch's input (peft's ``lora_dropout``), in
+            training only (a call with a ``key``); the frozen base reads the input as is.
 
     Params: ``/W``, ``/b`` (the base's, frozen), ``/lora_a: [in, rank]``, ``/lora_b: [rank,
     out]``.
@@ -103,9 +131,11 @@ class LoRA(Module):
     base: Linear
     rank: int = 8
     alpha: float = 16.0
+    dropout: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
+        check_rate("LoRA", "dropout", self.dropout)
         if not isinstance(self.base, Linear):
             raise TypeError(f"LoRA: base must be an nl.Linear, got {type(self.base).__name__}")
         self._check_positive_ints("rank")
@@ -119,6 +149,10 @@ class LoRA(Module):
     @property
     def param_dtype(self) -> str:
         return self.base.param_dtype
+
+    @property
+    def uses_key(self) -> bool:
+        return self.dropout > 0
 
     def _args_repr(self) -> str:
         return f"LoRA({self.base.in_features}, {self.base.out_features}, rank={self.rank})"
@@ -166,7 +200,11 @@ class LoRA(Module):
         dtype = self.base.compute_dtype(x, *arrays)
         W, *rest = (a.astype(dtype) for a in arrays)
         b = rest.pop(0) if self.base.use_bias else None
-        return lora_linear(x.astype(dtype), W, b, *rest, scale=self.scale)
+        x = x.astype(dtype)
+        if key is None or self.dropout == 0:
+            return lora_linear(x, W, b, *rest, scale=self.scale)
+        xd = dropout(x, key, self.dropout)
+        return lora_linear_dropout(x, xd, W, b, *rest, scale=self.scale)
 
 
 def adapter_axes(layer: Linear | LoRA, in_name: str | None, out_name: str | None) -> ParamsDict:
@@ -180,10 +218,16 @@ def adapter_axes(layer: Linear | LoRA, in_name: str | None, out_name: str | None
     return p
 
 
-def wrap(linear: Linear, on: bool, rank: int, alpha: float) -> Linear | LoRA:
-    """``LoRA(linear, rank, alpha)`` when ``on``, else ``linear``: how a layer builds a child
-    that its ``lora`` field names."""
-    return LoRA(linear, rank, alpha) if on else linear
+def wrap(linear: Linear, on: bool, rank: int, alpha: float, dropout: float = 0.0):
+    """``LoRA(linear, rank, alpha, dropout)`` when ``on``, else ``linear``: how a layer builds
+    a child that its ``lora`` field names."""
+    return LoRA(linear, rank, alpha, dropout) if on else linear
+
+
+def split_key(key: jax.Array | None, n: int) -> list:
+    """``n`` keys from ``key`` for a layer's children (``n`` Nones for ``key=None``:
+    inference), so a layer whose LoRA children take dropout passes each its own."""
+    return [None] * n if key is None else list(jax.random.split(key, n))
 
 
 def match_targets(targets: Iterable[str], paths: Iterable[str], where: str = "LoRA") -> set[str]:

@@ -12,7 +12,7 @@ from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ..grad._vjp_batched import gelu_grad
 from ._linear import Linear
-from ._lora import LoRA, adapter_axes, wrap
+from ._lora import LoRA, adapter_axes, split_key, wrap
 
 __all__ = ["SwiGLU", "geglu", "geglu_vjp", "swiglu", "swiglu_vjp"]
 
@@ -70,7 +70,7 @@ class SwiGLU(Module):
         use_bias: biases on the three projections (Llama's ``mlp_bias``).
         activation: the gate's activation, ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU).
         lora: projections wrapped in ``nl.LoRA`` (``"gate"``, ``"up"``, ``"down"``), with
-            ``lora_rank`` and ``lora_alpha``.
+            ``lora_rank``, ``lora_alpha`` and ``lora_dropout``.
         w_init, param_dtype, dtype: as ``nl.Linear``.
 
     Params: ``/gate``, ``/up``, ``/down``.
@@ -92,6 +92,7 @@ class SwiGLU(Module):
     lora: tuple[str, ...] = ()
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
     w_init: str = "lecun_normal"
     param_dtype: str = "float32"
     dtype: str | None = None
@@ -120,7 +121,7 @@ class SwiGLU(Module):
             param_dtype=self.param_dtype,
             dtype=self.dtype,
         )
-        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha)
+        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha, self.lora_dropout)
 
     @property
     def gate(self):
@@ -152,12 +153,17 @@ class SwiGLU(Module):
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.features)
-        h = {}
+        h, keys = {}, dict(zip(("gate", "up", "down"), split_key(key, 3), strict=True))
+
+        def call(name, p, x):  # a key only for LoRA dropout in training
+            layer = self.children[name]
+            return layer(p, x) if keys[name] is None else layer(p, x, key=keys[name])
+
         for name in ("gate", "up"):
             p = self.child(params, name)
             with self.params_scope(f"/{name}"):
-                h[name] = self.children[name](p, x)
+                h[name] = call(name, p, x)
         p = self.child(params, "down")
         with self.params_scope("/down"):
             gated = _GATES[self.activation](h["gate"], h["up"])
-            return self.down(p, gated.astype(jnp.result_type(h["up"])))
+            return call("down", p, gated.astype(jnp.result_type(h["up"])))

@@ -74,6 +74,9 @@ def metadata(
         meta[MODEL_SOURCE_KEY] = source
     if grad is not None:
         meta["grad_mode"] = grad
+    own = getattr(model, "checkpoint_metadata", None)
+    if callable(own):  # a LoRA run's base: its directory and content hash
+        meta.update(own())
     return meta
 
 

@@ -58,6 +58,25 @@ def flatten_with_paths(prefix: str, tree: Any) -> dict[str, Any]:
     return {prefix + nl.format_path(path): leaf for path, leaf in leaves}
 
 
+def kept_params(model: Any, params: Any) -> Any:
+    """The params a checkpoint of ``model`` holds: all of them, or the subset its
+    ``checkpointed(params)`` marks (LoRA: the adapters; ``nl.hf.Pretrained``), as a
+    ParamsDict of those paths."""
+    mask = _kept_mask(model, params)
+    if mask is None:
+        return params
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    kept = {
+        nl.format_path(p): v for (p, v), m in zip(leaves, jax.tree.leaves(mask), strict=True) if m
+    }
+    return nl.ParamsDict.from_flat(kept)
+
+
+def _kept_mask(model: Any, params: Any) -> Any:
+    fn = getattr(model, "checkpointed", None)
+    return fn(params) if callable(fn) else None
+
+
 def _tree(params: Any, opt_state: Any, state: Any = None) -> OrderedDict:
     """The tree a checkpoint holds; ordered (JAX sorts a dict's keys), so that a mismatch
     names a path of the params before one of the optimizer state derived from them. A
@@ -85,12 +104,15 @@ def save(
     *,
     state: Any = None,
     protect: frozenset = frozenset(),
+    model: Any = None,
 ) -> Path:
     """Write ``ckpt_<step>.safetensors`` atomically (``nl.save``), keep the newest ``keep``
     and the steps in ``protect`` (the best k: ``best.py``).
 
     ``metadata`` values that are not strings are stored as JSON; ``state``: a stateful
-    model's state (None: stateless)."""
+    model's state (None: stateless); ``model``: the params its ``checkpointed`` keeps
+    (:func:`kept_params`; None: all)."""
+    params = kept_params(model, params)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     meta = _string_metadata(step, metadata)
     final = nl.save(
@@ -111,13 +133,16 @@ def save_sharded(
     *,
     state: Any = None,
     protect: frozenset = frozenset(),
+    model: Any = None,
 ) -> Path:
     """Write ``ckpt_<step>.shards`` (``nl.save_sharded``): every process calls this with its
     placed, sharded state and writes the shards its devices hold; process 0 writes the
     index (the metadata) last, renames the directory and keeps the newest ``keep``.
 
     ``barrier``: ``train.parallel.distributed.barrier`` (bounded waits) with several processes;
-    ``state``: a stateful model's (placed) state, None for a stateless model."""
+    ``state``: a stateful model's (placed) state, None for a stateless model; ``model``: as
+    :func:`save`."""
+    params = kept_params(model, params)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     meta = _string_metadata(step, metadata)
     final = nl.save_sharded(
@@ -304,12 +329,58 @@ def _other_layout(model: Any, params_template: Any):
     return other, alt
 
 
+# --- a checkpoint that holds part of the params (LoRA: the adapters) ---------------------------
+# A model's ``checkpointed(params)`` marks the params its checkpoints hold; the others are the
+# model's own ``init`` (LoRA: the base read from its directory), filled in on restore, and its
+# ``check_checkpoint(meta, where)`` refuses a checkpoint whose base has changed.
+
+
+def _check_base(model: Any, path: Path) -> None:
+    check = getattr(model, "check_checkpoint", None)
+    if callable(check):
+        try:
+            check(read_metadata(path), f"checkpoint {path}")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _fill(model: Any, template: Any, kept: Any) -> Any:
+    """``template``'s tree with ``kept``'s leaves, the others from ``template`` when it
+    holds arrays, else from ``model.init`` (placed as the template's leaves are)."""
+    have = kept.to_flat()
+    flat = dict(template.to_flat())
+    missing = [k for k in flat if k not in have]
+    if any(not isinstance(flat[k], jax.Array | np.ndarray) for k in missing):
+        leaves, treedef = jax.tree.flatten(template)
+        shardings = [getattr(v, "sharding", None) for v in leaves]
+        placed = treedef.unflatten(shardings) if all(shardings) else None
+        init = jax.jit(model.init, out_shardings=placed)
+        inited = init(jax.random.key(0)).to_flat()
+        for k in missing:
+            flat[k] = inited[k].astype(flat[k].dtype)
+    flat.update(have)
+    return nl.ParamsDict.from_flat(flat)
+
+
+def _kept_template(model: Any, params_template: Any) -> Any:
+    """The template of the params a checkpoint of ``model`` holds (None: all of them)."""
+    if _kept_mask(model, params_template) is None:
+        return None
+    return kept_params(model, params_template)
+
+
 def restore_model(
     model: Any, path: Path, params_template: Any, opt_template: Any, state_template: Any = None
 ):
     """``restore`` for ``model``, also from a checkpoint of its other params layout
     (converted, on the default device: the caller places it); otherwise the error names
-    the first path that differs from this layout."""
+    the first path that differs from this layout. A model whose checkpoints hold part of
+    its params gets the rest from its template or its ``init``."""
+    kept = _kept_template(model, params_template)
+    if kept is not None:
+        _check_base(model, path)
+        params, opt_state, state, meta = restore(path, kept, opt_template, state_template)
+        return _fill(model, params_template, params), opt_state, state, meta
     try:
         return restore(path, params_template, opt_template, state_template)
     except ConfigError:
@@ -331,7 +402,12 @@ def restore_model(
 
 
 def load_model_params(model: Any, path: Path, params_template: Any) -> Any:
-    """``load_params`` for ``model``, also from a checkpoint of its other params layout."""
+    """``load_params`` for ``model``, also from a checkpoint of its other params layout, or
+    of part of its params (the rest from its ``init``)."""
+    kept = _kept_template(model, params_template)
+    if kept is not None:
+        _check_base(model, path)
+        return _fill(model, params_template, load_params(path, kept))
     try:
         return load_params(path, params_template)
     except ConfigError:

@@ -226,7 +226,8 @@ class _Loop:
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
         state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
-        echo(report.banner(r, prep.params0.num_params(), start, state_bytes))
+        trained = None if r.plan is None else r.plan.num_trained(prep.params0)
+        echo(report.banner(r, prep.params0.num_params(), start, state_bytes, trained))
         if r.backward is not None and r.backward.describe():  # issue 34: what policies do
             echo(r.backward.describe())
         put = prep.stepper.put_state
@@ -459,7 +460,7 @@ class _Loop:
                 p, o, s = _host_trees(prep, *snap) if background else (*state, self.model_state())
                 return ckpt.save(
                     self.r.run_dir / "checkpoints", step, p, o, meta, cfg.checkpoint.keep,
-                    state=s, protect=protect,
+                    state=s, protect=protect, model=self.r.model,
                 )  # fmt: skip
 
         self.writer.submit(step, write)
@@ -486,6 +487,7 @@ class _Loop:
             return ckpt.save_sharded(
                 self.r.run_dir / "checkpoints", step, p, o, meta, cfg.checkpoint.keep,
                 barrier=dist.barrier, state=None if prep.state0 is None else s, protect=protect,
+                model=self.r.model,
             )  # fmt: skip
 
         self.writer.submit(step, write)

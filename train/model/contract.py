@@ -24,6 +24,11 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
   (``nl.hf.Pretrained`` with LoRA: the adapters only); the rest are frozen as
   ``optimizer.frozen`` freezes them (train/optim/params.py). A model without it may
   define ``wrap_optimizer(optimizer) -> optimizer`` instead (applied as is);
+- optionally ``checkpointed(params) -> tree of bools`` (or None: all): the params its
+  checkpoints hold, the rest being its ``init``'s (``nl.hf.Pretrained`` with LoRA: the
+  adapters; the base is read again from its directory), with ``checkpoint_metadata() ->
+  dict`` recorded in each checkpoint and ``check_checkpoint(meta, where)`` raising a
+  ValueError (one line) for a checkpoint it cannot continue (the base's hash changed);
 - optionally ``grad_modes``: the ``loss.grad`` modes beyond ``autodiff`` and ``manual``
   that its ``objective(..., grad=...)`` implements (the MLP's ``fused``); a list that
   names ``autodiff`` is the complete list (``("autodiff",)``: a model that must not run

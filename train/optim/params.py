@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 import nnlite as nl
@@ -50,6 +51,16 @@ class ParamPlan:
     def trainable(self, params: Any) -> Any:
         """A tree like ``params`` with True at the params that train."""
         return self._map(params, lambda label: label != FROZEN)
+
+    def num_trained(self, params: Any) -> int:
+        """How many scalars of ``params`` train (the banner's count beside the total)."""
+        leaves = jax.tree.leaves(params)
+        flags = jax.tree.leaves(self.trainable(params))
+        return sum(
+            int(np.prod(np.shape(x), dtype=np.int64))
+            for x, t in zip(leaves, flags, strict=True)
+            if t
+        )
 
     def label_tree(self, params: Any) -> Any:
         return self._map(params, lambda label: label)

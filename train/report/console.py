@@ -19,10 +19,13 @@ from ..report.units import format_bytes
 BAR_NAMES = {"loss": "loss", "accuracy": "acc", "bits_per_char": "bpc", "bits_per_token": "bpt"}
 
 
-def banner(r, num_params: int, start: int, state_bytes: int | None = None) -> str:
-    """The run's first line: devices, model size (and ``state_bytes``, the params and
-    optimizer state one device holds), gradient mode (``auto`` as resolved), data, run
-    directory (``r``: a Run whose step is built), and notes on lines below."""
+def banner(
+    r, num_params: int, start: int, state_bytes: int | None = None, trained: int | None = None
+) -> str:
+    """The run's first line: devices, model size (``trained``: how many of the params train
+    when some are frozen, LoRA's adapters; ``state_bytes``, the params and optimizer state
+    one device holds), gradient mode (``auto`` as resolved), data, run directory (``r``: a
+    Run whose step is built), and notes on lines below."""
     cfg = r.cfg
     procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
     per_proc = len(r.devices) // jax.process_count()
@@ -34,10 +37,14 @@ def banner(r, num_params: int, start: int, state_bytes: int | None = None) -> st
     per_device = ""
     if state_bytes is not None:
         per_device = f", params + optimizer {format_bytes(state_bytes)} per device"
+    size = f"{num_params:,} params"
+    if trained is not None and trained < num_params:  # frozen params: say how many train
+        size = (
+            f"params: {trained:,} trainable of {num_params:,} ({100 * trained / num_params:.1f}%)"
+        )
     return (
         f"nnlite train: {cfg.name}  devices: {procs}{per_proc} x {r.devices[0].platform} "
-        f"({r.strategy.describe()})  model: {cfg.model.name} ({num_params:,} "
-        f"params{per_device})  grad: {r.grad.describe()}  data: {r.data.name} ({r.data.describe()})  "
+        f"({r.strategy.describe()})  model: {cfg.model.name} ({size}{per_device})  grad: {r.grad.describe()}  data: {r.data.name} ({r.data.describe()})  "
         f"run dir: {r.run_dir}" + (f"  resuming at step {start}" if start else "") + note
     )
 
