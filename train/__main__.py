@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import faults
-from .errors import ConfigError, missing_extra
+from .errors import ConfigError, UserCodeError, missing_extra
 from .report.timings import Timings
 
 # SIGTERM/SIGINT while the command imports (a C extension interrupted in the middle of its
@@ -334,6 +334,8 @@ def main(
             timings.end()
             print(timings.write(Path(cfg.log.dir) / cfg.name / "timings.json"), file=sys.stderr)
     except ConfigError as e:
+        if isinstance(e, UserCodeError) or getattr(e, "step", None) is not None:
+            return _exit(*_failure(e, argv), multiprocess)  # the user's code or data
         return _exit(f"error: {e}", faults.EXIT_BAD_INPUT, multiprocess)
     except faults.Preempted as e:
         print(
@@ -467,6 +469,23 @@ class _ImportsDeferSignals:
 def _raise_pending() -> None:
     if _PENDING:
         raise faults.Interrupted(signal.Signals(_PENDING[0]).name)
+
+
+def _failure(e: ConfigError, argv: list[str]) -> tuple[str, int]:
+    """The line and exit status for the user's code (or data) failing: before the first
+    step, bad input (2); during the run, a failure (1) that the newest checkpoint resumes."""
+    log = getattr(e, "log", None)
+    traceback = f" (traceback: {log})" if log else ""
+    if getattr(e, "step", None) is None:
+        return f"error: {e}{traceback}", faults.EXIT_BAD_INPUT
+    kept = (
+        f"the last checkpoint, {e.checkpoint} (step {e.checkpoint_step}), is kept: fix it and "
+        "resume with"
+        if e.checkpoint is not None
+        else "no checkpoint was written yet: fix it and rerun"
+    )
+    line = f"error: {e}; stopped at step {e.step}{traceback}; {kept}: {resume_command(argv)}"
+    return line, faults.EXIT_FAILURE
 
 
 def _exit(message: str, status: int, multiprocess: bool) -> int:

@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserCodeError, users_error
 from .dataset import MAX_UNUSED_CLASSES, batch_dtype
 
 # Rows per read when a source is scanned (labels) or read whole (data.placement: device).
@@ -248,10 +248,12 @@ class PairReader:
                 return self._last[1]
             try:
                 out = self.source[idx]
-            except DataError:
+            except (DataError, UserCodeError):
                 raise
             except Exception as e:  # noqa: BLE001 -- the user's code: one line, named
-                raise DataError(
+                raise users_error(
+                    "data source", e, f"{self.name}, __getitem__ of {len(idx)} indices"
+                ) or DataError(
                     f"data source {self.name}: __getitem__ of {len(idx)} indices raised "
                     f"{type(e).__name__}: {one_line(e)}"
                 ) from None
@@ -333,7 +335,7 @@ def open_source(source, name: str) -> tuple[PairReader, int]:
     try:
         n = len(source)
     except Exception as e:  # noqa: BLE001
-        raise DataError(
+        raise users_error("data source", e, f"{name}, len()") or DataError(
             f"data source {name}: len() raised {type(e).__name__}: {one_line(e)}"
         ) from None
     if not isinstance(n, (int, np.integer)) or n < 1:

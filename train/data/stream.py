@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UserCodeError, users_error
 from .dataset import Dataset
 from .source import (
     NOT_RESUMABLE,
@@ -84,10 +85,10 @@ class BatchStream:
                 f"data source {self.name} ran out at step {self.next_step}: an iterable must "
                 "yield batches for every step of train.steps (repeat it, or lower train.steps)"
             ) from None
-        except DataError:
+        except (DataError, UserCodeError):
             raise
         except Exception as e:  # noqa: BLE001
-            raise DataError(
+            raise users_error("data source", e, f"{self.name}, next()") or DataError(
                 f"data source {self.name}: next() raised {type(e).__name__}: {one_line(e)}"
             ) from None
         return check_batch(out, _rows(out), self.name, self.spec, "next()")
@@ -154,7 +155,7 @@ class BatchStream:
             try:
                 self.set_state(_from_json(state))
             except Exception as e:  # noqa: BLE001
-                raise DataError(
+                raise users_error("data source", e, f"{self.name}, load_state_dict") or DataError(
                     f"data source {self.name}: load_state_dict of the checkpoint's position "
                     f"raised {type(e).__name__}: {one_line(e)}"
                 ) from None
@@ -190,7 +191,7 @@ def stream_dataset(iterable, test, cfg, name: str) -> Dataset:
     except StopIteration:
         raise DataError(f"data source {name}: the iterable yields no batches") from None
     except Exception as e:  # noqa: BLE001
-        raise DataError(
+        raise users_error("data source", e, f"{name}, next()") or DataError(
             f"data source {name}: next() raised {type(e).__name__}: {one_line(e)}"
         ) from None
     x0, y0 = check_batch(first, _rows(first), name, None, "next()")

@@ -4,9 +4,11 @@ in ``rundir.py``, where a run starts in ``resume.py``, faults in ``faults.py``."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,7 +29,9 @@ from ..config import Config, to_dict
 from ..data import feed, overfit
 from ..data.dataset import Dataset, Sampler
 from ..data.feed import BatchFeed, call_schedule
+from ..data.source import DataError
 from ..data.text.units import name_metrics
+from ..errors import ERROR_LOG, ConfigError, UserCodeError
 from ..optim import ema
 from ..optim.named import schedule
 from ..parallel import distributed as dist
@@ -95,8 +99,13 @@ def train(
     if not dist.is_main():
         echo = _quiet
     timings = timings or Timings()
-    r = build(cfg, data, timings, optimizer)
-    loop = _Loop.begin(r, resume, echo, timings, plotter, build_callbacks(cfg, callbacks), loggers)
+    try:
+        r = build(cfg, data, timings, optimizer)
+        cbs = build_callbacks(cfg, callbacks)
+        loop = _Loop.begin(r, resume, echo, timings, plotter, cbs, loggers)
+    except UserCodeError as e:  # at start-up: nothing trained (the CLI's exit 2)
+        write_error_log(e, Path(cfg.log.dir) / cfg.name)
+        raise
     if loop.step >= cfg.train.steps or loop.stopped_before:
         return loop.already_finished()
     try:
@@ -124,9 +133,31 @@ def train(
                 if stop:
                     break
             loop.written(wait=True)  # the last checkpoint complete before on_fit_end
-    finally:
-        loop.close()
+    except BaseException as e:
+        if isinstance(e, UserCodeError | DataError):
+            loop.failed(e)
+        with contextlib.suppress(Exception):  # the failure that stopped the run is the news
+            loop.close()
+        raise
+    loop.close()
     return loop.finish()
+
+
+def write_error_log(e: UserCodeError, run_dir: Path) -> None:
+    """The full traceback of a failure of the user's code in ``run_dir/error.log``
+    (process 0; ``e.log`` says where, or stays None if it could not be written)."""
+    if not dist.is_main():
+        return
+    path = run_dir / ERROR_LOG
+    stack = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            f"{e.trace}\nin the run, at (most recent call last):\n{stack}\nerror: {e}\n"
+        )
+    except OSError:
+        return
+    e.log = path
 
 
 @dataclass(frozen=True)
@@ -531,6 +562,19 @@ class _Loop:
         else:
             self.echo(report.already_finished(r, self.last_eval))
         return r
+
+    def failed(self, e: ConfigError) -> None:
+        """The user's code (``UserCodeError``) or data (``DataError``) stopped the run:
+        during it (a step was done), record the step and the newest checkpoint, kept, on
+        ``e`` (the CLI's exit 1; before the first step it stays bad input, exit 2); the
+        traceback to error.log."""
+        if self.step > self.start_step:
+            self.writer.drain()  # a write in flight completes: it is the newest kept
+            for step, path in self.writer.collect(False):
+                self.good_step, self.good_ckpt = step, path or self.good_ckpt
+            e.step, e.checkpoint, e.checkpoint_step = self.step, self.good_ckpt, self.good_step
+        if isinstance(e, UserCodeError):
+            write_error_log(e, self.r.run_dir)
 
     def close(self) -> None:
         if self.writer is not None:  # a run ending with an error: the write in flight
