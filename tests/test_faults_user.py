@@ -12,6 +12,8 @@ import pytest
 
 from train import faults
 from train.__main__ import main
+from train.data.dataset import epoch_order
+from train.data.source import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,3 +98,62 @@ def test_a_logger_raising_mid_run_keeps_the_checkpoint_and_resumes(tmp_path, use
     assert main(argv(tmp_path, *over, logger % 0)) == 0
     out = capsys.readouterr().out
     assert "resuming at step 4" in out and "done: step 12" in out
+
+
+# -- non-finite values from a user's data source ---------------------------------------------
+N, FEATURES, BATCH = 128, 6, 16
+BAD = int(epoch_order(0, 0, N)[5 * BATCH + 3])  # step 6 reads it, as row 3: nan in x[BAD, 2]
+
+
+class NanRows:
+    """A map-style source whose row BAD has a nan; counts the rows it was asked for."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.x = rng.normal(size=(N, FEATURES)).astype(np.float32)
+        self.y = (self.x[:, 0] > 0).astype(np.int64)
+        self.x[BAD, 2] = np.nan
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, indices):
+        return self.x[indices], self.y[indices]
+
+
+def nan_fit(tmp_path, placement):
+    import train
+
+    test = NanRows().x[:16].copy(), NanRows().y[:16]
+    test[0][BAD % 16] = 0.0
+    config = {
+        "model": {"name": "mlp", "hidden_sizes": [8]},
+        "data": {"placement": placement},
+        "train": {"steps": 40, "batch_size": BATCH, "log_every": 8, "eval_every": 100},
+        "log": {"dir": str(tmp_path), "plot": False, "progress": False},
+    }
+    data = {"train": NanRows(), "test": test}
+    return train.fit(None, config, data=data, echo=lambda *_: None)
+
+
+def test_a_nan_from_a_streamed_source_is_named_with_its_step_and_row(tmp_path):
+    order = epoch_order(0, 0, N)  # the (seed, step) order: step s reads slice s - 1
+    at = int(np.flatnonzero(order == BAD)[0])
+    step, row = at // BATCH + 1, at % BATCH
+    assert step > 1  # read during the run, so the steps before it ran
+    with pytest.raises(DataError) as e:
+        nan_fit(tmp_path, "host")
+    assert str(e.value) == (
+        f"data source test_faults_user.NanRows: step {step}, row {row} of its batch (row {BAD} of the source): "
+        "x[2] is nan; a non-finite input makes the step's loss non-finite; fix the source or "
+        "leave the row out"
+    )
+    assert e.value.step == step - 1 and e.value.checkpoint is None  # the CLI: exit 1
+
+
+def test_a_nan_in_a_source_read_whole_is_named_at_load(tmp_path):
+    with pytest.raises(
+        DataError, match=rf"NanRows: row {BAD} of the training split: x\[2\] is nan"
+    ):
+        nan_fit(tmp_path, "device")
+    assert not (tmp_path / "run").exists() and not any(tmp_path.iterdir())

@@ -25,6 +25,7 @@ from ..parallel import distributed as dist
 from .dataset import Dataset, Sampler, batch_dtype, host_batch
 from .prefetch import DEFAULT_TIMEOUT_S, Prefetcher
 from .reader import read_range
+from .source import check_finite_call, check_finite_rows, source_rows
 
 EVAL_TOKENS_PER_CHUNK = 2**15  # evaluation: tokens per compiled chunk
 
@@ -38,8 +39,14 @@ def call_batch(data: Dataset, sampler: Sampler, step: int, k: int) -> tuple:
     runs steps ``step .. step + k - 1`` (an iterable source: its next ``k`` batches)."""
     if data.stream is not None:
         x, y = data.stream.call(step, k, sampler.batch_size)
-        return dist.process_share(x), dist.process_share(y)
-    return host_batch(data, dist.process_share(sampler.batches(step, k)))
+        x, y, idx = dist.process_share(x), dist.process_share(y), None
+    else:
+        idx = dist.process_share(sampler.batches(step, k))
+        x, y = host_batch(data, idx)
+    if data.check_finite:  # a user's source: on the host anyway, a pass over the batch
+        rows = None if idx is None else source_rows(data.x, idx)
+        check_finite_call(data.name, x, y, step, jax.process_index() * x.shape[1], rows)
+    return x, y
 
 
 def call_schedule(start: int, stop: int, steps_in_call: Callable[[int], int]) -> Iterator:
@@ -99,6 +106,8 @@ def evaluate(sums: Callable, params, data: Dataset, chunk: int, device, *state) 
     def load(i):
         x = read_range(data.x_test, i, i + chunk).astype(batch_dtype(data.x_test), copy=False)
         y = read_range(data.y_test, i, i + chunk).astype(batch_dtype(data.y_test), copy=False)
+        if data.check_finite:  # a user's source: named here, not as a non-finite loss
+            check_finite_rows(data.name, {"x": x, "y": y}, "the test split", first=i)
         valid = len(x)
         if valid < chunk:  # pad the last chunk: one shape, one compiled program
             x, y = (np.resize(a, (chunk, *a.shape[1:])) for a in (x, y))

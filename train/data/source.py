@@ -231,6 +231,73 @@ def check_batch(out: Any, rows: int, name: str, spec: RowSpec | None, call: str)
     return x.astype(batch_dtype(x), copy=False), y.astype(batch_dtype(y), copy=False)
 
 
+# -- non-finite values: named at the source, before they reach a step ----------------------
+NONFINITE_HINT = (
+    "a non-finite input makes the step's loss non-finite; fix the source or leave the row out"
+)
+
+
+def first_nonfinite(a: Any) -> tuple[int, ...] | None:
+    """The index of the first non-finite value of a float array (None: all finite, or not
+    floats). One pass over the array when every value is finite."""
+    a = np.asarray(a)
+    if a.size == 0 or not np.issubdtype(a.dtype, np.floating):
+        return None
+    finite = np.isfinite(a)
+    if finite.all():
+        return None
+    return tuple(int(i) for i in np.argwhere(~finite)[0])
+
+
+def _element(part: str, at: tuple[int, ...]) -> str:
+    return part + (f"[{', '.join(map(str, at))}]" if at else "")
+
+
+def check_finite_rows(
+    name: str, parts: Mapping[str, Any], split: str, rows=None, first: int = 0
+) -> None:
+    """DataError naming the row, part (``x``/``y``) and element of the first non-finite
+    value of a source's rows read whole (``split``: which rows they are; ``rows``: their
+    rows in the source, if a subset; ``first``: the split's row of the first one)."""
+    for part, a in parts.items():
+        at = first_nonfinite(a)
+        if at is not None:
+            row = f"row {first + at[0]} of {split}"
+            if rows is not None:
+                row = f"row {int(rows[at[0]])} of the source ({split})"
+            raise DataError(
+                f"data source {name}: {row}: {_element(part, at[1:])} is "
+                f"{np.asarray(a)[at]}; {NONFINITE_HINT}"
+            )
+
+
+def source_rows(x_column: Any, indices: np.ndarray) -> np.ndarray | None:
+    """The source's rows that ``indices`` of a map-style source's column read (None: not
+    a source column)."""
+    reader = getattr(x_column, "pair_reader", None)
+    if reader is None:
+        return None
+    src = reader.source
+    return src.indices[indices] if isinstance(src, Subset) else indices
+
+
+def check_finite_call(name: str, x, y, step: int, row0: int = 0, rows=None) -> None:
+    """DataError naming the step, the row of its batch (and the source's row, ``rows``:
+    the indices read, ``[k, batch]``) and the element of the first non-finite value of a
+    call's host batch ``(x, y)`` ``[k, batch, ...]`` that runs steps ``step + 1 ...``
+    (``row0``: this process's first row of the global batch)."""
+    for part, a in (("x", x), ("y", y)):
+        at = first_nonfinite(a)
+        if at is None:
+            continue
+        j, r = at[0], at[1]
+        source_row = "" if rows is None else f" (row {int(rows[j, r])} of the source)"
+        raise DataError(
+            f"data source {name}: step {step + j + 1}, row {row0 + r} of its batch"
+            f"{source_row}: {_element(part, at[2:])} is {np.asarray(a)[at]}; {NONFINITE_HINT}"
+        )
+
+
 class PairReader:
     """Reads ``(x, y)`` rows of a map-style source, checked; the last read is kept so the
     ``x`` and ``y`` columns of one read cost one call of the source."""

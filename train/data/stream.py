@@ -21,6 +21,7 @@ from .source import (
     RowSpec,
     as_map_source,
     check_batch,
+    check_finite_rows,
     describe_value,
     is_map_source,
     one_line,
@@ -215,6 +216,8 @@ def stream_dataset(iterable, test, cfg, name: str) -> Dataset:
             )
         x_test, y_test = read_all(reader, n_test)
         start = (x0, y0)
+    check_finite_rows(name, {"x": x0, "y": y0}, "the iterable's first batch")
+    check_finite_rows(name, {"x": x_test, "y": y_test}, "the test split")
     stream = BatchStream(iterable, name, start, it, spec)
     if not stream.stateful:
         warnings.warn(NOT_RESUMABLE.format(name=name), ResumeNotExactWarning, stacklevel=3)
@@ -229,7 +232,10 @@ def stream_dataset(iterable, test, cfg, name: str) -> Dataset:
     # The columns say the rows' shapes; the stream has no length.
     x = np.empty((0, *spec.x_row), spec.x_dtype)
     y = np.empty((0, *spec.y_row), spec.y_dtype)
-    return Dataset(name, x, y, x_test, y_test, num_classes, note=note, streamed=True, stream=stream)
+    return Dataset(
+        name, x, y, x_test, y_test, num_classes, note=note, streamed=True, stream=stream,
+        check_finite=True,
+    )  # fmt: skip
 
 
 class StreamSampler:
