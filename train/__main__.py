@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import faults
-from .errors import ConfigError, UserCodeError, missing_extra
+from .errors import ConfigError, missing_extra
 from .report.timings import Timings
 
 # SIGTERM/SIGINT while the command imports (a C extension interrupted in the middle of its
@@ -333,10 +333,8 @@ def main(
         if args.timings and (settings is None or settings.process_id == 0):
             timings.end()
             print(timings.write(Path(cfg.log.dir) / cfg.name / "timings.json"), file=sys.stderr)
-    except ConfigError as e:
-        if isinstance(e, UserCodeError) or getattr(e, "step", None) is not None:
-            return _exit(*_failure(e, argv), multiprocess)  # the user's code or data
-        return _exit(f"error: {e}", faults.EXIT_BAD_INPUT, multiprocess)
+    except ConfigError as e:  # bad input; the user's code or data failing (_failure)
+        return _exit(*_failure(e, argv), multiprocess)
     except faults.Preempted as e:
         print(
             f"preempted by {e.signal_name} at step {e.step}: wrote {e.checkpoint}; "
@@ -472,8 +470,9 @@ def _raise_pending() -> None:
 
 
 def _failure(e: ConfigError, argv: list[str]) -> tuple[str, int]:
-    """The line and exit status for the user's code (or data) failing: before the first
-    step, bad input (2); during the run, a failure (1) that the newest checkpoint resumes."""
+    """The line and exit status for bad input (2), and for the user's code (or data)
+    failing: before the first step, bad input too; during the run (``e.step``, set by the
+    loop), a failure (1) that the newest checkpoint resumes."""
     log = getattr(e, "log", None)
     traceback = f" (traceback: {log})" if log else ""
     if getattr(e, "step", None) is None:
