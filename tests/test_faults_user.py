@@ -3,6 +3,9 @@ raises is one line naming the user's file and line, exit 2 before the first step
 1 during the run (the newest checkpoint kept, the traceback in the run's error.log); a
 non-finite value from a user's data source is named before it reaches a step."""
 
+import json
+import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -12,8 +15,10 @@ import pytest
 
 from train import faults
 from train.__main__ import main
+from train.checkpoint.rundir import TIMING_KEYS
 from train.data.dataset import epoch_order
 from train.data.source import DataError
+from train.loop.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,20 +110,27 @@ N, FEATURES, BATCH = 128, 6, 16
 BAD = int(epoch_order(0, 0, N)[5 * BATCH + 3])  # step 6 reads it, as row 3: nan in x[BAD, 2]
 
 
-class NanRows:
-    """A map-style source whose row BAD has a nan; counts the rows it was asked for."""
+class Rows:
+    """A map-style source of N rows."""
 
     def __init__(self):
         rng = np.random.default_rng(0)
         self.x = rng.normal(size=(N, FEATURES)).astype(np.float32)
         self.y = (self.x[:, 0] > 0).astype(np.int64)
-        self.x[BAD, 2] = np.nan
 
     def __len__(self):
         return N
 
     def __getitem__(self, indices):
         return self.x[indices], self.y[indices]
+
+
+class NanRows(Rows):
+    """A map-style source whose row BAD has a nan."""
+
+    def __init__(self):
+        super().__init__()
+        self.x[BAD, 2] = np.nan
 
 
 def nan_fit(tmp_path, placement):
@@ -157,3 +169,101 @@ def test_a_nan_in_a_source_read_whole_is_named_at_load(tmp_path):
     ):
         nan_fit(tmp_path, "device")
     assert not (tmp_path / "run").exists() and not any(tmp_path.iterdir())
+
+
+# -- Ctrl-C during an evaluation ---------------------------------------------------------------
+class HeldOut:
+    """A held-out split of 160 rows that, once armed, sends this process SIGINT at its first
+    read and counts the reads (chunks) after it."""
+
+    def __init__(self):
+        rng = np.random.default_rng(1)
+        self.x = rng.normal(size=(160, FEATURES)).astype(np.float32)
+        self.y = (self.x[:, 0] > 0).astype(np.int64)
+        self.armed, self.reads = False, 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, indices):
+        if self.armed:
+            self.reads += 1
+            if self.reads == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+        return self.x[indices], self.y[indices]
+
+
+class ArmAt(Callback):
+    def __init__(self, test: HeldOut, at: int):
+        self.test, self.at = test, at
+
+    def on_step_end(self, loop, step, metrics):
+        self.test.armed = step == self.at
+
+
+def eval_fit(tmp_path, name, test, callbacks=(), resume="auto"):
+    import train
+
+    config = {
+        "name": name,
+        "model": {"name": "mlp", "hidden_sizes": [8]},
+        "train": {"steps": 16, "batch_size": BATCH, "log_every": 8, "eval_every": 8},
+        "checkpoint": {"every": 8},
+        "log": {"dir": str(tmp_path), "plot": False, "progress": False},
+    }
+    data = {"train": Rows(), "test": test}
+    return train.fit(
+        None, config, data=data, callbacks=callbacks, echo=lambda *_: None, resume=resume
+    )
+
+
+def test_sigint_during_an_evaluation_stops_after_a_chunk_and_resumes_exactly(tmp_path, monkeypatch):
+    from train.data import feed
+
+    monkeypatch.setattr(feed, "EVAL_CHUNK_BYTES", 8 * FEATURES * 4)  # 8 rows a chunk: 20 chunks
+    test = HeldOut()
+    with pytest.raises(faults.Preempted) as e:
+        eval_fit(tmp_path, "run", test, [ArmAt(test, 8)])
+    assert e.value.step == 8 and e.value.signal_name == "SIGINT"
+    # the chunk being evaluated, and those the prefetcher had read ahead: not all 20
+    assert 1 <= test.reads <= 2 + feed.DEPTH, test.reads
+    run = tmp_path / "run"
+    records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in records] == [(8, "train")]  # no partial eval
+    assert e.value.checkpoint == run / "checkpoints" / "ckpt_00000008.safetensors"
+    # the resume evaluates step 8 first: the records are an uninterrupted run's
+    eval_fit(tmp_path, "run", HeldOut())
+    eval_fit(tmp_path, "ref", HeldOut())
+
+    def metrics(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(ln).items() if k not in TIMING_KEYS} for ln in lines]
+
+    assert [(r["step"], r["split"]) for r in metrics("run")] == [
+        (8, "train"), (8, "test"), (16, "train"), (16, "test")
+    ]  # fmt: skip
+    assert metrics("run") == metrics("ref")
+
+
+# -- a checkpoint path that is a directory -----------------------------------------------------
+def test_a_checkpoint_path_that_is_a_directory_is_one_line(tmp_path, capsys):
+    import nnlite as nl
+    import train
+
+    assert main(argv(tmp_path, "train.steps=2")) == 0
+    run = tmp_path / "run"
+    newest = run / "checkpoints" / "ckpt_00000002.safetensors"
+    for given in (run / "checkpoints", run):
+        with pytest.raises(nl.CheckpointError) as e:
+            nl.load(given)
+        assert not isinstance(e.value, nl.CheckpointCorruptError)  # not damaged: misnamed
+        assert str(e.value).startswith(
+            f"checkpoint {given}: a directory, not a checkpoint; it holds 1 checkpoint(s), "
+            f"the last by name {newest}: give one of them"
+        )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(nl.CheckpointError, match="a directory, not a checkpoint; it holds no "):
+        nl.load(tmp_path / "empty")
+    with pytest.raises(train.ConfigError) as e:  # the trainer: one line (exit 2 in a command)
+        train.load_run(run, checkpoint=run / "checkpoints")
+    assert "\n" not in str(e.value) and "give one of them" in str(e.value)
