@@ -23,17 +23,24 @@ from train.loop.callbacks import Callback
 ROOT = Path(__file__).resolve().parents[1]
 
 USER = '''
-import os
-import signal
-
-import numpy as np
-
 import train
 
 
 class Boom(train.Callback):
     def on_fit_start(self, loop):
-        raise ValueError("boom")  # line 12
+        raise ValueError("boom")
+
+
+def no_optimizer(learning_rate: float = 0.1):
+    raise ValueError("no optimizer")
+
+
+def no_data():
+    raise ValueError("no data")
+
+
+def no_metric(outputs, labels):
+    raise ValueError("no metric")
 
 
 class FailingLog:
@@ -44,11 +51,25 @@ class FailingLog:
 
     def log(self, step, metrics):
         if self.at and step >= self.at:
-            raise RuntimeError("the tracker is down")  # line 23
+            raise RuntimeError("the tracker is down")
 
     def close(self):
         pass
 '''
+
+
+RAISES = {  # the function that raises -> what its line says
+    "on_fit_start": 'raise ValueError("boom")',
+    "log": 'raise RuntimeError("the tracker is down")',
+    **{
+        f: f'raise ValueError("{f.replace("_", " ")}")'
+        for f in ("no_optimizer", "no_data", "no_metric")
+    },
+}
+USER_LINES = {  # the line of USER (uf_user.py) each of them raises at
+    f: next(i + 1 for i, line in enumerate(USER.splitlines()) if line.strip() == text)
+    for f, text in RAISES.items()
+}
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +96,30 @@ def test_a_callback_raising_at_start_up_is_one_line_and_exit_2(tmp_path, user, c
     assert rc == faults.EXIT_BAD_INPUT, err
     log = tmp_path / "run" / "error.log"
     assert err == (
-        f"error: callback {user / 'uf_user.py'}:12 in on_fit_start: ValueError: boom "
+        f"error: callback {user / 'uf_user.py'}:{USER_LINES['on_fit_start']} in on_fit_start: "
+        "ValueError: boom "
         f"(traceback: {log})\n"
     )
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and 'raise ValueError("boom")' in text
     assert not list((tmp_path / "run" / "checkpoints").glob("ckpt_*"))
+
+
+@pytest.mark.parametrize(
+    "kind, override, function",
+    [
+        ("optimizer factory", "optimizer={name: 'uf_user:no_optimizer'}", "no_optimizer"),
+        ("data source", "data={name: 'uf_user:no_data'}", "no_data"),
+        ("metric", "eval.metrics=['uf_user:no_metric']", "no_metric"),
+    ],
+)
+def test_a_factory_or_metric_raising_is_one_line(tmp_path, user, capsys, kind, override, function):
+    assert main(argv(tmp_path, "train.steps=2", override)) == faults.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: {kind} {user / 'uf_user.py'}:{USER_LINES[function]} in {function}: ValueError: "
+    ), err
+    assert err.count("\n") == 1 and (tmp_path / "run" / "error.log").is_file()
 
 
 def test_a_logger_raising_mid_run_keeps_the_checkpoint_and_resumes(tmp_path, user, capsys):
@@ -93,7 +132,8 @@ def test_a_logger_raising_mid_run_keeps_the_checkpoint_and_resumes(tmp_path, use
     ckpt = run / "checkpoints" / "ckpt_00000004.safetensors"
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(
-        f"error: logger {user / 'uf_user.py'}:23 in log: RuntimeError: the tracker is down; "
+        f"error: logger {user / 'uf_user.py'}:{USER_LINES['log']} in log: RuntimeError: the "
+        "tracker is down; "
         f"stopped at step 8 (traceback: {run / 'error.log'}); the last checkpoint, {ckpt} "
         "(step 4), is kept: fix it and resume with: "
     ), err
@@ -156,7 +196,8 @@ def test_a_nan_from_a_streamed_source_is_named_with_its_step_and_row(tmp_path):
     with pytest.raises(DataError) as e:
         nan_fit(tmp_path, "host")
     assert str(e.value) == (
-        f"data source test_faults_user.NanRows: step {step}, row {row} of its batch (row {BAD} of the source): "
+        f"data source test_faults_user.NanRows: step {step}, row {row} of its batch "
+        f"(row {BAD} of the source): "
         "x[2] is nan; a non-finite input makes the step's loss non-finite; fix the source or "
         "leave the row out"
     )

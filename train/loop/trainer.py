@@ -128,14 +128,14 @@ def train(
                 loop.call("on_step_end", loop.view, loop.step, record)
                 stop = loop.evaluated(at)
             loop.written(wait=True)  # the last checkpoint complete before on_fit_end
+        loop.close()  # a logger's close, on_fit_end: the user's code fails after step 1 too
+        return loop.finish()
     except BaseException as e:
         if isinstance(e, UserCodeError | DataError):
             loop.failed(e)
         with contextlib.suppress(Exception):  # the failure that stopped the run is the news
             loop.close()
         raise
-    loop.close()
-    return loop.finish()
 
 
 def write_error_log(e: UserCodeError, run_dir: Path) -> None:
