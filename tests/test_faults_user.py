@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -308,3 +309,24 @@ def test_a_checkpoint_path_that_is_a_directory_is_one_line(tmp_path, capsys):
     with pytest.raises(train.ConfigError) as e:  # the trainer: one line (exit 2 in a command)
         train.load_run(run, checkpoint=run / "checkpoints")
     assert "\n" not in str(e.value) and "give one of them" in str(e.value)
+
+
+def test_a_split_on_the_device_in_chunks_stops_between_them():
+    """A text split kept on the device is evaluated a chunk per call (build.device_eval):
+    a stop (a signal came) ends it after the chunk being evaluated."""
+    from train.data import feed
+
+    x, y = np.arange(10.0)[:, None], np.arange(10)
+    chunks = feed.device_chunks(x, y, 4, jax.devices()[0])
+    assert [int(valid) for _, _, valid in chunks] == [4, 4, 2]  # the last one padded
+    calls = []
+
+    def sums(params, x, y, valid):
+        calls.append(int(valid))
+        keep = np.arange(len(x)) < valid
+        return {"loss": float(np.sum(np.asarray(x)[:, 0] * keep))}, int(valid)
+
+    assert feed.sum_chunks(sums, None, chunks) == {"loss": 4.5}  # the mean of 0..9
+    calls.clear()
+    assert feed.sum_chunks(sums, None, chunks, stop=lambda: len(calls) == 1) is None
+    assert calls == [4]
