@@ -1,5 +1,7 @@
 """The trainer's error types: bad user input is one line and exit status 2."""
 
+import contextlib
+
 
 class ConfigError(ValueError):
     """Bad user input (config, CLI, data, checkpoint, a user's class): the CLI prints it in
@@ -54,12 +56,13 @@ class UserCodeError(ConfigError):
         self.step: int | None = None  # set by the loop when it failed during the run
         self.checkpoint = None  # ... and the newest checkpoint then (None: none yet)
         self.log = None  # error.log, once written
-        detail = _one_line(exc)
+        detail = one_line(exc)
         message = f"{kind} {self.where}: {type(exc).__name__}{': ' if detail else ''}{detail}"
         super().__init__(message + (f" ({context})" if context else ""))
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """An exception's message, one line (the rest of a multi-line message left out)."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
     return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 
@@ -110,18 +113,14 @@ def users_error(kind: str, exc: BaseException, context: str = "") -> UserCodeErr
     return None if where is None else UserCodeError(kind, exc, where, context)
 
 
-class users_code:  # noqa: N801 -- used as ``with users_code("callback"):``
+@contextlib.contextmanager
+def users_code(kind: str):
     """``with users_code("callback"): cb.on_step_end(...)``: an exception the user's code
     raised becomes a :class:`UserCodeError` (one line); anything else passes unchanged."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, typ, exc, tb):
-        err = users_error(self.kind, exc) if exc is not None else None
-        if err is not None:
-            raise err from exc
-        return False
+    try:
+        yield
+    except Exception as e:
+        err = users_error(kind, e)
+        if err is None:
+            raise
+        raise err from e

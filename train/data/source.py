@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError, UserCodeError, users_error
+from ..errors import ConfigError, UserCodeError, one_line, users_error
 from .dataset import MAX_UNUSED_CLASSES, batch_dtype
 
 # Rows per read when a source is scanned (labels) or read whole (data.placement: device).
@@ -168,12 +168,6 @@ def source_name(source: Any) -> str:
     if top in PER_RECORD_MODULES or top in ("builtins", "__main__"):
         return f"{top}.{t.__qualname__}" if top in PER_RECORD_MODULES else t.__qualname__
     return f"{t.__module__}.{t.__qualname__}"
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message, one line (the rest of a multi-line message left out)."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 
 
 def describe_value(value: Any) -> str:
