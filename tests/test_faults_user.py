@@ -104,6 +104,8 @@ def test_a_callback_raising_at_start_up_is_one_line_and_exit_2(tmp_path, user, c
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and 'raise ValueError("boom")' in text
     assert not list((tmp_path / "run" / "checkpoints").glob("ckpt_*"))
+    assert main([*argv(tmp_path, "train.steps=2"), "--fresh"]) == 0  # started over:
+    assert not log.exists()  # the old failure's log goes with the old checkpoints
 
 
 @pytest.mark.parametrize(
@@ -203,6 +205,34 @@ def test_a_nan_from_a_streamed_source_is_named_with_its_step_and_row(tmp_path):
         "leave the row out"
     )
     assert e.value.step == step - 1 and e.value.checkpoint is None  # the CLI: exit 1
+
+
+class NanBatches:
+    """An iterable of 16-row batches whose fourth (step 3's) holds an inf."""
+
+    def __iter__(self):
+        rng = np.random.default_rng(0)
+        for i in range(100):
+            x = rng.normal(size=(16, FEATURES)).astype(np.float32)
+            y = (x[:, 0] > 0).astype(np.int64)
+            if i == 3:  # the first batch is held out as the test split: this is step 3's
+                x[5, 2] = np.inf
+            yield x, y
+
+
+def test_an_inf_from_an_iterable_is_named_with_its_step_and_row(tmp_path):
+    import train
+
+    config = {
+        "model": {"name": "mlp", "hidden_sizes": [8]},
+        "train": {"steps": 10, "batch_size": 16, "log_every": 5, "eval_every": 100},
+        "log": {"dir": str(tmp_path), "plot": False, "progress": False},
+    }
+    with pytest.raises(DataError) as e, pytest.warns(UserWarning, match="not exact"):
+        train.fit(None, config, data=NanBatches(), echo=lambda *_: None)
+    assert str(e.value).startswith(
+        "data source test_faults_user.NanBatches: step 3, row 5 of its batch: x[2] is inf; "
+    )
 
 
 def test_a_nan_in_a_source_read_whole_is_named_at_load(tmp_path):
