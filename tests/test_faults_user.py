@@ -5,6 +5,7 @@ non-finite value from a user's data source is named before it reaches a step."""
 
 import json
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -176,18 +177,19 @@ class NanRows(Rows):
         self.x[BAD, 2] = np.nan
 
 
-def nan_fit(tmp_path, placement):
+def nan_fit(tmp_path, placement, source=None):
     import train
 
     test = NanRows().x[:16].copy(), NanRows().y[:16]
     test[0][BAD % 16] = 0.0
     config = {
+        "name": "run",
         "model": {"name": "mlp", "hidden_sizes": [8]},
         "data": {"placement": placement},
         "train": {"steps": 40, "batch_size": BATCH, "log_every": 8, "eval_every": 100},
         "log": {"dir": str(tmp_path), "plot": False, "progress": False},
     }
-    data = {"train": NanRows(), "test": test}
+    data = {"train": source or NanRows(), "test": test}
     return train.fit(None, config, data=data, echo=lambda *_: None)
 
 
@@ -205,6 +207,30 @@ def test_a_nan_from_a_streamed_source_is_named_with_its_step_and_row(tmp_path):
         "leave the row out"
     )
     assert e.value.step == step - 1 and e.value.checkpoint is None  # the CLI: exit 1
+
+
+class FailingRows(Rows):
+    """A map-style source whose batch read of row BAD (step 6's) raises (not its first
+    reads at load: the first rows, the labels' scan)."""
+
+    def __getitem__(self, indices):
+        if len(indices) == BATCH and BAD in np.asarray(indices):
+            raise OSError("the bucket is gone")
+        return super().__getitem__(indices)
+
+
+def test_a_source_raising_mid_run_names_its_line_and_the_step(tmp_path):
+    from train.errors import UserCodeError
+
+    with pytest.raises(UserCodeError) as e:
+        nan_fit(tmp_path, "host", FailingRows())
+    assert re.fullmatch(
+        r"data source .*test_faults_user.py:\d+ in __getitem__: OSError: the bucket is gone "
+        r"\(test_faults_user.FailingRows, __getitem__ of 16 indices\)",
+        str(e.value),
+    ), str(e.value)
+    assert e.value.step == 5 and e.value.log == tmp_path / "run" / "error.log"  # CLI: exit 1
+    assert "the bucket is gone" in e.value.log.read_text()
 
 
 class NanBatches:
