@@ -22,7 +22,7 @@ import train
 from train.checkpoint import store, writer
 from train.checkpoint.rundir import TIMING_KEYS
 from train.checkpoint.store import TEST_PAUSE_ENV
-from train.errors import ConfigError
+from train.errors import ConfigError, UserCodeError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -327,7 +327,7 @@ def test_fsdp_early_stopping_best_k_async_and_every_minutes_resume_exactly(proje
         [x["loss"] for x in evals], [x["loss"] for x in records(reference.run_dir)
                                      if x["split"] == "test"][: len(evals)], rtol=1e-4)  # fmt: skip
     name = {"name": "fsdp_cut", **over}
-    with pytest.raises(Crash):
+    with pytest.raises(UserCodeError, match="in on_step_end: Crash"):  # docs/faults.md
         fit(project, "true.yaml", overrides=name, resume="fresh", callbacks=[Interrupt(20)])
     cut = project / "runs" / "fsdp_cut"
     assert max(store.step_of(p) for p in store.list_checkpoints(cut / "checkpoints")) < 20 + 5

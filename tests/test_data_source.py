@@ -18,7 +18,7 @@ from train.config import config_from_dict
 from train.data.registry import DATA_SETS
 from train.data.source import DataError, ResumeNotExactWarning
 from train.data.user import to_dataset
-from train.errors import ConfigError
+from train.errors import ConfigError, UserCodeError
 
 N, FEATURES = 320, 6
 
@@ -313,11 +313,15 @@ class Bad(Rows):
         ("rows", r"returned x of shape \(1, 6\) for 2 rows; expected \(x, y\) arrays of 2 rows"),
         ("strings", r"returned y as an array of shape \(2,\) \(<U1\), not a numeric array"),
         ("changes", r"unlike its first batch; expected x \[\d+, 6\] floats and y \[\d+\] integers"),
-        ("raises", r"__getitem__ of 2 indices raised KeyError: 0"),
+        (
+            "raises",  # the user's code raised: its file and line (train/errors.py)
+            r"data source .*test_data_source.py:\d+ in __getitem__: KeyError: 0 \(.*Bad, "
+            r"__getitem__ of 2 indices\)",
+        ),
     ],
 )
 def test_a_bad_source_is_one_line_naming_it(mode, message):
-    with pytest.raises(DataError, match=message) as e:
+    with pytest.raises(DataError if mode != "raises" else UserCodeError, match=message) as e:
         to_dataset(Bad(mode), config_from_dict({}).data)
     assert "\n" not in str(e.value)
 

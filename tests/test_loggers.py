@@ -4,6 +4,7 @@ line before training."""
 
 import csv
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -285,10 +286,11 @@ def test_fit_takes_logger_objects_and_refuses_others(tmp_path, monkeypatch):
             fit(None, CONFIG, overrides=short, loggers=bad)
     with pytest.raises(ConfigError) as e:
         fit(None, CONFIG, overrides=short, echo=lambda *_: None, loggers=[Broken()])
-    assert str(e.value) == (
-        "train.fit(loggers=...)[0]: the logger could not start: RuntimeError: the tracker's "
-        "server is down"
-    )
+    assert re.fullmatch(  # the user's code: its file and line (train/errors.py)
+        r"logger .*test_loggers.py:\d+ in open: RuntimeError: the tracker's server is down "
+        r"\.\.\. \(train.fit\(loggers=...\)\[0\] could not start\)",
+        str(e.value),
+    ), str(e.value)
     # Only process 0 logs: another process calls no logger and writes no metrics.jsonl.
     from train.parallel import distributed as dist
 

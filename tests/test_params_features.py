@@ -16,7 +16,7 @@ import safetensors.numpy
 import nnlite as nl
 import train
 from train.config import config_from_dict
-from train.errors import ConfigError
+from train.errors import ConfigError, UserCodeError
 
 USER_MODEL = """
     import nnlite as nl
@@ -115,12 +115,12 @@ def runs(project):
     """The reference run, one that crashed at step 15 and was resumed, and the same two
     under fsdp (8 host devices; every param sharded)."""
     out = {"none": fit(project, "ref")}
-    with pytest.raises(RuntimeError, match="crashed"):
+    with pytest.raises(UserCodeError, match="in on_step_end: RuntimeError: crashed"):
         fit(project, "crashed", crash_at=15)
     out["resumed"] = fit(project, "crashed")
     fsdp = {"parallel.strategy": "fsdp", "parallel.fsdp_min_bytes": 0}
     out["fsdp"] = fit(project, "fsdp", **fsdp)
-    with pytest.raises(RuntimeError, match="crashed"):
+    with pytest.raises(UserCodeError, match="in on_step_end: RuntimeError: crashed"):
         fit(project, "fsdp_crashed", crash_at=15, **fsdp)
     out["fsdp_resumed"] = fit(project, "fsdp_crashed", **fsdp)
     return out

@@ -396,8 +396,8 @@ def main(
         if args.timings and (settings is None or settings.process_id == 0):
             timings.end()
             print(timings.write(Path(cfg.log.dir) / cfg.name / "timings.json"), file=sys.stderr)
-    except ConfigError as e:
-        return _exit(f"error: {e}", faults.EXIT_BAD_INPUT, multiprocess)
+    except ConfigError as e:  # bad input; the user's code or data failing (_failure)
+        return _exit(*_failure(e, argv), multiprocess)
     except faults.Preempted as e:
         print(
             f"preempted by {e.signal_name} at step {e.step}: wrote {e.checkpoint}; "
@@ -530,6 +530,24 @@ class _ImportsDeferSignals:
 def _raise_pending() -> None:
     if _PENDING:
         raise faults.Interrupted(signal.Signals(_PENDING[0]).name)
+
+
+def _failure(e: ConfigError, argv: list[str]) -> tuple[str, int]:
+    """The line and exit status for bad input (2), and for the user's code (or data)
+    failing: before the first step, bad input too; during the run (``e.step``, set by the
+    loop), a failure (1) that the newest checkpoint resumes."""
+    log = getattr(e, "log", None)
+    traceback = f" (traceback: {log})" if log else ""
+    if getattr(e, "step", None) is None:
+        return f"error: {e}{traceback}", faults.EXIT_BAD_INPUT
+    kept = (
+        f"the last checkpoint, {e.checkpoint} (step {e.checkpoint_step}), is kept: fix it and "
+        "resume with"
+        if e.checkpoint is not None
+        else "no checkpoint was written yet: fix it and rerun"
+    )
+    line = f"error: {e}; stopped at step {e.step}{traceback}; {kept}: {resume_command(argv)}"
+    return line, faults.EXIT_FAILURE
 
 
 def _exit(message: str, status: int, multiprocess: bool) -> int:

@@ -4,8 +4,10 @@ Exit statuses of ``nnlite-train`` (also listed in docs/faults.md):
 
 ====  ==================================================================================
 0     finished
-1     unexpected failure, including a lost peer in a multi-process run
-2     bad input: config, command line, data, or a checkpoint that does not fit
+1     unexpected failure, including a lost peer in a multi-process run, or the user's
+      code raising during the run (the newest checkpoint kept)
+2     bad input: config, command line, data, or a checkpoint that does not fit; the
+      user's code raising before the first step
 3     preempted: stopped on SIGTERM/SIGINT after writing a checkpoint; rerun to resume
 4     stopped on a non-finite loss/gradient/param (``train.nonfinite: stop``); the last
       good checkpoint is untouched

@@ -196,6 +196,29 @@ def save_sharded(
     return path
 
 
+def _looks_sharded(path: Path) -> bool:
+    """A directory ``save_sharded`` wrote, or began to (its name or its shard files)."""
+    return path.name.endswith((".shards", ".shards.tmp")) or any(path.glob("shards_*"))
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    """The line for a directory given as a checkpoint that is none: which file to give."""
+    inside = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = sorted(
+        p.name
+        for p in inside.glob("*")
+        if p.name.endswith(".safetensors") or (p.is_dir() and p.name.endswith(".shards"))
+    )
+    if found:
+        newest = inside / found[-1]
+        hint = f"it holds {len(found)} checkpoint(s), the last by name {newest}: give one of them"
+    else:
+        hint = "it holds no checkpoint (ckpt_*.safetensors); give a checkpoint file"
+    if inside != path:
+        hint += f" (a training run: nnlite.train.load_run({str(path)!r}) loads its newest)"
+    return f"checkpoint {path}: a directory, not a checkpoint; {hint}"
+
+
 class ShardedFile:
     """An open sharded checkpoint: the same reading interface as ``_File`` (``keys``,
     ``spec``, ``read``, ``meta``), reading each leaf, or a region of it, from the shards
@@ -212,6 +235,8 @@ class ShardedFile:
 
     def _read_tables(self, path: Path) -> None:
         index = path / INDEX
+        if not index.is_file() and not _looks_sharded(path):
+            raise CheckpointError(_not_a_checkpoint(path))
         if not index.is_file():
             raise CheckpointCorruptError(
                 f"checkpoint {path}: a directory, not a safetensors file nor a complete "

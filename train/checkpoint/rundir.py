@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from ..config import Config, dump_yaml
-from ..errors import ConfigError
+from ..errors import ERROR_LOG, ConfigError
 from . import store as ckpt
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
@@ -86,6 +86,7 @@ def open_run_dir(run_dir: Path, cfg: Config, resume: str, start: int) -> None:
     if resume == "fresh" and run_dir.exists():
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         metrics_path.unlink(missing_ok=True)
+        (run_dir / ERROR_LOG).unlink(missing_ok=True)  # a failure of the run started over
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt.clean_temporary(ckpt_dir)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))

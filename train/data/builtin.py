@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DataConfig
-from ..errors import ConfigError, relative_to
+from ..errors import ConfigError, relative_to, users_error
 from .dataset import Dataset, labels_are_ids
 from .split import split_indices
 from .text import corpus as text_corpus
@@ -57,6 +57,9 @@ def load_dataset(cfg: DataConfig, context: int | None = None, search=()) -> Data
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 -- the user's code: one line, named
+            err = users_error("data source", e, f"data.name={cfg.name}")
+            if err is not None:
+                raise err from e
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise DataError(
                 f"data.name={cfg.name}: calling it raised {type(e).__name__}: {first}"

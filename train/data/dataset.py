@@ -50,6 +50,9 @@ class Dataset:
     # An iterable source (train/data/stream.py BatchStream): batches read in order, x and y
     # empty arrays of the rows' shapes; a map-style source's x/y are SourceColumns instead
     stream: Any = None
+    # A user's source read on the host per call: each call's batch is checked for non-finite
+    # values there (train/data/feed.py; sources read whole are checked once, at load)
+    check_finite: bool = False
 
     @property
     def task(self) -> str:

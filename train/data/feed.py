@@ -25,6 +25,7 @@ from ..parallel import distributed as dist
 from .dataset import Dataset, Sampler, batch_dtype, host_batch
 from .prefetch import DEFAULT_TIMEOUT_S, Prefetcher
 from .reader import read_range
+from .source import check_finite_call, check_finite_rows, source_rows
 
 EVAL_TOKENS_PER_CHUNK = 2**15  # evaluation: tokens per compiled chunk
 
@@ -38,8 +39,14 @@ def call_batch(data: Dataset, sampler: Sampler, step: int, k: int) -> tuple:
     runs steps ``step .. step + k - 1`` (an iterable source: its next ``k`` batches)."""
     if data.stream is not None:
         x, y = data.stream.call(step, k, sampler.batch_size)
-        return dist.process_share(x), dist.process_share(y)
-    return host_batch(data, dist.process_share(sampler.batches(step, k)))
+        x, y, idx = dist.process_share(x), dist.process_share(y), None
+    else:
+        idx = dist.process_share(sampler.batches(step, k))
+        x, y = host_batch(data, idx)
+    if data.check_finite:  # a user's source: on the host anyway, a pass over the batch
+        rows = None if idx is None else source_rows(data.x, idx)
+        check_finite_call(data.name, x, y, step, jax.process_index() * x.shape[1], rows)
+    return x, y
 
 
 def call_schedule(start: int, stop: int, steps_in_call: Callable[[int], int]) -> Iterator:
@@ -90,26 +97,54 @@ def eval_chunk(data: Dataset) -> int:
     return max(1, min(n, EVAL_CHUNK_BYTES // row))
 
 
-def evaluate(sums: Callable, params, data: Dataset, chunk: int, device, *state) -> dict:
+def evaluate(
+    sums: Callable, params, data: Dataset, chunk: int, device, *state, stop=None
+) -> dict | None:
     """Means of the model's per-example loss and metrics over ``data``'s held-out split,
     ``chunk`` rows at a time on ``device`` (``sums``: ``train.loop.step.build_chunk_eval``;
-    ``state``: a stateful model's, in eval mode)."""
+    ``state``: a stateful model's, in eval mode); None if ``stop()`` ended it early
+    (:func:`sum_chunks`)."""
     n = len(data.x_test)
 
     def load(i):
         x = read_range(data.x_test, i, i + chunk).astype(batch_dtype(data.x_test), copy=False)
         y = read_range(data.y_test, i, i + chunk).astype(batch_dtype(data.y_test), copy=False)
+        if data.check_finite:  # a user's source: named here, not as a non-finite loss
+            check_finite_rows(data.name, {"x": x, "y": y}, "the test split", first=i)
         valid = len(x)
         if valid < chunk:  # pad the last chunk: one shape, one compiled program
             x, y = (np.resize(a, (chunk, *a.shape[1:])) for a in (x, y))
         return jax.device_put((x, y, np.int32(valid)), device)
 
+    with Prefetcher(load, range(0, n, chunk), depth=DEPTH, name="nnlite-eval") as chunks:
+        return sum_chunks(sums, params, chunks, state, stop)
+
+
+def sum_chunks(sums: Callable, params, chunks, state=(), stop=None) -> dict | None:
+    """Means of the per-example loss and metrics over ``chunks`` (placed ``(x, y, valid)``
+    triples; ``sums``: ``build_chunk_eval``'s), one chunk at a time: the host waits for each
+    chunk's sums, and ``stop()`` (a signal came) before each chunk ends it (None), so a
+    stop waits for one chunk, not the whole split."""
     totals: dict[str, float] = {}
     count = 0
-    with Prefetcher(load, range(0, n, chunk), depth=DEPTH, name="nnlite-eval") as chunks:
-        for x, y, valid in chunks:
-            values, c = sums(params, x, y, valid, *state)
-            for k, v in values.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
-            count += int(c)
+    for x, y, valid in chunks:
+        if stop is not None and stop():
+            return None
+        values, c = sums(params, x, y, valid, *state)
+        for k, v in values.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+        count += int(c)
     return {k: v / count for k, v in totals.items()}
+
+
+def device_chunks(x: np.ndarray, y: np.ndarray, chunk: int, device) -> list[tuple]:
+    """A held-out split kept on ``device`` as ``(x, y, valid)`` chunks of ``chunk`` rows
+    (the last one padded: one shape, one compiled program) for :func:`sum_chunks`."""
+    out = []
+    for i in range(0, len(x), chunk):
+        xc, yc = x[i : i + chunk], y[i : i + chunk]
+        valid = len(xc)
+        if valid < chunk:
+            xc, yc = (np.resize(a, (chunk, *a.shape[1:])) for a in (xc, yc))
+        out.append(jax.device_put((xc, yc, np.int32(valid)), device))
+    return out

@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserCodeError, one_line, users_error
 from .dataset import MAX_UNUSED_CLASSES, batch_dtype
 
 # Rows per read when a source is scanned (labels) or read whole (data.placement: device).
@@ -170,12 +170,6 @@ def source_name(source: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def one_line(e: BaseException) -> str:
-    """An exception's message, one line (the rest of a multi-line message left out)."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
-
-
 def describe_value(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} ({value.dtype})"
@@ -231,6 +225,73 @@ def check_batch(out: Any, rows: int, name: str, spec: RowSpec | None, call: str)
     return x.astype(batch_dtype(x), copy=False), y.astype(batch_dtype(y), copy=False)
 
 
+# -- non-finite values: named at the source, before they reach a step ----------------------
+NONFINITE_HINT = (
+    "a non-finite input makes the step's loss non-finite; fix the source or leave the row out"
+)
+
+
+def first_nonfinite(a: Any) -> tuple[int, ...] | None:
+    """The index of the first non-finite value of a float array (None: all finite, or not
+    floats). One pass over the array when every value is finite."""
+    a = np.asarray(a)
+    if a.size == 0 or not np.issubdtype(a.dtype, np.floating):
+        return None
+    finite = np.isfinite(a)
+    if finite.all():
+        return None
+    return tuple(int(i) for i in np.argwhere(~finite)[0])
+
+
+def _element(part: str, at: tuple[int, ...]) -> str:
+    return part + (f"[{', '.join(map(str, at))}]" if at else "")
+
+
+def check_finite_rows(
+    name: str, parts: Mapping[str, Any], split: str, rows=None, first: int = 0
+) -> None:
+    """DataError naming the row, part (``x``/``y``) and element of the first non-finite
+    value of a source's rows read whole (``split``: which rows they are; ``rows``: their
+    rows in the source, if a subset; ``first``: the split's row of the first one)."""
+    for part, a in parts.items():
+        at = first_nonfinite(a)
+        if at is not None:
+            row = f"row {first + at[0]} of {split}"
+            if rows is not None:
+                row = f"row {int(rows[at[0]])} of the source ({split})"
+            raise DataError(
+                f"data source {name}: {row}: {_element(part, at[1:])} is "
+                f"{np.asarray(a)[at]}; {NONFINITE_HINT}"
+            )
+
+
+def source_rows(x_column: Any, indices: np.ndarray) -> np.ndarray | None:
+    """The source's rows that ``indices`` of a map-style source's column read (None: not
+    a source column)."""
+    reader = getattr(x_column, "pair_reader", None)
+    if reader is None:
+        return None
+    src = reader.source
+    return src.indices[indices] if isinstance(src, Subset) else indices
+
+
+def check_finite_call(name: str, x, y, step: int, row0: int = 0, rows=None) -> None:
+    """DataError naming the step, the row of its batch (and the source's row, ``rows``:
+    the indices read, ``[k, batch]``) and the element of the first non-finite value of a
+    call's host batch ``(x, y)`` ``[k, batch, ...]`` that runs steps ``step + 1 ...``
+    (``row0``: this process's first row of the global batch)."""
+    for part, a in (("x", x), ("y", y)):
+        at = first_nonfinite(a)
+        if at is None:
+            continue
+        j, r = at[0], at[1]
+        source_row = "" if rows is None else f" (row {int(rows[j, r])} of the source)"
+        raise DataError(
+            f"data source {name}: step {step + j + 1}, row {row0 + r} of its batch"
+            f"{source_row}: {_element(part, at[2:])} is {np.asarray(a)[at]}; {NONFINITE_HINT}"
+        )
+
+
 class PairReader:
     """Reads ``(x, y)`` rows of a map-style source, checked; the last read is kept so the
     ``x`` and ``y`` columns of one read cost one call of the source."""
@@ -248,10 +309,12 @@ class PairReader:
                 return self._last[1]
             try:
                 out = self.source[idx]
-            except DataError:
+            except (DataError, UserCodeError):
                 raise
             except Exception as e:  # noqa: BLE001 -- the user's code: one line, named
-                raise DataError(
+                raise users_error(
+                    "data source", e, f"{self.name}, __getitem__ of {len(idx)} indices"
+                ) or DataError(
                     f"data source {self.name}: __getitem__ of {len(idx)} indices raised "
                     f"{type(e).__name__}: {one_line(e)}"
                 ) from None
@@ -333,7 +396,7 @@ def open_source(source, name: str) -> tuple[PairReader, int]:
     try:
         n = len(source)
     except Exception as e:  # noqa: BLE001
-        raise DataError(
+        raise users_error("data source", e, f"{name}, len()") or DataError(
             f"data source {name}: len() raised {type(e).__name__}: {one_line(e)}"
         ) from None
     if not isinstance(n, (int, np.integer)) or n < 1:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UserCodeError, users_error
 from .dataset import Dataset
 from .source import (
     NOT_RESUMABLE,
@@ -20,6 +21,7 @@ from .source import (
     RowSpec,
     as_map_source,
     check_batch,
+    check_finite_rows,
     describe_value,
     is_map_source,
     one_line,
@@ -84,10 +86,10 @@ class BatchStream:
                 f"data source {self.name} ran out at step {self.next_step}: an iterable must "
                 "yield batches for every step of train.steps (repeat it, or lower train.steps)"
             ) from None
-        except DataError:
+        except (DataError, UserCodeError):
             raise
         except Exception as e:  # noqa: BLE001
-            raise DataError(
+            raise users_error("data source", e, f"{self.name}, next()") or DataError(
                 f"data source {self.name}: next() raised {type(e).__name__}: {one_line(e)}"
             ) from None
         return check_batch(out, _rows(out), self.name, self.spec, "next()")
@@ -154,7 +156,7 @@ class BatchStream:
             try:
                 self.set_state(_from_json(state))
             except Exception as e:  # noqa: BLE001
-                raise DataError(
+                raise users_error("data source", e, f"{self.name}, load_state_dict") or DataError(
                     f"data source {self.name}: load_state_dict of the checkpoint's position "
                     f"raised {type(e).__name__}: {one_line(e)}"
                 ) from None
@@ -190,7 +192,7 @@ def stream_dataset(iterable, test, cfg, name: str) -> Dataset:
     except StopIteration:
         raise DataError(f"data source {name}: the iterable yields no batches") from None
     except Exception as e:  # noqa: BLE001
-        raise DataError(
+        raise users_error("data source", e, f"{name}, next()") or DataError(
             f"data source {name}: next() raised {type(e).__name__}: {one_line(e)}"
         ) from None
     x0, y0 = check_batch(first, _rows(first), name, None, "next()")
@@ -214,6 +216,8 @@ def stream_dataset(iterable, test, cfg, name: str) -> Dataset:
             )
         x_test, y_test = read_all(reader, n_test)
         start = (x0, y0)
+    check_finite_rows(name, {"x": x0, "y": y0}, "the iterable's first batch")
+    check_finite_rows(name, {"x": x_test, "y": y_test}, "the test split")
     stream = BatchStream(iterable, name, start, it, spec)
     if not stream.stateful:
         warnings.warn(NOT_RESUMABLE.format(name=name), ResumeNotExactWarning, stacklevel=3)
@@ -228,7 +232,10 @@ def stream_dataset(iterable, test, cfg, name: str) -> Dataset:
     # The columns say the rows' shapes; the stream has no length.
     x = np.empty((0, *spec.x_row), spec.x_dtype)
     y = np.empty((0, *spec.y_row), spec.y_dtype)
-    return Dataset(name, x, y, x_test, y_test, num_classes, note=note, streamed=True, stream=stream)
+    return Dataset(
+        name, x, y, x_test, y_test, num_classes, note=note, streamed=True, stream=stream,
+        check_finite=True,
+    )  # fmt: skip
 
 
 class StreamSampler:

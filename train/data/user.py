@@ -19,6 +19,7 @@ from .source import (
     SourceColumn,
     Subset,
     as_map_source,
+    check_finite_rows,
     describe_value,
     infer_num_classes,
     is_array_pair,
@@ -97,13 +98,17 @@ def _map_dataset(source, test, cfg, name: str) -> Dataset:
     if cfg.placement == "device":  # read whole, once: the devices gather each batch
         x, y = read_all(reader, n)
         x_test, y_test = read_all(test_reader, n_test)
+        # a non-finite value named now, once (streamed: each call's batch, train/data/feed.py)
+        subset = (train_idx, test_idx) if test is None else (None, None)
+        check_finite_rows(name, {"x": x, "y": y}, "the training split", subset[0])
+        check_finite_rows(name, {"x": x_test, "y": y_test}, "the test split", subset[1])
         return Dataset(name, x, y, x_test, y_test, num_classes, note=note)
     cols = [
         SourceColumn(r, i, m, row, dt)
         for r, m in ((reader, n), (test_reader, n_test))
         for i, (row, dt) in enumerate(((spec.x_row, spec.x_dtype), (spec.y_row, spec.y_dtype)))
     ]
-    return Dataset(name, *cols, num_classes, note=note, streamed=True)
+    return Dataset(name, *cols, num_classes, note=note, streamed=True, check_finite=True)
 
 
 def _array_dataset(src: ArraySource, test, cfg, name: str) -> Dataset:
@@ -113,6 +118,7 @@ def _array_dataset(src: ArraySource, test, cfg, name: str) -> Dataset:
     reader, n = open_source(src, name)
     spec = reader.spec
     x, y = (a.astype(dt, copy=False) for a, dt in ((src.x, spec.x_dtype), (src.y, spec.y_dtype)))
+    check_finite_rows(name, {"x": x, "y": y}, "the arrays")  # in memory: once, here
     note = ""
     if test is None:
         train_idx, test_idx = _split(n, cfg, name)
@@ -128,6 +134,7 @@ def _array_dataset(src: ArraySource, test, cfg, name: str) -> Dataset:
         x_test, y_test = (
             a.astype(dt, copy=False) for a, dt in ((test.x, spec.x_dtype), (test.y, spec.y_dtype))
         )
+        check_finite_rows(name, {"x": x_test, "y": y_test}, "the test arrays")
     num_classes = infer_num_classes(
         src,
         spec,

@@ -22,6 +22,7 @@ from ..config import Config, ModelConfig
 from ..data import overfit
 from ..data.builtin import load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
+from ..data.feed import EVAL_TOKENS_PER_CHUNK, device_chunks, eval_chunk
 from ..errors import ConfigError
 from ..model import contract, gradmode
 from ..model import metrics as user_metrics
@@ -361,8 +362,8 @@ class Prepared:
     evaluate: Callable
     X: Any  # the train split, placed for the stepper (streamed: ())
     Y: Any
-    X_test: Any  # the test split, on eval_device (streamed: None, read a chunk at a time)
-    Y_test: Any
+    X_test: Any  # the test split, on eval_device (streamed: None, read a chunk at a time;
+    Y_test: Any  # a text split: a list of (x, y, valid) chunks, Y_test None: device_eval)
     eval_device: jax.Device
     state0: nl.ParamsDict | None = None  # a stateful model's initial state (host copy)
     step_cost: dict | None = None  # the compiled step's cost analysis (train/report/perf.py)
@@ -418,7 +419,6 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     eval_dev = r.strategy.eval_device
     on_eval_dev = jax.sharding.SingleDeviceSharding(eval_dev)
     first_batch = None
-    from ..data.feed import EVAL_TOKENS_PER_CHUNK, eval_chunk
 
     if r.data.streamed:  # batches come from the host (train/data/feed.py): nothing placed whole
         X = Y = ()
@@ -432,15 +432,8 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         ] + [jax.ShapeDtypeStruct((), np.int32, sharding=on_eval_dev)]
     else:
         X, Y = stepper.put_data(r.data.x), stepper.put_data(r.data.y)
-        X_test, Y_test = (
-            jax.device_put(r.data.x_test, eval_dev),
-            jax.device_put(r.data.y_test, eval_dev),
-        )
-        chunk = len(r.data.x_test)  # example data sets: one pass over the whole split
-        if r.data.window is not None:
-            chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
-        evaluate = build_split_eval(precision.apply(r.model, cfg.train.precision), chunk, r.metrics)
-        eval_args = [X_test, Y_test]
+        X_test, Y_test, evaluate = device_eval(r, eval_dev)
+        eval_args = [*X_test[0]] if Y_test is None else [X_test, Y_test]
     eval_params, eval_state = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_eval_dev), (p_avals, s_avals)
     )
@@ -481,6 +474,26 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
     pool.shutdown(wait=False)  # the evaluation's compile goes on; its first call waits
     cost = None if step_job is None else step_cost(step_job.lowered)
     return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0, cost)
+
+
+def device_eval(r: Run, eval_dev) -> tuple:
+    """``(X_test, Y_test, evaluate)`` of a held-out split kept on the devices: the example
+    data sets' whole split, one compiled call; a text split of more windows than one chunk
+    of ``EVAL_TOKENS_PER_CHUNK`` tokens, a list of chunks (``Y_test`` None) evaluated one
+    call each, so that a SIGTERM/SIGINT stops an evaluation after a chunk, not the split."""
+    model = precision.apply(r.model, r.cfg.train.precision)
+    x_test, y_test = r.data.x_test, r.data.y_test
+    chunk = len(x_test)  # example data sets: one pass over the whole split
+    if r.data.window is not None:
+        chunk = max(1, EVAL_TOKENS_PER_CHUNK // r.data.window)
+    if chunk < len(x_test):
+        return (
+            device_chunks(x_test, y_test, chunk, eval_dev),
+            None,
+            build_chunk_eval(model, r.metrics),
+        )
+    placed = jax.device_put(x_test, eval_dev), jax.device_put(y_test, eval_dev)
+    return *placed, build_split_eval(model, chunk, r.metrics)
 
 
 def step_cost(lowered) -> dict | None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, users_code, users_error
 from ..registry import Registry
 
 EVENTS = ("on_fit_start", "on_step_end", "on_eval_end", "on_checkpoint", "on_fit_end")
@@ -115,14 +115,16 @@ class Callbacks:
         for cb in self.items:
             fn = getattr(cb, event, None)
             if callable(fn):
-                fn(*args)
+                with users_code("callback"):
+                    fn(*args)
 
     def state(self) -> str:
         """Every callback's ``state_dict()`` as one JSON string (checkpoint metadata)."""
         states = {}
         for key, cb in zip(self.keys, self.items):
             fn = getattr(cb, "state_dict", None)
-            state = fn() if callable(fn) else {}
+            with users_code("callback"):
+                state = fn() if callable(fn) else {}
             try:
                 states[key] = json.loads(json.dumps(state))
             except (TypeError, ValueError) as e:
@@ -144,7 +146,8 @@ class Callbacks:
         for key, cb in zip(self.keys, self.items):
             fn = getattr(cb, "load_state_dict", None)
             if key in states and callable(fn):
-                fn(states[key])
+                with users_code("callback"):
+                    fn(states[key])
 
 
 def build_callbacks(cfg, given: Sequence[Any] = ()) -> Callbacks:
@@ -154,7 +157,12 @@ def build_callbacks(cfg, given: Sequence[Any] = ()) -> Callbacks:
     for spec in cfg.callbacks:
         try:
             made.append(spec.cls(**spec.options))
-        except (TypeError, ValueError) as e:
+        except Exception as e:
+            err = users_error("callback", e)  # its own __init__ raised
+            if err is not None:
+                raise err from e
+            if not isinstance(e, TypeError | ValueError):
+                raise
             raise ConfigError(f"callbacks: {spec.name}: {e}") from None
         names.append(spec.name)
     for cb in given:

@@ -28,6 +28,8 @@ def eval_metric_names(r, prep) -> list[str]:
         )
         out = jax.eval_shape(evaluate, params, x, y, jax.ShapeDtypeStruct((), np.int32), *state)
         out = out[0]
+    elif prep.Y_test is None:  # a text split on the device, in chunks (build.device_eval)
+        out = jax.eval_shape(evaluate, params, *prep.X_test[0], *state)[0]
     else:
         out = jax.eval_shape(evaluate, params, prep.X_test, prep.Y_test, *state)
     named = name_metrics(dict.fromkeys(out, 1.0), r.data.loss_unit, r.data.chars_per_token)

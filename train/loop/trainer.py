@@ -4,9 +4,11 @@ in ``rundir.py``, where a run starts in ``resume.py``, faults in ``faults.py``."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,7 +29,9 @@ from ..config import Config, to_dict
 from ..data import feed, overfit
 from ..data.dataset import Dataset, Sampler
 from ..data.feed import BatchFeed, call_schedule
+from ..data.source import DataError
 from ..data.text.units import name_metrics
+from ..errors import ERROR_LOG, ConfigError, UserCodeError
 from ..optim import ema
 from ..optim.named import schedule
 from ..parallel import distributed as dist
@@ -44,6 +48,9 @@ from .callbacks import Callback, Callbacks, LoopState, build_callbacks
 from .checkgrads import check_grads, check_user_rules
 from .monitors import check_monitors
 from .step import policy_loss_fn, step_flags
+
+#: Checkpoint metadata: a SIGTERM/SIGINT stopped the evaluation at the checkpoint's step.
+EVAL_PENDING_KEY = "eval_pending"
 
 
 def boundaries(cfg: Config) -> list[int]:
@@ -95,14 +102,22 @@ def train(
     if not dist.is_main():
         echo = _quiet
     timings = timings or Timings()
-    r = build(cfg, data, timings, optimizer)
-    loop = _Loop.begin(r, resume, echo, timings, plotter, build_callbacks(cfg, callbacks), loggers)
-    if loop.step >= cfg.train.steps or loop.stopped_before:
+    try:
+        r = build(cfg, data, timings, optimizer)
+        cbs = build_callbacks(cfg, callbacks)
+        loop = _Loop.begin(r, resume, echo, timings, plotter, cbs, loggers)
+    except UserCodeError as e:  # at start-up: nothing trained (the CLI's exit 2)
+        write_error_log(e, Path(cfg.log.dir) / cfg.name)
+        raise
+    pending = loop.eval_pending  # a signal stopped the evaluation at the resumed step
+    if (loop.step >= cfg.train.steps and not pending) or loop.stopped_before:
         return loop.already_finished()
     try:
         with loop.watch, loop.watchdog:
             loop.call("on_fit_start", loop.view)
-            while loop.step < cfg.train.steps:
+            # the evaluation a signal stopped, then its step checkpointed again (not pending)
+            stop = pending and loop.evaluated(Boundary(False, True, True, False))
+            while loop.step < cfg.train.steps and not stop:
                 loop.run_call()
                 at = loop.boundary()
                 if at is None:
@@ -111,22 +126,33 @@ def train(
                 loop.check_nonfinite()
                 record = loop.log_train() if at.log else {}
                 loop.call("on_step_end", loop.view, loop.step, record)
-                if at.eval:
-                    loop.evaluate()
-                    loop.call("on_eval_end", loop.view, loop.step, loop.last_eval)
-                stop = loop.agree_on_stop()  # a callback's stop, agreed by every process
-                wanted = loop.checkpoint_wanted(at.eval)  # best k, checkpoint.every_minutes
-                if at.checkpoint or at.stop or stop or wanted:
-                    loop.checkpoint()
-                if at.stop:
-                    loop.written(wait=True)
-                    raise faults.Preempted(loop.step, loop.good_ckpt, loop.watch.signal_name)
-                if stop:
-                    break
+                stop = loop.evaluated(at)
             loop.written(wait=True)  # the last checkpoint complete before on_fit_end
-    finally:
-        loop.close()
-    return loop.finish()
+        loop.close()  # a logger's close, on_fit_end: the user's code fails after step 1 too
+        return loop.finish()
+    except BaseException as e:
+        if isinstance(e, UserCodeError | DataError):
+            loop.failed(e)
+        with contextlib.suppress(Exception):  # the failure that stopped the run is the news
+            loop.close()
+        raise
+
+
+def write_error_log(e: UserCodeError, run_dir: Path) -> None:
+    """The full traceback of a failure of the user's code in ``run_dir/error.log``
+    (process 0; ``e.log`` says where, or stays None if it could not be written)."""
+    if not dist.is_main():
+        return
+    path = run_dir / ERROR_LOG
+    stack = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            f"{e.trace}\nin the run, at (most recent call last):\n{stack}\nerror: {e}\n"
+        )
+    except OSError:
+        return
+    e.log = path
 
 
 @dataclass(frozen=True)
@@ -184,6 +210,7 @@ class _Loop:
     flops: float | None = None  # model FLOPs per step (None: not known, e.g. pmap)
     peak: float | None = None  # the devices' peak FLOP/s in the compute dtype
     profiler: Profiler | None = None  # --profile START:STOP
+    eval_pending: bool = False  # this step's evaluation was stopped by a signal (evaluated)
 
     @classmethod
     def begin(
@@ -250,7 +277,8 @@ class _Loop:
             plotter=plotter,
         )
         loop.bar = report.progress_bar(cfg, start, show=dist.is_main())
-        if dist.is_main() and start < cfg.train.steps and not begin.stopped:  # else: no records
+        pending = begin.meta.get(EVAL_PENDING_KEY) == "1"  # the resumed step's evaluation
+        if dist.is_main() and (start < cfg.train.steps or pending) and not begin.stopped:
             loop.log = MetricsLog.open(
                 r.run_dir, start, to_dict(cfg), cfg.log.loggers, cfg.log.tensorboard, loggers
             )
@@ -278,6 +306,7 @@ class _Loop:
             # the uninterrupted run called on_checkpoint after saving this state: again
             loop.call("on_checkpoint", loop.view, start, begin.checkpoint)
         loop.view.stop_reason = begin.meta.get("stopped")
+        loop.eval_pending = begin.meta.get(EVAL_PENDING_KEY) == "1"
         ck = cfg.checkpoint
         loop.best = BestCheckpoints(ck.keep_best, ck.monitor, ck.mode)
         if begin.checkpoint is not None and loop.best and dist.is_main():
@@ -345,6 +374,29 @@ class _Loop:
         )
         return at if (at.log or at.eval or at.checkpoint or at.stop) else None
 
+    def evaluated(self, at: Boundary) -> bool:
+        """The rest of a boundary: evaluate, a callback's stop, the checkpoint, a signal's
+        stop (``faults.Preempted``). True: a callback stopped the run.
+
+        A SIGTERM/SIGINT during the evaluation (one process) ends it after the chunk being
+        evaluated: the run checkpoints this step with the evaluation marked pending
+        (``eval_pending``), which the resumed run does first, so the records and the
+        callbacks' events are the uninterrupted run's."""
+        if at.eval and not self.evaluate():
+            at = Boundary(at.log, False, at.checkpoint, stop=True)
+            self.eval_pending = True
+        elif at.eval:
+            self.eval_pending = False
+            self.call("on_eval_end", self.view, self.step, self.last_eval)
+        stop = self.agree_on_stop()  # a callback's stop, agreed by every process
+        wanted = self.checkpoint_wanted(at.eval)  # best k, checkpoint.every_minutes
+        if at.checkpoint or at.stop or stop or wanted:
+            self.checkpoint()
+        if at.stop:
+            self.written(wait=True)
+            raise faults.Preempted(self.step, self.good_ckpt, self.watch.signal_name)
+        return stop
+
     def check_nonfinite(self) -> None:
         """At a boundary the host syncs anyway: read the steps' non-finite flags."""
         flags = np.concatenate([step_flags(m) for m in self.pending])
@@ -397,9 +449,10 @@ class _Loop:
         self.bar.set_postfix(**report.bar_postfix(m, rate, window))
         return m
 
-    def evaluate(self) -> None:
+    def evaluate(self) -> bool:
         """Metrics on the whole held-out split (process 0): a "test" record, or "val" for
-        text (its fixed set of validation windows)."""
+        text (its fixed set of validation windows). False: a SIGTERM/SIGINT stopped it
+        between two chunks (one process; no record)."""
         prep = self.prep
         jax.block_until_ready(self.p_leaves)  # the training so far is charged to "train"
         self.timings.lap("train")
@@ -408,15 +461,22 @@ class _Loop:
         leaves = prep.stepper.get_state(self.eval_leaves())
         state = [] if prep.state0 is None else [self.model_state(prep.eval_device)]
         if not dist.is_main():
-            return
+            return True
         params = jax.tree.unflatten(prep.p_def, jax.device_put(leaves, prep.eval_device))
+        # One process stops between chunks on a signal (several agree at a compiled call)
+        stop = None if self.watch.multiprocess else lambda: self.watch.signal_name is not None
         if self.r.data.streamed:  # a chunk at a time from the host
             chunk = feed.eval_chunk(self.r.data)
             result = feed.evaluate(
-                prep.evaluate, params, self.r.data, chunk, prep.eval_device, *state
+                prep.evaluate, params, self.r.data, chunk, prep.eval_device, *state, stop=stop
             )
+        elif prep.Y_test is None:  # a text split on the device, a chunk per call
+            result = feed.sum_chunks(prep.evaluate, params, prep.X_test, state, stop)
         else:
             result = prep.evaluate(params, prep.X_test, prep.Y_test, *state)
+        if result is None:
+            self.timings.lap("eval")
+            return False
         self.last_eval = {k: float(v) for k, v in result.items()}
         data = self.r.data
         self.last_eval = name_metrics(self.last_eval, data.loss_unit, data.chars_per_token)
@@ -430,6 +490,7 @@ class _Loop:
             }
         )
         self.timings.lap("eval")
+        return True
 
     def checkpoint(self) -> None:
         """Save the state (process 0 writes), after checking it is finite: now, or with
@@ -536,6 +597,19 @@ class _Loop:
             self.echo(report.already_finished(r, self.last_eval))
         return r
 
+    def failed(self, e: ConfigError) -> None:
+        """The user's code (``UserCodeError``) or data (``DataError``) stopped the run:
+        during it (a step was done), record the step and the newest checkpoint, kept, on
+        ``e`` (the CLI's exit 1; before the first step it stays bad input, exit 2); the
+        traceback to error.log."""
+        if self.step > self.start_step:
+            self.writer.drain()  # a write in flight completes: it is the newest kept
+            for step, path in self.writer.collect(False):
+                self.good_step, self.good_ckpt = step, path or self.good_ckpt
+            e.step, e.checkpoint, e.checkpoint_step = self.step, self.good_ckpt, self.good_step
+        if isinstance(e, UserCodeError):
+            write_error_log(e, self.r.run_dir)
+
     def close(self) -> None:
         if self.writer is not None:  # a run ending with an error: the write in flight
             self.writer.drain()
@@ -594,6 +668,8 @@ class _Loop:
             meta[BEST_KEY] = self.best.state()
         if self.view.stop_reason is not None:  # a rerun says so instead of training again
             meta["stopped"] = self.view.stop_reason
+        if self.eval_pending:  # a signal stopped this step's evaluation: the resume does it
+            meta[EVAL_PENDING_KEY] = "1"
         return meta
 
     def eval_leaves(self) -> list:

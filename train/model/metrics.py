@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, users_error
 from ..registry import import_path
 
 FORM = "metric(outputs, labels) -> a value per example [batch] or a scalar for the batch"
@@ -156,6 +156,10 @@ def prepare(specs: Sequence[str], model: Any, data: Any) -> tuple:
             if getattr(value, "shape", None) in ((), (1,)):
                 jax.eval_shape(lambda o, t, fn=fn: each_example(fn, o, t), out, y1)
         except Exception as e:  # noqa: BLE001 -- the user's code: one line, whatever it raised
+            on = f"on outputs {_shapes(out)} and labels {_shapes(y1)}, a batch of 1"
+            err = users_error("metric", e, on)
+            if err is not None:
+                raise err from e
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ConfigError(
                 f"{where}: {name}(outputs, labels) failed on outputs {_shapes(out)} and labels "

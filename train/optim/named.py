@@ -17,7 +17,7 @@ import jax
 import optax
 
 from ..config import OptimizerConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, users_code, users_error
 from . import GIVEN, OPTIMIZERS, SCHEDULES
 
 
@@ -53,7 +53,8 @@ def schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule | None:
         return SCHEDULES.get(cfg.schedule, where)(cfg, total_steps)
     factory = SCHEDULES.get(cfg.schedule, where)
     offered = {"learning_rate": cfg.learning_rate, "total_steps": total_steps}
-    return factory(**_accepted(factory, offered, where))
+    with users_code("schedule factory"):
+        return factory(**_accepted(factory, offered, where))
 
 
 # -- named optimizers: (cfg, lr) -> the chain's parts (chained flat, so the optimizer
@@ -119,7 +120,12 @@ def build_optimizer(
             raise ConfigError(f"{where}: {factory!r} is not callable")
         try:
             made = factory(**dict(cfg.options))
-        except TypeError as e:
+        except Exception as e:
+            err = users_error("optimizer factory", e)  # raised inside it: its file and line
+            if err is not None:
+                raise err from e
+            if not isinstance(e, TypeError):
+                raise
             raise ConfigError(f"{where}: calling it with {dict(cfg.options)} failed: {e}") from None
         parts = [check_transformation(made, where)]
     else:

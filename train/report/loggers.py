@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, users_code, users_error
 from ..registry import Registry, check_kwargs
 
 #: Shipped loggers: config name -> "module:Class" (imported on first use).
@@ -434,6 +434,9 @@ class MetricsLog:
                     log.close()
                 if isinstance(e, ConfigError):
                     raise
+                err = users_error("logger", e, f"{where} could not start")  # its file and line
+                if err is not None:
+                    raise err from e
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 raise ConfigError(
                     f"{where}: the logger could not start: {type(e).__name__}: {first}"
@@ -445,7 +448,8 @@ class MetricsLog:
         step = int(record["step"])
         metrics = {k: v for k, v in record.items() if k != "step"}
         for _, logger in self.loggers:
-            logger.log(step, dict(metrics))  # a copy each: one logger cannot change another's
+            with users_code("logger"):
+                logger.log(step, dict(metrics))  # a copy each: one cannot change another's
 
     def close(self) -> None:
         """Close every logger (each once, all of them even if one fails; the first
@@ -454,7 +458,8 @@ class MetricsLog:
         failed = None
         for _, logger in loggers:
             try:
-                logger.close()
+                with users_code("logger"):
+                    logger.close()
             except Exception as e:  # the others still close
                 failed = failed or e
         if failed is not None:
