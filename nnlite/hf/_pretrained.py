@@ -35,10 +35,12 @@ def _base(path: str, ignore_keys: tuple) -> GPT2LM | LlamaLM:
     return build_model(path, ignore_keys=ignore_keys)
 
 
-def _lora_pairs(lora: Any) -> tuple:
-    """``lora`` as sorted ``(key, value)`` pairs (hashable), from a dict or pairs."""
-    if lora is None or lora == () or lora == {}:
-        return ()
+def _lora_pairs(lora: Any) -> tuple | None:
+    """``lora`` as sorted ``(key, value)`` pairs (hashable), from a dict or pairs; None (no
+    LoRA) from None or an empty dict, list or tuple: a run's config.yaml writes None back
+    as ``null``, which it reads as None."""
+    if lora is None or (isinstance(lora, dict | list | tuple) and not lora):
+        return None
     items = dict(lora) if not isinstance(lora, dict) else lora
     unknown = sorted(set(items) - set(_LORA_KEYS))
     if unknown:
@@ -67,7 +69,8 @@ class Pretrained(Module):
 
     Args:
         path: the model directory.
-        lora: ``{"rank": 8, "alpha": 16, "targets": [globs]}`` or None (full fine-tuning).
+        lora: ``{"rank": 8, "alpha": 16, "targets": [globs]}``, or None (or empty: full
+            fine-tuning).
         vocab_size: the data's vocabulary size, at most the model's (a trainer fills it).
         context: the training window, at most the model's positions (a trainer fills it).
         ignore_keys: config keys to pass over (see ``load_pretrained``).
