@@ -10,6 +10,7 @@ import argparse
 import collections.abc
 import dataclasses
 import enum
+import inspect
 import math
 import re
 import types
@@ -635,6 +636,8 @@ def _build_optimizer(
             factory = OPTIMIZERS.get(name, f"{src}: optimizer.name={name}", search)
             if not callable(factory):
                 raise ConfigError(f"{src}: optimizer.name={name} is not callable")
+            if "learning_rate" not in options and _requires(factory, "learning_rate"):
+                options["learning_rate"] = OptimizerConfig.learning_rate  # the key's default
             check_kwargs(factory, options, f"{src}: optimizer.name={name}", "optimizer.")
         cfg = _build(OptimizerConfig, ours, "optimizer.", source, sources, search)
         cfg = dataclasses.replace(cfg, name=name, options=options)
@@ -653,6 +656,16 @@ def _build_optimizer(
         SCHEDULES.get(cfg.schedule, f"{src}: optimizer.schedule={cfg.schedule}", search)
     check_param_settings(cfg, sources, source)
     return cfg
+
+
+def _requires(fn: Any, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` without a default."""
+    try:
+        p = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return p is not None and p.kind in keyword and p.default is inspect.Parameter.empty
 
 
 def _build_callbacks(
