@@ -47,6 +47,9 @@ PLACEMENTS = ("auto", "device", "host")
 GRAD_MODES = ("auto", "autodiff", "manual", "fused")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
 NONFINITE = ("stop", "skip")
+# data.eval_windows: null evaluates this many tokens of windows (train/data/feed.py's
+# EVAL_TOKENS_PER_CHUNK: one compiled chunk)
+EVAL_TOKENS = 2**15
 PRECISIONS = ("float32", "bfloat16", "float16")  # train.precision (train/loop/precision.py)
 
 
@@ -87,10 +90,19 @@ class DataConfig:
     split_seed: int = 0  # seed of the fixed train/test split
     num_samples: int = 5000  # mnist1d: total examples generated (80% train)
     val_fraction: float = 0.1  # text, shakespeare_char: the tail of the text held out
-    eval_windows: int = 2400  # text, shakespeare_char, tokens: fixed validation windows evaluated
+    # text, shakespeare_char, tokens: the fixed validation windows each evaluation runs;
+    # null: as many as hold EVAL_TOKENS tokens (one compiled evaluation chunk: 512 windows
+    # of 64, 128 of 256), so a short run does not spend most of its time evaluating
+    eval_windows: int | None = None
     # text, shakespeare_char, tokens: tokens per training window; null: the model's context field
     # when the config sets it, else 64. Fills the model's `context`.
     context: int | None = None
+
+    def eval_windows_for(self, context: int) -> int:
+        """The validation windows of ``context`` tokens evaluated (``eval_windows``)."""
+        if self.eval_windows is not None:
+            return self.eval_windows
+        return max(1, EVAL_TOKENS // context)
 
 
 @dataclass(frozen=True)
@@ -738,7 +750,7 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         "distributed.heartbeat_timeout": cfg.distributed.heartbeat_timeout,
     }
     for key, v in positive.items():
-        if v < 1:
+        if v is not None and v < 1:  # data.eval_windows: null is the default
             raise bad(key, f"must be >= 1, got {v}")
     if cfg.train.steps > MAX_STEPS:
         raise bad(
