@@ -55,6 +55,7 @@ class TupleMLP(nl.Module):
     mode: Mode = Mode.PLAIN
     kind: Literal["a", "b"] = "a"
     clip: float = math.inf
+    gain: float = 2  # an int default of a float field: reads back as 2.0, equal
     note: "NotAtRunTime" = "resolved at type-checking time only"
     names: list = ("x",)
     task = "classification"

@@ -574,11 +574,14 @@ def _frozen(value: Any) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal, NaN equal to NaN."""
+    """Equal as the model's own ``==`` sees it (``1 == 1.0``), NaN equal to NaN, but a
+    bool never equal to a number (``true`` is no ``1``)."""
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
     try:
-        return type(a) is type(b) and bool(a == b)
+        return bool(a == b)
     except Exception:  # noqa: BLE001 - an object whose == is not a bool
         return False
 
