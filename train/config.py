@@ -321,8 +321,9 @@ def _type_name(tp: Any) -> str:
     if origin in _SEQUENCES:
         args = [a for a in typing.get_args(tp) if a is not Ellipsis]
         return f"list of {_type_name(args[0])}" if args else "list"
-    if origin in _MAPPINGS:
-        return "mapping"
+    if origin in _MAPPINGS and typing.get_args(tp):
+        k_tp, v_tp = typing.get_args(tp)
+        return f"mapping of {_type_name(k_tp)} to {_type_name(v_tp)}"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
