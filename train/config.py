@@ -599,8 +599,10 @@ def check_model_round_trip(spec: ModelConfig, model: Any) -> None:
         try:
             yaml.safe_dump(to_dict(ModelConfig(spec.name, {key: value})))
         except yaml.YAMLError:
+            named = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+            shown = f"{named} (a {type(value).__name__})" if named else repr(value)
             raise ConfigError(
-                f"model.{key}: {name}.{key} = {value!r} cannot be written to the run's "
+                f"model.{key}: {name}.{key} = {shown} cannot be written to the run's "
                 "config.yaml (a model field holds YAML data: numbers, strings, booleans, "
                 "null, lists, mappings or an Enum), so the run could not be loaded back; "
                 "make it, e.g., a name that __call__ looks up"
