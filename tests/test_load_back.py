@@ -9,6 +9,7 @@ The directory is a tiny random Llama made by transformers' ``save_pretrained`` w
 BPE ``tokenizer.json``, as a downloaded model holds.
 """
 
+import json
 import math
 import os
 import sys
@@ -258,3 +259,18 @@ def test_an_empty_lora_is_full_fine_tuning(llama):
     for empty in ([], (), {}, None):
         m = nl.hf.Pretrained(llama / "llama", lora=empty)
         assert m.lora is None and m.trainable(None) is None
+
+
+def test_a_run_resumes_with_another_count_of_validation_windows(tmp_path):
+    """A run written with data.eval_windows: 2400 (the default until it became null)
+    resumes under the new default: the training data and its order are the same."""
+    from train.checkpoint.resume import check_resumable
+    from train.config import config_from_dict, to_dict
+
+    def cfg(**data):
+        return config_from_dict({"data": {"name": "text", "path": "t.txt", **data}})
+
+    meta = {"config": json.dumps(to_dict(cfg(eval_windows=2400)))}
+    check_resumable(cfg(), meta, tmp_path / "ckpt")
+    with pytest.raises(train.ConfigError, match="data.val_fraction=0.1 but the config has"):
+        check_resumable(cfg(val_fraction=0.2), meta, tmp_path / "ckpt")
