@@ -106,6 +106,8 @@ def _layout(tree) -> dict:
 def _models():
     """Every kind of model the library builds: its layers (those without params first,
     between, and last in a Sequential), stacks, stateful ones, Hugging Face families."""
+    import equinox as eqx
+
     from models.gpt import GPT
     from models.resnet import ResNet
 
@@ -131,6 +133,8 @@ def _models():
             vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=8, scan_layers=True
         ),
         "resnet": ResNet(in_shape=(16,), num_classes=3, channels=(2,)),
+        "equinox": nl.from_equinox(eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(0))),
+        "hf gpt2": nl.hf.GPT2LM(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=8),
         "hf llama with LoRA": nl.hf.LlamaLM(
             vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=8, hidden=16
         ).with_lora(["*/attn/q"], rank=2),
