@@ -187,7 +187,9 @@ def test_best_checkpoints_survive_the_rotation_and_load_by_which(project, refere
     best = train.load_run(r.run_dir, which="best")
     assert best.step == ranked[0]["step"] and train.load_run(r.run_dir).step == r.step
     assert best.step < r.step - 5  # kept although older than the newest 2
-    with pytest.raises(ConfigError, match="which must be one of 'latest', 'best', got 'top'"):
+    with pytest.raises(
+        ConfigError, match="which must be one of 'latest', 'last', 'best', got 'top'"
+    ):
         train.load_run(r.run_dir, which="top")
 
 

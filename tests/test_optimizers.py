@@ -43,6 +43,14 @@ def halving(learning_rate, total_steps):
 
 def not_an_optimizer(learning_rate: float):
     return "adam"
+
+
+def needs_k(learning_rate: float, k: int):
+    return optax.MultiSteps(optax.sgd(learning_rate), every_k_schedule=k)
+
+
+def own_default(learning_rate: float = 0.5):
+    return optax.sgd(learning_rate)
 '''
 
 
@@ -113,8 +121,8 @@ def test_a_schedule_by_import_path_drives_a_named_optimizer(tmp_path, factories)
             "unknown key 'optimizer.lr'; every_kind takes learning_rate, k",
         ),
         (
-            {"name": "user_optimizers:every_kind"},
-            "optimizer.learning_rate is required by every_kind",
+            {"name": "user_optimizers:needs_k"},
+            "optimizer.k is required by needs_k",
         ),
         ({"name": "user_optimizers:nothing"}, "module user_optimizers .* has no nothing"),
         (
@@ -131,6 +139,19 @@ def test_a_schedule_by_import_path_drives_a_named_optimizer(tmp_path, factories)
 def test_bad_optimizer_sections_are_one_line(tmp_path, factories, optimizer, message):
     with pytest.raises(ConfigError, match=message):
         config(tmp_path, optimizer)
+
+
+def test_a_factory_s_learning_rate_defaults_as_the_key_table_says(tmp_path, factories):
+    """optimizer.learning_rate left out: a factory that requires it gets the key's default
+    (written into the run's config), one with a default of its own keeps that."""
+    from train.config import OptimizerConfig, to_dict
+
+    cfg = config(tmp_path, {"name": "user_optimizers:every_kind", "k": 3})
+    assert cfg.optimizer.options == {"learning_rate": OptimizerConfig.learning_rate, "k": 3}
+    assert to_dict(cfg)["optimizer"]["learning_rate"] == 0.001
+    assert config(tmp_path, {"name": "user_optimizers:own_default"}).optimizer.options == {}
+    given = {"name": "user_optimizers:every_kind", "learning_rate": 0.1}
+    assert config(tmp_path, given).optimizer.options == {"learning_rate": 0.1}
 
 
 def test_a_factory_that_returns_no_transformation_is_refused_before_training(tmp_path, factories):

@@ -481,11 +481,20 @@ def test_to_flat_from_flat_round_trip():
     assert [path for path, _ in q.items()] == list(flat)
 
 
+def test_from_flat_puts_layers_without_params_back():
+    """A missing index among a list's ParamsDicts is a layer without params (to_flat
+    writes no path for it); one at the end comes back when given as a value."""
+    flat = {"/layers[1]/W": 1.0, "/layers[3]": ParamsDict(), "/head/b": 2.0}
+    q = ParamsDict.from_flat(flat)
+    assert q.layers == [ParamsDict(), ParamsDict(W=1.0), ParamsDict(), ParamsDict()]
+    assert q.head.b == 2.0
+
+
 @pytest.mark.parametrize(
     ("flat", "match"),
     [
         ({"layer/W": 1}, "bad ParamsDict path 'layer/W'"),
-        ({"/layers[1]/b": 1}, "gap in a list index"),
+        ({"/xs[1]": 1}, "gap in a list index"),
         ({"/a": 1, "/a[0]": 2}, r"index \[0\] applied to a non-list node"),
     ],
 )

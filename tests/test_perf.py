@@ -190,6 +190,22 @@ def test_summary_of_a_users_model(user):
     assert "fc1" in text and "TwoLayer" in text.splitlines()[-1]
 
 
+def test_summary_rows_count_the_backward_pass_training_runs():
+    """A layer's backward FLOPs count its input's cotangent only where training needs one
+    (the input depends on the params): the first layer's is left out, as in the total,
+    so the rows of a chain of layers add up to the total (#46: 164k in a row, 82.5k in
+    the total)."""
+    b, n_in, hidden, n_out = 16, 64, 32, 10
+    table = nl.summary(nl.FFN(n_in, (hidden,), n_out), jnp.zeros((b, n_in)))
+    first, second = table.rows
+    dw_first = 2 * b * n_in * hidden  # dW = x^T dy; no dx: x is the model's input
+    assert dw_first <= first["flops_backward"] <= dw_first + 2 * b * hidden
+    dw_dx_second = 2 * (2 * b * hidden * n_out)  # dW and dx (its input comes from layer 1)
+    assert dw_dx_second <= second["flops_backward"] <= dw_dx_second + 2 * b * n_out
+    rows = first["flops_backward"] + second["flops_backward"]
+    assert rows == pytest.approx(table.totals["flops_backward"], rel=0.02)  # + the relu's
+
+
 def test_summary_of_the_gpt_names_each_block():
     from models.gpt import GPT
 

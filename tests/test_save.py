@@ -79,14 +79,110 @@ def test_keys_are_paths_and_one_file_holds_several_named_trees(tmp_path):
     abstract = nl.load(f, like=jax.eval_shape(lambda: p), subtree="params")
     assert isinstance(abstract.ffn.W, jax.Array)
     _equal(abstract, p)
-    # The whole file is no ParamsDict (optax's [0] holds nothing): the message says what to pass.
-    with pytest.raises(nl.CheckpointError, match=r"do not make one ParamsDict .*pass like= .* or subtree= \(one of its parts: 'opt_state', 'params'\)"):  # fmt: skip
-        nl.load(f)
+    # The whole file too (optax's [0] holds nothing: an empty ParamsDict in its place).
+    whole = nl.load(f)
+    assert whole.opt_state[0] == ParamsDict() and whole.opt_state[1][0].mu.ffn.W.shape == (2, 3)
+    # Paths that make no ParamsDict (a key that is a ParamsDict method): what to pass instead.
+    g = nl.save(tmp_path / "g.safetensors", {"params": p, "keys": jnp.ones(2)})
+    with pytest.raises(nl.CheckpointError, match=r"do not make one ParamsDict .*pass like= .* or subtree= \(one of its parts: 'keys', 'params'\)"):  # fmt: skip
+        nl.load(g)
     with pytest.raises(nl.CheckpointError, match=r"no subtree 'param'; its top-level parts are 'opt_state', 'params'"):  # fmt: skip
         nl.load(f, subtree="param")
     wider = ParamsDict(ffn=ParamsDict(W=p.ffn.W, b=p.ffn.b, c=p.ffn.b))
     with pytest.raises(nl.CheckpointError, match=r"the file's 'params' does not match the template \(like=\): 1 path\(s\) of the template missing, first 'params/ffn/c'"):  # fmt: skip
         nl.load(f, like=wider, subtree="params")
+
+
+def _empty(x):
+    return x is not None and jax.tree.structure(x).num_nodes == 1 and not jax.tree.leaves(x)
+
+
+def _layout(tree) -> dict:
+    """Each array by its path, and the paths of the empty containers."""
+    items = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_empty)[0]
+    return {nl.format_path(p): "empty" if _empty(v) else np.asarray(v) for p, v in items}
+
+
+def _models():
+    """Every kind of model the library builds: its layers (those without params first,
+    between, and last in a Sequential), stacks, stateful ones, Hugging Face families."""
+    import equinox as eqx
+
+    from models.gpt import GPT
+    from models.resnet import ResNet
+
+    gaps = nl.Sequential(
+        [nl.Activation("relu"), nl.Linear(3, 4), nl.Dropout(0.5), nl.Linear(4, 2), nl.Flatten()]
+    )
+    return {
+        "Sequential with gaps": gaps,
+        "Sequential of no params": nl.Sequential([nl.Activation("tanh"), nl.Flatten()]),
+        "conv": nl.Sequential(
+            [nl.Conv(1, 2, (3,)), nl.MaxPool((2,)), nl.GroupNorm(2, 2), nl.AdaptiveAvgPool((1,))]
+        ),
+        "BatchNorm (state)": nl.Sequential(
+            [nl.Linear(3, 4), nl.BatchNorm(4), nl.Activation("relu")]
+        ),
+        "Stack": nl.Stack(nl.Sequential([nl.Linear(4, 4), nl.Activation("relu")]), 3),
+        "Remat": nl.Remat(nl.FFN(3, (4,), 2)),
+        "RotaryEmbedding (no params)": nl.RotaryEmbedding(4),
+        "RNN": nl.RNN(nl.LSTMCell(3, 4)),
+        "attention": nl.Sequential([nl.Embedding(10, 8), nl.TransformerBlock(8, 2, causal=True)]),
+        "LoRA": nl.LoRA(nl.Linear(4, 4), rank=2),
+        "gpt scanned": GPT(
+            vocab_size=11, context=8, n_layer=2, n_head=2, n_embd=8, scan_layers=True
+        ),
+        "resnet": ResNet(in_shape=(16,), num_classes=3, channels=(2,)),
+        "equinox": nl.from_equinox(eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(0))),
+        "hf gpt2": nl.hf.GPT2LM(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=8),
+        "hf llama with LoRA": nl.hf.LlamaLM(
+            vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=8, hidden=16
+        ).with_lora(["*/attn/q"], rank=2),
+    }
+
+
+@pytest.mark.parametrize("name", list(_models()))
+def test_every_part_of_a_checkpoint_loads_without_a_template(tmp_path, name):
+    """nl.load(path, subtree=part) for each part the trainer writes (params, opt_state,
+    state), for every kind of model: the arrays at their paths and the nodes without
+    arrays (a layer without params anywhere in a Sequential, optax's EmptyState) in place."""
+    model = _models()[name]
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+    def init():
+        params = model.init(jax.random.key(0))
+        tree = {"params": params, "opt_state": opt.init(params)}
+        if callable(getattr(model, "init_state", None)):
+            tree["state"] = model.init_state()
+        return tree
+
+    rng = np.random.default_rng(0)  # values from shapes: nothing compiled
+    tree = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), jax.eval_shape(init))
+    params = tree["params"]
+    f = nl.save(tmp_path / "c.safetensors", tree)
+    for part, want in tree.items():
+        got = nl.load(f, subtree=part)
+        got_layout, want_layout = _layout(got), _layout(want)
+        assert list(got_layout) == list(want_layout), part
+        for path, v in want_layout.items():
+            np.testing.assert_array_equal(got_layout[path], v, err_msg=f"{part}{path}")
+    # params come back as the very structure the model builds, so the model runs them
+    assert jax.tree.structure(nl.load(f, subtree="params")) == jax.tree.structure(params)
+    whole = nl.load(f)
+    assert list(_layout(whole)) == list(_layout(tree))
+    assert nl.load_metadata(f) == {"format": "nnlite.save", "format_version": "1"}
+
+
+def test_a_sharded_checkpoint_keeps_its_layers_without_params(tmp_path):
+    seq = _models()["Sequential with gaps"]
+    params = jax.tree.map(
+        lambda s: np.ones(s.shape, s.dtype), jax.eval_shape(seq.init, jax.random.key(0))
+    )
+    path = nl.save_sharded(tmp_path / "c.shards", {"params": params, "step": 3})
+    back = nl.load(path, subtree="params")
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert [k for k, _ in back.items()] == [k for k, _ in params.items()]
+    assert "empty_nodes" not in nl.load_metadata(path)
 
 
 def test_metadata_round_trip_without_reading_tensors(tmp_path):

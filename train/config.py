@@ -7,7 +7,10 @@ raise ``ConfigError`` with one line naming the key, the file and what is valid.
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
+import enum
+import inspect
 import math
 import os
 import re
@@ -45,6 +48,9 @@ PLACEMENTS = ("auto", "device", "host")
 GRAD_MODES = ("auto", "autodiff", "manual", "fused")
 STRATEGIES = parallel.NAMES  # the registry in train/parallel/__init__.py
 NONFINITE = ("stop", "skip")
+# data.eval_windows: null evaluates this many tokens of windows (train/data/feed.py's
+# EVAL_TOKENS_PER_CHUNK: one compiled chunk)
+EVAL_TOKENS = 2**15
 PRECISIONS = ("float32", "bfloat16", "float16")  # train.precision (train/loop/precision.py)
 
 
@@ -85,10 +91,19 @@ class DataConfig:
     split_seed: int = 0  # seed of the fixed train/test split
     num_samples: int = 5000  # mnist1d: total examples generated (80% train)
     val_fraction: float = 0.1  # text, shakespeare_char: the tail of the text held out
-    eval_windows: int = 2400  # text, shakespeare_char, tokens: fixed validation windows evaluated
+    # text, shakespeare_char, tokens: the fixed validation windows each evaluation runs;
+    # null: as many as hold EVAL_TOKENS tokens (one compiled evaluation chunk: 512 windows
+    # of 64, 128 of 256), so a short run does not spend most of its time evaluating
+    eval_windows: int | None = None
     # text, shakespeare_char, tokens: tokens per training window; null: the model's context field
     # when the config sets it, else 64. Fills the model's `context`.
     context: int | None = None
+
+    def eval_windows_for(self, context: int) -> int:
+        """The validation windows of ``context`` tokens evaluated (``eval_windows``)."""
+        if self.eval_windows is not None:
+            return self.eval_windows
+        return max(1, EVAL_TOKENS // context)
 
 
 @dataclass(frozen=True)
@@ -307,9 +322,13 @@ class Config:
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (tuple, list):
+    origin = typing.get_origin(tp) or (tp if tp in _SEQUENCES + _MAPPINGS else None)
+    if origin in _SEQUENCES:
         args = [a for a in typing.get_args(tp) if a is not Ellipsis]
         return f"list of {_type_name(args[0])}" if args else "list"
+    if origin in _MAPPINGS and typing.get_args(tp):
+        k_tp, v_tp = typing.get_args(tp)
+        return f"mapping of {_type_name(k_tp)} to {_type_name(v_tp)}"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -328,9 +347,17 @@ def _finite(value: int | float, where: str, shown: str | None = None) -> float:
     return out
 
 
+# Unparametrized annotations YAML spells as a list / a mapping (``hidden: tuple = (8,)``)
+_SEQUENCES = (tuple, list, collections.abc.Sequence)
+_MAPPINGS = (dict, collections.abc.Mapping)
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it converted (lists -> tuples)."""
+    """Check ``value`` against the annotation ``tp``; return it converted (lists -> tuples,
+    an Enum's value -> its member)."""
     origin = typing.get_origin(tp)
+    if origin is None and tp in _SEQUENCES + _MAPPINGS:
+        origin = tp  # bare ``tuple``, ``list``, ``dict``: of anything
     if origin in (typing.Union, types.UnionType):
         if isinstance(value, float) and float in typing.get_args(tp):
             _finite(value, where)  # say "finite", not "expected float or null"
@@ -340,7 +367,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
-    if origin in (tuple, list):
+    if origin in _SEQUENCES:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
         args = [a for a in typing.get_args(tp) if a is not Ellipsis] or [Any]
@@ -349,6 +376,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
             return tuple(_coerce(v, a, where) for v, a in zip(value, args, strict=True))
         return tuple(_coerce(v, args[0], where) for v in value)
+    if origin in _MAPPINGS:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        k_tp, v_tp = typing.get_args(tp) or (Any, Any)
+        return {_coerce(k, k_tp, where): _coerce(v, v_tp, f"{where}.{k}") for k, v in value.items()}
     if origin is typing.Literal:
         if value in typing.get_args(tp):
             return value
@@ -379,6 +411,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
     elif isinstance(tp, type) and isinstance(value, tp):  # a type YAML cannot spell otherwise
         return value
+    elif isinstance(tp, type) and issubclass(tp, enum.Enum):  # written as its value
+        try:
+            return tp(value)
+        except (ValueError, TypeError):
+            values = ", ".join(repr(m.value) for m in tp)
+            raise ConfigError(f"{where}: {value!r} is not one of {values}") from None
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
 
 
@@ -497,13 +535,12 @@ def _build_model(
                 f"{src}: unknown key 'model.{key}'; model.name={name} ({cls.__name__}) takes "
                 f"{', '.join(own) or 'no fields'}"
             )
-        options[key] = _coerce(value, types_[key], f"{src}: model.{key}")
+        options[key] = _model_value(value, types_[key], own[key], f"{src}: model.{key}")
     for key, f in own.items():
         if key in options:
             continue
         if has_default(f):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            options[key] = tuple(default) if isinstance(default, list) else default
+            options[key] = _frozen(_default(f))
         elif key not in DATA_FIELDS:
             raise ConfigError(
                 f"{source}: model.{key} is required by model.name={name} ({cls.__name__}.{key}: "
@@ -511,6 +548,87 @@ def _build_model(
             )
     options = {k: options[k] for k in own if k in options}  # in the class's field order
     return ModelConfig(name.strip(), options, cls)
+
+
+def _model_value(value: Any, tp: Any, f: dataclasses.Field, where: str) -> Any:
+    """A model field's value from YAML: checked against its annotation, lists as tuples (a
+    model is hashable), and the field's own default accepted whatever the annotation says
+    (``x: int = None``, ``clip: float = math.inf``: what a run's config.yaml writes back)."""
+    try:
+        return _frozen(_coerce(value, tp, where))
+    except ConfigError:
+        default = _frozen(_default(f))
+        if default is not dataclasses.MISSING and _same(_frozen(value), default):
+            return default
+        raise
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default (``dataclasses.MISSING``: none)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _frozen(value: Any) -> Any:
+    """Lists as tuples, at any depth (in mappings too)."""
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as the model's own ``==`` sees it (``1 == 1.0``), NaN equal to NaN, but a
+    bool never equal to a number (``true`` is no ``1``)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object whose == is not a bool
+        return False
+
+
+def check_model_round_trip(spec: ModelConfig, model: Any) -> None:
+    """Raise ConfigError (one line, naming the field) unless the model section a run writes
+    to its config.yaml (``spec``: every field, resolved) reads back as ``model`` itself: a
+    field whose value YAML cannot hold (a function, an object), or one that its class
+    changes so that the value written is not accepted or not equal when read back, would
+    make a run that ``train.load_run``, ``train.sample`` or resuming cannot load."""
+    cls = spec.cls
+    name = cls.__name__
+    for key, value in spec.options.items():
+        try:
+            yaml.safe_dump(to_dict(ModelConfig(spec.name, {key: value})))
+        except yaml.YAMLError:
+            named = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+            shown = f"{named} (a {type(value).__name__})" if named else repr(value)
+            raise ConfigError(
+                f"model.{key}: {name}.{key} = {shown} cannot be written to the run's "
+                "config.yaml (a model field holds YAML data: numbers, strings, booleans, "
+                "null, lists, mappings or an Enum), so the run could not be loaded back; "
+                "make it, e.g., a name that __call__ looks up"
+            ) from None
+    text = yaml.safe_dump(to_dict(spec), sort_keys=False)
+    where = f"model.name={spec.name} ({name})"
+    try:
+        back = _build_model(yaml.safe_load(text), "its config.yaml", {}, (), cls)
+        again = cls(**back.options)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"{where}: the run's config.yaml would not load back: {e}; keep each field's "
+            "value one that its annotation accepts"
+        ) from None
+    for key, value in spec.options.items():
+        if not _same(_frozen(getattr(again, key, None)), _frozen(value)):
+            raise ConfigError(
+                f"{where}: model.{key} = {value!r} reads back from the run's config.yaml as "
+                f"{getattr(again, key, None)!r}, so the run would not load back as it trained; "
+                f"make {name}.{key} hold the value it was given"
+            )
 
 
 def _build_optimizer(
@@ -541,6 +659,8 @@ def _build_optimizer(
             factory = OPTIMIZERS.get(name, f"{src}: optimizer.name={name}", search)
             if not callable(factory):
                 raise ConfigError(f"{src}: optimizer.name={name} is not callable")
+            if "learning_rate" not in options and _requires(factory, "learning_rate"):
+                options["learning_rate"] = OptimizerConfig.learning_rate  # the key's default
             check_kwargs(factory, options, f"{src}: optimizer.name={name}", "optimizer.")
         cfg = _build(OptimizerConfig, ours, "optimizer.", source, sources, search)
         cfg = dataclasses.replace(cfg, name=name, options=options)
@@ -559,6 +679,16 @@ def _build_optimizer(
         SCHEDULES.get(cfg.schedule, f"{src}: optimizer.schedule={cfg.schedule}", search)
     check_param_settings(cfg, sources, source)
     return cfg
+
+
+def _requires(fn: Any, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` without a default."""
+    try:
+        p = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return p is not None and p.kind in keyword and p.default is inspect.Parameter.empty
 
 
 def _build_callbacks(
@@ -631,7 +761,7 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         "distributed.heartbeat_timeout": cfg.distributed.heartbeat_timeout,
     }
     for key, v in positive.items():
-        if v < 1:
+        if v is not None and v < 1:  # data.eval_windows: null is the default
             raise bad(key, f"must be >= 1, got {v}")
     if cfg.train.steps > MAX_STEPS:
         raise bad(
@@ -963,6 +1093,8 @@ def to_dict(cfg: Any) -> dict:
     def plain(v):
         if isinstance(v, tuple):
             return [plain(x) for x in v]
+        if isinstance(v, enum.Enum):  # a model field's Enum: its value (read back by _coerce)
+            return plain(v.value)
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
         if isinstance(v, ModelConfig | CallbackConfig):  # flat, as written: name and fields

@@ -125,8 +125,8 @@ def load_run(
 ) -> LoadedRun:
     """The model, params (and optimizer state), a stateful model's state, config and
     vocabulary of a training run, from its ``config.yaml`` and its newest checkpoint
-    (``which="latest"``), its best one by ``checkpoint.monitor`` (``which="best"``, a run
-    trained with ``checkpoint.keep_best``), or ``checkpoint``.
+    (``which="latest"`` or ``"last"``), its best one by ``checkpoint.monitor``
+    (``which="best"``, a run trained with ``checkpoint.keep_best``), or ``checkpoint``.
 
     ``ema``: the params are the moving average the run kept (``train.ema_decay``); a run
     without one is a ConfigError.
@@ -144,7 +144,7 @@ def load_run(
         raise ConfigError(f"{where}: no config.yaml; is it a training run?")
     if checkpoint is None:
         checkpoint = best.find(run_dir, which)
-    elif which != "latest":
+    elif which not in ("latest", "last"):
         raise ConfigError(f"load_run: give checkpoint= or which={which!r}, not both")
     checkpoint = Path(checkpoint)
     meta = ckpt.read_metadata(checkpoint)

@@ -22,7 +22,9 @@ from jax.extend.core import ClosedJaxpr
 
 __all__ = [
     "bind_equation",
+    "current_trace",
     "lowered_cost_analysis",
+    "inner_tracer",
     "dce_call",
     "custom_jvp_rule",
     "custom_vjp_rules",
@@ -254,6 +256,22 @@ def of_current_trace(tree: Any) -> bool:
         for x in jax.tree.leaves(tree)
         if isinstance(x, core.Tracer)
     )
+
+
+def current_trace() -> Any:
+    """The trace now running (JAX's ``trace_ctx.trace``)."""
+    from jax._src import core
+
+    return core.trace_ctx.trace
+
+
+def inner_tracer(x: Any, outer: Any) -> bool:
+    """Whether ``x`` is a tracer of a trace other than ``outer`` (nl.summary: inside
+    ``jax.vjp`` in the params, a value that depends on them is the vjp's tracer, one that
+    does not stays a tracer of the trace outside)."""
+    from jax._src import core
+
+    return isinstance(x, core.Tracer) and x._trace is not outer
 
 
 def lowered_cost_analysis(lowered) -> dict | None:

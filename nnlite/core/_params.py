@@ -329,7 +329,21 @@ class ParamsDict:
 
     @classmethod
     def from_flat(cls, flat: Mapping[str, Any]) -> ParamsDict:
-        """Rebuild a ParamsDict from ``to_flat`` output; ``[i]`` segments become lists."""
+        """Rebuild a ParamsDict from ``to_flat`` output; ``[i]`` segments become lists.
+
+        A layer without params has no path in ``to_flat``'s output: a missing index among
+        a list's ParamsDicts (``/layers[0]/W``, ``/layers[2]/W``: an activation between two
+        linear layers) comes back as an empty ParamsDict. One at the end of the list leaves
+        no trace; give it as a value (``{"/layers[3]": ParamsDict()}``), as ``nl.load``
+        does from the empty nodes ``nl.save`` records.
+
+        Example:
+            >>> import jax, nnlite as nl
+            >>> seq = nl.Sequential([nl.Linear(2, 3), nl.Activation("relu"), nl.Linear(3, 1)])
+            >>> p = seq.init(jax.random.key(0))
+            >>> nl.ParamsDict.from_flat(p.to_flat()) == p
+            True
+        """
         root: dict = {}
         for path, leaf in flat.items():
             segs = _parse_path(path)
@@ -527,7 +541,11 @@ def _build(node: Any) -> Any:
         return ParamsDict({k: _build(v) for k, v in node.items()})
     if isinstance(node, list):
         if any(v is None for v in node):
-            raise ValueError("flat dict has a gap in a list index")
+            # a layer without params between layers with params; a gap among arrays (a
+            # path left out) has no such reading
+            if not any(isinstance(v, dict | list | ParamsDict) for v in node):
+                raise ValueError("flat dict has a gap in a list index")
+            node = [{} if v is None else v for v in node]
         return [_build(v) for v in node]
     return node
 

@@ -50,6 +50,10 @@ _FORMAT = "nnlite.save"
 _FORMAT_VERSION = "1"
 _ROOT = "/"  # the key of a tree that is a single array
 CHECKSUMS = "checksums"  # metadata key: JSON {tensor key: "crc32:%08x"}, see the module doc
+# metadata key: JSON {key: "{}" or "[]"}, the tree's nodes that hold no array (a layer
+# without params in a Sequential, optax's EmptyState), which nl.load(like=None) puts back
+EMPTY = "empty_nodes"
+OWN_META = ("format", "format_version", CHECKSUMS, EMPTY)  # nl.save's; never the caller's
 
 # Test hook, never set in normal runs: seconds that every nl.save pauses twice (its
 # temporary file half-written, then complete but not yet renamed), so that tests can kill
@@ -89,6 +93,27 @@ def _key(path: tuple, subtree: str = "") -> str:
     if subtree:
         return subtree + p
     return p.removeprefix("/") or _ROOT
+
+
+def _childless(x: Any) -> bool:
+    """An empty container: a pytree node (not None) without children."""
+    if x is None:
+        return False
+    treedef = jax.tree_util.tree_structure(x)
+    return treedef.num_leaves == 0 and treedef.num_nodes == 1
+
+
+def empty_nodes(tree: Any) -> dict[str, str]:
+    """The file keys of the containers in ``tree`` that hold nothing (an empty ParamsDict,
+    list, dict or NamedTuple: a layer without params, optax's EmptyState), each with its
+    kind: ``"[]"`` for a list or tuple, ``"{}"`` for any other. With the arrays' keys they
+    give the tree's whole shape (a Sequential of layers without params included)."""
+    found = {}
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_childless)[0]:
+        if path and _childless(node):
+            seq = isinstance(node, list | tuple) and not hasattr(node, "_fields")
+            found[_key(path)] = "[]" if seq else "{}"
+    return found
 
 
 def _describe(shape: tuple, dtype: Any) -> str:
@@ -162,10 +187,13 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | No
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise CheckpointError(f"nl.save: metadata must map str to str, got {k!r}: {v!r}")
-        if k in meta or k == CHECKSUMS:
+        if k in OWN_META:
             raise CheckpointError(f"nl.save: metadata key {k!r} is nl.save's own; rename it")
         meta[k] = v
     meta[CHECKSUMS] = checksums_json(tensors)
+    empties = empty_nodes(tree)
+    if empties:
+        meta[EMPTY] = json.dumps(empties, sort_keys=True)
     _write_atomically(path, safetensors_bytes(tensors, meta))
     return path
 
@@ -347,7 +375,7 @@ def load_metadata(path: str | os.PathLike) -> dict[str, str]:
     """
     path = Path(path)
     with _checkpoint(path) as file:
-        return {k: v for k, v in file.meta.items() if k != CHECKSUMS}
+        return {k: v for k, v in file.meta.items() if k not in (CHECKSUMS, EMPTY)}
 
 
 def verify(path: str | os.PathLike) -> None:
@@ -377,7 +405,9 @@ def load(path: str | os.PathLike, like: Any = None, *, subtree: str | None = Non
         like: the template: a tree with the structure, shapes and dtypes to restore (e.g.
             freshly initialised params, ``optimizer.init(params)``, a dict of both, or
             ``jax.eval_shape`` of them). ``None``: the file's paths rebuilt as a ParamsDict
-            of arrays (``ParamsDict.from_flat``), or one array.
+            of arrays (``ParamsDict.from_flat``; a list of them for a part whose paths
+            begin with an index, such as ``"opt_state"``), or one array; the nodes without
+            arrays the tree had (a layer without params) come back as empty ParamsDicts.
         subtree: read only the part of the file under this path, e.g. ``"params"`` of a
             file saved from ``{"params": p, "opt_state": s}`` (what the trainer writes);
             ``like`` is then that part's template.
@@ -407,34 +437,65 @@ def load(path: str | os.PathLike, like: Any = None, *, subtree: str | None = Non
     path = Path(path)
     with _checkpoint(path) as file:
         keys = list(file.keys)
+        empties = _empties(file)
         prefix = ""
         if subtree is not None:
             prefix = subtree.removeprefix("/")
-            keys = [k for k in keys if k == prefix or k.startswith((prefix + "/", prefix + "["))]
-            if not prefix or not keys:
-                parts = sorted({k.split("/")[0].split("[")[0] for k in file.keys} - {""})
+            below = (prefix + "/", prefix + "[")
+            keys = [k for k in keys if k == prefix or k.startswith(below)]
+            empties = {k: v for k, v in empties.items() if k == prefix or k.startswith(below)}
+            if not prefix or not (keys or empties):
+                parts = sorted({_top(k) for k in [*file.keys, *_empties(file)]} - {""})
                 raise CheckpointError(
                     f"checkpoint {path}: no subtree {subtree!r}; its top-level parts are "
                     f"{', '.join(map(repr, parts)) or 'none'}"
                 )
         if like is None:
-            return _as_params(file, keys, prefix)
+            return _as_params(file, keys, prefix, empties)
         return _restore(file, keys, prefix, like)
 
 
-def _as_params(file: _File, keys: list[str], prefix: str) -> Any:
-    """The arrays at ``keys`` as a ParamsDict keyed by their paths (below ``prefix``)."""
-    rel = {}
-    for k in keys:
+def _top(key: str) -> str:
+    return key.split("/")[0].split("[")[0]
+
+
+def _empties(file: Any) -> dict[str, str]:
+    """The file's record of its tree's nodes without arrays (:func:`empty_nodes`)."""
+    text = file.meta.get(EMPTY)
+    if not text:
+        return {}
+    try:
+        found = json.loads(text)
+        if isinstance(found, dict) and all(v in ("{}", "[]") for v in found.values()):
+            return found
+    except ValueError:
+        pass
+    raise CheckpointCorruptError(f"checkpoint {file.path}: its {EMPTY} metadata is not readable")
+
+
+def _as_params(file: _File, keys: list[str], prefix: str, empties: dict[str, str]) -> Any:
+    """The arrays at ``keys`` as a ParamsDict keyed by their paths below ``prefix`` (a list
+    of them where the paths begin with an index, as an optax state's do), with the
+    ``empties`` (nodes without arrays) put back in their places."""
+
+    def relative(k: str) -> str:
         r = k[len(prefix) :] if prefix else ("" if k == _ROOT else k)
-        rel["/" + r if r[:1] not in ("", "/", "[") else r] = k
+        return "/" + r if r[:1] not in ("", "/", "[") else r
+
+    rel = {relative(k): k for k in keys}
     if "" in rel and len(rel) == 1:
         return jnp.asarray(file.read(rel[""]))
-    arrays = {r: jnp.asarray(file.read(k)) for r, k in sorted(rel.items())}
+    made = {relative(k): ParamsDict() if kind == "{}" else [] for k, kind in empties.items()}
+    if "" in made:  # the subtree itself holds no array
+        return made[""]
+    flat = {r: jnp.asarray(file.read(k)) for r, k in sorted(rel.items())} | made
+    indexed = any(r.startswith("[") for r in flat)  # a list at the top (an optax state)
     try:
-        return ParamsDict.from_flat(arrays)
+        if indexed:
+            return ParamsDict.from_flat({"/root" + r: v for r, v in flat.items()})["root"]
+        return ParamsDict.from_flat(flat)
     except (ValueError, KeyError) as e:
-        parts = sorted({k.split("/")[0].split("[")[0] for k in file.keys} - {""})
+        parts = sorted({_top(k) for k in file.keys} - {""})
         raise CheckpointError(
             f"checkpoint {file.path}: its paths do not make one ParamsDict ({e}); pass like= "
             f"(a tree of the structure it was saved from) or subtree= (one of its parts: "

@@ -41,6 +41,7 @@ import numpy as np
 from . import _save
 from ._save import (
     CHECKSUMS,
+    EMPTY,
     TEST_PAUSE_ENV,
     CheckpointCorruptError,
     CheckpointError,
@@ -49,6 +50,7 @@ from ._save import (
     _key,
     _write_atomically,
     checksums_json,
+    empty_nodes,
     safetensors_bytes,
 )
 
@@ -57,7 +59,7 @@ __all__ = ["INDEX", "is_sharded", "save_sharded"]
 _FORMAT = "nnlite.sharded"
 _FORMAT_VERSION = "1"
 INDEX = "index.safetensors"  # the file whose presence makes the directory a checkpoint
-_OWN_META = ("format", "format_version", "leaves", "processes", CHECKSUMS)
+_OWN_META = ("format", "format_version", "leaves", "processes", CHECKSUMS, EMPTY)
 
 
 def _shard_file(process: int) -> str:
@@ -184,6 +186,9 @@ def save_sharded(
     sync(f"{path.name}:shards")
     if main:
         meta |= {"leaves": json.dumps(leaves), "processes": str(jax.process_count())}
+        empties = empty_nodes(tree)
+        if empties:  # what nl.load(like=None) puts back (see _save.EMPTY)
+            meta[EMPTY] = json.dumps(empties, sort_keys=True)
         _write_atomically(tmp / INDEX, safetensors_bytes({}, meta))
         time.sleep(float(os.environ.get(TEST_PAUSE_ENV) or 0))  # test hook: before the rename
         if path.is_dir():

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compose
-from ._jax_private import lowered_cost_analysis
+from ._jax_private import current_trace, inner_tracer, lowered_cost_analysis
 
 __all__ = ["Summary", "summary"]
 
@@ -131,11 +131,14 @@ def _costs(
     call, params, args, wrt_inputs=True, flops=True
 ) -> tuple[float | None, float | None, int | None]:
     """Forward FLOPs, backward FLOPs and kept activation bytes of ``call(params, *args)``
-    on abstract ``params``/``args`` (the float leaves of ``args`` are differentiated too
-    when ``wrt_inputs``: a layer inside a model passes its input's cotangent back)."""
+    on abstract ``params``/``args``. The float leaves of ``args`` are differentiated too
+    where ``wrt_inputs`` says (a bool, or one per leaf): a layer inside a model passes its
+    input's cotangent back when that input depends on the params."""
     leaves, treedef = jax.tree.flatten(args)
+    wrt = wrt_inputs if isinstance(wrt_inputs, list | tuple) else [wrt_inputs] * len(leaves)
     is_float = [
-        wrt_inputs and _is_array(a) and jnp.issubdtype(a.dtype, jnp.floating) for a in leaves
+        w and _is_array(a) and jnp.issubdtype(a.dtype, jnp.floating)
+        for a, w in zip(leaves, wrt, strict=True)
     ]
     arrays = [a for a in leaves if _is_array(a)]
 
@@ -222,36 +225,6 @@ def summary(
         params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     params = jax.tree.map(_aval, params)
     x = jax.tree.map(_aval, x)
-    records: list[tuple] = []
-
-    order: dict[int, int] = {}  # frame id -> pre-order position (ancestors numbered first)
-    keep: list = []  # the frames, alive until the table is built (ids stay unique)
-
-    def observe(frame, module, a, kw, out):
-        if frame.parent is None:
-            return
-        chain, f = [], frame
-        while f.parent is not None:
-            chain.append(f)
-            f = f.parent
-        for f in reversed(chain):
-            if id(f) not in order:
-                order[id(f)] = len(order)
-                keep.append(f)
-        rest = a[1:] if getattr(module, "has_params", True) else a
-        records.append(
-            (
-                order[id(frame)],
-                _path(chain),
-                len(chain),
-                module,
-                jax.tree.map(_aval, frame.params),
-                jax.tree.map(_aval, tuple(rest)),
-                jax.tree.map(_aval, {k: v for k, v in kw.items() if k != "key"}),
-                jax.tree.map(_aval, out),
-            )
-        )
-
     state = {}  # traced keyword arrays: a stateful model's state
     if "state" in kwargs:
         state = {"state": jax.tree.map(_aval, kwargs.pop("state"))}
@@ -259,19 +232,16 @@ def summary(
         # a stateful model (BatchNorm): in eval mode, on its initial state's shapes
         state = {"state": jax.eval_shape(model.init_state)}
         kwargs = {"train": False, **kwargs}
-    _compose.CALL_OBSERVERS.append(observe)
-    try:
-        out = jax.eval_shape(lambda p, x, st: model(p, x, *args, **kwargs, **st), params, x, state)
-    finally:
-        _compose.CALL_OBSERVERS.remove(observe)
+    records, out = _trace_calls(model, params, x, args, kwargs, state)
 
     rows, seen = [], {}
     records.sort(key=lambda r: r[0])
-    for _, path, depth, module, p, rest, kw, o in records:
+    for _, path, depth, module, p, rest, kw, o, needs_ct in records:
         n, nbytes = _size_bytes(p) if p is not None else (0, 0)
         key = None
         try:
-            key = (module, jax.tree.structure((p, rest)), str(jax.tree.leaves((p, rest))), str(kw))
+            leaves = str(jax.tree.leaves((p, rest)))
+            key = (module, jax.tree.structure((p, rest)), leaves, str(kw), needs_ct)
             hash(key)
         except TypeError:
             key = None
@@ -283,7 +253,7 @@ def summary(
                 call = lambda pp, *a, _m=module: _m(pp, *a[:-1], **a[-1])  # noqa: E731
             else:
                 call = lambda pp, *a, _m=module: _m(*a[:-1], **a[-1])  # noqa: E731
-            costs = _costs(call, p, (*rest, kw), flops=flops)
+            costs = _costs(call, p, (*rest, kw), wrt_inputs=needs_ct, flops=flops)
             if key is not None:
                 seen[key] = costs
         if "state" in kw and isinstance(o, tuple) and len(o) == 2:
@@ -322,6 +292,71 @@ def summary(
         "activation_bytes": act,
     }
     return Summary(type(model).__name__, rows, totals)
+
+
+def _trace_calls(model, params, x, args: tuple, kwargs: dict, state: dict) -> tuple[list, Any]:
+    """Every module call of ``model(params, x, *args, **kwargs, **state)`` traced on
+    abstract values (nothing computed): ``(records, out)``, each record with, per leaf of
+    the call's inputs, whether training sends a cotangent back through it. The model runs
+    under ``jax.vjp`` in its params: an input that does not depend on them (the model's
+    own input, as a first layer gets it) needs none, so its layer's backward FLOPs leave
+    that cotangent out, as training and the model's total do."""
+
+    def trace(under_vjp: bool) -> tuple[list, Any]:
+        records: list[tuple] = []
+        order: dict[int, int] = {}  # frame id -> pre-order position (ancestors first)
+        keep: list = []  # the frames, alive until the table is built (ids stay unique)
+        outer: list = []  # the trace outside jax.vjp
+
+        def observe(frame, module, a, kw, out):
+            if frame.parent is None:
+                return
+            chain, f = [], frame
+            while f.parent is not None:
+                chain.append(f)
+                f = f.parent
+            for f in reversed(chain):
+                if id(f) not in order:
+                    order[id(f)] = len(order)
+                    keep.append(f)
+            rest = a[1:] if getattr(module, "has_params", True) else a
+            kw = {k: v for k, v in kw.items() if k != "key"}
+            needs_ct = tuple(
+                not outer or inner_tracer(v, outer[0]) for v in jax.tree.leaves((*rest, kw))
+            )
+            records.append(
+                (
+                    order[id(frame)],
+                    _path(chain),
+                    len(chain),
+                    module,
+                    jax.tree.map(_aval, frame.params),
+                    jax.tree.map(_aval, tuple(rest)),
+                    jax.tree.map(_aval, kw),
+                    jax.tree.map(_aval, out),
+                    needs_ct,
+                )
+            )
+
+        def run(p, x, st):
+            def call(p):
+                return model(p, x, *args, **kwargs, **st)
+
+            if not under_vjp:
+                return call(p)
+            outer.append(current_trace())
+            return jax.vjp(call, p)[0]
+
+        _compose.CALL_OBSERVERS.append(observe)
+        try:
+            return records, jax.eval_shape(run, params, x, state)
+        finally:
+            _compose.CALL_OBSERVERS.remove(observe)
+
+    try:
+        return trace(under_vjp=True)
+    except Exception:  # noqa: BLE001 - a model jax.vjp cannot trace: every input needs one
+        return trace(under_vjp=False)
 
 
 def _path(chain: list) -> str:

@@ -70,10 +70,12 @@ def _adapter(path: str, base: GPT2LM | LlamaLM) -> dict:
     return read_adapter(path, base)
 
 
-def _lora_pairs(lora: Any) -> tuple:
-    """``lora`` as sorted ``(key, value)`` pairs (hashable), from a dict or pairs."""
-    if lora is None or lora == () or lora == {}:
-        return ()
+def _lora_pairs(lora: Any) -> tuple | None:
+    """``lora`` as sorted ``(key, value)`` pairs (hashable), from a dict or pairs; None (no
+    LoRA) from None or an empty dict, list or tuple: a run's config.yaml writes None back
+    as ``null``, which it reads as None."""
+    if lora is None or (isinstance(lora, dict | list | tuple) and not lora):
+        return None
     items = dict(lora) if not isinstance(lora, dict) else lora
     unknown = sorted(set(items) - set(_LORA_KEYS))
     if unknown:
@@ -142,8 +144,8 @@ class Pretrained(Module):
         path: the model directory.
         lora: ``{"rank": 8, "alpha": 16, "targets": [globs], "dropout": 0.05}`` (dropout
             optional), or ``{"path": DIR}``: start from the peft adapter in ``DIR`` (its
-            rank, alpha, targets and dropout; ``dropout`` may override); or None (full
-            fine-tuning). With LoRA, a checkpoint holds the adapters only
+            rank, alpha, targets and dropout; ``dropout`` may override); or None (or empty:
+            full fine-tuning). With LoRA, a checkpoint holds the adapters only
             (:meth:`checkpointed`), and names the base by path and content hash.
         vocab_size: the data's vocabulary size, at most the model's (a trainer fills it).
         context: the training window, at most the model's positions (a trainer fills it).

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from . import store
 
 META_KEY = "best_checkpoints"  # checkpoint metadata: JSON {monitor, mode, k, best: [...]}
-WHICH = ("latest", "best")  # train.load_run(which=...), --best
+WHICH = ("latest", "last", "best")  # train.load_run(which=...) ("last" = "latest"), --best
 
 
 class BestCheckpoints:
@@ -83,7 +83,8 @@ def _parse(text: str, where: str) -> dict:
 
 
 def find(run_dir: Path, which: str) -> Path:
-    """The checkpoint ``which`` (``latest`` or ``best``) of the run in ``run_dir``."""
+    """The checkpoint ``which`` (``latest``, also spelled ``last``, or ``best``) of the
+    run in ``run_dir``."""
     if which not in WHICH:
         raise ConfigError(
             f"train.load_run: which must be one of {', '.join(map(repr, WHICH))}, got {which!r}"
@@ -91,7 +92,7 @@ def find(run_dir: Path, which: str) -> Path:
     found = store.list_checkpoints(run_dir / "checkpoints")
     if not found:
         raise ConfigError(f"run {str(run_dir)!r}: no checkpoint in {run_dir / 'checkpoints'}")
-    if which == "latest":
+    if which in ("latest", "last"):
         return found[-1]
     text = store.read_metadata(found[-1]).get(META_KEY)
     if not text:

@@ -21,8 +21,10 @@ from .rundir import check_run_dir
 
 # Config sections that must match a checkpoint being resumed (train.steps may grow).
 RESUME_MUST_MATCH = ("seed", "model", "data", "loss", "optimizer")
-# Keys of those sections that may change: where the data lives does not change its order.
-RESUME_MAY_CHANGE = {"data": ("placement",)}
+# Keys of those sections that may change: where the data lives, or how many validation
+# windows an evaluation runs (a run from before data.eval_windows defaulted to null wrote
+# 2400), does not change the training data or its order.
+RESUME_MAY_CHANGE = {"data": ("placement", "eval_windows")}
 
 
 @dataclass(frozen=True)

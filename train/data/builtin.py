@@ -394,7 +394,7 @@ def text_dataset(name: str, corpus: str, cfg: DataConfig, context: int) -> Datas
                 f"model.context={context} needs {need}; use a longer text or a shorter context"
             )
     n_val = len(enc.val) - context  # window starts with a full target window
-    m = min(cfg.eval_windows, n_val)
+    m = min(cfg.eval_windows_for(context), n_val)
     starts = np.unique(np.linspace(0, n_val - 1, m).round().astype(np.int64))
     pos = starts[:, None] + np.arange(context)
     note = ""

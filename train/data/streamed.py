@@ -73,11 +73,11 @@ def tokens(cfg: DataConfig, context: int) -> Dataset:
     try:
         files = TokenFiles(path)
         files.num_starts(context, "train")
-        starts = files.eval_starts(context, cfg.eval_windows, "val")
+        starts = files.eval_starts(context, cfg.eval_windows_for(context), "val")
         tok = files.tokenizer
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    # data.eval_windows windows of val.bin (bounded), read without mapping its pages
+    # data.eval_windows (bounded) windows of val.bin, read without mapping its pages
     w = read_rows(np.lib.stride_tricks.sliding_window_view(files.val, context + 1), starts)
     x_test, y_test = w[:, :-1].astype(np.int32), w[:, 1:].astype(np.int32)
     vocab = tok.vocab if tok.kind == "char" else None

@@ -18,7 +18,7 @@ import nnlite as nl
 from nnlite.core._jax_private import lowered_cost_analysis
 
 from .. import parallel
-from ..config import Config, ModelConfig
+from ..config import Config, ModelConfig, check_model_round_trip
 from ..data import overfit
 from ..data.builtin import load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
@@ -204,8 +204,9 @@ def make_model(cfg: Config, data: Dataset) -> tuple[Model, Config]:
         model = cls(**options)
     except (TypeError, ValueError) as e:  # the model's own checks of its hyperparameters
         raise ConfigError(f"{where} ({cls.__name__}): {_name_keys(str(e), cls)}") from None
-    resolved = {f: getattr(model, f) for f in contract.fields(cls)}
-    return model, dataclasses.replace(cfg, model=ModelConfig(spec.name, resolved, cls))
+    resolved = ModelConfig(spec.name, {f: getattr(model, f) for f in contract.fields(cls)}, cls)
+    check_model_round_trip(resolved, model)  # what config.yaml will hold loads back
+    return model, dataclasses.replace(cfg, model=resolved)
 
 
 def _name_keys(message: str, cls: type) -> str:

@@ -227,9 +227,23 @@ def field_types(cls: type) -> dict[str, Any]:
     resolved in the class's module."""
     try:
         hints = typing.get_type_hints(cls)
-    except Exception:  # an annotation that does not resolve: take them as written
-        hints = {}
-    return {name: hints.get(name, f.type) for name, f in fields(cls).items()}
+    except Exception:  # an annotation that does not resolve: the others still check
+        hints = {name: _field_type(cls, f) for name, f in fields(cls).items()}
+    return {name: hints.get(name, Any) for name in fields(cls)}
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> Any:
+    """One field's annotation resolved in its class's module; Any (the value as YAML gives
+    it) when it names what the module does not define at run time (``TYPE_CHECKING``)."""
+    if not isinstance(f.type, str):
+        return f.type
+    import sys
+
+    module = vars(sys.modules.get(cls.__module__, typing))
+    try:
+        return eval(f.type, dict(module), dict(vars(cls)))  # noqa: S307 - the class's own annotation
+    except Exception:  # noqa: BLE001
+        return Any
 
 
 def has_default(f: dataclasses.Field) -> bool:
