@@ -112,6 +112,10 @@ from .grad._vjp_batched import identity as identity
 from .grad._vjp_batched import identity_vjp as identity_vjp
 from .grad._vjp_batched import log_softmax as log_softmax
 from .grad._vjp_batched import log_softmax_vjp as log_softmax_vjp
+from .grad._vjp_batched import logaddexp as logaddexp
+from .grad._vjp_batched import logaddexp2 as logaddexp2
+from .grad._vjp_batched import logaddexp2_vjp as logaddexp2_vjp
+from .grad._vjp_batched import logaddexp_vjp as logaddexp_vjp
 from .grad._vjp_batched import mean as mean
 from .grad._vjp_batched import mean_vjp as mean_vjp
 from .grad._vjp_batched import relu as relu

@@ -168,6 +168,10 @@ def test_ties_and_zeros_follow_jax():
         lambda x: jnp.sum(jnp.prod(x, axis=1)),  # a zero factor: no division by it
         lambda x: jnp.sum(lax.cummax(x, 1) + lax.cumprod(x, 1)),
         lambda x: jnp.sum(jax.nn.relu(x) * x),  # relu's derivative is 0 at 0
+        # jax.custom_jvp functions whose rule is not their body's derivative at a tie:
+        # 1/2 each (the body's max and abs give 0 at x == 0)
+        lambda x: jnp.sum(jax.nn.log_sigmoid(x) + jax.nn.softplus(x) * x),
+        lambda x: jnp.sum(jnp.logaddexp(x, x[::-1]) + jnp.logaddexp2(x, 2.0)),
     )
     both = jax.jit(  # every loss, both ways, in one compile
         lambda x: [(jax.grad(f)(x), jax.grad(nl.manual_grads(f))(x)) for f in losses]

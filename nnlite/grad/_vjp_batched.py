@@ -28,7 +28,8 @@ from ._structural import CUSTOM_JVP_RULES, PRIMITIVE_RULES, PrimitiveRule
 __all__ = [
     "add", "add_vjp", "axpy", "axpy_vjp", "bias_add", "bias_add_vjp", "dotall", "dotall_vjp",
     "dup", "dup_vjp", "exp", "exp_vjp", "gelu", "gelu_vjp", "identity", "identity_vjp",
-    "index", "index_vjp", "log", "log_softmax", "log_softmax_vjp", "log_vjp", "mean",
+    "index", "index_vjp", "log", "log_softmax",
+    "logaddexp", "logaddexp2", "logaddexp2_vjp", "logaddexp_vjp", "log_softmax_vjp", "log_vjp", "mean",
     "mean_vjp", "mm", "mm_scaled", "mm_scaled_vjp", "mm_vjp", "mul", "mul_vjp", "negate",
     "negate_vjp", "pair", "pair_vjp", "recip", "recip_vjp", "relu", "relu_vjp", "scale",
     "scale_vjp", "sigmoid", "sigmoid_vjp", "softmax", "softmax_cross_entropy",
@@ -420,7 +421,55 @@ def softmax_cross_entropy(logits, labels):
     return jnp.where(in_range, lse - picked, jnp.nan)
 
 
+def _posinf_to_zero(x):
+    return jnp.where(jnp.isposinf(x), jnp.zeros_like(x), x)
+
+
+def _sum_to(g, shape):
+    """``g`` summed down to ``shape`` (an operand broadcast against the other)."""
+    shape = tuple(shape)
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1
+    )
+    return jnp.sum(g, axis=axes).reshape(shape) if axes else g
+
+
+def _logaddexp_vjp_with(exp, x1, x2, out, dret):
+    # JAX's custom JVP of logaddexp: each operand's share of the sum, exp(x - out), with
+    # +inf read as 0 (so inf - inf is no nan); 1/2 each at a tie, where the body's
+    # max/abs derivatives would give 0
+    s1 = exp(_posinf_to_zero(x1) - _posinf_to_zero(out))
+    s2 = exp(_posinf_to_zero(x2) - _posinf_to_zero(out))
+    return _sum_to(dret * s1, jnp.shape(x1)), _sum_to(dret * s2, jnp.shape(x2))
+
+
+def logaddexp_vjp(x1, x2, dret):
+    return _logaddexp_vjp_with(jnp.exp, x1, x2, jnp.logaddexp(x1, x2), dret)
+
+
+@hand_rule(logaddexp_vjp)
+def logaddexp(x1, x2):
+    """``log(exp(x1) + exp(x2))``; the VJP is JAX's own rule for ``jnp.logaddexp`` (each
+    operand's share, 1/2 each at a tie: ``jax.nn.softplus`` and ``log_sigmoid`` at 0)."""
+    return jnp.logaddexp(x1, x2)
+
+
+def logaddexp2_vjp(x1, x2, dret):
+    return _logaddexp_vjp_with(jnp.exp2, x1, x2, jnp.logaddexp2(x1, x2), dret)
+
+
+@hand_rule(logaddexp2_vjp)
+def logaddexp2(x1, x2):
+    """``log2(2**x1 + 2**x2)``; the VJP is JAX's own rule for ``jnp.logaddexp2``."""
+    return jnp.logaddexp2(x1, x2)
+
+
 # The primitives and jax.custom_jvp functions these rules differentiate when a model calls
 # JAX directly (``jnp.tanh``, ``jax.nn.relu``): manual mode uses the same rules for them.
 PRIMITIVE_RULES["tanh"] = PrimitiveRule(tanh, tanh_vjp)
 CUSTOM_JVP_RULES["relu"] = PrimitiveRule(relu, relu_vjp)
+# jax.custom_jvp functions whose rule differs from their body's derivative at some points
+# (a tie): walking into the body would give another gradient than jax.grad there
+CUSTOM_JVP_RULES["logaddexp"] = PrimitiveRule(logaddexp, logaddexp_vjp)
+CUSTOM_JVP_RULES["logaddexp2"] = PrimitiveRule(logaddexp2, logaddexp2_vjp)
