@@ -88,6 +88,13 @@ class DataConfig:
     # text, shakespeare_char, tokens: tokens per training window; null: the model's context field
     # when the config sets it, else 64. Fills the model's `context`.
     context: int | None = None
+    # chat: the Hugging Face directory whose tokenizer and chat template render the
+    # conversations; null: the model's (model.name "hf:DIR")
+    tokenizer: str | None = None
+    # chat: which tokens take a loss: the assistant's (assistant) or every token (all)
+    train_on: str = choice("assistant", ("assistant", "all"))
+    # chat: several conversations in one window, each attending only to itself
+    pack: bool = True
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ import jax
 from ..nn._lora import lora_join as lora_join
 from ..nn._lora import lora_mask as lora_mask
 from ..nn._lora import lora_split as lora_split
+from ._chat import ChatTemplate as ChatTemplate
+from ._chat import encode_chat as encode_chat
+from ._chat import load_chat_template as load_chat_template
 from ._config import FAMILIES as FAMILIES
 from ._config import IGNORED_KEYS as IGNORED_KEYS
 from ._config import HFConfigError as HFConfigError
@@ -76,6 +79,7 @@ def from_pretrained(
 
 
 __all__ = [
+    "ChatTemplate",
     "FAMILIES",
     "GPT2Block",
     "GPT2LM",
@@ -86,10 +90,12 @@ __all__ = [
     "Tokenizer",
     "add_lora",
     "build_model",
+    "encode_chat",
     "from_pretrained",
     "generate",
     "hf_config",
     "hf_name",
+    "load_chat_template",
     "load_pretrained",
     "load_tokenizer",
     "lora_join",

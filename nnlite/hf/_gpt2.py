@@ -212,9 +212,14 @@ class GPT2LM(_Decoder):
     def _embed_axes(self):
         return ParamsDict(wte=param_axes(self.wte), wpe=ParamsDict(W=Axes(("position", "embed"))))
 
+    def _packed_kwargs(self, mask, positions):
+        return {"mask": mask}  # learned positions: added by _embed
+
     def _embed(self, params, tokens, pos):
         x = self.wte(params.wte, tokens)
         t = tokens.shape[-1]
+        if getattr(pos, "ndim", 0) == 2:  # per-token positions [B, T] (packed documents)
+            return add(x, self.wpe(params.wpe, pos).astype(x.dtype))
         if isinstance(pos, int) and pos == 0:
             wpe = params.wpe.W[:t]
         else:

@@ -180,8 +180,8 @@ class Pretrained(Module):
         weights frozen with no optimizer state; without, ``optimizer`` itself."""
         return freeze_base(optimizer) if self.lora else optimizer
 
-    def __call__(self, params: ParamsDict, tokens: jax.Array, *, key: jax.Array | None = None):
-        return self.model(params, tokens)
+    def __call__(self, params: ParamsDict, tokens: jax.Array, *, segment_ids=None, key=None):
+        return self.model(params, tokens, segment_ids=segment_ids)
 
     def decode_step(self, params, cache, tokens, pos):
         return self.model.decode_step(params, cache, tokens, pos)

@@ -162,15 +162,19 @@ class LlamaBlock(Module):
         x: jax.Array,
         *,
         mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
         key: jax.Array | None = None,
     ) -> jax.Array:
+        """The block on ``x [B, T, features]``; ``mask`` and ``positions [B, T]`` as
+        ``GroupedQueryAttention``'s (packed documents: ``nl.segment_mask``/``positions``)."""
         self.check_input(x, self.features, min_rank=3)
         if self.dtype is not None:
             x = x.astype(self.dtype)  # the residual stream in the compute dtype
         with self.params_scope("/ln1"):
             h = self.ln1(self.child(params, "ln1"), x)
         with self.params_scope("/attn"):
-            x = add(x, self.attn(self.child(params, "attn"), h, mask=mask).astype(x.dtype))
+            o = self.attn(self.child(params, "attn"), h, mask=mask, positions=positions)
+            x = add(x, o.astype(x.dtype))
         return self._mlp_half(params, x)
 
     def decode(

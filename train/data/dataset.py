@@ -50,10 +50,13 @@ class Dataset:
     # An iterable source (train/data/stream.py BatchStream): batches read in order, x and y
     # empty arrays of the rows' shapes; a map-style source's x/y are SourceColumns instead
     stream: Any = None
+    # Rows of token windows of this length (data.name: chat, train/data/chat.py): x [n, 2, T]
+    # tokens and segment ids, y [n, T] next tokens or -1 (no loss); a batch index is a row
+    token_rows: int | None = None
 
     @property
     def task(self) -> str:
-        if self.window is not None:
+        if self.window is not None or self.token_rows is not None:
             return "language_model"
         return "regression" if self.num_classes is None else "classification"
 

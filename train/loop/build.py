@@ -20,7 +20,7 @@ from nnlite.core._jax_private import lowered_cost_analysis
 from .. import parallel
 from ..config import Config, ModelConfig
 from ..data import overfit
-from ..data.builtin import load_dataset, text_context
+from ..data.builtin import data_section, load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
 from ..errors import ConfigError
 from ..model import contract, gradmode
@@ -97,7 +97,7 @@ def build(
     devices = strategy.devices
     timings.lap("backend")
     if data is None:
-        data = load_dataset(cfg.data, context=text_context(cfg))
+        data = load_dataset(data_section(cfg), context=text_context(cfg))
     elif isinstance(data, Future):
         data = data.result()
     data = overfit.eval_on_batches(cfg, data)  # train.overfit_batches: evaluate on them
@@ -242,11 +242,11 @@ def data_fields(data: Dataset) -> dict[str, Any]:
     flat = data.window is None and data.x.ndim == 2
     return {
         "in_features": data.x.shape[1] if flat else None,
-        "in_shape": tuple(data.x.shape[1:]) if data.window is None else None,
+        "in_shape": tuple(data.x.shape[1:]) if data.task != "language_model" else None,
         "num_classes": data.num_classes if data.task == "classification" else None,
         "out_features": data.y.shape[1] if data.task == "regression" else None,
         "vocab_size": data.num_classes if data.task == "language_model" else None,
-        "context": data.window,
+        "context": data.window or data.token_rows,
     }
 
 
