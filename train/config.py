@@ -99,6 +99,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
+    # What training minimises: the model's task loss (task: cross-entropy, ...), or dpo
+    # (direct preference optimisation on data.name: chat preference pairs, train/model/dpo.py)
+    name: str = choice("task", ("task", "dpo"))
+    beta: float = 0.1  # dpo: the strength of the pull towards the reference model
+    # dpo: the frozen reference, a Hugging Face directory; null: the model's base (a LoRA
+    # run: its weights without the adapters; else its directory as it was before training)
+    reference: str | None = None
     # How gradients are computed: jax.value_and_grad (autodiff), every layer's hand VJP
     # composed (manual: any model built from layers with hand rules), or a model's own
     # hand-written pass (fused: models that list it in grad_modes, the mlp). auto: manual
@@ -705,6 +712,10 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("distributed.num_processes", f"must be >= 1, got {dc.num_processes}")
     if dc.process_id is not None and dc.process_id < 0:
         raise bad("distributed.process_id", f"must be >= 0, got {dc.process_id}")
+    if cfg.loss.beta <= 0:
+        raise bad("loss.beta", f"must be > 0, got {cfg.loss.beta}")
+    if cfg.loss.reference is not None and cfg.loss.name != "dpo":
+        raise bad("loss.reference", f"is the reference of loss.name: dpo, not {cfg.loss.name}")
     if cfg.data.name in NEEDS_PATH and not cfg.data.path:
         raise bad("data.path", f"is required when data.name is {cfg.data.name}")
     if not 0.0 < cfg.data.val_fraction < 1.0:

@@ -27,6 +27,7 @@ from ..model import contract, gradmode
 from ..model import metrics as user_metrics
 from ..model import registry as models
 from ..model.contract import Model
+from ..model.dpo import with_loss
 from ..optim.params import ParamPlan, make_optimizer
 from ..parallel.base import Strategy
 from ..report import loggers
@@ -204,6 +205,7 @@ def make_model(cfg: Config, data: Dataset) -> tuple[Model, Config]:
     except (TypeError, ValueError) as e:  # the model's own checks of its hyperparameters
         raise ConfigError(f"{where} ({cls.__name__}): {_name_keys(str(e), cls)}") from None
     resolved = {f: getattr(model, f) for f in contract.fields(cls)}
+    model = with_loss(cfg.loss, model, data)  # loss.name: dpo wraps the model's objective
     return model, dataclasses.replace(cfg, model=ModelConfig(spec.name, resolved, cls))
 
 
