@@ -46,7 +46,7 @@ GENERATION_TEMPLATE = (
 def chat_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("chat") / "tiny"
     d.mkdir()
-    make_chat_dir(d)
+    make_chat_dir(d, n_layer=1)
     return d
 
 
@@ -335,7 +335,7 @@ def test_dpo_loss_equals_a_direct_computation(chat_dir, tmp_path, lora):
     np.testing.assert_allclose(float(same), np.log(2), rtol=1e-5)
 
 
-def test_dpo_run_logs_rewards_and_refuses_mismatched_data(chat_dir, tmp_path):
+def test_dpo_run_logs_rewards_and_refuses_mismatched_data(chat_dir, tmp_path, capsys):
     from train.errors import ConfigError
 
     lines = _triples(tmp_path / "c.jsonl", n=8)
@@ -352,6 +352,12 @@ def test_dpo_run_logs_rewards_and_refuses_mismatched_data(chat_dir, tmp_path):
     assert train_rows[-1]["loss"] < np.log(2) and train_rows[-1]["reward_margin"] > 0
     base = nl.hf.load_pretrained(chat_dir)[1]
     np.testing.assert_array_equal(r.params.embed.W, base.embed.W)  # LoRA: the base frozen
+    # the run loads back and samples with the directory's tokenizer
+    from train import sample
+
+    capsys.readouterr()
+    assert sample.main(["--run", str(r.run_dir), "--prompt", "hi", "--tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("hi")
     with pytest.raises(ConfigError, match="which train with loss.name: dpo"):
         _run(tmp_path, chat_dir, "task", 2)
     _jsonl(tmp_path / "c.jsonl")

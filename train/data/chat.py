@@ -32,9 +32,12 @@ from typing import Any
 
 import numpy as np
 
+import nnlite as nl
+
 from ..errors import ConfigError
 from .dataset import Dataset
 from .split import split_indices
+from .text.tokenizer import BPETokenizer, to_spec
 
 ROLES = ("system", "user", "assistant", "tool")
 _SHAPES = (
@@ -112,14 +115,10 @@ class Encoder:
     """Conversations as ``(ids, targets)`` with the template and tokenizer of a directory."""
 
     def __init__(self, directory: str, train_on: str):
-        import nnlite as nl
-        from nnlite.hf._chat import ChatTemplateError, encode_chat, load_chat_template
-
-        self.error, self._encode = ChatTemplateError, encode_chat
         where = f"data.tokenizer {directory!r}"
         try:
             self.tokenizer = nl.hf.load_tokenizer(directory)
-            self.template = load_chat_template(directory)
+            self.template = nl.hf.load_chat_template(directory)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{where}: {e}") from None
         self.train_on = train_on
@@ -127,13 +126,13 @@ class Encoder:
     def targets(self, messages: list[dict], where: str, first: int = 0):
         """``(ids [L], targets [L])``: ``targets[t]`` is ``ids[t + 1]`` where that token takes
         a loss (the assistant's from message ``first`` on, or all), else -1."""
-        try:
-            ids, mask = self._encode(self.tokenizer, self.template, messages)
-        except self.error as e:
+        try:  # a template's raise_exception, or one that cannot render these messages
+            ids, mask = nl.hf.encode_chat(self.tokenizer, self.template, messages)
+        except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
         if first:  # a pair's completion: only the tokens after the prompt's rendering
             prompt = self.template.render(messages[:first], add_generation_prompt=True)
-            n = len(self.tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids)
+            n = len(self.tokenizer.encode(prompt))
             mask[:n] = False
         if self.train_on == "all" and not first:
             mask[:] = True
@@ -185,8 +184,6 @@ def pairs(rows: list[tuple], context: int, pad: int):
 
 def chat(cfg, context: int) -> Dataset:
     """``data.name: chat`` (module docstring)."""
-    from .text.tokenizer import BPETokenizer, to_spec
-
     if not cfg.tokenizer:
         raise ConfigError(
             "data.name=chat renders conversations with a model's chat template: set "

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 import nnlite as nl
 
+from ..errors import ConfigError
 from .contract import masked_token_loss
 
 
@@ -136,8 +137,6 @@ class DPO:
 def with_loss(loss_cfg, model, data, where: str = "loss.name"):
     """``model`` with the objective ``loss.name`` names: itself (``task``: its task's loss)
     or wrapped in :class:`DPO`; one line when the data does not fit the loss."""
-    from ..errors import ConfigError
-
     pairs = getattr(data, "token_rows", None) is not None and data.x.ndim == 4
     if loss_cfg.name == "dpo":
         if not pairs:
