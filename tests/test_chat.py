@@ -206,6 +206,13 @@ def test_segment_mask_rule_and_model_gradients(chat_dir):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="segment_ids of shape"):
         model(params, tokens, segment_ids=seg[:, :5])
+    # GPT-2's learned positions restart per document too
+    gpt = nl.hf.GPT2LM(vocab_size=30, context=8, n_layer=1, n_head=2, n_embd=8)
+    p = jax.jit(gpt.init)(jax.random.key(2))
+    a, b = tokens[:1, :3] % 30, tokens[1:, :3] % 30
+    packed = gpt(p, jnp.concatenate([a, b], 1), segment_ids=jnp.array([[1, 1, 1, 2, 2, 2]]))
+    np.testing.assert_allclose(packed[:, :3], gpt(p, a), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(packed[:, 3:], gpt(p, b), rtol=1e-5, atol=1e-6)
 
 
 # --- the trainer -----------------------------------------------------------------------------
@@ -259,6 +266,32 @@ def test_a_bad_line_is_one_line_naming_file_and_line(chat_dir, tmp_path, line, m
     with pytest.raises(ConfigError, match=message) as e:
         _data(path, chat_dir)
     assert "\n" not in str(e.value)
+
+
+def test_the_cli_exits_2_naming_the_line(chat_dir, tmp_path, capsys):
+    from train.__main__ import main
+
+    (tmp_path / "c.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n')
+    config = tmp_path / "chat.yaml"
+    config.write_text(
+        f"model: {{name: 'hf:{chat_dir}'}}\n"
+        f"data: {{name: chat, path: '{tmp_path / 'c.jsonl'}'}}\n"
+        f"log: {{dir: '{tmp_path / 'runs'}'}}\n"
+    )
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'c.jsonl'}:2: not JSON" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_pairs_refuse_what_cannot_apply(chat_dir, tmp_path):
+    from train.errors import ConfigError
+
+    _triples(tmp_path / "p.jsonl")
+    with pytest.raises(ConfigError, match="data.train_on=all: preference pairs score"):
+        _data(tmp_path / "p.jsonl", chat_dir, train_on="all")
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: the prompt fills data.context=8 tokens"):
+        _data(tmp_path / "p.jsonl", chat_dir, context=8)
 
 
 # --- DPO -------------------------------------------------------------------------------------

@@ -198,6 +198,11 @@ def chat(cfg, context: int) -> Dataset:
             f"{first}: a preference triple among conversations; a file holds one kind "
             "(conversations for SFT, triples for loss.name: dpo)"
         )
+    if kinds == {"pair"} and cfg.train_on != "assistant":
+        raise ConfigError(
+            f"data.train_on={cfg.train_on}: preference pairs score their completions only; "
+            "leave data.train_on at assistant"
+        )
     examples, cut = [], 0
     for at, kind, value in lines:
         if kind == "conversation":
@@ -207,6 +212,11 @@ def chat(cfg, context: int) -> Dataset:
         else:
             prompt, chosen, rejected = value
             pair = tuple(enc.targets(prompt + c, at, first=len(prompt)) for c in (chosen, rejected))
+            if any(not (tgt[:context] >= 0).any() for _, tgt in pair):
+                raise ConfigError(
+                    f"{at}: the prompt fills data.context={context} tokens, leaving none of a "
+                    "completion to score; raise data.context or shorten the prompt"
+                )
             cut += any(len(ids) > context for ids, _ in pair)
             examples.append(pair)
     try:

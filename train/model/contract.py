@@ -5,7 +5,9 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
 - ``task``, a class attribute: ``"classification"`` (``__call__`` returns logits
   ``[batch, num_classes]`` for int labels), ``"regression"`` (predictions
   ``[batch, out_features]`` for float targets) or ``"language_model"`` (logits
-  ``[batch, T, vocab_size]`` for int tokens ``[batch, T]``, targets the next tokens);
+  ``[batch, T, vocab_size]`` for int tokens ``[batch, T]``, targets the next tokens; rows
+  ``[batch, 2, T]`` of tokens and segment ids, ``data.name: chat``'s packed documents, call
+  the model with ``segment_ids=`` and their targets ``-1`` take no loss);
 - ``init(key) -> ParamsDict`` and ``__call__(params, x, *, key=None)``;
 - its hyperparameters as dataclass fields: the config's ``model:`` keys are validated
   against them. The fields that the data determines are filled from the data set when
