@@ -388,6 +388,11 @@ def test_dpo_run_logs_rewards_and_refuses_mismatched_data(chat_dir, tmp_path, ca
     # the run loads back and samples with the directory's tokenizer
     from train import sample
 
+    from train.inference import load_run
+
+    loaded = load_run(r.run_dir)
+    out = loaded.predict(r.data.x_test[:1], preprocessed=True)  # a pair's logits
+    assert out.shape == (1, 2, 48, r.data.num_classes)
     capsys.readouterr()
     assert sample.main(["--run", str(r.run_dir), "--prompt", "hi", "--tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("hi")

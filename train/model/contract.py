@@ -264,10 +264,18 @@ def _accepts(fn: Callable, name: str) -> bool:
 # -- the task defaults -----------------------------------------------------------------------
 def call(model: Any, params, x, **kw):
     """``model(params, x)``; a language model's rows of packed documents (``x [batch, 2,
-    T]``: tokens and segment ids, the chat data set's) call it with ``segment_ids=``."""
-    if getattr(model, "task", None) == "language_model" and getattr(x, "ndim", 0) == 3:
-        return model(params, x[:, 0], segment_ids=x[:, 1], **kw)
-    return model(params, x, **kw)
+    T]``: tokens and segment ids, the chat data set's) call it with ``segment_ids=``, and
+    rows of pairs (``x [batch, 2, 2, T]``, preference pairs) give ``[batch, 2, T, vocab]``."""
+    ndim = getattr(x, "ndim", 0)
+    if getattr(model, "task", None) != "language_model" or ndim not in (3, 4):
+        return model(params, x, **kw)
+    if ndim == 4:
+        b, t = x.shape[0], x.shape[-1]
+        out = model(
+            params, x[:, :, 0].reshape(b * 2, t), segment_ids=x[:, :, 1].reshape(b * 2, t), **kw
+        )
+        return out.reshape(b, 2, *out.shape[1:])
+    return model(params, x[:, 0], segment_ids=x[:, 1], **kw)
 
 
 def masked_token_loss(out: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import nnlite as nl
 
 from ..errors import ConfigError
-from .contract import masked_token_loss
+from .contract import call, masked_token_loss
 
 
 def sequence_logp(logits: jax.Array, y: jax.Array) -> jax.Array:
@@ -100,9 +100,9 @@ class DPO:
         return self.model(params, x, **kw)
 
     def _logits(self, model, params, x):
-        b, t = x.shape[0], x.shape[-1]
-        tokens, segments = x[:, :, 0].reshape(b * 2, t), x[:, :, 1].reshape(b * 2, t)
-        return model(params, tokens, segment_ids=segments)
+        """``[2B, T, vocab]`` logits of pair rows ``x [B, 2, 2, T]``."""
+        out = call(model, params, x)
+        return out.reshape(-1, *out.shape[2:])
 
     def _reference_logits(self, params, x):
         """The frozen reference's logits: the base without adapters, or a directory's."""
