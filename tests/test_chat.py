@@ -206,6 +206,9 @@ def test_segment_mask_rule_and_model_gradients(chat_dir):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="segment_ids of shape"):
         model(params, tokens, segment_ids=seg[:, :5])
+    plain = nl.GroupedQueryAttention(8, 2, rotary=False)
+    with pytest.raises(ValueError, match="positions rotate q and k; this layer has rotary=False"):
+        plain(plain.init(jax.random.key(0)), jnp.ones((1, 3, 8)), positions=seg[:1, :3])
     # GPT-2's learned positions restart per document too
     gpt = nl.hf.GPT2LM(vocab_size=30, context=8, n_layer=1, n_head=2, n_embd=8)
     p = jax.jit(gpt.init)(jax.random.key(2))

@@ -370,5 +370,9 @@ class GroupedQueryAttention(Module):
                 f"{self._short_repr()}: expected x [B, T, {self.features}], got shape "
                 f"{tuple(getattr(x, 'shape', ()))}"
             )
+        if positions is not None and not self.rotary:
+            raise ValueError(
+                f"{self._short_repr()}: positions rotate q and k; this layer has rotary=False"
+            )
         q, k, v = self.qkv(params, x, positions=positions)
         return self.project(params, self.attend(q, k, v, mask=mask))
