@@ -99,13 +99,6 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    # What training minimises: the model's task loss (task: cross-entropy, ...), or dpo
-    # (direct preference optimisation on data.name: chat preference pairs, train/model/dpo.py)
-    name: str = choice("task", ("task", "dpo"))
-    beta: float = 0.1  # dpo: the strength of the pull towards the reference model
-    # dpo: the frozen reference, a Hugging Face directory; null: the model's base (a LoRA
-    # run: its weights without the adapters; else its directory as it was before training)
-    reference: str | None = None
     # How gradients are computed: jax.value_and_grad (autodiff), every layer's hand VJP
     # composed (manual: any model built from layers with hand rules), or a model's own
     # hand-written pass (fused: models that list it in grad_modes, the mlp). auto: manual
@@ -115,6 +108,13 @@ class LossConfig:
     # (forward unchanged; needs manual gradients): a list of {layers: "blocks/*/attn",
     # stop: true | scale: S | clip: C | float32: true} (train/loop/backward_config.py)
     backward_policies: tuple[dict, ...] = ()
+    # What training minimises: the model's task loss (task: cross-entropy, ...), or dpo
+    # (direct preference optimisation on data.name: chat preference pairs, train/model/dpo.py)
+    name: str = choice("task", ("task", "dpo"))
+    beta: float = 0.1  # dpo: the strength of the pull towards the reference model
+    # dpo: the frozen reference, a Hugging Face directory; null: the model's base (a LoRA
+    # run: its weights without the adapters; else its directory as it was before training)
+    reference: str | None = None
 
 
 @dataclass(frozen=True)
