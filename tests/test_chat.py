@@ -390,7 +390,6 @@ def test_dpo_run_logs_rewards_and_refuses_mismatched_data(chat_dir, tmp_path, ca
     np.testing.assert_array_equal(r.params.embed.W, base.embed.W)  # LoRA: the base frozen
     # the run loads back and samples with the directory's tokenizer
     from train import sample
-
     from train.inference import load_run
 
     loaded = load_run(r.run_dir)
