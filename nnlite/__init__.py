@@ -110,6 +110,8 @@ from .nn._rnn import GRUCell as GRUCell
 from .nn._rnn import LSTMCell as LSTMCell
 from .nn._rope_scaling import rope_frequencies as rope_frequencies
 from .nn._rotary import RotaryEmbedding as RotaryEmbedding
+from .nn._segments import segment_mask as segment_mask
+from .nn._segments import segment_positions as segment_positions
 from .nn._stack import REMAT_POLICIES as REMAT_POLICIES
 from .nn._stack import Remat as Remat
 from .nn._stack import Stack as Stack
@@ -176,6 +178,8 @@ __all__ = [
     "match_paths",
     "path_mask",
     "freeze_base",
+    "segment_mask",
+    "segment_positions",
     "rope_frequencies",
     "lora_split",
     "lora_mask",

@@ -108,7 +108,6 @@ def host_run(tmp_path_factory):
     return fit(tmp_path_factory.mktemp("host"), src, "host"), src
 
 
-
 def same_record(a, b, **tol):
     """Two metrics records agree: numbers within `tol`, strings (the split's name) equal."""
     assert a.keys() == b.keys()
@@ -117,6 +116,7 @@ def same_record(a, b, **tol):
             assert a[k] == b[k], k
         else:
             assert a[k] == pytest.approx(b[k], **tol), k
+
 
 @pytest.fixture(scope="module")
 def one_device_64(tmp_path_factory):

@@ -365,11 +365,11 @@ def main(
 
             plotter = CurvePlotter(accuracy=cfg.data.name != "linreg")
         with _ImportsDeferSignals():
-            from .data.builtin import load_dataset, text_context
+            from .data.builtin import data_section, load_dataset, text_context
 
         with ThreadPoolExecutor(1, thread_name_prefix="nnlite-data") as pool:
             # The data loads while JAX imports (numpy, gzip and file reads release the GIL).
-            data = pool.submit(load_dataset, cfg.data, text_context(cfg))
+            data = pool.submit(load_dataset, data_section(cfg), text_context(cfg))
             with _ImportsDeferSignals():
                 if compile_cache:
                     enable_compile_cache(cfg.compile_cache)  # imports jax

@@ -98,6 +98,13 @@ class DataConfig:
     # text, shakespeare_char, tokens: tokens per training window; null: the model's context field
     # when the config sets it, else 64. Fills the model's `context`.
     context: int | None = None
+    # chat: the Hugging Face directory whose tokenizer and chat template render the
+    # conversations; null: the model's (model.name "hf:DIR")
+    tokenizer: str | None = None
+    # chat: which tokens take a loss: the assistant's (assistant) or every token (all)
+    train_on: str = choice("assistant", ("assistant", "all"))
+    # chat: several conversations in one window, each attending only to itself
+    pack: bool = True
 
     def eval_windows_for(self, context: int) -> int:
         """The validation windows of ``context`` tokens evaluated (``eval_windows``)."""
@@ -121,6 +128,13 @@ class LossConfig:
     # is checked against jax.vjp at the step's shapes before step 1, once per code
     # (train/loop/checkgrads.py); false trains it unchecked (the banner says so)
     check_rules: bool = True
+    # What training minimises: the model's task loss (task: cross-entropy, ...), or dpo
+    # (direct preference optimisation on data.name: chat preference pairs, train/model/dpo.py)
+    name: str = choice("task", ("task", "dpo"))
+    beta: float = 0.1  # dpo: the strength of the pull towards the reference model
+    # dpo: the frozen reference, a Hugging Face directory; null: the model's base (a LoRA
+    # run: its weights without the adapters; else its directory as it was before training)
+    reference: str | None = None
 
 
 @dataclass(frozen=True)
@@ -833,6 +847,10 @@ def _check(cfg: Config, source: str, sources: dict[str, str] | None = None) -> N
         raise bad("distributed.num_processes", f"must be >= 1, got {dc.num_processes}")
     if dc.process_id is not None and dc.process_id < 0:
         raise bad("distributed.process_id", f"must be >= 0, got {dc.process_id}")
+    if cfg.loss.beta <= 0:
+        raise bad("loss.beta", f"must be > 0, got {cfg.loss.beta}")
+    if cfg.loss.reference is not None and cfg.loss.name != "dpo":
+        raise bad("loss.reference", f"is the reference of loss.name: dpo, not {cfg.loss.name}")
     if cfg.data.name in NEEDS_PATH and not cfg.data.path:
         raise bad("data.path", f"is required when data.name is {cfg.data.name}")
     if not 0.0 < cfg.data.val_fraction < 1.0:

@@ -29,7 +29,7 @@ from .config import Config, ModelConfig, load_config
 from .errors import ConfigError, relative_to
 from .loop.precision import with_loss_scaling
 from .model import registry as models
-from .model.contract import Model, call_stateful, is_stateful, param_shapes
+from .model.contract import Model, call, call_stateful, is_stateful, param_shapes
 from .model.registry import MODEL_SOURCE_KEY
 from .optim.ema import ema_params, ema_prefix
 from .optim.params import make_optimizer, plan_params
@@ -261,7 +261,7 @@ def _apply(model: Model):
     predicting again, or in batches, compiles nothing new)."""
     if is_stateful(model):
         return jax.jit(lambda params, x, state: eval_call(model, params, x, state))
-    return jax.jit(lambda params, x: model(params, x))
+    return jax.jit(lambda params, x: call(model, params, x))  # chat rows: segment ids
 
 
 def eval_call(model: Model, params, x, state):

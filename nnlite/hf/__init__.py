@@ -21,6 +21,9 @@ from ..nn._lora import lora_split as lora_split
 from ._adapter import AdapterError as AdapterError
 from ._adapter import load_adapter as load_adapter
 from ._adapter import save_adapter as save_adapter
+from ._chat import ChatTemplate as ChatTemplate
+from ._chat import encode_chat as encode_chat
+from ._chat import load_chat_template as load_chat_template
 from ._config import FAMILIES as FAMILIES
 from ._config import IGNORED_KEYS as IGNORED_KEYS
 from ._config import PROFILES as PROFILES
@@ -110,6 +113,7 @@ def from_pretrained(
 
 __all__ = [
     "AdapterError",
+    "ChatTemplate",
     "FAMILIES",
     "GPT2Block",
     "GPT2LM",
@@ -123,6 +127,7 @@ __all__ = [
     "add_lora",
     "bucket",
     "build_model",
+    "encode_chat",
     "family_of",
     "from_pretrained",
     "generate",
@@ -130,6 +135,7 @@ __all__ = [
     "hf_config",
     "hf_name",
     "load_adapter",
+    "load_chat_template",
     "load_pretrained",
     "load_tokenizer",
     "lora_join",

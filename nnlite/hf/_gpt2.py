@@ -222,12 +222,15 @@ class GPT2LM(_Decoder):
     def _embed_axes(self):
         return ParamsDict(wte=param_axes(self.wte), wpe=ParamsDict(W=Axes(("position", "embed"))))
 
+    def _packed_kwargs(self, mask, positions):
+        return {"mask": mask}  # learned positions: added by _embed
+
     def _embed(self, params, tokens, pos):
         x = self.wte(params.wte, tokens)
         t = tokens.shape[-1]
-        if getattr(pos, "ndim", 0) == 2:  # per-row positions [batch, T] (left padding)
-            wpe = jnp.take(params.wpe.W, pos, axis=0, mode="clip")
-            return add(x, wpe.astype(x.dtype))
+        if getattr(pos, "ndim", 0) == 2:  # per-token positions [B, T]: packed documents, or
+            # a left-padded batch (its padding's -1 read as 0: those slots are masked)
+            return add(x, self.wpe(params.wpe, jnp.maximum(pos, 0)).astype(x.dtype))
         if isinstance(pos, int) and pos == 0:
             wpe = params.wpe.W[:t]
         else:

@@ -25,6 +25,7 @@ from ..nn._linear import Linear
 from ..nn._llama import LlamaBlock
 from ..nn._lora import ADAPTER_NAMES, adapter_axes, match_targets, split_key
 from ..nn._normalisation import RMSNorm
+from ..nn._segments import segment_mask, segment_positions
 from ._generate import generate, generate_stream
 
 __all__ = ["LlamaLM", "add_lora", "merge_lora"]
@@ -94,9 +95,18 @@ class _Decoder(Module):
             return self.wte.attend(params[self._EMBED], h)
         return self.head(params.head, h)
 
-    def __call__(self, params: ParamsDict, tokens: jax.Array, *, key: jax.Array | None = None):
+    def __call__(
+        self,
+        params: ParamsDict,
+        tokens: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ):
         """Logits ``[batch, T, vocab_size]`` of integer ``tokens [batch, T]``, ``T <=
-        context``."""
+        context``. ``segment_ids [batch, T]``: packed documents (contiguous, equal ids per
+        document), each attending only to itself with positions from 0, so its logits are
+        those it has alone."""
         if getattr(tokens, "ndim", 0) != 2:
             raise ValueError(
                 f"{type(self).__name__}: expected tokens [batch, T], got shape "
@@ -105,7 +115,16 @@ class _Decoder(Module):
         t = tokens.shape[-1]
         if t > self.context:
             raise ValueError(f"{type(self).__name__}: {t} tokens exceed context={self.context}")
-        x = self._embed(params, tokens, 0)
+        kw, pos = {}, 0
+        if segment_ids is not None:
+            if tuple(getattr(segment_ids, "shape", ())) != tuple(tokens.shape):
+                raise ValueError(
+                    f"{type(self).__name__}: segment_ids of shape "
+                    f"{tuple(getattr(segment_ids, 'shape', ()))} must match tokens {tokens.shape}"
+                )
+            pos = segment_positions(segment_ids)
+            kw = self._packed_kwargs(segment_mask(segment_ids), pos)
+        x = self._embed(params, tokens, pos)
         blocks = self.child(params, "blocks")
         if len(blocks) != self.n_layer:
             raise ValueError(
@@ -114,8 +133,12 @@ class _Decoder(Module):
         keys = split_key(key if self.uses_key else None, self.n_layer)
         for i, (p, k) in enumerate(zip(blocks, keys, strict=True)):
             with self.params_scope(f"/blocks[{i}]"):
-                x = self.block_at(i)(p, x, key=k)
+                x = self.block_at(i)(p, x, key=k, **kw)
         return self.logits(params, x)
+
+    def _packed_kwargs(self, mask: jax.Array, positions: jax.Array) -> dict:
+        """What a block takes of packed documents: the mask, and rotary positions."""
+        return {"mask": mask, "positions": positions}
 
     def param_axes(self) -> ParamsDict:
         p = self._embed_axes()

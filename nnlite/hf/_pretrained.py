@@ -268,8 +268,15 @@ class Pretrained(Module):
         weights frozen with no optimizer state; without, ``optimizer`` itself."""
         return freeze_base(optimizer) if self.lora else optimizer
 
-    def __call__(self, params: ParamsDict, tokens: jax.Array, *, key: jax.Array | None = None):
-        return self.model(params, tokens, key=key)
+    def __call__(
+        self,
+        params: ParamsDict,
+        tokens: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ):
+        return self.model(params, tokens, segment_ids=segment_ids, key=key)
 
     # -- checkpoints of a LoRA run: the adapters, and the base named by path and hash ---------
     def checkpointed(self, params):

@@ -343,7 +343,8 @@ class GroupedQueryAttention(Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``q: [..., T, num_heads, head_dim]``, ``k, v: [..., T, num_kv_heads, head_dim]`` of
         ``x: [..., T, features]``; q and k rotated at positions ``offset ..`` when ``rotary``,
-        or at ``positions: [..., T]`` (integers, e.g. per row of a left-padded batch)."""
+        or at ``positions: [..., T]`` (integers: per row of a left-padded batch, restarting
+        per packed document)."""
         self.check_input(x, self.features, min_rank=2)
         lead, h, kv, d = x.shape[:-1], self.num_heads, self.kv_heads, self.dim
         if self.fused_qkv:
@@ -359,9 +360,8 @@ class GroupedQueryAttention(Module):
         if self.rotary:
             inv_freq, factor = self.frequencies
             t = x.shape[-2]
-            pos = (jnp.arange(t, dtype=jnp.int32) + jnp.asarray(offset, jnp.int32))[:, None]
-            if positions is not None:
-                pos = jnp.asarray(positions, jnp.int32)[..., None]
+            pos = jnp.arange(t, dtype=jnp.int32) + jnp.asarray(offset, jnp.int32)
+            pos = (pos if positions is None else jnp.asarray(positions, jnp.int32))[..., None]
             q = rope(q, pos, inv_freq=inv_freq, attention_factor=factor)
             k = rope(k, pos, inv_freq=inv_freq, attention_factor=factor)
         return q, k, v
@@ -449,13 +449,21 @@ class GroupedQueryAttention(Module):
         x: jax.Array,
         *,
         mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
         key: jax.Array | None = None,
     ) -> jax.Array:
+        """Self-attention of ``x [B, T, features]``; ``mask`` boolean broadcastable to ``[B,
+        num_heads, T, T]`` (with the causal mask), ``positions [B, T]`` the rotary positions
+        (default ``0 .. T-1``)."""
         if x.ndim != 3:
             raise ValueError(
                 f"{self._short_repr()}: expected x [B, T, {self.features}], got shape "
                 f"{tuple(getattr(x, 'shape', ()))}"
             )
+        if positions is not None and not self.rotary:
+            raise ValueError(
+                f"{self._short_repr()}: positions rotate q and k; this layer has rotary=False"
+            )
         k_qkv, k_out = split_key(key, 2)
-        q, k, v = self.qkv(params, x, key=k_qkv)
+        q, k, v = self.qkv(params, x, positions=positions, key=k_qkv)
         return self.project(params, self.attend(q, k, v, mask=mask), k_out)

@@ -214,15 +214,18 @@ class LlamaBlock(Module):
         x: jax.Array,
         *,
         mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
         key: jax.Array | None = None,
     ) -> jax.Array:
+        """The block on ``x [B, T, features]``; ``mask`` and ``positions [B, T]`` as
+        ``GroupedQueryAttention``'s (packed documents: ``nl.segment_mask``/``positions``)."""
         self.check_input(x, self.features, min_rank=3)
         if self.dtype is not None:
             x = x.astype(self.dtype)  # the residual stream in the compute dtype
         h = self._norm(params, "ln1", x)
         k_attn, k_mlp = split_key(key, 2)  # keys: LoRA dropout in training
         with self.params_scope("/attn"):
-            y = self.attn(self.child(params, "attn"), h, mask=mask, key=k_attn)
+            y = self.attn(self.child(params, "attn"), h, mask=mask, positions=positions, key=k_attn)
         return self._mlp_half(params, self._residual(params, x, y, "post_ln1"), k_mlp)
 
     def decode(

@@ -10,6 +10,7 @@ text the batch of step ``s`` is ``batch_size`` random window starts drawn from
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import os
@@ -32,6 +33,15 @@ def text_context(cfg) -> int:
     """The text window length of a config: ``data.context``, else the model's
     ``context`` when the config sets it, else :data:`DEFAULT_CONTEXT`."""
     return cfg.data.context or cfg.model.get("context") or DEFAULT_CONTEXT
+
+
+def data_section(cfg) -> DataConfig:
+    """The config's ``data`` section with what the model determines filled in:
+    ``data.tokenizer`` (unset) is the directory of a ``model.name: "hf:DIR"``."""
+    name = cfg.model.name if isinstance(cfg.model.name, str) else ""
+    if cfg.data.tokenizer or not name.startswith("hf:"):
+        return cfg.data
+    return dataclasses.replace(cfg.data, tokenizer=name[3:])
 
 
 def load_dataset(cfg: DataConfig, context: int | None = None, search=()) -> Dataset:

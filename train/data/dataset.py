@@ -53,10 +53,13 @@ class Dataset:
     # A user's source read on the host per call: each call's batch is checked for non-finite
     # values there (train/data/feed.py; sources read whole are checked once, at load)
     check_finite: bool = False
+    # Rows of token windows of this length (data.name: chat, train/data/chat.py): x [n, 2, T]
+    # tokens and segment ids, y [n, T] next tokens or -1 (no loss); a batch index is a row
+    token_rows: int | None = None
 
     @property
     def task(self) -> str:
-        if self.window is not None:
+        if self.window is not None or self.token_rows is not None:
             return "language_model"
         return "regression" if self.num_classes is None else "classification"
 

@@ -25,13 +25,14 @@ DATA_SETS = Registry(
         "shakespeare_char": ".data.builtin:shakespeare_char",
         "tokens": ".data.streamed:tokens",
         "arrays": ".data.streamed:arrays",
+        "chat": ".data.chat:chat",
     },
     form="module:function",
 )
 #: Built-in data sets read from ``data.path``.
-NEEDS_PATH = ("npz", "text", "tokens", "arrays")
+NEEDS_PATH = ("npz", "text", "tokens", "arrays", "chat")
 #: Built-in data sets of token windows, which need the model's context length.
-TEXT = ("text", "shakespeare_char", "tokens")
+TEXT = ("text", "shakespeare_char", "tokens", "chat")
 
 
 def is_given(name: str) -> bool:

@@ -20,7 +20,7 @@ from nnlite.core._jax_private import lowered_cost_analysis
 from .. import parallel
 from ..config import Config, ModelConfig, check_model_round_trip
 from ..data import overfit
-from ..data.builtin import load_dataset, text_context
+from ..data.builtin import data_section, load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
 from ..data.feed import EVAL_TOKENS_PER_CHUNK, device_chunks, eval_chunk
 from ..errors import ConfigError
@@ -28,6 +28,7 @@ from ..model import contract, gradmode
 from ..model import metrics as user_metrics
 from ..model import registry as models
 from ..model.contract import Model
+from ..model.dpo import with_loss
 from ..optim.params import ParamPlan, make_optimizer
 from ..parallel.base import Strategy
 from ..report import loggers
@@ -98,7 +99,7 @@ def build(
     devices = strategy.devices
     timings.lap("backend")
     if data is None:
-        data = load_dataset(cfg.data, context=text_context(cfg))
+        data = load_dataset(data_section(cfg), context=text_context(cfg))
     elif isinstance(data, Future):
         data = data.result()
     data = overfit.eval_on_batches(cfg, data)  # train.overfit_batches: evaluate on them
@@ -206,6 +207,7 @@ def make_model(cfg: Config, data: Dataset) -> tuple[Model, Config]:
         raise ConfigError(f"{where} ({cls.__name__}): {_name_keys(str(e), cls)}") from None
     resolved = ModelConfig(spec.name, {f: getattr(model, f) for f in contract.fields(cls)}, cls)
     check_model_round_trip(resolved, model)  # what config.yaml will hold loads back
+    model = with_loss(cfg.loss, model, data)  # loss.name: dpo wraps the model's objective
     return model, dataclasses.replace(cfg, model=resolved)
 
 
@@ -244,11 +246,11 @@ def data_fields(data: Dataset) -> dict[str, Any]:
     flat = data.window is None and data.x.ndim == 2
     return {
         "in_features": data.x.shape[1] if flat else None,
-        "in_shape": tuple(data.x.shape[1:]) if data.window is None else None,
+        "in_shape": tuple(data.x.shape[1:]) if data.task != "language_model" else None,
         "num_classes": data.num_classes if data.task == "classification" else None,
         "out_features": data.y.shape[1] if data.task == "regression" else None,
         "vocab_size": data.num_classes if data.task == "language_model" else None,
-        "context": data.window,
+        "context": data.window or data.token_rows,
     }
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config
-from ..data.builtin import load_dataset, text_context
+from ..data.builtin import data_section, load_dataset, text_context
 from ..errors import ConfigError
 from ..parallel import distributed as dist
 
@@ -92,7 +92,7 @@ def fast_dev_run(
     if isinstance(data, Future):
         data = data.result()
     if data is None:
-        data = load_dataset(cfg.data, text_context(cfg))
+        data = load_dataset(data_section(cfg), text_context(cfg))
     rows = eval_rows(cfg)
     if len(data.x_test) > rows:
         data = dataclasses.replace(data, x_test=data.x_test[:rows], y_test=data.y_test[:rows])

@@ -5,7 +5,9 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
 - ``task``, a class attribute: ``"classification"`` (``__call__`` returns logits
   ``[batch, num_classes]`` for int labels), ``"regression"`` (predictions
   ``[batch, out_features]`` for float targets) or ``"language_model"`` (logits
-  ``[batch, T, vocab_size]`` for int tokens ``[batch, T]``, targets the next tokens);
+  ``[batch, T, vocab_size]`` for int tokens ``[batch, T]``, targets the next tokens; rows
+  ``[batch, 2, T]`` of tokens and segment ids, ``data.name: chat``'s packed documents, call
+  the model with ``segment_ids=`` and their targets ``-1`` take no loss);
 - ``init(key) -> ParamsDict`` and ``__call__(params, x, *, key=None)``;
 - its hyperparameters as dataclass fields: the config's ``model:`` keys are validated
   against them. The fields that the data determines are filled from the data set when
@@ -279,8 +281,37 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 
 # -- the task defaults -----------------------------------------------------------------------
-def task_loss(task: str, out: jax.Array, y: jax.Array) -> tuple[jax.Array, dict]:
-    """Per-example loss and metrics of a task from the model's output ``out``."""
+def call(model: Any, params, x, **kw):
+    """``model(params, x)``; a language model's rows of packed documents (``x [batch, 2,
+    T]``: tokens and segment ids, the chat data set's) call it with ``segment_ids=``, and
+    rows of pairs (``x [batch, 2, 2, T]``, preference pairs) give ``[batch, 2, T, vocab]``."""
+    ndim = getattr(x, "ndim", 0)
+    if getattr(model, "task", None) != "language_model" or ndim not in (3, 4):
+        return model(params, x, **kw)
+    if ndim == 4:
+        b, t = x.shape[0], x.shape[-1]
+        out = model(
+            params, x[:, :, 0].reshape(b * 2, t), segment_ids=x[:, :, 1].reshape(b * 2, t), **kw
+        )
+        return out.reshape(b, 2, *out.shape[1:])
+    return model(params, x[:, 0], segment_ids=x[:, 1], **kw)
+
+
+def masked_token_loss(out: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(cross-entropy [batch, T] with 0 where y < 0, float mask [batch, T] of y >= 0)``:
+    targets ``-1`` (a chat's user tokens, padding, document ends) take no loss."""
+    keep = y >= 0
+    ce = nl.softmax_cross_entropy(out, jnp.where(keep, y, 0))
+    return jnp.where(keep, ce, jnp.zeros((), ce.dtype)), keep.astype(ce.dtype)
+
+
+def task_loss(task: str, out: jax.Array, y: jax.Array, x=None) -> tuple[jax.Array, dict]:
+    """Per-example loss and metrics of a task from the model's output ``out`` (``x``: the
+    inputs, which say whether a language model's targets are masked)."""
+    if task == "language_model" and getattr(x, "ndim", 0) == 3:  # rows with masked targets
+        ce, keep = masked_token_loss(out, y)
+        per_row = jnp.sum(ce, axis=-1) / jnp.maximum(jnp.sum(keep, axis=-1), 1)
+        return per_row, {"bits_per_char": per_row / LN2}
     if task == "classification":
         return nl.softmax_cross_entropy(out, y), {"accuracy": nl.accuracy(out, y)}
     if task == "regression":
@@ -290,8 +321,14 @@ def task_loss(task: str, out: jax.Array, y: jax.Array) -> tuple[jax.Array, dict]
     return per_window, {"bits_per_char": per_window / LN2}
 
 
-def task_objective(task: str, out: jax.Array, y: jax.Array) -> tuple[jax.Array, dict]:
-    """Mean loss (what training differentiates) and mean metrics of a task."""
+def task_objective(task: str, out: jax.Array, y: jax.Array, x=None) -> tuple[jax.Array, dict]:
+    """Mean loss (what training differentiates) and mean metrics of a task (``x`` as
+    :func:`task_loss`'s: the mean of a masked language model's loss is over its kept
+    tokens)."""
+    if task == "language_model" and getattr(x, "ndim", 0) == 3:
+        ce, keep = masked_token_loss(out, y)
+        loss = jnp.sum(ce) / jnp.maximum(jnp.sum(keep), 1)
+        return loss, {"bits_per_char": jax.lax.stop_gradient(loss) / LN2}
     if task == "language_model":
         loss = nl.reduce(nl.softmax_cross_entropy(out, y), "mean")  # every token counts once
         return loss, {"bits_per_char": jax.lax.stop_gradient(loss) / LN2}
@@ -308,8 +345,8 @@ def per_example_loss(model: Any, params, x, y, state=None) -> tuple[jax.Array, d
     if stateful:
         out = call_stateful(model, params, x, state, train=False)[0]
     else:
-        out = model(params, x)
-    return task_loss(model.task, out, y)
+        out = call(model, params, x)
+    return task_loss(model.task, out, y, x)
 
 
 def objective_fn(model: Any, grad: str = "autodiff") -> Callable:
@@ -349,7 +386,7 @@ def objective_fn(model: Any, grad: str = "autodiff") -> Callable:
         return stateful_default
 
     def default(params, x, y, *, key=None):
-        out = model(params, x, key=key) if key is not None else model(params, x)
-        return task_objective(model.task, out, y)
+        out = call(model, params, x, key=key) if key is not None else call(model, params, x)
+        return task_objective(model.task, out, y, x)
 
     return default

@@ -82,11 +82,11 @@ def check_specs(specs: Sequence[str], search: Iterable[Path], source: str) -> No
 
 def forward(model: Any, params, x, state=None):
     """The model's outputs in inference mode (a stateful model's with its state)."""
-    from .contract import call_stateful, is_stateful
+    from .contract import call, call_stateful, is_stateful
 
     if is_stateful(model):
         return call_stateful(model, params, x, state, train=False)[0]
-    return model(params, x)
+    return call(model, params, x)
 
 
 def per_example(model: Any, params, x, y, state=None, metrics: Sequence = ()) -> tuple:
@@ -101,7 +101,7 @@ def per_example(model: Any, params, x, y, state=None, metrics: Sequence = ()) ->
         out = forward(model, params, x, state)
     else:
         out = forward(model, params, x, state)
-        loss, values = task_loss(model.task, out, y)
+        loss, values = task_loss(model.task, out, y, x)
     values = dict(values)
     for name, fn in metrics:
         values[name] = each_example(fn, out, y)
