@@ -287,6 +287,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     info = machine(args.threads)
     print(machine_line(info), flush=True)
+    if args.tiny:
+        print("--tiny: every row at a tiny size, one round: a smoke run, its figures mean nothing")
     results = run_rows(args)
     dtypes = [
         d for r, d in (("matmul_f32", "float32"), ("matmul_bf16", "bfloat16")) if r in args.rows
