@@ -60,6 +60,8 @@ ROWS = {
     "matmul_f32": "one 2048x2048 matmul, float32 (XLA vs torch.mm)",
     "matmul_bf16": "one 2048x2048 matmul, bfloat16 (XLA vs torch.mm)",
 }
+# the matmul rows' dtypes
+MATMUL_ROWS = {"matmul_f32": "float32", "matmul_bf16": "bfloat16"}
 # the GPT rows: (nnlite's steps per call, steps per timed sample) as benchmarks.train_step
 GPT_STEPS = {"gpt_large": (2, 2), "gpt_baby": (10, 20)}
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -268,11 +270,7 @@ def run_rows(args) -> dict:
                 bench = LlamaBench("tiny", 2, 16) if args.tiny else LlamaBench("smollm", 4, 256)
             results[row] = llama_row(row, bench, args.tiny, rounds)
         else:
-            results[row] = matmul_row(
-                row.removeprefix("matmul_").replace("f32", "float32").replace("bf16", "bfloat16"),
-                64 if args.tiny else 2048,
-                rounds,
-            )
+            results[row] = matmul_row(MATMUL_ROWS[row], 64 if args.tiny else 2048, rounds)
         print(f"  {row}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return results
 
@@ -282,17 +280,17 @@ def main(argv=None) -> int:
     if args.matmul_child:
         print(json.dumps(matmul_child(json.loads(args.matmul_child))))
         return 0
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("benchmarks.real_size compares with PyTorch: pip install torch") from None
     torch.set_num_threads(args.threads)
     info = machine(args.threads)
     print(machine_line(info), flush=True)
     if args.tiny:
         print("--tiny: every row at a tiny size, one round: a smoke run, its figures mean nothing")
     results = run_rows(args)
-    dtypes = [
-        d for r, d in (("matmul_f32", "float32"), ("matmul_bf16", "bfloat16")) if r in args.rows
-    ]
+    dtypes = [d for r, d in MATMUL_ROWS.items() if r in args.rows]
     runs = None
     if args.flags and dtypes:
         runs = flag_runs(args.flag_sets, dtypes, 64 if args.tiny else 2048, 1 if args.tiny else 3)
@@ -309,7 +307,7 @@ def main(argv=None) -> int:
             f"{r['ratio']:.2f}x",
         ]
         if runs is not None:
-            dtype = {"matmul_f32": "float32", "matmul_bf16": "bfloat16"}.get(row)
+            dtype = MATMUL_ROWS.get(row)
             line.append(flags_cell(runs, dtype) if dtype else "")
         rows.append(line)
     header = ["row", "work", "nnlite", "theirs", "nnlite time / theirs"]
