@@ -12,7 +12,7 @@ as the CPU has, which is what XLA uses):
 - import: ``nl.hf.load_pretrained`` and ``AutoModelForCausalLM.from_pretrained``, each in a
   fresh process: wall time and the peak resident memory the load added to the process;
 - forward: tokens/s of the logits of ``[batch, seq]`` tokens;
-- a training step (Adam, next-token cross-entropy): LoRA (rank 8 on q and v, only the
+- a training step (AdamW, next-token cross-entropy): LoRA (rank 8 on q and v, only the
   adapters differentiated) and full fine-tuning in nnlite; PyTorch full fine-tuning and,
   when ``peft`` is installed, PyTorch + peft LoRA with the same targets;
 - sampling: greedy new tokens/s with the key/value cache, ``model.generate`` (one compiled
@@ -84,6 +84,145 @@ def _child(directory: str, which: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+class LlamaBench:
+    """The Llama of ``size`` (a :data:`SIZES` name) made by ``transformers`` with random
+    weights, saved and loaded by ``nl.hf``, and the cases that time both libraries on
+    ``[batch, seq]`` tokens: :meth:`forward_cases`, :meth:`step_cases`,
+    :meth:`sample_cases` (``{name: callable}`` that block until done). Optimizer: AdamW
+    (lr 1e-4, weight decay 0.01) in both."""
+
+    def __init__(self, size: str, batch: int, seq: int):
+        warnings.simplefilter("ignore")
+        import numpy as np
+        import torch
+        import transformers
+
+        import nnlite as nl
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        self.cfg = transformers.LlamaConfig(**SIZES[size])
+        self.dir = tempfile.mkdtemp(prefix="nnlite-bench-hf-")
+        torch.manual_seed(0)
+        self.ref = transformers.AutoModelForCausalLM.from_config(self.cfg)
+        self.ref.save_pretrained(self.dir)
+        self.ref.eval()
+        self.model, self.params = nl.hf.load_pretrained(self.dir)
+        self.batch, self.seq = batch, seq
+        self.tokens = np.random.default_rng(0).integers(0, self.cfg.vocab_size, (batch, seq + 1))
+        # numpy, not jax arrays: closed over by the jitted steps as constants (nl.Embedding's
+        # range check reads concrete ids on the host)
+        self.x = self.tokens[:, :-1].astype(np.int32)
+        self.y = self.tokens[:, 1:].astype(np.int32)
+        self.tx, self.ty = torch.tensor(self.tokens[:, :-1]), torch.tensor(self.tokens[:, 1:])
+
+    def forward_cases(self) -> dict:
+        import jax
+        import torch
+
+        forward, params, x, ref, tx = jax.jit(self.model), self.params, self.x, self.ref, self.tx
+
+        def torch_forward():
+            with torch.no_grad():
+                return ref(tx).logits
+
+        return {"nnlite": lambda: forward(params, x).block_until_ready(), "torch": torch_forward}
+
+    def step_cases(self, which=("full", "lora")) -> dict:
+        """``nnlite full``/``torch full`` and ``nnlite lora``/``torch+peft lora`` (when peft
+        is installed) for each of ``which``."""
+        import jax
+        import optax
+        import torch
+
+        import nnlite as nl
+
+        model, x, y, tx, ty = self.model, self.x, self.y, self.tx, self.ty
+        opt = optax.adamw(1e-4, weight_decay=0.01)
+
+        def xent(logits):
+            return nl.softmax_cross_entropy(logits, y, reduction="mean")
+
+        def torch_step(module, optim):
+            def step():
+                logits = module(input_ids=tx).logits
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ty.flatten())
+                optim.zero_grad()
+                loss.backward()
+                optim.step()
+
+            return step
+
+        def nnlite_step(step, *state):
+            box = [state]
+
+            def go():
+                box[0] = step(*box[0])
+                jax.block_until_ready(box[0])
+
+            return go
+
+        cases = {}
+        if "full" in which:
+
+            @jax.jit
+            def full_step(p, s):
+                g = jax.grad(lambda p: xent(model(p, x)))(p)
+                u, s = opt.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+            cases["nnlite full"] = nnlite_step(full_step, self.params, opt.init(self.params))
+            torch_opt = torch.optim.AdamW(self.ref.parameters(), 1e-4, weight_decay=0.01)
+            cases["torch full"] = torch_step(self.ref, torch_opt)
+        if "lora" in which:
+            lmodel, lparams = nl.hf.add_lora(model, self.params, LORA_TARGETS, jax.random.key(0))
+            adapters, frozen = nl.lora_split(lparams)
+
+            @jax.jit
+            def lora_step(a, s):
+                g = jax.grad(lambda a: xent(lmodel(nl.lora_join(a, frozen), x)))(a)
+                u, s = opt.update(g, s, a)
+                return optax.apply_updates(a, u), s
+
+            cases["nnlite lora"] = nnlite_step(lora_step, adapters, opt.init(adapters))
+            try:
+                cases["torch+peft lora"] = torch_step(*self._peft())
+            except ImportError:
+                pass
+        return cases
+
+    def _peft(self):
+        import peft
+        import torch
+        import transformers
+
+        peft_model = peft.get_peft_model(
+            transformers.AutoModelForCausalLM.from_pretrained(self.dir),
+            peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+        )
+        trained = [p for p in peft_model.parameters() if p.requires_grad]
+        return peft_model, torch.optim.AdamW(trained, 1e-4, weight_decay=0.01)
+
+    def sample_cases(self, new_tokens: int) -> dict:
+        """Greedy sampling of ``new_tokens`` after a 16-token prompt, with the cache."""
+        import jax
+        import jax.numpy as jnp
+        import torch
+
+        n, prompt, params, ref = new_tokens, self.tokens[:1, :16], self.params, self.ref
+        gen = jax.jit(self.model.generate, static_argnums=2)
+
+        def torch_gen():
+            with torch.no_grad():
+                ref.generate(torch.tensor(prompt), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+
+        def nnlite_gen():
+            gen(params, jnp.asarray(prompt), n, jax.random.key(0), 0.0).block_until_ready()
+
+        return {"nnlite": nnlite_gen, "torch": torch_gen}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=list(SIZES), default="smollm")
@@ -97,140 +236,25 @@ def main(argv=None) -> int:
         load_child(*args.load_child)
         return 0
 
-    warnings.simplefilter("ignore")
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
     import torch
-    import transformers
-
-    import nnlite as nl
 
     from . import _harness as h
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(os.cpu_count() or 1)
-    cfg = transformers.LlamaConfig(**SIZES[args.size])
-    tmp = tempfile.mkdtemp(prefix="nnlite-bench-hf-")
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg)
-    ref.save_pretrained(tmp)
-    ref.eval()
+    bench = LlamaBench(args.size, args.batch, args.seq)
     rows, results = [], {"size": args.size, "config": SIZES[args.size]}
-
-    # -- import -------------------------------------------------------------------------
-    loads = {w: _child(tmp, w) for w in ("nnlite", "transformers")}
+    loads = {w: _child(bench.dir, w) for w in ("nnlite", "transformers")}
     results["import"] = loads
     for w, r in loads.items():
         rows.append((f"import ({w})", f"{r['seconds']:.2f} s", f"+{r['peak_added_mb']:.0f} MB"))
-
-    model, params = nl.hf.load_pretrained(tmp)
-    b, t = args.batch, args.seq
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t + 1))
-    # numpy, not jax arrays: closed over by the jitted steps as constants (nl.Embedding's
-    # range check reads concrete ids on the host)
-    x, y = tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
-    tx, ty = torch.tensor(tokens[:, :-1]), torch.tensor(tokens[:, 1:])
-
-    # -- forward ------------------------------------------------------------------------
-    forward = jax.jit(model)
-
-    def torch_forward():
-        with torch.no_grad():
-            return ref(tx).logits
-
-    fw = h.time_interleaved(
-        {"nnlite": lambda: forward(params, x).block_until_ready(), "torch": torch_forward},
-        rounds=args.rounds,
-    )
+    b, t, n = args.batch, args.seq, args.new_tokens
+    fw = h.time_interleaved(bench.forward_cases(), rounds=args.rounds)
     results["forward_tokens_per_s"] = {k: b * t / h.median(v) for k, v in fw.items()}
-
-    # -- training steps -----------------------------------------------------------------
-    def xent(logits):
-        return nl.softmax_cross_entropy(logits, y, reduction="mean")
-
-    opt = optax.adam(1e-4)
-    full_state = opt.init(params)
-
-    @jax.jit
-    def full_step(p, s):
-        g = jax.grad(lambda p: xent(model(p, x)))(p)
-        u, s = opt.update(g, s)
-        return optax.apply_updates(p, u), s
-
-    lmodel, lparams = nl.hf.add_lora(model, params, LORA_TARGETS, jax.random.key(0))
-    adapters, frozen = nl.lora_split(lparams)
-    lora_state = opt.init(adapters)
-
-    @jax.jit
-    def lora_step(a, s):
-        g = jax.grad(lambda a: xent(lmodel(nl.lora_join(a, frozen), x)))(a)
-        u, s = opt.update(g, s)
-        return optax.apply_updates(a, u), s
-
-    state = {"full": (params, full_state), "lora": (adapters, lora_state)}
-
-    def run(name, step):
-        def go():
-            state[name] = step(*state[name])
-            jax.block_until_ready(state[name])
-
-        return go
-
-    torch_opt = torch.optim.Adam(ref.parameters(), 1e-4)
-
-    def torch_full():
-        loss = torch.nn.functional.cross_entropy(ref(tx).logits.flatten(0, 1), ty.flatten())
-        torch_opt.zero_grad()
-        loss.backward()
-        torch_opt.step()
-
-    cases = {"nnlite full": run("full", full_step), "nnlite lora": run("lora", lora_step)}
-    cases["torch full"] = torch_full
-    try:
-        import peft
-
-        peft_model = peft.get_peft_model(
-            transformers.AutoModelForCausalLM.from_pretrained(tmp),
-            peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
-        )
-        peft_opt = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad])
-
-        def torch_lora():
-            logits = peft_model(input_ids=tx).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ty.flatten())
-            peft_opt.zero_grad()
-            loss.backward()
-            peft_opt.step()
-
-        cases["torch+peft lora"] = torch_lora
-    except ImportError:
-        results["peft"] = "not installed"
-    steps = h.time_interleaved(cases, rounds=args.rounds, warmup=1)
+    steps = h.time_interleaved(bench.step_cases(), rounds=args.rounds, warmup=1)
     results["step_seconds"] = {k: h.median(v) for k, v in steps.items()}
-
-    # -- sampling -------------------------------------------------------------------------
-    n = args.new_tokens
-    prompt = tokens[:1, :16]
-    gen = jax.jit(model.generate, static_argnums=2)
-
-    def torch_gen():
-        with torch.no_grad():
-            ref.generate(torch.tensor(prompt), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)  # fmt: skip
-
-    sm = h.time_interleaved(
-        {
-            "nnlite": lambda: gen(
-                params, jnp.asarray(prompt), n, jax.random.key(0), 0.0
-            ).block_until_ready(),
-            "torch": torch_gen,
-        },
-        rounds=args.rounds,
-        warmup=1,
-    )
+    if "torch+peft lora" not in steps:
+        results["peft"] = "not installed"
+    sm = h.time_interleaved(bench.sample_cases(n), rounds=args.rounds, warmup=1)
     results["sample_tokens_per_s"] = {k: n / h.median(v) for k, v in sm.items()}
 
     for k, v in results["forward_tokens_per_s"].items():

@@ -177,11 +177,18 @@ SMOKE = {
         "precision",
         ["--tiny", "--train-steps", "0", "--grad", "autodiff"],
     ),
+    # with one XLA flag set: the matmul in a fresh process
+    "python -m benchmarks.real_size": (
+        "real_size",
+        ["--tiny", "--flags", "--flag-sets", "default"],
+    ),
 }
 
 
 # run (and its table checked) by test_cli_wall_times_the_command_phase_by_phase above
 CLI_WALL = "python -m benchmarks.cli_wall"
+# run (its rows, machine line and ratios checked) by test_real_size_* below
+REAL_SIZE = "python -m benchmarks.real_size"
 
 
 def readme_commands() -> set[str]:
@@ -196,7 +203,7 @@ def test_every_readme_command_has_a_smoke_run():
 
 
 @jax.numpy_rank_promotion("allow")  # the peers are written as their users write them
-@pytest.mark.parametrize("command", [c for c in SMOKE if c != CLI_WALL])
+@pytest.mark.parametrize("command", [c for c in SMOKE if c not in (CLI_WALL, REAL_SIZE)])
 def test_benchmark_command_runs_at_a_tiny_size(command, tmp_path, monkeypatch, capsys):
     import importlib
 
@@ -217,3 +224,79 @@ def test_benchmark_command_runs_at_a_tiny_size(command, tmp_path, monkeypatch, c
     assert rc in (0, None) or isinstance(rc, dict)
     out = capsys.readouterr().out
     assert len(out.strip().splitlines()) >= 3, out  # it printed its table
+
+
+# -- benchmarks.real_size: issue #43's table in one run ----------------------------------------
+def test_real_size_prints_every_row_the_machine_and_finite_ratios(tmp_path, monkeypatch, capsys):
+    """``--tiny`` (every row at a tiny size, one round; the matmul rows also under one XLA
+    flag set in a fresh process): the machine line first, a table line per row, a finite
+    positive ratio for each (no timing asserted), the load average after."""
+    import json
+    import math
+
+    pytest.importorskip("transformers")  # the Llama rows' reference (torch comes with it)
+    from benchmarks import real_size
+
+    monkeypatch.setenv("NNLITE_BENCH_RESULTS", str(tmp_path))
+    module, argv = SMOKE[REAL_SIZE]
+    assert real_size.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    machine = lines[0]
+    assert machine.startswith("machine: ") and "threads " in machine, machine
+    for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "jaxlib", "torch"):
+        assert f"{flag} " in machine, (flag, machine)
+    result = json.loads((tmp_path / "real_size-tiny-latest.json").read_text())
+    assert list(result["rows"]) == list(real_size.ROWS)
+    for row, r in result["rows"].items():
+        (line,) = [s for s in lines if s.startswith(f"| {row} ")]
+        if r is None:  # the LoRA row without peft installed: said, not measured
+            assert row == "llama_lora" and "peft not installed" in line
+            continue
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0, (row, r["ratio"])
+        assert f"{r['ratio']:.2f}x" in line
+    # the --flags column and table: the matmul of each dtype in a fresh process
+    (run,) = result["flags"].values()
+    assert set(run) == {"float32", "bfloat16"}, run
+    assert all("dot" in v["kernels"] and v["gflops"] > 0 for v in run.values()), run
+    assert any(s.startswith("| default ") for s in lines)
+    assert any(s.startswith("load average: ") for s in lines)
+
+
+def test_real_size_kernels_reads_the_optimised_hlo():
+    """What XLA made of a dot: library fusions with their result type, then the dots."""
+    from benchmarks._matmul import kernels
+
+    # jaxlib 0.10.2 on an AVX-512 CPU without bf16 hardware: a bf16 matmul (abridged)
+    upcast = """
+%fused_computation (param_0: f32[64,64], param_1: f32[64,64]) -> f32[64,64] {
+  ROOT %dot_general.0 = f32[64,64]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}
+}
+ENTRY %main.4 (x.1: bf16[64,64], y.1: bf16[64,64]) -> bf16[64,64] {
+  %ynn_fusion = f32[64,64]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation, backend_config={"fusion_config":{"kind":"__ynn_fusion"},"outer_dimension_partitions":[]}
+  ROOT %wrapped_convert.2 = bf16[64,64]{1,0} fusion(%ynn_fusion), kind=kLoop
+}"""  # noqa: E501
+    assert kernels(upcast) == "__ynn_fusion -> f32; dot f32"
+    onednn = (
+        '%custom-call = bf16[64,64]{1,0} custom-call(%x, %y), custom_call_target="__onednn$matmul"'
+    )
+    assert kernels(onednn) == "__onednn$matmul -> bf16"
+    assert kernels("ROOT %d = f32[8,8]{1,0} dot(%x, %y)") == "dot f32"
+    assert kernels("ROOT %a = f32[8]{0} add(%x, %y)") == "no dot"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rows", "gpt_huge"], "--rows: unknown ['gpt_huge']; choose from gpt_large"),
+        (["--flag-sets", "fast"], "--flag-sets: unknown ['fast']; choose from default"),
+        (["--rounds", "2"], "--rounds 2: medians need at least 3 rounds"),
+        (["--threads", "0"], "--threads 0: expected 1 to"),
+    ],
+)
+def test_real_size_bad_arguments_are_one_line(argv, message, capsys):
+    from benchmarks import real_size
+
+    with pytest.raises(SystemExit) as exc:
+        real_size.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -280,3 +280,68 @@ def test_flops_of_a_program_whose_client_analyses_no_lowered_program():
             return lowered.compiler_ir(dialect)
 
     assert step_cost(PluginLowered())["flops"] == step_cost(lowered)["flops"] == 2 * 64 * 32 * 16
+
+
+# -- what the machine has, in the banner (train/report/machine.py) ---------------------------
+def cpuinfo(model: str, flags: str) -> str:
+    """A /proc/cpuinfo text of two processors (the banner reads the first)."""
+    one = f"processor\t: {{}}\nvendor_id\t: GenuineIntel\nmodel name\t: {model}\nflags\t\t: {flags}\n"
+    return one.format(0) + "\n" + one.format(1)
+
+
+SAPPHIRE = cpuinfo("Intel(R) Xeon(R)  Platinum 8480+", "fpu sse4_2 avx avx2 fma avx512f "
+                   "avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8")  # fmt: skip
+SKYLAKE = cpuinfo("Intel(R) Xeon(R) Processor", "fpu sse4_2 avx avx2 fma avx512f avx512bw")
+
+
+def test_the_cpu_is_described_by_its_model_and_matrix_isa():
+    from train.report import machine
+
+    assert machine.describe_cpu(SAPPHIRE) == (
+        "Intel(R) Xeon(R) Platinum 8480+ (AVX2, AVX-512, AVX512-BF16, AMX)"
+    )
+    assert machine.describe_cpu(SKYLAKE) == "Intel(R) Xeon(R) Processor (AVX2, AVX-512)"
+    old = cpuinfo("Old", "fpu sse2")
+    assert machine.describe_cpu(old) == "Old (none of AVX2, AVX-512, AVX512-BF16, AMX)"
+    # an ARM or non-Linux text (no flags line): nothing to say
+    assert machine.describe_cpu("processor\t: 0\nFeatures\t: fp asimd\n") is None
+    assert machine.describe_cpu("") is None
+
+
+def test_machine_lines_say_when_bfloat16_is_emulated():
+    from types import SimpleNamespace
+
+    from train.report import machine
+
+    cpu = SimpleNamespace(platform="cpu")
+    assert machine.machine_lines(cpu, "bfloat16", SAPPHIRE) == [
+        "cpu: Intel(R) Xeon(R) Platinum 8480+ (AVX2, AVX-512, AVX512-BF16, AMX)"
+    ]
+    assert machine.machine_lines(cpu, "float32", SKYLAKE) == [
+        "cpu: Intel(R) Xeon(R) Processor (AVX2, AVX-512)"
+    ]
+    assert machine.machine_lines(cpu, "bfloat16", SKYLAKE) == [
+        "cpu: Intel(R) Xeon(R) Processor (AVX2, AVX-512)",
+        machine.BF16_EMULATED,
+    ]
+    assert machine.machine_lines(cpu, "bfloat16", "") == []  # no /proc/cpuinfo
+    gpu = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+    assert machine.machine_lines(gpu, "bfloat16", SKYLAKE) == ["gpu: NVIDIA H200"]
+
+
+def test_the_banner_names_the_cpu_and_the_emulated_bfloat16(user, monkeypatch):
+    from train.report import machine
+
+    monkeypatch.setattr(machine, "read_cpuinfo", lambda: SKYLAKE)
+    lines = []
+    cfg = {
+        "name": "isa",
+        "model": {"name": "perf_user:TwoLayer"},
+        "data": {"name": "digits"},
+        "train": {"batch_size": 64, "steps": 1, "precision": "bfloat16"},
+        "log": {"dir": str(user / "runs"), "progress": False, "plot": False},
+    }
+    train.fit(None, cfg, echo=lines.append)
+    banner = next(s for s in lines if s.startswith("nnlite train: isa")).splitlines()
+    assert banner[1:3] == ["  cpu: Intel(R) Xeon(R) Processor (AVX2, AVX-512)",
+                           f"  {machine.BF16_EMULATED}"]  # fmt: skip

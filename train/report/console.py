@@ -13,6 +13,7 @@ import numpy as np
 
 from ..config import Config
 from ..parallel import distributed as dist
+from ..report.machine import machine_lines
 from ..report.units import format_bytes
 
 # Short names of metrics on the progress bar.
@@ -29,7 +30,10 @@ def banner(
     cfg = r.cfg
     procs = f"{jax.process_count()} processes x " if dist.is_multiprocess() else ""
     per_proc = len(r.devices) // jax.process_count()
-    note = f"\n  note: {r.data.name}: {r.data.note}" if r.data.note else ""
+    # what the machine has (the CPU's ISA, or the accelerator's kind)
+    note = "".join(f"\n  {line}" for line in machine_lines(r.devices[0], cfg.train.precision))
+    if r.data.note:
+        note += f"\n  note: {r.data.name}: {r.data.note}"
     if r.grad.note:  # why auto fell back to autodiff: the operation without a rule
         note += f"\n  {r.grad.note}"
     if r.grad.rules_note:  # the user's hand rules: checked against jax.vjp, or not
