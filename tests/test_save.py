@@ -284,7 +284,7 @@ def test_not_a_safetensors_file(tmp_path, content, match):
     assert f.read_bytes() == before  # reading never writes
     with pytest.raises(nl.CheckpointError, match="no such file"):
         nl.load(tmp_path / "missing.safetensors", like=_params())
-    with pytest.raises(nl.CheckpointError, match="a directory, not a safetensors file"):
+    with pytest.raises(nl.CheckpointError, match="a directory, not a checkpoint"):
         nl.load(tmp_path)
 
 
