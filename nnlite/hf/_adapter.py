@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..core._params import ParamsDict
-from ._convert import _family, hf_name
+from ._convert import family_of, hf_name
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM
 from ._safetensors import _File, _write_one
@@ -60,7 +60,7 @@ def _decoder(model: Any) -> GPT2LM | LlamaLM:
 def module_names(model: GPT2LM | LlamaLM) -> dict[str, str]:
     """``{nnlite path: transformers module name}`` of every projection LoRA can wrap
     (``/blocks[0]/attn/q`` -> ``model.layers.0.self_attn.q_proj``)."""
-    family = _family(model)
+    family = family_of(model)
     return {p: hf_name(family, p + "/W")[0].removesuffix(".weight") for p in model.linear_paths}
 
 
