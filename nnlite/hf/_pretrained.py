@@ -283,6 +283,11 @@ class Pretrained(Module):
     def __call__(self, params: ParamsDict, tokens: jax.Array, *, key: jax.Array | None = None):
         return self.model(params, tokens, key=key)
 
+    def token_log_probs(self, params: ParamsDict, tokens, labels, *, key=None, chunk=None):
+        """The labels' log-probabilities, the head in chunks (the decoder's
+        ``token_log_probs``): what the trainer's loss differentiates."""
+        return self.model.token_log_probs(params, tokens, labels, key=key, chunk=chunk)
+
     # -- checkpoints of a LoRA run: the adapters, and the base named by path and hash ---------
     def checkpointed(self, params):
         """Which params a checkpoint holds (a tree of bools; None: all): with ``lora`` the

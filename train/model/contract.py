@@ -20,6 +20,10 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
   training differentiates); by default they come from the task (:data:`TASKS`):
   softmax cross-entropy + accuracy, mean squared error, next-token cross-entropy + bits
   per character;
+- optionally, a language model's ``token_log_probs(params, tokens, labels, *, key=None)
+  -> [batch, T]`` (each label's log-probability): the task's loss is then its negated
+  mean, computed without the ``[batch, T, vocab]`` logits (the shipped GPT's and
+  ``nl.hf``'s compute their head in chunks, ``nl.label_log_probs``);
 - optionally ``trainable(params) -> tree of bools`` (or None: all): which params train
   (``nl.hf.Pretrained`` with LoRA: the adapters only); the rest are frozen as
   ``optimizer.frozen`` freezes them (train/optim/params.py). A model without it may
@@ -285,12 +289,31 @@ def task_objective(task: str, out: jax.Array, y: jax.Array) -> tuple[jax.Array, 
     return nl.reduce(per_example, "mean"), {k: jnp.mean(v) for k, v in metrics.items()}
 
 
+def label_log_probs_fn(model: Any) -> Callable | None:
+    """A stateless language model's ``token_log_probs(params, tokens, labels, *, key=None)
+    -> [batch, T]`` (the labels' log-probabilities with its head in chunks: the loss then
+    never holds all the logits), or None: the task's loss on the model's logits."""
+    if getattr(model, "task", None) != "language_model" or is_stateful(model):
+        return None
+    return getattr(model, "token_log_probs", None)
+
+
+def _lm_cross_entropy(log_probs_fn: Callable, params, x, y, key=None) -> jax.Array:
+    """Per-token cross-entropy ``[batch, T]`` from ``token_log_probs``."""
+    kw = {"key": key} if key is not None else {}
+    return -log_probs_fn(params, x, y, **kw)
+
+
 def per_example_loss(model: Any, params, x, y, state=None) -> tuple[jax.Array, dict]:
     """``model.loss`` if it has one, else its task's: per-example loss and metrics
     (inference: no key; a stateful model in eval mode with ``state``)."""
     stateful = is_stateful(model)
     if hasattr(model, "loss"):
         return model.loss(params, x, y, state=state) if stateful else model.loss(params, x, y)
+    log_probs = label_log_probs_fn(model)
+    if log_probs is not None:
+        per_window = jnp.mean(_lm_cross_entropy(log_probs, params, x, y), axis=-1)
+        return per_window, {"bits_per_char": per_window / LN2}
     if stateful:
         out = call_stateful(model, params, x, state, train=False)[0]
     else:
@@ -334,7 +357,12 @@ def objective_fn(model: Any, grad: str = "autodiff") -> Callable:
 
         return stateful_default
 
+    log_probs = label_log_probs_fn(model)
+
     def default(params, x, y, *, key=None):
+        if log_probs is not None:  # every token counts once; no [batch, T, vocab] logits
+            loss = nl.reduce(_lm_cross_entropy(log_probs, params, x, y, key), "mean")
+            return loss, {"bits_per_char": jax.lax.stop_gradient(loss) / LN2}
         out = model(params, x, key=key) if key is not None else model(params, x)
         return task_objective(model.task, out, y)
 
