@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 
 import nnlite as nl
-from nnlite.nn._lm_head import _forward, label_log_probs_vjp
-from nnlite.vjp import check_vjp
 
 
 def _reference(h, w, labels, vocab_axis, cap):
@@ -32,12 +30,13 @@ def test_chunks_equal_the_full_logits_and_the_rule_equals_autodiff(vocab_axis, c
     ours = lambda h, w: nl.label_log_probs(h, w, y, vocab_axis=vocab_axis, chunk=3, softcap=cap)
     ref = lambda h, w: _reference(h, w, y, vocab_axis, cap)
     np.testing.assert_allclose(ours(h, w), ref(h, w), rtol=1e-5, atol=1e-5)
-    check_vjp(_forward, label_log_probs_vjp, h, w, y, vocab_axis, 3, cap)
+    f, f_vjp = nl.rules.RULES["chunked_log_probs"]
+    nl.rules.check_vjp(f.f, f_vjp, h, w, y, vocab_axis, 3, cap)
     want = jax.grad(lambda h, w: jnp.sum(ref(h, w) * ct), (0, 1))(h, w)
-    for fn in (lambda h, w: jnp.sum(ours(h, w) * ct),) * 1:
-        for got in (jax.grad(fn, (0, 1))(h, w), jax.grad(nl.manual_grads(fn), (0, 1))(h, w)):
-            for a, b in zip(got, want, strict=True):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    fn = lambda h, w: jnp.sum(ours(h, w) * ct)
+    for got in (jax.grad(fn, (0, 1))(h, w), jax.grad(nl.manual_grads(fn), (0, 1))(h, w)):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments_are_one_line():

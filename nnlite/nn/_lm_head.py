@@ -19,7 +19,7 @@ from ..core._mode import is_frozen, manual_active
 from ..grad._custom_vjp import _varying, plug
 from ..grad._manual import hand_rule
 
-__all__ = ["CHUNK_ELEMENTS", "label_log_probs"]
+__all__ = ["CHUNK_ELEMENTS", "chunked_log_probs", "chunked_log_probs_vjp", "label_log_probs"]
 
 #: Logits per chunk when ``chunk`` is not given: 4M elements (16 MB in float32).
 CHUNK_ELEMENTS = 1 << 22
@@ -101,15 +101,18 @@ def _backward(h, w, labels, vocab_axis, chunk, softcap, dret):
     return dh, dw.astype(w.dtype)
 
 
-def label_log_probs_vjp(h, w, labels, vocab_axis, chunk, softcap, dret):
-    """The rule of :func:`label_log_probs`: each chunk's logits recomputed, ``g = dret *
+def chunked_log_probs_vjp(h, w, labels, vocab_axis, chunk, softcap, dret):
+    """The rule of :func:`chunked_log_probs`: each chunk's logits recomputed, ``g = dret *
     (onehot(label) - softmax)`` (times ``1 - tanh^2`` under a soft cap), ``dh = g @ W^T``
     per chunk and ``dW`` summed over the chunks (float32)."""
     return _backward(h, w, labels, vocab_axis, chunk, softcap, dret)
 
 
-@hand_rule(label_log_probs_vjp)
-def _label_log_probs(h, w, labels, vocab_axis, chunk, softcap):
+@hand_rule(chunked_log_probs_vjp)
+def chunked_log_probs(h, w, labels, vocab_axis, chunk, softcap):
+    """:func:`label_log_probs` without its checks: ``h [..., d]``, ``w`` (``vocab_axis`` 0:
+    ``[vocab, d]``, -1: ``[d, vocab]``), ``labels [...]``, ``chunk`` tokens per chunk (None:
+    :data:`CHUNK_ELEMENTS` logits), ``softcap`` (None or a float)."""
     return _forward(h, w, labels, vocab_axis, chunk, softcap)
 
 
@@ -165,10 +168,10 @@ def label_log_probs(
     cap = None if softcap is None else float(softcap)
     args = (h, w, labels, vocab_axis, chunk, cap)
     if manual_active():
-        return _label_log_probs(*args)
+        return chunked_log_probs(*args)
     # autodiff: the same rule (autodiff of the scan would keep every chunk's logits); a
     # frozen head (LoRA's base) gets no dW, not even computed
     nondiff = [1] if is_frozen(w) else []
-    return plug(_forward, label_log_probs_vjp, nondiff=nondiff, record=False, prune=bool(nondiff))(
-        *args
-    )
+    return plug(
+        _forward, chunked_log_probs_vjp, nondiff=nondiff, record=False, prune=bool(nondiff)
+    )(*args)
