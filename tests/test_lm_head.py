@@ -29,12 +29,19 @@ def test_chunks_equal_the_full_logits_and_the_rule_equals_autodiff(vocab_axis, c
     ct = jax.random.normal(k[3], (1, 7))
     ours = lambda h, w: nl.label_log_probs(h, w, y, vocab_axis=vocab_axis, chunk=3, softcap=cap)
     ref = lambda h, w: _reference(h, w, y, vocab_axis, cap)
-    np.testing.assert_allclose(ours(h, w), ref(h, w), rtol=1e-5, atol=1e-5)
     f, f_vjp = nl.rules.RULES["chunked_log_probs"]
     nl.rules.check_vjp(f.f, f_vjp, h, w, y, vocab_axis, 3, cap)
-    want = jax.grad(lambda h, w: jnp.sum(ref(h, w) * ct), (0, 1))(h, w)
     fn = lambda h, w: jnp.sum(ours(h, w) * ct)
-    for got in (jax.grad(fn, (0, 1))(h, w), jax.grad(nl.manual_grads(fn), (0, 1))(h, w)):
+
+    @jax.jit
+    def run(h, w):
+        want = jax.grad(lambda h, w: jnp.sum(ref(h, w) * ct), (0, 1))(h, w)
+        got = jax.grad(fn, (0, 1))(h, w), jax.grad(nl.manual_grads(fn), (0, 1))(h, w)
+        return ours(h, w), ref(h, w), want, got
+
+    values, ref_values, want, both = run(h, w)
+    np.testing.assert_allclose(values, ref_values, rtol=1e-5, atol=1e-5)
+    for got in both:
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -47,6 +54,9 @@ def test_bad_arguments_are_one_line():
         nl.label_log_probs(h, w, jnp.zeros(2))
     with pytest.raises(ValueError, match="chunk must be a positive int or None, got 0"):
         nl.label_log_probs(h, w, jnp.zeros(2, jnp.int32), chunk=0)
+
+
+LM = "language_model"
 
 
 def _models():
@@ -71,14 +81,20 @@ def test_models_token_log_probs_equal_their_logits(i):
     params = jax.jit(model.init)(jax.random.key(1))
     x = jax.random.randint(jax.random.key(2), (2, 8), 0, 50)
     y = jnp.roll(x, -1, axis=1)
-    logits = model(params, x)
-    want = jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)[..., 0]
-    got = model.token_log_probs(params, x, y, chunk=5)
+
+    @jax.jit  # one program: eager op-by-op dispatch is most of a small test's time
+    def both(params):
+        logits = model(params, x)
+        want = jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)[..., 0]
+        got = model.token_log_probs(params, x, y, chunk=5)
+        losses = objective_fn(model)(params, x, y)[0], task_objective(LM, logits, y)[0]
+        g_chunked = jax.grad(lambda p: objective_fn(model, "manual")(p, x, y)[0])(params)
+        g_logits = jax.grad(lambda p: task_objective(LM, model(p, x), y)[0])(params)
+        return got, want, losses, g_chunked, g_logits
+
+    got, want, (loss, loss_logits), g_chunked, g_logits = both(params)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    loss, metrics = objective_fn(model)(params, x, y)
-    np.testing.assert_allclose(loss, task_objective("language_model", logits, y)[0], rtol=1e-5)
-    g_chunked = jax.grad(lambda p: objective_fn(model, "manual")(p, x, y)[0])(params)
-    g_logits = jax.grad(lambda p: task_objective("language_model", model(p, x), y)[0])(params)
+    np.testing.assert_allclose(loss, loss_logits, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_logits), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
@@ -100,3 +116,25 @@ def test_a_training_step_holds_one_chunk_of_logits_not_all():
     chunked = temp_bytes(lambda p, x, y: -jnp.mean(model.token_log_probs(p, x, y, chunk=64)))
     assert full > logits, full
     assert chunked < full / 4, (chunked, full)
+
+
+def test_the_precision_policy_casts_token_log_probs():
+    """train.precision: bfloat16 runs token_log_probs as it runs the model: params and
+    features in bfloat16, the log-probabilities and the gradients float32."""
+    from train.loop.precision import Policy
+
+    model = _models()[0]
+    params = jax.jit(model.init)(jax.random.key(1))
+    x = jax.random.randint(jax.random.key(2), (2, 8), 0, 50)
+    bf16 = Policy(model, "bfloat16")
+
+    @jax.jit
+    def run(params):
+        loss = lambda p: -jnp.mean(bf16.token_log_probs(p, x, x))
+        f32 = model.token_log_probs(params, x, x)
+        return bf16.token_log_probs(params, x, x), f32, jax.grad(loss)(params)
+
+    got, f32, grads = run(params)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, f32, rtol=0.05, atol=0.05)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
