@@ -107,9 +107,10 @@ def _config(tmp_path, model: dict, strategy="none", **parallel):
 
 
 def _trainer_programs(cfg):
-    """``(params, opt_state, {name: traced program})``: the trainer's init, step and
-    evaluation of ``cfg``, traced as ``compile_run`` traces them, and its predict call."""
-    from train.inference import _apply
+    """``(run, params, opt_state, {name: traced program})``: the trainer's init, step and
+    evaluation of ``cfg``, traced as ``compile_run`` traces them, and its predict and
+    generate programs (``train.inference``)."""
+    from train.inference import _apply, generator
     from train.loop.build import build, init_program, make_stepper
     from train.loop.step import build_split_eval
 
@@ -132,6 +133,9 @@ def _trainer_programs(cfg):
         "step": stepper.compiled.trace(*args),
         "eval": build_split_eval(r.model, 2, ()).trace(params, x_test, r.data.y_test[:2]),
         "predict": _apply(r.model).trace(params, x_test),
+        "generate": generator(r.model).trace(
+            params, np.zeros((1, 3), np.int32), 2, jax.random.key(0), 0.0, None
+        ),
     }
     return r, params, opt, programs
 
@@ -154,12 +158,8 @@ def test_trainer_programs_of_a_pretrained_model_with_a_peft_adapter_hold_no_para
     lp.blocks[0].attn.q.lora_b = jnp.full_like(lp.blocks[0].attn.q.lora_b, 0.5)
     nl.hf.save_adapter(tmp_path / "adapter", lora, lp)
     model = {"name": f"hf:{tmp_path / 'base'}", "lora": {"path": str(tmp_path / "adapter")}}
-    r, params, opt, programs = _trainer_programs(_config(tmp_path, model))
+    _, params, opt, programs = _trainer_programs(_config(tmp_path, model))
     np.testing.assert_array_equal(params.blocks[0].attn.q.lora_b, 0.5)  # the adapter's
-    prompt = jnp.zeros((1, 3), jnp.int32)
-    programs["generate"] = jax.jit(r.model.generate, static_argnums=2).trace(
-        params, prompt, 2, jax.random.key(0), 0.0
-    )
     for name, traced in programs.items():
         assert param_constants(traced, params, opt) == [], name
 
