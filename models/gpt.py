@@ -193,18 +193,21 @@ class GPT(nl.Module):
         return p
 
     # -- forward ----------------------------------------------------------------------------
-    def __call__(self, params, tokens, *, key=None):
+    def __call__(self, params, tokens, *, key=None, labels=None, chunk=None):
         """Logits ``[..., T, vocab_size]`` of integer ``tokens [..., T]``, ``T <= context``;
-        ``key`` turns dropout on (training)."""
-        return self.logits(params, self.features(params, tokens, key=key))
+        ``key`` turns dropout on (training). With ``labels [..., T]``: their
+        log-probabilities ``[..., T]`` instead (:meth:`token_log_probs`)."""
+        h = self.features(params, tokens, key=key)
+        if labels is None:
+            return self.logits(params, h)
+        w, axis = (params.wte.W, 0) if self.tie_head else (params.head.W, -1)
+        return nl.label_log_probs(h, w.astype(h.dtype), labels, vocab_axis=axis, chunk=chunk)
 
     def token_log_probs(self, params, tokens, labels, *, key=None, chunk=None):
         """``log p(labels | tokens)`` per token ``[..., T]`` (float32), the head and its
-        softmax a chunk of tokens at a time (``nl.label_log_probs``): the training loss
-        never holds all the logits."""
-        h = self.features(params, tokens, key=key)
-        w, axis = (params.wte.W, 0) if self.tie_head else (params.head.W, -1)
-        return nl.label_log_probs(h, w.astype(h.dtype), labels, vocab_axis=axis, chunk=chunk)
+        softmax a chunk of ``chunk`` tokens at a time (``nl.label_log_probs``): the
+        training loss never holds all the logits."""
+        return self(params, tokens, key=key, labels=labels, chunk=chunk)
 
     def features(self, params, tokens, *, key=None):
         """The final LayerNorm's output ``[..., T, n_embd]``: what the head reads."""

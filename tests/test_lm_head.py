@@ -138,3 +138,20 @@ def test_the_precision_policy_casts_token_log_probs():
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, f32, rtol=0.05, atol=0.05)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("i", [0, 3])
+def test_token_log_probs_runs_in_the_model_frame(i):
+    """The layers the loss runs are those of the model's own call, by the same paths
+    (backward policies and per-layer norms name them so), but for an untied head's
+    Linear: the chunked head computes it."""
+    from train.loop.backward import discover
+    from train.model.contract import objective_fn, task_objective
+
+    model = _models()[i]
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    chunked = discover(objective_fn(model, "manual"), params, x, x).layers
+    logits = discover(lambda p, x, y: task_objective(LM, model(p, x), y), params, x, x).layers
+    assert [a.key for a in chunked] == [a.key for a in logits if a.key != "head"]
+    assert "blocks[0].attn" in [a.key for a in chunked]

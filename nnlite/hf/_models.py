@@ -114,10 +114,13 @@ class _Decoder(Module):
         its softmax in chunks of ``chunk`` tokens (``nl.label_log_probs``), never all the
         logits at once. The trainer's language-model loss is its negated mean."""
         # in the decoder's own frame, as its __call__ runs: its layers find their keys there
-        # (LoRA dropout) and name it in their errors
+        # (LoRA dropout), are named by their paths (backward policies) and in their errors
         with jax.named_scope(type(self).__name__):
-            x = call_in_frame(self, type(self).features, (params, tokens), {"key": key})
-        h = self.ln_f(params.ln_f, x)
+            args, kw = (params, tokens, labels), {"key": key, "chunk": chunk}
+            return call_in_frame(self, type(self)._log_probs, args, kw)
+
+    def _log_probs(self, params, tokens, labels, *, key=None, chunk=None):
+        h = self.ln_f(params.ln_f, self.features(params, tokens, key=key))
         if self.tie_head:
             w, axis = params[self._EMBED].W, 0
         else:
