@@ -153,11 +153,11 @@ class LlamaBench:
 
             return step
 
-        def nnlite_step(step, *state):
+        def nnlite_step(step, *state, frozen=()):
             box = [state]
 
             def go():
-                box[0] = step(*box[0])
+                box[0] = step(*box[0], *frozen)
                 jax.block_until_ready(box[0])
 
             return go
@@ -178,13 +178,18 @@ class LlamaBench:
             lmodel, lparams = nl.hf.add_lora(model, self.params, LORA_TARGETS, jax.random.key(0))
             adapters, frozen = nl.lora_split(lparams)
 
+            # the frozen base is an argument, not closed over: a closed-over array is a
+            # constant of the program, which XLA folds at compile time (it spent over a
+            # second transposing the 135M model's f32[49152,576] token table)
             @jax.jit
-            def lora_step(a, s):
+            def lora_step(a, s, frozen):
                 g = jax.grad(lambda a: xent(lmodel(nl.lora_join(a, frozen), x)))(a)
                 u, s = opt.update(g, s, a)
                 return optax.apply_updates(a, u), s
 
-            cases["nnlite lora"] = nnlite_step(lora_step, adapters, opt.init(adapters))
+            cases["nnlite lora"] = nnlite_step(
+                lora_step, adapters, opt.init(adapters), frozen=(frozen,)
+            )
             try:
                 cases["torch+peft lora"] = torch_step(*self._peft())
             except ImportError:

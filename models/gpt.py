@@ -193,9 +193,24 @@ class GPT(nl.Module):
         return p
 
     # -- forward ----------------------------------------------------------------------------
-    def __call__(self, params, tokens, *, key=None):
+    def __call__(self, params, tokens, *, key=None, labels=None, chunk=None):
         """Logits ``[..., T, vocab_size]`` of integer ``tokens [..., T]``, ``T <= context``;
-        ``key`` turns dropout on (training)."""
+        ``key`` turns dropout on (training). With ``labels [..., T]``: their
+        log-probabilities ``[..., T]`` instead (:meth:`token_log_probs`)."""
+        h = self.features(params, tokens, key=key)
+        if labels is None:
+            return self.logits(params, h)
+        w, axis = (params.wte.W, 0) if self.tie_head else (params.head.W, -1)
+        return nl.label_log_probs(h, w.astype(h.dtype), labels, vocab_axis=axis, chunk=chunk)
+
+    def token_log_probs(self, params, tokens, labels, *, key=None, chunk=None):
+        """``log p(labels | tokens)`` per token ``[..., T]`` (float32), the head and its
+        softmax a chunk of ``chunk`` tokens at a time (``nl.label_log_probs``): the
+        training loss never holds all the logits."""
+        return self(params, tokens, key=key, labels=labels, chunk=chunk)
+
+    def features(self, params, tokens, *, key=None):
+        """The final LayerNorm's output ``[..., T, n_embd]``: what the head reads."""
         t = tokens.shape[-1]
         if t > self.context:
             raise ValueError(f"GPT: sequence length {t} exceeds context={self.context}")
@@ -215,7 +230,7 @@ class GPT(nl.Module):
             for i, p_block in enumerate(params.blocks):
                 x = self.layer(p_block, x, key=keys[i])
         # ln_f's float32 params promote the stream back: the head and logits in float32
-        return self.logits(params, self.ln_f(params.ln_f, x))
+        return self.ln_f(params.ln_f, x)
 
     def logits(self, params, h):
         """The head: ``h [..., n_embd] -> [..., vocab_size]``."""

@@ -83,6 +83,7 @@ from .nn._linear import SoftmaxHead as SoftmaxHead
 from .nn._linear import linear as linear
 from .nn._linear import linear_axes as linear_axes
 from .nn._llama import LlamaBlock as LlamaBlock
+from .nn._lm_head import label_log_probs as label_log_probs
 from .nn._lora import LoRA as LoRA
 from .nn._lora import freeze_base as freeze_base
 from .nn._lora import lora_join as lora_join
@@ -248,6 +249,7 @@ __all__ = [
     "get_initializer",
     "hand_rule",
     "identity",
+    "label_log_probs",
     "leaf_str",
     "leaky_relu",
     "linear",

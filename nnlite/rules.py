@@ -166,6 +166,8 @@ from .nn._gqa import grouped_attention as grouped_attention
 from .nn._gqa import grouped_attention_vjp as grouped_attention_vjp
 from .nn._linear import linear as linear
 from .nn._linear import linear_vjp as linear_vjp
+from .nn._lm_head import chunked_log_probs as chunked_log_probs
+from .nn._lm_head import chunked_log_probs_vjp as chunked_log_probs_vjp
 from .nn._lora import lora_linear as lora_linear
 from .nn._lora import lora_linear_dropout as lora_linear_dropout
 from .nn._lora import lora_linear_dropout_vjp as lora_linear_dropout_vjp

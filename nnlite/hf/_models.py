@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core._axes import param_axes
+from ..core._compose import call_in_frame
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..nn._activations import softcap
@@ -23,6 +24,7 @@ from ..nn._dropout import check_rate
 from ..nn._embedding import Embedding
 from ..nn._linear import Linear
 from ..nn._llama import LlamaBlock
+from ..nn._lm_head import label_log_probs
 from ..nn._lora import ADAPTER_NAMES, adapter_axes, match_targets, split_key
 from ..nn._normalisation import RMSNorm
 from ..nn._segments import segment_mask, segment_positions
@@ -107,6 +109,52 @@ class _Decoder(Module):
         context``. ``segment_ids [batch, T]``: packed documents (contiguous, equal ids per
         document), each attending only to itself with positions from 0, so its logits are
         those it has alone."""
+        return self.logits(params, self.features(params, tokens, segment_ids=segment_ids, key=key))
+
+    def token_log_probs(
+        self,
+        params: ParamsDict,
+        tokens: jax.Array,
+        labels: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        key: jax.Array | None = None,
+        chunk: int | None = None,
+    ) -> jax.Array:
+        """``log p(labels[b, t] | tokens[b, :t+1])``, ``[batch, T]`` float32: the head and
+        its softmax in chunks of ``chunk`` tokens (``nl.label_log_probs``), never all the
+        logits at once. The trainer's language-model loss is its negated mean.
+        ``segment_ids``: packed documents, as :meth:`__call__`'s."""
+        # in the decoder's own frame, as its __call__ runs: its layers find their keys there
+        # (LoRA dropout), are named by their paths (backward policies) and in their errors
+        with jax.named_scope(type(self).__name__):
+            args = (params, tokens, labels)
+            kw = {"segment_ids": segment_ids, "key": key, "chunk": chunk}
+            return call_in_frame(self, type(self)._log_probs, args, kw)
+
+    def _log_probs(self, params, tokens, labels, *, segment_ids=None, key=None, chunk=None):
+        h = self.features(params, tokens, segment_ids=segment_ids, key=key)
+        h = self.ln_f(params.ln_f, h)
+        if self.tie_head:
+            w, axis = params[self._EMBED].W, 0
+        else:
+            w, axis = params.head.W, -1
+        dtype = jnp.result_type(h.dtype, w.dtype)
+        cap = getattr(self, "logit_softcap", None)
+        return label_log_probs(
+            h.astype(dtype), w.astype(dtype), labels, vocab_axis=axis, chunk=chunk, softcap=cap
+        )
+
+    def features(
+        self,
+        params: ParamsDict,
+        tokens: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ):
+        """The last block's output ``[batch, T, n_embd]`` (before the final norm and the
+        head) of ``tokens [batch, T]``."""
         if getattr(tokens, "ndim", 0) != 2:
             raise ValueError(
                 f"{type(self).__name__}: expected tokens [batch, T], got shape "
@@ -134,7 +182,7 @@ class _Decoder(Module):
         for i, (p, k) in enumerate(zip(blocks, keys, strict=True)):
             with self.params_scope(f"/blocks[{i}]"):
                 x = self.block_at(i)(p, x, key=k, **kw)
-        return self.logits(params, x)
+        return x
 
     def _packed_kwargs(self, mask: jax.Array, positions: jax.Array) -> dict:
         """What a block takes of packed documents: the mask, and rotary positions."""

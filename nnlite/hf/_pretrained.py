@@ -133,6 +133,18 @@ def content_hash(directory: str | os.PathLike) -> str:
     return _hash_files(files)
 
 
+def _read_adapter(adapter: str, base, lpath: str, i: int, pair) -> jax.Array:
+    """Adapter weight ``i`` (0: A, 1: B) of projection ``lpath`` read by a host callback, as
+    the base weights are: a value closed over in ``init`` would become a constant of every
+    program that traces it (and XLA would fold it at each compile)."""
+    shape = tuple(pair[i].shape)
+
+    def host():
+        return np.asarray(_adapter(adapter, base)["tensors"][lpath][i], np.float32)
+
+    return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
 class Pretrained(Module):
     """The model of a Hugging Face directory, for a trainer: ``init(key)`` gives its
     pretrained weights (and, with ``lora``, fresh adapters drawn from ``key``).
@@ -241,10 +253,12 @@ class Pretrained(Module):
             return params
         model = self.model
         flat = dict(params.to_flat())
-        if "path" in dict(self.lora):  # the peft adapter's weights
-            found = _adapter(dict(self.lora)["path"], self.base)["tensors"]
-            for lpath, (a, b) in found.items():
-                flat[lpath + "/lora_a"], flat[lpath + "/lora_b"] = jnp.asarray(a), jnp.asarray(b)
+        if "path" in dict(self.lora):  # the peft adapter's weights, read as the base's are
+            adapter = dict(self.lora)["path"]
+            found = _adapter(adapter, self.base)["tensors"]
+            for lpath, pair in found.items():
+                for i, name in enumerate(("lora_a", "lora_b")):
+                    flat[f"{lpath}/{name}"] = _read_adapter(adapter, self.base, lpath, i, pair)
             return ParamsDict.from_flat(flat)
         paths = sorted(model.lora_paths)
         for lpath, k in zip(paths, jax.random.split(key, len(paths)), strict=True):
@@ -277,6 +291,11 @@ class Pretrained(Module):
         key: jax.Array | None = None,
     ):
         return self.model(params, tokens, segment_ids=segment_ids, key=key)
+
+    def token_log_probs(self, params: ParamsDict, tokens, labels, *, key=None, chunk=None):
+        """The labels' log-probabilities, the head in chunks (the decoder's
+        ``token_log_probs``): what the trainer's loss differentiates."""
+        return self.model.token_log_probs(params, tokens, labels, key=key, chunk=chunk)
 
     # -- checkpoints of a LoRA run: the adapters, and the base named by path and hash ---------
     def checkpointed(self, params):

@@ -70,7 +70,7 @@ class Policy:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.model, name)  # AttributeError as the model's own
-        if name in ("objective", "loss") and callable(attr):
+        if name in ("objective", "loss", "token_log_probs") and callable(attr):
             return self._wrap(attr)
         if name == "accumulate":  # a hand pass on raw params would skip the casts
             raise AttributeError(name)

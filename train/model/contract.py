@@ -22,6 +22,10 @@ A model is an ``nl.Module`` (a frozen dataclass of hyperparameters) with:
   training differentiates); by default they come from the task (:data:`TASKS`):
   softmax cross-entropy + accuracy, mean squared error, next-token cross-entropy + bits
   per character;
+- optionally, a language model's ``token_log_probs(params, tokens, labels, *, key=None)
+  -> [batch, T]`` (each label's log-probability): the task's loss is then its negated
+  mean, computed without the ``[batch, T, vocab]`` logits (the shipped GPT's and
+  ``nl.hf``'s compute their head in chunks, ``nl.label_log_probs``);
 - optionally ``trainable(params) -> tree of bools`` (or None: all): which params train
   (``nl.hf.Pretrained`` with LoRA: the adapters only); the rest are frozen as
   ``optimizer.frozen`` freezes them (train/optim/params.py). A model without it may
@@ -336,12 +340,48 @@ def task_objective(task: str, out: jax.Array, y: jax.Array, x=None) -> tuple[jax
     return nl.reduce(per_example, "mean"), {k: jnp.mean(v) for k, v in metrics.items()}
 
 
+def label_log_probs_fn(model: Any) -> Callable | None:
+    """A stateless language model's ``token_log_probs(params, tokens, labels, *, key=None)
+    -> [batch, T]`` (the labels' log-probabilities with its head in chunks: the loss then
+    never holds all the logits), or None: the task's loss on the model's logits."""
+    if getattr(model, "task", None) != "language_model" or is_stateful(model):
+        return None
+    return getattr(model, "token_log_probs", None)
+
+
+def _lm_token_loss(log_probs_fn: Callable | None, params, x, y, key=None):
+    """``(cross-entropy [batch, T], float mask of the kept targets or None: all)`` from
+    ``token_log_probs`` (its head in chunks), or None where the logits path applies: no
+    such method, preference pairs (``x [batch, 2, 2, T]``), or packed rows (``x [batch, 2,
+    T]``: tokens and segment ids, targets ``-1`` take no loss) for a model whose
+    ``token_log_probs`` takes no ``segment_ids``."""
+    ndim = getattr(x, "ndim", 0)
+    if log_probs_fn is None or ndim not in (2, 3):
+        return None
+    kw = {"key": key} if key is not None else {}
+    if ndim == 2:  # every target kept
+        return -log_probs_fn(params, x, y, **kw), None
+    if not _accepts(log_probs_fn, "segment_ids"):
+        return None
+    keep = y >= 0
+    lp = log_probs_fn(params, x[:, 0], jnp.where(keep, y, 0), segment_ids=x[:, 1], **kw)
+    return jnp.where(keep, -lp, jnp.zeros((), lp.dtype)), keep.astype(lp.dtype)
+
+
 def per_example_loss(model: Any, params, x, y, state=None) -> tuple[jax.Array, dict]:
     """``model.loss`` if it has one, else its task's: per-example loss and metrics
     (inference: no key; a stateful model in eval mode with ``state``)."""
     stateful = is_stateful(model)
     if hasattr(model, "loss"):
         return model.loss(params, x, y, state=state) if stateful else model.loss(params, x, y)
+    lm = _lm_token_loss(label_log_probs_fn(model), params, x, y)
+    if lm is not None:
+        ce, keep = lm
+        if keep is None:
+            per_window = jnp.mean(ce, axis=-1)
+        else:
+            per_window = jnp.sum(ce, axis=-1) / jnp.maximum(jnp.sum(keep, axis=-1), 1)
+        return per_window, {"bits_per_char": per_window / LN2}
     if stateful:
         out = call_stateful(model, params, x, state, train=False)[0]
     else:
@@ -385,7 +425,17 @@ def objective_fn(model: Any, grad: str = "autodiff") -> Callable:
 
         return stateful_default
 
+    log_probs = label_log_probs_fn(model)
+
     def default(params, x, y, *, key=None):
+        lm = _lm_token_loss(log_probs, params, x, y, key)
+        if lm is not None:  # every kept token counts once; no [batch, T, vocab] logits
+            ce, keep = lm
+            if keep is None:
+                loss = nl.reduce(ce, "mean")
+            else:
+                loss = jnp.sum(ce) / jnp.maximum(jnp.sum(keep), 1)
+            return loss, {"bits_per_char": jax.lax.stop_gradient(loss) / LN2}
         out = call(model, params, x, key=key) if key is not None else call(model, params, x)
         return task_objective(model.task, out, y, x)
 
