@@ -285,7 +285,9 @@ def test_flops_of_a_program_whose_client_analyses_no_lowered_program():
 # -- what the machine has, in the banner (train/report/machine.py) ---------------------------
 def cpuinfo(model: str, flags: str) -> str:
     """A /proc/cpuinfo text of two processors (the banner reads the first)."""
-    one = f"processor\t: {{}}\nvendor_id\t: GenuineIntel\nmodel name\t: {model}\nflags\t\t: {flags}\n"
+    one = (
+        f"processor\t: {{}}\nvendor_id\t: GenuineIntel\nmodel name\t: {model}\nflags\t\t: {flags}\n"
+    )
     return one.format(0) + "\n" + one.format(1)
 
 
