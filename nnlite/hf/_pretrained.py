@@ -292,10 +292,15 @@ class Pretrained(Module):
     ):
         return self.model(params, tokens, segment_ids=segment_ids, key=key)
 
-    def token_log_probs(self, params: ParamsDict, tokens, labels, *, key=None, chunk=None):
+    def token_log_probs(
+        self, params: ParamsDict, tokens, labels, *, segment_ids=None, key=None, chunk=None
+    ):
         """The labels' log-probabilities, the head in chunks (the decoder's
-        ``token_log_probs``): what the trainer's loss differentiates."""
-        return self.model.token_log_probs(params, tokens, labels, key=key, chunk=chunk)
+        ``token_log_probs``; ``segment_ids``: packed documents): what the trainer's loss
+        differentiates."""
+        return self.model.token_log_probs(
+            params, tokens, labels, segment_ids=segment_ids, key=key, chunk=chunk
+        )
 
     # -- checkpoints of a LoRA run: the adapters, and the base named by path and hash ---------
     def checkpointed(self, params):
