@@ -11,7 +11,6 @@ Example (after ``nnlite-train --config configs/digits_mlp.yaml``)::
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from .config import Config, ModelConfig, load_config
 from .errors import ConfigError, relative_to
 from .loop.precision import with_loss_scaling
 from .model import registry as models
-from .model.contract import Model, call, call_stateful, is_stateful, param_shapes
+from .model.contract import Model, accepts, call, call_stateful, is_stateful, param_shapes
 from .model.registry import MODEL_SOURCE_KEY
 from .optim.ema import ema_params, ema_prefix
 from .optim.params import make_optimizer, plan_params
@@ -355,7 +354,7 @@ def generator(
     extra = {"top_p": top_p, "repetition_penalty": repetition_penalty}
     extra = {k: v for k, v in extra.items() if v is not None}
     for name in extra:  # options only some models' own generate takes (nl.hf)
-        if fn is None or not _takes(fn, name):
+        if fn is None or not accepts(fn, name):
             how = "samples by windows" if fn is None else "has a generate without it"
             raise ConfigError(
                 f"{name} needs a model whose own generate takes it (nl.hf models); "
@@ -366,15 +365,6 @@ def generator(
     if fn is None:
         fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731
     return jax.jit(fn, static_argnums=(2, 5))
-
-
-def _takes(fn, name: str) -> bool:
-    """Whether ``fn`` takes the keyword argument ``name`` (by name or ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def generate_by_windows(model, params, prompt, n_tokens: int, key, temperature, top_k):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..core._params import ParamsDict
+from ._config import read_json
 from ._convert import family_of, hf_name
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM
@@ -139,12 +140,9 @@ def _read_config(d: Path) -> dict[str, Any]:
         raise AdapterError(
             f"{d}: no {CONFIG}; a peft adapter directory holds {CONFIG} and {WEIGHTS}"
         )
-    try:
-        cfg = json.loads(where.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{where}: not readable JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        found = cfg.get("peft_type") if isinstance(cfg, dict) else type(cfg).__name__
+    cfg = read_json(where, AdapterError)
+    if cfg.get("peft_type") != "LORA":
+        found = cfg.get("peft_type")
         raise AdapterError(f"{where}: peft_type is {found!r}; nnlite reads LORA adapters only")
     for key, default in _UNSUPPORTED.items():
         value = cfg.get(key, default)

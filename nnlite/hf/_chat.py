@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from ._config import read_json
+
 __all__ = ["ChatTemplate", "encode_chat", "load_chat_template"]
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -192,13 +194,10 @@ def load_chat_template(directory: str | os.PathLike) -> ChatTemplate:
     config: dict = {}
     cfg_path = d / "tokenizer_config.json"
     if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise ChatTemplateError(f"{cfg_path}: not valid JSON ({e})") from None
+        config = read_json(cfg_path, ChatTemplateError)
     special = {}
     side = d / "special_tokens_map.json"
-    for source in (json.loads(side.read_text(encoding="utf-8")) if side.is_file() else {}, config):
+    for source in (read_json(side, ChatTemplateError) if side.is_file() else {}, config):
         for key in _SPECIAL:
             text = _token_text(source.get(key))
             if text is not None:

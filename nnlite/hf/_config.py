@@ -136,13 +136,19 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise HFConfigError(f"{directory}: not a directory (a Hugging Face model directory)")
     if not path.is_file():
         raise HFConfigError(f"{directory}: no config.json (not a Hugging Face model directory)")
+    return read_json(path)
+
+
+def read_json(path: str | os.PathLike, error: type[Exception] = HFConfigError) -> dict:
+    """A JSON object file of a model or adapter directory (``config.json``,
+    ``tokenizer_config.json``, ...), or ``error`` in one line naming the file."""
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise HFConfigError(f"{path}: not a JSON object ({e})") from None
-    if not isinstance(cfg, dict):
-        raise HFConfigError(f"{path}: not a JSON object")
-    return cfg
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise error(f"{path}: not a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: not a JSON object (a {type(data).__name__})")
+    return data
 
 
 def _check_keys(cfg: dict, used: set, where: str, ignore_keys) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._config import HFConfigError
+from ._config import HFConfigError, read_json
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -145,16 +145,6 @@ def copy_tokenizer(source: str | os.PathLike, directory: str | os.PathLike) -> l
     return copied
 
 
-def _json(path: Path, error: type[Exception]) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _ids(value: Any, path: Path, error: type[Exception]) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -171,7 +161,7 @@ def stop_ids(directory: str | os.PathLike, error: type[Exception] = ValueError) 
     d = Path(directory)
     for name in ("generation_config.json", "config.json"):
         if (d / name).is_file():
-            found = _ids(_json(d / name, error).get("eos_token_id"), d / name, error)
+            found = _ids(read_json(d / name, error).get("eos_token_id"), d / name, error)
             if found is not None:
                 return found
     return ()

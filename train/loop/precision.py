@@ -18,7 +18,6 @@ state, so they are checkpointed, sharded like any scalar and resumed bit for bit
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -28,6 +27,7 @@ import optax
 import nnlite as nl
 
 from ..config import PRECISIONS as PRECISIONS  # the schema names the choices
+from ..model.contract import accepts
 
 GROWTH_INTERVAL = 2000  # finite float16 steps in a row before the loss scale doubles
 GROWTH_FACTOR = 2.0  # what the scale is multiplied by when it grows, divided by on overflow
@@ -47,14 +47,6 @@ def _cast_floats(tree: Any, dtype) -> Any:
 def _like(new: Any, old: Any) -> Any:
     """``new`` (a model's state after the step) in the dtypes of ``old`` (before it)."""
     return jax.tree.map(lambda n, o: n.astype(o.dtype) if n.dtype != o.dtype else n, new, old)
-
-
-def _accepts(fn, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Policy:
@@ -90,7 +82,7 @@ class Policy:
         return _cast_floats(out, jnp.float32)
 
     def _wrap(self, fn):
-        pass_grad, pass_key = _accepts(fn, "grad"), _accepts(fn, "key")
+        pass_grad, pass_key = accepts(fn, "grad"), accepts(fn, "key")
 
         def wrapped(params, x, y, *, grad=None, key=None, state=None, **kw):
             p, x = self._in(params, x)

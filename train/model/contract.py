@@ -170,14 +170,14 @@ def _check_stateful_class(cls: type, where: str) -> None:
             f"{where}: {name}.init_state must take no arguments (it returns the initial "
             f"state ParamsDict), but it requires {', '.join(required)}"
         )
-    missing = [k for k in ("state", "train") if not _accepts(cls.__call__, k)]
+    missing = [k for k in ("state", "train") if not accepts(cls.__call__, k)]
     if missing:
         raise ModelError(
             f"{where}: {name} defines init_state, so it is stateful and its __call__ must "
             f"take the keyword argument(s) {', '.join(missing)}: {STATEFUL_CALL}"
         )
     own = getattr(cls, "objective", None)
-    if own is not None and not _accepts(own, "state"):
+    if own is not None and not accepts(own, "state"):
         raise ModelError(
             f"{where}: {name} is stateful (it defines init_state), so its objective must "
             "take state= and return (mean_loss, metrics, new_state)"
@@ -276,7 +276,8 @@ def uses_key(model: Any) -> bool:
     return bool(getattr(model, "uses_key", False))
 
 
-def _accepts(fn: Callable, name: str) -> bool:
+def accepts(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` (by name or ``**kwargs``)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -361,7 +362,7 @@ def _lm_token_loss(log_probs_fn: Callable | None, params, x, y, key=None):
     kw = {"key": key} if key is not None else {}
     if ndim == 2:  # every target kept
         return -log_probs_fn(params, x, y, **kw), None
-    if not _accepts(log_probs_fn, "segment_ids"):
+    if not accepts(log_probs_fn, "segment_ids"):
         return None
     keep = y >= 0
     lp = log_probs_fn(params, x[:, 0], jnp.where(keep, y, 0), segment_ids=x[:, 1], **kw)
@@ -398,8 +399,8 @@ def objective_fn(model: Any, grad: str = "autodiff") -> Callable:
     own = getattr(model, "objective", None)
     stateful = is_stateful(model)
     if own is not None:
-        pass_grad = _accepts(own, "grad")
-        pass_key = _accepts(own, "key")
+        pass_grad = accepts(own, "grad")
+        pass_key = accepts(own, "key")
 
         def objective(params, x, y, *, key=None, **state):
             kw = {"grad": grad} if pass_grad else {}
