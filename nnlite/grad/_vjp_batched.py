@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ._manual import hand_rule
+from ._prim_layout import _sum_to
 from ._structural import CUSTOM_JVP_RULES, PRIMITIVE_RULES, PrimitiveRule
 
 __all__ = [
@@ -423,16 +424,6 @@ def softmax_cross_entropy(logits, labels):
 
 def _posinf_to_zero(x):
     return jnp.where(jnp.isposinf(x), jnp.zeros_like(x), x)
-
-
-def _sum_to(g, shape):
-    """``g`` summed down to ``shape`` (an operand broadcast against the other)."""
-    shape = tuple(shape)
-    lead = g.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(
-        lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1
-    )
-    return jnp.sum(g, axis=axes).reshape(shape) if axes else g
 
 
 def _logaddexp_vjp_with(exp, x1, x2, out, dret):
