@@ -11,6 +11,7 @@ from .core._axes import Axes as Axes
 from .core._axes import param_axes as param_axes
 from .core._batch_axis import batch_axis as batch_axis
 from .core._batch_axis import current_batch_axis as current_batch_axis
+from .core._jax_private import lowered_cost_analysis as cost_analysis
 
 # issue 34 (gradtrain helper): a trace-time hook around each layer call (per-layer backward
 # diagnostics and policies by path in the trainer)
@@ -240,6 +241,7 @@ __all__ = [
     "LayerCall",
     "check_manual",
     "check_rules",
+    "cost_analysis",
     "current_batch_axis",
     "elu",
     "format_path",
