@@ -33,10 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import store as ckpt
 from ..config import Config
 from ..data.builtin import data_section, load_dataset, text_context
 from ..errors import ConfigError
+from ..inference import load_run
 from ..parallel import distributed as dist
+from .trainer import train
 
 DEFAULT_STEPS = 2
 
@@ -82,10 +85,6 @@ def fast_dev_run(
     """Run the phases (module docstring) for ``cfg``; return what each found. ``data``:
     the data set, or a Future of it (None: load it); ``plotter``: a ``CurvePlotter`` for
     the last phase's curves."""
-    from ..checkpoint import store as ckpt
-    from ..inference import load_run
-    from .trainer import train
-
     if steps < 1:
         raise ConfigError(f"--fast-dev-run: expected a number of steps >= 1, got {steps}")
     t0 = time.perf_counter()
@@ -199,8 +198,6 @@ def _check_eval(r, phase: str) -> None:
 
 
 def _check_checkpoint(found: list[Path], step: int, phase: str) -> None:
-    from ..checkpoint import store as ckpt
-
     if not found or ckpt.step_of(found[-1]) != step:
         newest = found[-1].name if found else "none"
         raise DevRunFailed(
