@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -337,10 +336,6 @@ class _Loop:
                 dist.process_share(self.sampler.batches(self.step, k)), self.step
             )
         self.profiler.before_call(self.step, k)
-        if faults.stuck_here(self.step, k, jax.process_index()):  # test hook
-            stuck = faults.StuckCall()
-            self.watchdog.watch(self.step, stuck)
-            stuck.block_until_ready()  # as at any sync point: never returns
         self.p_leaves, self.o_leaves, self.s_leaves, self.metrics = stepper.run(
             self.p_leaves, self.o_leaves, self.s_leaves, self.prep.X, self.prep.Y, batch
         )
@@ -772,11 +767,6 @@ def _host_trees(prep: Prepared, p: list, o: list, s: list) -> tuple:
     return jax.tree.unflatten(prep.p_def, host(p)), jax.tree.unflatten(prep.o_def, host(o)), state
 
 
-# Benchmark hook, never set in normal runs: no bound on the calls in flight (the stall the
-# bound prevents comes back: benchmarks/stress_multidevice.py measures both).
-UNBOUNDED_ENV = "NNLITE_BENCH_UNBOUNDED_CALLS"
-
-
 def max_in_flight(multiprocess: bool, devices: int = 1) -> int | None:
     """How many compiled calls may be in flight at once (None: no limit). Several CPU
     processes need a bound (see ``_Loop.run_call``), whatever the strategy: with one more
@@ -786,7 +776,5 @@ def max_in_flight(multiprocess: bool, devices: int = 1) -> int | None:
     filled it while a part of the running call waited for a thread (docs/distributed.md,
     "Why CPU runs bound the calls in flight")."""
     if jax.devices()[0].platform != "cpu" or not (multiprocess or devices > 1):
-        return None
-    if os.environ.get(UNBOUNDED_ENV):  # benchmarks/stress_multidevice.py's "before" rows
         return None
     return 0
