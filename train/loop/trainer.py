@@ -1,6 +1,7 @@
 """The training loop: one compiled call after another, stopping at the boundaries to log,
-evaluate and checkpoint. Building and compiling live in ``build.py``, the run directory
-in ``rundir.py``, where a run starts in ``resume.py``, faults in ``faults.py``."""
+evaluate and checkpoint. Building and compiling live in ``build.py``, the loop's parts (its
+state and counters, batches, reporting, checkpoint bookkeeping) in ``parts.py``, the run
+directory in ``rundir.py``, where a run starts in ``resume.py``, faults in ``faults.py``."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ..checkpoint import rundir
 from ..checkpoint import store as ckpt
 from ..checkpoint.best import META_KEY as BEST_KEY
 from ..checkpoint.best import BestCheckpoints
-from ..checkpoint.resume import agree_on_start, metadata
+from ..checkpoint.resume import Start, agree_on_start, metadata
 from ..checkpoint.writer import Writer
 from ..config import Config, to_dict
 from ..data import feed, overfit
@@ -242,9 +243,9 @@ class _Loop:
         timings.lap("other")
         return loop
 
-    def resumed(self, begin) -> None:
-        """The callbacks' and the best k's state from the checkpoint resumed from (``begin``,
-        ``train.checkpoint.resume.Begin``), and its ``on_checkpoint`` again."""
+    def resumed(self, begin: Start) -> None:
+        """The callbacks' and the best k's state from the checkpoint ``begin`` resumed from
+        (none for a fresh run), and its ``on_checkpoint`` again."""
         if begin.checkpoint is not None and self.callbacks:
             where = f"checkpoint {begin.checkpoint}"
             self.callbacks.load(begin.meta.get("callbacks"), where)
@@ -615,7 +616,7 @@ def _batches(r: Run, sampler: Sampler, stepper, start: int) -> Batches:
     return Batches(sampler, stepper, BatchFeed(r.data, sampler, stepper, calls))
 
 
-def _reporter(r: Run, prep: Prepared, begin, echo, timings, plotter, loggers) -> Reporter:
+def _reporter(r: Run, prep: Prepared, begin: Start, echo, timings, plotter, loggers) -> Reporter:
     """The run's reporting from the step ``begin`` starts at: metrics.jsonl and the loggers
     open on process 0 unless the run has nothing left to do."""
     cfg, start = r.cfg, begin.step
@@ -637,7 +638,7 @@ def _reporter(r: Run, prep: Prepared, begin, echo, timings, plotter, loggers) ->
     return rep
 
 
-def _checkpoint_book(cfg: Config, begin, callbacks: Callbacks) -> CheckpointBook:
+def _checkpoint_book(cfg: Config, begin: Start, callbacks: Callbacks) -> CheckpointBook:
     """The checkpoints from the one resumed from (or the initial state) on."""
     ck = cfg.checkpoint
     waits = any(
