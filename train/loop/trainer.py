@@ -392,9 +392,7 @@ class _Loop:
         if self.r.strategy.sharded_state:
             return self.checkpoint_sharded()
         if background:  # copies on the devices: the next steps donate these buffers
-            watch = lambda flags: self.watchdog.watch(step, flags)  # noqa: E731
-            if cfg.train.nonfinite == "stop" and not finite_on_devices(s.p_leaves, watch).all():
-                self._stop_nonfinite(step)
+            self._check_finite_on_devices()
             get = self.prep.stepper.get_state
             snap = [_device_copy(get(v)) for v in s.leaves]
         else:
@@ -414,21 +412,13 @@ class _Loop:
                     state=s, protect=protect, model=self.r.model,
                 )  # fmt: skip
 
-        self.ckpt.writer.submit(step, write)
-        self.ckpt.t_last = time.monotonic()
-        self.report.timings.lap("checkpoint")
-        self.written(wait=False)  # a synchronous write: on_checkpoint now
+        self._submit(step, write)
 
     def checkpoint_sharded(self) -> None:
         """Save a sharded state: every process writes the shards its devices hold (never
         gathered: no ``get_state``), process 0 the metadata last (``ckpt.save_sharded``)."""
         prep, cfg, step = self.prep, self.r.cfg, self.state.step
-        watch = lambda flags: self.watchdog.watch(step, flags)  # noqa: E731
-        if (
-            cfg.train.nonfinite == "stop"
-            and not finite_on_devices(self.state.p_leaves, watch).all()
-        ):
-            self._stop_nonfinite(step)
+        self._check_finite_on_devices()
         leaves = self.state.leaves
         if self.ckpt.writer.background:  # copies on the devices, sharded as the state is
             leaves = [_device_copy(v) for v in leaves]
@@ -444,6 +434,19 @@ class _Loop:
                 model=self.r.model,
             )  # fmt: skip
 
+        self._submit(step, write)
+
+    def _check_finite_on_devices(self) -> None:
+        """``train.nonfinite=stop``: the params are finite, tested where they lie."""
+        step = self.state.step
+        watch = lambda flags: self.watchdog.watch(step, flags)  # noqa: E731
+        if self.r.cfg.train.nonfinite == "stop":
+            if not finite_on_devices(self.state.p_leaves, watch).all():
+                self._stop_nonfinite(step)
+
+    def _submit(self, step: int, write) -> None:
+        """Hand the checkpoint ``write`` of ``step`` to the writer (None: another process
+        writes it); a synchronous write's ``on_checkpoint`` runs now."""
         self.ckpt.writer.submit(step, write)
         self.ckpt.t_last = time.monotonic()
         self.report.timings.lap("checkpoint")
