@@ -51,7 +51,7 @@ def check_many(cases, **kw) -> None:
         out = []
         for (f, f_vjp, _), (i, j), dret in zip(cases, spans, drets, strict=True):
             args = xs[i:j]
-            who = f"check_vjp({f.__name__}, {f_vjp.__name__})"
+            who = f"check_rule({f.__name__}, {f_vjp.__name__})"
             out.extend(cotangents(f_vjp(*args, *ensure_tuple(dret)), args, who))
         return tuple(out)
 

@@ -58,7 +58,7 @@ class VJPCheckError(AssertionError):
     """
 
 
-VJPCheckError.__module__ = "nnlite.vjp"  # its public home
+VJPCheckError.__module__ = "nnlite.rules"  # its public home
 
 
 class RuleContractError(VJPCheckError, TypeError):

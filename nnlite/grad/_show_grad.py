@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib
 import inspect
 import re
 import sys
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._contract import RuleContractError, cotangents, rule_layout
+from ._rule_table import public_name, same_function
 from ._show_grad_walk import (
     _ident,
     _is_float_dtype,
@@ -53,36 +53,31 @@ __all__ = ["show_forward", "show_grad", "show_value_and_grad"]
 
 # --- imports of the rules ---------------------------------------------------------------------
 
-#: Where the printed code imports nnlite's rules from, first match first: public paths only.
-PUBLIC_HOMES = ("nnlite.rules", "nnlite.vjp", "nnlite.vjp.batched", "nnlite")
-
-
-def _same_fn(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` compute the same when called plainly: one object, or one is the
-    other's plug-in (``hand_rule`` / ``custom_vjp`` keep the plain function as ``.f``)."""
-    if a is None or b is None:
-        return False
-    fa, fb = getattr(a, "f", None), getattr(b, "f", None)
-    return a is b or fa is b or fb is a or (fa is not None and fa is fb)
+#: Where the printed code imports nnlite's rules from: the one home, generated from the table.
+RULES_HOME = "nnlite.rules"
 
 
 def _home(fn: Callable) -> str | None:
-    """The module to import ``fn`` from: a public nnlite path for the library's rules, else
-    the module defining it if it is importable there under its name; None: define it in
-    the printed code (``__main__``, a function's local)."""
+    """The module to import ``fn`` from: ``nnlite.rules`` for a rule of the table, nnlite's
+    public namespaces for its other functions, else the module defining it if it is
+    importable there under its name; None: define it in the printed code (``__main__``, a
+    function's local)."""
     name = fn.__name__
-    for modname in PUBLIC_HOMES:
-        if _same_fn(getattr(importlib.import_module(modname), name, None), fn):
-            return modname
+    if public_name(fn) == name:
+        return RULES_HOME
     mod = getattr(fn, "__module__", None) or ""
     if mod.split(".")[0] == "nnlite":
+        # a tool of nnlite's (a checker, match_primal): nnlite is imported, show_grad is in it
+        for modname in (RULES_HOME, "nnlite"):
+            if same_function(getattr(sys.modules.get(modname), name, None), fn):
+                return modname
         raise ValueError(
             f"show_grad: the rule function {name} ({mod}) has no public import path "
-            f"({', '.join(PUBLIC_HOMES)}), so printed code could not import it"
+            f"({RULES_HOME}, nnlite), so printed code could not import it"
         )
     if mod and mod != "__main__" and getattr(fn, "__qualname__", name) == name:
         module = sys.modules.get(mod)
-        if module is not None and _same_fn(getattr(module, name, None), fn):
+        if module is not None and same_function(getattr(module, name, None), fn):
             return mod
     return None
 
