@@ -1,4 +1,4 @@
-"""Check a rule against ``jax.vjp`` (``check_rule``, also ``check_vjp``), and the seed's tree helpers.
+"""``check_rule``: a rule against ``jax.vjp`` (also ``check_vjp``), and the seed's tree helpers.
 
 The plug-in that hands a checked rule to JAX is ``_custom_vjp.py``.
 """

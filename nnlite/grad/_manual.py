@@ -64,15 +64,15 @@ ManualGradError.__module__ = "nnlite"  # its public home, shown in tracebacks
 
 
 def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
-    """Declare ``f_vjp`` as the hand VJP of the decorated array function ``f``.
+    """Declare ``f_vjp`` as the rule of the decorated array function ``f``.
 
     Outside manual mode the function is ``f`` itself. Inside ``manual_grads`` it is
-    ``nnlite.vjp.custom_vjp(f, f_vjp)`` with the keyword arguments (hyperparameters:
+    ``nnlite.rules.custom_vjp(f, f_vjp)`` with the keyword arguments (hyperparameters:
     strides, eps, ...) bound as static values. ``f.f`` and ``f.f_vjp`` are the plain pair
-    (for ``check_vjp``).
+    (for ``check_rule``); nnlite's own rules enter the rule table (``nnlite.rules``).
 
     The rule contract (the same for ``hand_rule``, ``custom_vjp``, ``manual_grads``,
-    ``check_vjp`` and ``show_grad``)::
+    ``check_rule`` and ``show_grad``)::
 
         f_vjp(*args, *drets, **hyperparameters) -> dargs
 
@@ -260,7 +260,7 @@ def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> tuple:
     (the trainer's ``loss.grad: auto`` asks this).
 
     Returns:
-        The hand rules ``fn`` calls (``@nl.hand_rule`` functions and ``nl.vjp.custom_vjp``
+        The hand rules ``fn`` calls (``@nl.hand_rule`` functions and ``nl.rules.custom_vjp``
         plug-ins, each with ``.f`` and ``.f_vjp``), once each, in call order: what a
         caller checks with ``nl.check_rules`` (the trainer checks the user's own).
 

@@ -40,9 +40,9 @@ __all__ = [
     "gelu", "gelu_grad", "gelu_vjp", "identity", "identity_vjp", "index", "index_vjp",
     "log_softmax", "log_softmax_vjp", "logaddexp", "logaddexp2", "logaddexp2_vjp",
     "logaddexp_vjp", "mean", "mean_vjp", "mm", "mm_scaled", "mm_scaled_vjp",
-    "mm_scaled_vjp_simple", "mm_vjp", "negate", "negate_vjp", "pair", "pair_vjp",
-    "range_vjp", "recip", "reduce_sum", "reduce_sum_vjp", "recip_vjp", "relu", "relu_vjp", "scale", "scale_vjp", "sigmoid",
-    "sigmoid_vjp", "softmax", "softmax_cross_entropy_values",
+    "mm_scaled_vjp_simple", "mm_vjp", "negate", "negate_vjp", "pair", "pair_vjp", "range_vjp",
+    "recip", "recip_vjp", "reduce_sum", "reduce_sum_vjp", "relu", "relu_vjp", "scale",
+    "scale_vjp", "sigmoid", "sigmoid_vjp", "softmax", "softmax_cross_entropy_values",
     "softmax_cross_entropy_values_vjp", "softmax_vjp", "softplus", "softplus_vjp", "sum",
     "sum_vjp", "tanh", "tanh_vjp", "xpyzt", "xpyzt_vjp",
 ]  # fmt: skip
