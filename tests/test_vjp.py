@@ -401,6 +401,8 @@ def test_no_public_name_means_two_functions():
 def test_removed_spellings_say_where_they_went():
     with pytest.raises(ImportError, match=r"nnlite.vjp.batched is gone: .* in nnlite.rules"):
         from nnlite.vjp import batched  # noqa: F401
+    with pytest.raises(ImportError, match=r"hand -> plugged"):
+        from nnlite.vjp.batched import hand  # noqa: F401
     with pytest.raises(AttributeError, match="softmax_cross_entropy_values"):
         R.softmax_cross_entropy  # noqa: B018
     with pytest.raises(AttributeError, match="plugged"):

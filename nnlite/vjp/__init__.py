@@ -57,19 +57,14 @@ globals().update({name + "_vjp": f_vjp for name, (_, f_vjp) in RULES.items()})
 #: Every rule as a ``jax.custom_vjp`` function (``nnlite.rules.plugged``).
 hand = _rules.plugged
 
-#: ``nnlite.vjp.batched`` was a second rule library, removed: where each thing went.
+#: ``nnlite.vjp.batched`` was a second rule library, removed: where each thing went (what
+#: importing it raises).
 BATCHED_GONE = (
     "nnlite.vjp.batched is gone: its rules are in nnlite.rules under the same names (mm, axpy, "
     "xpyzt, mm_scaled serve row-vector batches too), except hand -> plugged, softmax(x) -> "
     "softmax(x, axis=-1), sum(x) -> reduce_sum(x), softmax_cross_entropy -> "
     "softmax_cross_entropy_values, and index_vjp returns dx alone; see docs/gradients.md"
 )
-
-
-def __getattr__(name: str):
-    if name == "batched":  # ``from nnlite.vjp import batched``
-        raise ImportError(BATCHED_GONE)
-    raise AttributeError(f"module 'nnlite.vjp' has no attribute {name!r}")
 
 
 __all__ = [
