@@ -15,7 +15,7 @@ from train.model.contract import objective_fn
 DTYPES = ["float32", "float64"]
 
 
-# Each test checks its cases in one check_vjp (tests/_check_many.py: one compile, not one per
+# Each test checks its cases in one check_rule (tests/_check_many.py: one compile, not one per
 # case; a failure names its rule), once per dtype (the rand fixture).
 
 
