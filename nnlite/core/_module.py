@@ -58,7 +58,9 @@ class Module:
     child's name), ``uses_key`` is derived (a child that takes a key), and so is
     ``init_state()`` (a child with state, such as ``BatchNorm``): the call then takes
     ``state=``/``train=`` and returns ``(out, new_state)`` without the module's own code
-    threading either. Writing ``init`` by hand keeps working; both styles mix.
+    threading either. A module that wraps one child sets the class attribute ``params_of``
+    to the child's name: its params are then the child's own (``/W``, not ``/linear/W``),
+    the key passed as is. Writing ``init`` by hand keeps working; both styles mix.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -102,6 +104,9 @@ class Module:
     #: False for layers without params (pools, activations, Flatten, Dropout): they are
     #: called as ``layer(x)`` (``layer(None, x)`` too) and add nothing to a parent's params.
     has_params: ClassVar[bool] = True
+    #: The name of the one child whose params are this module's own, not nested under its
+    #: name: a layer that wraps another (``RNN.cell``, ``SoftmaxHead.linear``). None: nested.
+    params_of: ClassVar[str | None] = None
     _nnlite_module: ClassVar[bool] = True  # what _compose recognises a child by
 
     def __init_subclass__(cls, **kwargs: Any):

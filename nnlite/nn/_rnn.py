@@ -583,8 +583,7 @@ class RNN(Module):
 
     _args_repr = _short_repr
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        return self.cell.init(key)
+    params_of = "cell"  # the params are the cell's: /W, /U, ...
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.cell.param_shapes()

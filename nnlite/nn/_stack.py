@@ -351,17 +351,10 @@ class Remat(Module):
                 f"{self.policy!r}"
             )
 
+    params_of = "layer"  # Remat adds no params: they are the layer's
+
     def _args_repr(self) -> str:
         return f"Remat({type(self.layer).__name__})"
-
-    def init(self, key: jax.Array) -> ParamsDict:
-        return self.layer.init(key)
-
-    def param_axes(self) -> Any:
-        """The layer's logical axes (``Remat`` adds no params)."""
-        from ..core._axes import param_axes
-
-        return param_axes(self.layer)
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         policy = None if self.policy is None else getattr(jax.checkpoint_policies, self.policy)
