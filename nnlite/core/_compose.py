@@ -127,17 +127,12 @@ def params_child(module: Any) -> Any:
     return child
 
 
-def _params_path(module: Any, name: str) -> tuple:
-    """Where a child's params sit in the module's: under its name, or at the root for the
-    ``params_of`` child."""
-    transparent = getattr(module, "params_of", None)
-    return () if transparent is not None and params_name(transparent) == name else (name,)
-
-
 def child_modules(module: Any):
-    """``(params path, module)`` for every module among the declared children."""
+    """``(params path, module)`` for every module among the declared children: below the
+    child's name, or at the root for the ``params_of`` child."""
+    inner = params_name(getattr(module, "params_of", None) or "")
     for name, child in children_of(module).items():
-        yield from _walk(child, _params_path(module, name))
+        yield from _walk(child, () if name == inner else (name,))
 
 
 def is_stateful(module: Any) -> bool:
@@ -485,11 +480,22 @@ def _state_for(frame: _Frame, kwargs: dict, takes_state: bool, takes_train: bool
 
 
 def _parent_state(frame: _Frame) -> Any:
-    path = frame.segment
-    found = _SKIP if path is None else frame.parent.current_state(path)
-    if found is _SKIP:
-        raise _state_not_found(frame.module, frame.parent, path)
-    return found
+    """The state of a child call, found in its caller's frame at the call's params path."""
+    module, parent, path = frame.module, frame.parent, frame.segment
+    found = _SKIP if path is None else parent.current_state(path)
+    if found is not _SKIP:
+        return found
+    where = type(parent.module).__name__ + (f".{parent.path()}" if parent.path() else "")
+    if path is None:
+        raise ValueError(
+            f"{module._args_repr()} called inside {where} is not one of its declared "
+            "children and was not given params from its params: cannot find its state; "
+            "declare it in setup() or pass state= yourself"
+        )
+    raise ValueError(
+        f"{module._args_repr()} called inside {where} as {_format(path)}: the state has no "
+        f"{_format(path)} (build the state with init_state())"
+    )
 
 
 def _run(frame: _Frame, call: Any, args: tuple, kwargs: dict, depth: int) -> Any:
@@ -503,20 +509,6 @@ def _run(frame: _Frame, call: Any, args: tuple, kwargs: dict, depth: int) -> Any
     for observe in CALL_OBSERVERS:  # nl.summary records each layer call (trace time only)
         observe(frame, module, args, kwargs, out)
     return out
-
-
-def _state_not_found(module: Any, parent: _Frame, path: tuple | None) -> ValueError:
-    where = type(parent.module).__name__ + (f".{parent.path()}" if parent.path() else "")
-    if path is None:
-        return ValueError(
-            f"{module._args_repr()} called inside {where} is not one of its declared "
-            "children and was not given params from its params: cannot find its state; "
-            "declare it in setup() or pass state= yourself"
-        )
-    return ValueError(
-        f"{module._args_repr()} called inside {where} as {_format(path)}: the state has no "
-        f"{_format(path)} (build the state with init_state())"
-    )
 
 
 # -- errors that point at the user's line ---------------------------------------------------

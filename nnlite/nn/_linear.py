@@ -303,7 +303,7 @@ class SoftmaxHead(Module):
                 f"SoftmaxHead: unknown output {self.output!r}; valid: {', '.join(_HEAD_OUTPUTS)}"
             )
 
-    def setup(self):  # validates the sizes, dtypes and initializer
+    def setup(self):  # the child (building it checks the sizes, dtypes and initializer)
         dtypes = {"param_dtype": self.param_dtype, "dtype": self.dtype}
         self.linear = Linear(self.in_features, self.num_classes, w_init=self.w_init, **dtypes)
 

@@ -340,6 +340,8 @@ class Remat(Module):
     layer: Module
     policy: str | None = None
 
+    params_of = "layer"  # Remat adds no params: they are the layer's
+
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.layer, Module):
@@ -350,8 +352,6 @@ class Remat(Module):
                 f"Remat: policy must be None or one of {', '.join(REMAT_POLICIES)}, got "
                 f"{self.policy!r}"
             )
-
-    params_of = "layer"  # Remat adds no params: they are the layer's
 
     def _args_repr(self) -> str:
         return f"Remat({type(self.layer).__name__})"
