@@ -54,8 +54,8 @@ class Module:
     modules, lists or dicts of modules) or as fields holding modules. A child's params
     nest under its attribute name (``self.blocks_``, with Python's trailing underscore,
     under ``blocks``: a child may share a field's name). Then ``init(key)`` is
-    derived (one key per child with params, in declaration order, params nested by the
-    child's name), ``uses_key`` is derived (a child that takes a key), and so is
+    derived (one key per child with params, in declaration order, a lone child taking the
+    key itself; params nested by the child's name), ``uses_key`` is derived (a child that takes a key), and so is
     ``init_state()`` (a child with state, such as ``BatchNorm``): the call then takes
     ``state=``/``train=`` and returns ``(out, new_state)`` without the module's own code
     threading either. A module that wraps one child sets the class attribute ``params_of``
