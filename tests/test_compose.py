@@ -473,14 +473,20 @@ def test_params_of_must_name_the_one_child_with_params(key):
         def setup(self):
             self.lin = nl.Linear(2, 2)
 
+    class Listed(Missing):
+        def setup(self):
+            self.fc = [nl.Linear(2, 2)]
+
     class Two(Missing):
         def setup(self):
             self.fc, self.other = nl.Linear(2, 2), nl.Linear(2, 2)
 
-    with pytest.raises(TypeError, match="Missing.params_of = 'fc' must name .*; no such child"):
-        Missing().init(key)
-    with pytest.raises(TypeError, match="Two.params_of = 'fc' .*; also other hold params"):
-        Two().init(key)
+    for module, why in [(Missing, r"no such module \(children: lin\)"),
+                        (Listed, r"no such module \(children: fc\)"),
+                        (Two, r"also other hold params \(children: fc, other\)")]:  # fmt: skip
+        name = module.__name__
+        with pytest.raises(TypeError, match=f"{name}.params_of = 'fc' must name .*; {why}"):
+            module().init(key)
 
 
 def test_sequential_needs_a_layer_and_may_have_no_params(key):

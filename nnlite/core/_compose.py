@@ -119,10 +119,11 @@ def params_child(module: Any) -> Any:
     child = kids.get(params_name(name))
     others = [k for k, c in kids.items() if k != params_name(name) and _has_params(c)]
     if not _is_module(child) or others:
-        why = f"also {', '.join(others)} hold params" if child is not None else "no such child"
+        why = f"also {', '.join(others)} hold params" if _is_module(child) else "no such module"
         raise TypeError(
             f"{type(module).__name__}.params_of = {name!r} must name its one child with "
-            f"params (a module declared in setup() or a field); {why}"
+            f"params (a module declared in setup() or a field); {why} (children: "
+            f"{', '.join(kids) or 'none'})"
         )
     return child
 
