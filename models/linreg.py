@@ -1,7 +1,5 @@
 """Linear regression, the JAX tutorial's ``y = w * x + b`` (any number of features)."""
 
-import jax
-
 import nnlite as nl
 
 
@@ -13,13 +11,10 @@ class LinReg(nl.Module):
     out_features: int = 1
 
     task = "regression"
+    params_of = "linear"  # the model's params are its Linear's (/W, /b), not nested
 
-    @property
-    def linear(self) -> nl.Linear:
-        return nl.Linear(self.in_features, self.out_features, w_init="zeros")
-
-    def init(self, key: jax.Array) -> nl.ParamsDict:
-        return self.linear.init(key)
+    def setup(self):  # the child: init is derived from it
+        self.linear = nl.Linear(self.in_features, self.out_features, w_init="zeros")
 
     def __call__(self, params, x, *, key=None):
         return self.linear(params, x)

@@ -390,3 +390,109 @@ def test_setup_models_under_stack_remat_hand_rules_and_param_axes(key):
     assert nl.param_axes(model).head.W == nl.Axes(("in", "out"))
     with pytest.raises(ValueError, match="Stack: Sequential has state"):
         nl.Stack(nl.Sequential([nl.BatchNorm(8)]), 2)
+
+
+def test_the_librarys_composite_layers_keep_their_params_and_numbers(key):
+    # FFN, Sequential, SoftmaxHead, RNN and Remat declare their children (setup() or a
+    # field); their params and numbers for a key are those of the init they used to write,
+    # so checkpoints and seeded runs from before load and repeat.
+    lin = [nl.Linear(4, 8, w_init="he_normal"), nl.Linear(8, 3, w_init="he_normal")]
+    cell = nl.GRUCell(3, 5)
+    cases = [
+        (nl.FFN(4, (8,), 3), lambda k: {"layers": [m.init(q) for m, q in zip(lin, split(k, 2))]}),
+        (nl.Sequential(lin), lambda k: {"layers": [m.init(q) for m, q in zip(lin, split(k, 2))]}),
+        (nl.SoftmaxHead(4, 3), nl.Linear(4, 3).init),
+        (nl.RNN(cell), cell.init),
+        (nl.Remat(nl.FFN(4, (8,), 3)), nl.FFN(4, (8,), 3).init),
+    ]
+    got, want = jax.jit(lambda k: ([m.init(k) for m, _ in cases], [f(k) for _, f in cases]))(key)
+    for (module, _), g, w in zip(cases, got, want, strict=True):
+        assert [p for p, _ in g.items()] == [p for p, _ in nl.ParamsDict(w).items()], module
+        jax.tree.map(np.testing.assert_array_equal, g, nl.ParamsDict(w))
+
+
+def split(key, n):
+    return jax.random.split(key, n)
+
+
+class Wrapper(nl.Module):
+    """A layer with one child whose params are its own (params_of), here a stateful one."""
+
+    params_of = "inner"
+
+    def setup(self):
+        self.inner = nl.Sequential([nl.Linear(3, 4), nl.BatchNorm(4), nl.Dropout(0.5)])
+
+    def __call__(self, params, x):
+        return self.inner(params, x)
+
+
+class Lone(nl.Module):
+    def setup(self):
+        self.mlp = nl.FFN(3, (4,), 2)
+
+    def __call__(self, params, x):
+        return self.mlp(params.mlp, x)
+
+
+def test_a_lone_child_takes_the_key_and_params_of_unnests_a_child(key):
+    lone, wrapped = jax.jit(lambda k: (Lone().init(k), Wrapper().init(k)))(key)
+    jax.tree.map(np.testing.assert_array_equal, lone.mlp, nl.FFN(3, (4,), 2).init(key))
+    model = Wrapper()
+    inner = model.inner.init(key)
+    assert [p for p, _ in wrapped.items()] == [
+        "/layers[0]/W",
+        "/layers[0]/b",
+        "/layers[1]/scale",
+        "/layers[1]/bias",
+    ]
+    jax.tree.map(np.testing.assert_array_equal, wrapped, inner)
+    # key, state and axes are derived from the child, found at the params' root
+    assert model.uses_key and model.init_state() == model.inner.init_state()
+    assert nl.param_axes(model).layers[0].W == nl.Axes(("in", "out"))
+    x = jnp.arange(6.0).reshape(2, 3)
+    paths = []
+
+    def record(call):
+        paths.append(call.path)
+        return call.run(*call.args, **call.kwargs)
+
+    with nl.layer_hook(record):
+        out, state = model(wrapped, x, state=model.init_state(), train=True, key=key)
+    k = jax.random.fold_in(key, 0)  # the key a child called without key= draws first
+    want, want_state = model.inner(inner, x, state=model.init_state(), train=True, key=k)
+    np.testing.assert_array_equal(out, want)
+    jax.tree.map(np.testing.assert_array_equal, state, want_state)
+    assert paths == ["", "inner", "inner.layers[0]", "inner.layers[1]"]
+
+
+def test_params_of_must_name_the_one_child_with_params(key):
+    class Missing(nl.Module):
+        params_of = "fc"
+
+        def setup(self):
+            self.lin = nl.Linear(2, 2)
+
+    class Listed(Missing):
+        def setup(self):
+            self.fc = [nl.Linear(2, 2)]
+
+    class Two(Missing):
+        def setup(self):
+            self.fc, self.other = nl.Linear(2, 2), nl.Linear(2, 2)
+
+    for module, why in [(Missing, r"no such module \(children: lin\)"),
+                        (Listed, r"no such module \(children: fc\)"),
+                        (Two, r"also other hold params \(children: fc, other\)")]:  # fmt: skip
+        name = module.__name__
+        with pytest.raises(TypeError, match=f"{name}.params_of = 'fc' must name .*; {why}"):
+            module().init(key)
+
+
+def test_sequential_needs_a_layer_and_may_have_no_params(key):
+    with pytest.raises(ValueError, match="Sequential: layers is empty; give at least one layer"):
+        nl.Sequential([])
+    net = nl.Sequential([nl.Activation("tanh"), nl.Flatten(2)])
+    x = jnp.ones((2, 3, 4))
+    assert net(net.init(key), x).shape == (2, 12)
+    assert net(nl.ParamsDict(layers=[{}, {}]), x).shape == (2, 12)  # the layout before

@@ -3,8 +3,10 @@
 A module names its children once, in ``setup()`` (``self.fc = nl.Linear(4, 8)``; lists and
 dicts of modules too) or as fields holding modules (``Sequential.layers``). From them:
 
-- ``init(key)`` is derived: one key per child that has params, split in declaration order,
-  params nested by the child's name (a list's elements split their child's key again);
+- ``init(key)`` is derived: one key per child that has params, split in declaration order
+  (a lone child takes the key itself, as a hand-written ``init`` would pass it), params
+  nested by the child's name (a list's elements split their child's key again); a module
+  whose ``params_of`` names a child has that child's params as its own, not nested;
 - ``uses_key``: a child that takes a key makes its parent take one;
 - ``init_state()``: a child with state (``BatchNorm``) makes its parent stateful, its state
   nested by the same names as the params.
@@ -107,9 +109,31 @@ def _walk(child: Any, path: tuple):
         yield path, child
 
 
+def params_child(module: Any) -> Any:
+    """The child named by the module's ``params_of`` (its params are the module's own), or
+    None. A TypeError unless it names a declared child, the only one with params."""
+    name = getattr(module, "params_of", None)
+    if name is None:
+        return None
+    kids = children_of(module)
+    child = kids.get(params_name(name))
+    others = [k for k, c in kids.items() if k != params_name(name) and _has_params(c)]
+    if not _is_module(child) or others:
+        why = f"also {', '.join(others)} hold params" if _is_module(child) else "no such module"
+        raise TypeError(
+            f"{type(module).__name__}.params_of = {name!r} must name its one child with "
+            f"params (a module declared in setup() or a field); {why} (children: "
+            f"{', '.join(kids) or 'none'})"
+        )
+    return child
+
+
 def child_modules(module: Any):
+    """``(params path, module)`` for every module among the declared children: below the
+    child's name, or at the root for the ``params_of`` child."""
+    inner = params_name(getattr(module, "params_of", None) or "")
     for name, child in children_of(module).items():
-        yield from _walk(child, (name,))
+        yield from _walk(child, () if name == inner else (name,))
 
 
 def is_stateful(module: Any) -> bool:
@@ -163,15 +187,19 @@ def _init_child(child: Any, key: Any) -> Any:
 
 def derived_init(module: Any, key: Any) -> ParamsDict:
     """Params of ``module`` from its declared children: one key per child with params, in
-    declaration order (``jax.random.split(key, n)``), nested by the child's name; children
-    without params (pools, activations, dropout) take no key and no entry."""
+    declaration order (``jax.random.split(key, n)``; a lone child takes ``key`` itself),
+    nested by the child's name; children without params (pools, activations, dropout) take
+    no key and no entry. The ``params_of`` child's params are the module's own."""
     kids = {k: c for k, c in children_of(module).items() if _has_params(c)}
     if not children_of(module) and getattr(module, "has_params", True):
         raise NotImplementedError(
             f"{type(module).__name__} declares no children (assign them in setup(): "
             "self.fc = nl.Linear(...)) and does not define init(key)"
         )
-    keys = _split(key, len(kids))
+    transparent = params_child(module)
+    if transparent is not None:
+        return transparent.init(key)
+    keys = [key] if len(kids) == 1 else _split(key, len(kids))
     return ParamsDict({n: _init_child(c, k) for (n, c), k in zip(kids.items(), keys, strict=True)})
 
 
@@ -187,6 +215,9 @@ def derived_param_axes(module: Any) -> ParamsDict | None:
             return ParamsDict({k: axes(c) for k, c in child.items() if _has_params(c)})
         return param_axes(child) if getattr(child, "has_params", True) else _SKIP
 
+    transparent = params_child(module)
+    if transparent is not None:
+        return param_axes(transparent)
     kids = {k: c for k, c in children_of(module).items() if _has_params(c)}
     return ParamsDict({n: axes(c) for n, c in kids.items()})
 
@@ -206,6 +237,9 @@ def _state_child(child: Any) -> Any:
 
 def derived_init_state(module: Any) -> ParamsDict:
     """State of ``module`` from its stateful children, nested by the params' names."""
+    transparent = params_child(module)
+    if transparent is not None:
+        return transparent.init_state() if is_stateful(transparent) else ParamsDict()
     out = {n: _state_child(c) for n, c in children_of(module).items()}
     return ParamsDict({n: s for n, s in out.items() if s is not _SKIP})
 
@@ -268,9 +302,19 @@ class _Frame:
     def path(self) -> str:
         parts, f = [], self
         while f.parent is not None:
-            parts.append(_format(f.segment) if f.segment else type(f.module).__name__)
+            parts.append(f.name())
             f = f.parent
         return ".".join(reversed(parts))
+
+    def name(self) -> str:
+        """This call's name below its parent: its params path, else (params at the
+        parent's root) the ``params_of`` name or the class name."""
+        if self.segment:
+            return _format(self.segment)
+        owner = self.parent.module
+        if getattr(owner, "params_of", None) and params_child(owner) is self.module:
+            return owner.params_of
+        return type(self.module).__name__
 
     def current_state(self, path: tuple) -> Any:
         if path in self.updates:
@@ -349,85 +393,28 @@ CALL_OBSERVERS: list = []
 
 
 def call_in_frame(module: Any, call: Any, args: tuple, kwargs: dict) -> Any:
-    """Run ``call(module, *args, **kwargs)`` (a class's own ``__call__``) in a frame."""
+    """Run ``call(module, *args, **kwargs)`` (a class's own ``__call__``) in a frame: the
+    key, the state and the error locations its children need."""
+    params = None
     if not getattr(module, "has_params", True):
         args = _drop_params(module, args)
-        params = None
     else:
         params = args[0] if args else kwargs.get("params")
     frames = _frames()
     parent = frames[-1] if frames else None
     takes_key, takes_state, takes_train = _accepts(call)
-
-    # The key: given, or drawn from the caller's frame for a child that uses one.
-    if "key" in kwargs:
-        key = kwargs["key"]
-    elif parent is not None and parent.key is not None and getattr(module, "uses_key", False):
-        key = parent.next_key()
-    else:
-        key = None
+    key = _key_for(module, kwargs, parent)
     segment = parent.locate(module, params) if parent is not None else None
     frame = _Frame(module, params, parent, key, segment)
-    if key is None and parent is not None and getattr(module, "uses_key", False):
-        root = parent.root
-        if root.key is None and not getattr(root.module, "uses_key", False):
-            name = type(root.module).__name__
-            raise ValueError(
-                f"{module._args_repr()} in {name} draws random numbers, but "
-                f"{name}.uses_key is False, so it "
-                "is never given a key (its dropout would be off in training): declare the "
-                "layer in setup() (uses_key is then derived) or set uses_key = True"
-            )
     if takes_key:
         kwargs["key"] = key
     else:
         kwargs.pop("key", None)
-
-    # The state: passed, or looked up in the caller's frame; collected on the way out.
-    returns_pair = False
-    record = None
-    if takes_state:  # the layer threads its own state (BatchNorm, a hand-written model)
-        if "state" not in kwargs and parent is not None and parent.state is not None:
-            path = segment
-            found = _SKIP if path is None else parent.current_state(path)
-            if found is _SKIP:
-                raise _state_not_found(module, parent, path)
-            kwargs["state"] = found
-            if takes_train:
-                kwargs.setdefault("train", parent.train)
-            record = (parent, path)
-    elif derived_stateful(module):
-        if "state" in kwargs:
-            frame.state = kwargs.pop("state")
-            frame.train = bool(kwargs.pop("train", False))
-            returns_pair = True
-        elif parent is not None and parent.state is not None:
-            path = segment
-            found = _SKIP if path is None else parent.current_state(path)
-            if found is _SKIP:
-                raise _state_not_found(module, parent, path)
-            frame.state, frame.train = found, bool(kwargs.pop("train", parent.train))
-            record = (parent, path)
-        else:
-            raise ValueError(
-                f"{module._args_repr()} has state (its BatchNorm's running statistics): "
-                "call it as out, state = model(params, x, state=state, train=...) with "
-                "state from model.init_state()"
-            )
-        if frame.state is None:
-            raise ValueError(f"{module._args_repr()}: state is None; pass model.init_state()")
+    records, returns_pair = _state_for(frame, kwargs, takes_state, takes_train)
 
     frames.append(frame)
-    hook = current_layer_hook() if params is not None else None
     try:
-        if hook is None:
-            out = call(module, *args, **kwargs)
-        else:  # per-layer diagnostics and policies (_layer_hook.py)
-            run = functools.partial(call, module)
-            out = hook(LayerCall(frame.path(), len(frames) - 1, module, args, kwargs, run))
-        if CALL_OBSERVERS:  # nl.summary records each layer call (trace time only)
-            for observe in CALL_OBSERVERS:
-                observe(frame, module, args, kwargs, out)
+        out = _run(frame, call, args, kwargs, len(frames) - 1)
     except (ValueError, TypeError) as e:
         _note_where(e, frame)
         if parent is None:
@@ -435,29 +422,94 @@ def call_in_frame(module: Any, call: Any, args: tuple, kwargs: dict) -> Any:
         raise
     finally:
         frames.pop()
-    if record is not None:
-        owner, path = record
+    if records:  # the new state goes to the caller's frame, at this call's path
         if takes_state:
-            out, owner.updates[path] = out
+            out, parent.updates[segment] = out
         else:
-            owner.updates[path] = frame.new_state()
-    if returns_pair:
-        return out, frame.new_state()
-    return out
+            parent.updates[segment] = frame.new_state()
+    return (out, frame.new_state()) if returns_pair else out
 
 
-def _state_not_found(module: Any, parent: _Frame, path: tuple | None) -> ValueError:
+def _key_for(module: Any, kwargs: dict, parent: _Frame | None) -> Any:
+    """The call's key: given, or drawn from the caller's frame for a child that uses one."""
+    uses_key = parent is not None and getattr(module, "uses_key", False)
+    if "key" in kwargs:
+        key = kwargs["key"]
+    elif uses_key and parent.key is not None:
+        key = parent.next_key()
+    else:
+        key = None
+    if key is None and uses_key:
+        root = parent.root
+        if root.key is None and not getattr(root.module, "uses_key", False):
+            name = type(root.module).__name__
+            raise ValueError(
+                f"{module._args_repr()} in {name} draws random numbers, but {name}.uses_key "
+                "is False, so it is never given a key (its dropout would be off in training): "
+                "declare the layer in setup() (uses_key is then derived) or set uses_key = True"
+            )
+    return key
+
+
+def _state_for(frame: _Frame, kwargs: dict, takes_state: bool, takes_train: bool):
+    """Give the call its state: passed, or found in the caller's frame at the call's path.
+    Returns ``(records, returns_pair)``: whether the new state goes back to the caller's
+    frame, and whether the call returns ``(out, new_state)`` (the outermost stateful call)."""
+    module, parent = frame.module, frame.parent
+    in_parent = "state" not in kwargs and parent is not None and parent.state is not None
+    if takes_state:  # the layer threads its own state (BatchNorm, a hand-written model)
+        if in_parent:
+            kwargs["state"] = _parent_state(frame)
+            if takes_train:
+                kwargs.setdefault("train", parent.train)
+        return in_parent, False
+    if not derived_stateful(module):
+        return False, False
+    if in_parent:
+        frame.state, frame.train = _parent_state(frame), bool(kwargs.pop("train", parent.train))
+    elif "state" in kwargs:
+        frame.state, frame.train = kwargs.pop("state"), bool(kwargs.pop("train", False))
+    else:
+        raise ValueError(
+            f"{module._args_repr()} has state (its BatchNorm's running statistics): call it as "
+            "out, state = model(params, x, state=state, train=...) with state from "
+            "model.init_state()"
+        )
+    if frame.state is None:
+        raise ValueError(f"{module._args_repr()}: state is None; pass model.init_state()")
+    return in_parent, not in_parent
+
+
+def _parent_state(frame: _Frame) -> Any:
+    """The state of a child call, found in its caller's frame at the call's params path."""
+    module, parent, path = frame.module, frame.parent, frame.segment
+    found = _SKIP if path is None else parent.current_state(path)
+    if found is not _SKIP:
+        return found
     where = type(parent.module).__name__ + (f".{parent.path()}" if parent.path() else "")
     if path is None:
-        return ValueError(
+        raise ValueError(
             f"{module._args_repr()} called inside {where} is not one of its declared "
             "children and was not given params from its params: cannot find its state; "
             "declare it in setup() or pass state= yourself"
         )
-    return ValueError(
+    raise ValueError(
         f"{module._args_repr()} called inside {where} as {_format(path)}: the state has no "
         f"{_format(path)} (build the state with init_state())"
     )
+
+
+def _run(frame: _Frame, call: Any, args: tuple, kwargs: dict, depth: int) -> Any:
+    module = frame.module
+    hook = current_layer_hook() if frame.params is not None else None
+    if hook is None:
+        out = call(module, *args, **kwargs)
+    else:  # per-layer diagnostics and policies (_layer_hook.py)
+        run = functools.partial(call, module)
+        out = hook(LayerCall(frame.path(), depth, module, args, kwargs, run))
+    for observe in CALL_OBSERVERS:  # nl.summary records each layer call (trace time only)
+        observe(frame, module, args, kwargs, out)
+    return out
 
 
 # -- errors that point at the user's line ---------------------------------------------------

@@ -54,11 +54,13 @@ class Module:
     modules, lists or dicts of modules) or as fields holding modules. A child's params
     nest under its attribute name (``self.blocks_``, with Python's trailing underscore,
     under ``blocks``: a child may share a field's name). Then ``init(key)`` is
-    derived (one key per child with params, in declaration order, params nested by the
-    child's name), ``uses_key`` is derived (a child that takes a key), and so is
+    derived (one key per child with params, in declaration order, a lone child taking the
+    key itself; params nested by the child's name), ``uses_key`` is derived (a child that takes a key), and so is
     ``init_state()`` (a child with state, such as ``BatchNorm``): the call then takes
     ``state=``/``train=`` and returns ``(out, new_state)`` without the module's own code
-    threading either. Writing ``init`` by hand keeps working; both styles mix.
+    threading either. A module that wraps one child sets the class attribute ``params_of``
+    to the child's name: its params are then the child's own (``/W``, not ``/linear/W``),
+    the key passed as is. Writing ``init`` by hand keeps working; both styles mix.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -102,6 +104,9 @@ class Module:
     #: False for layers without params (pools, activations, Flatten, Dropout): they are
     #: called as ``layer(x)`` (``layer(None, x)`` too) and add nothing to a parent's params.
     has_params: ClassVar[bool] = True
+    #: The name of the one child whose params are this module's own, not nested under its
+    #: name: a layer that wraps another (``RNN.cell``, ``SoftmaxHead.linear``). None: nested.
+    params_of: ClassVar[str | None] = None
     _nnlite_module: ClassVar[bool] = True  # what _compose recognises a child by
 
     def __init_subclass__(cls, **kwargs: Any):

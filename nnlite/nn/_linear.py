@@ -8,7 +8,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from ..core._axes import Axes, param_axes
+from ..core._axes import Axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
@@ -224,14 +224,13 @@ class FFN(Module):
     def sizes(self) -> tuple[int, ...]:
         return (self.in_features, *self.hidden_sizes, self.out_features)
 
-    @property
-    def layers(self) -> tuple[Linear, ...]:
+    def setup(self):  # the children: init is derived from them (key split per layer)
         relu_like = self.activation in ("relu", "gelu", "silu", "leaky_relu", "elu")
         w_init = self.w_init or ("he_normal" if relu_like else "lecun_normal")
         s = self.sizes
         pairs = zip(s[:-1], s[1:], strict=True)
         dtypes = {"param_dtype": self.param_dtype, "dtype": self.dtype}
-        return tuple(Linear(a, b, w_init=w_init, **dtypes) for a, b in pairs)
+        self.layers = tuple(Linear(a, b, w_init=w_init, **dtypes) for a, b in pairs)
 
     def param_axes(self) -> ParamsDict:
         """Megatron's pairs: even layers column-parallel (``("embed", "mlp")``), odd layers
@@ -244,11 +243,6 @@ class FFN(Module):
                 for i, layer in enumerate(self.layers)
             ]
         )
-
-    def init(self, key: jax.Array) -> ParamsDict:
-        layers = self.layers
-        keys = jax.random.split(key, len(layers))
-        return ParamsDict(layers=[layer.init(k) for layer, k in zip(layers, keys, strict=True)])
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.in_features)
@@ -301,24 +295,18 @@ class SoftmaxHead(Module):
     param_dtype: str = "float32"
     dtype: str | None = None
 
+    params_of = "linear"  # the head's params are its Linear's: /W, /b
+
     def __post_init__(self):
         super().__post_init__()
-        self.linear  # validates the sizes, dtypes and initializer  # noqa: B018
         if self.output not in _HEAD_OUTPUTS:
             raise ValueError(
                 f"SoftmaxHead: unknown output {self.output!r}; valid: {', '.join(_HEAD_OUTPUTS)}"
             )
 
-    @property
-    def linear(self) -> Linear:
+    def setup(self):  # the child (building it checks the sizes, dtypes and initializer)
         dtypes = {"param_dtype": self.param_dtype, "dtype": self.dtype}
-        return Linear(self.in_features, self.num_classes, w_init=self.w_init, **dtypes)
-
-    def init(self, key: jax.Array) -> ParamsDict:
-        return self.linear.init(key)
-
-    def param_axes(self) -> ParamsDict:
-        return self.linear.param_axes()
+        self.linear = Linear(self.in_features, self.num_classes, w_init=self.w_init, **dtypes)
 
     def logits(self, params: ParamsDict, x: jax.Array) -> jax.Array:
         """The pre-softmax scores, ``[..., num_classes]``."""
@@ -357,6 +345,8 @@ class Sequential(Module):
 
     def __post_init__(self):
         super().__post_init__()
+        if not self.layers:
+            raise ValueError("Sequential: layers is empty; give at least one layer")
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, Module):
                 raise TypeError(
@@ -366,17 +356,9 @@ class Sequential(Module):
     def _args_repr(self) -> str:
         return f"Sequential({len(self.layers)} layers)"
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        keys = jax.random.split(key, max(len(self.layers), 1))
-        # split() needs n >= 1; zip stops at the layers for an empty Sequential.
-        pairs = zip(self.layers, keys, strict=False)
-        return ParamsDict(layers=[layer.init(k) for layer, k in pairs])
-
-    def param_axes(self) -> ParamsDict:
-        """Each layer's own declaration (unnamed where it declares none)."""
-        return ParamsDict(layers=[param_axes(layer) for layer in self.layers])
-
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        if not any(layer.has_params for layer in self.layers) and "layers" not in (params or {}):
+            params = ParamsDict(layers=[ParamsDict()] * len(self.layers))  # nothing to nest
         layer_params = self.child(params, "layers")
         if len(layer_params) != len(self.layers):
             raise ValueError(

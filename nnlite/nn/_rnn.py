@@ -569,6 +569,8 @@ class RNN(Module):
     cell: Module
     return_carry: bool = False
 
+    params_of = "cell"  # the params are the cell's: /W, /U, ...
+
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.cell, Module) or not hasattr(self.cell, "zero_carry"):
@@ -582,9 +584,6 @@ class RNN(Module):
         return f"RNN({cell})"
 
     _args_repr = _short_repr
-
-    def init(self, key: jax.Array) -> ParamsDict:
-        return self.cell.init(key)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.cell.param_shapes()

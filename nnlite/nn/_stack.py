@@ -340,6 +340,8 @@ class Remat(Module):
     layer: Module
     policy: str | None = None
 
+    params_of = "layer"  # Remat adds no params: they are the layer's
+
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.layer, Module):
@@ -353,15 +355,6 @@ class Remat(Module):
 
     def _args_repr(self) -> str:
         return f"Remat({type(self.layer).__name__})"
-
-    def init(self, key: jax.Array) -> ParamsDict:
-        return self.layer.init(key)
-
-    def param_axes(self) -> Any:
-        """The layer's logical axes (``Remat`` adds no params)."""
-        from ..core._axes import param_axes
-
-        return param_axes(self.layer)
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         policy = None if self.policy is None else getattr(jax.checkpoint_policies, self.policy)
