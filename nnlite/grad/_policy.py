@@ -132,8 +132,7 @@ class BackwardPolicy(Module):
     clip_norm: float | None = None
     backward_dtype: str | None = None
 
-    def init(self, key):
-        return self.layer.init(key)
+    params_of = "layer"  # a policy adds no params: they are the layer's
 
     def __call__(self, params, x, *, key=None):
         return self.around(lambda p, h, **kw: self.layer(p, h, **kw), params, x, key=key)
