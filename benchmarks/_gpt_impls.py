@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._impls import Equinox, FlaxNNX, Impl, RawJax, nnlite_name, resolve_grad
+from ._impls import Equinox, FlaxNNX, Impl, Nnlite, RawJax, compile_nnlite
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class GPTSpec:
     n_head: int
     n_embd: int
     batch: int
+
+    def nnlite_model(self):
+        from models.gpt import GPT
+
+        return GPT(self.vocab, self.context, self.n_layer, self.n_head, self.n_embd)
 
     @property
     def tokens_per_step(self) -> int:
@@ -359,12 +364,6 @@ class FlaxNNXGPT(Windows, FlaxNNX):
         self.t = 0
 
 
-def nnlite_model(spec: GPTSpec):
-    from models.gpt import GPT
-
-    return GPT(spec.vocab, spec.context, spec.n_layer, spec.n_head, spec.n_embd)
-
-
 def nnlite_params(weights: dict):
     """The canonical weights as ``models.gpt.GPT``'s ParamsDict (the same layout: fused
     qkv with columns ``[q | k | v]``, heads contiguous)."""
@@ -390,65 +389,19 @@ def nnlite_params(weights: dict):
     )
 
 
-class NnliteGPT(Impl):
-    """nnlite's training machinery: ``models.gpt.GPT`` and ``train.loop.step.build_stepper``;
-    the token stream on the device, window starts sent per call, K steps a call."""
+class NnliteGPT(Nnlite):
+    """nnlite's training machinery: ``models.gpt.GPT`` and the trainer's compiled step
+    (``train.compile_fit``); the token stream on the device, window starts sent per call,
+    K steps a call."""
 
-    name = "nnlite"
-
-    def __init__(self, *args, steps_per_call: int = 1, grad: str = "autodiff", **kwargs):
-        self.steps_per_call, self.grad = steps_per_call, grad
-        self.name = nnlite_name(grad, steps_per_call)
-        super().__init__(*args, **kwargs)
-
-    def setup(self, X, Y, idx):
-        from train import parallel
-        from train.loop.step import batch_grads_fn, build_stepper
-
-        self.model = nnlite_model(self.spec)
-        p0 = nnlite_params(self.weights)
-        self.p_def = jax.tree.structure(p0)
-        self.o_def = jax.tree.structure(self.tx.init(p0))
-        single = parallel.get("none", jax.devices()[:1])
-        # windows of `context` tokens and their next tokens, as the step gathers them
-        w = jax.ShapeDtypeStruct((len(idx[0]), self.spec.context), X.dtype)
-        grad = resolve_grad(self.model, self.grad, w, w)
-        self.stepper = build_stepper(
-            batch_grads_fn(self.model, grad, 1, single),
-            self.tx,
-            self.p_def,
-            self.o_def,
-            single,
-            window=self.spec.context,
+    def compile(self, X, Y, batch: int):
+        """Windows of the stream ``X``, their next tokens as targets, as the text data sets'."""
+        return compile_nnlite(
+            self.model, self.tx, batch, grad=self.grad, steps_per_call=self.steps_per_call, tokens=X
         )
-        # inputs and next-token targets: the stream and the stream shifted by one
-        self.X, self.Y = self.stepper.put_data(X[:-1]), self.stepper.put_data(X[1:])
-        self._blocks = {}
 
-    def block(self, t: int, k: int) -> np.ndarray:
-        nb = len(self.idx)
-        key = (t % nb, k)
-        if key not in self._blocks:
-            self._blocks[key] = np.stack([self.idx[(t + j) % nb] for j in range(k)])
-        return self._blocks[key]
-
-    def reset(self):
-        params = nnlite_params(self.weights)
-        if jax.tree.structure(params) != self.p_def:
-            raise ValueError("nnlite benchmark params do not match the model's structure")
-        self.p_leaves = self.stepper.put_state(jax.tree.leaves(params))
-        self.o_leaves = self.stepper.put_state(jax.tree.leaves(self.tx.init(params)))
-        self.t = 0
-
-    def run(self, n):
-        st, X, Y, block = self.stepper, self.X, self.Y, self.block
-        p, o, t, end = self.p_leaves, self.o_leaves, self.t, self.t + n
-        while t < end:
-            k = min(self.steps_per_call, end - t)
-            p, o, _, metrics = st.run(p, o, [], X, Y, st.put_indices(block(t, k), t))
-            t += k
-        self.p_leaves, self.o_leaves, self.t = p, o, t
-        return float(metrics["loss"][-1])
+    def params_from_weights(self):
+        return nnlite_params(self.weights)
 
 
 class MatmulFloorGPT(Impl):

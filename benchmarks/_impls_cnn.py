@@ -171,7 +171,8 @@ class FlaxNNXCnn(FlaxNNX):
 
 
 class NnliteCnn(Nnlite):
-    """``models.cnn.CNN`` through ``train.loop.step.build_stepper``, as ``python -m train`` runs it."""
+    """``models.cnn.CNN`` through the trainer's compiled step (``train.compile_fit``), as
+    ``python -m train`` runs it."""
 
     def params_from_weights(self):
         import nnlite as nl
