@@ -9,6 +9,7 @@ that run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import random
@@ -86,6 +87,12 @@ def fmt_time(seconds: float) -> str:
     if seconds < 1:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds:.3f} s"
+
+
+def format_bytes(n: float) -> str:
+    """``9.3 MiB``: bytes in binary units, one decimal."""
+    exp = min(int(math.log(n, 1024)) if n >= 1 else 0, 4)
+    return f"{n:.0f} B" if exp == 0 else f"{n / 1024**exp:.1f} {'BKMGT'[exp]}iB"
 
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
