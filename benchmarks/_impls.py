@@ -62,7 +62,9 @@ def nnlite_name(grad: str, steps_per_call: int) -> str:
     return f"nnlite{mode}{k}"
 
 
-def compile_nnlite(model, tx, batch: int, *, grad="autodiff", steps_per_call=1, config=None, **data):
+def compile_nnlite(
+    model, tx, batch: int, *, grad="autodiff", steps_per_call=1, config=None, **data
+):
     """``train.compile_fit``: the trainer's own compiled step for ``model`` with the optimizer
     ``tx`` at ``batch``, ``loss.grad=grad`` (``auto`` resolved as ``python -m train``
     resolves it), ``steps_per_call`` steps a call, the data on the device and nothing logged
@@ -311,7 +313,12 @@ class Nnlite(Impl):
         batch of them is the test split the trainer wants)."""
         data = {"train": (X, Y), "test": (X[:batch], Y[:batch])}
         return compile_nnlite(
-            self.model, self.tx, batch, grad=self.grad, steps_per_call=self.steps_per_call, data=data
+            self.model,
+            self.tx,
+            batch,
+            grad=self.grad,
+            steps_per_call=self.steps_per_call,
+            data=data,
         )
 
     def block(self, t: int, k: int) -> np.ndarray:

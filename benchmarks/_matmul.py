@@ -64,6 +64,12 @@ def matmul_cases(dtype: str, n: int, peer: bool = True) -> dict:
     return cases
 
 
+def gemm_rate(dtype: str, n: int, rounds: int = 5) -> float:
+    """FLOP/s of XLA's n x n matrix product in ``dtype``, the best of ``rounds`` samples."""
+    samples = h.time_interleaved(matmul_cases(dtype, n, peer=False), rounds=rounds)["nnlite"]
+    return 2 * n**3 * MATMUL_REPS / min(samples)
+
+
 def kernels(hlo: str) -> str:
     """What XLA made of the dots in an optimised HLO text: each library fusion or custom
     call (``__ynn_fusion``, ``__xnn_fusion``, ``__onednn_fusion``, ``__onednn$matmul``) with
