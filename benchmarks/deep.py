@@ -12,7 +12,7 @@ Parts (``--parts``, all by default), each printing a table of medians:
   FLOPs of ``GPTSpec.matmul_flops``) against the 2048 x 2048 float32 GEMM rate.
 * ``bf16``: step time of the shipped model in float32 and bfloat16 (interleaved), and the
   val loss of each after ``--train-steps`` steps of the shipped config through
-  ``train.fit``'s loop (``train.loop.trainer.train``).
+  ``train.fit``.
 * ``flags``: the whole GPT step (shipped size and GPT-large) in two fresh processes, with
   and without the oneDNN flags (``ONEDNN_FLAGS``; XLA_FLAGS is read when jax is
   imported), step times and the losses after the same steps compared.
@@ -71,11 +71,12 @@ class Step:
         import optax
 
         import nnlite as nl
-        from train.model.contract import objective_fn
 
         self.size, self.model = size, gpt(size, **options)
         self.tx = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
-        loss = lambda p, x, y: objective_fn(self.model)(p, x, y)[0]
+        # the task's loss as the trainer computes it: the labels' log-probabilities, the
+        # head a chunk at a time (no [batch, T, vocab] logits)
+        loss = lambda p, x, y: -self.model(p, x, labels=y).mean()
         if grad == "manual":
             loss = nl.manual_grads(loss)
         tx = self.tx
@@ -217,8 +218,7 @@ def part_remat(tiny: bool, grad: str, rounds: int) -> dict:
 
 
 def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path, extra=()) -> float:
-    from train.config import load_config
-    from train.loop.trainer import train
+    import train
 
     sets = [
         f"log.dir={run_dir}",
@@ -245,8 +245,9 @@ def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path, extra=())
             "train.steps_per_call=1",
             "optimizer.warmup_steps=1",
         ]
-    cfg = load_config(ROOT / "configs/shakespeare_gpt.yaml", sets)
-    return float(train(cfg, resume="fresh", echo=lambda *_: None).summary["val_loss"])
+    config = ROOT / "configs/shakespeare_gpt.yaml"
+    run = train.fit(None, config, overrides=sets, resume="fresh", echo=lambda *_: None)
+    return float(run.summary["val_loss"])
 
 
 def part_bf16(tiny: bool, grad: str, rounds: int, train_steps: int) -> dict:
