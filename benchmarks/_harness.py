@@ -77,6 +77,24 @@ def time_interleaved(
     return samples
 
 
+def repeat_shuffled(
+    cases: Mapping[str, Callable[[], dict]], repeats: int, *, digits: int = 2, seed: int = 0
+) -> dict[str, list[dict]]:
+    """Samples of start-up benchmarks (each case a fresh process returning a dict with its
+    ``wall_s``): every case once per repeat, in an order shuffled per repeat; prints each
+    repeat's wall times (``digits`` decimals)."""
+    samples: dict[str, list[dict]] = {n: [] for n in cases}
+    rng = random.Random(seed)
+    for r in range(repeats):
+        order = list(cases)
+        rng.shuffle(order)
+        for name in order:
+            samples[name].append(cases[name]())
+        walls = ", ".join(f"{n} {samples[n][-1]['wall_s']:.{digits}f} s" for n in cases)
+        print(f"repeat {r + 1}/{repeats}: {walls}", flush=True)
+    return samples
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -309,7 +308,6 @@ def main(argv=None) -> int:
     repeats = 1 if args.quick else args.repeats
     info = h.machine_info()
     print(f"machine: {info['cpu']}, {info['affinity']} usable cores; jax {info['versions']['jax']}")
-    runs: dict[str, list[dict]] = {i: [] for i in IMPLS}
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "inputs.npz"
         write_inputs(inputs)
@@ -328,17 +326,7 @@ def main(argv=None) -> int:
             return h.run_module_json("benchmarks.time_to_accuracy", argv, env=env)
 
         run(WARM)  # untimed: fills the cache
-        rng = random.Random(0)
-        for r in range(repeats):
-            order = list(IMPLS)
-            rng.shuffle(order)
-            for impl in order:
-                runs[impl].append(run(impl))
-            print(
-                f"repeat {r + 1}/{repeats}: "
-                + ", ".join(f"{i} {runs[i][-1]['wall_s']:.3f} s" for i in IMPLS),
-                flush=True,
-            )
+        runs = h.repeat_shuffled({i: (lambda i=i: run(i)) for i in IMPLS}, repeats, digits=3)
 
     med = {i: h.median([x["wall_s"] for x in v]) for i, v in runs.items()}
     base = med["nnlite"]

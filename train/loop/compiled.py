@@ -26,6 +26,8 @@ from ..data import overfit
 from ..data.dataset import Dataset
 from ..data.user import with_source
 from ..errors import ConfigError
+from ..optim import GIVEN
+from ..optim.named import check_transformation
 from .build import Prepared, Run, build, prepare
 from .fitting import _config
 from .trainer import _flops_and_peak, boundaries, steps_in_call
@@ -89,9 +91,6 @@ def compile_fit(
         overrides = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
     overrides = list(overrides)
     if optimizer is not None:
-        from ..optim import GIVEN
-        from ..optim.named import check_transformation
-
         check_transformation(optimizer, "train.compile_fit(optimizer=...)")
         overrides.append(f"optimizer.name={GIVEN}")
     cfg = _config(model, config, overrides)
