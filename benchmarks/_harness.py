@@ -23,18 +23,29 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (``model name``, ``flags``, ...),
+    whitespace collapsed; empty where there is none (macOS, Windows)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:  # the blank line after the first processor
+                break
+            continue
+        fields.setdefault(key.strip(), " ".join(value.split()))
+    return fields
+
+
 def machine_info() -> dict:
     """What the numbers were measured on: CPU model, core count, library versions."""
     import jax
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpuinfo().get("model name") or platform.processor() or platform.machine()
     versions = {"python": platform.python_version(), "jax": jax.__version__}
     for mod in ("jaxlib", "optax", "equinox", "flax", "sklearn", "numpy"):
         try:

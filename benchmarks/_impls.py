@@ -303,7 +303,7 @@ class Nnlite(Impl):
 
     def setup(self, X, Y, idx):
         self.model = self.spec.nnlite_model()
-        compiled = self.compile(X, Y, len(idx[0]))
+        self.compiled = compiled = self.compile(X, Y, len(idx[0]))  # a train.CompiledFit
         self.stepper, self.X, self.Y = compiled.stepper, compiled.X, compiled.Y
         self.p_def = jax.tree.structure(compiled.params0)
         self._blocks = {}  # (first step % n_batches, K) -> host [K, batch] indices
