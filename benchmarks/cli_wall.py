@@ -191,18 +191,11 @@ def timed(owner, name, phase):
 for owner, name, phase in ((loop, "load_dataset", "data"), (loop, "prepare", "compile"),
                            (loop.ckpt, "save", "checkpoint"), (loop, "plot_curves", "plot")):
     timed(owner, name, phase)
-argv = sys.argv[1:]
+out, argv = Path(sys.argv[1]), sys.argv[2:]  # where timings.json goes, the command's args
 t = time.perf_counter()
 rc = cli.main(argv)
 inside = time.perf_counter() - t
 laps["train"] = inside - sum(v for k, v in laps.items() if k != "imports")
-try:  # where the tree keeps it: train.config, or (older) train.__main__
-    from train.config import load_config
-except ImportError:
-    load_config = cli.load_config
-cfg = load_config(argv[argv.index("--config") + 1],
-                  [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
-out = Path(cfg.log.dir) / cfg.name / "timings.json"
 out.write_text(json.dumps({"phases": laps, "t_main": t_main, "t_end": time.time()}))
 sys.exit(rc)
 """
@@ -228,7 +221,10 @@ def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, p
     """One ``python -m train ... --timings`` process from ``root`` (``probe``: an older
     tree's command under BASELINE_PROBE); returns wall and CPU seconds and the phases."""
     probe = probe and not has_timings(root)
-    head = [sys.executable, "-c", BASELINE_PROBE] if probe else [sys.executable, "-m", "train"]
+    timings = Path(log_dir) / _run_name(root, config, sets) / "timings.json"
+    head = [sys.executable, "-m", "train"]
+    if probe:  # (the command's own run directory: the probe writes it after the command)
+        head = [sys.executable, "-c", BASELINE_PROBE, str(timings)]
     cmd = [*head, "--config", f"configs/{config}.yaml", "--fresh"]
     cmd += [] if probe else ["--timings"]
     for s in [f"log.dir={log_dir}", *sets]:
@@ -238,8 +234,7 @@ def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, p
     t_gone, cpu = time.time(), _children_cpu() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} (in {root}) failed:\n{proc.stderr[-3000:]}")
-    name = _run_name(root, config, sets)
-    t = json.loads((Path(log_dir) / name / "timings.json").read_text())
+    t = json.loads(timings.read_text())
     return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
 
 
