@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._impls import Equinox, FlaxNNX, Impl, Nnlite, RawJax, compile_nnlite
+from ._impls import Equinox, FlaxNNX, Impl, MatmulFloor, Nnlite, RawJax, compile_nnlite
 
 
 @dataclass(frozen=True)
@@ -404,7 +404,7 @@ class NnliteGPT(Nnlite):
         return nnlite_params(self.weights)
 
 
-class MatmulFloorGPT(Impl):
+class MatmulFloorGPT(MatmulFloor):
     """Not a trainer: only the matmuls of a GPT train step, to bound what any implementation
     can reach. Per step: the forward projections (qkv, out, fc, proj), the two attention
     products and the tied head, with nothing between them (no LayerNorm, softmax, GELU,
@@ -412,19 +412,12 @@ class MatmulFloorGPT(Impl):
     ``W -= 1e-6 dW`` so each step depends on the last. Weights are scaled ``1/sqrt(fan_in)``
     so values stay near 1 (no denormals). ``steps_per_call`` steps run in one ``lax.scan``."""
 
-    name = "matmul floor"
-    trains = False
-
-    def __init__(self, *args, steps_per_call: int = 1, **kwargs):
-        self.steps_per_call = steps_per_call
-        super().__init__(*args, **kwargs)
-
     def setup(self, X, Y, idx):
         spec = self.spec
         b, t, c, h = spec.batch, spec.context, spec.n_embd, spec.n_head
         d = c // h
         rng = np.random.default_rng(1)
-        self.x0 = jnp.asarray(rng.normal(size=(self.steps_per_call, b, t, c)).astype(np.float32))
+        self.block = jnp.asarray(rng.normal(size=(self.steps_per_call, b, t, c)).astype(np.float32))
 
         def matmuls(Ws, x):
             for blk in Ws["blocks"]:
@@ -461,17 +454,6 @@ class MatmulFloorGPT(Impl):
             ],
         }
         self.t = 0
-
-    def run(self, n):
-        if n % self.steps_per_call:
-            raise ValueError(
-                f"matmul floor: {n} steps is not a multiple of K={self.steps_per_call}"
-            )
-        Ws = self.Ws
-        for _ in range(n // self.steps_per_call):
-            Ws = self.step(Ws, self.x0)
-        self.Ws, self.t = Ws, self.t + n
-        return float(Ws["wte"][0, 0])
 
 
 class TorchGPT(Impl):

@@ -88,6 +88,12 @@ def time_interleaved(
     return samples
 
 
+def medians(cases: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict:
+    """:func:`time_interleaved`'s median seconds per case."""
+    samples = time_interleaved(cases, rounds=rounds, warmup=warmup)
+    return {k: median(v) for k, v in samples.items()}
+
+
 def repeat_shuffled(
     cases: Mapping[str, Callable[[], dict]], repeats: int, *, digits: int = 2, seed: int = 0
 ) -> dict[str, list[dict]]:

@@ -406,9 +406,9 @@ class MatmulFloor(Impl):
             )
         Ws = self.Ws
         for _ in range(n // self.steps_per_call):
-            Ws = self.step(Ws, self.block)
+            Ws = self.step(Ws, self.block)  # (``block``: K steps' inputs)
         self.Ws, self.t = Ws, self.t + n
-        return float(Ws[-1][0, 0])
+        return float(jax.tree.leaves(Ws)[-1].ravel()[0])  # (waits for the call)
 
 
 def build_all(

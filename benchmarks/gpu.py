@@ -79,13 +79,10 @@ def _precision_rows(size, tiny: bool, rounds: int) -> dict:
 
 
 def part_precision(tiny: bool) -> dict:
-    from .deep import LARGE, TINY, Size
+    from ._gpt_impls import GPT_SPECS
+    from .deep import LARGE, TINY
 
-    sizes = (
-        {"tiny": TINY}
-        if tiny
-        else {"gpt_large": LARGE, "gpt2_small": Size(50304, 1024, 12, 12, 768, 8)}
-    )
+    sizes = {"tiny": TINY} if tiny else {"gpt_large": LARGE, "gpt2_small": GPT_SPECS["gpt2_small"]}
     out = {}
     for name, size in sizes.items():
         rows = _precision_rows(size, tiny, 1 if tiny else 10)

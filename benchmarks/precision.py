@@ -24,7 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .deep import SHIPPED, TINY, _table, _times, _train_val_loss, gpt
+from . import _harness as h
+from .deep import SHIPPED, TINY, gpt, train_val_loss
 
 VARIANTS = {  # label: (train.precision, GPT model.dtype)
     "float32": ("float32", "float32"),
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
             out = Path(args.hlo_dir) / f"{re.sub(r'[^a-z0-9]+', '_', label)}.hlo"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
-    t = _times(steps, rounds)
+    t = h.medians(steps, rounds)
     peak = steps["float32"].compiled.flops_and_peak()[1]  # the trainer's: a measured GEMM
     rows = []
     for label in steps:
@@ -139,31 +140,28 @@ def main(argv=None) -> int:
         f"{size.context}, batch {size.batch}); MFU against the float32 GEMM peak "
         f"{peak / 1e9:.1f} GFLOP/s"
     )
-    print(_table(rows, ["precision", "ms/step", "x float32", "dots (HLO)", "converts", "MFU"]))
+    print(h.table(rows, ["precision", "ms/step", "x float32", "dots (HLO)", "converts", "MFU"]))
     gemm = gemm_rates(256 if args.tiny else 1024)
     print("\nthe matrix product alone (GFLOP/s)")
     print(
-        _table(
+        h.table(
             [[dt, f"{r / 1e9:.1f}", f"{gemm['float32'] / r:.2f}"] for dt, r in gemm.items()],
             ["dtype", "GFLOP/s", "float32 / it"],
         )
     )
     val = {}
     if args.train_steps < 1:  # --train-steps 0: the step table only
-        from . import _harness as h
-
         h.write_json("precision", {"step_s": t, "hlo": profile, "flops": flops, "peak": peak})
         return 0
     with tempfile.TemporaryDirectory() as d:
         for prec in ("float32", "bfloat16"):
             over = [f"train.precision={prec}", f"name=precision_{prec}"]
-            val[prec] = _train_val_loss("float32", args.train_steps, args.tiny, Path(d), over)
+            val[prec] = train_val_loss("float32", args.train_steps, args.tiny, Path(d), over)
     print(
         f"\nval loss after {args.train_steps} steps of the shipped recipe: float32 "
         f"{val['float32']:.4f}, train.precision=bfloat16 {val['bfloat16']:.4f} "
         f"({val['bfloat16'] - val['float32']:+.4f} nats)"
     )
-    from . import _harness as h
 
     h.write_json(
         "precision",
