@@ -16,14 +16,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._impls import Equinox, FlaxNNX, Impl, MatmulFloor, Nnlite, RawJax, compile_nnlite
+from ._impls import (
+    Equinox,
+    FlaxNNX,
+    Impl,
+    MatmulFloor,
+    Nnlite,
+    RawJax,
+    compile_nnlite,
+    peer_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -432,12 +441,7 @@ class MatmulFloorGPT(MatmulFloor):
             dWs, _ = vjp(out)
             return jax.tree.map(lambda W, dW: W - 1e-6 * dW, Ws, dWs)
 
-        @partial(jax.jit, donate_argnums=0)
-        def steps(Ws, xs):
-            Ws, _ = jax.lax.scan(lambda Ws, x: (one(Ws, x), None), Ws, xs)
-            return Ws
-
-        self.step = steps
+        self.step = self.scanned(one)
 
     def reset(self):
         rng = np.random.default_rng(2)
@@ -596,14 +600,8 @@ def build_all_gpt(
     weights = init_weights(spec)
     X, idx = make_data(spec, n_batches)
     tx = optimizer()
-    impls = [
-        RawJaxGPT(spec, weights, X, None, idx, tx),
-        EquinoxGPT(spec, weights, X, None, idx, tx),
-        FlaxNNXGPT(spec, weights, X, None, idx, tx),
-        NnliteGPT(spec, weights, X, None, idx, tx),
-    ]
-    if steps_per_call > 1:
-        impls.append(NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call))
+    peers = (RawJaxGPT, EquinoxGPT, FlaxNNXGPT, NnliteGPT)
+    impls = peer_rows(peers, (spec, weights, X, None, idx, tx), steps_per_call)
     # every layer's hand-derived VJP (``loss.grad: manual``), and the trainer's default
     # (``auto``, manual for the GPT), side by side
     for grad in ("manual", "auto"):

@@ -388,12 +388,19 @@ class MatmulFloor(Impl):
                     dz = dz @ Ws[i].T
             return [W - 1e-6 * dW for W, dW in zip(Ws, dWs)]
 
+        self.step = self.scanned(one)
+
+    @staticmethod
+    def scanned(one):
+        """``one(Ws, x) -> Ws`` over a ``[K, ...]`` block of inputs: one jitted ``lax.scan``
+        call, ``Ws`` donated."""
+
         @partial(jax.jit, donate_argnums=0)
         def steps(Ws, xs):
             Ws, _ = jax.lax.scan(lambda Ws, x: (one(Ws, x), None), Ws, xs)
             return Ws
 
-        self.step = steps
+        return steps
 
     def reset(self):
         self.Ws = [jnp.asarray(W) for W, _ in self.weights]
@@ -411,6 +418,16 @@ class MatmulFloor(Impl):
         return float(jax.tree.leaves(Ws)[-1].ravel()[0])  # (waits for the call)
 
 
+def peer_rows(classes, args: tuple, steps_per_call: int) -> list:
+    """The rows every size has: each of ``classes`` (the peers, nnlite last) on the same
+    ``args`` (spec, weights, X, Y, idx, tx), then nnlite at ``steps_per_call`` steps a call
+    when that is more than one."""
+    rows = [cls(*args) for cls in classes]
+    if steps_per_call > 1:
+        rows.append(classes[-1](*args, steps_per_call=steps_per_call))
+    return rows
+
+
 def build_all(
     spec: Spec,
     *,
@@ -424,14 +441,9 @@ def build_all(
     weights = init_weights(spec)
     X, Y, idx = make_data(spec, n_batches)
     tx = optax.adam(lr)
-    impls = [
-        RawJax(spec, weights, X, Y, idx, tx),
-        Equinox(spec, weights, X, Y, idx, tx),
-        FlaxNNX(spec, weights, X, Y, idx, tx),
-        Nnlite(spec, weights, X, Y, idx, tx),
-    ]
-    if steps_per_call > 1:
-        impls.append(Nnlite(spec, weights, X, Y, idx, tx, steps_per_call=steps_per_call))
+    impls = peer_rows(
+        (RawJax, Equinox, FlaxNNX, Nnlite), (spec, weights, X, Y, idx, tx), steps_per_call
+    )
     if matmul_floor:
         impls.append(MatmulFloor(spec, weights, X, Y, idx, None, steps_per_call=steps_per_call))
     return impls
