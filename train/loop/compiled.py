@@ -4,6 +4,7 @@ inspect the trainer's own compiled step without running its loop (docs/benchmark
 
 Example::
 
+    import jax
     import train
 
     c = train.compile_fit(None, "configs/digits_mlp.yaml")
@@ -33,6 +34,11 @@ from .fitting import _config
 from .trainer import _flops_and_peak, boundaries, steps_in_call
 
 
+def _prepared(name: str) -> property:
+    """``CompiledFit.<name>``: the compiled run's ``prepared.<name>``."""
+    return property(lambda self: getattr(self.prepared, name))
+
+
 @dataclass
 class CompiledFit:
     """A run built and compiled as ``train.fit`` builds it (:func:`compile_fit`).
@@ -50,10 +56,15 @@ class CompiledFit:
     prepared: Prepared
     sampler: Any
 
-    def __getattr__(self, name: str):
-        if name in {f.name for f in dataclasses.fields(Prepared)}:
-            return getattr(self.prepared, name)
-        raise AttributeError(f"CompiledFit has no attribute {name!r}")
+    stepper = _prepared("stepper")
+    params0 = _prepared("params0")
+    opt0 = _prepared("opt0")
+    X = _prepared("X")
+    Y = _prepared("Y")
+    evaluate = _prepared("evaluate")
+    X_test = _prepared("X_test")
+    Y_test = _prepared("Y_test")
+    step_cost = _prepared("step_cost")
 
     def indices(self, step: int, count: int) -> np.ndarray:
         """The loop's ``[count, batch]`` indices (window starts for text) of steps
