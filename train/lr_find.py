@@ -33,9 +33,22 @@ import os
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
 from . import faults
-from .config import ArgumentParser
+from .config import ArgumentParser, OptimizerConfig, dump_yaml, load_config
+from .data import overfit
+from .data.feed import BatchFeed, call_schedule
 from .errors import ConfigError, missing_extra
+from .loop.build import build, prepare
+from .loop.step import to_host
+from .optim import GIVEN, OPTIMIZERS
+from .optim.named import _accepted, check_transformation
+from .parallel import distributed as dist
+from .report.plot import plot_lr_find
 
 SUGGESTIONS = {
     "steepest": "steepest descent of the smoothed loss",
@@ -106,7 +119,6 @@ def lr_at(step: int, min_lr: float, max_lr: float, steps: int) -> float:
 
 def range_schedule(min_lr: float, max_lr: float, steps: int):
     """The range as an optax schedule: ``count -> min_lr * (max_lr/min_lr)^(count/(steps-1))``."""
-    import jax.numpy as jnp
 
     log_ratio = math.log(max_lr / min_lr)
     return lambda count: min_lr * jnp.exp(log_ratio * jnp.minimum(count, steps - 1) / (steps - 1))
@@ -114,10 +126,6 @@ def range_schedule(min_lr: float, max_lr: float, steps: int):
 
 def range_optimizer(ocfg, schedule):
     """The config's optimizer with ``schedule`` for its learning rate (module docstring)."""
-    import optax
-
-    from .optim import GIVEN, OPTIMIZERS
-    from .optim.named import _accepted, check_transformation
 
     where = f"optimizer.name={ocfg.name}"
     if ocfg.name == GIVEN:
@@ -173,7 +181,6 @@ def suggestions(points: list[dict]) -> dict[str, float]:
     The first tenth of the points (at most 10) are left out: the moving average is still
     settling there. steepest: the middle of the window (a tenth of the points) over which
     the smoothed loss falls fastest against log(lr), on the way down to its minimum; min10: the learning rate of that minimum / 10."""
-    import numpy as np
 
     lrs = np.array([p["lr"] for p in points])
     smooth = np.array([p["smoothed_loss"] for p in points])
@@ -199,15 +206,6 @@ def suggestions(points: list[dict]) -> dict[str, float]:
 
 def find(cfg, args, echo=print) -> dict:
     """Run the range test for ``cfg``; return its record (what lr_find.json holds)."""
-    import jax
-
-    from .config import OptimizerConfig
-    from .data import overfit
-    from .data.feed import BatchFeed, call_schedule
-    from .loop.build import build, prepare
-    from .loop.step import to_host
-    from .optim import GIVEN
-    from .parallel import distributed as dist
 
     steps = args.steps
     dist.initialize(cfg.distributed)
@@ -288,9 +286,6 @@ def find(cfg, args, echo=print) -> dict:
 def write(out: Path, cfg, record: dict) -> list[str]:
     """config.yaml, lr_find.csv, lr_find.json and lr_find.png in ``out``; the names
     written (and a note for a plot that could not be drawn)."""
-    from .config import dump_yaml
-    from .report.plot import plot_lr_find
-
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, ["step", "lr", "loss", "smoothed_loss"], lineterminator="\n")
@@ -331,14 +326,12 @@ def _json_safe(v):
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        from .config import load_config
 
         cfg = load_config(args.config, args.overrides)
         out = Path(args.out) if args.out else Path(cfg.log.dir) / f"{cfg.name}_lr_find"
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {str(out)!r} is a file; give a directory")
         record = find(cfg, args)
-        from .parallel import distributed as dist
 
         if not dist.is_main():
             return 0

@@ -27,6 +27,7 @@ import optax
 import nnlite as nl
 
 from ..config import PRECISIONS as PRECISIONS  # the schema names the choices
+from ..errors import ConfigError
 from ..model.contract import accepts
 
 GROWTH_INTERVAL = 2000  # finite float16 steps in a row before the loss scale doubles
@@ -111,8 +112,6 @@ def check_model_dtype(model: Any, precision: str) -> None:
     if not isinstance(own, str) or own == "float32" or precision == "float32":
         return
     if own != precision:
-        from ..errors import ConfigError
-
         raise ConfigError(
             f"model.dtype={own} and train.precision={precision} disagree: set one of them "
             f"(train.precision={own} casts the whole model; model.dtype only its blocks)"
