@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
 from ..errors import ConfigError, relative_to, users_error
 from .dataset import Dataset, labels_are_ids
+from .section import DataConfig
 from .split import split_indices
 from .text import corpus as text_corpus
 

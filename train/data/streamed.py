@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
 from ..errors import ConfigError, relative_to
 from .dataset import Dataset, batch_dtype, labels_are_ids
 from .reader import read_rows
+from .section import DataConfig
 
 # data.placement=auto: a training split up to this size (as the step reads it) lives on
 # the device. Shakespeare (1 MB of text) takes 8 MiB; a 2 GB corpus 16 GiB.

@@ -14,8 +14,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..config import OptimizerConfig
 from ..errors import ConfigError
+from ..optim.section import OptimizerConfig
 from .build import Run, init_compiler_options
 
 HOW = "--eject writes a one-device script of a plain train step"

@@ -16,9 +16,9 @@ import inspect
 import jax
 import optax
 
-from ..config import OptimizerConfig
 from ..errors import ConfigError, users_code, users_error
 from . import GIVEN, OPTIMIZERS, SCHEDULES
+from .section import OptimizerConfig
 
 
 # -- schedules: (cfg, total_steps) -> optax.Schedule ---------------------------------------
