@@ -87,3 +87,13 @@ def check(name: str, options: dict, search: Iterable[Path], where: str) -> None:
             )
         return
     factory(name, options, search, f"{where}: data.name={name}")
+
+
+#: Built-in data sets of regression targets (no accuracy: their curves plot the loss alone).
+REGRESSION = ("linreg",)
+
+
+def plots_accuracy(name: str | None) -> bool:
+    """Whether a run on data set ``name`` has an accuracy curve (the curve plotter starts
+    before the data loads, so it asks the name)."""
+    return name not in REGRESSION
