@@ -204,10 +204,10 @@ def load_run(
 def _preprocess(cfg: Config, meta: dict, checkpoint: Path) -> dict | None:
     """The run's preprocessing: recorded in its checkpoint, or (older checkpoints) what its
     built-in data set does."""
-    from .data.builtin import DIGITS_PREPROCESS
+    from .data.builtin import recorded_preprocess
 
     if "preprocess" not in meta:
-        return DIGITS_PREPROCESS if cfg.data.name == "digits" else None
+        return recorded_preprocess(cfg.data.name)
     try:
         found = json.loads(meta["preprocess"])
         if not (isinstance(found, dict) and isinstance(found.get("scale"), int | float)):

@@ -62,8 +62,9 @@ def place(data: Dataset, cfg: DataConfig) -> Dataset:
     return dataclasses.replace(data, streamed=False)
 
 
-def tokens(cfg: DataConfig, context: int) -> Dataset:
+def tokens(data: DataConfig, context: int) -> Dataset:
     """``data.name: tokens``: a prepared directory, memory-mapped (module docstring)."""
+    cfg = data  # the section (``data`` below is the data set)
     from .text import units
     from .text.tokenizer import to_spec
     from .text.tokens import TokenFiles
@@ -104,8 +105,9 @@ def tokens(cfg: DataConfig, context: int) -> Dataset:
     )
 
 
-def arrays(cfg: DataConfig, context: int | None = None) -> Dataset:
+def arrays(data: DataConfig) -> Dataset:
     """``data.name: arrays``: ``x.npy``/``y.npy`` (``x_test.npy``/``y_test.npy``) memory-mapped."""
+    cfg = data  # the section
     path = Path(cfg.path)
     where = f"data.path {str(path)!r}"
     if not path.is_dir():
