@@ -209,9 +209,9 @@ def run_command(argv: list[str]) -> int:
 
 
 def _show_jaxpr(cfg, what: str) -> int:
-    from nnlite import ManualGradError, UnsupportedPrimitiveError
+    from nnlite import ManualGradError, UnsupportedPrimitiveError  # start-up: imports JAX
 
-    from .loop.show import show_jaxpr
+    from .loop.show import show_jaxpr  # start-up: imports JAX
 
     try:
         src = show_jaxpr(cfg, what)
@@ -491,7 +491,7 @@ def _trains(args) -> bool:
 def _fast_dev_run(cfg, args, timings, plotter, data) -> int:
     """``--fast-dev-run``: train/loop/devrun.py; a phase that ran but did not do what it
     must is exit 1, a stop by a signal exit 3 (nothing to resume: nothing is kept)."""
-    from .loop.devrun import DevRunFailed, fast_dev_run
+    from .loop.devrun import DevRunFailed, fast_dev_run  # start-up: imports JAX
 
     try:
         fast_dev_run(

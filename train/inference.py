@@ -25,6 +25,8 @@ import nnlite as nl
 from .checkpoint import best
 from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
+from .data.builtin import apply_preprocess, recorded_preprocess
+from .data.text.tokenizer import from_spec
 from .errors import ConfigError, relative_to
 from .loop.precision import with_loss_scaling
 from .model import registry as models
@@ -64,8 +66,6 @@ class LoadedRun:
         the run's preprocessing (:attr:`preprocess`) is applied first, unless
         ``preprocessed`` (``x`` as the model saw it, e.g. ``Dataset.x_test``)."""
         if not preprocessed:
-            from .data.builtin import apply_preprocess
-
             x = apply_preprocess(x, self.preprocess)
         return predict(self.model, self.params, x, batch_size, state=self.state)
 
@@ -184,8 +184,6 @@ def load_run(
             ) from None
     tokenizer = None
     if "tokenizer" in meta:
-        from .data.text.tokenizer import from_spec
-
         try:
             tokenizer = from_spec(meta["tokenizer"])
         except (ValueError, KeyError, TypeError) as e:
@@ -204,8 +202,6 @@ def load_run(
 def _preprocess(cfg: Config, meta: dict, checkpoint: Path) -> dict | None:
     """The run's preprocessing: recorded in its checkpoint, or (older checkpoints) what its
     built-in data set does."""
-    from .data.builtin import recorded_preprocess
-
     if "preprocess" not in meta:
         return recorded_preprocess(cfg.data.name)
     try:

@@ -34,8 +34,16 @@ import sys
 from pathlib import Path
 
 from . import faults
-from .config import ArgumentParser
+from .config import ArgumentParser, OptimizerConfig, dump_yaml, load_config
+from .data import overfit
+from .data.feed import BatchFeed, call_schedule
 from .errors import ConfigError, missing_extra
+from .loop.build import build, prepare
+from .loop.step import to_host
+from .optim import GIVEN
+from .optim.named import accepted, chained, rule_call, rule_parts
+from .parallel import distributed as dist
+from .report.plot import plot_lr_find
 
 SUGGESTIONS = {
     "steepest": "steepest descent of the smoothed loss",
@@ -116,9 +124,6 @@ def range_optimizer(ocfg, schedule):
     """The config's optimizer with ``schedule`` for its learning rate (module docstring)."""
     import optax
 
-    from .optim import GIVEN
-    from .optim.named import accepted, chained, rule_call, rule_parts
-
     where = f"optimizer.name={ocfg.name}"
     if ocfg.name == GIVEN:
         raise ConfigError(
@@ -196,14 +201,6 @@ def suggestions(points: list[dict]) -> dict[str, float]:
 def find(cfg, args, echo=print) -> dict:
     """Run the range test for ``cfg``; return its record (what lr_find.json holds)."""
     import jax
-
-    from .config import OptimizerConfig
-    from .data import overfit
-    from .data.feed import BatchFeed, call_schedule
-    from .loop.build import build, prepare
-    from .loop.step import to_host
-    from .optim import GIVEN
-    from .parallel import distributed as dist
 
     steps = args.steps
     dist.initialize(cfg.distributed)
@@ -284,8 +281,6 @@ def find(cfg, args, echo=print) -> dict:
 def write(out: Path, cfg, record: dict) -> list[str]:
     """config.yaml, lr_find.csv, lr_find.json and lr_find.png in ``out``; the names
     written (and a note for a plot that could not be drawn)."""
-    from .config import dump_yaml
-    from .report.plot import plot_lr_find
 
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.StringIO()
@@ -327,14 +322,12 @@ def _json_safe(v):
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        from .config import load_config
 
         cfg = load_config(args.config, args.overrides)
         out = Path(args.out) if args.out else Path(cfg.log.dir) / f"{cfg.name}_lr_find"
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {str(out)!r} is a file; give a directory")
         record = find(cfg, args)
-        from .parallel import distributed as dist
 
         if not dist.is_main():
             return 0

@@ -21,10 +21,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, relative_to, users_error
+from ..report.units import format_bytes, host_memory_bytes
+from . import streamed
 from .dataset import Dataset, labels_are_ids
+from .registry import DATA_SETS, arguments, factory, is_factory, is_given
 from .section import DataConfig
+from .source import DataError
 from .split import split_indices
 from .text import corpus as text_corpus
+from .user import to_dataset
 
 DEFAULT_CONTEXT = 64  # text windows when neither data.context nor model.context is set
 
@@ -49,9 +54,6 @@ def load_dataset(cfg: DataConfig, context: int | None = None, search=()) -> Data
     sets need the model's ``context``, the window length), or a user's factory
     ``module:function`` called with ``cfg.options`` that returns a source
     (train/data/source.py). ``search``: directories to import a user's module from first."""
-    from . import streamed
-    from .registry import DATA_SETS, arguments, factory, is_factory, is_given
-
     if is_given(cfg.name):
         raise ConfigError(
             f"data.name={cfg.name} names a source that was given to train.fit(data=...); a "
@@ -66,9 +68,6 @@ def load_dataset(cfg: DataConfig, context: int | None = None, search=()) -> Data
     kwargs = arguments(fn, cfg, context, where)
     if not is_factory(cfg.name):
         return streamed.place(fn(**kwargs), cfg)
-    from .source import DataError
-    from .user import to_dataset
-
     try:
         made = fn(**kwargs)
     except ConfigError:
@@ -153,8 +152,6 @@ def _mnist1d(cfg: DataConfig) -> Dataset:
     """The ``mnist1d`` package's data set (its default recipe, ``num_samples`` examples,
     seed ``split_seed + 42``), cached as an npz: importing the package (matplotlib, scipy,
     requests) and generating 5000 examples cost ~3 s of CPU, reading the cache ~10 ms."""
-    from ..report.units import format_bytes, host_memory_bytes
-
     need, have = cfg.num_samples * _MNIST1D_BYTES_PER_EXAMPLE, host_memory_bytes()
     if need > have:
         raise ConfigError(

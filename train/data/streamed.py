@@ -32,6 +32,9 @@ from ..errors import ConfigError, relative_to
 from .dataset import Dataset, batch_dtype, labels_are_ids
 from .reader import read_rows
 from .section import DataConfig
+from .text import units
+from .text.tokenizer import to_spec
+from .text.tokens import TokenFiles
 
 # data.placement=auto: a training split up to this size (as the step reads it) lives on
 # the device. Shakespeare (1 MB of text) takes 8 MiB; a 2 GB corpus 16 GiB.
@@ -65,10 +68,6 @@ def place(data: Dataset, cfg: DataConfig) -> Dataset:
 def tokens(data: DataConfig, context: int) -> Dataset:
     """``data.name: tokens``: a prepared directory, memory-mapped (module docstring)."""
     cfg = data  # the section (``data`` below is the data set)
-    from .text import units
-    from .text.tokenizer import to_spec
-    from .text.tokens import TokenFiles
-
     path = Path(cfg.path)
     where = f"data.path {str(path)!r}"
     try:

@@ -91,13 +91,19 @@ def callbacks_section(raw: Any, where: Where) -> tuple[CallbackConfig, ...]:
 
 @dataclass(frozen=True)
 class EarlyStoppingConfig:
-    """``train.early_stopping``: the built-in ``early_stopping`` callback's arguments (an
-    alias of ``callbacks: [{name: early_stopping, ...}]``, checkpointed under its own key)."""
+    """``train.early_stopping``: an alias of ``callbacks: [{name: early_stopping, ...}]``
+    (the documented spelling), its keys that callback's arguments; the callback's state is
+    checkpointed under the key ``train.early_stopping``."""
 
     monitor: str = "loss"  # a metric the evaluation logs (loss, accuracy, bits_per_char...)
     mode: str = choice("min", ("min", "max"))  # min: lower is better; max: higher is better
     patience: int = 3  # evaluations without an improvement before the run stops
     min_delta: float = 0.0  # the smallest change that counts as an improvement
+
+    def as_callback(self) -> CallbackConfig:
+        """The ``callbacks:`` entry this alias stands for."""
+        options = {f: getattr(self, f) for f in ("monitor", "mode", "patience", "min_delta")}
+        return CallbackConfig("early_stopping", options, CALLBACKS.get("early_stopping", ""))
 
     def check(self, where: Where, prefix: str = "train.early_stopping.") -> None:
         if self.patience < 1:
@@ -214,11 +220,16 @@ class Callbacks:
                     fn(states[key])
 
 
-def build_callbacks(cfg, given: Sequence[Any] = ()) -> Callbacks:
-    """The config's callbacks (constructed with their arguments), then ``given`` objects
-    (``train.fit(callbacks=[...])``)."""
+def build_callbacks(
+    specs: Sequence[CallbackConfig],
+    early_stopping: EarlyStoppingConfig | None = None,
+    given: Sequence[Any] = (),
+) -> Callbacks:
+    """The config's callbacks (``specs``, constructed with their arguments), then ``given``
+    objects (``train.fit(callbacks=[...])``), then ``train.early_stopping``'s (the alias's)
+    callback, under its own key in checkpoints."""
     made, names = [], []
-    for spec in cfg.callbacks:
+    for spec in specs:
         try:
             made.append(spec.cls(**spec.options))
         except Exception as e:
@@ -232,12 +243,12 @@ def build_callbacks(cfg, given: Sequence[Any] = ()) -> Callbacks:
     for cb in given:
         made.append(cb)
         names.append(type(cb).__qualname__)
-    es = cfg.train.early_stopping
-    if es is not None:  # the config key: the built-in callback, its state under its own key
-        made.append(EarlyStopping(es.monitor, es.mode, es.patience, es.min_delta))
+    if early_stopping is not None:  # the alias: the built-in callback, as the list names it
+        spec = early_stopping.as_callback()
+        made.append(spec.cls(**spec.options))
         names.append(EARLY_STOPPING_KEY)
     out = Callbacks(made, names)
-    if es is not None:
+    if early_stopping is not None:
         out.keys[-1] = EARLY_STOPPING_KEY  # whatever other callbacks the run has
     return out
 

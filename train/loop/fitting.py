@@ -17,8 +17,16 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, config_from_dict, read_yaml
+import nnlite as nl
+
+from ..config import Config, config_from_dict, read_yaml, to_dict
+from ..data.user import with_source
 from ..errors import ConfigError
+from ..model import registry as models
+from ..optim import GIVEN
+from ..optim.named import check_transformation
+from ..report.loggers import check_object
+from .trainer import train
 
 
 def fit(
@@ -62,17 +70,12 @@ def fit(
 
     Raises ``ConfigError`` for bad input, as the CLI's exit 2.
     """
-    from .trainer import train
-
     if isinstance(overrides, Mapping):
         overrides = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
     if isinstance(callbacks, str | bytes) or not isinstance(callbacks, Sequence):
         raise ConfigError(f"train.fit: callbacks must be a list of objects, got {callbacks!r}")
     overrides = list(overrides)
     if optimizer is not None:
-        from ..optim import GIVEN
-        from ..optim.named import check_transformation
-
         check_transformation(optimizer, "train.fit(optimizer=...)")
         overrides.append(f"optimizer.name={GIVEN}")
     cfg = _config(model, config, overrides)
@@ -82,8 +85,6 @@ def fit(
             f"its other keys ({', '.join(cfg.optimizer.options)})"
         )
     if data is not None:
-        from ..data.user import with_source
-
         cfg, data = with_source(cfg, data)
     return train(
         cfg,
@@ -97,15 +98,9 @@ def fit(
 
 
 def _config(model: Any, config: Any, overrides: list[str]) -> Config:
-    import nnlite as nl
-
-    from ..model import registry as models
-
     if isinstance(config, Config):
         if model is None and not overrides:
             return config
-        from ..config import to_dict
-
         config = to_dict(config)
     base_dir, source = None, "train.fit(config=...)"
     if isinstance(config, (str, Path)):
@@ -134,8 +129,6 @@ def _config(model: Any, config: Any, overrides: list[str]) -> Config:
 
 def _loggers(loggers: Any) -> list:
     """``train.fit(loggers=...)``: a list of logger objects, checked before the run."""
-    from ..report.loggers import check_object
-
     if isinstance(loggers, str | bytes) or not isinstance(loggers, Sequence):
         raise ConfigError(f"train.fit: loggers must be a list of logger objects, got {loggers!r}")
     for i, obj in enumerate(loggers):

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..config import Config
 from ..data.dataset import batch_dtype
+from ..data.feed import DEPTH
 from ..data.registry import size_key
 from ..errors import ConfigError
 from ..model import contract
@@ -103,8 +104,6 @@ def estimate(cfg: Config, model, optimizer, data, strategy) -> Estimate:
     if getattr(data, "streamed", False):
         # streamed: the training split stays on disk (memory maps) or in host memory, and
         # the devices hold a few calls' batches (train/data/feed.py), never the split itself
-        from ..data.feed import DEPTH
-
         calls = (DEPTH + 2) * cfg.train.steps_per_call
         train_bytes = calls * _nbytes((x, y)) * local_batch // micro
         data_bytes = train_bytes + (data.x_test.nbytes + data.y_test.nbytes) * (
