@@ -183,6 +183,16 @@ def mapping(raw: Any, section: str, where: Where) -> dict:
     return raw
 
 
+def as_list(raw: Any, where: str, key: str, form: str) -> list | tuple:
+    """``raw``, a list in the config (null: empty); anything else one line saying that
+    ``key`` must be a list of ``form``."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list | tuple):
+        raise ConfigError(f"{where}: {key} must be a list of {form}, got {raw!r}")
+    return raw
+
+
 def build(cls: type, raw: Any, prefix: str, where: Where) -> Any:
     """The section ``cls`` from ``raw`` (its YAML mapping; ``prefix``: its dotted key and a
     dot, ``"train."``): unknown keys, wrong types and bad choices refused in one line. A

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..schema import Where, choice
+from ..schema import Where, as_list, choice
 
 # auto resolves to one of the others at build time (train/model/gradmode.py); each model's
 # grad_modes are a subset (tested)
@@ -121,15 +121,9 @@ def _match(glob: list[str], parts: list[str]) -> bool:
 def parse_policies(raw, where: str) -> tuple[PolicySpec, ...]:
     """The checked entries of ``loss.backward_policies`` (``where``: the file or ``--set``
     that gave them); one ConfigError line for anything else."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, (list, tuple)):
-        raise ConfigError(
-            f"{where}: loss.backward_policies must be a list of {{layers: GLOB, stop/scale/"
-            f"clip/float32: ...}}, got {raw!r}"
-        )
+    form = "{layers: GLOB, stop/scale/clip/float32: ...}"
     out = []
-    for i, entry in enumerate(raw):
+    for i, entry in enumerate(as_list(raw, where, "loss.backward_policies", form)):
         at = f"{where}: loss.backward_policies[{i}]"
         if not isinstance(entry, dict):
             raise ConfigError(f"{at}: expected a mapping like {{layers: 'blocks/*/attn', "

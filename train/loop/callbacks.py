@@ -38,7 +38,7 @@ from typing import Any
 
 from ..errors import ConfigError, users_code, users_error
 from ..registry import Registry, check_kwargs
-from ..schema import Where, choice
+from ..schema import Where, as_list, choice
 
 EVENTS = ("on_fit_start", "on_step_end", "on_eval_end", "on_checkpoint", "on_fit_end")
 
@@ -64,15 +64,10 @@ def callbacks_section(raw: Any, where: Where) -> tuple[CallbackConfig, ...]:
     """The config's ``callbacks`` list: each a name or ``{name: ..., constructor
     arguments}``, resolved (a user's class imported now) and its arguments checked."""
     src = where.of("callbacks")
-    if raw is None:
-        return ()
-    if not isinstance(raw, list | tuple):
-        raise ConfigError(
-            f"{src}: callbacks must be a list of names or {{name: 'module:Class', ...}}, "
-            f"got {raw!r}"
-        )
     out = []
-    for i, entry in enumerate(raw):
+    for i, entry in enumerate(
+        as_list(raw, src, "callbacks", "names or {name: 'module:Class', ...}")
+    ):
         at = f"{src}: callbacks[{i}]"
         if isinstance(entry, str):
             entry = {"name": entry}
