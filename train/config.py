@@ -25,26 +25,20 @@ import yaml
 
 from .checkpoint.section import CheckpointConfig
 from .data.section import EVAL_TOKENS as EVAL_TOKENS
-from .data.section import PLACEMENTS as PLACEMENTS
 from .data.section import DataConfig
 from .errors import ConfigError, relative_to
 from .loop.backward_config import GRAD_MODES as GRAD_MODES
 from .loop.backward_config import LossConfig
 from .loop.callbacks import CallbackConfig, callbacks_section
-from .loop.callbacks import EarlyStoppingConfig as EarlyStoppingConfig
-from .loop.section import MAX_STEPS as MAX_STEPS
-from .loop.section import NONFINITE as NONFINITE
-from .loop.section import PRECISIONS as PRECISIONS
 from .loop.section import EvalConfig, TrainConfig
 from .model.section import ModelConfig
 from .model.section import check_model_round_trip as check_model_round_trip
 from .optim.section import OptimizerConfig
-from .parallel.section import CLUSTERS as CLUSTERS
 from .parallel.section import STRATEGIES as STRATEGIES
 from .parallel.section import DistributedConfig, ParallelConfig
 from .report.section import LogConfig
-from .schema import MAX_SEED, Where, build, plain
-from .schema import choice as choice
+from .schema import MAX_SEED as MAX_SEED
+from .schema import Where, build, plain
 
 
 class ArgumentParser(argparse.ArgumentParser):
