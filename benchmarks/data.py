@@ -234,13 +234,13 @@ def cmd_steps(a) -> dict:
         for _ in range(2):  # warm up: compile, fill the prefetch queue
             for loop in loops.values():
                 loop.run_call()
-                jax.block_until_ready(loop.metrics)
+                jax.block_until_ready(loop.state.metrics)
         for _ in range(a.rounds):
             for p, loop in loops.items():
                 for _ in range(a.calls):
                     t0 = time.perf_counter()
                     loop.run_call()
-                    jax.block_until_ready(loop.metrics)
+                    jax.block_until_ready(loop.state.metrics)
                     times[p].append((time.perf_counter() - t0) / k)
         for loop in loops.values():
             loop.close()

@@ -11,9 +11,9 @@ it exits 5 (the watchdog: no call finished in time), is aborted (status 134: XLA
 rendezvous timeout), prints XLA's ``may be stuck`` warning, or passes ``--timeout``.
 The table gives, per strategy: runs, the load beside them, stalls, the exit statuses,
 and the median time per step of the training phase (``timings.json``). ``--unbounded``
-runs the loop without its bound on the calls in flight
-(``NNLITE_BENCH_UNBOUNDED_CALLS=1``, train/loop.py ``max_in_flight``): the "before"
-rows, which show the stall and the step time the bound costs.
+runs the loop without its bound on the calls in flight (the trainer started with
+``train.loop.trainer.max_in_flight`` replaced by "no limit", :data:`UNBOUNDED`): the
+"before" rows, which show the stall and the step time the bound costs.
 """
 
 from __future__ import annotations
@@ -40,9 +40,17 @@ STRATEGIES = {
 }
 BURN = "while True: pass"
 STUCK_MARKS = ("may be stuck", "Termination timeout")
+# ``--unbounded``: ``python -m train`` with no bound on the calls in flight
+UNBOUNDED = (
+    "import sys; from train.loop import trainer; trainer.max_in_flight = lambda *a: None; "
+    "from train.__main__ import main; "
+    "sys.exit(main(sys.argv[1:], compile_cache=True, standalone=True))"
+)
 
 
-def run_once(strategy: str, steps: int, log_dir: str, env: dict, timeout: float) -> dict:
+def run_once(
+    strategy: str, steps: int, log_dir: str, env: dict, timeout: float, unbounded: bool = False
+) -> dict:
     sets = [
         *STRATEGIES[strategy],
         "parallel.devices=8",
@@ -55,7 +63,8 @@ def run_once(strategy: str, steps: int, log_dir: str, env: dict, timeout: float)
         "log.progress=false",
         "log.plot=false",
     ]
-    cmd = [sys.executable, "-m", "train", "--config", "configs/digits_mlp.yaml", "--fresh"]
+    trainer = ["-c", UNBOUNDED] if unbounded else ["-m", "train"]
+    cmd = [sys.executable, *trainer, "--config", "configs/digits_mlp.yaml", "--fresh"]
     cmd += ["--timings", *[a for s in sets for a in ("--set", s)]]
     t0 = time.perf_counter()
     try:
@@ -96,8 +105,6 @@ def main(argv=None) -> int:
     flags = env.get("XLA_FLAGS", "")
     if "device_count" not in flags:
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    if args.unbounded:
-        env["NNLITE_BENCH_UNBOUNDED_CALLS"] = "1"
     burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(args.burners)]
     results: dict[str, list[dict]] = {s: [] for s in strategies}
     loads = []
@@ -106,7 +113,7 @@ def main(argv=None) -> int:
             for i in range(args.runs):
                 for s in strategies:
                     loads.append(os.getloadavg()[0])
-                    r = run_once(s, args.steps, tmp, env, args.timeout)
+                    r = run_once(s, args.steps, tmp, env, args.timeout, args.unbounded)
                     results[s].append(r)
                     mark = " STALL: " + r["last_line"] if r["stalled"] else ""
                     ms = "n/a" if r["s_per_step"] is None else f"{r['s_per_step'] * 1e3:.2f}"

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import nnlite as nl
-from nnlite.vjp import batched as V
+from nnlite import rules as R
 
 __all__ = [
     "GRAD_MODES",
@@ -57,7 +57,7 @@ _ACT_GRADS: dict[str, tuple[bool, Callable]] = {
     # softplus' = sigmoid(z) = 1 - exp(-softplus(z)); expm1 keeps it exact for tiny h.
     "softplus": (False, lambda z, h: -jnp.expm1(-h)),
     "identity": (False, lambda z, h: None),
-    "gelu": (True, lambda z, h: V.gelu_grad(z)),
+    "gelu": (True, lambda z, h: R.gelu_grad(z)),
 }
 
 #: Activations the hand-derived modes (manual, fused) support; autodiff takes any.
@@ -169,15 +169,15 @@ def _autodiff_loss(params, x, labels, activation):
 
 
 def _manual_loss(params, x, labels, activation):
-    # Every op is a hand.* function: jax.grad of this runs only the hand-derived rules.
+    # Every op is a plugged rule: jax.grad of this runs only the rules.
     layers = mlp_layers(params)
-    act = getattr(V.hand, activation)
+    act = getattr(R.plugged, activation)
     h = x
     for i, layer in enumerate(layers):
-        h = V.hand.bias_add(V.hand.mm(h, layer["W"]), layer["b"])
+        h = R.plugged.bias_add(R.plugged.mm(h, layer["W"]), layer["b"])
         if i < len(layers) - 1:
             h = act(h)
-    return V.hand.mean(V.hand.softmax_cross_entropy(h, labels))
+    return R.plugged.mean(R.plugged.softmax_cross_entropy_values(h, labels))
 
 
 # --- fused --------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def _fused_backward(layers, activation, residuals, g, grads_in=None, want_dx=Fal
         if grads_in is None:
             dW, db = hs[i].T @ dz, jnp.sum(dz, axis=0)
         else:
-            dW = V.xpyzt(grads_in[i][0], hs[i], dz)
+            dW = R.xpyzt(grads_in[i][0], hs[i], dz)
             db = grads_in[i][1] + jnp.sum(dz, axis=0)
         grads[i] = (dW, db)
         if i > 0:
@@ -314,8 +314,8 @@ def _fused_loss_bwd(activation, saved, g):
     params, x, res = saved
     layers = mlp_layers(params)
     grads, dx = _fused_backward(layers, activation, res, g, want_dx=True)
-    dparams = jax.tree.map(nl.vjp.match_primal, _grads_like(params, layers, grads), params)
-    return dparams, nl.vjp.match_primal(dx, x), None
+    dparams = jax.tree.map(nl.rules.match_primal, _grads_like(params, layers, grads), params)
+    return dparams, nl.rules.match_primal(dx, x), None
 
 
 _fused_loss = jax.custom_vjp(_fused_loss_impl, nondiff_argnums=(3,))
@@ -335,8 +335,8 @@ def mlp_loss(
 ) -> jax.Array:
     """Mean softmax cross-entropy of the MLP, differentiable in gradient mode ``mode``.
 
-    ``"autodiff"``: plain JAX ops. ``"manual"``: composed from ``nnlite.vjp.batched.hand`` ops, so
-    ``jax.grad`` runs only hand rules. ``"fused"``: a ``jax.custom_vjp`` whose backward
+    ``"autodiff"``: plain JAX ops. ``"manual"``: composed from ``nnlite.rules.plugged`` rules, so
+    ``jax.grad`` runs only rules. ``"fused"``: a ``jax.custom_vjp`` whose backward
     pass is the fused hand pass of ``fused_loss_and_grad``.
 
     Example:

@@ -11,6 +11,7 @@ from .core._axes import Axes as Axes
 from .core._axes import param_axes as param_axes
 from .core._batch_axis import batch_axis as batch_axis
 from .core._batch_axis import current_batch_axis as current_batch_axis
+from .core._jax_private import lowered_cost_analysis as cost_analysis
 
 # issue 34 (gradtrain helper): a trace-time hook around each layer call (per-layer backward
 # diagnostics and policies by path in the trainer)
@@ -52,12 +53,12 @@ from .grad._policy import backward_policy as backward_policy
 from .grad._show_grad import show_forward as show_forward
 from .grad._show_grad import show_grad as show_grad
 from .grad._show_grad import show_value_and_grad as show_value_and_grad
-from .grad._vjp_batched import gelu as gelu
-from .grad._vjp_batched import identity as identity
-from .grad._vjp_batched import relu as relu
-from .grad._vjp_batched import sigmoid as sigmoid
-from .grad._vjp_batched import softplus as softplus
-from .grad._vjp_batched import tanh as tanh
+from .grad._small_rules import gelu as gelu
+from .grad._small_rules import identity as identity
+from .grad._small_rules import relu as relu
+from .grad._small_rules import sigmoid as sigmoid
+from .grad._small_rules import softplus as softplus
+from .grad._small_rules import tanh as tanh
 from .nn._activations import elu as elu
 from .nn._activations import leaky_relu as leaky_relu
 from .nn._activations import silu as silu
@@ -240,6 +241,7 @@ __all__ = [
     "LayerCall",
     "check_manual",
     "check_rules",
+    "cost_analysis",
     "current_batch_axis",
     "elu",
     "format_path",

@@ -1,22 +1,23 @@
-"""nnlite's one public home for hand-derived VJPs: every rule, by name, and the tools.
+"""nnlite's one home for rules: every rule by name, generated from the one rule table.
 
-The layers' and losses' array functions (``linear`` / ``linear_vjp``, ``conv`` /
-``conv_vjp``, ``relu`` / ``relu_vjp``, ...), and the structural and linear primitives of
-JAX, named after the primitive (``broadcast_in_dim``, ``reshape``, ``transpose``,
-``reduce_sum``, ``add``, ``mul``, ``gather``, ``dynamic_slice``, ``concatenate``, ``pad``,
-``select_n``, ``convert_element_type``, ...), which ``nl.manual_grads`` applies to the plain
-``jnp`` between layers: the pairs that ``nl.manual_grads`` plugs into ``jax.custom_vjp``
-and that ``nl.show_grad`` prints. ``RULES`` maps each name to its ``(f, f_vjp)``. Each rule
-has the seed's form ``f_vjp(*args, dret, **hyperparameters) -> one cotangent per
-argument``; a primitive's rule takes the primitive's parameters as keywords.
+A *rule* is a function ``f`` and its hand-derived vector-Jacobian product ``f_vjp``, in
+the seed's form ``f_vjp(*args, dret, **hyperparameters) -> one cotangent per argument``.
+This namespace holds every rule nnlite defines, each name one function, ``f`` and
+``f + "_vjp"``: the layers' and losses' (``linear``, ``conv``, ``layer_norm``,
+``softmax_cross_entropy_values``, ...), the activations (``relu``, ``gelu``, ...), the small
+composable rules (``mm``, ``axpy``, ``scale``, ``dotall``, ``dup``, ``pair``, ``index``,
+``sum`` of a list, ...), and JAX's primitives' rules by the primitive's name
+(``broadcast_in_dim``, ``reshape``, ``transpose``, ``reduce_sum``, ``add``, ``mul``,
+``exp``, ``gather``, ...), which ``nl.manual_grads`` applies to the plain ``jnp`` between
+layers. ``RULES`` maps each name to its ``(f, f_vjp)``; ``PRIMITIVES`` says which JAX
+primitive has which rule; ``plugged.<name>`` is each rule as a ``jax.custom_vjp`` function.
 
-The same namespace holds the rule tools (``check_vjp``, ``custom_vjp``/``with_vjp``,
-``hand_rule``, ``check_rules``, ``RuleContractError``), ``PRIMITIVES`` (which JAX
-primitive has which rule) and the seed's two small-VJP libraries by their layout
-convention: ``nnlite.rules.batched`` (row-vector batches, nnlite's layers' convention) and
-``nnlite.rules.seed`` (the awf-jaxutils column-vector library). ``nnlite.vjp`` and
-``nnlite.vjp.batched`` are those two libraries under the seed's names, kept as aliases:
-one library, several names, never two rules for one name.
+Every rule registers itself in the table where it is defined (``@hand_rule``, or
+``register_pairs`` for plain pairs): importing the modules below fills it, and the names
+here are read from it. The tools: ``check_rule`` (one rule against ``jax.vjp``; the seed's
+``check_vjp``), ``check_rules`` (every rule a model's loss runs), ``custom_vjp`` /
+``with_vjp`` (a pair as a ``jax.custom_vjp`` function), ``hand_rule``. ``nnlite.vjp`` is the
+seed's (awf-jaxutils) names for these same objects.
 
 Example:
     >>> import jax.numpy as jnp
@@ -29,191 +30,55 @@ Example:
 
 from collections.abc import Callable
 
-from . import vjp as seed  # noqa: E402
-from .grad._check import check_vjp as check_vjp  # noqa: E402
-from .grad._check_model import check_rules as check_rules  # noqa: E402
-from .grad._contract import RuleContractError as RuleContractError  # noqa: E402
-from .grad._contract import VJPCheckError as VJPCheckError  # noqa: E402
-from .grad._custom_vjp import custom_vjp as custom_vjp  # noqa: E402
-from .grad._custom_vjp import with_vjp as with_vjp  # noqa: E402
-from .grad._manual import hand_rule as hand_rule  # noqa: E402
-from .grad._policy import clip_cotangent as clip_cotangent  # noqa: E402
-from .grad._policy import clip_cotangent_vjp as clip_cotangent_vjp  # noqa: E402
-from .grad._policy import scale_cotangent as scale_cotangent  # noqa: E402
-from .grad._policy import scale_cotangent_vjp as scale_cotangent_vjp  # noqa: E402
-from .grad._policy import stop_cotangent as stop_cotangent  # noqa: E402
-from .grad._policy import stop_cotangent_vjp as stop_cotangent_vjp  # noqa: E402
-from .grad._prim_arith import div as div
-from .grad._prim_arith import div_vjp as div_vjp
-from .grad._prim_arith import dot_general as dot_general
-from .grad._prim_arith import dot_general_vjp as dot_general_vjp
-from .grad._prim_arith import mul as mul
-from .grad._prim_arith import mul_vjp as mul_vjp
-from .grad._prim_arith import neg as neg
-from .grad._prim_arith import neg_vjp as neg_vjp
-from .grad._prim_arith import sub as sub
-from .grad._prim_arith import sub_vjp as sub_vjp
-from .grad._prim_conv import conv_general_dilated as conv_general_dilated
-from .grad._prim_conv import conv_general_dilated_vjp as conv_general_dilated_vjp
-from .grad._prim_index import dynamic_slice as dynamic_slice
-from .grad._prim_index import dynamic_slice_vjp as dynamic_slice_vjp
-from .grad._prim_index import dynamic_update_slice as dynamic_update_slice
-from .grad._prim_index import dynamic_update_slice_vjp as dynamic_update_slice_vjp
-from .grad._prim_index import gather as gather
-from .grad._prim_index import gather_vjp as gather_vjp
-from .grad._prim_index import pad as pad
-from .grad._prim_index import pad_vjp as pad_vjp
-from .grad._prim_index import scatter as scatter
-from .grad._prim_index import scatter_add as scatter_add
-from .grad._prim_index import scatter_add_vjp as scatter_add_vjp
-from .grad._prim_index import scatter_vjp as scatter_vjp
-from .grad._prim_index import select_n as select_n
-from .grad._prim_index import select_n_vjp as select_n_vjp
-from .grad._prim_index import slice as slice
-from .grad._prim_index import slice_vjp as slice_vjp
-from .grad._prim_layout import broadcast_in_dim as broadcast_in_dim
-from .grad._prim_layout import broadcast_in_dim_vjp as broadcast_in_dim_vjp
-from .grad._prim_layout import concatenate as concatenate
-from .grad._prim_layout import concatenate_vjp as concatenate_vjp
-from .grad._prim_layout import convert_element_type as convert_element_type
-from .grad._prim_layout import convert_element_type_vjp as convert_element_type_vjp
-from .grad._prim_layout import copy as copy
-from .grad._prim_layout import copy_vjp as copy_vjp
-from .grad._prim_layout import cumsum as cumsum
-from .grad._prim_layout import cumsum_vjp as cumsum_vjp
-from .grad._prim_layout import pvary as pvary
-from .grad._prim_layout import pvary_vjp as pvary_vjp
-from .grad._prim_layout import reduce_sum as reduce_sum
-from .grad._prim_layout import reduce_sum_vjp as reduce_sum_vjp
-from .grad._prim_layout import reshape as reshape
-from .grad._prim_layout import reshape_vjp as reshape_vjp
-from .grad._prim_layout import rev as rev
-from .grad._prim_layout import rev_vjp as rev_vjp
-from .grad._prim_layout import split as split
-from .grad._prim_layout import split_vjp as split_vjp
-from .grad._prim_layout import squeeze as squeeze
-from .grad._prim_layout import squeeze_vjp as squeeze_vjp
-from .grad._prim_layout import stack as stack
-from .grad._prim_layout import stack_vjp as stack_vjp
-from .grad._prim_layout import stop_gradient as stop_gradient
-from .grad._prim_layout import stop_gradient_vjp as stop_gradient_vjp
-from .grad._prim_layout import tile as tile
-from .grad._prim_layout import tile_vjp as tile_vjp
-from .grad._prim_layout import transpose as transpose
-from .grad._prim_layout import transpose_vjp as transpose_vjp
-from .grad._prim_math import *  # noqa: F403 -- exp, log, sin, pow, max, clamp, ... and rules
-from .grad._prim_reduce import *  # noqa: F403 -- reduce_max, cumprod, sort, top_k, ... and rules
-from .grad._rule_table import rule_table as _rule_table
-from .grad._structural import PRIMITIVE_RULES as _PRIMITIVE_RULES  # noqa: E402
-from .grad._structural import TESTED_JAX as TESTED_JAX  # noqa: E402
-from .grad._vjp_batched import gelu as gelu
-from .grad._vjp_batched import gelu_vjp as gelu_vjp
-from .grad._vjp_batched import identity as identity
-from .grad._vjp_batched import identity_vjp as identity_vjp
-from .grad._vjp_batched import log_softmax as log_softmax
-from .grad._vjp_batched import log_softmax_vjp as log_softmax_vjp
-from .grad._vjp_batched import logaddexp as logaddexp
-from .grad._vjp_batched import logaddexp2 as logaddexp2
-from .grad._vjp_batched import logaddexp2_vjp as logaddexp2_vjp
-from .grad._vjp_batched import logaddexp_vjp as logaddexp_vjp
-from .grad._vjp_batched import mean as mean
-from .grad._vjp_batched import mean_vjp as mean_vjp
-from .grad._vjp_batched import relu as relu
-from .grad._vjp_batched import relu_vjp as relu_vjp
-from .grad._vjp_batched import sigmoid as sigmoid
-from .grad._vjp_batched import sigmoid_vjp as sigmoid_vjp
-from .grad._vjp_batched import softmax as softmax
-from .grad._vjp_batched import softmax_cross_entropy as softmax_cross_entropy
-from .grad._vjp_batched import softmax_cross_entropy_vjp as softmax_cross_entropy_vjp
-from .grad._vjp_batched import softmax_vjp as softmax_vjp
-from .grad._vjp_batched import softplus as softplus
-from .grad._vjp_batched import softplus_vjp as softplus_vjp
-from .grad._vjp_batched import sum as sum
-from .grad._vjp_batched import sum_vjp as sum_vjp
-from .grad._vjp_batched import tanh as tanh
-from .grad._vjp_batched import tanh_vjp as tanh_vjp
-from .nn._activations import elu as elu
-from .nn._activations import elu_vjp as elu_vjp
-from .nn._activations import leaky_relu as leaky_relu
-from .nn._activations import leaky_relu_vjp as leaky_relu_vjp
-from .nn._activations import silu as silu
-from .nn._activations import silu_vjp as silu_vjp
-from .nn._activations import softcap as softcap
-from .nn._activations import softcap_vjp as softcap_vjp
-from .nn._adaptive_pool import adaptive_avg_pool as adaptive_avg_pool
-from .nn._adaptive_pool import adaptive_avg_pool_vjp as adaptive_avg_pool_vjp
-from .nn._adaptive_pool import adaptive_max_pool as adaptive_max_pool
-from .nn._adaptive_pool import adaptive_max_pool_vjp as adaptive_max_pool_vjp
-from .nn._attention import dot_product_attention as dot_product_attention
-from .nn._attention import dot_product_attention_vjp as dot_product_attention_vjp
-from .nn._attention import slot as slot
-from .nn._attention import slot_vjp as slot_vjp
-from .nn._batch_norm import batch_norm_eval as batch_norm_eval
-from .nn._batch_norm import batch_norm_eval_vjp as batch_norm_eval_vjp
-from .nn._batch_norm import batch_norm_train as batch_norm_train
-from .nn._batch_norm import batch_norm_train_vjp as batch_norm_train_vjp
-from .nn._conv import conv as conv
-from .nn._conv import conv_vjp as conv_vjp
-from .nn._conv_transpose import conv_transpose as conv_transpose
-from .nn._conv_transpose import conv_transpose_vjp as conv_transpose_vjp
-from .nn._dropout import dropout as dropout
-from .nn._dropout import dropout_vjp as dropout_vjp
-from .nn._embedding import embed as embed
-from .nn._embedding import embed_attend as embed_attend
-from .nn._embedding import embed_attend_vjp as embed_attend_vjp
-from .nn._embedding import embed_vjp as embed_vjp
-from .nn._gqa import grouped_attention as grouped_attention
-from .nn._gqa import grouped_attention_vjp as grouped_attention_vjp
-from .nn._linear import linear as linear
-from .nn._linear import linear_vjp as linear_vjp
-from .nn._lm_head import chunked_log_probs as chunked_log_probs
-from .nn._lm_head import chunked_log_probs_vjp as chunked_log_probs_vjp
-from .nn._lora import lora_linear as lora_linear
-from .nn._lora import lora_linear_dropout as lora_linear_dropout
-from .nn._lora import lora_linear_dropout_vjp as lora_linear_dropout_vjp
-from .nn._lora import lora_linear_vjp as lora_linear_vjp
-from .nn._losses import nll_values as nll_values
-from .nn._losses import nll_values_vjp as nll_values_vjp
-from .nn._losses import squared_error_values as squared_error_values
-from .nn._losses import squared_error_values_vjp as squared_error_values_vjp
-from .nn._normalisation import group_norm as group_norm
-from .nn._normalisation import group_norm_vjp as group_norm_vjp
-from .nn._normalisation import layer_norm as layer_norm
-from .nn._normalisation import layer_norm_vjp as layer_norm_vjp
-from .nn._normalisation import rms_norm as rms_norm
-from .nn._normalisation import rms_norm_vjp as rms_norm_vjp
-from .nn._ops import add as add
-from .nn._ops import add_vjp as add_vjp
-from .nn._pool import avg_pool as avg_pool
-from .nn._pool import avg_pool_vjp as avg_pool_vjp
-from .nn._pool import flatten as flatten
-from .nn._pool import flatten_vjp as flatten_vjp
-from .nn._pool import max_pool as max_pool
-from .nn._pool import max_pool_vjp as max_pool_vjp
-from .nn._rnn import gru_cell as gru_cell
-from .nn._rnn import gru_cell_vjp as gru_cell_vjp
-from .nn._rnn import gru_scan as gru_scan
-from .nn._rnn import gru_scan_vjp as gru_scan_vjp
-from .nn._rnn import lstm_cell as lstm_cell
-from .nn._rnn import lstm_cell_vjp as lstm_cell_vjp
-from .nn._rnn import lstm_scan as lstm_scan
-from .nn._rnn import lstm_scan_vjp as lstm_scan_vjp
-from .nn._rnn import subarray as subarray
-from .nn._rnn import subarray_vjp as subarray_vjp
-from .nn._rope_scaling import rope as rope
-from .nn._rope_scaling import rope_vjp as rope_vjp
-from .nn._rotary import rotary as rotary
-from .nn._rotary import rotary_vjp as rotary_vjp
-from .nn._stack import stack_scan as stack_scan
-from .nn._stack import stack_scan_vjp as stack_scan_vjp
-from .nn._swiglu import geglu as geglu
-from .nn._swiglu import geglu_vjp as geglu_vjp
-from .nn._swiglu import swiglu as swiglu
-from .nn._swiglu import swiglu_vjp as swiglu_vjp
-from .vjp import batched as batched  # noqa: E402 -- the seed's libraries, by convention
+# Each module imported here registers its rules in the table (``grad/_rule_table.py``).
+from .grad import _policy, _small_rules, _structural  # noqa: F401
+from .grad._check import check_rule as check_rule
+from .grad._check import check_vjp as check_vjp
+from .grad._check_model import check_rules as check_rules
+from .grad._contract import RuleContractError as RuleContractError
+from .grad._contract import VJPCheckError as VJPCheckError
+from .grad._custom_vjp import custom_vjp as custom_vjp
+from .grad._custom_vjp import match_primal as match_primal
+from .grad._custom_vjp import with_vjp as with_vjp
+from .grad._manual import hand_rule as hand_rule
+from .grad._rule_table import RULE_TABLE as _RULE_TABLE
+from .grad._rule_table import hand_functions as _hand_functions
+from .grad._rule_table import register as _register
+from .grad._small_rules import gelu_grad as gelu_grad
+from .grad._structural import PRIMITIVE_RULES as _PRIMITIVE_RULES
+from .grad._structural import TESTED_JAX as TESTED_JAX
+from .nn import (  # noqa: F401
+    _activations,
+    _adaptive_pool,
+    _attention,
+    _batch_norm,
+    _conv,
+    _conv_transpose,
+    _dropout,
+    _embedding,
+    _gqa,
+    _linear,
+    _lm_head,
+    _lora,
+    _losses,
+    _normalisation,
+    _ops,
+    _pool,
+    _rnn,
+    _rope_scaling,
+    _rotary,
+    _stack,
+    _swiglu,
+)
 
-#: ``name -> (f, f_vjp)`` for every layer, loss and primitive rule.
-RULES: dict[str, tuple[Callable, Callable]] = _rule_table(globals())
+# ``stack_scan`` carries its pair by hand (its layer's rules scanned), not by hand_rule.
+_register(_stack.stack_scan, _stack.stack_scan_vjp)
+
+#: ``name -> (f, f_vjp)`` for every rule: the table, as it stands once nnlite is imported.
+RULES: dict[str, tuple[Callable, Callable]] = dict(_RULE_TABLE)
+
+globals().update({name: f for name, (f, _) in RULES.items()})
+globals().update({name + "_vjp": f_vjp for name, (_, f_vjp) in RULES.items()})
 
 #: ``primitive name -> (f, f_vjp)``: the JAX primitives manual mode differentiates by hand
 #: (``jax.nn.relu``, a ``jax.custom_jvp`` function, by its own rule: ``relu``).
@@ -221,18 +86,41 @@ PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
     name: (rule.f, rule.f_vjp) for name, rule in sorted(_PRIMITIVE_RULES.items())
 }
 
+#: Every rule as a ``jax.custom_vjp`` function: ``plugged.mm(x, W)`` computes ``mm`` and
+#: ``jax.grad`` differentiates it with ``mm_vjp`` (``nnlite.vjp.hand`` is this namespace).
+plugged = _hand_functions(RULES)
+
 __all__ = [
     "PRIMITIVES",
     "RULES",
     "RuleContractError",
     "TESTED_JAX",
     "VJPCheckError",
-    "batched",
+    "check_rule",
     "check_rules",
     "check_vjp",
     "custom_vjp",
+    "gelu_grad",
     "hand_rule",
-    "seed",
+    "match_primal",
+    "plugged",
     "with_vjp",
-    *sorted(n for pair in RULES for n in (pair, pair + "_vjp")),
+    *sorted(n for name in RULES for n in (name, name + "_vjp")),
 ]
+
+#: Spellings of this namespace's earlier days: where each thing went.
+_MOVED = {
+    "softmax_cross_entropy": "nnlite.rules.softmax_cross_entropy_values (the per-example rule; "
+    "nl.softmax_cross_entropy is the loss that checks and reduces)",
+    "softmax_cross_entropy_vjp": "nnlite.rules.softmax_cross_entropy_values_vjp",
+    "batched": "nnlite.rules itself (one library for both layouts; see nnlite.vjp.batched's "
+    "ImportError for the renamed few)",
+    "hand": "nnlite.rules.plugged",
+    "seed": "nnlite.vjp (the seed's names for this namespace's objects)",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"nnlite.rules.{name} is now {_MOVED[name]}")
+    raise AttributeError(f"module 'nnlite.rules' has no attribute {name!r}")

@@ -1,11 +1,11 @@
-"""``check_vjp`` of several rules at once: one compiled program instead of one per rule.
+"""``check_rule`` of several rules at once: one compiled program instead of one per rule.
 
-Each ``check_vjp`` call traces, lowers and compiles its own program (``jax.vjp`` and the
+Each ``check_rule`` call traces, lowers and compiles its own program (``jax.vjp`` and the
 rule side by side); for the tests' tiny shapes the compile's fixed cost is most of a
-check (~60 ms of ~100 ms). ``check_many`` hands ``check_vjp`` one function that returns
+check (~60 ms of ~100 ms). ``check_many`` hands ``check_rule`` one function that returns
 every case's result and one rule that returns every case's cotangents -- each case's rule
 called as the contract calls it (its own cotangent(s), its result read by
-``nnlite.grad._contract.cotangents``, the function ``check_vjp`` reads rules with) -- so
+``nnlite.grad._contract.cotangents``, the function ``check_rule`` reads rules with) -- so
 every argument of every case is compared with ``jax.vjp``'s cotangent, at its own dtype's
 tolerance, exactly as alone. When the bundle fails, each case is checked alone, so the
 error names the rule.
@@ -17,7 +17,7 @@ import functools
 
 from nnlite.grad._check import ensure_tuple
 from nnlite.grad._contract import cotangents
-from nnlite.vjp import VJPCheckError, check_vjp
+from nnlite.rules import VJPCheckError, check_rule
 
 
 def case(f, f_vjp, *args, **static):
@@ -35,8 +35,8 @@ def rule_case(rule, *args, **static):
 
 
 def check_many(cases, **kw) -> None:
-    """``check_vjp`` of every ``(f, f_vjp, args)`` in ``cases`` in one call (``kw``: its
-    keywords); on a failure, the failing case's own ``check_vjp`` error."""
+    """``check_rule`` of every ``(f, f_vjp, args)`` in ``cases`` in one call (``kw``: its
+    keywords); on a failure, the failing case's own ``check_rule`` error."""
     cases = list(cases)
     spans, flat = [], []
     for _, _, args in cases:
@@ -51,13 +51,13 @@ def check_many(cases, **kw) -> None:
         out = []
         for (f, f_vjp, _), (i, j), dret in zip(cases, spans, drets, strict=True):
             args = xs[i:j]
-            who = f"check_vjp({f.__name__}, {f_vjp.__name__})"
+            who = f"check_rule({f.__name__}, {f_vjp.__name__})"
             out.extend(cotangents(f_vjp(*args, *ensure_tuple(dret)), args, who))
         return tuple(out)
 
     try:
-        check_vjp(all_f, all_vjp, *flat, **kw)
+        check_rule(all_f, all_vjp, *flat, **kw)
     except VJPCheckError:
         for f, f_vjp, args in cases:
-            check_vjp(f, f_vjp, *args, **kw)  # raises with the rule's name
+            check_rule(f, f_vjp, *args, **kw)  # raises with the rule's name
         raise

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 import nnlite as nl
 from nnlite import hand_rule
-from nnlite.vjp import index, index_vjp
+from nnlite.rules import index, index_vjp
 
 SCALE = 0.1  # a module constant a rule reads
 
@@ -100,14 +100,14 @@ def softsign_vjp(x, dret):
     return dret / (1 + jnp.abs(x)) ** 2
 
 
-hand_softsign = nl.vjp.custom_vjp(softsign, softsign_vjp)  # a plug-in, not hand_rule
+hand_softsign = nl.rules.custom_vjp(softsign, softsign_vjp)  # a plug-in, not hand_rule
 
 
 def arcsinh_vjp(x, dret):
     return dret / jnp.sqrt(x * x + 1)
 
 
-@nl.vjp.with_vjp(arcsinh_vjp)
+@nl.rules.with_vjp(arcsinh_vjp)
 def arcsinh(x):
     return jnp.arcsinh(x)
 
@@ -138,8 +138,8 @@ def loss(p, x):
     v = pick(h, 1) + jnp.sum(take(h, jnp.array([0, 2, 2])), -1)
     v = v + masked(h, jnp.concatenate([x, x[..., :1]], -1) > 0) @ jnp.ones((4,))
     v = v + seed_index(jnp.sum(h, axis=tuple(range(h.ndim - 1))), 2)
-    r = nl.vjp.hand.relu(h) + nl.relu(h) + nl.vjp.hand.index(h, (Ellipsis, 3))[..., None]
-    return jnp.mean(v) + nl.vjp.batched.mean(r) + nl.vjp.hand.dotall(h, h) / h.size
+    r = nl.rules.plugged.relu(h) + nl.relu(h) + nl.rules.plugged.index(h, (Ellipsis, 3))[..., None]
+    return jnp.mean(v) + nl.rules.mean(r) + nl.rules.plugged.dotall(h, h) / h.size
 
 
 def params(key=0):

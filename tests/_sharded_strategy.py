@@ -5,7 +5,7 @@ mesh axis (where it divides), the batch split over the same axis, and the step o
 
 ``use_sharded_strategy()`` makes ``parallel.strategy: shard_map`` build it (the config
 accepts only registered names); ``python tests/_sharded_strategy.py ARGS`` is
-``python -m train ARGS`` with it.
+``python -m train ARGS`` with it (and the faults of tests/_inject.py its environment names).
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ def use_sharded_strategy(monkeypatch=None) -> None:
 
 
 if __name__ == "__main__":
+    from _inject import from_env
+
     from train.__main__ import main
 
+    from_env()
     use_sharded_strategy()
     sys.exit(main(sys.argv[1:], standalone=True))

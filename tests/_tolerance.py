@@ -138,12 +138,13 @@ def assert_same_trajectory(got, want, *, lr: float, what: str = "") -> None:
 
 
 def check_rule(rule, *args, **static):
-    """``check_vjp`` of an ``@nl.hand_rule`` function's plain pair, hyperparameters bound."""
+    """``nnlite.rules.check_rule`` of an ``@nl.hand_rule`` function's plain pair,
+    hyperparameters bound."""
     import functools
 
-    from nnlite.vjp import check_vjp
+    from nnlite import rules
 
     f = functools.partial(rule.f, **static)
     f_vjp = functools.partial(rule.f_vjp, **static)
     f.__name__, f_vjp.__name__ = rule.__name__, rule.f_vjp.__name__
-    check_vjp(f, f_vjp, *args)
+    rules.check_rule(f, f_vjp, *args)

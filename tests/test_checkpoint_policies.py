@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import _inject
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -21,7 +22,6 @@ import nnlite as nl
 import train
 from train.checkpoint import store, writer
 from train.checkpoint.rundir import TIMING_KEYS
-from train.checkpoint.store import TEST_PAUSE_ENV
 from train.errors import ConfigError, UserCodeError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,10 +218,12 @@ def test_predict_and_sample_take_best(project, reference, npz, tmp_path, capsys)
     )
 
 
-def spawn(project: Path, *args, **env) -> subprocess.Popen:
-    full = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags(1), **env)
+def spawn(project: Path, *args, pause: float) -> subprocess.Popen:
+    """``python -m train`` in ``project``, every checkpoint write paused twice for
+    ``pause`` s (tests/_inject.py)."""
+    full = _inject.env(dict(os.environ, XLA_FLAGS=xla_flags(1)), pause=pause)
     return subprocess.Popen(
-        [sys.executable, "-m", "train", "--config", "true.yaml", *args],
+        [sys.executable, "-m", "_inject", "--config", "true.yaml", *args],
         cwd=project,
         env=full,
         stdout=subprocess.PIPE,
@@ -236,7 +238,7 @@ def test_sigkill_during_an_async_write_resumes_bit_identically(project, referenc
     uninterrupted run (its params, best checkpoints, early-stopping state, metrics)."""
     run_dir = project / "runs" / "run"
     ckpt_dir = run_dir / "checkpoints"
-    proc = spawn(project, "--fresh", **{TEST_PAUSE_ENV: "0.3"})
+    proc = spawn(project, "--fresh", pause=0.3)
     try:
         while proc.poll() is None:
             tmp = [p for p in ckpt_dir.glob("ckpt_*.tmp")] if ckpt_dir.exists() else []

@@ -16,8 +16,7 @@ from _tolerance import (
 
 import nnlite as nl
 from models.gpt import GPT, stack_blocks, unstack_blocks
-from nnlite.rules import stack_scan, stack_scan_vjp
-from nnlite.vjp import check_vjp
+from nnlite.rules import check_rule, stack_scan, stack_scan_vjp
 from train.model.contract import objective_fn
 
 BLOCK = nl.TransformerBlock(8, num_heads=2, mlp_ratio=2, dropout_rate=0.25)
@@ -135,7 +134,7 @@ def test_stack_rule_passes_check_vjp():
     p = jax.jit(nl.Stack(layer, 3).init)(jax.random.key(0))
     f = functools.partial(stack_scan, layer=layer)
     f_vjp = functools.partial(stack_scan_vjp, layer=layer)
-    check_vjp(f, f_vjp, p, X[..., :4], None)
+    check_rule(f, f_vjp, p, X[..., :4], None)
 
 
 def test_stack_refuses_wrong_params_and_a_layer_that_changes_shape(stack_params):

@@ -11,13 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import _inject
 import jax
 import numpy as np
 import safetensors.numpy
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from _xla import xla_flags
 
-from train.checkpoint.store import TEST_PAUSE_ENV, flatten_with_paths
+from train.checkpoint.store import flatten_with_paths
 from train.config import load_config
 from train.loop.trainer import train
 from train.parallel.launch import free_port
@@ -49,8 +50,10 @@ def env_with_devices(n: int) -> dict:
     return env
 
 
-def cli(tmp_path, *overrides) -> list[str]:
-    args = [sys.executable, "-m", "train", "--config", CONFIG]
+def cli(tmp_path, *overrides, module: str = "train") -> list[str]:
+    """``python -m train`` (``module="_inject"``: with the faults of tests/_inject.py that
+    its environment names) with these overrides."""
+    args = [sys.executable, "-m", module, "--config", CONFIG]
     for o in (*COMMON, f"log.dir={tmp_path}", *overrides):
         args += ["--set", o]
     return args
@@ -190,13 +193,14 @@ def test_a_dead_peer_makes_the_other_exit_with_a_documented_line_not_a_cpp_abort
     assert took < 5 + 10
 
 
-def signal_process_1(tmp_path, args, sig, **env_extra) -> tuple[subprocess.Popen, str, dict]:
-    """Start the launcher with ``args``, wait for training progress, send ``sig`` to its
-    process 1 only, and wait for the launcher: ``(launcher, stderr, children)``."""
+def signal_process_1(tmp_path, args, sig, env=None) -> tuple[subprocess.Popen, str, dict]:
+    """Start the launcher with ``args`` (in ``env``, default: two devices), wait for
+    training progress, send ``sig`` to its process 1 only, and wait for the launcher:
+    ``(launcher, stderr, children)``."""
     launcher = subprocess.Popen(
         args,
         cwd=ROOT,
-        env={**env_with_devices(2), **env_extra},
+        env=env or env_with_devices(2),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -223,7 +227,7 @@ def test_launcher_stops_everything_when_one_process_dies(tmp_path):
 
 def test_sigterm_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path, npz):
     # 120 steps. The first run writes a checkpoint after every step (the first shows the
-    # first step's gradient), each paused 2 x 0.05 s (TEST_PAUSE_ENV): the signal, sent at
+    # first step's gradient), each paused 2 x 0.05 s (tests/_inject.py): the signal, sent at
     # step 10, lands seconds before the run could end, however loaded the machine.
     steps = [npz, "train.steps=120", "train.log_every=10", "train.eval_every=120"]
     steps += ["checkpoint.keep=1000", "optimizer.schedule=constant"]
@@ -233,9 +237,14 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path,
     # waits on (~190 steps took ~40% of its wall time; test_calls_in_flight pins the
     # wait per call of several processes, benchmarks/stress_multidevice.py the long runs).
     par = ["parallel.strategy=pmap", "parallel.devices=2"]
-    args = [*cli(tmp_path, *steps, *par, "checkpoint.every=1"), "--processes", "2"]
+    args = [
+        *cli(tmp_path, *steps, *par, "checkpoint.every=1", module="_inject"),
+        "--processes",
+        "2",
+    ]
     # Process 1 only: JAX's preemption service tells process 0.
-    launcher, err, _ = signal_process_1(tmp_path, args, signal.SIGTERM, **{TEST_PAUSE_ENV: "0.05"})
+    paused = _inject.env(env_with_devices(2), pause=0.05)
+    launcher, err, _ = signal_process_1(tmp_path, args, signal.SIGTERM, paused)
     # Both processes saved at the agreed step and exited 3; a disagreement would have hung
     # one of them in a collective and made the launcher kill it.
     assert launcher.returncode == 3, err
@@ -261,8 +270,8 @@ def test_a_stuck_collective_ends_every_process_and_the_launcher(tmp_path):
 
     overrides = [*LINREG, "train.steps=1000000", "train.log_every=10", "train.step_timeout=3"]
     overrides += ["parallel.strategy=shard_map", "log.progress=true"]
-    args = [*cli(tmp_path, *overrides), "--processes", "2"]
-    env = {**env_with_devices(2), faults.TEST_STUCK_ENV: "25:1"}  # process 1 sticks at step 25
+    args = [*cli(tmp_path, *overrides, module="_inject"), "--processes", "2"]
+    env = _inject.env(env_with_devices(2), stuck="25:1")  # process 1 sticks at step 25
     t0 = time.monotonic()
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
@@ -367,7 +376,6 @@ print(status, *(p.returncode for p in started))
 def test_launcher_second_ctrl_c_names_itself_not_its_sigkill(tmp_path):
     # the first SIGINT is forwarded as SIGTERM, which a child waits out here: JAX's
     # preemption sync point comes only with the next call, and the step is stuck
-    from train import faults
 
     launcher = subprocess.Popen(
         [
@@ -378,12 +386,13 @@ def test_launcher_second_ctrl_c_names_itself_not_its_sigkill(tmp_path):
                 "train.log_every=10",
                 "parallel.strategy=shard_map",
                 "train.step_timeout=60",
+                module="_inject",
             ),
             "--processes",
             "2",
         ],
         cwd=ROOT,
-        env={**env_with_devices(2), faults.TEST_STUCK_ENV: "25:1"},
+        env=_inject.env(env_with_devices(2), stuck="25:1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import _inject
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +25,7 @@ import nnlite as nl
 from train import faults
 from train.__main__ import main
 from train.checkpoint.rundir import TIMING_KEYS
-from train.checkpoint.store import TEST_PAUSE_ENV, flatten_with_paths
+from train.checkpoint.store import flatten_with_paths
 from train.config import load_config
 from train.data.dataset import epoch_order
 from train.loop import nonfinite
@@ -50,14 +51,18 @@ def cli_args(tmp_path, *overrides) -> list[str]:
     return args
 
 
-def spawn(args, **env_extra) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **env_extra)
+def spawn(args, **inject) -> subprocess.Popen:
+    """``python -m train ARGS``, with the faults of tests/_inject.py that ``inject`` names
+    (``pause=``, ``stuck=``)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    if inject:
+        env = _inject.env(env, **inject)
     # Restarted runs compile the same step: share JAX's persistent cache to start faster.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env["XLA_FLAGS"] = xla_flags(1)
     return subprocess.Popen(
-        [sys.executable, "-m", "train", *args],
+        [sys.executable, "-m", "_inject" if inject else "train", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -102,7 +107,7 @@ def metrics_without_timings(path: Path) -> list[dict]:
 # written-but-unrenamed checkpoint, mid-training; then a run to the end, compared bit for
 # bit with one uninterrupted in-process run (the final run too is in-process: it is
 # a resume, not a signal's target). Every run but the last pauses in each
-# checkpoint write (TEST_PAUSE_ENV), so that a signal sent after a write began lands
+# checkpoint write (tests/_inject.py), so that a signal sent after a write began lands
 # before the run can end, however loaded the machine.
 INTERRUPTED = [
     "train.steps=100",
@@ -138,7 +143,7 @@ def interrupted(tmp_path_factory, npz):
     run_dir = tmp_path / "run"
     ckpt_dir, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
     out = {"run_dir": run_dir}
-    pause = {TEST_PAUSE_ENV: str(PAUSE)}
+    pause = {"pause": PAUSE}
 
     # SIGTERM once the first checkpoint write has begun: the run cannot end before it lands
     proc = spawn([*cli_args(tmp_path, *over), "--fresh"], **pause)
@@ -368,7 +373,7 @@ def test_watchdog_fires_on_a_stuck_call_and_not_on_finished_ones():
         assert fired == []  # finished calls never fire, however long the loop then idles
         t0 = time.monotonic()
         release = threading.Event()
-        stuck = faults.StuckCall(release)
+        stuck = _inject.StuckCall(release)
         dog.watch(3, stuck)
         while not fired and time.monotonic() - t0 < 10:
             time.sleep(0.05)
@@ -397,7 +402,7 @@ def test_watchdog_automatic_limit_follows_the_first_calls():
 def test_a_stuck_call_ends_the_run_with_exit_5_within_the_timeout(tmp_path, npz):
     over = [npz, "train.steps=50", "train.log_every=10", "train.step_timeout=2"]
     t0 = time.monotonic()
-    proc = spawn(cli_args(tmp_path, *over), **{faults.TEST_STUCK_ENV: "7"})
+    proc = spawn(cli_args(tmp_path, *over), stuck="7")
     _, err = proc.communicate(timeout=120)
     took = time.monotonic() - t0
     assert proc.returncode == faults.EXIT_STUCK, err

@@ -1,5 +1,5 @@
 """The rule contract, one reading for every tool: ``hand_rule``/``manual_grads``,
-``custom_vjp``, ``check_vjp`` and ``show_grad`` accept the same rule forms, give the same
+``custom_vjp``, ``check_rule`` and ``show_grad`` accept the same rule forms, give the same
 gradient, and refuse the same broken rules with the same line. ``show_grad``'s printed code
 equals ``jax.grad`` for every form, wherever the rule is defined, at other batch sizes.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import nnlite as nl
-from nnlite.vjp import check_vjp, index, index_vjp
+from nnlite.rules import check_rule, index, index_vjp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,13 +60,13 @@ def test_one_argument_rule_returning_a_one_tuple_works_in_every_tool():
     def loss(p, x):
         return jnp.sum(sq(p.w)[None] * x)
 
-    check_vjp(sq.f, sq.f_vjp, p.w)  # once rejected by check_vjp
+    check_rule(sq.f, sq.f_vjp, p.w)  # once rejected by check_rule
     src = nl.show_grad(loss, p, x)  # once printed code that crashed
     assert "(d_p_w,) = sq_vjp(" in src
     want = jax.grad(loss)(p, x).w
     np.testing.assert_allclose(_run(src, p, x).w, want)
     np.testing.assert_allclose(jax.grad(nl.manual_grads(loss))(p, x).w, want)
-    np.testing.assert_allclose(jax.grad(nl.vjp.custom_vjp(sq.f, sq.f_vjp))(jnp.float32(3.0)), 6.0)
+    np.testing.assert_allclose(jax.grad(nl.rules.custom_vjp(sq.f, sq.f_vjp))(jnp.float32(3.0)), 6.0)
 
 
 def test_nnlite_rules_print_through_public_imports_and_hand_functions_are_accepted():
@@ -75,15 +75,16 @@ def test_nnlite_rules_print_through_public_imports_and_hand_functions_are_accept
 
     def loss(p, x):
         h = x @ p.w
-        # decorated inside nnlite (batched mean), ready-made plug-ins (hand.*), the seed's
-        # column-vector library, and a primitive rule
+        # decorated inside nnlite (mean), ready-made plug-ins (hand.*), the seed's names,
+        # and a primitive rule
         r = nl.vjp.hand.relu(h) + nl.vjp.hand.exp(h / 4) + jnp.sin(h)
-        return nl.vjp.batched.mean(r) + nl.vjp.hand.dotall(h, h) + jnp.sum(nl.vjp.softmax(h))
+        return nl.rules.mean(r) + nl.vjp.hand.dotall(h, h) + jnp.sum(nl.vjp.softmax(h))
 
     src = nl.show_grad(loss, p, x)
-    assert "nnlite.grad" not in src and "_vjp_batched" not in src  # public paths only
+    assert "nnlite.grad" not in src and "_small_rules" not in src  # public paths only
     assert "hand_rule" not in src  # no decorator copied into the code
-    assert "from nnlite.vjp import" in src and "from nnlite.rules import" in src
+    # the seed's names are nnlite.rules' objects: every rule imported from the one home
+    assert "from nnlite.vjp import" not in src and "from nnlite.rules import" in src
     x5 = jnp.ones((5, 2)) * 0.7
     np.testing.assert_allclose(_run(src, p, x5).w, jax.grad(loss)(p, x5).w, rtol=1e-5)
 
@@ -132,9 +133,9 @@ def test_every_corpus_rule_passes_check_vjp(f, nargs):
         "weigh": [x * 2],
     }.get(f.__name__, [])
     if f.__name__ == "weigh":  # None for a float argument: zero, so check its cotangent only
-        check_vjp(lambda x: f.f(x, extra[0]), lambda x, d: f.f_vjp(x, extra[0], d)[0], x)
+        check_rule(lambda x: f.f(x, extra[0]), lambda x, d: f.f_vjp(x, extra[0], d)[0], x)
         return
-    check_vjp(f.f, f.f_vjp, x, *extra)
+    check_rule(f.f, f.f_vjp, x, *extra)
 
 
 # --- broken rules: refused once, the same way by every tool --------------------------------
@@ -147,7 +148,7 @@ def test_a_rule_that_cannot_take_the_call_is_refused_at_decoration():
     with pytest.raises(nl.RuleContractError, match=r"takes 2 positional arguments \(x, dret\)"):
         nl.hand_rule(lambda x, dret: dret)(f)
     with pytest.raises(nl.RuleContractError, match="takes 2 positional arguments"):
-        nl.vjp.custom_vjp(f, lambda x, dret: dret)
+        nl.rules.custom_vjp(f, lambda x, dret: dret)
 
     def g(x, *, eps=1.0):
         return x + eps
@@ -174,7 +175,7 @@ def test_a_rule_result_outside_the_contract_is_refused_alike_by_every_tool(bad, 
         return x * y
 
     hand = nl.hand_rule(bad)(mul)
-    plug = nl.vjp.custom_vjp(mul, bad)
+    plug = nl.rules.custom_vjp(mul, bad)
     x = jnp.array([1.0, 2.0, 3.0])
     p = nl.ParamsDict(w=x)
 
@@ -184,7 +185,7 @@ def test_a_rule_result_outside_the_contract_is_refused_alike_by_every_tool(bad, 
     tools = {
         "manual_grads": lambda: jax.grad(nl.manual_grads(loss))(p, x),
         "custom_vjp": lambda: jax.grad(lambda w: jnp.sum(plug(w, x)))(x),
-        "check_vjp": lambda: check_vjp(mul, bad, x, x),
+        "check_rule": lambda: check_rule(mul, bad, x, x),
         "show_grad": lambda: nl.show_grad(loss, p, x[None].repeat(2, 0)[0]),
     }
     for name, run in tools.items():

@@ -149,7 +149,7 @@ def test_every_primitive_rule_is_checked_here_or_with_the_structural_ones():
 
 
 def test_primitive_rules_against_jax_vjp(rand):
-    """Every case of every rule in one check_vjp per dtype (tests/_check_many.py: one
+    """Every case of every rule in one check_rule per dtype (tests/_check_many.py: one
     compile, not one per case; a failure names its rule)."""
     check_many(
         case(PRIMITIVE_RULES[name].f, PRIMITIVE_RULES[name].f_vjp, *make(rand), **params)

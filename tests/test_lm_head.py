@@ -30,7 +30,7 @@ def test_chunks_equal_the_full_logits_and_the_rule_equals_autodiff(vocab_axis, c
     ours = lambda h, w: nl.label_log_probs(h, w, y, vocab_axis=vocab_axis, chunk=3, softcap=cap)
     ref = lambda h, w: _reference(h, w, y, vocab_axis, cap)
     f, f_vjp = nl.rules.RULES["chunked_log_probs"]
-    nl.rules.check_vjp(f.f, f_vjp, h, w, y, vocab_axis, 3, cap)
+    nl.rules.check_rule(f.f, f_vjp, h, w, y, vocab_axis, 3, cap)
     fn = lambda h, w: jnp.sum(ours(h, w) * ct)
 
     @jax.jit

@@ -145,7 +145,7 @@ def test_every_primitive_rule_is_in_nnlite_rules_and_checked():
 
 
 def test_structural_rules_match_jax_vjp(rand):
-    """Every case's rule against jax.vjp in one check_vjp (tests/_check_many.py: one compile,
+    """Every case's rule against jax.vjp in one check_rule (tests/_check_many.py: one compile,
     not one per case; a failure names its rule), and every forward, computed in one program,
     against the expected value."""
     meta, arrays = _case_table(*(rand(*s) for s in BASE_SHAPES))

@@ -2,7 +2,7 @@
 AdaptiveAvgPool/AdaptiveMaxPool, RotaryEmbedding (and attention with it), GRUCell,
 LSTMCell and RNN.
 
-Every rule against ``jax.vjp`` (``check_vjp``) in float32 and float64; every layer's shape,
+Every rule against ``jax.vjp`` (``check_rule``) in float32 and float64; every layer's shape,
 dtype, jit, grad and vmap; each layer under ``nl.manual_grads`` against ``jax.grad``;
 numpy references written from PyTorch's formulas; cached rotary decoding against the full
 forward.
@@ -31,7 +31,7 @@ def _np(*shape, seed=0):
 
 
 # -- every new rule against jax.vjp -----------------------------------------------------------
-# Each test checks its cases in one check_vjp (tests/_check_many.py: one compile, not one per
+# Each test checks its cases in one check_rule (tests/_check_many.py: one compile, not one per
 # case; a failure names its rule), once per dtype (the rand fixture).
 
 

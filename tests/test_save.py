@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import _inject
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -288,19 +289,15 @@ def test_not_a_safetensors_file(tmp_path, content, match):
         nl.load(tmp_path)
 
 
-# nl.save's test hook: seconds it pauses twice per write (half-written, then unrenamed).
-TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
-
-
 @pytest.mark.parametrize(("pause", "kill_after", "written"), [(60, 0, "half"), (2, 3, "all")])
 def test_killed_mid_write_leaves_the_old_file(tmp_path, pause, kill_after, written):
     """SIGKILL while nl.save pauses inside the write (its temporary file half-written, or
     complete but not renamed): the target still holds the old file, whole."""
     f = nl.save(tmp_path / "p.safetensors", {"W": jnp.zeros((256, 256))}, metadata={"v": "old"})
     before = f.read_bytes()
-    code = "import sys, jax.numpy as jnp, nnlite as nl; nl.save(sys.argv[1], {'W': jnp.ones((256, 256))})"  # fmt: skip
-    env = {**os.environ, TEST_PAUSE_ENV: str(pause)}
-    proc = subprocess.Popen([sys.executable, "-c", code, str(f)], env=env)
+    # the write pauses twice (tests/_inject.py): half-written, then complete but unrenamed
+    code = "import sys, _inject, jax.numpy as jnp, nnlite as nl; _inject.pause_writes(float(sys.argv[2])); nl.save(sys.argv[1], {'W': jnp.ones((256, 256))})"  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code, str(f), str(pause)], env=_inject.env())
     try:
         t0 = time.monotonic()
         while not (tmps := list(tmp_path.glob("p.safetensors.*.tmp"))):

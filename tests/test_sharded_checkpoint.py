@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import _inject
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -231,9 +232,9 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_and_resumes_bit_ident
     args = [sys.executable, "tests/_sharded_strategy.py", "--config", CONFIG]
     for o in (*COMMON, f"log.dir={tmp_path}", *over):
         args += ["--set", o]
-    env = script_env()
+    # each file's write pauses twice, the directory once more (tests/_inject.py)
+    env = _inject.env(script_env(), pause=0.3)
     env["XLA_FLAGS"] = xla_flags(8)
-    env[ckpt.TEST_PAUSE_ENV] = "0.3"  # each file pauses twice, the directory once more
     ckpts = tmp_path / "run" / "checkpoints"
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:

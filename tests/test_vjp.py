@@ -1,5 +1,6 @@
-"""nnlite.vjp and nnlite.vjp.batched: every hand rule against jax.vjp, the checker's
-failures, the custom_vjp plug-in."""
+"""nnlite.rules' small rules in both layouts (row-vector batches, the seed's column vectors
+through nnlite.vjp): every rule against jax.vjp, the checker's failures, the custom_vjp
+plug-in, one name one function."""
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +12,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
+from nnlite import rules as R
 from nnlite import vjp
-from nnlite.vjp import VJPCheckError, check_vjp
-from nnlite.vjp import batched as V
-from nnlite.vjp.batched import hand
+from nnlite.rules import VJPCheckError, check_vjp
+from nnlite.rules import plugged as hand
+
+
+class _Kw(dict):
+    """Keyword hyperparameters of a case (``softmax``'s ``axis``)."""
+
+
+def _case(f, f_vjp, *args):
+    kw = args[-1] if args and isinstance(args[-1], _Kw) else {}
+    return case(f, f_vjp, *(args[:-1] if kw else args), **kw)
 
 
 def _cases(seed, dtype):
@@ -45,7 +55,8 @@ def _cases(seed, dtype):
         "mm_scaled": [(r(4, 3), r(3, 5), r(), r())],
         "bias_add": [(r(6), r(6)), (r(4, 6), r(6)), (r(2, 4, 6), r(6))],
         "xpyzt": [(r(4, 3), r(4), r(3)), (r(4, 3), r(8, 4), r(8, 3))],
-        "sum": unary,
+        "reduce_sum": unary,
+        "sum": [([r(4, 3), r(4, 3)],), ((r(2, 3, 4), r(2, 3, 4), r(2, 3, 4)),)],
         "mean": unary,
         "index": [(r(7), 3), (r(5, 3), jnp.array([0, 2, 2])), (r(6, 2), jnp.array(4))],
         "identity": unary,
@@ -60,14 +71,30 @@ def _cases(seed, dtype):
         "exp": unary,
         "recip": [(pos(7),), (pos(4, 5),)],
         "log": [(pos(7),), (pos(4, 5),)],
-        "softmax": [(r(5),), (r(4, 5),), (r(2, 3, 5),)],
+        "softmax": [(r(5), _Kw(axis=-1)), (r(4, 5), _Kw(axis=-1)), (r(2, 3, 5), _Kw(axis=-1))],
         "log_softmax": [(r(5),), (r(4, 5),), (r(2, 3, 5),)],
-        "softmax_cross_entropy": [(r(4, 5), lab(4)), (r(2, 3, 5), lab(2, 3)), (r(5), lab())],
+        "softmax_cross_entropy_values": [
+            (r(4, 5), lab(4)),
+            (r(2, 3, 5), lab(2, 3)),
+            (r(5), lab()),
+        ],
     }
 
 
+def _small_rules():
+    """The rules of nnlite.rules' small composable library (layers' and primitives' rules
+    have their own tests), by name."""
+    small = {
+        n: pair
+        for n, pair in R.RULES.items()
+        if getattr(pair[0], "f", pair[0]).__module__ == "nnlite.grad._small_rules"
+    }
+    # the seed's rules that are primitives' rules, and nl.reduce's sum
+    return small | {n: R.RULES[n] for n in ("add", "exp", "log", "mul", "negate", "reduce_sum")}
+
+
 def test_every_rule_has_cases():
-    assert set(_cases(0, np.float32)) == set(V.RULES)
+    assert set(_cases(0, np.float32)) == set(_small_rules())
 
 
 # Every rule's cases in one check_vjp (tests/_check_many.py: one compile, not one per case;
@@ -75,7 +102,7 @@ def test_every_rule_has_cases():
 def test_rules_match_jax_vjp_float32():
     cases = _cases(0, np.float32)
     check_many(
-        (case(f, f_vjp, *args) for name, (f, f_vjp) in V.RULES.items() for args in cases[name]),
+        (_case(*R.RULES[name], *args) for name in cases for args in cases[name]),
         key=jax.random.key(1),
     )
 
@@ -83,10 +110,10 @@ def test_rules_match_jax_vjp_float32():
 def test_rules_match_jax_vjp_float64():
     with jax.enable_x64(True):
         cases = _cases(1, np.float64)
-        for args in (args for name in V.RULES for args in cases[name][-1:]):
+        for args in (args for name in cases for args in cases[name][-1:]):
             assert all(a.dtype != jnp.float32 for a in jax.tree.leaves(args) if hasattr(a, "dtype"))
         # the most batched case of each rule
-        check_many(case(f, f_vjp, *cases[name][-1]) for name, (f, f_vjp) in V.RULES.items())
+        check_many(_case(*R.RULES[name], *cases[name][-1]) for name in cases)
 
 
 def test_check_vjp_catches_inverted_relu_mask(key):
@@ -97,7 +124,7 @@ def test_check_vjp_catches_inverted_relu_mask(key):
     with pytest.raises(
         VJPCheckError, match=r"argument 0 differs from jax.vjp: max abs error .* at index \("
     ):
-        check_vjp(V.relu, bad_relu_vjp, x)
+        check_vjp(R.relu, bad_relu_vjp, x)
 
 
 def test_check_many_fails_like_check_vjp_naming_the_rule():
@@ -108,10 +135,10 @@ def test_check_many_fails_like_check_vjp_naming_the_rule():
         return jnp.where(x > 0, 0, dret)
 
     x = jnp.linspace(-1.0, 1.0, 6)
-    right = [case(V.relu, V.relu_vjp, x), case(V.index, V.index_vjp, x, jnp.array([1, 1]))]
+    right = [case(R.relu, R.relu_vjp, x), case(R.index, R.index_vjp, x, jnp.array([1, 1]))]
     check_many(right)
-    with pytest.raises(VJPCheckError, match=r"check_vjp\(relu, bad_relu_vjp\): .*argument 0"):
-        check_many([*right, case(V.relu, bad_relu_vjp, x)])
+    with pytest.raises(VJPCheckError, match=r"check_rule\(relu, bad_relu_vjp\): .*argument 0"):
+        check_many([*right, case(R.relu, bad_relu_vjp, x)])
 
 
 def test_check_vjp_names_argument_and_path():
@@ -129,22 +156,22 @@ def test_check_vjp_names_argument_and_path():
 def test_check_vjp_reports_structure_and_count_mistakes():
     x, y = jnp.ones(3), jnp.ones(3)
     with pytest.raises(VJPCheckError, match="tuple of 2 here; got a single array"):
-        check_vjp(V.add, lambda x, y, dret: dret, x, y)
+        check_vjp(R.add, lambda x, y, dret: dret, x, y)
     with pytest.raises(VJPCheckError, match="tree structure"):
         check_vjp(lambda p: p["a"] * 2, lambda p, dret: {"z": 2 * dret}, {"a": x})
     with pytest.raises(VJPCheckError, match=r"has shape \(1, 3\), expected \(3,\)"):
-        check_vjp(V.exp, lambda x, dret: (dret * jnp.exp(x))[None], x)
+        check_vjp(R.exp, lambda x, dret: (dret * jnp.exp(x))[None], x)
     with pytest.raises(
         VJPCheckError, match="integer array, not differentiable; the rule must return None"
     ):
         check_vjp(
-            V.index, lambda x, i, dret: (jnp.zeros_like(x).at[i].add(dret), 0.0), x, jnp.array(1)
+            R.index, lambda x, i, dret: (jnp.zeros_like(x).at[i].add(dret), 0.0), x, jnp.array(1)
         )
 
 
 def test_check_vjp_catches_nan():
     with pytest.raises(VJPCheckError, match="differs from jax.vjp"):
-        check_vjp(V.exp, lambda x, dret: dret * jnp.nan, jnp.ones(3))
+        check_vjp(R.exp, lambda x, dret: dret * jnp.nan, jnp.ones(3))
 
 
 def test_check_vjp_tolerance_is_respected():
@@ -163,12 +190,12 @@ def test_check_vjp_tolerance_is_respected():
 def test_plugin_runs_the_hand_rule(key):
     """jax.grad of a custom_vjp function uses the rule it was given, even a wrong one."""
     x = jax.random.normal(key, (6,))
-    inverted = vjp.custom_vjp(V.relu, lambda x, dret: jnp.where(x > 0, 0, dret))
+    inverted = vjp.custom_vjp(R.relu, lambda x, dret: jnp.where(x > 0, 0, dret))
     np.testing.assert_array_equal(
         jax.grad(lambda x: jnp.sum(inverted(x)))(x), (x <= 0).astype(x.dtype)
     )
     np.testing.assert_array_equal(
-        jax.grad(lambda x: hand.sum(hand.relu(x)))(x), (x > 0).astype(x.dtype)
+        jax.grad(lambda x: hand.reduce_sum(hand.relu(x)))(x), (x > 0).astype(x.dtype)
     )
 
 
@@ -186,10 +213,10 @@ def test_with_vjp_decorator_and_nondiff():
 
 def test_plugin_static_and_integer_arguments(key):
     x = jax.random.normal(key, (5, 3))
-    g = jax.grad(lambda x: hand.sum(hand.index(x, 2)))(x)  # Python int: static
+    g = jax.grad(lambda x: hand.reduce_sum(hand.index(x, 2)))(x)  # Python int: static
     np.testing.assert_array_equal(g, jnp.zeros((5, 3)).at[2].set(1))
     i = jnp.array([0, 4, 4])  # integer array: traced, cotangent None
-    g = jax.jit(jax.grad(lambda x, i: hand.sum(hand.index(x, i))))(x, i)
+    g = jax.jit(jax.grad(lambda x, i: hand.reduce_sum(hand.index(x, i))))(x, i)
     np.testing.assert_array_equal(g, jnp.zeros((5, 3)).at[0].set(1).at[4].set(2))
 
 
@@ -208,7 +235,7 @@ def _loss_plain(p, x, labels):
 
 def _loss_hand(p, x, labels):
     h = hand.tanh(hand.bias_add(hand.mm(x, p["W"]), p["b"]))
-    return hand.mean(hand.softmax_cross_entropy(hand.gelu(h), labels))
+    return hand.mean(hand.softmax_cross_entropy_values(hand.gelu(h), labels))
 
 
 def _data(seed=1, batch=16, n_in=6, n_out=4):
@@ -340,16 +367,57 @@ def test_column_rules_match_jax_vjp():
         check_many(case(f, f_vjp, *cases[name][-1]) for name, (f, f_vjp) in vjp.RULES.items())
 
 
-def test_column_conventions_differ_from_batched():
+def test_one_function_serves_both_layouts():
+    """Where the seed's convention is not the layers', a keyword or a second name says which;
+    the seed's names are nnlite.rules' objects."""
     x = jnp.arange(6.0).reshape(3, 2)
     np.testing.assert_allclose(vjp.softmax(x).sum(axis=0), [1.0, 1.0], rtol=1e-6)
-    np.testing.assert_allclose(V.softmax(x).sum(axis=-1), [1.0, 1.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(R.softmax(x, axis=-1).sum(axis=-1), [1.0, 1.0, 1.0], rtol=1e-6)
     np.testing.assert_array_equal(vjp.sum([x, x]), 2 * x)
-    assert V.sum(x).shape == ()
-    dx = vjp.index_vjp(jnp.zeros(4), 1, 2.0)
+    assert R.reduce_sum(x).shape == ()
+    dx = R.index_vjp(jnp.zeros(4), 1, 2.0)
     np.testing.assert_array_equal(dx, [0.0, 2.0, 0.0, 0.0])
-    assert V.index_vjp(jnp.zeros(4), 1, 2.0)[1] is None
-    np.testing.assert_array_equal(vjp.mm(jnp.ones((2, 3)), jnp.ones(3)), [3.0, 3.0])
+    np.testing.assert_array_equal(vjp.mm(jnp.ones((2, 3)), jnp.ones(3)), [3.0, 3.0])  # W @ x
+    assert R.mm(jnp.ones((5, 2, 3)), jnp.ones((3, 4))).shape == (5, 2, 4)  # x @ W, batched
+    np.testing.assert_array_equal(R.transpose(x), x.T)  # no permutation: axes reversed
+    for name in vjp.SEED_RULES:
+        assert getattr(vjp, name) is getattr(R, name), name
+        assert getattr(vjp, name + "_vjp") is getattr(R, name + "_vjp"), name
+    assert vjp.check is vjp.check_vjp is R.check_rule and vjp.hand is R.plugged
+
+
+def test_no_public_name_means_two_functions():
+    """nnlite, nnlite.rules and nnlite.vjp: a name is one object wherever it is public."""
+    import nnlite
+
+    seen = {}
+    for module in (nnlite, R, vjp):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if callable(obj):
+                assert seen.setdefault(name, obj) is obj, f"{name} in {module.__name__}"
+
+
+def test_removed_spellings_say_where_they_went():
+    with pytest.raises(ImportError, match=r"nnlite.vjp.batched is gone: .* in nnlite.rules"):
+        from nnlite.vjp import batched  # noqa: F401
+    with pytest.raises(ImportError, match=r"hand -> plugged"):
+        from nnlite.vjp.batched import hand  # noqa: F401
+    with pytest.raises(AttributeError, match="softmax_cross_entropy_values"):
+        R.softmax_cross_entropy  # noqa: B018
+    with pytest.raises(AttributeError, match="plugged"):
+        R.hand  # noqa: B018
+
+
+def test_rule_table_refuses_a_second_rule_under_a_name():
+    from nnlite.grad._rule_table import RULE_TABLE, register
+
+    def relu(x):  # another function, the library's name
+        return x
+
+    with pytest.raises(ValueError, match="two rules named relu"):
+        register(relu, lambda x, dret: dret)
+    assert RULE_TABLE["relu"] == R.RULES["relu"]
 
 
 def test_column_rules_refuse_bad_shapes_clearly():
@@ -359,7 +427,7 @@ def test_column_rules_refuse_bad_shapes_clearly():
         vjp.mm(jnp.ones((2, 3)), jnp.ones(4))
     with pytest.raises(ValueError, match="for vector . vector use dotall"):
         vjp.mm(jnp.ones(3), jnp.ones(3))
-    with pytest.raises(TypeError, match=r"expected a non-empty list of arrays.*use jnp.sum"):
+    with pytest.raises(TypeError, match=r"expected a non-empty list of arrays.*reduce_sum"):
         vjp.sum(jnp.ones(3))
     with pytest.raises(ValueError, match=r"xpyzt: expected x \[m, n\], y \[m\], z \[n\]"):
         vjp.xpyzt(jnp.ones((2, 2)), jnp.ones((2, 2)), jnp.ones(2))

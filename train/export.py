@@ -14,9 +14,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import nnlite as nl
+
 from . import faults
 from .config import ArgumentParser
 from .errors import ConfigError
+from .inference import load_run
 
 
 def parse_args(argv):
@@ -36,10 +39,6 @@ def parse_args(argv):
 def export(run_dir: Path, out: Path, adapter: bool, which: str = "latest") -> Path:
     """Write the run's model (or its adapters) to ``out``; ConfigError (one line) when the
     run cannot be written so."""
-    import nnlite as nl
-
-    from .inference import load_run
-
     run = load_run(run_dir, which)
     model = run.model
     if not isinstance(model, nl.hf.Pretrained):

@@ -33,6 +33,11 @@ import os
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
 from . import faults
 from .config import ArgumentParser, OptimizerConfig, dump_yaml, load_config
 from .data import overfit
@@ -114,7 +119,6 @@ def lr_at(step: int, min_lr: float, max_lr: float, steps: int) -> float:
 
 def range_schedule(min_lr: float, max_lr: float, steps: int):
     """The range as an optax schedule: ``count -> min_lr * (max_lr/min_lr)^(count/(steps-1))``."""
-    import jax.numpy as jnp
 
     log_ratio = math.log(max_lr / min_lr)
     return lambda count: min_lr * jnp.exp(log_ratio * jnp.minimum(count, steps - 1) / (steps - 1))
@@ -122,7 +126,6 @@ def range_schedule(min_lr: float, max_lr: float, steps: int):
 
 def range_optimizer(ocfg, schedule):
     """The config's optimizer with ``schedule`` for its learning rate (module docstring)."""
-    import optax
 
     where = f"optimizer.name={ocfg.name}"
     if ocfg.name == GIVEN:
@@ -174,7 +177,6 @@ def suggestions(points: list[dict]) -> dict[str, float]:
     The first tenth of the points (at most 10) are left out: the moving average is still
     settling there. steepest: the middle of the window (a tenth of the points) over which
     the smoothed loss falls fastest against log(lr), on the way down to its minimum; min10: the learning rate of that minimum / 10."""
-    import numpy as np
 
     lrs = np.array([p["lr"] for p in points])
     smooth = np.array([p["smoothed_loss"] for p in points])
@@ -200,7 +202,6 @@ def suggestions(points: list[dict]) -> dict[str, float]:
 
 def find(cfg, args, echo=print) -> dict:
     """Run the range test for ``cfg``; return its record (what lr_find.json holds)."""
-    import jax
 
     steps = args.steps
     dist.initialize(cfg.distributed)

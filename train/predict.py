@@ -22,6 +22,7 @@ import numpy as np
 from . import faults
 from .config import ArgumentParser
 from .errors import ConfigError, relative_to
+from .inference import load_run
 
 
 def parse_args(argv):
@@ -71,8 +72,6 @@ def read_data(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def main(argv=None) -> int:
-    from .inference import load_run
-
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         run = load_run(Path(args.run), "best" if args.best else "latest", ema=args.ema)

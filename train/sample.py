@@ -22,9 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from . import faults
 from .config import MAX_SEED, ArgumentParser
 from .errors import ConfigError
+from .inference import generator, load_run, until_stop
 
 
 def parse_args(argv):
@@ -83,8 +88,6 @@ def load_model(run_dir: Path, which: str = "latest", ema: bool = False):
     """``(loaded run, vocab)`` of the newest (or ``which="best"``) checkpoint of ``run_dir``
     (a language model; vocab is None for a run with a byte or BPE tokenizer,
     ``run.tokenizer``); ``ema``: with the params' moving average."""
-    from .inference import load_run
-
     run = load_run(run_dir, which, ema=ema)
     cfg = run.config
     if run.vocab is None and run.tokenizer is None:
@@ -126,11 +129,6 @@ def generate(
     """``(all ids, compile seconds, generate seconds)``: one compiled call of the model's
     generator (``train.inference.generator``) for a batch of one (``state``: a stateful
     model's); cut after the model's first end-of-text id (``stop_ids``) where it made one."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from .inference import generator, until_stop
 
     fn = generator(model, state, top_p=top_p, repetition_penalty=repetition_penalty)
     prompt = jnp.asarray(np.asarray(ids, np.int32)[None, :])
@@ -147,8 +145,6 @@ def stream(run, ids, args, top_k, write=None) -> tuple[int, float]:
     """Print the prompt, then each token's text as soon as it is made (a model's
     ``generate_stream``); returns ``(tokens made, seconds)``. Text is written once it
     decodes whole (a character split over byte-level tokens waits for its last byte)."""
-    import jax
-    import numpy as np
 
     write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     steps = getattr(run.model, "generate_stream", None)

@@ -15,7 +15,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import nnlite as nl
+
 from . import faults
+from .checkpoint import store
 from .config import ArgumentParser
 from .errors import ConfigError, not_found
 
@@ -39,8 +42,6 @@ def parse_args(argv):
 
 def checkpoints_of(path: Path) -> list[Path]:
     """The checkpoints ``path`` names, oldest first (ConfigError: none there)."""
-    from .checkpoint import store
-
     if not path.exists():
         raise ConfigError(not_found(path, "no such file or directory"))
     if path.is_file() or store.is_sharded(path):
@@ -62,7 +63,6 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_BAD_INPUT
-    import nnlite as nl  # JAX: only once the arguments are known to be good
 
     damaged = 0
     for _, paths in todo:

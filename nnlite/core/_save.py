@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import struct
-import time
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,11 +53,6 @@ CHECKSUMS = "checksums"  # metadata key: JSON {tensor key: "crc32:%08x"}, see th
 # without params in a Sequential, optax's EmptyState), which nl.load(like=None) puts back
 EMPTY = "empty_nodes"
 OWN_META = ("format", "format_version", CHECKSUMS, EMPTY)  # nl.save's; never the caller's
-
-# Test hook, never set in normal runs: seconds that every nl.save pauses twice (its
-# temporary file half-written, then complete but not yet renamed), so that tests can kill
-# the process there. train.checkpoint.TEST_PAUSE_ENV names the same variable.
-TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
 
 # safetensors dtype names -> numpy (numpy's safetensors reader lacks bfloat16).
 _DTYPES = {
@@ -200,23 +194,15 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: Mapping[str, str] | No
 
 def _write_atomically(path: Path, data: bytes) -> None:
     """``path`` holds ``data`` or what it held before, whenever the process dies."""
-    pause = float(os.environ.get(TEST_PAUSE_ENV) or 0)
     # A name of its own per write, so that two writers of one path never share a file;
     # os.open (not mkstemp, whose files are 0600) gives the umask's permissions.
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            if pause:
-                f.write(data[: len(data) // 2])
-                f.flush()
-                time.sleep(pause)
-                data = data[len(data) // 2 :]
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if pause:
-            time.sleep(pause)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

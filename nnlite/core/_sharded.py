@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shutil
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,6 @@ from . import _save
 from ._save import (
     CHECKSUMS,
     EMPTY,
-    TEST_PAUSE_ENV,
     CheckpointCorruptError,
     CheckpointError,
     _File,
@@ -190,7 +188,6 @@ def save_sharded(
         if empties:  # what nl.load(like=None) puts back (see _save.EMPTY)
             meta[EMPTY] = json.dumps(empties, sort_keys=True)
         _write_atomically(tmp / INDEX, safetensors_bytes({}, meta))
-        time.sleep(float(os.environ.get(TEST_PAUSE_ENV) or 0))  # test hook: before the rename
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():

@@ -1,1 +1,1 @@
-"""Hand-derived gradients: the VJP libraries, check_vjp, custom_vjp, manual_grads, show_grad."""
+"""Rules: the rule table and its rules, check_rule, custom_vjp, manual_grads, show_grad."""

@@ -1,4 +1,4 @@
-"""Check a hand-derived VJP against ``jax.vjp`` (``check_vjp``), and the seed's tree helpers.
+"""``check_rule``: a rule against ``jax.vjp`` (also ``check_vjp``), and the seed's tree helpers.
 
 The plug-in that hands a checked rule to JAX is ``_custom_vjp.py``.
 """
@@ -16,6 +16,7 @@ __all__ = [
     "VJPCheckError",
     "allclose",
     "check",
+    "check_rule",
     "check_vjp",
     "default_tolerances",
     "ensure_tuple",
@@ -39,7 +40,7 @@ _TOLERANCES = {
 
 
 def default_tolerances(dtype) -> tuple[float, float]:
-    """``(rtol, atol)`` used by ``check_vjp`` for cotangents of ``dtype``.
+    """``(rtol, atol)`` used by ``check_rule`` for cotangents of ``dtype``.
 
     Example:
         >>> default_tolerances("float32")
@@ -169,7 +170,7 @@ def host_random_like(rng: np.random.Generator, tree: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(tree), out)
 
 
-def check_vjp(
+def check_rule(
     f: Callable,
     f_vjp: Callable,
     *args: Any,
@@ -179,7 +180,8 @@ def check_vjp(
     jit: bool = True,
     verbose: bool = False,
 ) -> None:
-    """Check ``f_vjp(*args, dret)`` against ``jax.vjp(f, *args)`` on a random cotangent.
+    """Check the rule ``f_vjp(*args, dret)`` against ``jax.vjp(f, *args)`` on a random
+    cotangent (``check_vjp`` and the seed's ``check`` are this function).
 
     Compares, argument by argument, the tree structure, shapes and values of the
     cotangents. Integer arrays must get ``None`` (or a float0 array); Python scalars
@@ -187,8 +189,7 @@ def check_vjp(
     returns for them is ignored (the rule contract: ``docs/gradients.md``).
     When ``f`` returns a tuple, the rule gets one cotangent per output, as the seed's
     ``dup_vjp(x, *dret)`` does. The rule may return cotangents for the differentiable
-    arguments only (the seed's ``index_vjp(x, i, dret) -> dx``). ``check`` is this function
-    under the seed's name.
+    arguments only (the seed's ``index_vjp(x, i, dret) -> dx``).
 
     Args:
         f: the forward function.
@@ -206,14 +207,14 @@ def check_vjp(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> check_vjp(jnp.sin, lambda x, dret: dret * jnp.cos(x), jnp.arange(3.0))
-        >>> check_vjp(jnp.sin, lambda x, dret: dret * jnp.sin(x), jnp.arange(3.0))
+        >>> check_rule(jnp.sin, lambda x, dret: dret * jnp.cos(x), jnp.arange(3.0))
+        >>> check_rule(jnp.sin, lambda x, dret: dret * jnp.sin(x), jnp.arange(3.0))
         ... # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        nnlite.vjp.VJPCheckError: check_vjp(sin, <lambda>): cotangent of argument 0 differs ...
+        nnlite.rules.VJPCheckError: check_rule(sin, <lambda>): cotangent of argument 0 differs ...
     """
-    who = f"check_vjp({_name(f)}, {_name(f_vjp)})"
+    who = f"check_rule({_name(f)}, {_name(f_vjp)})"
     key = jax.random.key(0) if key is None else key
     static = [_is_static(a) for a in args]
 
@@ -250,8 +251,8 @@ def check_vjp(
         _compare(who, i, w, g, rtol, atol, verbose)
 
 
-#: The seed's name for ``check_vjp``.
-check = check_vjp
+#: ``check_rule``'s other names: ``check_vjp`` (nnlite's first), ``check`` (the seed's).
+check_vjp = check = check_rule
 
 
 def _compare(who: str, i: int, want: Any, got: Any, rtol, atol, verbose=False) -> None:

@@ -3,7 +3,7 @@ inputs it really gets, one row per call -- the library half of a trainer's
 ``--check-grads`` (rules checked at the run's shapes and dtype before step 0).
 
 The loss runs once, eagerly, in manual mode with show_grad's tape: each hand-rule call
-(nnlite's layers and losses, a user's ``@nl.hand_rule``, ``nl.vjp.custom_vjp`` plug-ins)
+(nnlite's layers and losses, a user's ``@nl.hand_rule``, ``nl.rules.custom_vjp`` plug-ins)
 records its arguments. Each call's rule is then compared with ``jax.vjp`` of its plain
 function on a random cotangent, and its error reported in units of float rounding: the
 largest difference divided by the dtype's epsilon times the cotangent's magnitude.
@@ -137,38 +137,11 @@ def check_rules(
             if getattr(f, "_backward_policy", False):  # stop/scale/clip: not f's VJP, by design
                 continue
             name = getattr(f_vjp, "__name__", "rule")
-            dyn = [k for k, a in enumerate(args) if not is_hyperparameter(a)]
-
-            def plain(*xs, args=args, dyn=dyn, f=f, static=static):
-                merged = list(args)
-                for k, x in zip(dyn, xs, strict=True):
-                    merged[k] = x
-                return f(*merged, **static)
-
             if not of_current_trace((args, static)):
                 # recorded inside another rule's function, traced apart from the loss (a
                 # float32-backward policy's layer): checked through that outer rule
                 continue
-            xs = [args[k] for k in dyn]
-            ref_out, pullback = jax.vjp(plain, *xs)
-            dret = host_random_like(np.random.default_rng([seed, i]), ref_out)
-            want = pullback(dret)
-            with manual_scope(False):
-                got = cotangents(
-                    f_vjp(*args, *_dret_args(dret), **static), list(args), f"{name} (check_rules)"
-                )
-            pairs, dtype, which = [], None, []
-            for k, w in zip(dyn, want, strict=True):
-                if not has_cotangent(args[k]) or got[k] is None and w is None:
-                    continue
-                g = got[k] if got[k] is not None else jax.tree.map(jnp.zeros_like, w)
-                for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g), strict=True):
-                    if not jnp.issubdtype(wl.dtype, jnp.inexact) or wl.size == 0:
-                        continue
-                    dtype = dtype or jnp.dtype(wl.dtype).name
-                    w64, g64 = wl.astype(jnp.float32), jnp.asarray(gl).astype(jnp.float32)
-                    pairs.append((jnp.max(jnp.abs(g64 - w64)), jnp.max(jnp.abs(w64))))
-                    which.append(k)
+            pairs, dtype, which = _call_errors(f, f_vjp, name, args, static, [seed, i])
             layer = _label(args, paths, getattr(wrapped, "__name__", name), counts)
             rows.append((layer, name, dtype, which, wrapped))
             out.append(pairs)
@@ -185,6 +158,40 @@ def check_rules(
 
     measured = jax.device_get(jax.jit(traced)(*(leaves[i] for i in dyn)))
     return [_row(*row, pairs, max_roundings) for row, pairs in zip(rows, measured, strict=True)]
+
+
+def _call_errors(f, f_vjp, name: str, args: tuple, static: dict, rng_seed: list) -> tuple:
+    """One rule call compared with ``jax.vjp`` of its plain function on a random cotangent:
+    ``(pairs, dtype, which)``, the ``(largest error, largest magnitude)`` of each compared
+    float leaf, the first such leaf's dtype name, and each leaf's argument."""
+    dyn = [k for k, a in enumerate(args) if not is_hyperparameter(a)]
+
+    def plain(*xs):
+        merged = list(args)
+        for k, x in zip(dyn, xs, strict=True):
+            merged[k] = x
+        return f(*merged, **static)
+
+    ref_out, pullback = jax.vjp(plain, *(args[k] for k in dyn))
+    dret = host_random_like(np.random.default_rng(rng_seed), ref_out)
+    want = pullback(dret)
+    with manual_scope(False):
+        got = cotangents(
+            f_vjp(*args, *_dret_args(dret), **static), list(args), f"{name} (check_rules)"
+        )
+    pairs, dtype, which = [], None, []
+    for k, w in zip(dyn, want, strict=True):
+        if not has_cotangent(args[k]) or got[k] is None and w is None:
+            continue
+        g = got[k] if got[k] is not None else jax.tree.map(jnp.zeros_like, w)
+        for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g), strict=True):
+            if not jnp.issubdtype(wl.dtype, jnp.inexact) or wl.size == 0:
+                continue
+            dtype = dtype or jnp.dtype(wl.dtype).name
+            w64, g64 = wl.astype(jnp.float32), jnp.asarray(gl).astype(jnp.float32)
+            pairs.append((jnp.max(jnp.abs(g64 - w64)), jnp.max(jnp.abs(w64))))
+            which.append(k)
+    return pairs, dtype, which
 
 
 def _row(layer, name, dtype, which, fn, pairs, max_roundings) -> RuleCheck:

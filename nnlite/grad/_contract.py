@@ -1,6 +1,6 @@
-"""The rule contract: what a hand-derived VJP takes and returns, stated and enforced once.
+"""The rule contract: what a rule's VJP takes and returns, stated and enforced once.
 
-``hand_rule``, ``custom_vjp``, ``manual_grads``, ``check_vjp`` and ``show_grad`` all read a
+``hand_rule``, ``custom_vjp``, ``manual_grads``, ``check_rule`` and ``show_grad`` all read a
 rule's result through ``cotangents`` (or its layout, ``rule_layout``), so one rule means the
 same thing to every tool; a rule that breaks the contract is refused with one line, by
 ``check_rule_signature`` when it is declared and by ``cotangents`` at its first use (trace
@@ -52,17 +52,17 @@ __all__ = [
 
 
 class VJPCheckError(AssertionError):
-    """A hand-derived VJP disagrees with ``jax.vjp`` (values, shapes or tree structure).
+    """A rule disagrees with ``jax.vjp`` (values, shapes or tree structure).
 
     Subclasses ``AssertionError`` so that a failed check reads as a failed test.
     """
 
 
-VJPCheckError.__module__ = "nnlite.vjp"  # its public home
+VJPCheckError.__module__ = "nnlite.rules"  # its public home
 
 
 class RuleContractError(VJPCheckError, TypeError):
-    """A hand rule breaks the rule contract (its signature, or what it returns).
+    """A rule breaks the rule contract (its signature, or what it returns).
 
     A ``TypeError`` (the rule is called or written wrongly) and a ``VJPCheckError`` (so a
     check of the rule fails as a test).

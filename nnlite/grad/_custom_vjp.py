@@ -1,4 +1,4 @@
-"""Plug a hand-derived VJP into JAX: ``custom_vjp(f, f_vjp)`` and ``@with_vjp(f_vjp)``.
+"""Plug a rule into JAX: ``custom_vjp(f, f_vjp)`` and ``@with_vjp(f_vjp)``.
 
 The rule ``f_vjp(*args, dret) -> dargs`` becomes the backward pass of a
 ``jax.custom_vjp`` function, so ``jax.grad``, ``jit``, ``vmap``, ``pmap`` and ``shard_map``
@@ -65,7 +65,7 @@ def custom_vjp(f: Callable, f_vjp: Callable, *, nondiff: Iterable[int] = ()) -> 
     ``jax.grad``, ``jit``, ``vmap``, ``pmap`` and ``shard_map`` then use the hand rule.
     The rule is called as ``f_vjp(*args, dret)`` with the original arguments (saved as
     residuals by the forward pass); a tuple result's cotangents come one by one
-    (``f_vjp(*args, *dret)``), as in ``check_vjp``.
+    (``f_vjp(*args, *dret)``), as in ``check_rule``.
 
     Which arguments get a cotangent (the rule contract, ``docs/gradients.md``):
       * Python scalars (ints, floats, strings, None, slices) are hyperparameters: they

@@ -417,7 +417,7 @@ STRUCTURAL_SUMMARY = (
 )
 
 MANUAL_FIX = (
-    "compute it in a function declared with its hand VJP, @nl.hand_rule(f_vjp) "
+    "compute it in a function declared with its rule, @nl.hand_rule(f_vjp) "
     '(docs/gradients.md, "Your own rule: nl.hand_rule"), or differentiate this model with '
     "jax.grad, without nl.manual_grads"
 )
@@ -505,6 +505,6 @@ def refusal_message(refusal: Refusal, who: str = "manual gradients") -> str:
     have = f" nnlite has it with a rule: {hint}." if hint else ""
     return (
         f"{who}: {_what(eqn)}{at}, {layer}, computes on values derived from the params and "
-        f"has no hand-derived VJP, so JAX's autodiff would differentiate it.{reason}{have} "
+        f"has no rule, so JAX's autodiff would differentiate it.{reason}{have} "
         f"{STRUCTURAL_SUMMARY}, this one none; {MANUAL_FIX}."
     )

@@ -42,6 +42,7 @@ from ..core._mode import (
 from ._contract import check_rule_signature, cotangents, is_hyperparameter
 from ._custom_vjp import plug
 from ._interpret import Evaluator, Refusal, analyse, refusal_message, refusal_place
+from ._rule_table import register
 
 __all__ = ["ManualGradError", "check_manual", "hand_rule", "manual_grads"]
 
@@ -63,15 +64,15 @@ ManualGradError.__module__ = "nnlite"  # its public home, shown in tracebacks
 
 
 def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
-    """Declare ``f_vjp`` as the hand VJP of the decorated array function ``f``.
+    """Declare ``f_vjp`` as the rule of the decorated array function ``f``.
 
     Outside manual mode the function is ``f`` itself. Inside ``manual_grads`` it is
-    ``nnlite.vjp.custom_vjp(f, f_vjp)`` with the keyword arguments (hyperparameters:
+    ``nnlite.rules.custom_vjp(f, f_vjp)`` with the keyword arguments (hyperparameters:
     strides, eps, ...) bound as static values. ``f.f`` and ``f.f_vjp`` are the plain pair
-    (for ``check_vjp``).
+    (for ``check_rule``); nnlite's own rules enter the rule table (``nnlite.rules``).
 
     The rule contract (the same for ``hand_rule``, ``custom_vjp``, ``manual_grads``,
-    ``check_vjp`` and ``show_grad``)::
+    ``check_rule`` and ``show_grad``)::
 
         f_vjp(*args, *drets, **hyperparameters) -> dargs
 
@@ -104,76 +105,100 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
 
     def decorate(f: Callable) -> Callable:
         check_rule_signature(f, f_vjp)
-        who = f"{getattr(f_vjp, '__name__', 'the rule')} (the rule of {f.__name__})"
-        sig = inspect.signature(f)
-        positional = [
-            p.name
-            for p in sig.parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-
-        @functools.wraps(f)
-        def wrapped(*args, **static):
-            if not manual_active():
-                return f(*args, **static)
-            note_rule(wrapped)
-            # Every positional parameter as an argument (defaults filled in: the rule gets
-            # ``(*args, dret)`` in f's order); keyword-only ones are static hyperparameters.
-            bound = sig.bind(*args, **static)
-            bound.apply_defaults()
-            args = tuple(bound.arguments[n] for n in positional)
-            static = {k: v for k, v in bound.arguments.items() if k not in positional}
-            # Python scalars (a dropout rate) are hyperparameters too: closed over, not traced.
-            py = [is_hyperparameter(a) for a in args]
-            dyn_idx = [i for i, p in enumerate(py) if not p]
-
-            # Arrays among the hyperparameters (a dropout key) enter the custom_vjp as
-            # arguments without a cotangent rather than closed over: a traced loss is then
-            # self-contained, and manual_grads can evaluate its jaxpr in another trace.
-            s_leaves, s_tree = jax.tree.flatten(static)
-            s_arr = [i for i, leaf in enumerate(s_leaves) if _arrayish(leaf)]
-            n_dyn = len(dyn_idx)
-
-            def full(dyn):
-                merged = list(args)
-                for i, a in zip(dyn_idx, dyn[:n_dyn], strict=True):
-                    merged[i] = a
-                leaves = list(s_leaves)
-                for i, a in zip(s_arr, dyn[n_dyn:], strict=True):
-                    leaves[i] = a
-                return merged, jax.tree.unflatten(s_tree, leaves)
-
-            def fn(*dyn):
-                merged, kw = full(dyn)
-                with manual_scope(False):  # the rule's own ops are plain JAX
-                    return f(*merged, **kw)
-
-            def fn_vjp(*dyn_dret):
-                # a tuple result's cotangents come one by one after the operands
-                dyn, drets = dyn_dret[: len(operands)], dyn_dret[len(operands) :]
-                merged, kw = full(dyn)
-                with manual_scope(False):
-                    dargs = cotangents(f_vjp(*merged, *drets, **kw), merged, who)
-                picked = [dargs[i] for i in dyn_idx] + [None] * len(s_arr)
-                return tuple(picked) if len(picked) > 1 else picked[0]
-
-            fn.__name__ = f.__name__
-            fn_vjp.__name__ = f_vjp.__name__
-            operands = [args[i] for i in dyn_idx] + [s_leaves[i] for i in s_arr]
-            # frozen params (the trainer's optimizer.frozen): no cotangent, none computed
-            frozen = [k for k, a in enumerate(operands[:n_dyn]) if is_frozen(a)]
-            nondiff = [*range(n_dyn, len(operands)), *frozen]
-            out = plug(fn, fn_vjp, nondiff=nondiff, record=False, prune=bool(frozen))(*operands)
-            tape = manual_tape()
-            if tape is not None:
-                tape.append((wrapped, args, static, out))
-            return out
-
-        wrapped.f = f  # type: ignore[attr-defined]
-        wrapped.f_vjp = f_vjp  # type: ignore[attr-defined]
+        wrapped = _rule_function(f, f_vjp)
+        if _is_library(f):
+            register(wrapped, f_vjp)  # nnlite.rules lists it
         return wrapped
 
     return decorate
+
+
+def _is_library(f: Callable) -> bool:
+    """A public rule of nnlite's own (not a user's, nor one a doctest defines)."""
+    code = getattr(f, "__code__", None)
+    return (
+        (getattr(f, "__module__", None) or "").startswith("nnlite.")
+        and not f.__name__.startswith("_")
+        and not (code is not None and code.co_filename.startswith("<"))
+    )
+
+
+def _rule_function(f: Callable, f_vjp: Callable) -> Callable:
+    """``f`` itself outside manual mode; inside it, ``f`` plugged with ``f_vjp`` (the call
+    noted for ``check_manual`` and recorded on show_grad's tape)."""
+    who = f"{getattr(f_vjp, '__name__', 'the rule')} (the rule of {f.__name__})"
+    sig = inspect.signature(f)
+    positional = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+    @functools.wraps(f)
+    def wrapped(*args, **static):
+        if not manual_active():
+            return f(*args, **static)
+        note_rule(wrapped)
+        # Every positional parameter as an argument (defaults filled in: the rule gets
+        # ``(*args, dret)`` in f's order); keyword-only ones are static hyperparameters.
+        bound = sig.bind(*args, **static)
+        bound.apply_defaults()
+        args = tuple(bound.arguments[n] for n in positional)
+        static = {k: v for k, v in bound.arguments.items() if k not in positional}
+        out = _plugged_call(f, f_vjp, who, args, static)
+        tape = manual_tape()
+        if tape is not None:
+            tape.append((wrapped, args, static, out))
+        return out
+
+    wrapped.f = f  # type: ignore[attr-defined]
+    wrapped.f_vjp = f_vjp  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _plugged_call(f: Callable, f_vjp: Callable, who: str, args: tuple, static: dict):
+    """``f(*args, **static)`` through ``jax.custom_vjp`` with the rule ``f_vjp``: the arrays
+    differentiated, Python scalars closed over, arrays among ``static`` (a dropout key)
+    passed along without a cotangent, frozen params without one either."""
+    # Python scalars (a dropout rate) are hyperparameters too: closed over, not traced.
+    dyn_idx = [i for i, a in enumerate(args) if not is_hyperparameter(a)]
+    # Arrays among the hyperparameters (a dropout key) enter the custom_vjp as arguments
+    # without a cotangent rather than closed over: a traced loss is then self-contained,
+    # and manual_grads can evaluate its jaxpr in another trace.
+    s_leaves, s_tree = jax.tree.flatten(static)
+    s_arr = [i for i, leaf in enumerate(s_leaves) if _arrayish(leaf)]
+    n_dyn = len(dyn_idx)
+    operands = [args[i] for i in dyn_idx] + [s_leaves[i] for i in s_arr]
+
+    def full(dyn):
+        merged = list(args)
+        for i, a in zip(dyn_idx, dyn[:n_dyn], strict=True):
+            merged[i] = a
+        leaves = list(s_leaves)
+        for i, a in zip(s_arr, dyn[n_dyn:], strict=True):
+            leaves[i] = a
+        return merged, jax.tree.unflatten(s_tree, leaves)
+
+    def fn(*dyn):
+        merged, kw = full(dyn)
+        with manual_scope(False):  # the rule's own ops are plain JAX
+            return f(*merged, **kw)
+
+    def fn_vjp(*dyn_dret):
+        # a tuple result's cotangents come one by one after the operands
+        dyn, drets = dyn_dret[: len(operands)], dyn_dret[len(operands) :]
+        merged, kw = full(dyn)
+        with manual_scope(False):
+            dargs = cotangents(f_vjp(*merged, *drets, **kw), merged, who)
+        picked = [dargs[i] for i in dyn_idx] + [None] * len(s_arr)
+        return tuple(picked) if len(picked) > 1 else picked[0]
+
+    fn.__name__ = f.__name__
+    fn_vjp.__name__ = f_vjp.__name__
+    # frozen params (the trainer's optimizer.frozen): no cotangent, none computed
+    frozen = [k for k, a in enumerate(operands[:n_dyn]) if is_frozen(a)]
+    nondiff = [*range(n_dyn, len(operands)), *frozen]
+    return plug(fn, fn_vjp, nondiff=nondiff, record=False, prune=bool(frozen))(*operands)
 
 
 # --- the check and the structural rules: the traced loss, equation by equation ----------
@@ -235,7 +260,7 @@ def check_manual(fn: Callable, params: Any, *args: Any, **kwargs: Any) -> tuple:
     (the trainer's ``loss.grad: auto`` asks this).
 
     Returns:
-        The hand rules ``fn`` calls (``@nl.hand_rule`` functions and ``nl.vjp.custom_vjp``
+        The hand rules ``fn`` calls (``@nl.hand_rule`` functions and ``nl.rules.custom_vjp``
         plug-ins, each with ``.f`` and ``.f_vjp``), once each, in call order: what a
         caller checks with ``nl.check_rules`` (the trainer checks the user's own).
 

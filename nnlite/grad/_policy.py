@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from ..core._mode import manual_scope
 from ..core._module import Module
 from ._custom_vjp import custom_vjp
+from ._rule_table import register
 
 __all__ = [
     "BackwardPolicy",
@@ -78,6 +79,9 @@ _stop.__name__, _scale.__name__, _clip.__name__ = (
 stop_cotangent = custom_vjp(_stop, stop_cotangent_vjp)
 scale_cotangent = custom_vjp(_scale, scale_cotangent_vjp)
 clip_cotangent = custom_vjp(_clip, clip_cotangent_vjp)
+register(stop_cotangent, stop_cotangent_vjp)
+register(scale_cotangent, scale_cotangent_vjp)
+register(clip_cotangent, clip_cotangent_vjp)
 
 
 def _with_param_dtype(m, dtype: str):

@@ -102,14 +102,20 @@ def reshape_vjp(operand, dret, *, new_sizes, dimensions=None, sharding=None):
     return lax.transpose(moved, tuple(int(i) for i in np.argsort(perm)))
 
 
-def transpose(operand, *, permutation):
-    """``lax.transpose``: result axis ``i`` is operand axis ``permutation[i]``."""
-    return lax.transpose(operand, _axes(permutation, operand.ndim))
+def _permutation(permutation, ndim: int) -> tuple[int, ...]:
+    return tuple(range(ndim))[::-1] if permutation is None else _axes(permutation, ndim)
 
 
-def transpose_vjp(operand, dret, *, permutation):
+def transpose(operand, *, permutation=None):
+    """``lax.transpose``: result axis ``i`` is operand axis ``permutation[i]``; without a
+    permutation the axes reversed (``x.T``, the seed's ``transpose(x)``)."""
+    operand = jnp.asarray(operand)
+    return lax.transpose(operand, _permutation(permutation, operand.ndim))
+
+
+def transpose_vjp(operand, dret, *, permutation=None):
     """The inverse permutation."""
-    perm = _axes(permutation, operand.ndim)
+    perm = _permutation(permutation, jnp.ndim(operand))
     return lax.transpose(dret, tuple(int(i) for i in np.argsort(perm)))
 
 
@@ -178,13 +184,18 @@ def stop_gradient_vjp(operand, dret):
 # --- reductions ---------------------------------------------------------------------------
 
 
-def reduce_sum(operand, *, axes, out_sharding=None):
-    """``jnp.sum(operand, axis=axes)`` (``jnp.mean`` is this and a ``div``)."""
+def reduce_sum(operand, *, axes=None, out_sharding=None):
+    """``jnp.sum(operand, axis=axes)`` (``jnp.mean`` is this and a ``div``); without axes the
+    sum of all elements, a scalar (``nl.reduce(values, "sum")``)."""
+    if axes is None:
+        return jnp.sum(operand)
     return lax.reduce_sum(operand, _axes(axes, operand.ndim))
 
 
-def reduce_sum_vjp(operand, dret, *, axes, out_sharding=None):
+def reduce_sum_vjp(operand, dret, *, axes=None, out_sharding=None):
     """``dret`` broadcast back along the summed axes."""
+    if axes is None:
+        return jnp.broadcast_to(dret, operand.shape).astype(operand.dtype)
     summed = _axes(axes, operand.ndim)
     kept = tuple(i for i in range(operand.ndim) if i not in summed)
     return lax.broadcast_in_dim(dret, operand.shape, kept)

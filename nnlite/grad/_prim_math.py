@@ -157,19 +157,24 @@ def integer_pow_vjp(x, dret, *, y):
 
 
 def pow(x, y):  # noqa: A001
-    """``lax.pow`` (``x ** y`` with an array exponent); both operands differentiable."""
-    return lax.pow(x, y)
+    """``lax.pow`` (``x ** y`` elementwise, NumPy broadcasting); ``y`` a float array or
+    scalar (differentiable), or an integer one (the seed's ``pow(x, 3)``: no cotangent)."""
+    return lax.pow(*_broadcast(x, y))
 
 
 def pow_vjp(x, y, dret):
     """``dx = dret * y * x**(y - 1)`` (zero where ``y == 0``), ``dy = dret * log(x) * x**y``
-    (zero where ``x == 0``), as JAX's own derivative; each summed to its operand's shape."""
+    (zero where ``x == 0``), as JAX's own derivative; each summed to its operand's shape.
+    ``dy`` is ``None`` for an integer exponent (not differentiable)."""
     xb, yb = _broadcast(x, y)
     ans = lax.pow(xb, yb)
     dx = jnp.where(yb == 0, jnp.zeros_like(ans), yb * lax.pow(xb, yb - _c(yb, 1)))
+    dx = _sum_to((dret * dx).astype(jnp.result_type(x)), np.shape(x))
+    if np.issubdtype(jnp.result_type(y), np.integer):
+        return dx, None
     safe_x = jnp.where(xb == 0, jnp.ones_like(xb), xb)
     dy = lax.log(safe_x) * ans
-    return _sum_to(dret * dx, np.shape(x)), _sum_to(dret * dy.astype(dret.dtype), np.shape(y))
+    return dx, _sum_to(dret * dy.astype(dret.dtype), np.shape(y))
 
 
 # --- trigonometric and hyperbolic -----------------------------------------------------------

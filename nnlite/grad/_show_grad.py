@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib
 import inspect
 import re
 import sys
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._contract import RuleContractError, cotangents, rule_layout
+from ._rule_table import public_name, same_function
 from ._show_grad_walk import (
     _ident,
     _is_float_dtype,
@@ -53,36 +53,31 @@ __all__ = ["show_forward", "show_grad", "show_value_and_grad"]
 
 # --- imports of the rules ---------------------------------------------------------------------
 
-#: Where the printed code imports nnlite's rules from, first match first: public paths only.
-PUBLIC_HOMES = ("nnlite.rules", "nnlite.vjp", "nnlite.vjp.batched", "nnlite")
-
-
-def _same_fn(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` compute the same when called plainly: one object, or one is the
-    other's plug-in (``hand_rule`` / ``custom_vjp`` keep the plain function as ``.f``)."""
-    if a is None or b is None:
-        return False
-    fa, fb = getattr(a, "f", None), getattr(b, "f", None)
-    return a is b or fa is b or fb is a or (fa is not None and fa is fb)
+#: Where the printed code imports nnlite's rules from: the one home, generated from the table.
+RULES_HOME = "nnlite.rules"
 
 
 def _home(fn: Callable) -> str | None:
-    """The module to import ``fn`` from: a public nnlite path for the library's rules, else
-    the module defining it if it is importable there under its name; None: define it in
-    the printed code (``__main__``, a function's local)."""
+    """The module to import ``fn`` from: ``nnlite.rules`` for a rule of the table, nnlite's
+    public namespaces for its other functions, else the module defining it if it is
+    importable there under its name; None: define it in the printed code (``__main__``, a
+    function's local)."""
     name = fn.__name__
-    for modname in PUBLIC_HOMES:
-        if _same_fn(getattr(importlib.import_module(modname), name, None), fn):
-            return modname
+    if public_name(fn) == name:
+        return RULES_HOME
     mod = getattr(fn, "__module__", None) or ""
     if mod.split(".")[0] == "nnlite":
+        # a tool of nnlite's (a checker, match_primal): nnlite is imported, show_grad is in it
+        for modname in (RULES_HOME, "nnlite"):
+            if same_function(getattr(sys.modules.get(modname), name, None), fn):
+                return modname
         raise ValueError(
             f"show_grad: the rule function {name} ({mod}) has no public import path "
-            f"({', '.join(PUBLIC_HOMES)}), so printed code could not import it"
+            f"({RULES_HOME}, nnlite), so printed code could not import it"
         )
     if mod and mod != "__main__" and getattr(fn, "__qualname__", name) == name:
         module = sys.modules.get(mod)
-        if module is not None and _same_fn(getattr(module, name, None), fn):
+        if module is not None and same_function(getattr(module, name, None), fn):
             return mod
     return None
 
@@ -190,7 +185,7 @@ def _inline(fn: Callable, imports: list[str], defs: dict[str, str]) -> None:
 
 
 def show_grad(loss_fn: Callable, params: Any, *batch: Any, **kwargs: Any) -> str:
-    """Python source of the backward pass of ``loss_fn(params, *batch)`` by hand VJPs.
+    """Python source of the backward pass of ``loss_fn(params, *batch)`` by rules.
 
     Executing the source defines ``grad(params, <batch names>)`` returning the gradient
     ParamsDict, equal to ``jax.grad(loss_fn)(params, *batch)`` (for a loss returning
@@ -305,6 +300,74 @@ def _show(loss_fn: Callable, params: Any, batch: tuple, kwargs: dict, form: str)
 
 
 def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg_names) -> str:
+    walk, ins, loss = _walk_loss(pr, closed_a, tape_a, trace_b, p_leaves, b_leaves)
+    nodes = _needed(walk, loss)
+    imports, inline = _name_rules(pr, nodes)
+    out = _Lines(pr)
+    fwd = out.forward(nodes, walk)
+    have: set = {id(loss)}
+    if form == "loss":  # the forward alone, for jax.grad to differentiate
+        bwd = []
+    else:
+        bwd = [f"    d_{loss.expr} = jnp.ones_like({loss.expr})"] + out.backward(nodes, have)
+    grads = [
+        f"d_{_ident(v.expr)}" if id(v) in have else f"jnp.zeros_like({v.expr})"
+        for v in ins[: len(p_leaves)]
+    ]
+
+    header = ["import jax", "import jax.numpy as jnp", "import numpy as np"]
+    body_text = "\n".join(out.consts + fwd + bwd)
+    pr.note(body_text)
+    if "lax" in pr.used:
+        header.append("from jax import lax")
+    if "prims" in pr.used:
+        header.append("from jax.extend.core import primitives as prims")
+    if form == "loss":  # the forward calls only: the rules they do not call are not imported
+        for mod in list(imports):
+            imports[mod] = [
+                n
+                for n in imports[mod]
+                if re.search(rf"\b{re.escape(n.split(' as ')[-1])}\(", body_text)
+            ]
+            if not imports[mod]:
+                del imports[mod]
+        inline = [f for f in inline if re.search(rf"\b{re.escape(f.__name__)}\(", body_text)]
+    extra: list[str] = []
+    inline_defs: dict[str, str] = {}
+    for f in inline:
+        _inline(f, extra, inline_defs)
+    header += [i for i in dict.fromkeys(extra) if i not in header]
+    header.append("")
+    for mod in sorted(imports, key=lambda m: (m != "nnlite.rules", m)):
+        header.append(f"from {mod} import {', '.join(sorted(set(imports[mod])))}")
+    defs = []
+    for src in inline_defs.values():
+        defs += ["", src.rstrip()]
+    if pr.batch_dim is not None and not pr.portable:
+        raise _NotPortable  # some size does not follow the batch: print the traced sizes
+    lines = header + defs + ["", "", f"def {form}({', '.join(arg_names)}):"]  # the name
+    if not pr.portable:
+        lines.append("    # sizes below are those of the traced batch: trace again for another")
+    elif pr.uses_b:
+        lines.append(f"    B = {pr.batch_expr}  # the batch size: the code works for any")
+    lines += [f"    {c}" for c in out.consts]
+    lines += ["    # forward: each layer's call, its result kept"] + fwd
+    if form == "loss":
+        lines.append(f"    return {loss.expr}")
+        return "\n".join(lines) + "\n"
+    lines += ["    # backward: the rules in reverse"] + bwd
+    leaves_src = ",\n        ".join(grads)
+    value = f"{loss.expr}, " if form == "value_and_grad" else ""
+    lines.append(
+        f"    return {value}jax.tree.unflatten(\n        jax.tree.structure({pr.p_name}),\n"
+        f"        [\n        {leaves_src},\n        ],\n    )"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _walk_loss(pr: _Printer, closed_a, tape_a, trace_b, p_leaves, b_leaves):
+    """``(walk, inputs, loss)``: the traced loss walked, its inputs (params then batch) and
+    its result, which must come out of a rule."""
     closed_b, tape_b = trace_b if trace_b is not None else (None, None)
     walk = _Walk(pr, tape_a, tape_b)
     ins = []
@@ -329,10 +392,13 @@ def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg
             "layers and losses, @nl.hand_rule functions) and the plain jnp between them, so "
             "that its backward pass starts there"
         )
+    return walk, ins, loss
 
-    nodes = _needed(walk, loss)
-    # Each rule function once, under the name the printed code gives it: imported from its
-    # public home (aliased where two homes share a name), or defined in the code.
+
+def _name_rules(pr: _Printer, nodes: list) -> tuple[dict[str, list[str]], list[Callable]]:
+    """``(imports, inline)``: each rule function once, under the name the printed code gives
+    it (``pr.fn_names``): imported from its public home (aliased where two homes share a
+    name), or defined in the code."""
     functions: dict[int, Callable] = {}
     for n in _all_nodes(nodes):
         for f in (n.fn, n.f_vjp):
@@ -364,70 +430,83 @@ def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg
         pr.fn_names[id(f)] = name
     pr.names.update(taken)  # never shadow a rule
 
-    consts: list[str] = []
-    literals: dict[str, str] = {}  # source -> name
+    return imports, inline
 
-    def name_of(v: _Val) -> str:
+
+class _Lines:
+    """The printed function's lines: each node's forward call and, in reverse, its rule's
+    call, the constants they read (``consts``), a ``Stack``'s scans."""
+
+    def __init__(self, pr: _Printer):
+        self.pr = pr
+        self.consts: list[str] = []
+        self.literals: dict[str, str] = {}  # source -> name
+
+    def name_of(self, v: _Val) -> str:
+        """The printed name of a value (a constant is defined on first use)."""
         if v.expr is None:
             if v.const:
                 value = v.value()
                 if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
                     data = np.asarray(jax.random.key_data(value))
                     impl = str(jax.random.key_impl(value))
-                    v.expr = pr.fresh("key")
-                    consts.append(
+                    v.expr = self.pr.fresh("key")
+                    self.consts.append(
                         f"{v.expr} = jax.random.wrap_key_data(jnp.array({data.tolist()}, "
                         f"jnp.{data.dtype}), impl={impl!r})"
                     )
                 else:
-                    src = _literal(pr, value, None if v.b_aval is None else v.b_aval.shape)
-                    if src not in literals:  # the same mask for every block: printed once
-                        literals[src] = pr.fresh("mask" if value.dtype == np.bool_ else "const")
-                        consts.append(f"{literals[src]} = {src}")
-                    v.expr = literals[src]
+                    src = _literal(self.pr, value, None if v.b_aval is None else v.b_aval.shape)
+                    if src not in self.literals:  # the same mask for every block: printed once
+                        self.literals[src] = self.pr.fresh(
+                            "mask" if value.dtype == np.bool_ else "const"
+                        )
+                        self.consts.append(f"{self.literals[src]} = {src}")
+                    v.expr = self.literals[src]
             else:
                 raise AssertionError("show_grad: a value without a name")  # pragma: no cover
         return v.expr
 
-    def arg_src(a) -> str:
+    def arg_src(self, a) -> str:
         if isinstance(a, tuple) and a[0] == "py":
-            return pr.pyval(a[1], a[2]) if not isinstance(a[1], str) else repr(a[1])
-        return name_of(a)
+            return self.pr.pyval(a[1], a[2]) if not isinstance(a[1], str) else repr(a[1])
+        return self.name_of(a)
 
-    def forward(nodes: list, walk: _Walk) -> list[str]:
+    def forward(self, nodes: list, walk: _Walk) -> list[str]:
+        """Each node's call, its result named."""
         fwd: list[str] = []
         for node in nodes:
-            args = [arg_src(a) for a in node.args]
+            args = [self.arg_src(a) for a in node.args]
             kw = "".join(
-                f", {k}={name_of(va) if isinstance(va, _Val) else pr.pyval(va, vb)}"
+                f", {k}={self.name_of(va) if isinstance(va, _Val) else self.pr.pyval(va, vb)}"
                 for k, va, vb in node.kwargs
             )
             node.call_args, node.call_kw = args, kw  # type: ignore[attr-defined]
             if node.stack is not None:
-                fwd += stack_forward(node, args)
+                fwd += self.stack_forward(node, args)
                 continue
             if node.fn is None:
-                rhs = _expression(pr, node.expr, args)
+                rhs = _expression(self.pr, node.expr, args)
             else:
-                rhs = f"{pr.fn_names[id(node.fn)]}({', '.join(args)}{kw})"
+                rhs = f"{self.pr.fn_names[id(node.fn)]}({', '.join(args)}{kw})"
             if node.label is None and node.f_vjp is not None:
                 node.label = walk.label(node.args)
             if node.label:
                 base = f"{node.name}_{node.label}"
             else:
-                pr.counts[node.name] = pr.counts.get(node.name, 0) + 1
-                base = f"{node.name}_out{pr.counts[node.name]}"
+                self.pr.counts[node.name] = self.pr.counts.get(node.name, 0) + 1
+                base = f"{node.name}_out{self.pr.counts[node.name]}"
             if len(node.outs) == 1:
-                node.outs[0].expr = pr.fresh(base)
+                node.outs[0].expr = self.pr.fresh(base)
                 fwd.append(f"    {node.outs[0].expr} = {rhs}")
             else:
                 for i, o in enumerate(node.outs):
-                    o.expr = pr.fresh(f"{base}_{i}")
+                    o.expr = self.pr.fresh(f"{base}_{i}")
                 fwd.append(f"    {', '.join(o.expr for o in node.outs)} = {rhs}")
         return fwd
 
-    # Backward: the hand VJPs in reverse, cotangents summed where a value fed several calls.
-    def backward(nodes: list, have: set) -> list[str]:
+    def backward(self, nodes: list, have: set) -> list[str]:
+        """The rules in reverse, cotangents summed where a value fed several calls."""
         bwd: list[str] = []
         for node in reversed(nodes):
             has_bwd = node.f_vjp is not None or node.stack is not None
@@ -455,9 +534,9 @@ def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg
                     targets.append(tmp)
                     adds.append(f"    {d} = {d} + {tmp}")
             if node.stack is not None:
-                bwd += stack_backward(node, d_outs[0], targets)
+                bwd += self.stack_backward(node, d_outs[0], targets)
             elif any(t != "_" for t in targets):
-                vjp_name = pr.fn_names[id(node.f_vjp)]
+                vjp_name = self.pr.fn_names[id(node.f_vjp)]
                 call = f"{vjp_name}({', '.join(node.call_args + d_outs)}{node.call_kw})"  # type: ignore[attr-defined]
                 if bare:
                     lhs = targets[0]
@@ -469,19 +548,19 @@ def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg
             bwd.extend(adds)
         return bwd
 
-    # A Stack: the body (one copy's calls) printed once, in a forward scan that keeps
-    # what the copy's backward needs and a reverse scan of the copy's hand VJPs.
-    def stack_forward(node, args: list[str]) -> list[str]:
+    def stack_forward(self, node, args: list[str]) -> list[str]:
+        """A Stack: the body (one copy's calls) printed once, in a forward scan that keeps
+        what the copy's backward needs (its reverse scan is written now, printed later)."""
         body: _StackBody = node.stack
-        saved, pr.p_name = pr.p_name, body.p_name
+        saved, self.pr.p_name = self.pr.p_name, body.p_name
         try:
             sub_nodes = _needed(body.walk, body.y)
-            sub_fwd = forward(sub_nodes, body.walk)
+            sub_fwd = self.forward(sub_nodes, body.walk)
             have: set = {id(body.y)}
             d_y = f"d_{body.y.expr}"
-            sub_bwd = backward(sub_nodes, have)
+            sub_bwd = self.backward(sub_nodes, have)
         finally:
-            pr.p_name = saved
+            self.pr.p_name = saved
         # the body's values the backward pass reads: kept, one per copy
         keyed = body.key is not None
         defined = [body.h.expr] + ([body.key.expr] if keyed else [])
@@ -489,13 +568,13 @@ def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg
         text = "\n".join(sub_bwd)
         kept = [e for e in dict.fromkeys(defined) if re.search(rf"\b{re.escape(e)}\b", text)]
         n_p = len(body.paths)
-        p_src, carry_src = _stacked_params(pr, body, args[:n_p]), args[n_p]
-        base = _ident(p_src[len(pr.p_name) :]) if p_src.startswith(pr.p_name) else ""
+        p_src, carry_src = _stacked_params(self.pr, body, args[:n_p]), args[n_p]
+        base = _ident(p_src[len(self.pr.p_name) :]) if p_src.startswith(self.pr.p_name) else ""
         base = base if base and base != "v" else "stack"
-        f_fwd, f_bwd = pr.fresh(f"{base}_forward"), pr.fresh(f"{base}_backward")
-        kept_name = pr.fresh(f"{base}_kept")
+        f_fwd, f_bwd = self.pr.fresh(f"{base}_forward"), self.pr.fresh(f"{base}_backward")
+        kept_name = self.pr.fresh(f"{base}_kept")
         (out,) = node.outs
-        out.expr = pr.fresh(f"{base}_out")
+        out.expr = self.pr.fresh(f"{base}_out")
         kept_tuple = f"({', '.join(kept)}{',' if len(kept) == 1 else ''})"
         d_p = [
             f"d_{_ident(v.expr)}" if id(v) in have else f"jnp.zeros_like({v.expr})"
@@ -534,10 +613,11 @@ def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg
             + [f"    {out.expr}, {kept_name} = lax.scan({f_fwd}, {carry_src}, {xs_src})"]
         )
 
-    def stack_backward(node, d_out: str, targets: list[str]) -> list[str]:
+    def stack_backward(self, node, d_out: str, targets: list[str]) -> list[str]:
+        """A Stack's reverse scan of the copy's rules."""
         body: _StackBody = node.stack
         f_bwd, kept_name, p_src = node.stack_names  # type: ignore[attr-defined]
-        d_stacked = pr.fresh(f"d_{f_bwd.removesuffix('_backward')}_params")
+        d_stacked = self.pr.fresh(f"d_{f_bwd.removesuffix('_backward')}_params")
         lines = list(node.stack_backward_def)  # type: ignore[attr-defined]
         n_p = len(body.paths)
         lines.append(
@@ -548,66 +628,6 @@ def _print(pr, form, loss_fn, closed_a, tape_a, trace_b, p_leaves, b_leaves, arg
             if t != "_":
                 lines.append(f"    {t} = {_path_expr(d_stacked, path)}")
         return lines
-
-    fwd = forward(nodes, walk)
-    have: set = {id(loss)}
-    if form == "loss":  # the forward alone, for jax.grad to differentiate
-        bwd = []
-    else:
-        bwd = [f"    d_{loss.expr} = jnp.ones_like({loss.expr})"] + backward(nodes, have)
-    grads = [
-        f"d_{_ident(v.expr)}" if id(v) in have else f"jnp.zeros_like({v.expr})"
-        for v in ins[: len(p_leaves)]
-    ]
-
-    header = ["import jax", "import jax.numpy as jnp", "import numpy as np"]
-    body_text = "\n".join(consts + fwd + bwd)
-    pr.note(body_text)
-    if "lax" in pr.used:
-        header.append("from jax import lax")
-    if "prims" in pr.used:
-        header.append("from jax.extend.core import primitives as prims")
-    if form == "loss":  # the forward calls only: the rules they do not call are not imported
-        for mod in list(imports):
-            imports[mod] = [
-                n
-                for n in imports[mod]
-                if re.search(rf"\b{re.escape(n.split(' as ')[-1])}\(", body_text)
-            ]
-            if not imports[mod]:
-                del imports[mod]
-        inline = [f for f in inline if re.search(rf"\b{re.escape(f.__name__)}\(", body_text)]
-    extra: list[str] = []
-    inline_defs: dict[str, str] = {}
-    for f in inline:
-        _inline(f, extra, inline_defs)
-    header += [i for i in dict.fromkeys(extra) if i not in header]
-    header.append("")
-    for mod in sorted(imports, key=lambda m: (m != "nnlite.rules", m)):
-        header.append(f"from {mod} import {', '.join(sorted(set(imports[mod])))}")
-    defs = []
-    for src in inline_defs.values():
-        defs += ["", src.rstrip()]
-    if pr.batch_dim is not None and not pr.portable:
-        raise _NotPortable  # some size does not follow the batch: print the traced sizes
-    lines = header + defs + ["", "", f"def {form}({', '.join(arg_names)}):"]  # the name
-    if not pr.portable:
-        lines.append("    # sizes below are those of the traced batch: trace again for another")
-    elif pr.uses_b:
-        lines.append(f"    B = {pr.batch_expr}  # the batch size: the code works for any")
-    lines += [f"    {c}" for c in consts]
-    lines += ["    # forward: each layer's call, its result kept"] + fwd
-    if form == "loss":
-        lines.append(f"    return {loss.expr}")
-        return "\n".join(lines) + "\n"
-    lines += ["    # backward: the hand VJPs in reverse"] + bwd
-    leaves_src = ",\n        ".join(grads)
-    value = f"{loss.expr}, " if form == "value_and_grad" else ""
-    lines.append(
-        f"    return {value}jax.tree.unflatten(\n        jax.tree.structure({pr.p_name}),\n"
-        f"        [\n        {leaves_src},\n        ],\n    )"
-    )
-    return "\n".join(lines) + "\n"
 
 
 _LAYOUTS: dict = {}  # (rule, argument types) -> its result's layout
@@ -620,7 +640,7 @@ def _layout(node) -> tuple[bool, list]:
     A primitive's library rule returns one cotangent per operand. A hand rule's form
     (``dx``, ``(dx,)``, one per argument, one per argument with a cotangent, ``None``
     entries) is read from the rule itself, called on the traced shapes -- the contract's
-    reading (``_contract.rule_layout``), as ``manual_grads`` and ``check_vjp`` read it.
+    reading (``_contract.rule_layout``), as ``manual_grads`` and ``check_rule`` read it.
     """
     if node.primitive:
         n = len(node.args)

@@ -33,6 +33,7 @@ from . import _prim_index as I
 from . import _prim_layout as L
 from . import _prim_math as M
 from . import _prim_reduce as R
+from ._rule_table import register_pairs
 
 __all__ = ["PRIMITIVE_RULES", "PrimitiveRule"]
 
@@ -187,5 +188,9 @@ def custom_jvp_name(eqn) -> str | None:
 
 #: ``jax.custom_jvp`` functions whose derivative choice at a kink a rule reproduces
 #: (``jax.nn.relu``: 0 at 0); others are walked into and their body's primitives used.
-#: Filled by the modules defining the rules (``_vjp_batched.py``).
+#: Filled by the modules defining the rules (``_small_rules.py``).
 CUSTOM_JVP_RULES: dict[str, PrimitiveRule] = {}
+
+# The primitives' rules in the one table (``nnlite.rules``), each under its primitive's name.
+for _module in (A, C, I, L, M, R):
+    register_pairs(vars(_module), _module.__all__)

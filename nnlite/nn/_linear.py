@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -11,7 +12,7 @@ from ..core._axes import Axes, param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
-from ..grad._vjp_batched import log_softmax, softmax
+from ..grad._small_rules import log_softmax, softmax
 from ._names import get_activation, get_initializer
 
 __all__ = [
@@ -268,9 +269,9 @@ class FFN(Module):
 
 
 _HEAD_OUTPUTS: dict[str, Callable] = {
-    # Both carry their hand rule (log_softmax_vjp, softmax_vjp in nnlite.vjp.batched).
+    # Both carry their rule (nnlite.rules.log_softmax_vjp, softmax_vjp).
     "log_softmax": log_softmax,
-    "softmax": softmax,
+    "softmax": functools.partial(softmax, axis=-1),
     "logits": lambda z: z,
 }
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..grad import _vjp_batched as V
 from ..grad._manual import hand_rule
+from ..grad._small_rules import mean, reduce_sum, softmax_cross_entropy_values
 
 __all__ = ["REDUCTIONS", "accuracy", "mse", "nll", "reduce", "softmax_cross_entropy"]
 
@@ -17,11 +17,11 @@ def reduce(values: jax.Array, reduction: str) -> jax.Array:
     """Apply ``reduction`` ("none" keeps per-example values, "mean", "sum")."""
     if reduction == "none":
         return values
-    # V.mean and V.sum carry their hand rules (mean_vjp, sum_vjp).
+    # Both carry their rules (mean_vjp, reduce_sum_vjp).
     if reduction == "mean":
-        return V.mean(values)
+        return mean(values)
     if reduction == "sum":
-        return V.sum(values)
+        return reduce_sum(values)
     raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
 
 
@@ -93,7 +93,7 @@ def softmax_cross_entropy(
     """
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     _check_labels("softmax_cross_entropy", logits, labels)
-    return reduce(V.softmax_cross_entropy(logits, labels), reduction)
+    return reduce(softmax_cross_entropy_values(logits, labels), reduction)
 
 
 def accuracy(scores: jax.Array, labels: jax.Array, *, reduction: str = "none") -> jax.Array:

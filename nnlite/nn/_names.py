@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import jax
 
-from ..grad._vjp_batched import gelu, identity, relu, sigmoid, softplus, tanh
+from ..grad._small_rules import gelu, identity, relu, sigmoid, softplus, tanh
 from ._activations import elu, leaky_relu, silu
 
 __all__ = ["ACTIVATIONS", "INITIALIZERS", "get_activation", "get_initializer"]

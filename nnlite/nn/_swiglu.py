@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
-from ..grad._vjp_batched import gelu_grad
+from ..grad._small_rules import gelu_grad
 from ._linear import Linear
 from ._lora import LoRA, adapter_axes, split_key, wrap
 

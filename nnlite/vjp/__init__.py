@@ -1,24 +1,15 @@
-"""Hand-derived vector-Jacobian products, the seed's way: rules, a checker, a plug-in.
+"""The seed's (awf-jaxutils) names for nnlite's rules: the one compatibility module.
 
-This is the seed's name for ``nnlite.rules.seed`` (and ``nnlite.vjp.batched`` for
-``nnlite.rules.batched``): ``nnlite.rules`` is the one home of every rule and rule tool;
-these names stay so that the seed's code runs unchanged.
-
-``nnlite.vjp`` is the awf-jaxutils VJP library with its names and conventions -- column
-vectors (``mm(W1, x)`` with ``x: [in]``), ``softmax`` over axis 0, ``sum`` of a list,
-``index_vjp -> dx`` -- so the seed's examples run unchanged. ``nnlite.vjp.batched`` holds
-the same kind of rules for row-vector batches (``x: [batch, in] @ W: [in, out]``, class
-axis last): the convention of nnlite's layers and gradient modes.
-
-``relu`` is a forward function, ``relu_vjp(x, dret) -> dx`` its hand-derived backward
-rule. ``check_vjp(relu, relu_vjp, x)`` (the seed's ``check``) compares the rule with
-``jax.vjp``. ``custom_vjp(relu, relu_vjp)`` (or ``@with_vjp(relu_vjp)``) gives a function
-that ``jax.grad`` differentiates with the hand rule, and ``hand.relu`` is that function,
-ready-made for every rule in ``RULES``.
-
-Integer arguments (labels, indices) are not differentiable: rules return ``None`` for
-them (or leave them out, as ``index_vjp`` does), ``check_vjp`` accepts that, and the
-plug-in turns it into the zero cotangent JAX expects.
+Every rule here is the very object of ``nnlite.rules`` with the same name -- ``mm``,
+``mm_vjp``, ``axpy``, ``xpyzt``, ``softmax``, ``sum``, ``index``, ``pow``, ``transpose``,
+... -- so the seed's code runs unchanged against the one home of rules. The seed's
+conventions are these functions' defaults: ``mm(W, x)`` with ``W: [out, in]`` and a column
+vector ``x: [in]`` (``mm`` also takes nnlite's row-vector batches, ``mm(x, W)``),
+``softmax`` over axis 0, ``sum`` of a list, ``index_vjp(x, i, dret) -> dx``. ``check`` and
+``check_vjp`` are ``nnlite.rules.check_rule``; ``hand`` is ``nnlite.rules.plugged`` (each
+rule as a ``jax.custom_vjp`` function). The seed's helpers that are not rules
+(``allclose``, ``tree_close``, ``randlike``, ``ensure_tuple``, ``mm_scaled_vjp_simple``,
+``range_vjp``, ...) live here only. See ``docs/awf_jaxutils.md``.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -33,39 +24,55 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..grad import _vjp
-from ..grad._check import VJPCheckError as VJPCheckError
+from .. import rules as _rules
 from ..grad._check import allclose as allclose
 from ..grad._check import check as check
-from ..grad._check import check_vjp as check_vjp
 from ..grad._check import default_tolerances as default_tolerances
 from ..grad._check import ensure_tuple as ensure_tuple
 from ..grad._check import randlike as randlike
 from ..grad._check import tree_all as tree_all
 from ..grad._check import tree_allclose as tree_allclose
 from ..grad._check import tree_close as tree_close
-from ..grad._custom_vjp import custom_vjp as custom_vjp
-from ..grad._custom_vjp import match_primal as match_primal
-from ..grad._custom_vjp import with_vjp as with_vjp
-from ..grad._rule_table import hand_functions as _hand_functions
-from ..grad._rule_table import rule_table as _rule_table
-from ..grad._vjp import *  # noqa: F403 -- the rules are this module's public surface
-from ..grad._vjp import __all__ as _rule_names
-from . import batched as batched
+from ..grad._small_rules import mm_scaled_vjp_simple as mm_scaled_vjp_simple
+from ..grad._small_rules import range_vjp as range_vjp
+from ..rules import VJPCheckError as VJPCheckError
+from ..rules import check_vjp as check_vjp
+from ..rules import custom_vjp as custom_vjp
+from ..rules import match_primal as match_primal
+from ..rules import with_vjp as with_vjp
 
-#: ``name -> (f, f_vjp)`` for every rule in this module.
-RULES: dict[str, tuple[Callable, Callable]] = _rule_table(vars(_vjp), _rule_names)
+#: The seed's rules (awf-jaxutils' ``vjp.py``), each ``nnlite.rules``' object of its name.
+SEED_RULES = (
+    "add", "axpy", "dotall", "dup", "exp", "gelu", "identity", "index", "log", "mm",
+    "mm_scaled", "mul", "negate", "pair", "pow", "recip", "relu", "scale", "sigmoid",
+    "softmax", "softplus", "sum", "tanh", "transpose", "xpyzt",
+)  # fmt: skip
 
-#: Every rule as a ``jax.custom_vjp`` function: ``hand.mm(W, x)`` computes ``mm`` and is
-#: differentiated by ``mm_vjp``.
-hand = _hand_functions(RULES)
+#: ``name -> (f, f_vjp)`` for the seed's rules (``nnlite.rules.RULES`` has every rule).
+RULES: dict[str, tuple[Callable, Callable]] = {name: _rules.RULES[name] for name in SEED_RULES}
+
+globals().update({name: f for name, (f, _) in RULES.items()})
+globals().update({name + "_vjp": f_vjp for name, (_, f_vjp) in RULES.items()})
+
+#: Every rule as a ``jax.custom_vjp`` function (``nnlite.rules.plugged``).
+hand = _rules.plugged
+
+#: ``nnlite.vjp.batched`` was a second rule library, removed: where each thing went (what
+#: importing it raises).
+BATCHED_GONE = (
+    "nnlite.vjp.batched is gone: its rules are in nnlite.rules under the same names (mm, axpy, "
+    "xpyzt, mm_scaled serve row-vector batches too), except hand -> plugged, softmax(x) -> "
+    "softmax(x, axis=-1), sum(x) -> reduce_sum(x), softmax_cross_entropy -> "
+    "softmax_cross_entropy_values, and index_vjp returns dx alone; see docs/gradients.md"
+)
+
 
 __all__ = [
-    *_rule_names,
+    *sorted(n for name in SEED_RULES for n in (name, name + "_vjp")),
     "RULES",
+    "SEED_RULES",
     "VJPCheckError",
     "allclose",
-    "batched",
     "check",
     "check_vjp",
     "custom_vjp",
@@ -73,7 +80,9 @@ __all__ = [
     "ensure_tuple",
     "hand",
     "match_primal",
+    "mm_scaled_vjp_simple",
     "randlike",
+    "range_vjp",
     "tree_all",
     "tree_allclose",
     "tree_close",

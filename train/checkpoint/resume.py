@@ -15,6 +15,7 @@ import numpy as np
 from ..config import Config, to_dict
 from ..data.dataset import Dataset, Sampler
 from ..errors import ConfigError
+from ..model.registry import MODEL_SOURCE_KEY, model_source
 from ..parallel import distributed as dist
 from . import store as ckpt
 from .rundir import check_run_dir
@@ -54,8 +55,6 @@ def metadata(
     """What a checkpoint records besides the state: data position, RNG, config, vocabulary,
     where a user's model module was imported from (for ``train.load_run``), and ``grad``,
     the mode the step ran (``loss.grad: auto`` resolved, see :func:`check_resumable`)."""
-    from ..model.registry import MODEL_SOURCE_KEY, model_source
-
     order = "[seed, step]" if data.window else "[seed, epoch]"
     meta = {
         "data_position": sampler.position(step),

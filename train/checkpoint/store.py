@@ -45,11 +45,6 @@ FORMAT_VERSION = "1"  # nl.save's format_version that resuming accepts
 _NAME = re.compile(r"^ckpt_(\d{8,})\.(safetensors|shards)$")
 _TMP_SUFFIX = ".tmp"
 
-# Test hook, never set in normal runs: seconds that nl.save pauses twice inside every
-# checkpoint write (half-written, then written but not renamed), so tests can SIGKILL a
-# process there. nl.save reads it (TEST_PAUSE_ENV in nnlite/core/_save.py).
-TEST_PAUSE_ENV = "NNLITE_TEST_CHECKPOINT_PAUSE_S"
-
 
 def flatten_with_paths(prefix: str, tree: Any) -> dict[str, Any]:
     """``{key: leaf}`` with the keys a checkpoint stores ``tree`` under (``prefix`` is

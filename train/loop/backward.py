@@ -28,7 +28,9 @@ import numpy as np
 
 import nnlite as nl
 
-from .backward_config import PolicySpec, slash_path
+from ..errors import ConfigError
+from ..model import contract, gradmode
+from .backward_config import PolicySpec, parse_policies, slash_path
 from .step import tree_norm
 
 IN, OUT = 0, 1  # a slot's rows
@@ -293,10 +295,6 @@ def build_backward(cfg, model, data, strategy, grad) -> Backward | None:
     ``grad`` is ``loss.grad`` resolved (``train.model.gradmode.GradMode``). Refuses (one
     ConfigError line) policies without manual gradients, a policy glob that names no
     layer, and per-layer norms with a model's own fused pass."""
-    from ..errors import ConfigError
-    from ..model import contract, gradmode
-    from .backward_config import parse_policies
-
     policies = parse_policies(cfg.loss.backward_policies, "the config")
     by_layer = cfg.log.grad_by_layer
     if not policies and not by_layer and not cfg.train.check_grads:
@@ -338,8 +336,6 @@ def replay_first_bad_layer(model, grad_mode: str, backward, params, x, y, **kw) 
     run's policies), and name the layer whose backward first went non-finite
     (:func:`first_bad_layer`); ``params``, ``x``, ``y``, ``kw`` as the step's objective
     takes them. For the non-finite guard's replay: compiled once, at the failure."""
-    from ..model import contract
-
     policies = backward.policies if backward is not None else ()
     objective = contract.objective_fn(model, grad_mode)
     hook = discover(objective, params, x, y, policies=policies, **kw)

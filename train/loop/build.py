@@ -15,7 +15,6 @@ import numpy as np
 import optax
 
 import nnlite as nl
-from nnlite.core._jax_private import lowered_cost_analysis
 
 from .. import parallel
 from ..config import Config, ModelConfig, check_model_round_trip
@@ -507,6 +506,6 @@ def step_cost(lowered) -> dict | None:
     GPT step's 1160 GFLOP), while before it every dot is counted, on any backend. A GPU's
     client analyses no lowered program: the CPU client counts it there."""
     try:
-        return lowered_cost_analysis(lowered)
+        return nl.cost_analysis(lowered)
     except Exception:  # noqa: BLE001 - a backend without cost analysis: no MFU, no failure
         return None

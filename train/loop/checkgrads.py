@@ -8,7 +8,7 @@ refuses to train, in one line, when a rule is wrong.
 
 ``loss.check_rules`` (on by default): under ``loss.grad: manual`` or ``auto -> manual``,
 the same check, run by default on the user's own hand rules only (``GradMode.rules``: a
-``@nl.hand_rule`` or ``nl.vjp.custom_vjp`` not defined in nnlite), with no table: nnlite's
+``@nl.hand_rule`` or ``nl.rules.custom_vjp`` not defined in nnlite), with no table: nnlite's
 rules are tested with the library and never rechecked, so a model of nnlite's layers costs
 nothing here. A set of rules that passed is remembered by its code and shapes
 (``rulecache.py``), so a rerun of unchanged rules is not checked again. A wrong rule

@@ -33,10 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import store as ckpt
 from ..config import Config
 from ..data.builtin import data_section, load_dataset, text_context
 from ..errors import ConfigError
+from ..inference import load_run
 from ..parallel import distributed as dist
+from .trainer import train
 
 DEFAULT_STEPS = 2
 
@@ -82,30 +85,14 @@ def fast_dev_run(
     """Run the phases (module docstring) for ``cfg``; return what each found. ``data``:
     the data set, or a Future of it (None: load it); ``plotter``: a ``CurvePlotter`` for
     the last phase's curves."""
-    from ..checkpoint import store as ckpt
-    from ..inference import load_run
-    from .trainer import train
-
     if steps < 1:
         raise ConfigError(f"--fast-dev-run: expected a number of steps >= 1, got {steps}")
     t0 = time.perf_counter()
-    if isinstance(data, Future):
-        data = data.result()
-    if data is None:
-        data = load_dataset(data_section(cfg), text_context(cfg))
-    rows = eval_rows(cfg)
-    if len(data.x_test) > rows:
-        data = dataclasses.replace(data, x_test=data.x_test[:rows], y_test=data.y_test[:rows])
+    data, rows = _dev_data(cfg, data)
     multiprocess = dist.initialize(cfg.distributed) is not None
     main = dist.is_main()
     log_dir_existed = Path(cfg.log.dir).exists()
-    if multiprocess:  # every process writes its shards into one directory: a shared path
-        root = Path(cfg.log.dir) / f".fast-dev-run-{cfg.name}"
-        if main:  # a dev run killed before its cleanup
-            shutil.rmtree(root, ignore_errors=True)
-        dist.barrier("fast-dev-run-start")
-    else:
-        root = Path(tempfile.mkdtemp(prefix=f"nnlite-fast-dev-run-{cfg.name}-"))
+    root = _dev_root(cfg, multiprocess)
     run_dir = root / cfg.name
     first, off = dev_config(cfg, steps, root, plot=False)
     second, _ = dev_config(cfg, 2 * steps, root, plot=cfg.log.plot)
@@ -138,26 +125,12 @@ def fast_dev_run(
             r = train(
                 second, resume="require", echo=echo, data=data, plotter=plotter, timings=timings
             )
-            _check_eval(r, phase)
-            if plotter is not None and main:
-                plotter.wait()
-            if main:
-                _check_checkpoint(ckpt.list_checkpoints(run_dir / "checkpoints"), r.step, phase)
-                if cfg.log.plot and not (run_dir / "curves.png").is_file():
-                    raise DevRunFailed(f"fast-dev-run [{phase}]: no curves.png was drawn")
+            _check_resumed(r, plotter, phase)
             found["resume"] = r.step
         phase = "3/3 load_run, predict"
         if main:
             say(f"fast-dev-run [{phase}]")
-            loaded = load_run(run_dir)
-            out = loaded.predict(np.asarray(data.x_test[:2]), preprocessed=True)
-            if loaded.step != r.step or not np.all(np.isfinite(out)):
-                raise DevRunFailed(
-                    f"fast-dev-run [{phase}]: load_run gave step {loaded.step} (expected "
-                    f"{r.step}) and {'finite' if np.all(np.isfinite(out)) else 'non-finite'} "
-                    "predictions"
-                )
-            found["load_run"] = loaded.step
+            found["load_run"] = _check_load_run(r, data, phase)
         if show_timings and timings is not None and main:
             timings.end()
             line = timings.write(run_dir / "timings.json").rsplit("; wrote", 1)[0]
@@ -188,6 +161,57 @@ def fast_dev_run(
     return found
 
 
+def _dev_data(cfg: Config, data) -> tuple:
+    """``(data set, held-out rows)`` of a dev run: ``data`` (a data set, a Future of one, or
+    None: loaded) with its held-out split cut to :func:`eval_rows`."""
+    if isinstance(data, Future):
+        data = data.result()
+    if data is None:
+        data = load_dataset(data_section(cfg), text_context(cfg))
+    rows = eval_rows(cfg)
+    if len(data.x_test) > rows:
+        data = dataclasses.replace(data, x_test=data.x_test[:rows], y_test=data.y_test[:rows])
+    return data, rows
+
+
+def _dev_root(cfg: Config, multiprocess: bool) -> Path:
+    """The directory a dev run writes in: a temporary one, or with several processes (each
+    writes its shards into one directory) a shared path under ``log.dir``."""
+    if not multiprocess:
+        return Path(tempfile.mkdtemp(prefix=f"nnlite-fast-dev-run-{cfg.name}-"))
+    root = Path(cfg.log.dir) / f".fast-dev-run-{cfg.name}"
+    if dist.is_main():  # a dev run killed before its cleanup
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier("fast-dev-run-start")
+    return root
+
+
+def _check_resumed(r, plotter, phase: str) -> None:
+    """The resumed run evaluated, checkpointed its last step and drew its curves."""
+    _check_eval(r, phase)
+    if not dist.is_main():
+        return
+    if plotter is not None:
+        plotter.wait()
+    _check_checkpoint(ckpt.list_checkpoints(r.run_dir / "checkpoints"), r.step, phase)
+    if r.cfg.log.plot and not (r.run_dir / "curves.png").is_file():
+        raise DevRunFailed(f"fast-dev-run [{phase}]: no curves.png was drawn")
+
+
+def _check_load_run(r, data, phase: str) -> int:
+    """``train.load_run`` reads the run back at its last step and predicts finite values;
+    its step."""
+    loaded = load_run(r.run_dir)
+    out = loaded.predict(np.asarray(data.x_test[:2]), preprocessed=True)
+    if loaded.step != r.step or not np.all(np.isfinite(out)):
+        raise DevRunFailed(
+            f"fast-dev-run [{phase}]: load_run gave step {loaded.step} (expected "
+            f"{r.step}) and {'finite' if np.all(np.isfinite(out)) else 'non-finite'} "
+            "predictions"
+        )
+    return loaded.step
+
+
 def _check_eval(r, phase: str) -> None:
     """The evaluation ran and its loss is a number (a NaN loss in eval only: a model bug)."""
     split = r.data.eval_split
@@ -199,8 +223,6 @@ def _check_eval(r, phase: str) -> None:
 
 
 def _check_checkpoint(found: list[Path], step: int, phase: str) -> None:
-    from ..checkpoint import store as ckpt
-
     if not found or ckpt.step_of(found[-1]) != step:
         newest = found[-1].name if found else "none"
         raise DevRunFailed(

@@ -26,6 +26,7 @@ import optax
 
 import nnlite as nl
 
+from ..errors import ConfigError
 from ..model.contract import accepts
 from .section import PRECISIONS as PRECISIONS  # the schema names the choices
 
@@ -111,8 +112,6 @@ def check_model_dtype(model: Any, precision: str) -> None:
     if not isinstance(own, str) or own == "float32" or precision == "float32":
         return
     if own != precision:
-        from ..errors import ConfigError
-
         raise ConfigError(
             f"model.dtype={own} and train.precision={precision} disagree: set one of them "
             f"(train.precision={own} casts the whole model; model.dtype only its blocks)"

@@ -112,38 +112,7 @@ def batch_grads_fn(
     """
     tapped = backward is not None and backward.active
     by_layer = tapped and backward.by_layer
-    if tapped:  # differentiated: (params, taps); taps {} without by_layer
-        loss_fn = tapped_loss_fn(model, grad, backward, by_layer)
-    else:
-        loss_fn = mean_loss_fn(model, grad)
-    keyed = uses_key(model)
-    stateful = contract.is_stateful(model)
-
-    frozen_mask = None if trainable is None else [not m for m in jax.tree.leaves(trainable)]
-
-    def objective(params, state, x, y, key, scale=None):
-        if tapped:
-            params = (strategy.compute_params(params[0]), params[1])
-            model_params = params[0]
-        else:
-            params = model_params = strategy.compute_params(params)
-        if frozen_mask is not None:  # the hand rules compute no cotangent for these
-            frozen = [
-                v for v, m in zip(jax.tree.leaves(model_params), frozen_mask, strict=True) if m
-            ]
-            with nl.frozen_scope(frozen):
-                return _objective(params, state, x, y, key, scale)
-        return _objective(params, state, x, y, key, scale)
-
-    def _objective(params, state, x, y, key, scale):
-        kw = {"key": key} if keyed else {}
-        if stateful:
-            loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
-        else:
-            loss, metrics = loss_fn(params, x, y, **kw)
-        # float16's loss scale (None otherwise): the gradients come out multiplied by it
-        return precision.scale_cotangent(strategy.global_loss(loss), scale), (metrics, state)
-
+    objective = _objective_fn(model, grad, strategy, trainable, backward if tapped else None)
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
     if trainable is not None:
         trained = jax.tree.leaves(trainable)
@@ -151,39 +120,18 @@ def batch_grads_fn(
             trained = trained + [True] * len(jax.tree.leaves(backward.zero_taps()))
         value_and_grad = _trained_only(objective, trained)
     accumulate = getattr(model, "accumulate", None) if grad == "fused" else None
-    if accumulate is not None and stateful:
+    if accumulate is not None and contract.is_stateful(model):
         raise contract.ModelError(
             f"{type(model).__name__} is stateful: its accumulate() pass cannot carry state; "
             f"use loss.grad=autodiff or manual"
         )
+    if accum_steps > 1:
+        value_and_grad = _microbatched(value_and_grad, accumulate, accum_steps, strategy, grad)
 
     def batch_grads(params, state, x, y, key=None, scale=None):
-        if tapped:
+        if tapped:  # differentiated: (params, taps); taps {} without by_layer
             params = (params, backward.zero_taps() if by_layer else {})
-        if accum_steps == 1:
-            (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key, scale)
-        else:
-            xs = x.reshape(accum_steps, -1, *x.shape[1:])
-            ys = y.reshape(accum_steps, -1, *y.shape[1:])
-            acc = jax.tree.map(jnp.zeros_like, params)
-            if accumulate is not None:
-                acc = strategy.local_accumulator(acc)
-
-            def micro(carry, xyi):
-                acc, state = carry
-                *xy, i = xyi
-                if accumulate is not None:
-                    loss, metrics, acc = accumulate(params, *xy, acc, grad=grad)
-                else:
-                    k = None if key is None else jax.random.fold_in(key, i)
-                    (loss, (metrics, state)), g = value_and_grad(params, state, *xy, k, scale)
-                    acc = jax.tree.map(jnp.add, acc, g)
-                return (acc, state), (loss, metrics)
-
-            micro_ids = jnp.arange(accum_steps)
-            (acc, state), (losses, metrics) = jax.lax.scan(micro, (acc, state), (xs, ys, micro_ids))
-            grads = jax.tree.map(lambda g: g / accum_steps, acc)
-            loss, metrics = jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
+        (loss, (metrics, state)), grads = value_and_grad(params, state, x, y, key, scale)
         if not tapped:
             loss, metrics, grads = strategy.reduce(
                 loss, metrics, grads, local_grads=accumulate is not None
@@ -199,7 +147,7 @@ def batch_grads_fn(
             metrics = {**metrics, **backward.layer_metrics(tap_grads, true_grads)}
         return loss, metrics, grads, state
 
-    if not stateful:
+    if not contract.is_stateful(model):
         return batch_grads
 
     def stateful_batch_grads(params, state, x, y, key=None, scale=None):
@@ -207,6 +155,79 @@ def batch_grads_fn(
             return batch_grads(params, state, x, y, key, scale)
 
     return stateful_batch_grads
+
+
+def _objective_fn(model, grad: str, strategy: Strategy, trainable, backward) -> Callable:
+    """``(params, state, x, y, key, scale) -> (loss, (metrics, state))``: what a step
+    differentiates, the loss over the global batch scaled by float16's loss ``scale``
+    (None: unscaled). With a ``backward`` (active), params are ``(params, taps)``; the
+    params ``trainable`` leaves out are frozen (``nl.frozen_scope``: the hand rules compute
+    no cotangent for them)."""
+    if backward is not None:
+        loss_fn = tapped_loss_fn(model, grad, backward, backward.by_layer)
+    else:
+        loss_fn = mean_loss_fn(model, grad)
+    keyed = uses_key(model)
+    stateful = contract.is_stateful(model)
+    frozen_mask = None if trainable is None else [not m for m in jax.tree.leaves(trainable)]
+
+    def scaled_loss(params, state, x, y, key, scale):
+        kw = {"key": key} if keyed else {}
+        if stateful:
+            loss, metrics, state = loss_fn(params, x, y, state=state, **kw)
+        else:
+            loss, metrics = loss_fn(params, x, y, **kw)
+        # float16's loss scale (None otherwise): the gradients come out multiplied by it
+        return precision.scale_cotangent(strategy.global_loss(loss), scale), (metrics, state)
+
+    def objective(params, state, x, y, key, scale=None):
+        if backward is not None:
+            params = (strategy.compute_params(params[0]), params[1])
+            model_params = params[0]
+        else:
+            params = model_params = strategy.compute_params(params)
+        if frozen_mask is not None:
+            leaves = jax.tree.leaves(model_params)
+            frozen = [v for v, m in zip(leaves, frozen_mask, strict=True) if m]
+            with nl.frozen_scope(frozen):
+                return scaled_loss(params, state, x, y, key, scale)
+        return scaled_loss(params, state, x, y, key, scale)
+
+    return objective
+
+
+def _microbatched(
+    value_and_grad: Callable, accumulate, accum_steps: int, strategy: Strategy, grad: str
+) -> Callable:
+    """``value_and_grad`` over ``accum_steps`` microbatches of this device's share: their
+    gradients summed in one buffer (by the model's own ``accumulate`` pass when given) and
+    divided by k, their losses and metrics averaged, the model's state threaded through
+    them; each microbatch's key folds in its index."""
+
+    def summed(params, state, x, y, key=None, scale=None):
+        xs = x.reshape(accum_steps, -1, *x.shape[1:])
+        ys = y.reshape(accum_steps, -1, *y.shape[1:])
+        acc = jax.tree.map(jnp.zeros_like, params)
+        if accumulate is not None:
+            acc = strategy.local_accumulator(acc)
+
+        def micro(carry, xyi):
+            acc, state = carry
+            *xy, i = xyi
+            if accumulate is not None:
+                loss, metrics, acc = accumulate(params, *xy, acc, grad=grad)
+            else:
+                k = None if key is None else jax.random.fold_in(key, i)
+                (loss, (metrics, state)), g = value_and_grad(params, state, *xy, k, scale)
+                acc = jax.tree.map(jnp.add, acc, g)
+            return (acc, state), (loss, metrics)
+
+        micro_ids = jnp.arange(accum_steps)
+        (acc, state), (losses, metrics) = jax.lax.scan(micro, (acc, state), (xs, ys, micro_ids))
+        grads = jax.tree.map(lambda g: g / accum_steps, acc)
+        return (jnp.mean(losses), (jax.tree.map(jnp.mean, metrics), state)), grads
+
+    return summed
 
 
 def _trained_only(objective: Callable, mask: list[bool]) -> Callable:

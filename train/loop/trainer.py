@@ -1,17 +1,17 @@
 """The training loop: one compiled call after another, stopping at the boundaries to log,
-evaluate and checkpoint. Building and compiling live in ``build.py``, the run directory
-in ``rundir.py``, where a run starts in ``resume.py``, faults in ``faults.py``."""
+evaluate and checkpoint. Building and compiling live in ``build.py``, the loop's parts (its
+state and counters, batches, reporting, checkpoint bookkeeping) in ``parts.py``, the run
+directory in ``rundir.py``, where a run starts in ``resume.py``, faults in ``faults.py``."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +23,13 @@ from ..checkpoint import rundir
 from ..checkpoint import store as ckpt
 from ..checkpoint.best import META_KEY as BEST_KEY
 from ..checkpoint.best import BestCheckpoints
-from ..checkpoint.resume import agree_on_start, metadata
+from ..checkpoint.resume import Start, agree_on_start, metadata
 from ..checkpoint.writer import Writer
 from ..config import Config, to_dict
 from ..data import feed, overfit
 from ..data.dataset import Dataset, Sampler
 from ..data.feed import BatchFeed, call_schedule
 from ..data.source import DataError
-from ..data.text.units import name_metrics
 from ..errors import ERROR_LOG, ConfigError, UserCodeError
 from ..optim import ema
 from ..optim.named import schedule
@@ -39,7 +38,7 @@ from ..parallel.finite import finite_on_devices
 from ..report import console as report
 from ..report import perf
 from ..report.loggers import MetricsLog
-from ..report.plot import CurvePlotter, plot_curves
+from ..report.plot import plot_curves
 from ..report.profile import Profiler
 from ..report.timings import Timings
 from . import nonfinite
@@ -47,6 +46,7 @@ from .build import Prepared, Run, build, init_compiler_options, make_stepper, pr
 from .callbacks import Callback, Callbacks, LoopState, build_callbacks
 from .checkgrads import check_grads, check_user_rules
 from .monitors import check_monitors
+from .parts import Batches, CheckpointBook, Reporter, TrainState
 from .step import policy_loss_fn, step_flags
 
 #: Checkpoint metadata: a SIGTERM/SIGINT stopped the evaluation at the checkpoint's step.
@@ -110,22 +110,22 @@ def train(
         write_error_log(e, Path(cfg.log.dir) / cfg.name)
         raise
     pending = loop.eval_pending  # a signal stopped the evaluation at the resumed step
-    if (loop.step >= cfg.train.steps and not pending) or loop.stopped_before:
+    if (loop.state.step >= cfg.train.steps and not pending) or loop.stopped_before:
         return loop.already_finished()
     try:
         with loop.watch, loop.watchdog:
             loop.call("on_fit_start", loop.view)
             # the evaluation a signal stopped, then its step checkpointed again (not pending)
             stop = pending and loop.evaluated(Boundary(False, True, True, False))
-            while loop.step < cfg.train.steps and not stop:
+            while loop.state.step < cfg.train.steps and not stop:
                 loop.run_call()
                 at = loop.boundary()
                 if at is None:
                     continue
-                loop.written(wait=loop.on_checkpoint_waits)  # a finished async write
+                loop.written(wait=loop.ckpt.waits)  # a finished async write
                 loop.check_nonfinite()
                 record = loop.log_train() if at.log else {}
-                loop.call("on_step_end", loop.view, loop.step, record)
+                loop.call("on_step_end", loop.view, loop.state.step, record)
                 stop = loop.evaluated(at)
             loop.written(wait=True)  # the last checkpoint complete before on_fit_end
         loop.close()  # a logger's close, on_fit_end: the user's code fails after step 1 too
@@ -167,49 +167,20 @@ class Boundary:
 
 @dataclass
 class _Loop:
-    """The state of a training run between compiled calls, and its named steps."""
+    """A training run between compiled calls: its parts (train/loop/parts.py), and the
+    loop's named steps."""
 
-    r: Run
-    prep: Prepared
-    sampler: Sampler
-    echo: Callable[[str], None]
-    step: int  # steps done
-    p_leaves: list  # params and optimizer state, placed for the stepper
-    o_leaves: list
-    s_leaves: list  # a stateful model's state, placed ([] for a stateless model)
-    skipped: int  # non-finite steps skipped (train.nonfinite=skip)
-    good_step: int  # the last state known finite and saved (or the initial state)
-    good_ckpt: Path | None
-    start_step: int = 0  # the step this run started (or resumed) at
-    calls: int = 0
-    metrics: dict = field(default_factory=dict)  # the last call's metrics (on the device)
-    pending: list = field(default_factory=list)  # each call's metrics since the last boundary
-    pending_from: int = 0
-    last_eval: dict = field(default_factory=dict)
-    window_start: int = 0  # examples/s is measured over the steps since the last log
-    t_start: float = 0.0
-    t_window: float = 0.0
-    log: MetricsLog | None = None  # metrics.jsonl and the other loggers (process 0 only)
-    means: report.IntervalMeans = field(default_factory=report.IntervalMeans)
-    lr: Callable | None = None  # the optimizer's schedule: step -> learning rate
-    bar: report.ProgressBar | None = None
-    watch: faults.PreemptionWatch | None = None
-    timings: Timings = field(default_factory=Timings)
-    plotter: CurvePlotter | None = None  # None: draw in finish()
-    watchdog: faults.Watchdog | None = None
-    in_flight: list = field(default_factory=list)  # outputs of calls not yet waited for
-    feed: BatchFeed | None = None  # streamed data: each call's batch, placed a call ahead
-    callbacks: Callbacks | None = None  # run on process 0 (train/loop/callbacks.py)
+    r: Run  # the run: config, model, data, strategy
+    prep: Prepared  # the compiled programs and the initial state's trees
+    state: TrainState  # the state on the devices, and the counters
+    batches: Batches  # each call's batch
+    report: Reporter  # the console, the progress bar, metrics.jsonl and the loggers
+    ckpt: CheckpointBook  # the writer, the last good checkpoint, the best k
+    watch: faults.PreemptionWatch  # SIGTERM/SIGINT: checkpoint at an agreed step, exit 3
+    watchdog: faults.Watchdog  # a compiled call that never finishes: exit 5
+    callbacks: Callbacks  # run on process 0 (train/loop/callbacks.py)
     view: LoopState | None = None  # what the callbacks read, and their stop request
     stopped_before: bool = False  # the checkpoint resumed from ended an early-stopped run
-    best: BestCheckpoints | None = None  # checkpoint.keep_best: the ranking (process 0)
-    writer: Writer | None = None  # writes checkpoints inline, or on a thread (async)
-    on_checkpoint_waits: bool = False  # a callback has on_checkpoint: async writes are
-    # collected at the next boundary, waiting there, so its events keep one order
-    t_ckpt: float = 0.0  # when the last checkpoint was taken (checkpoint.every_minutes)
-    flops: float | None = None  # model FLOPs per step (None: not known, e.g. pmap)
-    peak: float | None = None  # the devices' peak FLOP/s in the compute dtype
-    profiler: Profiler | None = None  # --profile START:STOP
     eval_pending: bool = False  # this step's evaluation was stopped by a signal (evaluated)
 
     @classmethod
@@ -233,15 +204,9 @@ class _Loop:
         check_monitors(r, prep, callbacks)  # before anything is written
         # Decide where to start before writing anything: a bad checkpoint must not cost files.
         begin = agree_on_start(
-            cfg,
-            resume,
-            r.run_dir / "checkpoints",
-            prep.params0,
-            prep.opt0,
-            r.strategy,
-            r.grad_mode,
-            prep.state0,
-        )
+            cfg, resume, r.run_dir / "checkpoints", prep.params0, prep.opt0, r.strategy,
+            r.grad_mode, prep.state0,
+        )  # fmt: skip
         start = begin.step
         if cfg.train.check_grads and start < cfg.train.steps:  # issue 34: rules checked first
             check_grads(r, prep.params0, prep.state0, sampler, echo)
@@ -252,99 +217,56 @@ class _Loop:
             sampler.restore(start, saved or None)
         if dist.is_main():  # only process 0 writes the run directory
             rundir.open_run_dir(r.run_dir, r.cfg, resume, start)
-        state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
-        trained = None if r.plan is None else r.plan.num_trained(prep.params0)
-        echo(report.banner(r, prep.params0.num_params(), start, state_bytes, trained))
-        if r.backward is not None and r.backward.describe():  # issue 34: what policies do
-            echo(r.backward.describe())
+        for line in _banner(r, prep, start):
+            echo(line)
+        if not dist.is_main():
+            callbacks = Callbacks([], [])  # run on process 0
         put = prep.stepper.put_state
+        leaves = [put(v) for v in (begin.p_leaves, begin.o_leaves, begin.s_leaves)]
         loop = cls(
             r,
             prep,
-            sampler,
-            echo,
-            step=start,
-            p_leaves=put(begin.p_leaves),
-            o_leaves=put(begin.o_leaves),
-            s_leaves=put(begin.s_leaves),
-            skipped=begin.skipped,
-            good_step=start,
-            good_ckpt=begin.checkpoint,
-            start_step=start,
-            pending_from=start,
-            window_start=start,
-            timings=timings,
-            plotter=plotter,
+            TrainState(start, *leaves, begin.skipped, start_step=start, pending_from=start),
+            _batches(r, sampler, prep.stepper, start),
+            _reporter(r, prep, begin, echo, timings, plotter, loggers),
+            _checkpoint_book(cfg, begin, callbacks),
+            faults.PreemptionWatch(dist.is_multiprocess()),
+            _watchdog(cfg),
+            callbacks,
+            stopped_before=begin.stopped,
+            eval_pending=begin.meta.get(EVAL_PENDING_KEY) == "1",
         )
-        loop.bar = report.progress_bar(cfg, start, show=dist.is_main())
-        pending = begin.meta.get(EVAL_PENDING_KEY) == "1"  # the resumed step's evaluation
-        if dist.is_main() and (start < cfg.train.steps or pending) and not begin.stopped:
-            loop.log = MetricsLog.open(
-                r.run_dir, start, to_dict(cfg), cfg.log.loggers, cfg.log.tensorboard, loggers
-            )
-        loop.means = report.IntervalMeans.from_state(begin.log_window)
-        loop.lr = host_schedule(schedule(cfg.optimizer, cfg.train.steps))
-        loop.watch = faults.PreemptionWatch(dist.is_multiprocess())
-        settings = dist.resolve(cfg.distributed)
-        loop.watchdog = faults.Watchdog(
-            cfg.train.step_timeout,
-            multiprocess=dist.is_multiprocess(),
-            # automatic: fire before JAX's heartbeat abort does (a C++ stack, status -6)
-            cap=0.5 * settings.heartbeat_timeout if settings else None,
-            fresh_line=cfg.log.progress and dist.is_main(),
-        )
-        if r.data.streamed:
-            every = boundaries(cfg)
-            calls = call_schedule(start, cfg.train.steps, lambda s: steps_in_call(cfg, s, every))
-            loop.feed = BatchFeed(r.data, sampler, prep.stepper, calls)
-        loop.callbacks = callbacks if dist.is_main() else Callbacks([], [])
         loop.view = LoopState(cfg, r.model, r.run_dir, loop.host_state)
         loop.view.step = start
-        loop.stopped_before = begin.stopped
-        if begin.checkpoint is not None and loop.callbacks:
-            loop.callbacks.load(begin.meta.get("callbacks"), f"checkpoint {begin.checkpoint}")
-            # the uninterrupted run called on_checkpoint after saving this state: again
-            loop.call("on_checkpoint", loop.view, start, begin.checkpoint)
-        loop.view.stop_reason = begin.meta.get("stopped")
-        loop.eval_pending = begin.meta.get(EVAL_PENDING_KEY) == "1"
-        ck = cfg.checkpoint
-        loop.best = BestCheckpoints(ck.keep_best, ck.monitor, ck.mode)
-        if begin.checkpoint is not None and loop.best and dist.is_main():
-            loop.best.load(begin.meta.get(BEST_KEY), f"checkpoint {begin.checkpoint}")
-        loop.writer = Writer(ck.async_)
-        loop.on_checkpoint_waits = any(
-            callable(getattr(cb, "on_checkpoint", None))
-            and getattr(type(cb), "on_checkpoint", None) is not Callback.on_checkpoint
-            for cb in loop.callbacks.items
-        )
-        loop.t_ckpt = time.monotonic()
-        loop.flops, loop.peak = _flops_and_peak(r, prep)  # MFU (train/report/perf.py)
-        loop.profiler = Profiler.from_config(cfg, r.run_dir, echo)  # --profile START:STOP
-        loop.t_start = loop.t_window = time.perf_counter()
+        loop.resumed(begin)
+        loop.report.start(start)
         timings.lap("other")
         return loop
+
+    def resumed(self, begin: Start) -> None:
+        """The callbacks' and the best k's state from the checkpoint ``begin`` resumed from
+        (none for a fresh run), and its ``on_checkpoint`` again."""
+        if begin.checkpoint is not None and self.callbacks:
+            where = f"checkpoint {begin.checkpoint}"
+            self.callbacks.load(begin.meta.get("callbacks"), where)
+            # the uninterrupted run called on_checkpoint after saving this state: again
+            self.call("on_checkpoint", self.view, begin.step, begin.checkpoint)
+        self.view.stop_reason = begin.meta.get("stopped")
+        if begin.checkpoint is not None and self.ckpt.best and dist.is_main():
+            self.ckpt.best.load(begin.meta.get(BEST_KEY), f"checkpoint {begin.checkpoint}")
 
     # -- the steps of the loop ---------------------------------------------------------
 
     def run_call(self) -> None:
         """One compiled call: up to ``train.steps_per_call`` steps, up to the next boundary."""
-        cfg, stepper = self.r.cfg, self.prep.stepper
-        k = steps_in_call(cfg, self.step, boundaries(cfg))
-        if self.feed is not None:  # streamed: read and placed while the last call ran
-            batch = self.feed.get(self.step, k)
-        else:
-            batch = stepper.put_indices(
-                dist.process_share(self.sampler.batches(self.step, k)), self.step
-            )
-        self.profiler.before_call(self.step, k)
-        if faults.stuck_here(self.step, k, jax.process_index()):  # test hook
-            stuck = faults.StuckCall()
-            self.watchdog.watch(self.step, stuck)
-            stuck.block_until_ready()  # as at any sync point: never returns
-        self.p_leaves, self.o_leaves, self.s_leaves, self.metrics = stepper.run(
-            self.p_leaves, self.o_leaves, self.s_leaves, self.prep.X, self.prep.Y, batch
+        s, stepper = self.state, self.prep.stepper
+        k = steps_in_call(self.r.cfg, s.step, boundaries(self.r.cfg))
+        batch = self.batches.get(s.step, k)
+        self.report.profiler.before_call(s.step, k)
+        s.p_leaves, s.o_leaves, s.s_leaves, s.metrics = stepper.run(
+            *s.leaves, self.prep.X, self.prep.Y, batch
         )
-        self.watchdog.watch(self.step, self.metrics)
+        self.watchdog.watch(s.step, s.metrics)
         # Several processes on CPU (gloo): every local device's part of a call runs on a
         # shared thread pool and blocks its thread inside gloo's collectives. With many
         # calls in flight, the pool fills with parts waiting in a collective (or for a
@@ -353,24 +275,24 @@ class _Loop:
         # Bounding the calls in flight rules that out.
         limit = max_in_flight(dist.is_multiprocess(), len(stepper.devices))
         if limit is not None:
-            self.in_flight.append(self.metrics)
-            while len(self.in_flight) > limit:
-                jax.block_until_ready(self.in_flight.pop(0))
-        self.step += k
-        self.profiler.after_call(self.step, self.metrics)
-        self.calls += 1
-        self.bar.update(k)
-        self.pending.append(self.metrics)  # non-finite flags: read at the next boundary
+            s.in_flight.append(s.metrics)
+            while len(s.in_flight) > limit:
+                jax.block_until_ready(s.in_flight.pop(0))
+        s.step += k
+        self.report.profiler.after_call(s.step, s.metrics)
+        s.calls += 1
+        self.report.bar.update(k)
+        s.pending.append(s.metrics)  # non-finite flags: read at the next boundary
 
     def boundary(self) -> Boundary | None:
-        """What to do now that ``self.step`` steps are done (None: just carry on)."""
-        cfg, step = self.r.cfg, self.step
+        """What to do now that ``state.step`` steps are done (None: just carry on)."""
+        cfg, step = self.r.cfg, self.state.step
         last = step == cfg.train.steps
         at = Boundary(
             log=step % cfg.train.log_every == 0 or last,
             eval=step % cfg.train.eval_every == 0 or last,
             checkpoint=bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last,
-            stop=self.watch.should_stop(self.calls),
+            stop=self.watch.should_stop(self.state.calls),
         )
         return at if (at.log or at.eval or at.checkpoint or at.stop) else None
 
@@ -382,35 +304,38 @@ class _Loop:
         evaluated: the run checkpoints this step with the evaluation marked pending
         (``eval_pending``), which the resumed run does first, so the records and the
         callbacks' events are the uninterrupted run's."""
+        step = self.state.step
         if at.eval and not self.evaluate():
             at = Boundary(at.log, False, at.checkpoint, stop=True)
             self.eval_pending = True
         elif at.eval:
             self.eval_pending = False
-            self.call("on_eval_end", self.view, self.step, self.last_eval)
+            self.call("on_eval_end", self.view, step, self.report.last_eval)
         stop = self.agree_on_stop()  # a callback's stop, agreed by every process
-        wanted = self.checkpoint_wanted(at.eval)  # best k, checkpoint.every_minutes
+        # besides checkpoint.every: the best k, checkpoint.every_minutes
+        wanted = self.ckpt.wanted(self.r.cfg.checkpoint, at.eval, step, self.report.last_eval)
         if at.checkpoint or at.stop or stop or wanted:
             self.checkpoint()
         if at.stop:
             self.written(wait=True)
-            raise faults.Preempted(self.step, self.good_ckpt, self.watch.signal_name)
+            raise faults.Preempted(step, self.ckpt.good_ckpt, self.watch.signal_name)
         return stop
 
     def check_nonfinite(self) -> None:
         """At a boundary the host syncs anyway: read the steps' non-finite flags."""
-        flags = np.concatenate([step_flags(m) for m in self.pending])
-        for m in self.pending:
-            self.means.add(m)
-        first, self.pending, self.pending_from = self.pending_from, [], self.step
+        s = self.state
+        flags = np.concatenate([step_flags(m) for m in s.pending])
+        for m in s.pending:
+            self.report.means.add(m)
+        first, s.pending, s.pending_from = s.pending_from, [], s.step
         if flags.any() and self.r.cfg.train.nonfinite == "stop":
             self._stop_nonfinite(first + int(np.argmax(flags)) + 1)
-        self.skipped += int(flags.sum())
+        s.skipped += int(flags.sum())
 
     def call(self, event: str, *args) -> None:
         """Run the callbacks' ``event`` (process 0; a no-op without callbacks)."""
         if self.callbacks:
-            self.view.step = self.step
+            self.view.step = self.state.step
             self.callbacks.call(event, *args)
 
     def agree_on_stop(self) -> bool:
@@ -422,40 +347,16 @@ class _Loop:
         return asked
 
     def log_train(self) -> dict:
-        """A train record in metrics.jsonl (the metrics' means over the steps since the last
-        record, and the learning rate of the last step) and the progress bar."""
-        tc = self.r.cfg.train
-        m = name_metrics(self.means.take(), self.r.data.loss_unit, None)
-        now = time.perf_counter()
-        rate = (self.step - self.window_start) * tc.batch_size / max(now - self.t_window, 1e-9)
-        self.t_window, self.window_start = now, self.step
-        extra = {"skipped_steps": self.skipped} if tc.nonfinite == "skip" else {}
-        window = self.r.data.window
-        rates = {"examples_per_s": round(rate, 1)}
-        if window is not None:
-            rates["tokens_per_s"] = round(rate * window, 1)
-        rates.update(perf.utilisation(self.flops, 1, tc.batch_size / max(rate, 1e-9), self.peak))
-        self._write(
-            {
-                "step": self.step,
-                "split": "train",
-                **m,
-                **({} if self.lr is None else {"lr": self.lr(self.step - 1)}),
-                **extra,
-                **rates,
-                "time": round(now - self.t_start, 3),
-            }
-        )
-        self.bar.set_postfix(**report.bar_postfix(m, rate, window))
-        return m
+        """A train record in metrics.jsonl and the progress bar (``Reporter.train_record``)."""
+        return self.report.train_record(self.r, self.state.step, self.state.skipped)
 
     def evaluate(self) -> bool:
         """Metrics on the whole held-out split (process 0): a "test" record, or "val" for
         text (its fixed set of validation windows). False: a SIGTERM/SIGINT stopped it
         between two chunks (one process; no record)."""
-        prep = self.prep
-        jax.block_until_ready(self.p_leaves)  # the training so far is charged to "train"
-        self.timings.lap("train")
+        prep, data = self.prep, self.r.data
+        jax.block_until_ready(self.state.p_leaves)  # the training so far is charged to "train"
+        self.report.timings.lap("train")
         # Every process takes part in gathering a state sharded across processes (fsdp: a
         # collective); process 0 alone evaluates.
         leaves = prep.stepper.get_state(self.eval_leaves())
@@ -465,48 +366,35 @@ class _Loop:
         params = jax.tree.unflatten(prep.p_def, jax.device_put(leaves, prep.eval_device))
         # One process stops between chunks on a signal (several agree at a compiled call)
         stop = None if self.watch.multiprocess else lambda: self.watch.signal_name is not None
-        if self.r.data.streamed:  # a chunk at a time from the host
-            chunk = feed.eval_chunk(self.r.data)
+        if data.streamed:  # a chunk at a time from the host
+            chunk = feed.eval_chunk(data)
             result = feed.evaluate(
-                prep.evaluate, params, self.r.data, chunk, prep.eval_device, *state, stop=stop
+                prep.evaluate, params, data, chunk, prep.eval_device, *state, stop=stop
             )
         elif prep.Y_test is None:  # a text split on the device, a chunk per call
             result = feed.sum_chunks(prep.evaluate, params, prep.X_test, state, stop)
         else:
             result = prep.evaluate(params, prep.X_test, prep.Y_test, *state)
         if result is None:
-            self.timings.lap("eval")
+            self.report.timings.lap("eval")
             return False
-        self.last_eval = {k: float(v) for k, v in result.items()}
-        data = self.r.data
-        self.last_eval = name_metrics(self.last_eval, data.loss_unit, data.chars_per_token)
-        report.report_eval(self.bar, self.step, self.r.data.eval_split, self.last_eval)
-        self._write(
-            {
-                "step": self.step,
-                "split": self.r.data.eval_split,
-                **self.last_eval,
-                "time": round(time.perf_counter() - self.t_start, 3),
-            }
-        )
-        self.timings.lap("eval")
+        self.report.eval_record(self.r, self.state.step, result)
         return True
 
     def checkpoint(self) -> None:
         """Save the state (process 0 writes), after checking it is finite: now, or with
         ``checkpoint.async`` on the writer thread from a snapshot (train/checkpoint/writer.py)."""
-        jax.block_until_ready(self.p_leaves)
-        self.timings.lap("train")
+        s = self.state
+        jax.block_until_ready(s.p_leaves)
+        self.report.timings.lap("train")
         self.written(wait=True)  # at most one write in flight
-        cfg, step, background = self.r.cfg, self.step, self.writer.background
+        cfg, step, background = self.r.cfg, s.step, self.ckpt.writer.background
         if self.r.strategy.sharded_state:
             return self.checkpoint_sharded()
         if background:  # copies on the devices: the next steps donate these buffers
-            watch = lambda flags: self.watchdog.watch(step, flags)  # noqa: E731
-            if cfg.train.nonfinite == "stop" and not finite_on_devices(self.p_leaves, watch).all():
-                self._stop_nonfinite(step)
+            self._check_finite_on_devices()
             get = self.prep.stepper.get_state
-            snap = [_device_copy(get(v)) for v in (self.p_leaves, self.o_leaves, self.s_leaves)]
+            snap = [_device_copy(get(v)) for v in s.leaves]
         else:
             state = self.host_state()
             # The loss-only flag cannot see a last step that broke the params.
@@ -514,7 +402,7 @@ class _Loop:
                 self._stop_nonfinite(step)
         write = None
         if dist.is_main():
-            meta, protect = self._metadata(), frozenset(self.best.steps())
+            meta, protect = self._metadata(), frozenset(self.ckpt.best.steps())
             prep = self.prep
 
             def write():
@@ -524,25 +412,20 @@ class _Loop:
                     state=s, protect=protect, model=self.r.model,
                 )  # fmt: skip
 
-        self.writer.submit(step, write)
-        self.t_ckpt = time.monotonic()
-        self.timings.lap("checkpoint")
-        self.written(wait=False)  # a synchronous write: on_checkpoint now
+        self._submit(step, write)
 
     def checkpoint_sharded(self) -> None:
         """Save a sharded state: every process writes the shards its devices hold (never
         gathered: no ``get_state``), process 0 the metadata last (``ckpt.save_sharded``)."""
-        prep, cfg, step = self.prep, self.r.cfg, self.step
-        watch = lambda flags: self.watchdog.watch(step, flags)  # noqa: E731
-        if cfg.train.nonfinite == "stop" and not finite_on_devices(self.p_leaves, watch).all():
-            self._stop_nonfinite(step)
-        leaves = self.p_leaves, self.o_leaves, self.s_leaves
-        if self.writer.background:  # copies on the devices, sharded as the state is
+        prep, cfg, step = self.prep, self.r.cfg, self.state.step
+        self._check_finite_on_devices()
+        leaves = self.state.leaves
+        if self.ckpt.writer.background:  # copies on the devices, sharded as the state is
             leaves = [_device_copy(v) for v in leaves]
         p, o, s = (
             jax.tree.unflatten(d, v) for d, v in zip((prep.p_def, prep.o_def, prep.s_def), leaves)
         )
-        meta, protect = self._metadata(), frozenset(self.best.steps())
+        meta, protect = self._metadata(), frozenset(self.ckpt.best.steps())
 
         def write():
             return ckpt.save_sharded(
@@ -551,50 +434,46 @@ class _Loop:
                 model=self.r.model,
             )  # fmt: skip
 
-        self.writer.submit(step, write)
-        self.t_ckpt = time.monotonic()
-        self.timings.lap("checkpoint")
+        self._submit(step, write)
+
+    def _check_finite_on_devices(self) -> None:
+        """``train.nonfinite=stop``: the params are finite, tested where they lie."""
+        step = self.state.step
+        watch = lambda flags: self.watchdog.watch(step, flags)  # noqa: E731
+        if self.r.cfg.train.nonfinite == "stop":
+            if not finite_on_devices(self.state.p_leaves, watch).all():
+                self._stop_nonfinite(step)
+
+    def _submit(self, step: int, write) -> None:
+        """Hand the checkpoint ``write`` of ``step`` to the writer (None: another process
+        writes it); a synchronous write's ``on_checkpoint`` runs now."""
+        self.ckpt.writer.submit(step, write)
+        self.ckpt.t_last = time.monotonic()
+        self.report.timings.lap("checkpoint")
         self.written(wait=False)
 
     def written(self, wait: bool) -> None:
         """Account for the checkpoint writes that finished (``wait``: wait for the one in
         flight): the last good state, and the callbacks' ``on_checkpoint``."""
-        for step, path in self.writer.collect(wait):
-            self.good_step = step
-            if path is not None:
-                self.good_ckpt = path
-            self.call("on_checkpoint", self.view, step, self.good_ckpt)
-
-    def checkpoint_wanted(self, evaluated: bool) -> bool:
-        """Whether to checkpoint at this boundary besides ``checkpoint.every``: this
-        evaluation entered the best k, or ``checkpoint.every_minutes`` have passed since the
-        last checkpoint (process 0 decides; every process agrees)."""
-        ck = self.r.cfg.checkpoint
-        if not (ck.keep_best or ck.every_minutes):
-            return False
-        best = evaluated and dist.is_main() and self.best.consider(self.step, self.last_eval)
-        timed = bool(ck.every_minutes) and time.monotonic() - self.t_ckpt >= 60 * ck.every_minutes
-        wanted = best or timed
-        if dist.is_multiprocess():
-            wanted = bool(dist.broadcast(np.array([wanted], np.int32))[0])
-        return wanted
+        for step, path in self.ckpt.collect(wait):
+            self.call("on_checkpoint", self.view, step, path)
 
     def already_finished(self) -> Run:
         """A rerun of a finished run: say so, with its final metrics; train nothing."""
-        r = self.r
+        r, rep = self.r, self.report
         self.close()
         r.params, r.opt_state = self.host_state()
         r.state = self.model_state()
-        r.step = self.step
+        r.step = self.state.step
         records = [rec for _, rec in rundir.read_metrics(r.run_dir / "metrics.jsonl")]
         final = next((rec for rec in reversed(records) if rec.get("split") == "test"), {})
-        self.last_eval = {k: v for k, v in final.items() if k not in ("step", "split", "time")}
-        r.summary = {"step": self.step, **{f"test_{k}": v for k, v in self.last_eval.items()}}
+        rep.last_eval = {k: v for k, v in final.items() if k not in ("step", "split", "time")}
+        r.summary = {"step": r.step, **{f"test_{k}": v for k, v in rep.last_eval.items()}}
         if self.stopped_before:
             r.summary["stopped"] = self.view.stop_reason or "stopped early"
-            self.echo(report.stopped_before(r, self.view.stop_reason))
+            rep.echo(report.stopped_before(r, self.view.stop_reason))
         else:
-            self.echo(report.already_finished(r, self.last_eval))
+            rep.echo(report.already_finished(r, rep.last_eval))
         return r
 
     def failed(self, e: ConfigError) -> None:
@@ -602,70 +481,67 @@ class _Loop:
         during it (a step was done), record the step and the newest checkpoint, kept, on
         ``e`` (the CLI's exit 1; before the first step it stays bad input, exit 2); the
         traceback to error.log."""
-        if self.step > self.start_step:
-            self.writer.drain()  # a write in flight completes: it is the newest kept
-            for step, path in self.writer.collect(False):
-                self.good_step, self.good_ckpt = step, path or self.good_ckpt
-            e.step, e.checkpoint, e.checkpoint_step = self.step, self.good_ckpt, self.good_step
+        if self.state.step > self.state.start_step:
+            self.ckpt.drain()  # a write in flight completes: it is the newest kept
+            e.step, e.checkpoint = self.state.step, self.ckpt.good_ckpt
+            e.checkpoint_step = self.ckpt.good_step
         if isinstance(e, UserCodeError):
             write_error_log(e, self.r.run_dir)
 
     def close(self) -> None:
-        if self.writer is not None:  # a run ending with an error: the write in flight
-            self.writer.drain()
-        if self.profiler is not None:
-            self.profiler.close(self.step)
-        if self.feed is not None:
-            self.feed.close()
-        self.bar.close()
-        if self.log is not None:
-            self.log.close()
+        self.ckpt.writer.drain()  # a run ending with an error: the write in flight
+        self.batches.close()
+        self.report.close(self.state.step)
 
     def finish(self) -> Run:
         """Final params and summary on the Run, the plot, and the closing line."""
-        r, tc = self.r, self.r.cfg.train
-        wall = time.perf_counter() - self.t_start
-        self.timings.lap("train")
+        r, rep, tc = self.r, self.report, self.r.cfg.train
+        wall = time.perf_counter() - rep.t_start
+        rep.timings.lap("train")
         r.params, r.opt_state = self.host_state()
         r.state = self.model_state()
-        r.step = self.step
+        r.step = self.state.step
         split, window = r.data.eval_split, r.data.window
-        rate = (self.step - self.start_step) * tc.batch_size / max(wall, 1e-9)
+        steps = r.step - self.state.start_step
+        rate = steps * tc.batch_size / max(wall, 1e-9)
         r.summary = {
-            "step": self.step,
-            **{f"{split}_{k}": v for k, v in self.last_eval.items()},
-            "skipped_steps": self.skipped,
+            "step": r.step,
+            **{f"{split}_{k}": v for k, v in rep.last_eval.items()},
+            "skipped_steps": self.state.skipped,
             "wall_s": wall,
             "examples_per_s": rate,
             **({"tokens_per_s": rate * window} if window is not None else {}),
         }
-        trained = self.timings.phases.get("train", 0.0) or wall  # compile, eval, ckpt aside
-        use = perf.utilisation(self.flops, self.step - self.start_step, trained, self.peak)
+        trained = rep.timings.phases.get("train", 0.0) or wall  # compile, eval, ckpt aside
+        use = perf.utilisation(rep.flops, steps, trained, rep.peak)
         r.summary.update(use)
         if r.cfg.log.plot and dist.is_main():
             labels = report.plot_labels(r)
-            if self.plotter is not None:  # the caller waits for it
-                self.plotter.draw(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png", *labels)
+            if rep.plotter is not None:  # the caller waits for it
+                rep.plotter.draw(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png", *labels)
             else:
                 plot_curves(r.run_dir / "metrics.jsonl", r.run_dir / "curves.png", *labels)
-                self.timings.lap("plot")
+                rep.timings.lap("plot")
         if self.view.stop_reason is not None:
             r.summary["stopped"] = self.view.stop_reason
-            self.echo(f"stopped early at step {self.step}: {self.view.stop_reason}")
+            rep.echo(f"stopped early at step {r.step}: {self.view.stop_reason}")
         self.call("on_fit_end", self.view, r.summary)
-        self.echo(report.done(r, self.last_eval, self.skipped, wall, rate) + perf.describe(use))
+        done = report.done(r, rep.last_eval, self.state.skipped, wall, rate)
+        rep.echo(done + perf.describe(use))
         return r
 
     # -- helpers -----------------------------------------------------------------------
 
     def _metadata(self) -> dict:
-        r = self.r
-        meta = metadata(r.cfg, r.data, self.step, self.sampler, self.skipped, r.model, r.grad_mode)
-        meta["log_window"] = json.dumps(self.means.state())  # the train metrics' partial sums
+        r, s = self.r, self.state
+        sampler = self.batches.sampler
+        meta = metadata(r.cfg, r.data, s.step, sampler, s.skipped, r.model, r.grad_mode)
+        # the train metrics' partial sums
+        meta["log_window"] = json.dumps(self.report.means.state())
         if self.callbacks:
             meta["callbacks"] = self.callbacks.state()
-        if self.best:  # the best k so far (this step included if it entered)
-            meta[BEST_KEY] = self.best.state()
+        if self.ckpt.best:  # the best k so far (this step included if it entered)
+            meta[BEST_KEY] = self.ckpt.best.state()
         if self.view.stop_reason is not None:  # a rerun says so instead of training again
             meta["stopped"] = self.view.stop_reason
         if self.eval_pending:  # a signal stopped this step's evaluation: the resume does it
@@ -676,17 +552,17 @@ class _Loop:
         """The params evaluation sees: the trained ones, or (``eval.use_ema``) their moving
         average, which the optimizer state holds (train/optim/ema.py)."""
         if not self.r.cfg.eval.use_ema:
-            return self.p_leaves
+            return self.state.p_leaves
         index = ema.ema_index(self.prep.params0, self.prep.opt0)
-        return ema.swap_in(self.p_leaves, self.o_leaves, index)
+        return ema.swap_in(self.state.p_leaves, self.state.o_leaves, index)
 
     def host_state(self) -> tuple:
         """``(params, opt_state)`` as host numpy leaves in their trees."""
         prep = self.prep
         get = prep.stepper.get_state
         return (
-            jax.tree.unflatten(prep.p_def, [np.asarray(v) for v in get(self.p_leaves)]),
-            jax.tree.unflatten(prep.o_def, [np.asarray(v) for v in get(self.o_leaves)]),
+            jax.tree.unflatten(prep.p_def, [np.asarray(v) for v in get(self.state.p_leaves)]),
+            jax.tree.unflatten(prep.o_def, [np.asarray(v) for v in get(self.state.o_leaves)]),
         )
 
     def model_state(self, device=None):
@@ -695,36 +571,97 @@ class _Loop:
         prep = self.prep
         if prep.state0 is None:
             return None
-        leaves = [np.asarray(v) for v in prep.stepper.get_state(self.s_leaves)]
+        leaves = [np.asarray(v) for v in prep.stepper.get_state(self.state.s_leaves)]
         if device is not None:
             leaves = jax.device_put(leaves, device)
         return jax.tree.unflatten(prep.s_def, leaves)
 
     def _stop_nonfinite(self, flagged: int):
-        self.writer.drain()  # the replay starts from a complete checkpoint
-        for step, path in self.writer.collect(False):
-            self.good_step, self.good_ckpt = step, path or self.good_ckpt
+        self.ckpt.drain()  # the replay starts from a complete checkpoint
         r, prep = self.r, self.prep
         checker = make_stepper(r, prep.p_def, prep.o_def, "check", prep.s_def)
         loss_fn = policy_loss_fn(r.model, r.grad_mode, r.backward)  # names the bad leaf
         raise faults.NonFinite(
             nonfinite.explain_nonfinite(
                 r,
-                self.sampler,
+                self.batches.sampler,
                 checker,
                 loss_fn,
                 prep.params0,
                 prep.opt0,
                 flagged,
-                self.good_step,
-                self.good_ckpt,
+                self.ckpt.good_step,
+                self.ckpt.good_ckpt,
                 prep.state0,
-            )
+            )  # fmt: skip
         )
 
-    def _write(self, record: dict) -> None:
-        if self.log is not None:  # process 0 writes the run directory
-            self.log.write(record)
+
+# -- the parts of a loop, as it begins ---------------------------------------------------
+
+
+def _banner(r: Run, prep: Prepared, start: int) -> list[str]:
+    """What the run is (train/report/console.py), and what its backward policies do."""
+    state_bytes = sum(r.strategy.bytes_per_device(t) for t in (prep.params0, prep.opt0))
+    trained = None if r.plan is None else r.plan.num_trained(prep.params0)
+    lines = [report.banner(r, prep.params0.num_params(), start, state_bytes, trained)]
+    if r.backward is not None and r.backward.describe():  # issue 34: what policies do
+        lines.append(r.backward.describe())
+    return lines
+
+
+def _batches(r: Run, sampler: Sampler, stepper, start: int) -> Batches:
+    """Each call's batch from ``start`` on: streamed data read a call ahead."""
+    if not r.data.streamed:
+        return Batches(sampler, stepper)
+    every = boundaries(r.cfg)
+    calls = call_schedule(start, r.cfg.train.steps, lambda s: steps_in_call(r.cfg, s, every))
+    return Batches(sampler, stepper, BatchFeed(r.data, sampler, stepper, calls))
+
+
+def _reporter(r: Run, prep: Prepared, begin: Start, echo, timings, plotter, loggers) -> Reporter:
+    """The run's reporting from the step ``begin`` starts at: metrics.jsonl and the loggers
+    open on process 0 unless the run has nothing left to do."""
+    cfg, start = r.cfg, begin.step
+    rep = Reporter(
+        echo,
+        report.progress_bar(cfg, start, show=dist.is_main()),
+        timings,
+        Profiler.from_config(cfg, r.run_dir, echo),  # --profile START:STOP
+        means=report.IntervalMeans.from_state(begin.log_window),
+        lr=host_schedule(schedule(cfg.optimizer, cfg.train.steps)),
+        plotter=plotter,
+    )
+    pending = begin.meta.get(EVAL_PENDING_KEY) == "1"  # the resumed step's evaluation
+    if dist.is_main() and (start < cfg.train.steps or pending) and not begin.stopped:
+        rep.log = MetricsLog.open(
+            r.run_dir, start, to_dict(cfg), cfg.log.loggers, cfg.log.tensorboard, loggers
+        )
+    rep.flops, rep.peak = _flops_and_peak(r, prep)  # MFU (train/report/perf.py)
+    return rep
+
+
+def _checkpoint_book(cfg: Config, begin: Start, callbacks: Callbacks) -> CheckpointBook:
+    """The checkpoints from the one resumed from (or the initial state) on."""
+    ck = cfg.checkpoint
+    waits = any(
+        callable(getattr(cb, "on_checkpoint", None))
+        and getattr(type(cb), "on_checkpoint", None) is not Callback.on_checkpoint
+        for cb in callbacks.items
+    )
+    best = BestCheckpoints(ck.keep_best, ck.monitor, ck.mode)
+    return CheckpointBook(Writer(ck.async_), best, begin.step, begin.checkpoint, waits)
+
+
+def _watchdog(cfg: Config) -> faults.Watchdog:
+    settings = dist.resolve(cfg.distributed)
+    return faults.Watchdog(
+        cfg.train.step_timeout,
+        multiprocess=dist.is_multiprocess(),
+        # automatic: fire before JAX's heartbeat abort does (a C++ stack, status -6)
+        cap=0.5 * settings.heartbeat_timeout if settings else None,
+        fresh_line=cfg.log.progress and dist.is_main(),
+    )
 
 
 def host_schedule(lr: Callable | None) -> Callable | None:
@@ -772,11 +709,6 @@ def _host_trees(prep: Prepared, p: list, o: list, s: list) -> tuple:
     return jax.tree.unflatten(prep.p_def, host(p)), jax.tree.unflatten(prep.o_def, host(o)), state
 
 
-# Benchmark hook, never set in normal runs: no bound on the calls in flight (the stall the
-# bound prevents comes back: benchmarks/stress_multidevice.py measures both).
-UNBOUNDED_ENV = "NNLITE_BENCH_UNBOUNDED_CALLS"
-
-
 def max_in_flight(multiprocess: bool, devices: int = 1) -> int | None:
     """How many compiled calls may be in flight at once (None: no limit). Several CPU
     processes need a bound (see ``_Loop.run_call``), whatever the strategy: with one more
@@ -786,7 +718,5 @@ def max_in_flight(multiprocess: bool, devices: int = 1) -> int | None:
     filled it while a part of the running call waited for a thread (docs/distributed.md,
     "Why CPU runs bound the calls in flight")."""
     if jax.devices()[0].platform != "cpu" or not (multiprocess or devices > 1):
-        return None
-    if os.environ.get(UNBOUNDED_ENV):  # benchmarks/stress_multidevice.py's "before" rows
         return None
     return 0

@@ -152,9 +152,60 @@ def _remove(log_dir: Path) -> None:
     log_dir.rmdir()
 
 
+def _wait(procs, signalled) -> tuple[list[int], tuple[int, int, float] | None] | None:
+    """Wait until every process has exited, stopping the others when one fails (or when
+    they do not follow one that stopped with an agreed status within ``_GRACE_S``): their
+    statuses and the first exit seen ``(process, status, time)``, None if none was seen
+    before all had exited. None: a second signal came (``forward`` killed them all)."""
+    first_exit: tuple[int, int, float] | None = None
+    while True:
+        # Checked before the exit codes: the processes forward() SIGKILLed may already be gone.
+        if len(signalled) > 1:
+            return None
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes, first_exit
+        if first_exit is None:
+            exited = [(i, c) for i, c in enumerate(codes) if c is not None]
+            # Several at once: the one killed by a signal is the cause, the rest followed.
+            exited.sort(key=lambda ic: (ic[1] >= 0, ic[0]))
+            if exited:
+                first_exit = (*exited[0], time.monotonic())
+        if first_exit is not None:
+            _, c, t = first_exit
+            # After a forwarded SIGTERM, a process still starting up may die of it.
+            agreed = (*_AGREED, -signal.SIGTERM) if signalled else _AGREED
+            if c not in agreed or time.monotonic() - t > _GRACE_S:
+                return _stop_all(procs, first_exit)
+        time.sleep(0.05)
+
+
+def _stop_all(procs, first_exit: tuple[int, int, float]) -> tuple[list[int], tuple]:
+    """Stop the processes after ``first_exit``: their statuses, and the cause (a process
+    seen killed by a signal, if one was, else ``first_exit``)."""
+    _, c, t = first_exit
+    # A killed process can take a while to be reaped after its peers have already failed
+    # because of it (_REAP_S): look again before naming the cause, until one is seen
+    # killed or all have exited.
+    deadline = time.monotonic() + _REAP_S
+    while time.monotonic() < deadline:
+        polled = [p.poll() for p in procs]
+        if any((c or 0) < 0 for c in polled) or None not in polled:
+            break
+        time.sleep(0.05)
+    killed = [(j, p.poll()) for j, p in enumerate(procs) if (p.poll() or 0) < 0]
+    if killed and c >= 0:
+        first_exit = (*killed[0], t)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+    return [p.returncode for p in procs], first_exit
+
+
 def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line="") -> int:
     """Wait for the processes; stop the others when one fails; return the run's status."""
-    first_exit: tuple[int, int, float] | None = None  # (process, status, time)
 
     def second_signal() -> int:  # forward() killed them all: that, not their deaths, is news
         for p in procs:
@@ -167,44 +218,10 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
         )
         return 128 + signalled[-1]
 
-    while True:
-        # Checked before the exit codes: the processes forward() SIGKILLed may already be gone.
-        if len(signalled) > 1:
-            return second_signal()
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            break
-        if first_exit is None:
-            exited = [(i, c) for i, c in enumerate(codes) if c is not None]
-            # Several at once: the one killed by a signal is the cause, the rest followed.
-            exited.sort(key=lambda ic: (ic[1] >= 0, ic[0]))
-            if exited:
-                first_exit = (*exited[0], time.monotonic())
-        if first_exit is not None:
-            i, c, t = first_exit
-            # After a forwarded SIGTERM, a process still starting up may die of it.
-            agreed = (*_AGREED, -signal.SIGTERM) if signalled else _AGREED
-            if c not in agreed or time.monotonic() - t > _GRACE_S:
-                # A killed process can take a while to be reaped after its peers have
-                # already failed because of it (_REAP_S): look again before naming the
-                # cause, until one is seen killed or all have exited.
-                deadline = time.monotonic() + _REAP_S
-                while time.monotonic() < deadline:
-                    polled = [p.poll() for p in procs]
-                    if any((c or 0) < 0 for c in polled) or None not in polled:
-                        break
-                    time.sleep(0.05)
-                killed = [(j, p.poll()) for j, p in enumerate(procs) if (p.poll() or 0) < 0]
-                if killed and c >= 0:
-                    first_exit = (*killed[0], t)
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                for p in procs:
-                    p.wait()
-                codes = [p.returncode for p in procs]
-                break
-        time.sleep(0.05)
+    waited = _wait(procs, signalled)
+    if waited is None:  # a second signal
+        return second_signal()
+    codes, first_exit = waited
     # All exited between polls: a process killed by a signal is the cause, the rest followed
     # (its peers may have been seen failing first, while it was not yet reaped).
     killed = [(j, c) for j, c in enumerate(codes) if c is not None and c < 0]

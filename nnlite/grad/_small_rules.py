@@ -1,44 +1,53 @@
-"""Batched hand-derived VJPs (``nnlite.vjp.batched``): the rules nnlite's layers use.
+"""The small composable rules: the seed's library (awf-jaxutils) and the layers' own, one.
 
-Every rule has the form ``f_vjp(*args, dret) -> dargs``: it takes the forward function's
-arguments and the cotangent ``dret`` of its result (one cotangent per output when the
-function returns a tuple: ``dup_vjp(x, dx1, dx2)``), and returns one cotangent per
-argument -- a bare value when ``f`` takes one argument, a tuple otherwise. Integer arguments (labels, indices) are not differentiable:
-their cotangent is ``None``.
+Every rule has the form ``f_vjp(*args, dret) -> dargs``: the forward function's arguments
+and the cotangent ``dret`` of its result (one cotangent per output when the function
+returns a tuple: ``dup_vjp(x, dx1, dx2)``), and one cotangent per argument -- a bare value
+when ``f`` takes one argument, a tuple otherwise; an integer argument (labels, indices) has
+none (``None``, or left out: ``index_vjp(x, i, dret) -> dx``).
 
-Batch conventions follow nnlite's: a leading batch axis (or several) on ``x``, the class or
-feature axis last, weights ``W: [in, out]`` shared across the batch.
+One function serves both layouts where the math is one: ``mm(A, B)`` is ``A @ B`` for the
+seed's column vectors (``mm(W, x)``, ``W: [out, in]``, ``x: [in]``) and for nnlite's row-
+vector batches (``mm(x, W)``, ``x: [..., in]``, ``W: [in, out]``), and so are ``axpy``,
+``mm_scaled`` and ``xpyzt``. ``add``, ``mul``, ``exp``, ``log``, ``pow``, ``transpose`` and
+``neg`` (the seed's ``negate``) are the rules of JAX's primitives (``_prim_*.py``). Where the
+seed's convention is not the layers', a keyword says which: ``softmax(x)`` normalises axis
+0 (the seed's column), ``softmax(x, axis=-1)`` the class axis; ``sum`` adds a list of arrays
+(the seed's) and ``reduce_sum(x)`` an array's elements.
 
 The functions nnlite's layers and losses call (the activations, ``softmax``,
-``log_softmax``, ``sum``, ``mean``, ``softmax_cross_entropy``) are declared with their rule
-by ``@hand_rule``: ``nl.relu`` is ``relu`` here, and in manual-gradient mode it is
-differentiated by ``relu_vjp``. Elsewhere the decorator calls the plain function.
+``log_softmax``, ``mean``, ``softmax_cross_entropy_values``) are declared with their rule by
+``@hand_rule``: in manual-gradient mode ``nl.relu`` is differentiated by ``relu_vjp``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from ._manual import hand_rule
-from ._prim_layout import _sum_to
+from ._prim_arith import add, neg, neg_vjp
+from ._prim_layout import _sum_to, reduce_sum_vjp
+from ._prim_layout import reduce_sum as _reduce_sum
+from ._rule_table import register_pairs
 from ._structural import CUSTOM_JVP_RULES, PRIMITIVE_RULES, PrimitiveRule
 
 __all__ = [
-    "add", "add_vjp", "axpy", "axpy_vjp", "bias_add", "bias_add_vjp", "dotall", "dotall_vjp",
-    "dup", "dup_vjp", "exp", "exp_vjp", "gelu", "gelu_vjp", "identity", "identity_vjp",
-    "index", "index_vjp", "log", "log_softmax",
-    "logaddexp", "logaddexp2", "logaddexp2_vjp", "logaddexp_vjp", "log_softmax_vjp", "log_vjp", "mean",
-    "mean_vjp", "mm", "mm_scaled", "mm_scaled_vjp", "mm_vjp", "mul", "mul_vjp", "negate",
-    "negate_vjp", "pair", "pair_vjp", "recip", "recip_vjp", "relu", "relu_vjp", "scale",
-    "scale_vjp", "sigmoid", "sigmoid_vjp", "softmax", "softmax_cross_entropy",
-    "softmax_cross_entropy_vjp", "softmax_vjp", "softplus", "softplus_vjp", "sum", "sum_vjp",
-    "tanh", "tanh_vjp", "xpyzt", "xpyzt_vjp",
+    "axpy", "axpy_vjp", "bias_add", "bias_add_vjp", "dotall", "dotall_vjp", "dup", "dup_vjp",
+    "gelu", "gelu_grad", "gelu_vjp", "identity", "identity_vjp", "index", "index_vjp",
+    "log_softmax", "log_softmax_vjp", "logaddexp", "logaddexp2", "logaddexp2_vjp",
+    "logaddexp_vjp", "mean", "mean_vjp", "mm", "mm_scaled", "mm_scaled_vjp",
+    "mm_scaled_vjp_simple", "mm_vjp", "negate", "negate_vjp", "pair", "pair_vjp", "range_vjp",
+    "recip", "recip_vjp", "reduce_sum", "reduce_sum_vjp", "relu", "relu_vjp", "scale",
+    "scale_vjp", "sigmoid", "sigmoid_vjp", "softmax", "softmax_cross_entropy_values",
+    "softmax_cross_entropy_values_vjp", "softmax_vjp", "softplus", "softplus_vjp", "sum",
+    "sum_vjp", "tanh", "tanh_vjp", "xpyzt", "xpyzt_vjp",
 ]  # fmt: skip
 
-# Note: this module defines ``sum`` (like ``jnp.sum``); the builtin is not used here.
+# Note: this module defines ``sum`` (the seed's name); the builtin is not used here.
 
 
 def _lead(v: jax.Array, ndim: int) -> jax.Array:
@@ -46,16 +55,7 @@ def _lead(v: jax.Array, ndim: int) -> jax.Array:
     return v.reshape((1,) * (ndim - v.ndim) + v.shape)
 
 
-# --- structure: add, dup, pair ------------------------------------------------------------
-
-
-def add(x, y):
-    """``x + y`` for arrays of the same shape (see ``bias_add`` for broadcasting)."""
-    return x + y
-
-
-def add_vjp(x, y, dret):
-    return dup(dret)
+# --- structure: dup, pair; negate is the neg primitive's rule -------------------------------
 
 
 def dup(x):
@@ -76,25 +76,10 @@ def pair_vjp(x, y, *dret):
     return dret
 
 
+negate, negate_vjp = neg, neg_vjp  # the seed's name for -x
+
+
 # --- linear algebra -----------------------------------------------------------------------
-
-
-def mul(x, y):
-    """Elementwise ``x * y`` (same shapes)."""
-    return x * y
-
-
-def mul_vjp(x, y, dret):
-    return (dret * y, x * dret)
-
-
-def negate(x):
-    """``-x``."""
-    return -x
-
-
-def negate_vjp(x, dret):
-    return -dret
 
 
 def scale(s, x):
@@ -117,27 +102,47 @@ def dotall_vjp(A, B, dret):
     return (B * dret, A * dret)
 
 
+def _mm_shapes_ok(a: tuple, b: tuple) -> bool:
+    if not a or not b or len(a) + len(b) == 2 or a[-1] != b[0 if len(b) == 1 else -2]:
+        return False
+    if len(a) == 1:
+        return len(b) == 2  # a row vector @ a matrix
+    return len(b) in (1, 2) or len(b) == len(a)  # B shared by A's batch, or batched alike
+
+
 def mm(A, B):
-    """``A @ B`` with ``A: [..., n, k]`` and ``B: [k, m]`` (shared) or ``[..., k, m]`` (batched).
+    """``A @ B``, serving both layouts: a matrix @ a column vector (``[n, k] @ [k]``, the
+    seed's ``mm(W, x)``), a row vector @ a matrix (``[k] @ [k, m]``), and a batch of rows @
+    a matrix (``[..., n, k] @ [k, m]``, a layer's ``mm(x, W)``) or @ a batch of matrices
+    (``[..., n, k] @ [..., k, m]``).
 
     Example:
         >>> import jax.numpy as jnp
-        >>> mm(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
-        (2, 4)
+        >>> mm(jnp.ones((2, 3)), jnp.arange(3.0))
+        Array([3., 3.], dtype=float32)
+        >>> mm(jnp.ones((5, 2, 3)), jnp.ones((3, 4))).shape
+        (5, 2, 4)
     """
-    if jnp.ndim(A) < 2 or jnp.ndim(B) not in (2, jnp.ndim(A)):
+    if not _mm_shapes_ok(jnp.shape(A), jnp.shape(B)):
         raise ValueError(
-            f"mm: expected A [..., n, k] and B [k, m] or [..., k, m], got shapes "
-            f"{jnp.shape(A)} and {jnp.shape(B)}"
+            f"mm: expected A [n, k] with B [k] or [k, m], or A [k] with B [k, m] (A may carry "
+            f"leading batch axes [..., n, k], B then [k, m] or [..., k, m]); got shapes "
+            f"{jnp.shape(A)} and {jnp.shape(B)} (for vector . vector use dotall)"
         )
     return jnp.matmul(A, B)
 
 
 def mm_vjp(A, B, dret):
+    # dA = dret B^T, dB = A^T dret; a vector operand turns its product into an outer
+    # product, and a B shared by A's batch sums over it (one matmul [k, rows] @ [rows, m]).
+    A, B, dret = jnp.asarray(A), jnp.asarray(B), jnp.asarray(dret)
+    if A.ndim == 1:
+        return (B @ dret, jnp.outer(A, dret))
+    if B.ndim == 1:
+        dA = dret[..., None] * _lead(B, A.ndim)
+        return (dA, A.reshape(-1, A.shape[-1]).T @ dret.reshape(-1))
     dA = jnp.matmul(dret, jnp.swapaxes(B, -1, -2))
     if B.ndim == 2:
-        # B is shared by every row of every batch: contract over all of A's leading axes,
-        # one matmul [k, rows] @ [rows, m].
         dB = jnp.matmul(A.reshape(-1, A.shape[-1]).T, dret.reshape(-1, dret.shape[-1]))
     else:
         dB = jnp.matmul(jnp.swapaxes(A, -1, -2), dret)
@@ -145,25 +150,38 @@ def mm_vjp(A, B, dret):
 
 
 def axpy(A, x, y):
-    """``A @ x + y`` with ``A: [m, n]``, ``x: [n]`` or ``[n, k]``, ``y`` the result's shape."""
-    return A @ x + y
+    """``A @ x + y``: ``A: [m, n]``, ``x: [n]`` (or ``[n, k]``), ``y`` the result's shape."""
+    return mm(A, x) + y
 
 
 def axpy_vjp(A, x, y, dret):
-    dA = jnp.outer(dret, x) if x.ndim == 1 else dret @ x.T
-    return (dA, A.T @ dret, dret)
+    dA, dx = mm_vjp(A, x, dret)
+    return (dA, dx, dret)
 
 
 def mm_scaled(A, B, sA, sB):
-    """``(sA * A) @ (sB * B)``, computed as ``(sA * sB) * (A @ B)``; ``sA``, ``sB`` scalars."""
+    """``(sA * A) @ (sB * B)``, computed as ``(sA * sB) * (A @ B)``; ``sA``, ``sB`` scalars.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> mm_scaled(jnp.eye(2), jnp.ones(2), 2.0, 3.0)
+        Array([6., 6.], dtype=float32)
+    """
     return scale(sA * sB, mm(A, B))
 
 
+def mm_scaled_vjp_simple(A, B, sA, sB, dC):
+    """``mm_scaled``'s rule composed from the small rules (``scale_vjp``, ``mm_vjp``)."""
+    AB = mm(A, B)
+    sC = sA * sB
+    dsC, dAB = scale_vjp(sC, AB, dC)
+    dA, dB = mm_vjp(A, B, dAB)
+    return (dA, dB, sB * dsC, sA * dsC)
+
+
 def mm_scaled_vjp(A, B, sA, sB, dC):
-    # dA = sA sB dC B^T, dB = sA sB A^T dC: reuse mm_scaled so the scaling stays on the
-    # small side of each product.
-    dA = mm_scaled(dC, B.T, sA, sB)
-    dB = mm_scaled(A.T, dC, sA, sB)
+    # The hand-optimised form: the scaling rides on each product instead of on A @ B.
+    dA, dB = mm_vjp(A, B, scale(sA * sB, dC))
     dsC = dotall(mm(A, B), dC)
     return (dA, dB, sB * dsC, sA * dsC)
 
@@ -200,13 +218,15 @@ def xpyzt(x, y, z):
         Array([[4., 5.],
                [7., 9.]], dtype=float32)
     """
-    if y.ndim == 1 and z.ndim == 1:
-        return x + jnp.outer(y, z)
-    if y.ndim == 2 and z.ndim == 2 and y.shape[0] == z.shape[0]:
-        return x + y.T @ z
-    raise ValueError(
-        f"xpyzt: expected y, z of shapes [m], [n] or [B, m], [B, n]; got {y.shape}, {z.shape}"
-    )
+    y_shape, z_shape = jnp.shape(y), jnp.shape(z)
+    batched = len(y_shape) == 2 and len(z_shape) == 2 and y_shape[0] == z_shape[0]
+    vectors = len(y_shape) == 1 and len(z_shape) == 1
+    if not (vectors or batched) or jnp.shape(x) != (y_shape[-1], z_shape[-1]):
+        raise ValueError(
+            f"xpyzt: expected x [m, n], y [m], z [n] (or a batch: y [B, m], z [B, n]); got "
+            f"shapes {jnp.shape(x)}, {y_shape}, {z_shape}"
+        )
+    return x + (jnp.outer(y, z) if vectors else y.T @ z)
 
 
 def xpyzt_vjp(x, y, z, dret):
@@ -215,17 +235,37 @@ def xpyzt_vjp(x, y, z, dret):
     return (dret, z @ dret.T, y @ dret)
 
 
-# --- reductions and indexing --------------------------------------------------------------
+# --- lists, reductions, indexing ----------------------------------------------------------
 
 
-def sum_vjp(x, dret):
-    return jnp.broadcast_to(dret, x.shape).astype(x.dtype)
+def sum(xs):
+    """Elementwise sum of a list (or tuple) of same-shaped arrays, as the builtin does (the
+    seed's ``sum``; an array's elements are ``reduce_sum(x)``'s).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> sum([jnp.ones(2), jnp.ones(2), jnp.ones(2)])
+        Array([3., 3.], dtype=float32)
+    """
+    if not isinstance(xs, (list, tuple)) or not xs:
+        raise TypeError(
+            f"sum: expected a non-empty list of arrays, got {type(xs).__name__}"
+            + (
+                " (to add an array's elements use jnp.sum, or nnlite.rules.reduce_sum)"
+                if hasattr(xs, "shape")
+                else ""
+            )
+        )
+    return functools.reduce(add, xs)
 
 
-@hand_rule(sum_vjp)
-def sum(x):
-    """Sum of all elements, a scalar; its VJP broadcasts ``dret``."""
-    return jnp.sum(x)
+def sum_vjp(xs, dret):
+    return type(xs)(dret for _ in xs)  # a list for a list, a tuple for a tuple
+
+
+# The reduce_sum primitive's rule, declared with hand_rule: ``nl.reduce(values, "sum")`` is
+# one named step in manual mode (``reduce_sum(x)``: all elements).
+reduce_sum = hand_rule(reduce_sum_vjp)(_reduce_sum)
 
 
 def mean_vjp(x, dret):
@@ -240,12 +280,20 @@ def mean(x):
 
 
 def index(x, i):
-    """``x[i]`` for an integer (or integer array) index ``i``; ``i`` gets a ``None`` cotangent."""
+    """``x[i]`` for an integer (or integer array) index ``i``: an entry of a column vector,
+    a row of a matrix."""
     return x[i]
 
 
 def index_vjp(x, i, dret):
-    return (jnp.zeros_like(x).at[i].add(dret), None)
+    """``dx`` alone: the index ``i`` is an integer, it has no cotangent."""
+    return jnp.zeros_like(x).at[i].add(dret)
+
+
+def range_vjp(*args):
+    """The VJP of Python's ``range(start, stop, step)``: integers, so one ``None`` per
+    argument (the last argument is the cotangent of the sequence)."""
+    return (None,) * (len(args) - 1)
 
 
 # --- elementwise --------------------------------------------------------------------------
@@ -269,24 +317,6 @@ def recip(x):
 def recip_vjp(x, dret):
     r = 1 / x
     return -dret * r * r
-
-
-def log(x):
-    """Natural logarithm."""
-    return jnp.log(x)
-
-
-def log_vjp(x, dret):
-    return dret / x
-
-
-def exp(x):
-    """``e ** x``."""
-    return jnp.exp(x)
-
-
-def exp_vjp(x, dret):
-    return dret * jnp.exp(x)
 
 
 def relu_vjp(x, dret):
@@ -351,18 +381,28 @@ def gelu(x):
     return jax.nn.gelu(x, approximate=True)
 
 
-# --- softmax family (class axis last) -----------------------------------------------------
+# --- softmax family -----------------------------------------------------------------------
 
 
-def softmax_vjp(x, dret):
-    s = jax.nn.softmax(x, axis=-1)
-    return s * (dret - jnp.sum(s * dret, axis=-1, keepdims=True))
+def softmax_vjp(x, dret, *, axis=0):
+    s = jax.nn.softmax(x, axis=axis)
+    return s * (dret - jnp.sum(s * dret, axis=axis, keepdims=True))
 
 
 @hand_rule(softmax_vjp)
-def softmax(x):
-    """Softmax over the last axis."""
-    return jax.nn.softmax(x, axis=-1)
+def softmax(x, *, axis=0):
+    """Softmax along ``axis``: by default axis 0, the seed's column softmax (a column
+    vector, or each column of a matrix); a layer's class axis is ``axis=-1``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> softmax(jnp.zeros((2, 1)))
+        Array([[0.5],
+               [0.5]], dtype=float32)
+        >>> softmax(jnp.zeros((1, 2)), axis=-1)
+        Array([[0.5, 0.5]], dtype=float32)
+    """
+    return jax.nn.softmax(x, axis=axis)
 
 
 def log_softmax_vjp(x, dret):
@@ -385,7 +425,7 @@ def _class_hits(labels, num_classes):
     return labels[..., None] == _lead(jnp.arange(num_classes, dtype=labels.dtype), labels.ndim + 1)
 
 
-def softmax_cross_entropy_vjp(logits, labels, dret):
+def softmax_cross_entropy_values_vjp(logits, labels, dret):
     """``(softmax(logits) - onehot(labels)) * dret``; ``None`` for the labels."""
     e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     probs = e / jnp.sum(e, axis=-1, keepdims=True)
@@ -393,24 +433,24 @@ def softmax_cross_entropy_vjp(logits, labels, dret):
     return (probs - hit.astype(probs.dtype)) * dret[..., None], None
 
 
-@hand_rule(softmax_cross_entropy_vjp)
-def softmax_cross_entropy(logits, labels):
-    """Per-example cross-entropy ``logsumexp(logits) - logits[label]`` (class axis last).
+@hand_rule(softmax_cross_entropy_values_vjp)
+def softmax_cross_entropy_values(logits, labels):
+    """Per-example cross-entropy ``logsumexp(logits) - logits[label]`` (class axis last):
+    the rule of ``nl.softmax_cross_entropy``, which checks its arguments and reduces.
 
     The max is subtracted first, so logits of magnitude 1e4 give exact, finite values; a
-    label out of range gives NaN. ``nl.softmax_cross_entropy`` checks its arguments and
-    reduces, then calls this.
+    label out of range gives NaN.
 
     Args:
         logits: ``[..., num_classes]`` scores.
         labels: ``[...]`` integer class indices (cotangent ``None``).
 
     Returns:
-        ``[...]`` per-example losses; reduce with ``mean`` or ``sum``.
+        ``[...]`` per-example losses; reduce with ``mean`` or ``reduce_sum``.
 
     Example:
         >>> import jax.numpy as jnp
-        >>> softmax_cross_entropy(jnp.zeros((1, 2)), jnp.array([0]))
+        >>> softmax_cross_entropy_values(jnp.zeros((1, 2)), jnp.array([0]))
         Array([0.6931472], dtype=float32)
     """
     shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -455,6 +495,10 @@ def logaddexp2(x1, x2):
     """``log2(2**x1 + 2**x2)``; the VJP is JAX's own rule for ``jnp.logaddexp2``."""
     return jnp.logaddexp2(x1, x2)
 
+
+# The table: the plain pairs here (the hand_rule ones registered themselves; ``negate`` is
+# the neg primitive's rule under the seed's name).
+register_pairs(globals(), __all__)
 
 # The primitives and jax.custom_jvp functions these rules differentiate when a model calls
 # JAX directly (``jnp.tanh``, ``jax.nn.relu``): manual mode uses the same rules for them.
