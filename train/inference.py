@@ -25,7 +25,7 @@ import nnlite as nl
 from .checkpoint import best
 from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
-from .data.builtin import DIGITS_PREPROCESS, apply_preprocess
+from .data.builtin import apply_preprocess, recorded_preprocess
 from .data.text.tokenizer import from_spec
 from .errors import ConfigError, relative_to
 from .loop.precision import with_loss_scaling
@@ -203,7 +203,7 @@ def _preprocess(cfg: Config, meta: dict, checkpoint: Path) -> dict | None:
     """The run's preprocessing: recorded in its checkpoint, or (older checkpoints) what its
     built-in data set does."""
     if "preprocess" not in meta:
-        return DIGITS_PREPROCESS if cfg.data.name == "digits" else None
+        return recorded_preprocess(cfg.data.name)
     try:
         found = json.loads(meta["preprocess"])
         if not (isinstance(found, dict) and isinstance(found.get("scale"), int | float)):

@@ -22,6 +22,7 @@ from ..data import overfit
 from ..data.builtin import data_section, load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
 from ..data.feed import EVAL_TOKENS_PER_CHUNK, device_chunks, eval_chunk
+from ..data.registry import TASK_FROM_DTYPE
 from ..errors import ConfigError
 from ..model import contract, gradmode
 from ..model import metrics as user_metrics
@@ -225,7 +226,7 @@ def _name_keys(message: str, cls: type) -> str:
 
 def _task_hint(task: str, data: Dataset) -> str:
     """Why an npz file reads as the other task, and the fix."""
-    if data.name != "npz":
+    if data.name not in TASK_FROM_DTYPE:
         return ""
     if task == "classification" and data.task == "regression":
         return (

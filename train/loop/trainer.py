@@ -104,7 +104,7 @@ def train(
     timings = timings or Timings()
     try:
         r = build(cfg, data, timings, optimizer)
-        cbs = build_callbacks(cfg, callbacks)
+        cbs = build_callbacks(cfg.callbacks, cfg.train.early_stopping, callbacks)
         loop = _Loop.begin(r, resume, echo, timings, plotter, cbs, loggers)
     except UserCodeError as e:  # at start-up: nothing trained (the CLI's exit 2)
         write_error_log(e, Path(cfg.log.dir) / cfg.name)

@@ -30,6 +30,7 @@ from ..model.contract import param_shapes
 from . import GIVEN
 from .ema import with_ema
 from .groups import group_globs
+from .named import build_optimizer
 
 FROZEN, BASE = "frozen", "base"
 
@@ -110,8 +111,6 @@ def make_optimizer(cfg, model, given: optax.GradientTransformation | None = None
     model's and the config's frozen params and param groups, and the EMA of the params
     when ``train.ema_decay`` is set) and the :class:`ParamPlan` the step differentiates
     by (None: every param trains)."""
-    from .named import build_optimizer
-
     ocfg, steps = cfg.optimizer, cfg.train.steps
     p_avals = param_shapes(model)
     plan = plan_params(ocfg, model, p_avals)
@@ -140,8 +139,6 @@ def make_optimizer(cfg, model, given: optax.GradientTransformation | None = None
 
 
 def _group_optimizer(ocfg, group: dict, steps: int, given):
-    from .named import build_optimizer
-
     scale = float(group.get("lr_scale", 1.0))
     if ocfg.name == GIVEN or ":" in ocfg.name:  # its learning rate is its own: scale the step
         base = build_optimizer(ocfg, steps, given)
