@@ -22,9 +22,9 @@ _LAZY = {
     "LoadedRun": ".inference",
     "generate": ".inference",
     "ConfigError": ".errors",
-    "Callback": ".loop.callbacks",
-    "LoopState": ".loop.callbacks",
-    "EarlyStopping": ".loop.callbacks",
+    "Callback": ".callbacks",
+    "LoopState": ".callbacks",
+    "EarlyStopping": ".callbacks",
     "Registry": ".registry",
     "Logger": ".report.loggers",
 }

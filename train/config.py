@@ -2,8 +2,8 @@
 
 ``Config`` composes the sections, each defined (with its own checks) in the room that uses
 it: ``model`` (train/model/section.py), ``data`` (train/data/section.py), ``loss``
-(train/loop/backward_config.py), ``optimizer`` (train/optim/section.py), ``train`` and
-``eval`` (train/loop/section.py), ``callbacks`` (train/loop/callbacks.py), ``parallel``
+(train/step/backward_config.py), ``optimizer`` (train/optim/section.py), ``train`` and
+``eval`` (train/step/section.py), ``callbacks`` (train/callbacks.py), ``parallel``
 and ``distributed`` (train/parallel/section.py), ``checkpoint``
 (train/checkpoint/section.py), ``log`` (train/report/section.py). This module reads YAML,
 applies ``--set`` overrides, resolves the paths a file names, runs the checks that span
@@ -23,14 +23,11 @@ from typing import Any
 
 import yaml
 
+from .callbacks import CallbackConfig, callbacks_section
 from .checkpoint.section import CheckpointConfig
 from .data.section import EVAL_TOKENS as EVAL_TOKENS
 from .data.section import DataConfig
 from .errors import ConfigError, relative_to
-from .loop.backward_config import GRAD_MODES as GRAD_MODES
-from .loop.backward_config import LossConfig
-from .loop.callbacks import CallbackConfig, callbacks_section
-from .loop.section import EvalConfig, TrainConfig
 from .model.section import ModelConfig
 from .model.section import check_model_round_trip as check_model_round_trip
 from .optim.section import OptimizerConfig
@@ -38,7 +35,12 @@ from .parallel.section import STRATEGIES as STRATEGIES
 from .parallel.section import DistributedConfig, ParallelConfig
 from .report.section import LogConfig
 from .schema import MAX_SEED as MAX_SEED
-from .schema import Where, build, plain
+from .schema import Where, build
+from .schema import dump_yaml as dump_yaml
+from .schema import to_dict as to_dict
+from .step.backward_config import GRAD_MODES as GRAD_MODES
+from .step.backward_config import LossConfig
+from .step.section import EvalConfig, TrainConfig
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -63,7 +65,7 @@ class Config:
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
-    # Callbacks run at the loop's boundaries (train/loop/callbacks.py): a list of names or
+    # Callbacks run at the loop's boundaries (train/callbacks.py): a list of names or
     # {name: "module:Class", ...its constructor's arguments}
     callbacks: tuple[CallbackConfig, ...] = field(default=(), metadata={"build": callbacks_section})
     # nnlite-train only: JAX's persistent compilation cache, so a second run of a config
@@ -325,12 +327,3 @@ def peek(path: str | Path, overrides: list[str], *dotted: str) -> tuple:
 def _copy_sections(raw: dict) -> dict:
     """A copy of nested dicts, so overrides never change the caller's."""
     return {k: _copy_sections(v) if isinstance(v, dict) else v for k, v in raw.items()}
-
-
-def to_dict(cfg: Any) -> dict:
-    """The config as plain YAML/JSON-able data (tuples become lists)."""
-    return plain(cfg)
-
-
-def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

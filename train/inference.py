@@ -28,12 +28,12 @@ from .config import Config, ModelConfig, load_config
 from .data.builtin import apply_preprocess, recorded_preprocess
 from .data.text.tokenizer import from_spec
 from .errors import ConfigError, relative_to
-from .loop.precision import with_loss_scaling
 from .model import registry as models
 from .model.contract import Model, accepts, call, call_stateful, is_stateful, param_shapes
 from .model.registry import MODEL_SOURCE_KEY
 from .optim.ema import ema_params, ema_prefix
 from .optim.params import make_optimizer, plan_params
+from .step.precision import with_loss_scaling
 
 
 @dataclass

@@ -44,11 +44,11 @@ from .data import overfit
 from .data.feed import BatchFeed, call_schedule
 from .errors import ConfigError, missing_extra
 from .loop.build import build, prepare
-from .loop.step import to_host
 from .optim import GIVEN
 from .optim.named import accepted, chained, rule_call, rule_parts
 from .parallel import distributed as dist
 from .report.plot import plot_lr_find
+from .step.step import to_host
 
 SUGGESTIONS = {
     "steepest": "steepest descent of the smoothed loss",

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .errors import ConfigError
 
 MAX_INT = 2**63 - 1  # what numpy and XLA can hold
@@ -262,6 +264,16 @@ def plain(v: Any) -> Any:
     if dataclasses.is_dataclass(v):
         return {key_of(f): plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     return v
+
+
+def to_dict(cfg: Any) -> dict:
+    """A config (or a section) as plain YAML/JSON-able data (tuples become lists)."""
+    return plain(cfg)
+
+
+def dump_yaml(cfg: Any) -> str:
+    """A config as the YAML a run directory keeps (``config.yaml``), keys in field order."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 def default_of(f: dataclasses.Field) -> Any:

@@ -33,9 +33,9 @@ from ..optim.params import ParamPlan, make_optimizer
 from ..parallel.base import Strategy
 from ..report import loggers
 from ..report.timings import Timings
-from . import memory, precision
-from .backward import build_backward
-from .step import (
+from ..step import precision
+from ..step.backward import build_backward
+from ..step.step import (
     AfterCompile,
     Stepper,
     batch_grads_fn,
@@ -45,6 +45,7 @@ from .step import (
     compile_async,
     uses_key,
 )
+from . import memory
 
 # Examples evaluated per chunk of a windowed (text) split: 32k tokens, e.g. 512 windows of
 # 64, so evaluating thousands of windows never holds all their activations at once.
@@ -68,7 +69,7 @@ class Run:
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
     metrics: tuple = ()  # eval.metrics: (name, function) pairs (train/model/metrics.py)
     plan: ParamPlan | None = None  # frozen params and param groups (None: all train alike)
-    backward: Any = None  # issue 34: per-layer policies and norms (train/loop/backward.py)
+    backward: Any = None  # issue 34: per-layer policies and norms (train/step/backward.py)
 
     @property
     def devices(self) -> list[jax.Device]:

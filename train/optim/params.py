@@ -5,7 +5,7 @@ Every param gets one label: ``frozen`` (no update, no optimizer state: ``set_to_
 ``group<i>`` (the first of ``optimizer.param_groups`` whose glob matches it: the
 optimizer with its learning rate scaled and its own weight decay) or ``base`` (the
 section's optimizer). Gradient clipping stays global (over every trained param), before
-the groups. The step differentiates the trained params only (``train/loop/step.py``), so
+the groups. The step differentiates the trained params only (``train/step/step.py``), so
 under ``loss.grad: manual`` no frozen weight gradient is computed at all.
 
 Globs are ``nl.path_mask``'s: over ParamsDict paths (``/blocks[0]/attn/q/W``), ``*``

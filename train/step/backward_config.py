@@ -37,7 +37,7 @@ class LossConfig:
     backward_policies: tuple[dict, ...] = ()
     # issue 46: under manual (or auto -> manual) each hand rule of yours -- not nnlite's --
     # is checked against jax.vjp at the step's shapes before step 1, once per code
-    # (train/loop/checkgrads.py); false trains it unchecked (the banner says so)
+    # (train/step/checkgrads.py); false trains it unchecked (the banner says so)
     check_rules: bool = True
     # What training minimises: the model's task loss (task: cross-entropy, ...), or dpo
     # (direct preference optimisation on data.name: chat preference pairs, train/model/dpo.py)

@@ -36,14 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, users_code, users_error
-from ..registry import Registry, check_kwargs
-from ..schema import Where, as_list, choice
+from .errors import ConfigError, users_code, users_error
+from .registry import Registry, check_kwargs
+from .schema import Where, as_list, choice
 
 EVENTS = ("on_fit_start", "on_step_end", "on_eval_end", "on_checkpoint", "on_fit_end")
 
 #: Built-in callbacks by ``callbacks: [{name: ...}]``; anything else is ``"module:Class"``.
-CALLBACKS = Registry("built-in callback", {"early_stopping": ".loop.callbacks:EarlyStopping"})
+CALLBACKS = Registry("built-in callback", {"early_stopping": ".callbacks:EarlyStopping"})
 
 
 @dataclass(frozen=True)

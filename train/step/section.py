@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..callbacks import EarlyStoppingConfig
 from ..model.metrics import check_specs
 from ..schema import Where, choice
-from .callbacks import EarlyStoppingConfig
 
 NONFINITE = ("stop", "skip")
-PRECISIONS = ("float32", "bfloat16", "float16")  # train.precision (train/loop/precision.py)
+PRECISIONS = ("float32", "bfloat16", "float16")  # train.precision (train/step/precision.py)
 # optax counts steps in int32 (schedules go wrong past it); at 10^5 steps/s that is 6 hours.
 MAX_STEPS = 2**31 - 1
 
@@ -38,7 +38,7 @@ class TrainConfig:
     # min_delta: 0.0}, the same as callbacks: [{name: early_stopping, ...}]; null: off
     early_stopping: EarlyStoppingConfig | None = None
     # Compute dtype of the step and evaluation: params, optimizer state and loss stay
-    # float32; float16 adds dynamic loss scaling starting at loss_scale (train/loop/precision.py).
+    # float32; float16 adds dynamic loss scaling starting at loss_scale (train/step/precision.py).
     precision: str = choice("float32", PRECISIONS)
     loss_scale: float = 32768.0  # float16: the initial dynamic loss scale (>= 1)
     # An exponential moving average of the params, kept in float32 in the optimizer state
