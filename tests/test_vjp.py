@@ -17,9 +17,9 @@ from nnlite.vjp import batched as V
 from nnlite.vjp.batched import hand
 
 
-def _cases(seed, dtype):
-    """Argument tuples per rule: unbatched, batched and multi-batch shapes."""
-    # numpy data: no per-shape compilation of random kernels
+def _draws(seed, dtype):
+    """Random arguments of ``dtype`` from one seeded generator: normal, positive (in [0.5, 2))
+    and integer labels (numpy data: no per-shape compilation of random kernels)."""
     rng = np.random.default_rng(seed)
 
     def r(*shape):
@@ -31,6 +31,26 @@ def _cases(seed, dtype):
     def lab(*shape, n=5):
         return jax.device_put(rng.integers(0, n, shape).astype(np.int32))
 
+    return r, pos, lab
+
+
+def _check_every_case(rules, cases, **kw):
+    """Every case of every rule in one check_vjp (tests/_check_many.py: one compile, not one
+    per case; a failure names its rule)."""
+    check_many(
+        (case(f, f_vjp, *args) for name, (f, f_vjp) in rules.items() for args in cases[name]),
+        **kw,
+    )
+
+
+def _check_last_cases(rules, cases):
+    """The last (most batched) case of each rule in one check_vjp."""
+    check_many(case(f, f_vjp, *cases[name][-1]) for name, (f, f_vjp) in rules.items())
+
+
+def _cases(seed, dtype):
+    """Argument tuples per rule: unbatched, batched and multi-batch shapes."""
+    r, pos, lab = _draws(seed, dtype)
     unary = [(r(7),), (r(4, 5),), (r(2, 3, 4),)]
     return {
         "add": [(r(5), r(5)), (r(4, 3), r(4, 3))],
@@ -70,14 +90,8 @@ def test_every_rule_has_cases():
     assert set(_cases(0, np.float32)) == set(V.RULES)
 
 
-# Every rule's cases in one check_vjp (tests/_check_many.py: one compile, not one per case;
-# a failure names its rule).
 def test_rules_match_jax_vjp_float32():
-    cases = _cases(0, np.float32)
-    check_many(
-        (case(f, f_vjp, *args) for name, (f, f_vjp) in V.RULES.items() for args in cases[name]),
-        key=jax.random.key(1),
-    )
+    _check_every_case(V.RULES, _cases(0, np.float32), key=jax.random.key(1))
 
 
 def test_rules_match_jax_vjp_float64():
@@ -85,8 +99,7 @@ def test_rules_match_jax_vjp_float64():
         cases = _cases(1, np.float64)
         for args in (args for name in V.RULES for args in cases[name][-1:]):
             assert all(a.dtype != jnp.float32 for a in jax.tree.leaves(args) if hasattr(a, "dtype"))
-        # the most batched case of each rule
-        check_many(case(f, f_vjp, *cases[name][-1]) for name, (f, f_vjp) in V.RULES.items())
+        _check_last_cases(V.RULES, cases)  # the most batched case of each rule
 
 
 def test_check_vjp_catches_inverted_relu_mask(key):
@@ -285,14 +298,7 @@ def test_plugin_under_shard_map():
 
 def _column_cases(seed, dtype):
     """Argument tuples per rule of nnlite.vjp: column vectors, matrices, lists."""
-    rng = np.random.default_rng(seed)
-
-    def r(*shape):
-        return jax.device_put(rng.standard_normal(shape).astype(dtype))
-
-    def pos(*shape):
-        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(dtype))
-
+    r, pos, _ = _draws(seed, dtype)
     unary = [(r(7),), (r(4, 5),)]
     return {
         "add": [(r(5), r(5)), (r(4, 3), r(4, 3))],
@@ -330,14 +336,9 @@ def test_every_column_rule_has_cases():
 
 def test_column_rules_match_jax_vjp():
     """Every case in float32, the last of each rule in float64: one check_vjp each."""
-    cases = _column_cases(0, np.float32)
-    check_many(
-        (case(f, f_vjp, *args) for name, (f, f_vjp) in vjp.RULES.items() for args in cases[name]),
-        key=jax.random.key(2),
-    )
+    _check_every_case(vjp.RULES, _column_cases(0, np.float32), key=jax.random.key(2))
     with jax.enable_x64(True):
-        cases = _column_cases(1, np.float64)
-        check_many(case(f, f_vjp, *cases[name][-1]) for name, (f, f_vjp) in vjp.RULES.items())
+        _check_last_cases(vjp.RULES, _column_cases(1, np.float64))
 
 
 def test_column_conventions_differ_from_batched():
