@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UserCodeError, users_error
+from ..parallel import distributed as dist
 from .dataset import Dataset
 from .source import (
     NOT_RESUMABLE,
@@ -274,7 +275,6 @@ class StreamSampler:
 
 def _from_process_0(text: str | None) -> str | None:
     """Process 0's ``text`` on every process (only process 0 reads the run directory)."""
-    from ..parallel import distributed as dist
 
     if not dist.is_multiprocess():
         return text

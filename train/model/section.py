@@ -51,7 +51,7 @@ def build_model(raw: Any, where: Where) -> ModelConfig:
     ``where.model_class``: the class itself (``train.fit``), instead of resolving the name."""
     # start-up: the contract imports JAX, which a config that names no model never needs
     from .contract import DATA_FIELDS, check_model_class, field_types, fields, has_default
-    from .registry import ModelError, resolve
+    from .registry import ModelError, resolve  # (the same: the registry reads the contract)
 
     if raw is None:
         raw = {}

@@ -201,7 +201,7 @@ def from_hf(directory: str | Path) -> BPETokenizer:
     """The tokenizer of a Hugging Face model directory (``--tokenizer hf:DIR``): its
     ``tokenizer.json`` as a ``bpe`` tokenizer (the whole file travels with the tokens and
     the checkpoints), the model's end-of-sequence token ending each file."""
-    import nnlite as nl
+    import nnlite as nl  # start-up: JAX, which `nnlite-train prepare` needs only for hf:DIR
 
     try:
         hf = nl.hf.load_tokenizer(directory)
