@@ -16,14 +16,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._impls import Equinox, FlaxNNX, Impl, RawJax, nnlite_name, resolve_grad
+from ._impls import (
+    Equinox,
+    FlaxNNX,
+    Impl,
+    MatmulFloor,
+    Nnlite,
+    RawJax,
+    compile_nnlite,
+    peer_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,11 @@ class GPTSpec:
     n_head: int
     n_embd: int
     batch: int
+
+    def nnlite_model(self):
+        from models.gpt import GPT
+
+        return GPT(self.vocab, self.context, self.n_layer, self.n_head, self.n_embd)
 
     @property
     def tokens_per_step(self) -> int:
@@ -359,12 +373,6 @@ class FlaxNNXGPT(Windows, FlaxNNX):
         self.t = 0
 
 
-def nnlite_model(spec: GPTSpec):
-    from models.gpt import GPT
-
-    return GPT(spec.vocab, spec.context, spec.n_layer, spec.n_head, spec.n_embd)
-
-
 def nnlite_params(weights: dict):
     """The canonical weights as ``models.gpt.GPT``'s ParamsDict (the same layout: fused
     qkv with columns ``[q | k | v]``, heads contiguous)."""
@@ -390,68 +398,22 @@ def nnlite_params(weights: dict):
     )
 
 
-class NnliteGPT(Impl):
-    """nnlite's training machinery: ``models.gpt.GPT`` and ``train.loop.step.build_stepper``;
-    the token stream on the device, window starts sent per call, K steps a call."""
+class NnliteGPT(Nnlite):
+    """nnlite's training machinery: ``models.gpt.GPT`` and the trainer's compiled step
+    (``train.compile_fit``); the token stream on the device, window starts sent per call,
+    K steps a call."""
 
-    name = "nnlite"
-
-    def __init__(self, *args, steps_per_call: int = 1, grad: str = "autodiff", **kwargs):
-        self.steps_per_call, self.grad = steps_per_call, grad
-        self.name = nnlite_name(grad, steps_per_call)
-        super().__init__(*args, **kwargs)
-
-    def setup(self, X, Y, idx):
-        from train import parallel
-        from train.loop.step import batch_grads_fn, build_stepper
-
-        self.model = nnlite_model(self.spec)
-        p0 = nnlite_params(self.weights)
-        self.p_def = jax.tree.structure(p0)
-        self.o_def = jax.tree.structure(self.tx.init(p0))
-        single = parallel.get("none", jax.devices()[:1])
-        # windows of `context` tokens and their next tokens, as the step gathers them
-        w = jax.ShapeDtypeStruct((len(idx[0]), self.spec.context), X.dtype)
-        grad = resolve_grad(self.model, self.grad, w, w)
-        self.stepper = build_stepper(
-            batch_grads_fn(self.model, grad, 1, single),
-            self.tx,
-            self.p_def,
-            self.o_def,
-            single,
-            window=self.spec.context,
+    def compile(self, X, Y, batch: int):
+        """Windows of the stream ``X``, their next tokens as targets, as the text data sets'."""
+        return compile_nnlite(
+            self.model, self.tx, batch, grad=self.grad, steps_per_call=self.steps_per_call, tokens=X
         )
-        # inputs and next-token targets: the stream and the stream shifted by one
-        self.X, self.Y = self.stepper.put_data(X[:-1]), self.stepper.put_data(X[1:])
-        self._blocks = {}
 
-    def block(self, t: int, k: int) -> np.ndarray:
-        nb = len(self.idx)
-        key = (t % nb, k)
-        if key not in self._blocks:
-            self._blocks[key] = np.stack([self.idx[(t + j) % nb] for j in range(k)])
-        return self._blocks[key]
-
-    def reset(self):
-        params = nnlite_params(self.weights)
-        if jax.tree.structure(params) != self.p_def:
-            raise ValueError("nnlite benchmark params do not match the model's structure")
-        self.p_leaves = self.stepper.put_state(jax.tree.leaves(params))
-        self.o_leaves = self.stepper.put_state(jax.tree.leaves(self.tx.init(params)))
-        self.t = 0
-
-    def run(self, n):
-        st, X, Y, block = self.stepper, self.X, self.Y, self.block
-        p, o, t, end = self.p_leaves, self.o_leaves, self.t, self.t + n
-        while t < end:
-            k = min(self.steps_per_call, end - t)
-            p, o, _, metrics = st.run(p, o, [], X, Y, st.put_indices(block(t, k), t))
-            t += k
-        self.p_leaves, self.o_leaves, self.t = p, o, t
-        return float(metrics["loss"][-1])
+    def params_from_weights(self):
+        return nnlite_params(self.weights)
 
 
-class MatmulFloorGPT(Impl):
+class MatmulFloorGPT(MatmulFloor):
     """Not a trainer: only the matmuls of a GPT train step, to bound what any implementation
     can reach. Per step: the forward projections (qkv, out, fc, proj), the two attention
     products and the tied head, with nothing between them (no LayerNorm, softmax, GELU,
@@ -459,19 +421,12 @@ class MatmulFloorGPT(Impl):
     ``W -= 1e-6 dW`` so each step depends on the last. Weights are scaled ``1/sqrt(fan_in)``
     so values stay near 1 (no denormals). ``steps_per_call`` steps run in one ``lax.scan``."""
 
-    name = "matmul floor"
-    trains = False
-
-    def __init__(self, *args, steps_per_call: int = 1, **kwargs):
-        self.steps_per_call = steps_per_call
-        super().__init__(*args, **kwargs)
-
     def setup(self, X, Y, idx):
         spec = self.spec
         b, t, c, h = spec.batch, spec.context, spec.n_embd, spec.n_head
         d = c // h
         rng = np.random.default_rng(1)
-        self.x0 = jnp.asarray(rng.normal(size=(self.steps_per_call, b, t, c)).astype(np.float32))
+        self.block = jnp.asarray(rng.normal(size=(self.steps_per_call, b, t, c)).astype(np.float32))
 
         def matmuls(Ws, x):
             for blk in Ws["blocks"]:
@@ -486,12 +441,7 @@ class MatmulFloorGPT(Impl):
             dWs, _ = vjp(out)
             return jax.tree.map(lambda W, dW: W - 1e-6 * dW, Ws, dWs)
 
-        @partial(jax.jit, donate_argnums=0)
-        def steps(Ws, xs):
-            Ws, _ = jax.lax.scan(lambda Ws, x: (one(Ws, x), None), Ws, xs)
-            return Ws
-
-        self.step = steps
+        self.step = self.scanned(one)
 
     def reset(self):
         rng = np.random.default_rng(2)
@@ -508,17 +458,6 @@ class MatmulFloorGPT(Impl):
             ],
         }
         self.t = 0
-
-    def run(self, n):
-        if n % self.steps_per_call:
-            raise ValueError(
-                f"matmul floor: {n} steps is not a multiple of K={self.steps_per_call}"
-            )
-        Ws = self.Ws
-        for _ in range(n // self.steps_per_call):
-            Ws = self.step(Ws, self.x0)
-        self.Ws, self.t = Ws, self.t + n
-        return float(Ws["wte"][0, 0])
 
 
 class TorchGPT(Impl):
@@ -661,14 +600,8 @@ def build_all_gpt(
     weights = init_weights(spec)
     X, idx = make_data(spec, n_batches)
     tx = optimizer()
-    impls = [
-        RawJaxGPT(spec, weights, X, None, idx, tx),
-        EquinoxGPT(spec, weights, X, None, idx, tx),
-        FlaxNNXGPT(spec, weights, X, None, idx, tx),
-        NnliteGPT(spec, weights, X, None, idx, tx),
-    ]
-    if steps_per_call > 1:
-        impls.append(NnliteGPT(spec, weights, X, None, idx, tx, steps_per_call=steps_per_call))
+    peers = (RawJaxGPT, EquinoxGPT, FlaxNNXGPT, NnliteGPT)
+    impls = peer_rows(peers, (spec, weights, X, None, idx, tx), steps_per_call)
     # every layer's hand-derived VJP (``loss.grad: manual``), and the trainer's default
     # (``auto``, manual for the GPT), side by side
     for grad in ("manual", "auto"):

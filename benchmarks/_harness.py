@@ -9,6 +9,7 @@ that run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import random
@@ -22,18 +23,29 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (``model name``, ``flags``, ...),
+    whitespace collapsed; empty where there is none (macOS, Windows)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:  # the blank line after the first processor
+                break
+            continue
+        fields.setdefault(key.strip(), " ".join(value.split()))
+    return fields
+
+
 def machine_info() -> dict:
     """What the numbers were measured on: CPU model, core count, library versions."""
     import jax
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpuinfo().get("model name") or platform.processor() or platform.machine()
     versions = {"python": platform.python_version(), "jax": jax.__version__}
     for mod in ("jaxlib", "optax", "equinox", "flax", "sklearn", "numpy"):
         try:
@@ -76,6 +88,30 @@ def time_interleaved(
     return samples
 
 
+def medians(cases: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict:
+    """:func:`time_interleaved`'s median seconds per case."""
+    samples = time_interleaved(cases, rounds=rounds, warmup=warmup)
+    return {k: median(v) for k, v in samples.items()}
+
+
+def repeat_shuffled(
+    cases: Mapping[str, Callable[[], dict]], repeats: int, *, digits: int = 2, seed: int = 0
+) -> dict[str, list[dict]]:
+    """Samples of start-up benchmarks (each case a fresh process returning a dict with its
+    ``wall_s``): every case once per repeat, in an order shuffled per repeat; prints each
+    repeat's wall times (``digits`` decimals)."""
+    samples: dict[str, list[dict]] = {n: [] for n in cases}
+    rng = random.Random(seed)
+    for r in range(repeats):
+        order = list(cases)
+        rng.shuffle(order)
+        for name in order:
+            samples[name].append(cases[name]())
+        walls = ", ".join(f"{n} {samples[n][-1]['wall_s']:.{digits}f} s" for n in cases)
+        print(f"repeat {r + 1}/{repeats}: {walls}", flush=True)
+    return samples
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
@@ -86,6 +122,12 @@ def fmt_time(seconds: float) -> str:
     if seconds < 1:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds:.3f} s"
+
+
+def format_bytes(n: float) -> str:
+    """``9.3 MiB``: bytes in binary units, one decimal."""
+    exp = min(int(math.log(n, 1024)) if n >= 1 else 0, 4)
+    return f"{n:.0f} B" if exp == 0 else f"{n / 1024**exp:.1f} {'BKMGT'[exp]}iB"
 
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:

@@ -12,7 +12,6 @@ the device and each call sends a ``[K, batch]`` block of indices, gathered insid
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -56,10 +55,6 @@ SPECS = {
 TINY = Spec("tiny", 16, (8, 8), 4, 8)
 
 
-def nnlite_model(spec: Spec):
-    return spec.nnlite_model()
-
-
 def nnlite_name(grad: str, steps_per_call: int) -> str:
     """An nnlite row's name: ``nnlite``, ``nnlite manual K=20``, ``nnlite auto K=20``."""
     mode = "" if grad == "autodiff" else f" {grad}"
@@ -67,22 +62,30 @@ def nnlite_name(grad: str, steps_per_call: int) -> str:
     return f"nnlite{mode}{k}"
 
 
-def resolve_grad(model, grad: str, x, y) -> str:
-    """The mode the trainer's step uses for ``loss.grad=grad`` on batches like ``x``, ``y``:
-    ``auto`` resolved as ``python -m train`` resolves it (train/model/gradmode.py)."""
-    if grad != "auto":
-        return grad
-    from train.model import gradmode
+def compile_nnlite(
+    model, tx, batch: int, *, grad="autodiff", steps_per_call=1, config=None, **data
+):
+    """``train.compile_fit``: the trainer's own compiled step for ``model`` with the optimizer
+    ``tx`` at ``batch``, ``loss.grad=grad`` (``auto`` resolved as ``python -m train``
+    resolves it), ``steps_per_call`` steps a call, the data on the device and nothing logged
+    beyond the loss (``log.norms: false``); ``config``: more sections' keys; ``data``:
+    ``data=`` or ``tokens=`` as ``train.compile_fit`` takes them."""
+    import train
 
-    resolved = gradmode.resolve_auto(model, x, y)
-    if resolved.note:
-        print(resolved.note, file=sys.stderr)
-    return resolved.mode
+    sections = {
+        "train": {"batch_size": batch, "steps_per_call": steps_per_call, "steps": 10**6},
+        "loss": {"grad": grad},
+        "log": {"norms": False, "progress": False, "plot": False},
+        "data": {"placement": "device"},
+    }
+    for name, keys in (config or {}).items():
+        sections[name] = {**sections.get(name, {}), **keys}
+    return train.compile_fit(model, sections, optimizer=tx, **data)
 
 
 def init_weights(spec: Spec, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """nnlite's init of the MLP as host ``[(W [in, out], b [out]), ...]``, float32."""
-    p = nnlite_model(spec).init(jax.random.key(seed))
+    p = spec.nnlite_model().init(jax.random.key(seed))
     layers = [*p.ffn.layers, p.head]
     return [(np.asarray(lp.W, np.float32), np.asarray(lp.b, np.float32)) for lp in layers]
 
@@ -287,8 +290,9 @@ class FlaxNNX(Impl):
 
 
 class Nnlite(Impl):
-    """nnlite's training machinery: ``models.mlp.MLP`` and ``train.loop.step.build_stepper``; the
-    data set on the device, ``[K, batch]`` indices sent per call, K optimizer steps a call."""
+    """nnlite's training machinery: ``models.mlp.MLP`` and the trainer's compiled step
+    (``train.compile_fit``); the data set on the device, ``[K, batch]`` indices sent per
+    call, K optimizer steps a call."""
 
     name = "nnlite"
 
@@ -298,28 +302,24 @@ class Nnlite(Impl):
         super().__init__(*args, **kwargs)
 
     def setup(self, X, Y, idx):
-        from train import parallel
-        from train.loop.step import batch_grads_fn, build_stepper
-
-        self.model = nnlite_model(self.spec)
-        p0 = self.model.init(jax.random.key(0))
-        o0 = self.tx.init(p0)
-        self.p_def = jax.tree.structure(p0)
-        self.o_def = jax.tree.structure(o0)
-        single = parallel.get("none", jax.devices()[:1])
-        b = len(idx[0])  # the batch, as the step gathers it
-        x = jax.ShapeDtypeStruct((b, *X.shape[1:]), X.dtype)
-        y = jax.ShapeDtypeStruct((b, *Y.shape[1:]), Y.dtype)
-        grad = resolve_grad(self.model, self.grad, x, y)
-        self.stepper = build_stepper(
-            batch_grads_fn(self.model, grad, 1, single),
-            self.tx,
-            self.p_def,
-            self.o_def,
-            single,
-        )
-        self.X, self.Y = self.stepper.put_data(X), self.stepper.put_data(Y)
+        self.model = self.spec.nnlite_model()
+        self.compiled = compiled = self.compile(X, Y, len(idx[0]))  # a train.CompiledFit
+        self.stepper, self.X, self.Y = compiled.stepper, compiled.X, compiled.Y
+        self.p_def = jax.tree.structure(compiled.params0)
         self._blocks = {}  # (first step % n_batches, K) -> host [K, batch] indices
+
+    def compile(self, X, Y, batch: int):
+        """The compiled run: the step gathers each batch from ``X``, ``Y`` on the device (one
+        batch of them is the test split the trainer wants)."""
+        data = {"train": (X, Y), "test": (X[:batch], Y[:batch])}
+        return compile_nnlite(
+            self.model,
+            self.tx,
+            batch,
+            grad=self.grad,
+            steps_per_call=self.steps_per_call,
+            data=data,
+        )
 
     def block(self, t: int, k: int) -> np.ndarray:
         """Host-side indices of steps t..t+k-1 (what the loop's sampler produces)."""
@@ -351,7 +351,7 @@ class Nnlite(Impl):
         p, o, t, end = self.p_leaves, self.o_leaves, self.t, self.t + n
         while t < end:
             k = min(self.steps_per_call, end - t)
-            p, o, _, metrics = st.run(p, o, [], X, Y, st.put_indices(block(t, k)))
+            p, o, _, metrics = st.run(p, o, [], X, Y, st.put_indices(block(t, k), t))
             t += k
         self.p_leaves, self.o_leaves, self.t = p, o, t
         return float(metrics["loss"][-1])
@@ -388,12 +388,19 @@ class MatmulFloor(Impl):
                     dz = dz @ Ws[i].T
             return [W - 1e-6 * dW for W, dW in zip(Ws, dWs)]
 
+        self.step = self.scanned(one)
+
+    @staticmethod
+    def scanned(one):
+        """``one(Ws, x) -> Ws`` over a ``[K, ...]`` block of inputs: one jitted ``lax.scan``
+        call, ``Ws`` donated."""
+
         @partial(jax.jit, donate_argnums=0)
         def steps(Ws, xs):
             Ws, _ = jax.lax.scan(lambda Ws, x: (one(Ws, x), None), Ws, xs)
             return Ws
 
-        self.step = steps
+        return steps
 
     def reset(self):
         self.Ws = [jnp.asarray(W) for W, _ in self.weights]
@@ -406,9 +413,19 @@ class MatmulFloor(Impl):
             )
         Ws = self.Ws
         for _ in range(n // self.steps_per_call):
-            Ws = self.step(Ws, self.block)
+            Ws = self.step(Ws, self.block)  # (``block``: K steps' inputs)
         self.Ws, self.t = Ws, self.t + n
-        return float(Ws[-1][0, 0])
+        return float(jax.tree.leaves(Ws)[-1].ravel()[0])  # (waits for the call)
+
+
+def peer_rows(classes, args: tuple, steps_per_call: int) -> list:
+    """The rows every size has: each of ``classes`` (the peers, nnlite last) on the same
+    ``args`` (spec, weights, X, Y, idx, tx), then nnlite at ``steps_per_call`` steps a call
+    when that is more than one."""
+    rows = [cls(*args) for cls in classes]
+    if steps_per_call > 1:
+        rows.append(classes[-1](*args, steps_per_call=steps_per_call))
+    return rows
 
 
 def build_all(
@@ -424,14 +441,9 @@ def build_all(
     weights = init_weights(spec)
     X, Y, idx = make_data(spec, n_batches)
     tx = optax.adam(lr)
-    impls = [
-        RawJax(spec, weights, X, Y, idx, tx),
-        Equinox(spec, weights, X, Y, idx, tx),
-        FlaxNNX(spec, weights, X, Y, idx, tx),
-        Nnlite(spec, weights, X, Y, idx, tx),
-    ]
-    if steps_per_call > 1:
-        impls.append(Nnlite(spec, weights, X, Y, idx, tx, steps_per_call=steps_per_call))
+    impls = peer_rows(
+        (RawJax, Equinox, FlaxNNX, Nnlite), (spec, weights, X, Y, idx, tx), steps_per_call
+    )
     if matmul_floor:
         impls.append(MatmulFloor(spec, weights, X, Y, idx, None, steps_per_call=steps_per_call))
     return impls

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._impls import Equinox, FlaxNNX, Nnlite, RawJax, xent
+from ._impls import Equinox, FlaxNNX, Nnlite, RawJax, peer_rows, xent
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,8 @@ class FlaxNNXCnn(FlaxNNX):
 
 
 class NnliteCnn(Nnlite):
-    """``models.cnn.CNN`` through ``train.loop.step.build_stepper``, as ``python -m train`` runs it."""
+    """``models.cnn.CNN`` through the trainer's compiled step (``train.compile_fit``), as
+    ``python -m train`` runs it."""
 
     def params_from_weights(self):
         import nnlite as nl
@@ -194,14 +195,8 @@ def build_all_cnn(spec: CnnSpec, *, n_batches: int = 10, steps_per_call: int = 1
     weights = init_weights(spec)
     X, Y, idx = make_data(spec, n_batches)
     tx = optax.adam(lr)
-    impls = [
-        RawJaxCnn(spec, weights, X, Y, idx, tx),
-        EquinoxCnn(spec, weights, X, Y, idx, tx),
-        FlaxNNXCnn(spec, weights, X, Y, idx, tx),
-        NnliteCnn(spec, weights, X, Y, idx, tx),
-    ]
-    if steps_per_call > 1:
-        impls.append(NnliteCnn(spec, weights, X, Y, idx, tx, steps_per_call=steps_per_call))
+    peers = (RawJaxCnn, EquinoxCnn, FlaxNNXCnn, NnliteCnn)
+    impls = peer_rows(peers, (spec, weights, X, Y, idx, tx), steps_per_call)
     # every layer's hand VJP (loss.grad: manual) and the trainer's default (auto), side by
     # side with autodiff, one step per call as configs/mnist1d_cnn.yaml runs (XLA:CPU runs
     # convolutions inside a lax.scan ~8x slower)

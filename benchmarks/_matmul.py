@@ -34,8 +34,8 @@ FLAG_SETS = {
 }
 
 
-def matmul_cases(dtype: str, n: int, peer: bool = True) -> dict:
-    """``MATMUL_REPS`` n x n matmuls in ``dtype``: jitted by XLA (``nnlite``) and, with
+def matmul_cases(dtype: str, n: int, peer: bool = True, reps: int = MATMUL_REPS) -> dict:
+    """``reps`` n x n matmuls in ``dtype``: jitted by XLA (``nnlite``) and, with
     ``peer`` and torch installed, ``torch.mm`` (``theirs``)."""
     import jax
     import jax.numpy as jnp
@@ -47,7 +47,7 @@ def matmul_cases(dtype: str, n: int, peer: bool = True) -> dict:
     mm = jax.jit(lambda a, b: a @ b)
 
     def ours():
-        for _ in range(MATMUL_REPS):
+        for _ in range(reps):
             out = mm(a, b)
         out.block_until_ready()
 
@@ -58,10 +58,16 @@ def matmul_cases(dtype: str, n: int, peer: bool = True) -> dict:
         import torch
 
         ta, tb = (torch.from_numpy(m).to(getattr(torch, dtype)) for m in (a32, b32))
-        cases["theirs"] = lambda: [torch.mm(ta, tb) for _ in range(MATMUL_REPS)]
+        cases["theirs"] = lambda: [torch.mm(ta, tb) for _ in range(reps)]
     except ImportError:
         pass
     return cases
+
+
+def gemm_rate(dtype: str, n: int, rounds: int = 5) -> float:
+    """FLOP/s of XLA's n x n matrix product in ``dtype``, the best of ``rounds`` samples."""
+    samples = h.time_interleaved(matmul_cases(dtype, n, peer=False), rounds=rounds)["nnlite"]
+    return 2 * n**3 * MATMUL_REPS / min(samples)
 
 
 def kernels(hlo: str) -> str:

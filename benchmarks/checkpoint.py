@@ -13,7 +13,8 @@ step is a boundary whose time a callback records, and a checkpoint every
 - ``extra``: the sum over the ``EVERY`` intervals from a checkpoint to the next of
   (interval - median step), median over the checkpoints: everything the checkpoint cost
   the loop, the writer thread's competition for the cores included;
-- ``write``: how long one write took (sync: inside the stall; async: on its thread).
+- ``write``: how long one write took (sync: inside the stall; async: on its thread), timed
+  around ``nl.save``, the writer every checkpoint goes through.
 
 Rows run interleaved (sync, async, sync, ...), ``--rounds`` of each; medians. ``--tiny``
 (a smoke run): a 64-wide MLP, 7 steps, one round.
@@ -43,18 +44,21 @@ class _Clock:
 
 
 def one_run(hidden: list[int], steps: int, every: int, background: bool, log_dir: str) -> dict:
+    import nnlite as nl
     import train
-    from train.checkpoint import writer as writer_mod
 
     clock = _Clock()
     seconds: list[float] = []
-    finished = writer_mod.Writer._finished
+    save = nl.save  # the trainer's one writer (train/checkpoint: every byte goes through it)
 
-    def timed(self, job):  # how long each write took, on whichever thread
-        seconds.append(job.seconds)
-        return finished(self, job)
+    def timed(*args, **kwargs):  # how long each write took, on whichever thread
+        t0 = time.perf_counter()
+        try:
+            return save(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
 
-    writer_mod.Writer._finished = timed
+    nl.save = timed
     try:
         r = train.fit(
             None,
@@ -70,7 +74,7 @@ def one_run(hidden: list[int], steps: int, every: int, background: bool, log_dir
             echo=lambda *a: None,
         )
     finally:
-        writer_mod.Writer._finished = finished
+        nl.save = save
     t = clock.t
     gaps = {s: t[s] - t[s - 1] for s in range(2, steps + 1)}
     ckpts = [s for s in range(every, steps, every)]  # the end's checkpoint excluded

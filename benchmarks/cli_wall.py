@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import statistics
 import subprocess
@@ -192,18 +191,11 @@ def timed(owner, name, phase):
 for owner, name, phase in ((loop, "load_dataset", "data"), (loop, "prepare", "compile"),
                            (loop.ckpt, "save", "checkpoint"), (loop, "plot_curves", "plot")):
     timed(owner, name, phase)
-argv = sys.argv[1:]
+out, argv = Path(sys.argv[1]), sys.argv[2:]  # where timings.json goes, the command's args
 t = time.perf_counter()
 rc = cli.main(argv)
 inside = time.perf_counter() - t
 laps["train"] = inside - sum(v for k, v in laps.items() if k != "imports")
-try:  # where the tree keeps it: train.config, or (older) train.__main__
-    from train.config import load_config
-except ImportError:
-    load_config = cli.load_config
-cfg = load_config(argv[argv.index("--config") + 1],
-                  [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
-out = Path(cfg.log.dir) / cfg.name / "timings.json"
 out.write_text(json.dumps({"phases": laps, "t_main": t_main, "t_end": time.time()}))
 sys.exit(rc)
 """
@@ -229,7 +221,10 @@ def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, p
     """One ``python -m train ... --timings`` process from ``root`` (``probe``: an older
     tree's command under BASELINE_PROBE); returns wall and CPU seconds and the phases."""
     probe = probe and not has_timings(root)
-    head = [sys.executable, "-c", BASELINE_PROBE] if probe else [sys.executable, "-m", "train"]
+    timings = Path(log_dir) / _run_name(root, config, sets) / "timings.json"
+    head = [sys.executable, "-m", "train"]
+    if probe:  # (the command's own run directory: the probe writes it after the command)
+        head = [sys.executable, "-c", BASELINE_PROBE, str(timings)]
     cmd = [*head, "--config", f"configs/{config}.yaml", "--fresh"]
     cmd += [] if probe else ["--timings"]
     for s in [f"log.dir={log_dir}", *sets]:
@@ -239,8 +234,7 @@ def run_cli(root: Path, config: str, sets: list[str], log_dir: str, env: dict, p
     t_gone, cpu = time.time(), _children_cpu() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} (in {root}) failed:\n{proc.stderr[-3000:]}")
-    name = _run_name(root, config, sets)
-    t = json.loads((Path(log_dir) / name / "timings.json").read_text())
+    t = json.loads(timings.read_text())
     return {"wall_s": t_gone - t_spawn, "cpu_s": cpu, "phases": breakdown(t, t_spawn, t_gone)}
 
 
@@ -311,7 +305,7 @@ def summarize(samples: dict[str, list[dict]]) -> tuple[list[list[str]], dict]:
     return rows, med
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.cli_wall", description=__doc__.split("\n")[0]
     )
@@ -338,57 +332,70 @@ def main(argv=None) -> int:
         args.configs = args.configs or ["digits_mlp"]
         args.quick, args.no_warm, args.no_sklearn = True, True, True
         args.sets = [f"{c}:{kv}" for c in args.configs for kv in TINY_SETS] + args.sets
-
-    configs = args.configs or [c for c in DEFAULT_CONFIGS if (ROOT / f"configs/{c}.yaml").exists()]
-    for c in configs:
+    args.configs = args.configs or [
+        c for c in DEFAULT_CONFIGS if (ROOT / f"configs/{c}.yaml").exists()
+    ]
+    for c in args.configs:
         if not (ROOT / f"configs/{c}.yaml").exists():
             raise SystemExit(f"no configs/{c}.yaml")
+    return args
+
+
+def make_cases(args, sets: dict[str, list[str]], tmp: str) -> dict:
+    """Each row's sample: a function that runs one fresh process and returns its times."""
+    bytecode = not args.no_bytecode
+    cold_env = child_env(None, bytecode)
+    cases = {}  # name -> () -> sample
+    for c in args.configs:
+        s, log = sets.get(c, []), str(Path(tmp) / "runs")
+        warm_env = child_env(str(Path(tmp) / f"jax-cache-{c}"), bytecode)
+        cases[f"{c} cold"] = lambda c=c, s=s, log=log: run_cli(ROOT, c, s, log, cold_env)
+        if not args.no_warm:
+            cases[f"{c} warm"] = lambda c=c, s=s, log=log, e=warm_env: run_cli(ROOT, c, s, log, e)
+        if args.baseline is not None:
+            base_log = str(Path(tmp) / "base-runs")
+            cases[f"{c} cold ({args.baseline})"] = lambda c=c, s=s, log=base_log: run_cli(
+                args.baseline, c, s, log, cold_env, probe=True
+            )
+    if not args.no_sklearn:
+        cases[SKLEARN] = lambda: run_script(SKLEARN_SCRIPT, cold_env, SKLEARN)
+    if not args.no_raw_jax:  # the digits job's steps, as the (first) digits config runs it
+        digits = next((c for c in args.configs if c.startswith("digits")), None)
+        raw_steps = _config_steps(digits, sets.get(digits, [])) if digits else 1500
+        cases[RAW_JAX] = lambda: run_script(RAW_JAX_SCRIPT, cold_env, "raw JAX", str(raw_steps))
+    return cases
+
+
+def print_ratios(configs: list[str], med: dict) -> None:
+    """The digits rows against scikit-learn's script and the raw JAX script."""
+    for c in (c for c in configs if c.startswith("digits") and f"{c} cold" in med):
+        if SKLEARN in med:
+            ratios = [
+                f"{m}: {med[f'{c} {m}']['wall_s'] / med[SKLEARN]['wall_s']:.2f}x"
+                for m in ("cold", "warm")
+                if f"{c} {m}" in med
+            ]
+            print(f"\n{c} / scikit-learn's script: {', '.join(ratios)}")
+        if RAW_JAX in med:
+            ratio = med[f"{c} cold"]["wall_s"] / med[RAW_JAX]["wall_s"]
+            cpu = med[f"{c} cold"]["cpu_s"] / med[RAW_JAX]["cpu_s"]
+            print(f"\n{c} cold / the raw JAX script: {ratio:.2f}x wall, {cpu:.2f}x CPU")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     sets = parse_sets(args.sets)
     repeats = 1 if args.quick else args.repeats
     info = h.machine_info()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"machine: {info['cpu']}, {info['affinity']} usable cores; load average {load}")
-
     with tempfile.TemporaryDirectory(prefix="cli_wall-") as tmp:
-        bytecode = not args.no_bytecode
-        cold_env = child_env(None, bytecode)
-        cases = {}  # name -> () -> sample
-        for c in configs:
-            s, log = sets.get(c, []), str(Path(tmp) / "runs")
-            warm_env = child_env(str(Path(tmp) / f"jax-cache-{c}"), bytecode)
-            cases[f"{c} cold"] = lambda c=c, s=s, log=log: run_cli(ROOT, c, s, log, cold_env)
-            if not args.no_warm:
-                cases[f"{c} warm"] = lambda c=c, s=s, log=log, e=warm_env: run_cli(
-                    ROOT, c, s, log, e
-                )
-            if args.baseline is not None:
-                base_log = str(Path(tmp) / "base-runs")
-                cases[f"{c} cold ({args.baseline})"] = lambda c=c, s=s, log=base_log: run_cli(
-                    args.baseline, c, s, log, cold_env, probe=True
-                )
-        if not args.no_sklearn:
-            cases[SKLEARN] = lambda: run_script(SKLEARN_SCRIPT, cold_env, SKLEARN)
-        if not args.no_raw_jax:  # the digits job's steps, as the (first) digits config runs it
-            digits = next((c for c in configs if c.startswith("digits")), None)
-            raw_steps = _config_steps(digits, sets.get(digits, [])) if digits else 1500
-            cases[RAW_JAX] = lambda: run_script(RAW_JAX_SCRIPT, cold_env, "raw JAX", str(raw_steps))
+        cases = make_cases(args, sets, tmp)
         # Untimed: bytecode caches, the warm rows' compilation caches, the OS's file cache
         # (--tiny: one timed sample, cold, is the smoke run).
         for fn in [] if args.tiny else cases.values():
             fn()
-        samples: dict[str, list[dict]] = {n: [] for n in cases}
-        rng = random.Random(0)
-        for r in range(repeats):
-            order = list(cases)
-            rng.shuffle(order)
-            for name in order:
-                samples[name].append(cases[name]())
-            print(
-                f"repeat {r + 1}/{repeats}: "
-                + ", ".join(f"{n} {samples[n][-1]['wall_s']:.2f} s" for n in cases),
-                flush=True,
-            )
-
+        samples = h.repeat_shuffled(cases, repeats)
     rows, med = summarize(samples)
     load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(
@@ -396,21 +403,7 @@ def main(argv=None) -> int:
         f"load average before {_fmt_load(load)}, after {_fmt_load(load_after)})\n"
     )
     print(h.table(rows, ["command", "median wall", "min wall", "CPU", *COLUMNS]))
-    if SKLEARN in med:
-        for c in configs:
-            if c.startswith("digits") and f"{c} cold" in med:
-                ratios = [
-                    f"{m}: {med[f'{c} {m}']['wall_s'] / med[SKLEARN]['wall_s']:.2f}x"
-                    for m in ("cold", "warm")
-                    if f"{c} {m}" in med
-                ]
-                print(f"\n{c} / scikit-learn's script: {', '.join(ratios)}")
-    if RAW_JAX in med:
-        for c in configs:
-            if c.startswith("digits") and f"{c} cold" in med:
-                ratio = med[f"{c} cold"]["wall_s"] / med[RAW_JAX]["wall_s"]
-                cpu = med[f"{c} cold"]["cpu_s"] / med[RAW_JAX]["cpu_s"]
-                print(f"\n{c} cold / the raw JAX script: {ratio:.2f}x wall, {cpu:.2f}x CPU")
+    print_ratios(args.configs, med)
     path = h.write_json(
         "cli_wall-tiny" if args.tiny else "cli_wall",
         {

@@ -22,12 +22,13 @@ in a fresh process whose peak RSS is read from ``wait4``:
 
 The corpora are deleted at the end unless ``--keep``.
 
-``steps`` prepares one corpus (char) and builds the baby GPT twice in one process, on the
-device (``data.placement=device``: the training split on the device, indices per call)
-and streamed (``host``: batches read from the memory map a call ahead); it then times
-their compiled calls interleaved, round after round (``train.steps_per_call`` steps a
-call, each timed until its metrics are ready), and prints medians per step and the
-ratio (target: streamed within 5% of on-device).
+``steps`` prepares one corpus (char) and trains the baby GPT with ``train.fit`` in one
+process, on the device (``data.placement=device``: the training split on the device,
+indices per call) and streamed (``host``: batches read from the memory map a call ahead),
+the two alternating round after round; a callback takes the time at each call's end
+(``train.steps_per_call`` steps a call, ``train.log_every`` the same: the loop waits for
+each call's metrics), and it prints medians per step and the ratio (target: streamed
+within 5% of on-device).
 
 Each prints a Markdown table and writes ``benchmarks/results/data-<time>.json``.
 """
@@ -129,10 +130,11 @@ TINY_MODEL = [
 ]
 
 
-def train_args(
+def train_sets(
     data_dir: Path, log_dir: Path, name: str, steps: int, placement: str, tiny: bool = False
-) -> list:
-    sets = [
+) -> list[str]:
+    """The ``--set`` overrides of a baby GPT run on prepared tokens in ``data_dir``."""
+    return [
         "data.name=tokens",
         f"data.path={data_dir}",
         f"data.placement={placement}",
@@ -147,8 +149,13 @@ def train_args(
         f"optimizer.warmup_steps={min(10, steps - 1)}",
         *(TINY_MODEL if tiny else []),
     ]
-    args = [sys.executable, "-m", "train", "--config", GPT_CONFIG, "--fresh"]
-    return args + [a for s in sets for a in ("--set", s)]
+
+
+def train_args(*args, **kwargs) -> list[str]:
+    """``python -m train`` of :func:`train_sets`' run."""
+    sets = train_sets(*args, **kwargs)
+    cmd = [sys.executable, "-m", "train", "--config", GPT_CONFIG, "--fresh"]
+    return cmd + [a for s in sets for a in ("--set", s)]
 
 
 def cmd_rss(a) -> dict:
@@ -206,48 +213,47 @@ def cmd_rss(a) -> dict:
     return {"rows": rows, "raw": raw}
 
 
+class CallTimes:
+    """A callback (``train.Callback``'s protocol): the time at every boundary of the loop,
+    each call's end when ``train.log_every`` is ``train.steps_per_call``."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_end(self, loop, step: int, metrics: dict) -> None:
+        self.times.append(time.perf_counter())
+
+
 def cmd_steps(a) -> dict:
-    import jax
+    import yaml
 
-    from train.config import load_config
-    from train.loop.build import build
-    from train.loop.callbacks import Callbacks
-    from train.loop.trainer import _Loop
-    from train.prepare import main as prepare
-    from train.report.timings import Timings
+    import train
 
+    k = 2 if a.tiny else yaml.safe_load((ROOT / GPT_CONFIG).read_text())["train"]["steps_per_call"]
+    steps = k * (a.calls + 2)  # two calls of warm-up (the prefetch queue filled), then timed
     work = Path(tempfile.mkdtemp(prefix="nnlite-steps-"))
+    times: dict[str, list[float]] = {"device": [], "host": []}
     try:
         generate_corpus(work / "c.txt", a.corpus_mb)
-        assert prepare(["--input", str(work / "c.txt"), "--out", str(work / "tok")]) == 0
-        loops = {}
-        for placement in ("device", "host"):
-            sets = train_args(work / "tok", work / "runs", placement, 10**6, placement, a.tiny)[6:]
-            cfg = load_config(ROOT / GPT_CONFIG, sets[1::2])
-            r = build(cfg)
-            no_callbacks = Callbacks([], [])  # (begin's default, None, is not one)
-            loops[placement] = _Loop.begin(
-                r, "fresh", lambda *_: None, Timings(), callbacks=no_callbacks
-            )
-        k = next(iter(loops.values())).r.cfg.train.steps_per_call
-        times = {p: [] for p in loops}
-        for _ in range(2):  # warm up: compile, fill the prefetch queue
-            for loop in loops.values():
-                loop.run_call()
-                jax.block_until_ready(loop.state.metrics)
-        for _ in range(a.rounds):
-            for p, loop in loops.items():
-                for _ in range(a.calls):
-                    t0 = time.perf_counter()
-                    loop.run_call()
-                    jax.block_until_ready(loop.state.metrics)
-                    times[p].append((time.perf_counter() - t0) / k)
-        for loop in loops.values():
-            loop.close()
+        subprocess.run(prepare_args(work / "c.txt", work / "tok", "char"), cwd=ROOT, check=True)
+        for _ in range(a.rounds):  # the two placements' runs alternate, round after round
+            for placement, samples in times.items():
+                sets = train_sets(work / "tok", work / "runs", placement, steps, placement, a.tiny)
+                calls = CallTimes()
+                train.fit(
+                    None,
+                    ROOT / GPT_CONFIG,
+                    overrides=[*sets, f"train.log_every={k}"],
+                    resume="fresh",
+                    echo=lambda *_: None,
+                    callbacks=[calls],
+                )
+                ends = calls.times[1:]  # from the end of the second call
+                samples += [(t1 - t0) / k for t0, t1 in zip(ends, ends[1:])]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {p: statistics.median(t) for p, t in times.items()}
-    rows = [[p, f"{med[p] * 1e3:.2f} ms", f"{med[p] / med['device']:.3f}"] for p in loops]
+    rows = [[p, f"{med[p] * 1e3:.2f} ms", f"{med[p] / med['device']:.3f}"] for p in times]
     print(
         h.table(
             rows,

@@ -12,7 +12,7 @@ Parts (``--parts``, all by default), each printing a table of medians:
   FLOPs of ``GPTSpec.matmul_flops``) against the 2048 x 2048 float32 GEMM rate.
 * ``bf16``: step time of the shipped model in float32 and bfloat16 (interleaved), and the
   val loss of each after ``--train-steps`` steps of the shipped config through
-  ``train.fit``'s loop (``train.loop.trainer.train``).
+  ``train.fit``.
 * ``flags``: the whole GPT step (shipped size and GPT-large) in two fresh processes, with
   and without the oneDNN flags (``ONEDNN_FLAGS``; XLA_FLAGS is read when jax is
   imported), step times and the losses after the same steps compared.
@@ -33,6 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+from . import _harness as h
+from ._gpt_impls import GPT_SPECS, GPT_TINY, GPTSpec
+
 ONEDNN_FLAGS = (
     "--xla_cpu_experimental_onednn_custom_call=true --xla_cpu_use_onednn=false "
     "--xla_cpu_experimental_ynn_fusion_type=invalid --xla_cpu_use_xnnpack=false"
@@ -40,22 +43,12 @@ ONEDNN_FLAGS = (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-    vocab: int
-    context: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-    batch: int
+SHIPPED = GPTSpec("shipped", 65, 64, 4, 4, 128, 12)  # configs/shakespeare_gpt.yaml (its vocab)
+LARGE = GPT_SPECS["gpt_large"]
+TINY = GPT_TINY  # 1 layer: a compile costs the same at any width
 
 
-SHIPPED = Size(65, 64, 4, 4, 128, 12)  # configs/shakespeare_gpt.yaml (vocab of the text)
-LARGE = Size(84, 256, 6, 6, 384, 64)  # GPT_SPECS["gpt_large"]
-TINY = Size(11, 8, 1, 2, 16, 4)  # 1 layer: a compile costs the same at any width
-
-
-def gpt(size: Size, **options):
+def gpt(size: GPTSpec, **options):
     from models.gpt import GPT
 
     return GPT(size.vocab, size.context, size.n_layer, size.n_head, size.n_embd, **options)
@@ -66,16 +59,17 @@ class Step:
     loss, gradients by ``grad`` (``autodiff`` or ``manual``), AdamW (the shipped
     config's settings, constant rate)."""
 
-    def __init__(self, size: Size, grad: str, **options):
+    def __init__(self, size: GPTSpec, grad: str, **options):
         import jax
         import optax
 
         import nnlite as nl
-        from train.model.contract import objective_fn
 
         self.size, self.model = size, gpt(size, **options)
         self.tx = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
-        loss = lambda p, x, y: objective_fn(self.model)(p, x, y)[0]
+        # the task's loss as the trainer computes it: the labels' log-probabilities, the
+        # head a chunk at a time (no [batch, T, vocab] logits)
+        loss = lambda p, x, y: -self.model(p, x, labels=y).mean()
         if grad == "manual":
             loss = nl.manual_grads(loss)
         tx = self.tx
@@ -109,23 +103,10 @@ class Step:
         return float(loss)
 
 
-def _table(rows, header):
-    from . import _harness as h
-
-    return h.table(rows, header)
-
-
-def _times(cases: dict, rounds: int) -> dict:
-    from . import _harness as h
-
-    samples = h.time_interleaved(cases, rounds=rounds, warmup=1)
-    return {k: h.median(v) for k, v in samples.items()}
-
-
 _STEPS: dict = {}
 
 
-def shared_step(size: Size, grad: str, **options) -> Step:
+def shared_step(size: GPTSpec, grad: str, **options) -> Step:
     """One :class:`Step` per (size, grad, options) in this process: a part that times or
     measures a step another part has built reuses its traced and compiled program (the
     compile part's depth loop and its timed layouts at the base depth; at ``--tiny`` the
@@ -154,7 +135,7 @@ def part_compile(tiny: bool, grad: str, rounds: int) -> dict:
             [n, f"{secs[False]:.2f}", f"{secs[True]:.2f}", f"{secs[False] / secs[True]:.2f}"]
         )
     print(f"\ncompile time of the GPT step ({grad}; width {base.n_embd}, context {base.context})")
-    print(_table(rows, ["n_layer", "unrolled s", "scan_layers s", "unrolled / scan"]))
+    print(h.table(rows, ["n_layer", "unrolled s", "scan_layers s", "unrolled / scan"]))
     first, last = depths[0], depths[-1]
     print(
         f"scan_layers: {last} layers compile in {out[last][True] / out[first][True]:.2f}x "
@@ -166,21 +147,17 @@ def part_compile(tiny: bool, grad: str, rounds: int) -> dict:
         "scanned": shared_step(base, grad, scan_layers=True),
         "scanned, remat none": shared_step(base, grad, scan_layers=True, remat="none"),
     }
-    t = _times(steps, rounds)
+    t = h.medians(steps, rounds)
     rows = [[k, f"{v * 1e3:.2f}", f"{v / t['unrolled']:.3f}"] for k, v in t.items()]
     print(f"\nstep time at n_layer={base.n_layer} ({grad}; remat auto unless named)")
-    print(_table(rows, ["layout", "ms/step", "x unrolled"]))
+    print(h.table(rows, ["layout", "ms/step", "x unrolled"]))
     return {"compile_s": out, "step_s": t}
 
 
 def part_remat(tiny: bool, grad: str, rounds: int) -> dict:
-    from ._gpt_impls import GPTSpec
     from .train_step import gemm_case
 
-    size = TINY if tiny else LARGE
-    spec = GPTSpec(
-        "gpt", size.vocab, size.context, size.n_layer, size.n_head, size.n_embd, size.batch
-    )
+    size = spec = TINY if tiny else LARGE
     steps, mem = {}, {}
     for remat in ("none", "block", "full"):
         steps[remat] = shared_step(size, grad, remat=remat, scan_layers=True)
@@ -188,8 +165,8 @@ def part_remat(tiny: bool, grad: str, rounds: int) -> dict:
         m = compiled.memory_analysis()
         mem[remat] = None if m is None else m.temp_size_in_bytes
     gemm, gemm_flops = gemm_case(256 if tiny else 2048, reps=1 if tiny else 4)
-    t = _times(steps, rounds)
-    gemm_rate = gemm_flops / _times({"gemm": gemm}, 5)["gemm"]
+    t = h.medians(steps, rounds)
+    gemm_rate = gemm_flops / h.medians({"gemm": gemm}, 5)["gemm"]
     rows = []
     for remat, secs in t.items():
         rate = spec.matmul_flops() / secs
@@ -209,16 +186,15 @@ def part_remat(tiny: bool, grad: str, rounds: int) -> dict:
         f"{gemm_rate / 1e9:.1f} GFLOP/s"
     )
     print(
-        _table(
+        h.table(
             rows, ["remat", "peak temp MiB", "ms/step", "x none", "model GFLOP/s", "of GEMM rate"]
         )
     )
     return {"temp_bytes": mem, "step_s": t, "gemm_flops_per_s": gemm_rate}
 
 
-def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path, extra=()) -> float:
-    from train.config import load_config
-    from train.loop.trainer import train
+def train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path, extra=()) -> float:
+    import train
 
     sets = [
         f"log.dir={run_dir}",
@@ -245,8 +221,9 @@ def _train_val_loss(dtype: str, steps: int, tiny: bool, run_dir: Path, extra=())
             "train.steps_per_call=1",
             "optimizer.warmup_steps=1",
         ]
-    cfg = load_config(ROOT / "configs/shakespeare_gpt.yaml", sets)
-    return float(train(cfg, resume="fresh", echo=lambda *_: None).summary["val_loss"])
+    config = ROOT / "configs/shakespeare_gpt.yaml"
+    run = train.fit(None, config, overrides=sets, resume="fresh", echo=lambda *_: None)
+    return float(run.summary["val_loss"])
 
 
 def part_bf16(tiny: bool, grad: str, rounds: int, train_steps: int) -> dict:
@@ -254,9 +231,9 @@ def part_bf16(tiny: bool, grad: str, rounds: int, train_steps: int) -> dict:
 
     size = TINY if tiny else SHIPPED
     steps = {d: Step(size, grad, dtype=d) for d in ("float32", "bfloat16")}
-    t = _times(steps, rounds)
+    t = h.medians(steps, rounds)
     with tempfile.TemporaryDirectory() as d:
-        val = {dt: _train_val_loss(dt, train_steps, tiny, Path(d)) for dt in steps}
+        val = {dt: train_val_loss(dt, train_steps, tiny, Path(d)) for dt in steps}
     rows = [
         [dt, f"{t[dt] * 1e3:.2f}", f"{t[dt] / t['float32']:.2f}", f"{val[dt]:.4f}"] for dt in steps
     ]
@@ -264,7 +241,7 @@ def part_bf16(tiny: bool, grad: str, rounds: int, train_steps: int) -> dict:
         f"\nbfloat16 vs float32, shipped GPT ({grad}); val loss after {train_steps} steps of "
         "the shipped config"
     )
-    print(_table(rows, ["dtype", "ms/step", "x float32", "val loss"]))
+    print(h.table(rows, ["dtype", "ms/step", "x float32", "val loss"]))
     print(f"val loss bfloat16 - float32: {val['bfloat16'] - val['float32']:+.4f} nats")
     return {"step_s": t, "val_loss": val}
 
@@ -287,7 +264,6 @@ def flags_child(tiny: bool, grad: str, rounds: int, large_rounds: int) -> dict:
 
 
 def part_flags(tiny: bool, grad: str, rounds: int, large_rounds: int) -> dict:
-    from . import _harness as h
 
     args = [
         "--flags-child",
@@ -320,7 +296,7 @@ def part_flags(tiny: bool, grad: str, rounds: int, large_rounds: int) -> dict:
         )
     print(f"\nthe GPT step with XLA's oneDNN dot path ({grad}), each in its own process")
     print(
-        _table(
+        h.table(
             rows,
             [
                 "size",
@@ -356,7 +332,6 @@ def main(argv=None) -> int:
     if args.flags_child:
         print(json.dumps(flags_child(args.tiny, args.grad, args.rounds, args.large_rounds)))
         return 0
-    from . import _harness as h
 
     parts = args.parts.split(",")
     unknown = set(parts) - {"compile", "remat", "bf16", "flags"}

@@ -7,9 +7,10 @@ MFU, bfloat16, one device and fsdp, in one process run (a lent GPU's time is sho
 1. ``steps``: ``benchmarks.train_step``'s GPT rows (raw JAX, Equinox, Flax NNX, nnlite
    K=1 / K=n / manual / auto, PyTorch eager and its bf16 autocast, the matmul floor) at
    ``gpt_large`` and ``gpt2_small``; MFU against the data sheet's float32 (TF32) peak.
-2. ``precision``: ``benchmarks.precision``'s jitted GPT step at the same sizes in float32,
-   under ``train.precision`` bfloat16 / float16 and the GPT's ``model.dtype: bfloat16``;
-   the dots per dtype in the optimised HLO; MFU against the compute dtype's peak.
+2. ``precision``: ``benchmarks.precision``'s GPT step (the trainer's) at the same sizes in
+   float32, under ``train.precision`` bfloat16 / float16 and the GPT's ``model.dtype:
+   bfloat16``; the dots per dtype in the optimised HLO; MFU as the trainer reports it
+   (against ``train.precision``'s peak).
 3. ``trainer``: ``python -m train`` on the GPT (``gpt_large``'s shape; a character corpus
    made of this repository's docs) under ``parallel.strategy`` none and fsdp, float32 and
    bfloat16: the trainer's own tokens/s and MFU (``metrics.jsonl``'s last train row, so
@@ -52,42 +53,24 @@ def part_steps(tiny: bool) -> dict:
 
 
 def _precision_rows(size, tiny: bool, rounds: int) -> dict:
-    import jax
-
-    from train.loop.build import step_cost
-    from train.report import perf
-
     from .precision import VARIANTS, Step, hlo_profile
 
     rows = {}
     labels = list(VARIANTS)[:2] if tiny else list(VARIANTS)  # tiny: float32, bf16
     steps = {label: Step(size, "manual", *VARIANTS[label]) for label in labels}
     for label, step in steps.items():
-        lowered = step.lowered()
-        prec, dtype = VARIANTS[label]
-        compute = prec if prec != "float32" else dtype
-        peak, source = perf.peak_flops(jax.devices()[:1], compute)
+        flops, peak = step.compiled.flops_and_peak()  # the trainer's: train.precision's peak
         rows[label] = {
-            "hlo": hlo_profile(lowered.compile().as_text()),
-            "flops": perf.step_flops(step_cost(lowered), 1),
+            "hlo": hlo_profile(step.lowered().compile().as_text()),
+            "flops": flops,
             "peak": peak,
-            "peak_source": source,
         }
     m = 2 if tiny else 10  # steps per timed sample: one sync at its end
-
-    def case(step):
-        def run():
-            p, o, loss = step.params, step.opt, None
-            for _ in range(m):
-                p, o, loss = step.jitted(p, o, step.x, step.y)
-            step.params, step.opt = p, o
-            return float(loss)
-
-        return run
-
     from . import _harness as h
 
-    samples = h.time_interleaved({k: case(s) for k, s in steps.items()}, rounds=rounds)
+    samples = h.time_interleaved(
+        {k: (lambda s=s: s.run(m)) for k, s in steps.items()}, rounds=rounds
+    )
     for label, r in rows.items():
         t = h.median(samples[label]) / m
         r["s_per_step"] = t
@@ -96,15 +79,10 @@ def _precision_rows(size, tiny: bool, rounds: int) -> dict:
 
 
 def part_precision(tiny: bool) -> dict:
-    from train.report import perf
+    from ._gpt_impls import GPT_SPECS
+    from .deep import LARGE, TINY
 
-    from .deep import LARGE, TINY, Size
-
-    sizes = (
-        {"tiny": TINY}
-        if tiny
-        else {"gpt_large": LARGE, "gpt2_small": Size(50304, 1024, 12, 12, 768, 8)}
-    )
+    sizes = {"tiny": TINY} if tiny else {"gpt_large": LARGE, "gpt2_small": GPT_SPECS["gpt2_small"]}
     out = {}
     for name, size in sizes.items():
         rows = _precision_rows(size, tiny, 1 if tiny else 10)
@@ -118,7 +96,7 @@ def part_precision(tiny: bool) -> dict:
         for label, r in rows.items():
             dots = ", ".join(f"{c} {dt}" for dt, c in sorted(r["hlo"]["dots"].items()))
             mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-            peak = "?" if not r["peak"] else f"{perf.fmt_flops(r['peak'])}FLOP/s"
+            peak = "?" if not r["peak"] else f"{r['peak'] / 1e12:.3g} TFLOP/s"
             print(
                 f"| {label} | {r['s_per_step'] * 1e3:.2f} | {r['s_per_step'] / base:.2f} | "
                 f"{dots} | {r['hlo']['converts']} | {mfu} ({peak}) |",

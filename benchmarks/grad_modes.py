@@ -12,7 +12,8 @@ Run from the repository root:
     python benchmarks/grad_modes.py --size gpt-6x384/T256/b64   # the larger GPT
 
 Each mode gets its own jitted step (optax.adam(1e-3), params and optimizer state donated)
-and its own copy of the same initial state. After warm-up, rounds run the modes in a
+and its own copy of the same initial state: the MLP's ``models.mlp_fused.loss_and_grad``,
+the CNN's and GPT's the trainer's own step (``train.compile_fit`` with ``loss.grad``). After warm-up, rounds run the modes in a
 shuffled order, each timing ``--steps`` consecutive steps with ``block_until_ready``; the
 table shows the median per-step time over rounds and the ratio to autodiff (and the
 fastest round, the least disturbed one on a shared machine). Results are also written as
@@ -36,11 +37,11 @@ if __package__ in (None, ""):  # run as a script: import nnlite from the reposit
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import nnlite as nl
 from models import mlp_fused
-from train.model.contract import objective_fn
 
 # name: (layer sizes, batch)
 SIZES: dict[str, tuple[tuple[int, ...], int]] = {
@@ -88,55 +89,36 @@ def make_model(kind: str, kwargs: dict):
 
 
 def make_model_step(model, mode: str, x, y):
-    """A jitted train step of ``model.objective`` in gradient mode ``mode`` (``auto``: as
-    the trainer resolves it for batches like ``x``, ``y``)."""
-    opt = optax.adam(1e-3)
+    """The trainer's compiled step of ``model`` (``train.compile_fit``) in ``loss.grad``
+    mode ``mode`` (``auto`` as the trainer resolves it; ``manual+layers``: manual with
+    ``log.grad_by_layer``'s taps, every layer's cotangent and gradient norms computed by
+    the step), Adam, on the batch ``x``, ``y``. Returns ``((params, opt_state), step)``,
+    ``step(params, opt_state, x, y) -> (params, opt_state, loss)`` on the state's leaves
+    as the trainer places them (the batch is already on the device)."""
+    from benchmarks._impls import compile_nnlite
 
-    def loss(params, x, y):
-        return objective_fn(model)(params, x, y)[0]
+    grad, by_layer = ("manual", True) if mode == "manual+layers" else (mode, False)
+    batch, config = len(x), {"log": {"grad_by_layer": by_layer}}
+    if getattr(model, "task", "") == "language_model":  # windows of one token stream
+        rng = np.random.default_rng(0)
+        data = {"tokens": rng.integers(0, model.vocab_size, 4 * batch * model.context)}
+    else:
+        data = {"data": {"train": (np.asarray(x), np.asarray(y)), "test": (x, y)}}
+    compiled = compile_nnlite(model, optax.adam(1e-3), batch, grad=grad, config=config, **data)
+    st, X, Y = compiled.stepper, compiled.X, compiled.Y
+    idx = st.put_indices(compiled.indices(0, 1), 0)
 
-    if mode == "manual+layers":
-        return opt, _by_layer_step(model, opt, x, y)
-    if mode == "auto":
-        from train.model import gradmode
+    def step(p_leaves, o_leaves, _x, _y):
+        p_leaves, o_leaves, _, metrics = st.run(p_leaves, o_leaves, [], X, Y, idx)
+        return p_leaves, o_leaves, metrics["loss"]
 
-        mode = gradmode.resolve_auto(model, x, y).mode
-    if mode == "manual":
-        loss = nl.manual_grads(loss)
-
-    def step(params, opt_state, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    return opt, jax.jit(step, donate_argnums=(0, 1))
-
-
-def _by_layer_step(model, opt, x, y):
-    """The manual step with ``log.grad_by_layer``'s taps, as the trainer builds it: every
-    layer's cotangent and params' gradient norms computed (and returned) by the step."""
-    from train.loop.backward import Backward, discover
-
-    objective = objective_fn(model, "manual")
-    params = jax.eval_shape(model.init, jax.random.key(0))
-    layers = tuple(discover(objective, params, x, y).layers)
-    backward = Backward(layers=layers, by_layer=True)
-    tapped = nl.manual_grads(backward.objective(objective, taps=True))
-
-    def step(params, opt_state, x, y):
-        def loss(pt):
-            return tapped(pt, x, y)[0]
-
-        value, (grads, tap_grads) = jax.value_and_grad(loss)((params, backward.zero_taps()))
-        norms = backward.layer_metrics(tap_grads, grads)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, (value, norms)
-
-    return jax.jit(step, donate_argnums=(0, 1))
+    state = tuple(st.put_state(jax.tree.leaves(t)) for t in (compiled.params0, compiled.opt0))
+    return state, step
 
 
-def make_step(mode: str, activation: str):
-    """A jitted train step ``(params, opt_state, x, y) -> (params, opt_state, loss)``."""
+def make_step(mode: str, activation: str, params):
+    """``((params, opt_state), step)``: a jitted train step ``(params, opt_state, x, y) ->
+    (params, opt_state, loss)`` of the MLP's ``mlp_fused.loss_and_grad``, Adam."""
     opt = optax.adam(1e-3)
 
     def step(params, opt_state, x, y):
@@ -144,7 +126,7 @@ def make_step(mode: str, activation: str):
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return opt, jax.jit(step, donate_argnums=(0, 1))
+    return (params, opt.init(params)), jax.jit(step, donate_argnums=(0, 1))
 
 
 def bench_size(
@@ -176,15 +158,11 @@ def bench_size(
         else:
             x = jax.random.normal(kx, (batch, model.length))
             y = jax.random.randint(ky, (batch,), 0, model.num_classes)
-        init = model.init
-    for mode in modes:
+    for mode in modes:  # the same initial values for every mode
         if model is None:
-            opt, step = make_step(mode, activation)
+            state[mode], steps_fn[mode] = make_step(mode, activation, init(kp))
         else:
-            opt, step = make_model_step(model, mode, x, y)
-        params = init(kp)  # same initial values for every mode
-        state[mode] = (params, opt.init(params))
-        steps_fn[mode] = step
+            state[mode], steps_fn[mode] = make_model_step(model, mode, x, y)
 
     def run(mode: str, n: int) -> float:
         params, opt_state = state[mode]

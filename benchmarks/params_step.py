@@ -6,9 +6,9 @@ the params and the logged norms.
 
 ``frozen``: the GPT train step with the embeddings and every block but the last frozen
 (``optimizer.frozen``), under ``loss.grad`` manual and autodiff, against the same step
-with nothing frozen. Each case is the trainer's own step (``train.loop.step``:
-``batch_grads_fn`` with the trained-params mask, ``build_stepper``) with the optimizer
-``train/optim/params.py`` builds (Adam; ``set_to_zero`` for the frozen params).
+with nothing frozen. Each case is the trainer's own step as ``train.compile_fit`` builds it
+from the config (``optimizer.frozen``: the trained-params mask, Adam with ``set_to_zero``
+for the frozen params).
 
 ``extras``: the unfrozen step with nothing logged beyond the loss, with the three norms
 (``log.norms``, the default) and with the EMA (``train.ema_decay``) too.
@@ -48,40 +48,34 @@ def frozen_globs(n_layer: int) -> list[str]:
 
 
 class Case:
-    """One compiled train step of the GPT, as the trainer builds it, on its own state."""
+    """One compiled train step of the GPT, as the trainer builds it (``train.compile_fit``),
+    on its own state."""
 
     def __init__(self, model, batch, grad, *, frozen=(), norms=False, ema=None, steps_per_call=1):
-        from train import parallel
-        from train.config import Config, OptimizerConfig, TrainConfig
-        from train.loop.step import batch_grads_fn, build_stepper
-        from train.optim.params import make_optimizer
+        from benchmarks._impls import compile_nnlite
 
-        cfg = Config(
-            optimizer=OptimizerConfig(name="adam", learning_rate=1e-3, frozen=tuple(frozen)),
-            train=TrainConfig(steps=10**6, ema_decay=ema),
-        )
-        self.tx, plan = make_optimizer(cfg, model)
-        self.params = model.init(jax.random.key(0))
-        single = parallel.get("none", jax.devices()[:1])
-        trainable = None if plan is None else plan.trainable(self.params)
-        p_def = jax.tree.structure(self.params)
-        self.stepper = build_stepper(
-            batch_grads_fn(model, grad, 1, single, trainable),
-            self.tx,
-            p_def,
-            jax.tree.structure(self.tx.init(self.params)),
-            single,
-            window=model.context,
-            norms=norms,
-        )
         rng = np.random.default_rng(0)
         stream = rng.integers(0, model.vocab_size, 20_000).astype(np.int32)
-        self.X = self.stepper.put_data(stream[:-1])
-        self.Y = self.stepper.put_data(stream[1:])
+        config = {
+            "optimizer": {"name": "adam", "learning_rate": 1e-3, "frozen": list(frozen)},
+            "train": {"ema_decay": ema},
+            "log": {"norms": norms},
+        }
+        compiled = compile_nnlite(
+            model,
+            None,
+            batch,
+            grad=grad,
+            steps_per_call=steps_per_call,
+            config=config,
+            tokens=stream,
+        )
+        self.stepper = compiled.stepper
+        self.X, self.Y = compiled.X, compiled.Y
         self.idx = rng.integers(0, len(stream) - model.context - 1, (64, steps_per_call, batch))
         self.idx = self.idx.astype(np.int32)
-        self.p = self.stepper.put_state(jax.tree.leaves(self.params))
-        self.o = self.stepper.put_state(jax.tree.leaves(self.tx.init(self.params)))
+        self.p = self.stepper.put_state(jax.tree.leaves(compiled.params0))
+        self.o = self.stepper.put_state(jax.tree.leaves(compiled.opt0))
         self.t = 0
 
     def __call__(self):

@@ -1,11 +1,11 @@
 """bfloat16 / float16 against float32 on the shipped GPT: step time, MFU, what XLA compiles.
 
 For each compute precision (``train.precision``'s policy on the float32 GPT, and the GPT's
-own ``model.dtype: bfloat16``) the jitted train step (loss, gradients by ``--grad``,
-AdamW) is timed interleaved with float32, and its optimised HLO is read: how many dots
-there are and in which dtype XLA runs them, and how many ``convert`` ops it added. The
-model FLOPs come from the compiled step's cost analysis, the peak from a measured GEMM
-(``train/report/perf.py``): MFU per row. A matrix product alone in float32 and bfloat16
+own ``model.dtype: bfloat16``) the trainer's train step (``train.compile_fit``: loss,
+gradients by ``--grad``, AdamW) is timed interleaved with float32, and its optimised HLO is
+read: how many dots there are and in which dtype XLA runs them, and how many ``convert``
+ops it added. The model FLOPs and the peak are the trainer's (the step's cost analysis, a
+measured GEMM: ``CompiledFit.flops_and_peak``): MFU per row. A matrix product alone in float32 and bfloat16
 shows what the CPU does with bfloat16 without the model around it. Then the shipped recipe
 trains ``--train-steps`` steps in float32 and under ``train.precision: bfloat16`` through the
 trainer and the val losses are compared (the issue's bound: 0.02 nats).
@@ -24,7 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .deep import SHIPPED, TINY, _table, _times, _train_val_loss, gpt
+from . import _harness as h
+from .deep import SHIPPED, TINY, gpt, train_val_loss
 
 VARIANTS = {  # label: (train.precision, GPT model.dtype)
     "float32": ("float32", "float32"),
@@ -35,44 +36,42 @@ VARIANTS = {  # label: (train.precision, GPT model.dtype)
 
 
 class Step:
-    """The GPT train step under a precision policy, params and optimizer state donated."""
+    """The trainer's GPT train step (``train.compile_fit``) under a precision policy
+    (``train.precision``) and the GPT's ``model.dtype``, AdamW, params and optimizer state
+    donated, on one fixed batch."""
 
     def __init__(self, size, grad: str, precision: str, dtype: str):
         import jax
         import numpy as np
         import optax
 
-        import nnlite as nl
-        from train.loop import precision as policy
-        from train.model.contract import objective_fn
+        from ._impls import compile_nnlite
 
         self.model = gpt(size, dtype=dtype)
-        objective = objective_fn(policy.apply(self.model, precision))
-        loss = lambda p, x, y: objective(p, x, y)[0]  # noqa: E731
-        if grad == "manual":
-            loss = nl.manual_grads(loss)
-        self.tx = tx = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
-
-        def step(params, opt, x, y):
-            value, g = jax.value_and_grad(loss)(params, x, y)
-            updates, opt = tx.update(g, opt, params)
-            return optax.apply_updates(params, updates), opt, value
-
-        self.jitted = jax.jit(step, donate_argnums=(0, 1))
-        tokens = np.random.default_rng(0).integers(0, size.vocab, (size.batch, size.context + 1))
-        self.x = jax.numpy.asarray(tokens[:, :-1].astype("int32"))
-        self.y = jax.numpy.asarray(tokens[:, 1:].astype("int32"))
-        # one compiled init (eagerly each initializer op would compile on its own)
-        self.params, self.opt = jax.jit(lambda k: (lambda p: (p, tx.init(p)))(self.model.init(k)))(
-            jax.random.key(0)
+        tx = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
+        tokens = np.random.default_rng(0).integers(0, size.vocab, 4 * size.batch * size.context)
+        config = {"train": {"precision": precision}}
+        self.compiled = c = compile_nnlite(
+            self.model, tx, size.batch, grad=grad, config=config, tokens=tokens
         )
+        st = self.stepper = c.stepper
+        self.p, self.o = (st.put_state(jax.tree.leaves(t)) for t in (c.params0, c.opt0))
+        self.batch = st.put_indices(c.indices(0, 1), 0)
 
     def lowered(self):
-        return self.jitted.lower(self.params, self.opt, self.x, self.y)
+        return self.stepper.compiled.lower(
+            self.p, (self.o, []), self.compiled.X, self.compiled.Y, self.batch
+        )
+
+    def run(self, n: int) -> float:
+        """``n`` steps (one call each); the last loss, on the host."""
+        st, X, Y = self.stepper, self.compiled.X, self.compiled.Y
+        for _ in range(n):
+            self.p, self.o, _, metrics = st.run(self.p, self.o, [], X, Y, self.batch)
+        return float(metrics["loss"][-1])
 
     def __call__(self):
-        self.params, self.opt, loss = self.jitted(self.params, self.opt, self.x, self.y)
-        return float(loss)
+        return self.run(1)
 
 
 def hlo_profile(text: str) -> dict:
@@ -86,9 +85,9 @@ def hlo_profile(text: str) -> dict:
 
 def gemm_rates(n: int) -> dict:
     """FLOP/s of an ``n x n`` matrix product in float32 and bfloat16 (best of 5)."""
-    from train.report.perf import measure_cpu_peak
+    from ._matmul import gemm_rate
 
-    return {dt: measure_cpu_peak(dt, n) for dt in ("float32", "bfloat16")}
+    return {dt: gemm_rate(dt, n) for dt in ("float32", "bfloat16")}
 
 
 def main(argv=None) -> int:
@@ -104,9 +103,6 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--hlo-dir", default=None, help="also write each step's optimised HLO here")
     args = ap.parse_args(argv)
-    from train.loop.build import step_cost
-    from train.report import perf
-
     size = TINY if args.tiny else SHIPPED
     rounds = 1 if args.tiny else args.rounds
     variants = list(VARIANTS)[:2] if args.tiny else list(VARIANTS)  # tiny: float32, bf16
@@ -117,13 +113,13 @@ def main(argv=None) -> int:
         text = lowered.compile().as_text()
         profile[label] = hlo_profile(text)
         # the trainer's count (before the backend turns dots into library calls)
-        flops[label] = perf.step_flops(step_cost(lowered), 1)
+        flops[label] = step.compiled.flops_and_peak()[0]
         if args.hlo_dir:
             out = Path(args.hlo_dir) / f"{re.sub(r'[^a-z0-9]+', '_', label)}.hlo"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
-    t = _times(steps, rounds)
-    peak = perf.cpu_peak("float32")
+    t = h.medians(steps, rounds)
+    peak = steps["float32"].compiled.flops_and_peak()[1]  # the trainer's: a measured GEMM
     rows = []
     for label in steps:
         p = profile[label]
@@ -144,31 +140,28 @@ def main(argv=None) -> int:
         f"{size.context}, batch {size.batch}); MFU against the float32 GEMM peak "
         f"{peak / 1e9:.1f} GFLOP/s"
     )
-    print(_table(rows, ["precision", "ms/step", "x float32", "dots (HLO)", "converts", "MFU"]))
+    print(h.table(rows, ["precision", "ms/step", "x float32", "dots (HLO)", "converts", "MFU"]))
     gemm = gemm_rates(256 if args.tiny else 1024)
     print("\nthe matrix product alone (GFLOP/s)")
     print(
-        _table(
+        h.table(
             [[dt, f"{r / 1e9:.1f}", f"{gemm['float32'] / r:.2f}"] for dt, r in gemm.items()],
             ["dtype", "GFLOP/s", "float32 / it"],
         )
     )
     val = {}
     if args.train_steps < 1:  # --train-steps 0: the step table only
-        from . import _harness as h
-
         h.write_json("precision", {"step_s": t, "hlo": profile, "flops": flops, "peak": peak})
         return 0
     with tempfile.TemporaryDirectory() as d:
         for prec in ("float32", "bfloat16"):
             over = [f"train.precision={prec}", f"name=precision_{prec}"]
-            val[prec] = _train_val_loss("float32", args.train_steps, args.tiny, Path(d), over)
+            val[prec] = train_val_loss("float32", args.train_steps, args.tiny, Path(d), over)
     print(
         f"\nval loss after {args.train_steps} steps of the shipped recipe: float32 "
         f"{val['float32']:.4f}, train.precision=bfloat16 {val['bfloat16']:.4f} "
         f"({val['bfloat16'] - val['float32']:+.4f} nats)"
     )
-    from . import _harness as h
 
     h.write_json(
         "precision",

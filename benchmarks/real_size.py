@@ -71,9 +71,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 def machine(threads: int) -> dict:
     """CPU model (lscpu's, else /proc/cpuinfo's), the ISA flags that pick the GEMM kernels,
     threads, 1-minute load average, and the versions of the libraries compared."""
-    from train.report.machine import cpu_flags, cpu_model, read_cpuinfo
-
-    text = read_cpuinfo()
+    info = h.cpuinfo()
     model = None
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
@@ -87,7 +85,7 @@ def machine(threads: int) -> dict:
         )
     except (OSError, subprocess.SubprocessError):
         pass
-    flags = cpu_flags(text) or frozenset()
+    flags = frozenset(info.get("flags", "").split())
     versions = {}
     for mod in ("jax", "jaxlib", "torch", "transformers", "peft"):
         try:
@@ -95,7 +93,7 @@ def machine(threads: int) -> dict:
         except ImportError:
             versions[mod] = "not installed"
     return {
-        "cpu": model or cpu_model(text) or "unknown",
+        "cpu": model or info.get("model name") or "unknown",
         "isa": {f: f in flags for f in ISA_FLAGS},
         "threads": threads,
         "load_before": _load(),

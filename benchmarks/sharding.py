@@ -36,11 +36,9 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from models.gpt import GPT
-from train.loop.memory import format_bytes
-from train.loop.step import batch_grads_fn, build_stepper
-from train.model import contract
-from train.parallel import strategy_class
+from benchmarks._harness import format_bytes  # noqa: E402
+from benchmarks._impls import compile_nnlite  # noqa: E402
+from models.gpt import GPT  # noqa: E402
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 LAYOUTS = {  # name -> (strategy, parallel.tensor, parallel.fsdp_min_bytes)
@@ -65,29 +63,21 @@ def count_collectives(hlo: str) -> dict[str, str]:
 
 
 def nnlite_step(model, optimizer, name, tensor, min_bytes, batch, devices):
-    """Bytes per device and the compiled step of ``python -m train``'s stepper."""
-    cls = strategy_class(name)
-    strategy = cls(devices[:1]) if name == "none" else cls(devices, tensor, min_bytes)
-    strategy.plan(model, optimizer)
-    p_avals = jax.eval_shape(model.init, jax.random.key(0))
-    o_avals = jax.eval_shape(optimizer.init, p_avals)
-    stepper = build_stepper(
-        batch_grads_fn(model, "autodiff", 1, strategy),
-        optimizer,
-        jax.tree.structure(p_avals),
-        jax.tree.structure(o_avals),
-        strategy,
-        window=model.context,
+    """Bytes per device and the compiled step of ``python -m train``'s stepper
+    (``train.compile_fit`` with the layout's ``parallel`` section)."""
+    parallel = {"strategy": name, "tensor": tensor, "fsdp_min_bytes": min_bytes}
+    parallel["devices"] = 1 if name == "none" else len(devices)
+    run = compile_nnlite(
+        model, optimizer, batch, config={"parallel": parallel}, tokens=np.zeros(4096, np.int32)
     )
-    n_tokens = 4096
-    data = np.zeros(n_tokens, np.int32)
-    X, Y = stepper.put_data(data), stepper.put_data(data)
+    stepper = run.stepper
     idx = stepper.put_indices(np.zeros((1, batch), np.int32))
-    p_abs = stepper.abstract_state(jax.tree.leaves(p_avals))
-    o_abs = stepper.abstract_state(jax.tree.leaves(o_avals))
+    p_abs = stepper.abstract_state(jax.tree.leaves(run.params0))
+    o_abs = stepper.abstract_state(jax.tree.leaves(run.opt0))
     # the state travels as (params, (opt_state, model state)): Stepper.run's layout
-    compiled = stepper.compiled.lower(p_abs, (o_abs, []), X, Y, idx).compile()
-    state = strategy.bytes_per_device(p_avals) + strategy.bytes_per_device(o_avals)
+    compiled = stepper.compiled.lower(p_abs, (o_abs, []), run.X, run.Y, idx).compile()
+    strategy = run.run.strategy
+    state = strategy.bytes_per_device(run.params0) + strategy.bytes_per_device(run.opt0)
     return state, compiled
 
 
@@ -107,10 +97,12 @@ def cookbook_fsdp_step(model, optimizer, batch, devices):
     opt_state = jax.eval_shape(optimizer.init, params)
     p_sh, o_sh = jax.tree.map(shard, params), jax.tree.map(shard, opt_state)
     batch_sh = NamedSharding(mesh, P("fsdp"))
-    objective = contract.objective_fn(model)
+
+    def objective(params, x, y):  # the trainer's loss: the labels' log-probabilities
+        return -model(params, x, labels=y).mean()
 
     def train_step(params, opt_state, x, y):
-        (loss, _), grads = jax.value_and_grad(objective, has_aux=True)(params, x, y)
+        loss, grads = jax.value_and_grad(objective)(params, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

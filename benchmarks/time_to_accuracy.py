@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -58,74 +57,105 @@ def cache_env(cache_dir: str | None) -> dict[str, str]:
     }
 
 
-def _config(steps: int | None = None):
-    from train.config import load_config
-
-    sets = ["log.progress=false", "log.plot=false"]
-    return load_config(CONFIG, sets + ([f"train.steps={steps}"] if steps else []))
+def _overrides(steps: int | None = None) -> list[str]:
+    return ["log.progress=false", "log.plot=false"] + ([f"train.steps={steps}"] if steps else [])
 
 
-def _nnlite(cfg, data, eval_every: int, steps_per_call: int) -> dict:
-    """nnlite's training loop (train/loop/trainer.py: ``prepare`` compiles init, step and eval side
-    by side) with an accuracy check at each eval."""
-    import dataclasses
-    from pathlib import Path
+def write_inputs(path: Path, steps: int | None = None) -> None:
+    """What every implementation starts from, as ``train.compile_fit`` builds the config's
+    run (untimed, in the parent): nnlite's initial weights, the data set's splits, the
+    data order (each step's batch indices) and the optimizer's settings."""
+    import train
 
+    c = train.compile_fit(None, CONFIG, overrides=_overrides(steps))
+    cfg, data = c.run.cfg, c.run.data
+    layers = [*c.params0.ffn.layers, c.params0.head]
+    weights = {f"{n}{i}": np.asarray(lp[n]) for i, lp in enumerate(layers) for n in "Wb"}
+    opt = cfg.optimizer
+    if (opt.name, opt.schedule) != ("adam", "cosine") or opt.clip_norm or opt.weight_decay:
+        raise SystemExit(f"{CONFIG}: the peers are written for adam with a cosine schedule")
+    np.savez(
+        path,
+        **weights,
+        x=data.x,
+        y=data.y,
+        x_test=data.x_test,
+        y_test=data.y_test,
+        order=c.indices(0, cfg.train.steps),
+        adam=np.array([opt.learning_rate, opt.end_lr_fraction, opt.b1, opt.b2 or 0.999]),
+        ints=np.array(
+            [cfg.seed, cfg.train.steps, cfg.train.batch_size, *cfg.model.get("hidden_sizes")]
+        ),
+    )
+
+
+class Inputs:
+    """:func:`write_inputs`' file, read back in a worker (before its clock starts)."""
+
+    def __init__(self, path: str):
+        with np.load(path) as f:
+            arrays = {k: f[k] for k in f.files}
+        n_layers = sum(k.startswith("W") for k in arrays)
+        self.weights = [(arrays[f"W{i}"], arrays[f"b{i}"]) for i in range(n_layers)]
+        self.x, self.y, self.order = arrays["x"], arrays["y"], arrays["order"]
+        self.x_test, self.y_test = arrays["x_test"], arrays["y_test"]
+        self.adam = [float(v) for v in arrays["adam"]]
+        self.seed, self.steps, self.batch, *self.hidden = (int(v) for v in arrays["ints"])
+
+    def optimizer(self):
+        """The config's optimizer in optax: adam, the rate cosine-decayed over the steps."""
+        import optax
+
+        lr, end, b1, b2 = self.adam
+        return optax.adam(optax.cosine_decay_schedule(lr, self.steps, alpha=end), b1=b1, b2=b2)
+
+
+def _nnlite(data: Inputs, eval_every: int, steps_per_call: int) -> dict:
+    """nnlite's training loop as the trainer runs it: ``train.compile_fit`` (the config
+    checked and built, init, step and eval compiled side by side), then its calls with an
+    accuracy check at each eval."""
     import jax
 
-    from train import parallel
-    from train.data.dataset import BatchIndices
-    from train.loop.build import Run, make_model, prepare
-    from train.loop.trainer import boundaries, steps_in_call
-    from train.optim.named import build_optimizer
+    import train
 
-    tc = dataclasses.replace(cfg.train, steps_per_call=steps_per_call, eval_every=eval_every)
-    cfg = dataclasses.replace(cfg, train=tc)
-    model, cfg = make_model(cfg, data)
-    optimizer = build_optimizer(cfg.optimizer, tc.steps)
-    run = Run(
-        cfg, data, model, optimizer, parallel.get("none", jax.local_devices()[:1]), Path("unused")
-    )
-    every = boundaries(cfg)
-    sampler = BatchIndices(cfg.seed, len(data.x), tc.batch_size)
-    prep = prepare(run, tc.nonfinite, sampler.batches(0, steps_in_call(cfg, 0, every)))
-    st = prep.stepper
-    p_leaves, o_leaves = (
-        st.put_state(jax.tree.leaves(prep.params0)),
-        st.put_state(jax.tree.leaves(prep.opt0)),
-    )
-    p_def = jax.tree.structure(prep.params0)
+    overrides = _overrides(data.steps) + [
+        f"train.steps_per_call={steps_per_call}",
+        f"train.eval_every={eval_every}",
+    ]
+    splits = {"train": (data.x, data.y), "test": (data.x_test, data.y_test)}
+    c = train.compile_fit(None, CONFIG, overrides=overrides, data=splits)
+    st = c.stepper
+    p_leaves, o_leaves = (st.put_state(jax.tree.leaves(t)) for t in (c.params0, c.opt0))
+    p_def = jax.tree.structure(c.params0)
     step, acc = 0, 0.0
-    while step < tc.steps:
-        k = steps_in_call(cfg, step, every)
-        idx = st.put_indices(sampler.batches(step, k))
-        p_leaves, o_leaves, _, _ = st.run(p_leaves, o_leaves, [], prep.X, prep.Y, idx)
+    while step < data.steps:
+        k = c.steps_in_call(step)
+        idx = st.put_indices(c.indices(step, k), step)
+        p_leaves, o_leaves, _, _ = st.run(p_leaves, o_leaves, [], c.X, c.Y, idx)
         step += k
         if step % eval_every == 0:
             params = jax.tree.unflatten(p_def, st.get_state(p_leaves))
-            acc = float(prep.evaluate(params, prep.X_test, prep.Y_test)["accuracy"])
+            acc = float(c.evaluate(params, c.X_test, c.Y_test)["accuracy"])
             if acc >= TARGET:
                 break
     return {"steps": step, "accuracy": acc}
 
 
-def _equinox(cfg, data, weights, eval_every: int) -> dict:
+def _equinox(data: Inputs, eval_every: int) -> dict:
     """The Equinox way: eqx.nn.MLP, filter_value_and_grad, filter_jit, numpy batches."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import optax
 
-    from train.data.dataset import BatchIndices
-    from train.optim.named import build_optimizer
-
-    model = eqx.nn.MLP(64, 10, 128, 1, jax.nn.relu, key=jax.random.key(cfg.seed))
+    weights = data.weights
+    model = eqx.nn.MLP(64, 10, 128, 1, jax.nn.relu, key=jax.random.key(data.seed))
     model = eqx.tree_at(
         lambda m: [layer.weight for layer in m.layers] + [layer.bias for layer in m.layers],
         model,
         [jnp.asarray(W.T) for W, _ in weights] + [jnp.asarray(b) for _, b in weights],
     )
-    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+    tx = data.optimizer()
     opt_state = tx.init(eqx.filter(model, eqx.is_array))
 
     @eqx.filter_value_and_grad
@@ -143,10 +173,9 @@ def _equinox(cfg, data, weights, eval_every: int) -> dict:
     def accuracy(model, x, y):
         return jnp.mean(jnp.argmax(jax.vmap(model)(x), axis=-1) == y)
 
-    sampler = BatchIndices(cfg.seed, len(data.x), cfg.train.batch_size)
     acc = 0.0
-    for step in range(cfg.train.steps):
-        i = sampler.batch(step)
+    for step in range(data.steps):
+        i = data.order[step]
         model, opt_state, _ = train_step(model, opt_state, data.x[i], data.y[i])
         if (step + 1) % eval_every == 0:
             acc = float(accuracy(model, data.x_test, data.y_test))
@@ -155,14 +184,11 @@ def _equinox(cfg, data, weights, eval_every: int) -> dict:
     return {"steps": step + 1, "accuracy": acc}
 
 
-def _flax_nnx(cfg, data, weights, eval_every: int) -> dict:
+def _flax_nnx(data: Inputs, eval_every: int) -> dict:
     """The Flax NNX way: nnx.Module, nnx.Optimizer(wrt=nnx.Param), nnx.jit, numpy batches."""
     import jax.numpy as jnp
     import optax
     from flax import nnx
-
-    from train.data.dataset import BatchIndices
-    from train.optim.named import build_optimizer
 
     class MLP(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
@@ -172,10 +198,10 @@ def _flax_nnx(cfg, data, weights, eval_every: int) -> dict:
         def __call__(self, x):
             return self.out(nnx.relu(self.hidden(x)))
 
-    model = MLP(nnx.Rngs(cfg.seed))
-    for layer, (W, b) in zip((model.hidden, model.out), weights):
+    model = MLP(nnx.Rngs(data.seed))
+    for layer, (W, b) in zip((model.hidden, model.out), data.weights):
         layer.kernel.value, layer.bias.value = jnp.asarray(W), jnp.asarray(b)
-    optimizer = nnx.Optimizer(model, build_optimizer(cfg.optimizer, cfg.train.steps), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, data.optimizer(), wrt=nnx.Param)
 
     @nnx.jit
     def train_step(model, optimizer, x, y):
@@ -190,10 +216,9 @@ def _flax_nnx(cfg, data, weights, eval_every: int) -> dict:
     def accuracy(model, x, y):
         return jnp.mean(jnp.argmax(model(x), axis=-1) == y)
 
-    sampler = BatchIndices(cfg.seed, len(data.x), cfg.train.batch_size)
     acc = 0.0
-    for step in range(cfg.train.steps):
-        i = sampler.batch(step)
+    for step in range(data.steps):
+        i = data.order[step]
         train_step(model, optimizer, data.x[i], data.y[i])
         if (step + 1) % eval_every == 0:
             acc = float(accuracy(model, data.x_test, data.y_test))
@@ -202,66 +227,50 @@ def _flax_nnx(cfg, data, weights, eval_every: int) -> dict:
     return {"steps": step + 1, "accuracy": acc}
 
 
-def _sklearn(cfg, data) -> dict:
+def _sklearn(data: Inputs) -> dict:
     from sklearn.neural_network import MLPClassifier
 
-    hidden = tuple(cfg.model.get("hidden_sizes"))
     # --tiny (train.steps below the config's): as many epochs as that, a smoke run
-    iters = {} if cfg.train.steps >= 100 else {"max_iter": 2}
-    clf = MLPClassifier(hidden_layer_sizes=hidden, random_state=cfg.seed, **iters)
+    iters = {} if data.steps >= 100 else {"max_iter": 2}
+    clf = MLPClassifier(hidden_layer_sizes=tuple(data.hidden), random_state=data.seed, **iters)
     clf.fit(data.x, data.y)
     return {"steps": int(clf.n_iter_), "accuracy": float(clf.score(data.x_test, data.y_test))}
 
 
-def worker(impl: str, weights_path: str, eval_every: int, steps: int | None = None) -> dict:
-    """One timed run in this (fresh) process; returns wall seconds, steps and accuracy
-    (``steps``: train.steps instead of the config's, for a smoke run)."""
+def worker(impl: str, inputs: str, eval_every: int) -> dict:
+    """One timed run in this (fresh) process, from :func:`write_inputs`' file ``inputs``;
+    returns wall seconds, steps and accuracy."""
     import warnings
 
     import jax
 
-    from train.data.builtin import load_dataset
-
-    cfg = _config(steps)
-    data = load_dataset(cfg.data)
-    with np.load(weights_path) as f:
-        weights = [(f[f"W{i}"], f[f"b{i}"]) for i in range(len(f.files) // 2)]
+    data = Inputs(inputs)
     if impl in ("Equinox", "Flax NNX"):
         import equinox  # noqa: F401
         import flax.nnx  # noqa: F401
     if impl == "scikit-learn":
         import sklearn.neural_network  # noqa: F401
+    if impl.startswith("nnlite"):
+        import train
+
+        train.compile_fit  # noqa: B018 - imports the trainer (its names load on first use)
     jax.devices()  # start the backend before the clock: every JAX program pays it once
     t0 = time.perf_counter()
     if impl in ("nnlite", WARM):
-        out = _nnlite(cfg, data, eval_every, steps_per_call=eval_every)
+        out = _nnlite(data, eval_every, steps_per_call=eval_every)
     elif impl == "nnlite K=1":
-        out = _nnlite(cfg, data, eval_every, steps_per_call=1)
+        out = _nnlite(data, eval_every, steps_per_call=1)
     elif impl == "Equinox":
-        out = _equinox(cfg, data, weights, eval_every)
+        out = _equinox(data, eval_every)
     elif impl == "Flax NNX":
-        out = _flax_nnx(cfg, data, weights, eval_every)
+        out = _flax_nnx(data, eval_every)
     elif impl == "scikit-learn":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # ConvergenceWarning at max_iter is expected
-            out = _sklearn(cfg, data)
+            out = _sklearn(data)
     else:
         raise SystemExit(f"unknown implementation {impl!r}; valid: {', '.join(IMPLS)}")
     return {"impl": impl, "wall_s": time.perf_counter() - t0, **out}
-
-
-def write_weights(path: Path) -> None:
-    """nnlite's initial weights of the digits MLP, for the other frameworks to copy."""
-
-    from train.data.builtin import load_dataset
-    from train.loop.build import init_state_compiled, make_model
-    from train.optim.named import build_optimizer
-
-    cfg = _config()
-    model, _ = make_model(cfg, load_dataset(cfg.data))
-    p, _ = init_state_compiled(model, build_optimizer(cfg.optimizer, cfg.train.steps), cfg.seed)
-    layers = [*p.ffn.layers, p.head]
-    np.savez(path, **{f"{n}{i}": np.asarray(lp[n]) for i, lp in enumerate(layers) for n in "Wb"})
 
 
 def _tiny() -> int:
@@ -269,11 +278,11 @@ def _tiny() -> int:
     is "nnlite" here (the same call: only its process's cache environment differs), so it
     is not run twice."""
     with tempfile.TemporaryDirectory() as tmp:
-        weights = Path(tmp) / "weights.npz"
-        write_weights(weights)
+        inputs = Path(tmp) / "inputs.npz"
+        write_inputs(inputs, steps=4)
         rows = []
         for impl in (i for i in IMPLS if i != WARM):
-            out = worker(impl, str(weights), eval_every=2, steps=4)
+            out = worker(impl, str(inputs), eval_every=2)
             rows.append([impl, f"{out['wall_s']:.3f} s", out["steps"], f"{out['accuracy']:.4f}"])
     print(h.table(rows, ["implementation", "wall (tiny: meaningless)", "steps", "accuracy"]))
     return 0
@@ -288,10 +297,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=50, help="steps between accuracy checks")
     ap.add_argument("--tiny", action="store_true", help="4 steps, in this process: a smoke run")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--weights", help=argparse.SUPPRESS)
+    ap.add_argument("--inputs", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.weights, args.eval_every)))
+        print(json.dumps(worker(args.worker, args.inputs, args.eval_every)))
         return 0
     if args.tiny:
         return _tiny()
@@ -299,18 +308,17 @@ def main(argv=None) -> int:
     repeats = 1 if args.quick else args.repeats
     info = h.machine_info()
     print(f"machine: {info['cpu']}, {info['affinity']} usable cores; jax {info['versions']['jax']}")
-    runs: dict[str, list[dict]] = {i: [] for i in IMPLS}
     with tempfile.TemporaryDirectory() as tmp:
-        weights = Path(tmp) / "weights.npz"
-        write_weights(weights)
+        inputs = Path(tmp) / "inputs.npz"
+        write_inputs(inputs)
         warm_env = cache_env(str(Path(tmp) / "jax_cache"))
 
         def run(impl: str) -> dict:
             argv = [
                 "--worker",
                 impl,
-                "--weights",
-                str(weights),
+                "--inputs",
+                str(inputs),
                 "--eval-every",
                 str(args.eval_every),
             ]
@@ -318,17 +326,7 @@ def main(argv=None) -> int:
             return h.run_module_json("benchmarks.time_to_accuracy", argv, env=env)
 
         run(WARM)  # untimed: fills the cache
-        rng = random.Random(0)
-        for r in range(repeats):
-            order = list(IMPLS)
-            rng.shuffle(order)
-            for impl in order:
-                runs[impl].append(run(impl))
-            print(
-                f"repeat {r + 1}/{repeats}: "
-                + ", ".join(f"{i} {runs[i][-1]['wall_s']:.3f} s" for i in IMPLS),
-                flush=True,
-            )
+        runs = h.repeat_shuffled({i: (lambda i=i: run(i)) for i in IMPLS}, repeats, digits=3)
 
     med = {i: h.median([x["wall_s"] for x in v]) for i, v in runs.items()}
     base = med["nnlite"]

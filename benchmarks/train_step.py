@@ -17,11 +17,9 @@ import argparse
 import sys
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from . import _harness as h
-from ._impls import SPECS, TINY, build_all, losses_after
+from ._impls import SPECS, TINY, Nnlite, build_all, losses_after
 from ._impls_cnn import CNN_SPECS, CNN_TINY, build_all_cnn
 
 # Steps per timed sample, and nnlite's steps per call, for each size: enough work per
@@ -36,18 +34,9 @@ LOSS_RTOL = 1e-4
 
 def gemm_case(n: int = GEMM_N, reps: int = 4):
     """A callable doing ``reps`` jitted float32 n x n matmuls; and the FLOPs it does."""
-    rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.normal(size=(n, n)).astype(np.float32))
-    b = jnp.asarray(rng.normal(size=(n, n)).astype(np.float32))
-    mm = jax.jit(lambda a, b: a @ b)
+    from ._matmul import matmul_cases
 
-    def run():
-        out = None
-        for _ in range(reps):
-            out = mm(a, b)
-        out.block_until_ready()
-
-    return run, 2 * n**3 * reps
+    return matmul_cases("float32", n, peer=False, reps=reps)["nnlite"], 2 * n**3 * reps
 
 
 def check_losses(impls, steps: int = 10, rtol: float = LOSS_RTOL) -> dict[str, float]:
@@ -158,10 +147,8 @@ def bench_gpt(
     (``"autocast"``: and its bf16 autocast). ``steps``: (nnlite's steps per call, steps per
     timed sample) instead of the size's own; ``rtol``: the same-loss check's tolerance (an
     accelerator's TF32 dots round differently per implementation). MFU is against the
-    device's peak (``train/report/perf.py``: a measured GEMM on a CPU, the data sheet's
-    float32 (TF32) figure on a GPU)."""
-    from train.report.perf import peak_flops
-
+    device's peak as the trainer reports MFU (``CompiledFit.flops_and_peak``: a measured
+    GEMM on a CPU, the data sheet's float32 (TF32) figure on a GPU)."""
     from ._gpt_impls import GPT_SPECS, GPT_TINY, build_all_gpt
 
     spec = GPT_TINY if tiny else GPT_SPECS[size]
@@ -180,8 +167,9 @@ def bench_gpt(
         samples = h.time_interleaved(cases, rounds=rounds, warmup=warmup)
     per_step = {name: h.median(v) / n for name, v in samples.items()}
     floor = per_step["matmul floor"]
-    peak, _ = peak_flops(jax.devices()[:1], "float32")  # MFU: the step's matmul FLOPs
-    peak = peak or float("nan")
+    # MFU: the step's matmul FLOPs against the peak the trainer reports MFU against
+    nnlite = next(i for i in impls if isinstance(i, Nnlite))
+    peak = nnlite.compiled.flops_and_peak()[1] or float("nan")
     return {
         "peak_flops_per_s": peak,
         "mfu": {name: spec.matmul_flops() / t / peak for name, t in per_step.items()},

@@ -300,3 +300,82 @@ def test_real_size_bad_arguments_are_one_line(argv, message, capsys):
         real_size.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# -- train.compile_fit: the public seam the benchmarks time the trainer's step through ---------
+def test_compile_fit_steps_as_train_fit_trains(tmp_path):
+    """``train.compile_fit``'s compiled step, run on its own data order, ends where
+    ``train.fit`` of the same config ends (the same build, init, step and batches)."""
+    import numpy as np
+
+    import train
+
+    config = {
+        "model": {"name": "mlp", "hidden_sizes": [8]},
+        "train": {"batch_size": 16, "steps": 6, "steps_per_call": 2, "eval_every": 6},
+        "checkpoint": {"every": 0},
+        "log": {"dir": str(tmp_path), "progress": False, "plot": False},
+    }
+    c = train.compile_fit(None, config)
+    st = c.stepper
+    p, o = st.put_state(jax.tree.leaves(c.params0)), st.put_state(jax.tree.leaves(c.opt0))
+    step = 0
+    while step < 6:
+        k = c.steps_in_call(step)
+        p, o, _, metrics = st.run(p, o, [], c.X, c.Y, st.put_indices(c.indices(step, k), step))
+        step += k
+    assert k == 2 and metrics["loss"].shape == (2,)
+    ours = jax.tree.unflatten(jax.tree.structure(c.params0), st.get_state(p))
+    run = train.fit(None, config, echo=lambda *_: None)
+    assert run.step == 6
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(run.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert not np.allclose(ours.head.W, c.params0.head.W)  # it trained
+    flops, _ = c.flops_and_peak()
+    assert flops is not None and flops > 0
+
+
+def test_compile_fit_trains_a_language_model_on_a_token_stream():
+    """``tokens=``: windows of ``model.context`` of one stream, an index a window's start
+    (the text data sets' layout); the loss starts near ln(vocab)."""
+    import math
+
+    import numpy as np
+    import optax
+
+    import train
+    from models.gpt import GPT
+
+    model = GPT(vocab_size=11, context=8, n_layer=1, n_head=2, n_embd=16)
+    tokens = np.random.default_rng(0).integers(0, 11, 200)
+    c = train.compile_fit(
+        model,
+        {"train": {"batch_size": 4}, "loss": {"grad": "autodiff"}},
+        optimizer=optax.adam(1e-3),
+        tokens=tokens,
+    )
+    assert c.run.cfg.model.get("context") == 8 and c.run.data.window == 8
+    np.testing.assert_array_equal(np.asarray(c.X), tokens[:-1])
+    np.testing.assert_array_equal(np.asarray(c.Y), tokens[1:])
+    st = c.stepper
+    p, o = st.put_state(jax.tree.leaves(c.params0)), st.put_state(jax.tree.leaves(c.opt0))
+    _, _, _, metrics = st.run(p, o, [], c.X, c.Y, st.put_indices(c.indices(0, 1), 0))
+    assert abs(float(metrics["loss"][0]) - math.log(11)) < 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tokens": [[1, 2], [3, 4]]}, "tokens must be a 1-D int array, got int64[2, 2]"),
+        ({"tokens": [1, 2, 3]}, "tokens need a language model with context and vocab_size"),
+        ({"tokens": [1, 2], "data": ([[0.0]], [0])}, "give data or tokens, not both"),
+    ],
+)
+def test_compile_fit_refuses_bad_tokens_in_one_line(kwargs, message):
+    import numpy as np
+
+    import train
+
+    kwargs = {k: v if k == "data" else np.asarray(v) for k, v in kwargs.items()}
+    with pytest.raises(train.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        train.compile_fit(None, None, **kwargs)

@@ -348,7 +348,7 @@ def test_fsdp_early_stopping_best_k_async_and_every_minutes_resume_exactly(proje
 
 
 def test_early_stopping_resumed_with_another_monitor_counts_it_from_the_resume():
-    from train.loop.callbacks import EarlyStopping
+    from train.callbacks import EarlyStopping
 
     saved = EarlyStopping("accuracy", "max", patience=3)
     saved.best, saved.bad = 0.9, 2

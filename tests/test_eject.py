@@ -189,7 +189,9 @@ def test_user_model_with_rule_and_dropout_reproduces(user_dropout, script_losses
     assert "scaled_tanh_vjp(" in src and "linear_vjp(" in src and "dropout_vjp(" in src
     assert "key = jax.random.fold_in(jax.random.key(SEED), step)" in src
     assert "for i in range(2):" in src and "jax.random.fold_in(key, i)" in src  # microbatches
-    assert "optax.clip_by_global_norm(0.5)" in src and "mask=decay_mask" in src
+    assert "optax.clip_by_global_norm(0.5)" in src and "decay='matrices'" in src
+    # the trainer's own optimizer functions, copied: adamw and the mask it calls
+    assert "def adamw(learning_rate" in src and "def decay_mask(params)" in src
     want = _trainer_losses(run_dir)
     got = script_losses[script]
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))

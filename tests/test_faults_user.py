@@ -17,10 +17,10 @@ import pytest
 
 from train import faults
 from train.__main__ import main
+from train.callbacks import Callback
 from train.checkpoint.rundir import TIMING_KEYS
 from train.data.dataset import epoch_order
 from train.data.source import DataError
-from train.loop.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -349,7 +349,7 @@ def test_a_model_of_nnlite_layers_only_checks_nothing(tmp_path, rule_cache, monk
 def test_the_rule_cache_key_follows_the_rules_code_and_shapes():
     """What a rule computes by -- its closure, the helpers it calls and their constants --
     and the check's shapes are in the key; the same rule again has the same key."""
-    from train.loop import rulecache
+    from train.step import rulecache
 
     def rule(factor, const):
         def helper(x):
@@ -412,7 +412,7 @@ def test_policy_config_errors(user, loss, match):
 
 
 def test_glob_matches_whole_segments():
-    from train.loop.backward_config import PolicySpec
+    from train.step.backward_config import PolicySpec
 
     spec = PolicySpec("blocks/*/attn", clip=1.0)
     assert spec.matches("blocks[2].attn") and spec.matches("blocks/0/attn")

@@ -121,7 +121,7 @@ def test_a_training_step_holds_one_chunk_of_logits_not_all():
 def test_the_precision_policy_casts_token_log_probs():
     """train.precision: bfloat16 runs token_log_probs as it runs the model: params and
     features in bfloat16, the log-probabilities and the gradients float32."""
-    from train.loop.precision import Policy
+    from train.step.precision import Policy
 
     model = _models()[0]
     params = jax.jit(model.init)(jax.random.key(1))
@@ -145,8 +145,8 @@ def test_token_log_probs_runs_in_the_model_frame(i):
     """The layers the loss runs are those of the model's own call, by the same paths
     (backward policies and per-layer norms name them so), but for an untied head's
     Linear: the chunked head computes it."""
-    from train.loop.backward import discover
     from train.model.contract import objective_fn, task_objective
+    from train.step.backward import discover
 
     model = _models()[i]
     params = jax.eval_shape(model.init, jax.random.key(0))

@@ -242,7 +242,7 @@ def test_the_average_follows_its_recurrence_in_float32():
 
 
 def test_norms_are_logged_at_the_log_cadence(runs):
-    from train.loop.step import global_norms
+    from train.step.step import global_norms
 
     train_records = [r for r in records(runs["none"].run_dir) if r["split"] == "train"]
     assert [r["step"] for r in train_records] == [5, 10, 15, 20]
@@ -266,7 +266,7 @@ def test_norms_are_logged_at_the_log_cadence(runs):
 
 def _grads_fn(model, trainable, grad):
     from train import parallel
-    from train.loop.step import batch_grads_fn
+    from train.step.step import batch_grads_fn
 
     fn = batch_grads_fn(model, grad, 1, parallel.get("none", jax.devices()[:1]), trainable)
     return lambda p, x, y: fn(p, None, x, y)

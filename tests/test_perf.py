@@ -104,8 +104,8 @@ def test_init_compiler_options_are_the_cpu_backends_only(monkeypatch):
 def test_the_policy_computes_in_the_dtype_and_the_loss_in_float32(user):
     from perf_user import TwoLayer
 
-    from train.loop import precision
     from train.model.contract import objective_fn
+    from train.step import precision
 
     model = TwoLayer(64, 10)
     params = jax.eval_shape(model.init, jax.random.key(0))  # traced below: shapes suffice

@@ -112,7 +112,7 @@ def _trainer_programs(cfg):
     generate programs (``train.inference``)."""
     from train.inference import _apply, generator
     from train.loop.build import build, init_program, make_stepper
-    from train.loop.step import build_split_eval
+    from train.step.step import build_split_eval
 
     r = build(cfg)
     init = init_program(r.model, r.optimizer).trace(np.int32(cfg.seed))

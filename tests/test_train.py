@@ -302,7 +302,7 @@ def test_fused_mode_trains_like_autodiff(trained, strategy):
     assert_same_training(fused, auto, ROUNDINGS_PER_LAYER * LAYERS[mlp], "fused: ")
 
 
-# Two accumulation paths (train/loop/step.py: batch_grads_fn): the generic scan of
+# Two accumulation paths (train/step/step.py: batch_grads_fn): the generic scan of
 # value_and_grad (autodiff and manual alike) over each strategy's global_loss (the
 # identity for none and pmap, a pmean for shard_map), and the model's own accumulating
 # pass (fused), whose local sums each strategy reduces its own way (local_accumulator,

@@ -4,6 +4,8 @@ and the same from Python (``import nnlite.train as train``).
 - ``train.fit(model, config)``: train a model (yours or a shipped one) as the CLI does;
 - ``train.load_run(run_dir)``: a run's model, params, config and vocabulary, back;
 - ``train.generate(model, params, prompt_ids, n_tokens, key)``: text from a language model.
+- ``train.compile_fit(model, config)``: what ``train.fit`` would train with, built and
+  compiled, before step 1 (its compiled step, for benchmarks: docs/benchmarks.md).
 - ``train.Callback``: your code at the loop's events (``train.fit(..., callbacks=[...])``
   or ``callbacks:`` in a config); ``train.EarlyStopping`` is one.
 - ``train.Logger``: where records go (``train.fit(..., loggers=[...])`` or ``log.loggers:``
@@ -14,13 +16,15 @@ The names load on first use, so ``nnlite-train`` starts without importing JAX ea
 
 _LAZY = {
     "fit": ".loop.fitting",
+    "compile_fit": ".loop.compiled",
+    "CompiledFit": ".loop.compiled",
     "load_run": ".inference",
     "LoadedRun": ".inference",
     "generate": ".inference",
     "ConfigError": ".errors",
-    "Callback": ".loop.callbacks",
-    "LoopState": ".loop.callbacks",
-    "EarlyStopping": ".loop.callbacks",
+    "Callback": ".callbacks",
+    "LoopState": ".callbacks",
+    "EarlyStopping": ".callbacks",
     "Registry": ".registry",
     "Logger": ".report.loggers",
 }

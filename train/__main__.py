@@ -22,7 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import faults
+from .data.registry import plots_accuracy
 from .errors import ConfigError, missing_extra
+from .parallel import xla_collectives
+from .report.plot import CurvePlotter
+from .report.profile import parse as parse_profile
 from .report.timings import Timings
 
 # SIGTERM/SIGINT while the command imports (a C extension interrupted in the middle of its
@@ -205,9 +209,9 @@ def run_command(argv: list[str]) -> int:
 
 
 def _show_jaxpr(cfg, what: str) -> int:
-    from nnlite import ManualGradError, UnsupportedPrimitiveError
+    from nnlite import ManualGradError, UnsupportedPrimitiveError  # start-up: imports JAX
 
-    from .loop.show import show_jaxpr
+    from .loop.show import show_jaxpr  # start-up: imports JAX
 
     try:
         src = show_jaxpr(cfg, what)
@@ -269,6 +273,19 @@ def format_params(params) -> str:
     )
 
 
+class _Session:
+    """What ``main`` holds across its steps: the curve plotter started early (closed when
+    the run draws no curves) and whether the run spans several processes."""
+
+    plotter = None
+    multiprocess = False
+
+    def drop_plotter(self) -> None:
+        if self.plotter is not None:
+            self.plotter.close()  # no curves (an error, a preemption): stop the helper
+            self.plotter = None
+
+
 def main(
     argv: list[str] | None = None, *, compile_cache: bool = False, standalone: bool = False
 ) -> int:
@@ -285,171 +302,178 @@ def main(
         gc.disable()  # imports make few cycles; back on (frozen heap) once JAX is loaded
     args = parse_args(argv)
     if standalone:  # before JAX's backend starts: the watchdog, not XLA, ends a stuck call
-        from .parallel import xla_collectives
-
         xla_collectives.apply()
-    multiprocess = False
-    plotter = None
+    session = _Session()
     saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with _ImportsDeferSignals():
-            from .config import dump_yaml, load_config, peek  # PyYAML: the [train] extra
-
-        if standalone and _trains(args):
-            plot, data_name = peek(args.config, args.overrides, "log.plot", "data.name")
-            if plot is not False:
-                from .report.plot import CurvePlotter
-
-                # Imports matplotlib in another process while this one builds the config
-                # (which imports the model's module and so JAX); closed below if the run
-                # draws no curves.
-                plotter = CurvePlotter(accuracy=data_name != "linreg")
-
-        if args.check_grads:
-            args.overrides.append("train.check_grads=true")
-        if args.profile is not None:
-            from .report.profile import parse as parse_profile
-
-            try:
-                parse_profile(args.profile)
-            except ValueError as e:
-                raise ConfigError(f"--profile {e}") from None
-            args.overrides.append(f"log.profile='{args.profile}'")  # quoted: YAML reads 1:2 as 62
-        cfg = load_config(args.config, args.overrides)
+        cfg = _load(args, session, standalone)
         timings.lap("config")
-        if args.summary:
-            from .loop.show import model_summary
+        status = _act(cfg, args, argv, compile_cache)
+        if status is not None:
+            return status
+        return _train(cfg, args, session, timings, compile_cache, standalone)
+    except (Exception, faults.Interrupted) as e:  # each failure: its line and exit status
+        status = _failed(e, argv, session.multiprocess)
+        if status is None:
+            raise
+        return status
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        session.drop_plotter()
+        if standalone:
+            _freeze_heap()
 
-            print(model_summary(cfg))
-            return 0
-        if args.print_config:
-            print(dump_yaml(cfg), end="")
-            return 0
-        if args.eject:
-            from .loop.eject import eject
 
-            if args.processes is not None or args.show_jaxpr:
-                other = "--processes" if args.processes is not None else "--show-jaxpr"
-                raise ConfigError(f"--eject writes a one-process script: leave out {other}")
-            script = eject(cfg, args.eject)
-            print(f"wrote {script} (+ params and data beside it): python {script}")
-            return 0
-        if args.processes is not None:
-            if args.processes < 1:
-                raise ConfigError(f"--processes must be >= 1, got {args.processes}")
-            from .parallel.launch import launch
+def _load(args, session: _Session, standalone: bool):
+    """The config the command line names, with its flags as overrides (the curve plotter
+    started meanwhile when the command trains)."""
+    with _ImportsDeferSignals():
+        from .config import load_config, peek  # start-up: PyYAML, and a missing one's line
 
-            return launch(cfg, _without_processes(argv), args.processes, echo=print)
-        if args.fast_dev_run is not None and args.fast_dev_run < 1:
-            raise ConfigError(f"--fast-dev-run: expected steps >= 1, got {args.fast_dev_run}")
-        if args.fast_dev_run is not None and args.resume:
-            raise ConfigError(
-                "--fast-dev-run runs in a temporary directory, with no checkpoint to --resume "
-                "from; leave --resume out"
-            )
-        if args.show_jaxpr:
-            if compile_cache:
-                enable_compile_cache(cfg.compile_cache)
-            return _show_jaxpr(cfg, args.show_jaxpr)
+    if standalone and _trains(args):
+        plot, data_name = peek(args.config, args.overrides, "log.plot", "data.name")
+        if plot is not False:
+            # Imports matplotlib in another process while this one builds the config
+            # (which imports the model's module and so JAX); closed if no curves are drawn.
+            session.plotter = CurvePlotter(accuracy=plots_accuracy(data_name))
+    if args.check_grads:
+        args.overrides.append("train.check_grads=true")
+    if args.profile is not None:
+        try:
+            parse_profile(args.profile)
+        except ValueError as e:
+            raise ConfigError(f"--profile {e}") from None
+        args.overrides.append(f"log.profile='{args.profile}'")  # quoted: YAML reads 1:2 as 62
+    return load_config(args.config, args.overrides)
 
-        from .parallel import distributed as dist
 
-        settings = dist.resolve(cfg.distributed)
-        multiprocess = settings is not None
-        if not cfg.log.plot or (settings is not None and settings.process_id != 0):
-            if plotter is not None:
-                plotter.close()
-                plotter = None
-        elif plotter is None:
-            from .report.plot import CurvePlotter
+def _act(cfg, args, argv: list[str], compile_cache: bool) -> int | None:
+    """The flags that do something else than train here (a summary, the config, an
+    ejected script, other processes, a jaxpr): their exit status; None: train."""
+    if args.summary:
+        from .loop.show import model_summary  # start-up: imports JAX
 
-            plotter = CurvePlotter(accuracy=cfg.data.name != "linreg")
+        print(model_summary(cfg))
+        return 0
+    if args.print_config:
+        from .config import dump_yaml  # start-up: PyYAML (imported by _load already)
+
+        print(dump_yaml(cfg), end="")
+        return 0
+    if args.eject:
+        from .loop.eject import eject  # start-up: imports JAX
+
+        if args.processes is not None or args.show_jaxpr:
+            other = "--processes" if args.processes is not None else "--show-jaxpr"
+            raise ConfigError(f"--eject writes a one-process script: leave out {other}")
+        script = eject(cfg, args.eject)
+        print(f"wrote {script} (+ params and data beside it): python {script}")
+        return 0
+    if args.processes is not None:
+        if args.processes < 1:
+            raise ConfigError(f"--processes must be >= 1, got {args.processes}")
+        from .parallel.launch import launch  # start-up: the launcher's processes import JAX
+
+        return launch(cfg, _without_processes(argv), args.processes, echo=print)
+    if args.fast_dev_run is not None and args.fast_dev_run < 1:
+        raise ConfigError(f"--fast-dev-run: expected steps >= 1, got {args.fast_dev_run}")
+    if args.fast_dev_run is not None and args.resume:
+        raise ConfigError(
+            "--fast-dev-run runs in a temporary directory, with no checkpoint to --resume "
+            "from; leave --resume out"
+        )
+    if args.show_jaxpr:
+        if compile_cache:
+            enable_compile_cache(cfg.compile_cache)
+        return _show_jaxpr(cfg, args.show_jaxpr)
+    return None
+
+
+def _train(cfg, args, session: _Session, timings, compile_cache: bool, standalone: bool) -> int:
+    """Train ``cfg`` (its data loading while JAX imports), then print what the run asks."""
+    from .parallel import distributed as dist  # start-up: numpy, before the data thread
+
+    settings = dist.resolve(cfg.distributed)
+    session.multiprocess = settings is not None
+    main_process = settings is None or settings.process_id == 0
+    if not cfg.log.plot or not main_process:
+        session.drop_plotter()
+    elif session.plotter is None:
+        session.plotter = CurvePlotter(accuracy=plots_accuracy(cfg.data.name))
+    with _ImportsDeferSignals():
+        from .data.builtin import data_section, load_dataset, text_context  # start-up: numpy
+
+    with ThreadPoolExecutor(1, thread_name_prefix="nnlite-data") as pool:
+        # The data loads while JAX imports (numpy, gzip and file reads release the GIL).
+        data = pool.submit(load_dataset, data_section(cfg), text_context(cfg))
         with _ImportsDeferSignals():
-            from .data.builtin import data_section, load_dataset, text_context
+            if compile_cache:
+                enable_compile_cache(cfg.compile_cache)  # imports jax
+            from .loop.trainer import train  # start-up: JAX, imported while the data loads
 
-        with ThreadPoolExecutor(1, thread_name_prefix="nnlite-data") as pool:
-            # The data loads while JAX imports (numpy, gzip and file reads release the GIL).
-            data = pool.submit(load_dataset, data_section(cfg), text_context(cfg))
-            with _ImportsDeferSignals():
-                if compile_cache:
-                    enable_compile_cache(cfg.compile_cache)  # imports jax
-                from .loop.trainer import train
+        timings.lap("imports")
+        if standalone:
+            _freeze_heap()
+            gc.enable()
+        if args.fast_dev_run is not None:
+            return _fast_dev_run(cfg, args, timings, session.plotter, data)
+        resume = "require" if args.resume else "fresh" if args.fresh else "auto"
+        r = train(cfg, resume=resume, timings=timings, plotter=session.plotter, data=data)
+    if r.params is not None and dist.is_main() and r.params.num_params() <= PRINT_PARAMS_MAX:
+        print(f"learned params ({r.params.num_params()}):\n{format_params(r.params)}")
+    if session.plotter is not None:
+        session.plotter.wait()  # curves.png: requested by train() once the metrics were final
+        timings.lap("plot")
+    if args.timings and main_process:
+        timings.end()
+        print(timings.write(Path(cfg.log.dir) / cfg.name / "timings.json"), file=sys.stderr)
+    return 0
 
-            timings.lap("imports")
-            if standalone:
-                _freeze_heap()
-                gc.enable()
-            if args.fast_dev_run is not None:
-                return _fast_dev_run(cfg, args, timings, plotter, data)
-            r = train(
-                cfg,
-                resume="require" if args.resume else "fresh" if args.fresh else "auto",
-                timings=timings,
-                plotter=plotter,
-                data=data,
-            )
-        if r.params is not None and dist.is_main() and r.params.num_params() <= PRINT_PARAMS_MAX:
-            print(f"learned params ({r.params.num_params()}):\n{format_params(r.params)}")
-        if plotter is not None:
-            plotter.wait()  # curves.png: requested by train() once the metrics were final
-            timings.lap("plot")
-        if args.timings and (settings is None or settings.process_id == 0):
-            timings.end()
-            print(timings.write(Path(cfg.log.dir) / cfg.name / "timings.json"), file=sys.stderr)
-    except ConfigError as e:  # bad input; the user's code or data failing (_failure)
+
+def _failed(e: BaseException, argv: list[str], multiprocess: bool) -> int | None:
+    """The line and exit status of a failure (None: let it propagate, a traceback)."""
+    if isinstance(e, ConfigError):  # bad input; the user's code or data failing (_failure)
         return _exit(*_failure(e, argv), multiprocess)
-    except faults.Preempted as e:
+    if isinstance(e, faults.Preempted):
         print(
             f"preempted by {e.signal_name} at step {e.step}: wrote {e.checkpoint}; "
             f"resume with: {resume_command(argv)}",
             file=sys.stderr,
         )
         return faults.EXIT_PREEMPTED
-    except faults.Interrupted as e:
+    if isinstance(e, faults.Interrupted):
         return _exit(
             f"stopped by {e.signal_name} outside the training loop (start-up or shutdown); "
             f"checkpoints on disk are intact; resume with: {resume_command(argv)}",
             faults.EXIT_PREEMPTED,
             multiprocess,
         )
-    except faults.NonFinite as e:
+    if isinstance(e, faults.NonFinite):
         print(f"error: {e}", file=sys.stderr)
         return faults.EXIT_NONFINITE
-    except OSError as e:
+    if isinstance(e, OSError):
         if multiprocess:
-            raise
+            return None
         # the disk filled up, a directory vanished or became read-only mid-run
         where = f": {e.filename}" if e.filename else ""
         print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return faults.EXIT_FAILURE
-    except ImportError as e:
+    if isinstance(e, ImportError):
         if missing_extra(e) is None:
-            raise
+            return None
         return _exit(f"error: {missing_extra(e)}", faults.EXIT_BAD_INPUT, multiprocess)
-    except Exception as e:
-        if isinstance(e, OSError) and (e.filename or not multiprocess):
-            # the disk filled up, a directory vanished or became read-only mid-run
-            where = f": {e.filename}" if e.filename else ""
-            return _exit(f"error: {e.strerror or e}{where}", faults.EXIT_FAILURE, multiprocess)
-        if not multiprocess:
-            raise
-        # A collective failed: almost always another process died. A normal exit would
-        # wait in JAX's shutdown barrier for the dead peer, then abort; leave at once.
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return _exit(
-            f"error: this process (multi-process run) failed, most likely because another "
-            f"process died or was killed: {type(e).__name__}: {first}",
-            faults.EXIT_FAILURE,
-            multiprocess,
-        )
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-        if plotter is not None:
-            plotter.close()  # no curves (an error, a preemption): stop the helper
-        if standalone:
-            _freeze_heap()
-    return 0
+    if not multiprocess:
+        return None
+    # A collective failed: almost always another process died. A normal exit would wait
+    # in JAX's shutdown barrier for the dead peer, then abort; leave at once.
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return _exit(
+        f"error: this process (multi-process run) failed, most likely because another "
+        f"process died or was killed: {type(e).__name__}: {first}",
+        faults.EXIT_FAILURE,
+        multiprocess,
+    )
 
 
 def _trains(args) -> bool:
@@ -467,7 +491,7 @@ def _trains(args) -> bool:
 def _fast_dev_run(cfg, args, timings, plotter, data) -> int:
     """``--fast-dev-run``: train/loop/devrun.py; a phase that ran but did not do what it
     must is exit 1, a stop by a signal exit 3 (nothing to resume: nothing is kept)."""
-    from .loop.devrun import DevRunFailed, fast_dev_run
+    from .loop.devrun import DevRunFailed, fast_dev_run  # start-up: imports JAX
 
     try:
         fast_dev_run(

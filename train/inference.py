@@ -25,15 +25,15 @@ import nnlite as nl
 from .checkpoint import best
 from .checkpoint import store as ckpt
 from .config import Config, ModelConfig, load_config
-from .data.builtin import DIGITS_PREPROCESS, apply_preprocess
+from .data.builtin import apply_preprocess, recorded_preprocess
 from .data.text.tokenizer import from_spec
 from .errors import ConfigError, relative_to
-from .loop.precision import with_loss_scaling
 from .model import registry as models
 from .model.contract import Model, accepts, call, call_stateful, is_stateful, param_shapes
 from .model.registry import MODEL_SOURCE_KEY
 from .optim.ema import ema_params, ema_prefix
 from .optim.params import make_optimizer, plan_params
+from .step.precision import with_loss_scaling
 
 
 @dataclass
@@ -203,7 +203,7 @@ def _preprocess(cfg: Config, meta: dict, checkpoint: Path) -> dict | None:
     """The run's preprocessing: recorded in its checkpoint, or (older checkpoints) what its
     built-in data set does."""
     if "preprocess" not in meta:
-        return DIGITS_PREPROCESS if cfg.data.name == "digits" else None
+        return recorded_preprocess(cfg.data.name)
     try:
         found = json.loads(meta["preprocess"])
         if not (isinstance(found, dict) and isinstance(found.get("scale"), int | float)):

@@ -44,11 +44,11 @@ from .data import overfit
 from .data.feed import BatchFeed, call_schedule
 from .errors import ConfigError, missing_extra
 from .loop.build import build, prepare
-from .loop.step import to_host
-from .optim import GIVEN, OPTIMIZERS
-from .optim.named import _accepted, check_transformation
+from .optim import GIVEN
+from .optim.named import accepted, chained, rule_call, rule_parts
 from .parallel import distributed as dist
 from .report.plot import plot_lr_find
+from .step.step import to_host
 
 SUGGESTIONS = {
     "steepest": "steepest descent of the smoothed loss",
@@ -134,22 +134,18 @@ def range_optimizer(ocfg, schedule):
             "the optimizer in the config (optimizer.name: adam, or a 'module:function' factory)"
         )
     if ":" in ocfg.name:
-        factory = OPTIMIZERS.get(ocfg.name, where)
-        if "learning_rate" not in _accepted(factory, {"learning_rate": 1.0}, where):
+        if "learning_rate" not in accepted(rule_call(ocfg, None)[0], {"learning_rate": 1.0}):
             raise ConfigError(
                 f"lr_find: {where} takes no learning_rate argument, so the range test cannot "
                 "set its learning rate; give your factory a learning_rate parameter"
             )
-        try:
-            made = factory(**{**ocfg.options, "learning_rate": 1.0})
-        except TypeError as e:
-            raise ConfigError(f"lr_find: {where}: calling it failed: {e}") from None
-        parts = [check_transformation(made, where), optax.scale_by_schedule(schedule)]
+        unit = dataclasses.replace(ocfg, options={**ocfg.options, "learning_rate": 1.0})
+        parts = [*rule_parts(unit, None), optax.scale_by_schedule(schedule)]
     else:
-        parts = OPTIMIZERS.get(ocfg.name, where)(ocfg, schedule)
+        parts = rule_parts(ocfg, schedule)
     if ocfg.clip_norm is not None:
         parts = [optax.clip_by_global_norm(ocfg.clip_norm), *parts]
-    return parts[0] if len(parts) == 1 else optax.chain(*parts)
+    return chained(parts)
 
 
 class Smoother:
@@ -286,6 +282,7 @@ def find(cfg, args, echo=print) -> dict:
 def write(out: Path, cfg, record: dict) -> list[str]:
     """config.yaml, lr_find.csv, lr_find.json and lr_find.png in ``out``; the names
     written (and a note for a plot that could not be drawn)."""
+
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, ["step", "lr", "loss", "smoothed_loss"], lineterminator="\n")

@@ -136,7 +136,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"{DEFAULT_BPE_SAMPLE_MB})",
     )
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
-    args = ap.parse_args(argv)
+    return _check_args(ap.parse_args(argv))
+
+
+def _check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The rules between ``prepare``'s arguments (one ConfigError line each); a bpe
+    ``--vocab-size`` left out takes its default."""
     if args.tokenizer not in KINDS and not args.tokenizer.startswith("hf:"):
         raise ConfigError(
             f"--tokenizer {args.tokenizer!r}: expected one of {', '.join(KINDS)}, or hf:DIR "

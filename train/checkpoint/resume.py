@@ -12,11 +12,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..config import Config, to_dict
 from ..data.dataset import Dataset, Sampler
 from ..errors import ConfigError
 from ..model.registry import MODEL_SOURCE_KEY, model_source
 from ..parallel import distributed as dist
+from ..schema import to_dict
 from . import store as ckpt
 from .rundir import check_run_dir
 
@@ -44,7 +44,7 @@ class Start:
 
 
 def metadata(
-    cfg: Config,
+    cfg,
     data: Dataset,
     step: int,
     sampler: Sampler,
@@ -81,7 +81,7 @@ def metadata(
     return meta
 
 
-def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None) -> None:
+def check_resumable(cfg, meta: dict, path: Path, grad: str | None = None) -> None:
     """Refuse a checkpoint written with another seed, model, data, loss or optimizer.
 
     ``grad``: what ``loss.grad`` resolves to now (``auto``: train/model/gradmode.py). A resolved
@@ -97,7 +97,7 @@ def check_resumable(cfg: Config, meta: dict, path: Path, grad: str | None = None
     ran, runs = _as_run(was_grad, meta.get("grad_mode")), _as_run(is_grad, grad)
     if was_grad != is_grad and ran is not None and ran == runs:
         saved = {**saved, "loss": {**saved["loss"], "grad": is_grad}}
-    defaults = to_dict(Config())
+    defaults = to_dict(type(cfg)())
     # train.overfit_batches changes the data order (train.steps, in the same section, may grow)
     was_n = (saved.get("train") or {}).get("overfit_batches", 0)
     if was_n != cfg.train.overfit_batches:
@@ -156,9 +156,7 @@ def _as_run(grad: str | None, resolved: str | None) -> str | None:
     return resolved if grad == "auto" else grad
 
 
-def load_checkpoint(
-    cfg: Config, path: Path, params0, opt0, grad: str | None = None, state0=None
-) -> Start:
+def load_checkpoint(cfg, path: Path, params0, opt0, grad: str | None = None, state0=None) -> Start:
     """The state saved in ``path``, checked against ``cfg`` (``grad``: see
     :func:`check_resumable`) and the templates (``state0``: a stateful model's initial
     state, None for a stateless one)."""
@@ -185,7 +183,7 @@ def load_checkpoint(
 
 
 def agree_on_start(
-    cfg: Config,
+    cfg,
     resume: str,
     ckpt_dir: Path,
     params0,
@@ -253,7 +251,7 @@ def _existing(resume: str, ckpt_dir: Path) -> list[Path]:
 
 
 def _agree_on_sharded_start(
-    cfg: Config,
+    cfg,
     resume: str,
     ckpt_dir: Path,
     params0,

@@ -12,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..config import Config, dump_yaml
 from ..errors import ERROR_LOG, ConfigError
+from ..schema import dump_yaml
 from . import store as ckpt
 
 # Keys in metrics.jsonl that measure time; everything else is deterministic.
@@ -79,7 +79,7 @@ def rewrite_metrics(path: Path, upto_step: int) -> None:
     os.replace(tmp, path)
 
 
-def open_run_dir(run_dir: Path, cfg: Config, resume: str, start: int) -> None:
+def open_run_dir(run_dir: Path, cfg, resume: str, start: int) -> None:
     """Create the run directory, clear it for --fresh, write config.yaml and cut
     metrics.jsonl back to ``start`` (what a resumed run logs again)."""
     ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"

@@ -20,11 +20,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
 from ..errors import ConfigError, relative_to, users_error
+from ..report.units import format_bytes, host_memory_bytes
+from . import streamed
 from .dataset import Dataset, labels_are_ids
+from .registry import DATA_SETS, arguments, factory, is_factory, is_given
+from .section import DataConfig
+from .source import DataError
 from .split import split_indices
 from .text import corpus as text_corpus
+from .user import to_dataset
 
 DEFAULT_CONTEXT = 64  # text windows when neither data.context nor model.context is set
 
@@ -49,35 +54,33 @@ def load_dataset(cfg: DataConfig, context: int | None = None, search=()) -> Data
     sets need the model's ``context``, the window length), or a user's factory
     ``module:function`` called with ``cfg.options`` that returns a source
     (train/data/source.py). ``search``: directories to import a user's module from first."""
-    from . import streamed
-    from .registry import DATA_SETS, TEXT, factory, is_factory, is_given
-
     if is_given(cfg.name):
         raise ConfigError(
             f"data.name={cfg.name} names a source that was given to train.fit(data=...); a "
             "config builds one from a factory: data.name: 'module:function'"
         )
-    if is_factory(cfg.name):
-        from .source import DataError
-        from .user import to_dataset
-
-        fn = factory(cfg.name, cfg.options, search)
-        try:
-            made = fn(**cfg.options)
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 -- the user's code: one line, named
-            err = users_error("data source", e, f"data.name={cfg.name}")
-            if err is not None:
-                raise err from e
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise DataError(
-                f"data.name={cfg.name}: calling it raised {type(e).__name__}: {first}"
-            ) from None
-        return to_dataset(made, cfg, name=cfg.name)
-    if cfg.name in TEXT and context is None:
-        raise ConfigError(f"data.name={cfg.name} needs a model with a context length")
-    return streamed.place(DATA_SETS.get(cfg.name, f"data.name={cfg.name}")(cfg, context), cfg)
+    where = f"data.name={cfg.name}"
+    fn = (
+        factory(cfg.name, cfg.options, search)
+        if is_factory(cfg.name)
+        else DATA_SETS.get(cfg.name, where)
+    )
+    kwargs = arguments(fn, cfg, context, where)
+    if not is_factory(cfg.name):
+        return streamed.place(fn(**kwargs), cfg)
+    try:
+        made = fn(**kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the user's code: one line, named
+        err = users_error("data source", e, where)
+        if err is not None:
+            raise err from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"{where}: calling it raised {type(e).__name__}: {first}") from None
+    if isinstance(made, Dataset):  # a built data set, as the built-ins return
+        return streamed.place(made, cfg)
+    return to_dataset(made, cfg, name=cfg.name)
 
 
 def _split(x: np.ndarray, y: np.ndarray, cfg: DataConfig, stratify: bool):
@@ -127,6 +130,12 @@ def _digits(cfg: DataConfig) -> Dataset:
     return Dataset("digits", x, y, x_test, y_test, 10, preprocess=DIGITS_PREPROCESS)
 
 
+def recorded_preprocess(name: str) -> dict | None:
+    """What data set ``name`` did to its inputs, for a run whose checkpoint predates
+    recording it (only digits scaled its pixels)."""
+    return DIGITS_PREPROCESS if name == "digits" else None
+
+
 def apply_preprocess(x: np.ndarray, preprocess: dict | None) -> np.ndarray:
     """Raw inputs as a run's model saw them (``preprocess``: ``{"scale": s}``, or None)."""
     if not preprocess:
@@ -143,8 +152,6 @@ def _mnist1d(cfg: DataConfig) -> Dataset:
     """The ``mnist1d`` package's data set (its default recipe, ``num_samples`` examples,
     seed ``split_seed + 42``), cached as an npz: importing the package (matplotlib, scipy,
     requests) and generating 5000 examples cost ~3 s of CPU, reading the cache ~10 ms."""
-    from ..report.units import format_bytes, host_memory_bytes
-
     need, have = cfg.num_samples * _MNIST1D_BYTES_PER_EXAMPLE, host_memory_bytes()
     if need > have:
         raise ConfigError(
@@ -349,25 +356,26 @@ def _write_cached(path: Path, arrays: dict) -> None:
         pass  # read-only home or full disk: the run goes on, the next one generates again
 
 
-# The built-in data sets, as train/data/registry.py's DATA_SETS names them: (cfg, context)
-def digits(cfg: DataConfig, context: int | None = None) -> Dataset:
+# The built-in data sets, as train/data/registry.py's DATA_SETS names them, called as a
+# user's data-set function is (data=the section, context=the window length)
+def digits(data: DataConfig) -> Dataset:
     """scikit-learn's 8x8 digits, 64 features in [0, 1], a stratified test split."""
-    return _digits(cfg)
+    return _digits(data)
 
 
-def mnist1d(cfg: DataConfig, context: int | None = None) -> Dataset:
+def mnist1d(data: DataConfig) -> Dataset:
     """MNIST-1D: 40-sample signals of 10 classes, generated locally."""
-    return _mnist1d(cfg)
+    return _mnist1d(data)
 
 
-def linreg(cfg: DataConfig, context: int | None = None) -> Dataset:
+def linreg(data: DataConfig) -> Dataset:
     """The JAX tutorial's linear regression, y = 2x - 1 + noise."""
-    return _linreg(cfg)
+    return _linreg(data)
 
 
-def npz(cfg: DataConfig, context: int | None = None) -> Dataset:
+def npz(data: DataConfig) -> Dataset:
     """Arrays x, y (and x_test, y_test) of an .npz file, ``data.path``."""
-    return _npz(cfg)
+    return _npz(data)
 
 
 def _text(cfg: DataConfig, context: int) -> Dataset:
@@ -381,14 +389,14 @@ def _shakespeare(cfg: DataConfig, context: int) -> Dataset:
     )
 
 
-def text(cfg: DataConfig, context: int) -> Dataset:
+def text(data: DataConfig, context: int) -> Dataset:
     """A UTF-8 file (``data.path``) as characters, windows of ``context``."""
-    return _text(cfg, context)
+    return _text(data, context)
 
 
-def shakespeare_char(cfg: DataConfig, context: int) -> Dataset:
+def shakespeare_char(data: DataConfig, context: int) -> Dataset:
     """Tiny Shakespeare as characters (built and cached locally), windows of ``context``."""
-    return _shakespeare(cfg, context)
+    return _shakespeare(data, context)
 
 
 def text_dataset(name: str, corpus: str, cfg: DataConfig, context: int) -> Dataset:

@@ -182,8 +182,9 @@ def pairs(rows: list[tuple], context: int, pad: int):
     return x, y
 
 
-def chat(cfg, context: int) -> Dataset:
+def chat(data, context: int) -> Dataset:
     """``data.name: chat`` (module docstring)."""
+    cfg = data  # the section
     if not cfg.tokenizer:
         raise ConfigError(
             "data.name=chat renders conversations with a model's chat template: set "

@@ -101,7 +101,7 @@ def evaluate(
     sums: Callable, params, data: Dataset, chunk: int, device, *state, stop=None
 ) -> dict | None:
     """Means of the model's per-example loss and metrics over ``data``'s held-out split,
-    ``chunk`` rows at a time on ``device`` (``sums``: ``train.loop.step.build_chunk_eval``;
+    ``chunk`` rows at a time on ``device`` (``sums``: ``train.step.step.build_chunk_eval``;
     ``state``: a stateful model's, in eval mode); None if ``stop()`` ended it early
     (:func:`sum_chunks`)."""
     n = len(data.x_test)

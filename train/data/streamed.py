@@ -28,10 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
 from ..errors import ConfigError, relative_to
 from .dataset import Dataset, batch_dtype, labels_are_ids
 from .reader import read_rows
+from .section import DataConfig
+from .text import units
+from .text.tokenizer import to_spec
+from .text.tokens import TokenFiles
 
 # data.placement=auto: a training split up to this size (as the step reads it) lives on
 # the device. Shakespeare (1 MB of text) takes 8 MiB; a 2 GB corpus 16 GiB.
@@ -62,12 +65,9 @@ def place(data: Dataset, cfg: DataConfig) -> Dataset:
     return dataclasses.replace(data, streamed=False)
 
 
-def tokens(cfg: DataConfig, context: int) -> Dataset:
+def tokens(data: DataConfig, context: int) -> Dataset:
     """``data.name: tokens``: a prepared directory, memory-mapped (module docstring)."""
-    from .text import units
-    from .text.tokenizer import to_spec
-    from .text.tokens import TokenFiles
-
+    cfg = data  # the section (``data`` below is the data set)
     path = Path(cfg.path)
     where = f"data.path {str(path)!r}"
     try:
@@ -104,8 +104,9 @@ def tokens(cfg: DataConfig, context: int) -> Dataset:
     )
 
 
-def arrays(cfg: DataConfig, context: int | None = None) -> Dataset:
+def arrays(data: DataConfig) -> Dataset:
     """``data.name: arrays``: ``x.npy``/``y.npy`` (``x_test.npy``/``y_test.npy``) memory-mapped."""
+    cfg = data  # the section
     path = Path(cfg.path)
     where = f"data.path {str(path)!r}"
     if not path.is_dir():

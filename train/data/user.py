@@ -31,6 +31,7 @@ from .source import (
 )
 from .split import split_indices
 from .stream import stream_dataset
+from .streamed import place
 
 
 def to_dataset(obj: Any, cfg, name: str | None = None) -> Dataset:
@@ -113,8 +114,6 @@ def _map_dataset(source, test, cfg, name: str) -> Dataset:
 
 def _array_dataset(src: ArraySource, test, cfg, name: str) -> Dataset:
     """Arrays in memory: the built-in data sets' path (small ones live on the devices)."""
-    from .streamed import place
-
     reader, n = open_source(src, name)
     spec = reader.spec
     x, y = (a.astype(dt, copy=False) for a, dt in ((src.x, spec.x_dtype), (src.y, spec.y_dtype)))

@@ -22,6 +22,7 @@ from ..data import overfit
 from ..data.builtin import data_section, load_dataset, text_context
 from ..data.dataset import Dataset, batch_dtype, host_batch
 from ..data.feed import EVAL_TOKENS_PER_CHUNK, device_chunks, eval_chunk
+from ..data.registry import TASK_FROM_DTYPE
 from ..errors import ConfigError
 from ..model import contract, gradmode
 from ..model import metrics as user_metrics
@@ -32,9 +33,9 @@ from ..optim.params import ParamPlan, make_optimizer
 from ..parallel.base import Strategy
 from ..report import loggers
 from ..report.timings import Timings
-from . import memory, precision
-from .backward import build_backward
-from .step import (
+from ..step import precision
+from ..step.backward import build_backward
+from ..step.step import (
     AfterCompile,
     Stepper,
     batch_grads_fn,
@@ -44,6 +45,7 @@ from .step import (
     compile_async,
     uses_key,
 )
+from . import memory
 
 # Examples evaluated per chunk of a windowed (text) split: 32k tokens, e.g. 512 windows of
 # 64, so evaluating thousands of windows never holds all their activations at once.
@@ -67,7 +69,7 @@ class Run:
     grad: gradmode.GradMode | None = None  # loss.grad resolved (auto); None: on first use
     metrics: tuple = ()  # eval.metrics: (name, function) pairs (train/model/metrics.py)
     plan: ParamPlan | None = None  # frozen params and param groups (None: all train alike)
-    backward: Any = None  # issue 34: per-layer policies and norms (train/loop/backward.py)
+    backward: Any = None  # issue 34: per-layer policies and norms (train/step/backward.py)
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -225,7 +227,7 @@ def _name_keys(message: str, cls: type) -> str:
 
 def _task_hint(task: str, data: Dataset) -> str:
     """Why an npz file reads as the other task, and the fix."""
-    if data.name != "npz":
+    if data.name not in TASK_FROM_DTYPE:
         return ""
     if task == "classification" and data.task == "regression":
         return (

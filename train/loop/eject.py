@@ -22,6 +22,7 @@ import numpy as np
 
 import nnlite as nl
 
+from .. import parallel
 from ..config import Config
 from ..data.dataset import host_batch, make_sampler
 from ..errors import ConfigError
@@ -109,8 +110,6 @@ def _check_target(target: Path) -> Path:
 def _check_config(cfg: Config) -> None:
     """One line for a config the one-device script does not reproduce (before anything is
     built or written)."""
-    from .. import parallel
-
     if not parallel.strategy_class(cfg.parallel.strategy).one_device:
         raise ConfigError(
             f"{HOW}: parallel.strategy={cfg.parallel.strategy} is not supported; eject with "

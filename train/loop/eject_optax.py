@@ -4,6 +4,7 @@ modules."""
 
 from __future__ import annotations
 
+import dis
 import functools
 import importlib
 import inspect
@@ -14,8 +15,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..config import OptimizerConfig
 from ..errors import ConfigError
+from ..optim import GIVEN
+from ..optim.named import rule_call, schedule_call
+from ..optim.section import OptimizerConfig
+from ..registry import PACKAGE
 from .build import Run, init_compiler_options
 
 HOW = "--eject writes a one-device script of a plain train step"
@@ -24,97 +28,69 @@ HOW = "--eject writes a one-device script of a plain train step"
 # -- the optimizer: the config's optax chain as source ---------------------------------------
 
 
-def _schedule_expr(oc: OptimizerConfig, total: int, imports: list[str]) -> str:
-    lr = repr(oc.learning_rate)
-    name = oc.schedule
-    if ":" in name:
-        fn = _import_line(name, imports)
-        params = inspect.signature(_resolve(name)).parameters
-        offered = {"learning_rate": oc.learning_rate, "total_steps": total}
-        kw = (
-            offered
-            if any(p.kind is p.VAR_KEYWORD for p in params.values())
-            else {k: v for k, v in offered.items() if k in params}
-        )
-        return f"{fn}({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
-    exprs = {
-        "constant": f"optax.constant_schedule({lr})",
-        "cosine": f"optax.cosine_decay_schedule({lr}, {total}, alpha={oc.end_lr_fraction!r})",
-        "warmup_cosine": (
-            f"optax.warmup_cosine_decay_schedule(0.0, {lr}, {oc.warmup_steps}, {total}, "
-            f"end_value={oc.learning_rate * oc.end_lr_fraction!r})"
-        ),
-        "exponential": (
-            f"optax.exponential_decay({lr}, transition_steps={total}, decay_rate={oc.decay_rate!r})"
-        ),
-    }
-    if name not in exprs:
-        raise ConfigError(f"{HOW}: optimizer.schedule={name} has no ejected form")
-    return exprs[name]
+class _Name:
+    """A variable of the script (``lr``), written as its name."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
 
 
-def _rule_parts(oc: OptimizerConfig) -> list[str]:
-    """The named optimizer's optax parts (train/optim/named.py), as source."""
-    mask = "decay_mask" if oc.decay == "matrices" else "None"
-    b2 = oc.b2
-    l2 = [f"optax.add_decayed_weights({oc.weight_decay!r}, mask={mask})"] * bool(oc.weight_decay)
-    parts = {
-        "sgd": lambda: [*l2, "optax.sgd(lr)"],
-        "momentum": lambda: [*l2, f"optax.sgd(lr, momentum={oc.momentum!r})"],
-        "adam": lambda: [
-            *l2,
-            f"optax.adam(lr, b1={oc.b1!r}, b2={0.999 if b2 is None else b2!r})",
-        ],
-        "adamw": lambda: [
-            f"optax.adamw(lr, b1={oc.b1!r}, b2={0.999 if b2 is None else b2!r}, "
-            f"weight_decay={oc.weight_decay!r}, mask={mask})"
-        ],
-        "lion": lambda: [
-            f"optax.lion(lr, b1={oc.b1!r}, b2={0.99 if b2 is None else b2!r}, "
-            f"weight_decay={oc.weight_decay!r}, mask={mask})"
-        ],
-    }
-    if oc.name not in parts:
-        raise ConfigError(f"{HOW}: optimizer.name={oc.name} has no ejected form")
-    return parts[oc.name]()
+def _call(fn, kwargs: dict, imports: list[str], defs: dict[str, str]) -> str:
+    """``fn(key=value, ...)`` as source; ``fn`` defined in the script (``defs``: the
+    trainer's own functions, copied with the helpers they call) or imported (a user's)."""
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    if not getattr(fn, "__module__", "").startswith(PACKAGE + "."):
+        return f"{_import_line(f'{fn.__module__}:{fn.__qualname__}', imports)}({args})"
+    _define(fn, defs)
+    return f"{fn.__name__}({args})"
+
+
+def _define(fn, defs: dict[str, str]) -> None:
+    """``fn``'s source into ``defs``, after that of the functions of its module it calls."""
+    if fn.__name__ in defs:
+        return
+    defs[fn.__name__] = ""  # a placeholder against recursion
+    codes = [fn.__code__, *(c for c in fn.__code__.co_consts if inspect.iscode(c))]
+    used = (i.argval for c in codes for i in dis.get_instructions(c) if i.opname == "LOAD_GLOBAL")
+    for name in dict.fromkeys(used):
+        helper = fn.__globals__.get(name)
+        if inspect.isfunction(helper) and helper.__module__ == fn.__module__:
+            _define(helper, defs)
+    defs.pop(fn.__name__)
+    defs[fn.__name__] = inspect.getsource(fn)
 
 
 def optimizer_source(oc: OptimizerConfig, total_steps: int) -> str:
-    """``def make_optimizer(): ...`` building the optax optimizer ``oc`` describes, as
-    ``train.optim.named.build_optimizer`` does (a user's ``module:function`` imported)."""
+    """``def make_optimizer(): ...`` building the optax optimizer ``oc`` describes from the
+    same functions ``train.optim.named.build_optimizer`` calls (the trainer's copied into
+    the script, a user's imported)."""
     imports: list[str] = []
+    defs: dict[str, str] = {}
     body: list[str] = []
-    if ":" in oc.name:
-        fn = _import_line(oc.name, imports)
-        kw = ", ".join(f"{k}={v!r}" for k, v in dict(oc.options).items())
-        parts = [f"{fn}({kw})"]
-    else:
-        body.append(f"lr = {_schedule_expr(oc, total_steps, imports)}  # step -> learning rate")
-        parts = _rule_parts(oc)
+    if oc.name == GIVEN:
+        raise ConfigError(f"{HOW}: optimizer.name=given has no source")
+    lr = None
+    if not oc.is_factory:
+        fn, kwargs = schedule_call(oc, total_steps)
+        body += ["# step -> learning rate", f"lr = {_call(fn, kwargs, imports, defs)}"]
+        lr = _Name("lr")
+    fn, kwargs = rule_call(oc, lr)
+    body.append(f"parts = {_call(fn, kwargs, imports, defs)}")
+    body.append("if not hasattr(parts, 'update'):  # a list of transformations, chained")
+    body.append("    parts = list(parts)")
+    body.append("else:")
+    body.append("    parts = [parts]")
     if oc.clip_norm is not None:
-        parts = [f"optax.clip_by_global_norm({oc.clip_norm!r})", *parts]
-    if len(parts) == 1:
-        body.append(f"return {parts[0]}")
-    else:
-        body.append("return optax.chain(")
-        body += [f"    {p}," for p in parts]
-        body.append(")")
+        body.append(f"parts = [optax.clip_by_global_norm({oc.clip_norm!r}), *parts]")
+    body.append("return parts[0] if len(parts) == 1 else optax.chain(*parts)")
     lines = list(dict.fromkeys(imports))
-    if any("decay_mask" in p for p in parts):
-        lines += [
-            "",
-            "",
-            "def decay_mask(params):",
-            '    """Weight decay for matrices only (ndim >= 2), not biases or norms."""',
-            "    return jax.tree.map(lambda p: p.ndim >= 2, params)",
-        ]
+    for src in defs.values():
+        lines += ["", "", *src.rstrip("\n").splitlines()]
     lines += ["", "", "def make_optimizer():"] + [f"    {b}" for b in body]
     return "\n".join(lines).strip("\n") + "\n"
-
-
-def _resolve(name: str):
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def _module_root(module: str) -> str | None:
@@ -175,11 +151,10 @@ def check_optimizer(src: str, r: Run, params) -> None:
         np.allclose(a, b, rtol=1e-6, atol=0)
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True)
     )
-    if not same:  # the tables in train/optim/ moved on without this module
+    if not same:  # the source differs from what the trainer built
         raise ConfigError(
             f"{HOW}: optimizer.name={r.cfg.optimizer.name}: the ejected optax chain does not "
-            "update as the run's optimizer does (train/loop/eject_optax.py is behind "
-            "train/optim/named.py)"
+            "update as the run's optimizer does"
         )
 
 

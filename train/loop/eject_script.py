@@ -96,31 +96,7 @@ def script_text(r: Run, step_src: str, how: str, opt_src: str, script_dir: Path)
     y_dtype = jax.dtypes.canonicalize_dtype(np.asarray(data.y[:1]).dtype).name
     config_line = " ".join(f"{k}={v}" for k, v in _key_settings(cfg))
     k = cfg.train.grad_accum_steps
-    call = "value_and_grad" if how == "manual" else "jax.value_and_grad(loss_fn)"
-    why = (
-        "the hand-derived backward pass above: the rules' VJPs called in reverse"
-        if how == "manual"
-        else f"JAX's autodiff of the forward pass above (loss.grad={r.grad_mode})"
-    )
-    if k == 1:
-        key_arg = ", key" if keyed else ""
-        differentiate = f"    # {why}\n    loss, grads = {call}(params, x, y{key_arg})"
-    else:
-        key_arg = ", jax.random.fold_in(key, i)" if keyed else ""
-        differentiate = (
-            f"    # train.grad_accum_steps={k}: the batch as {k} microbatches (each its own\n"
-            "    # key), their gradients summed and averaged: the update of the whole batch\n"
-            f"    xs, ys = x.reshape({k}, -1, *x.shape[1:]), y.reshape({k}, -1, *y.shape[1:])\n"
-            "    grads = jax.tree.map(jnp.zeros_like, params)\n"
-            "    losses = []\n"
-            f"    for i in range({k}):\n"
-            f"        # {why}\n"
-            f"        loss_i, grads_i = {call}(params, xs[i], ys[i]{key_arg})\n"
-            "        grads = jax.tree.map(jnp.add, grads, grads_i)\n"
-            "        losses.append(loss_i)\n"
-            f"    grads = jax.tree.map(lambda g: g / {k}, grads)\n"
-            "    loss = jnp.mean(jnp.stack(losses))"
-        )
+    differentiate = _differentiate(how, k, keyed, r.grad_mode)
     key_line = (
         "    # the step's random key (dropout): fold_in(key(SEED), step), as the trainer's\n"
         "    key = jax.random.fold_in(jax.random.key(SEED), step)\n"
@@ -134,20 +110,7 @@ def script_text(r: Run, step_src: str, how: str, opt_src: str, script_dir: Path)
         sampler = _WINDOW_SAMPLER
         n_src = "len(X) - WINDOW + 1"
     opt_lines = [i for i in opt_imports if not i.startswith(("import jax", "import optax"))]
-    header = f'''"""The training run of {cfg.name}, ejected by ``nnlite-train --eject``.
-
-    {config_line}
-
-Runs without nnlite's trainer: jax, numpy, optax, and nnlite's rules (nnlite.rules) and
-nnlite.load. It reads the run's initial params ({PARAMS}) and training arrays ({DATA})
-from its own directory, draws the trainer's batches (a pure function of the seed and the
-step), runs the train step below (loss.grad={r.grad_mode}) with the config's optax chain,
-and prints the mean loss every LOG_EVERY steps: the "loss" of the run's metrics.jsonl, to
-float rounding. Evaluation, checkpoints, callbacks and loggers stay the trainer's.
-
-    python {SCRIPT} [--steps N]
-"""
-'''
+    header = _header(cfg, r.grad_mode, config_line)
     user_imports, paths = _portable_paths([*extra, *opt_lines], Path(script_dir).absolute())
     text = header + "\n" + "\n".join(base + paths + user_imports) + "\n"
     text += "" if paths else "\nHERE = os.path.dirname(os.path.abspath(__file__))\n"
@@ -202,34 +165,54 @@ def train_step(params, opt_state, x, y, step):
 train_step = jax.jit(train_step, donate_argnums=(0, 1))
 
 
-# -- the loop --
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=STEPS, help="stop after this many steps")
-    args = ap.parse_args(argv)
-    params = nnlite.load(os.path.join(HERE, "{PARAMS}"))  # the run's initial params
-    opt_state = optimizer.init(params)
-    total, count = 0.0, 0
-    for step in range(min(args.steps, STEPS)):
-        x, y = get_batch(step)
-        params, opt_state, loss = train_step(params, opt_state, x, y, np.int32(step))
-        total, count = total + float(loss), count + 1  # host float64, as the trainer's
-        done = step + 1
-        if done % LOG_EVERY == 0 or done == STEPS or done == args.steps:
-            avg = total / count
-            print(f"step {{done}} loss {{avg!r}}", flush=True)
-            total, count = 0.0, 0
-            if not math.isfinite(avg):
-                print(f"stopped: non-finite loss by step {{done}}", file=sys.stderr)
-                return 4
-    nnlite.save(os.path.join(HERE, "trained.safetensors"), params)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-"""
+{_LOOP}"""
     return text
+
+
+def _header(cfg: Config, grad_mode: str, config_line: str) -> str:
+    """The script's docstring: what it runs and how."""
+    return f'''"""The training run of {cfg.name}, ejected by ``nnlite-train --eject``.
+
+    {config_line}
+
+Runs without nnlite's trainer: jax, numpy, optax, and nnlite's rules (nnlite.rules) and
+nnlite.load. It reads the run's initial params ({PARAMS}) and training arrays ({DATA})
+from its own directory, draws the trainer's batches (a pure function of the seed and the
+step), runs the train step below (loss.grad={grad_mode}) with the config's optax chain,
+and prints the mean loss every LOG_EVERY steps: the "loss" of the run's metrics.jsonl, to
+float rounding. Evaluation, checkpoints, callbacks and loggers stay the trainer's.
+
+    python {SCRIPT} [--steps N]
+"""
+'''
+
+
+def _differentiate(how: str, k: int, keyed: bool, grad_mode: str) -> str:
+    """The train step's lines that compute ``loss, grads`` (``k`` microbatches summed)."""
+    call = "value_and_grad" if how == "manual" else "jax.value_and_grad(loss_fn)"
+    why = (
+        "the hand-derived backward pass above: the rules' VJPs called in reverse"
+        if how == "manual"
+        else f"JAX's autodiff of the forward pass above (loss.grad={grad_mode})"
+    )
+    if k == 1:
+        key_arg = ", key" if keyed else ""
+        return f"    # {why}\n    loss, grads = {call}(params, x, y{key_arg})"
+    key_arg = ", jax.random.fold_in(key, i)" if keyed else ""
+    return (
+        f"    # train.grad_accum_steps={k}: the batch as {k} microbatches (each its own\n"
+        "    # key), their gradients summed and averaged: the update of the whole batch\n"
+        f"    xs, ys = x.reshape({k}, -1, *x.shape[1:]), y.reshape({k}, -1, *y.shape[1:])\n"
+        "    grads = jax.tree.map(jnp.zeros_like, params)\n"
+        "    losses = []\n"
+        f"    for i in range({k}):\n"
+        f"        # {why}\n"
+        f"        loss_i, grads_i = {call}(params, xs[i], ys[i]{key_arg})\n"
+        "        grads = jax.tree.map(jnp.add, grads, grads_i)\n"
+        "        losses.append(loss_i)\n"
+        f"    grads = jax.tree.map(lambda g: g / {k}, grads)\n"
+        "    loss = jnp.mean(jnp.stack(losses))"
+    )
 
 
 def _key_settings(cfg: Config) -> list[tuple[str, object]]:
@@ -275,3 +258,31 @@ def batch_indices(step):
     dtype = np.int32 if N <= np.iinfo(np.int32).max else np.int64
     return np.random.default_rng([SEED, step]).integers(0, N, BATCH_SIZE, dtype=dtype)
 '''
+
+_LOOP = """# -- the loop --
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=STEPS, help="stop after this many steps")
+    args = ap.parse_args(argv)
+    params = nnlite.load(os.path.join(HERE, "<PARAMS>"))  # the run's initial params
+    opt_state = optimizer.init(params)
+    total, count = 0.0, 0
+    for step in range(min(args.steps, STEPS)):
+        x, y = get_batch(step)
+        params, opt_state, loss = train_step(params, opt_state, x, y, np.int32(step))
+        total, count = total + float(loss), count + 1  # host float64, as the trainer's
+        done = step + 1
+        if done % LOG_EVERY == 0 or done == STEPS or done == args.steps:
+            avg = total / count
+            print(f"step {done} loss {avg!r}", flush=True)
+            total, count = 0.0, 0
+            if not math.isfinite(avg):
+                print(f"stopped: non-finite loss by step {done}", file=sys.stderr)
+                return 4
+    nnlite.save(os.path.join(HERE, "trained.safetensors"), params)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+""".replace("<PARAMS>", PARAMS)

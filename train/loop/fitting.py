@@ -101,7 +101,6 @@ def _config(model: Any, config: Any, overrides: list[str]) -> Config:
     if isinstance(config, Config):
         if model is None and not overrides:
             return config
-
         config = to_dict(config)
     base_dir, source = None, "train.fit(config=...)"
     if isinstance(config, (str, Path)):

@@ -21,6 +21,7 @@ import numpy as np
 from ..config import Config
 from ..data.dataset import batch_dtype
 from ..data.feed import DEPTH
+from ..data.registry import size_key
 from ..errors import ConfigError
 from ..model import contract
 from ..report.units import format_bytes, host_memory_bytes
@@ -144,8 +145,7 @@ def check_fits(cfg: Config, model, optimizer, data, strategy) -> Estimate:
         if cfg.train.grad_accum_steps == 1:
             fix += " or raise train.grad_accum_steps"
     elif worst == "data":
-        key = "data.path" if cfg.data.name == "npz" else "data.num_samples"
-        fix = f"use a smaller data set ({key})"
+        fix = f"use a smaller data set ({size_key(cfg.data.name)})"
     elif data.num_classes is not None and data.num_classes > _widest(cfg.model.options):
         fix = f"the data has {data.num_classes} classes (largest label {data.num_classes - 1})"
     else:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ..callbacks import EARLY_STOPPING_KEY, EarlyStopping
 from ..data.dataset import batch_dtype
 from ..data.feed import eval_chunk
 from ..data.text.units import name_metrics
 from ..errors import ConfigError
-from .callbacks import EARLY_STOPPING_KEY, EarlyStopping
 
 
 def eval_metric_names(r, prep) -> list[str]:

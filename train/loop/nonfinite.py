@@ -15,8 +15,8 @@ from ..checkpoint.resume import load_checkpoint
 from ..data.dataset import host_batch
 from ..data.feed import call_batch
 from ..parallel import distributed as dist
-from .backward import replay_first_bad_layer
-from .step import step_flags
+from ..step.backward import replay_first_bad_layer
+from ..step.step import step_flags
 
 
 def first_nonfinite(loss_fn, optimizer, params, opt_state, x, y, state=None) -> str | None:

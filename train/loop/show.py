@@ -12,8 +12,8 @@ import nnlite as nl
 from ..config import Config
 from ..data.dataset import host_batch
 from ..model import contract
+from ..step.step import mean_loss_fn, uses_key
 from .build import build, make_stepper
-from .step import mean_loss_fn, uses_key
 
 
 def show_jaxpr(cfg: Config, what: str) -> str:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from .. import faults
+from ..callbacks import Callback, Callbacks, LoopState, build_callbacks
 from ..checkpoint import rundir
 from ..checkpoint import store as ckpt
 from ..checkpoint.best import META_KEY as BEST_KEY
@@ -41,13 +42,12 @@ from ..report.loggers import MetricsLog
 from ..report.plot import plot_curves
 from ..report.profile import Profiler
 from ..report.timings import Timings
+from ..step.checkgrads import check_grads, check_user_rules
+from ..step.step import policy_loss_fn, step_flags
 from . import nonfinite
 from .build import Prepared, Run, build, init_compiler_options, make_stepper, prepare
-from .callbacks import Callback, Callbacks, LoopState, build_callbacks
-from .checkgrads import check_grads, check_user_rules
 from .monitors import check_monitors
 from .parts import Batches, CheckpointBook, Reporter, TrainState
-from .step import policy_loss_fn, step_flags
 
 #: Checkpoint metadata: a SIGTERM/SIGINT stopped the evaluation at the checkpoint's step.
 EVAL_PENDING_KEY = "eval_pending"
@@ -81,7 +81,7 @@ def train(
     loggers: Sequence[Any] = (),
 ) -> Run:
     """Train per ``cfg``. ``resume``: "auto" (latest checkpoint if any), "require", "fresh".
-    ``callbacks``: objects called at the loop's events (train/loop/callbacks.py), after
+    ``callbacks``: objects called at the loop's events (train/callbacks.py), after
     the config's; ``optimizer``: the optax GradientTransformation that
     ``optimizer.name: given`` stands for.
 
@@ -104,7 +104,7 @@ def train(
     timings = timings or Timings()
     try:
         r = build(cfg, data, timings, optimizer)
-        cbs = build_callbacks(cfg, callbacks)
+        cbs = build_callbacks(cfg.callbacks, cfg.train.early_stopping, callbacks)
         loop = _Loop.begin(r, resume, echo, timings, plotter, cbs, loggers)
     except UserCodeError as e:  # at start-up: nothing trained (the CLI's exit 2)
         write_error_log(e, Path(cfg.log.dir) / cfg.name)
@@ -178,7 +178,7 @@ class _Loop:
     ckpt: CheckpointBook  # the writer, the last good checkpoint, the best k
     watch: faults.PreemptionWatch  # SIGTERM/SIGINT: checkpoint at an agreed step, exit 3
     watchdog: faults.Watchdog  # a compiled call that never finishes: exit 5
-    callbacks: Callbacks  # run on process 0 (train/loop/callbacks.py)
+    callbacks: Callbacks  # run on process 0 (train/callbacks.py)
     view: LoopState | None = None  # what the callbacks read, and their stop request
     stopped_before: bool = False  # the checkpoint resumed from ended an early-stopped run
     eval_pending: bool = False  # this step's evaluation was stopped by a signal (evaluated)

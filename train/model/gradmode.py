@@ -16,7 +16,7 @@ every process of a run, and a resumed run, resolve alike; the banner shows it
 The same trace lists the hand rules the objective calls (``nl.check_manual`` returns
 them); those that are not nnlite's own (a user's ``@nl.hand_rule`` or ``nl.vjp.custom_vjp``)
 are ``GradMode.rules``, which the trainer checks against ``jax.vjp`` before step 1
-(``loss.check_rules``, train/loop/checkgrads.py). Under ``loss.grad: manual`` the objective
+(``loss.check_rules``, train/step/checkgrads.py). Under ``loss.grad: manual`` the objective
 is traced for that list alone (on shapes; what ``auto`` costs).
 """
 

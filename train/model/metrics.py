@@ -82,7 +82,7 @@ def check_specs(specs: Sequence[str], search: Iterable[Path], source: str) -> No
 
 def forward(model: Any, params, x, state=None):
     """The model's outputs in inference mode (a stateful model's with its state)."""
-    from .contract import call, call_stateful, is_stateful
+    from .contract import call, call_stateful, is_stateful  # start-up: JAX (config reads this)
 
     if is_stateful(model):
         return call_stateful(model, params, x, state, train=False)[0]
@@ -92,7 +92,7 @@ def forward(model: Any, params, x, state=None):
 def per_example(model: Any, params, x, y, state=None, metrics: Sequence = ()) -> tuple:
     """``(per-example loss, {metric: per-example values})``: the model's (or its task's)
     loss and metrics, and each of ``metrics`` (``(name, function)`` pairs) on its outputs."""
-    from .contract import per_example_loss, task_loss
+    from .contract import per_example_loss, task_loss  # start-up: JAX (config reads this)
 
     if not metrics:
         return per_example_loss(model, params, x, y, state)
@@ -130,8 +130,8 @@ def prepare(specs: Sequence[str], model: Any, data: Any) -> tuple:
     import jax
     import numpy as np
 
-    from ..data.dataset import batch_dtype
-    from .contract import init_state, param_shapes, per_example_loss
+    from ..data.dataset import batch_dtype  # start-up: numpy (config reads this module)
+    from .contract import init_state, param_shapes, per_example_loss  # start-up: JAX
 
     params = param_shapes(model)
     state = jax.eval_shape(lambda: init_state(model))

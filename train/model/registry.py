@@ -46,7 +46,7 @@ def resolve(name: str, search: tuple[Path, ...] = ()) -> type:
     first (the config file's directory, then the current one)."""
     where = f"model.name={name}"
     if name.startswith(HF_PREFIX):  # a Hugging Face model directory (docs/pretrained.md)
-        import nnlite as nl
+        import nnlite as nl  # start-up: JAX, which a config naming no hf model never needs
 
         return nl.hf.Pretrained
     if ":" not in name and name in MODELS:

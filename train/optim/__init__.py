@@ -1,6 +1,8 @@
-"""Optimizers and learning-rate schedules: named ones (one builder each in ``named.py``,
-one line each in the tables below), a user's factory by import path, or any
-``optax.GradientTransformation`` given to ``train.fit``.
+"""Optimizers and learning-rate schedules: named ones (one function each in ``named.py``,
+one line each in the tables below), a user's function by import path (or registered here,
+``@OPTIMIZERS.register("name")``), or any ``optax.GradientTransformation`` given to
+``train.fit``. Every optimizer is a function of keyword arguments returning an optax
+transformation (or a list of them); every schedule one returning an ``optax.Schedule``.
 
 Importing this package does not import optax or JAX (the config reads the names).
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from ..registry import Registry
 
-#: ``optimizer.name`` -> builder ``(OptimizerConfig, learning_rate) -> GradientTransformation``
+#: ``optimizer.name`` -> ``f(learning_rate, **the section's keys it names)`` -> transformation(s)
 OPTIMIZERS = Registry(
     "named optimizer",
     {
@@ -21,7 +23,7 @@ OPTIMIZERS = Registry(
     },
 )
 
-#: ``optimizer.schedule`` -> builder ``(OptimizerConfig, total_steps) -> optax.Schedule``
+#: ``optimizer.schedule`` -> ``f(learning_rate, total_steps, **section keys)`` -> optax.Schedule
 SCHEDULES = Registry(
     "named schedule",
     {

@@ -20,6 +20,8 @@ import optax
 
 import nnlite as nl
 
+from ..errors import ConfigError
+
 EMA_FIELD = "/ema"  # the average's field in :class:`EmaState`
 
 
@@ -104,8 +106,6 @@ def ema_params(
     the trained params; ``trainable``: the tree of bools of the params averaged (None:
     all), the frozen ones staying as they are; ``prefix``: the average's place in the
     optimizer state (:func:`ema_prefix`)."""
-    from ..errors import ConfigError
-
     mask = jax.tree.map(lambda _: True, params) if trainable is None else trainable
     like = jax.tree.map(
         lambda p, m: jax.ShapeDtypeStruct(np.shape(p), np.float32) if m else optax.MaskedNode(),

@@ -5,7 +5,7 @@ Every param gets one label: ``frozen`` (no update, no optimizer state: ``set_to_
 ``group<i>`` (the first of ``optimizer.param_groups`` whose glob matches it: the
 optimizer with its learning rate scaled and its own weight decay) or ``base`` (the
 section's optimizer). Gradient clipping stays global (over every trained param), before
-the groups. The step differentiates the trained params only (``train/loop/step.py``), so
+the groups. The step differentiates the trained params only (``train/step/step.py``), so
 under ``loss.grad: manual`` no frozen weight gradient is computed at all.
 
 Globs are ``nl.path_mask``'s: over ParamsDict paths (``/blocks[0]/attn/q/W``), ``*``
@@ -30,6 +30,7 @@ from ..model.contract import param_shapes
 from . import GIVEN
 from .ema import with_ema
 from .groups import group_globs
+from .named import build_optimizer
 
 FROZEN, BASE = "frozen", "base"
 
@@ -110,8 +111,6 @@ def make_optimizer(cfg, model, given: optax.GradientTransformation | None = None
     model's and the config's frozen params and param groups, and the EMA of the params
     when ``train.ema_decay`` is set) and the :class:`ParamPlan` the step differentiates
     by (None: every param trains)."""
-    from .named import build_optimizer
-
     ocfg, steps = cfg.optimizer, cfg.train.steps
     p_avals = param_shapes(model)
     plan = plan_params(ocfg, model, p_avals)
@@ -140,8 +139,6 @@ def make_optimizer(cfg, model, given: optax.GradientTransformation | None = None
 
 
 def _group_optimizer(ocfg, group: dict, steps: int, given):
-    from .named import build_optimizer
-
     scale = float(group.get("lr_scale", 1.0))
     if ocfg.name == GIVEN or ":" in ocfg.name:  # its learning rate is its own: scale the step
         base = build_optimizer(ocfg, steps, given)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 
+from ..errors import ConfigError
+
 # config name -> "module:Class" within this package
 REGISTRY = {
     "none": "single:Single",
@@ -41,8 +43,6 @@ def get(name: str, devices: list):
 def from_config(parallel, batch_size: int):
     """The strategy a config's ``parallel`` section asks for, on the devices it selects
     (raises ConfigError when they cannot split ``batch_size`` or do not exist)."""
-    from ..errors import ConfigError
-
     cls = strategy_class(parallel.strategy)
     if parallel.tensor > 1 and not cls.tensor_parallel:
         able = [n for n in NAMES if strategy_class(n).tensor_parallel]

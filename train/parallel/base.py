@@ -30,7 +30,7 @@ def nbytes(aval: Any) -> int:
 class Strategy:
     """How one training step is spread over devices.
 
-    The compiled step is written once (``train.loop.step``); a strategy decides:
+    The compiled step is written once (``train.step.step``); a strategy decides:
 
     - **inside the step** (while it is traced): the loss that autodiff differentiates
       (:meth:`global_loss`), how the loss, metrics and gradients are reduced over devices

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import DistributedConfig
 from ..errors import ConfigError
 from . import clusters
+from .section import DistributedConfig
 
 # The environment variables read for unset fields of the ``distributed`` section. JAX
 # itself reads only JAX_COORDINATOR_ADDRESS; the other two are ours, named to match.

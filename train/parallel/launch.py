@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..config import Config
 from ..faults import (
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
@@ -67,7 +66,7 @@ def _describe(code: int) -> str:
 TRAINER = __name__.rsplit(".parallel.", 1)[0]
 
 
-def launch(cfg: Config, argv: list[str], processes: int, echo=print) -> int:
+def launch(cfg, argv: list[str], processes: int, echo=print) -> int:
     """Run ``nnlite-train argv`` as ``processes`` local processes; return the exit status."""
     signalled: list[int] = []  # signals received, in order
     procs: list[subprocess.Popen] = []

@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 import nnlite as nl
 
 from ..errors import ConfigError
-from ..model.contract import param_shapes
 from . import distributed as dist
 from .base import Strategy, nbytes, place_by_batch
 
@@ -127,7 +126,7 @@ class Sharded(Strategy):
         return NamedSharding(self.mesh, self.spec(aval, axes))
 
     def plan(self, model, optimizer) -> None:
-        p_avals = param_shapes(model)
+        p_avals = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traced, not run
         axes = nl.param_axes(model, p_avals)
         p_tree = jax.tree.map(self.sharding, p_avals, axes)
         o_avals = jax.eval_shape(optimizer.init, p_avals)

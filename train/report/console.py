@@ -11,7 +11,6 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from ..config import Config
 from ..parallel import distributed as dist
 from ..report.machine import machine_lines
 from ..report.units import format_bytes
@@ -177,7 +176,7 @@ def report_eval(bar: ProgressBar, step: int, split: str, metrics: dict) -> None:
         line(step, split, metrics)
 
 
-def progress_bar(cfg: Config, start: int, *, show: bool = True) -> ProgressBar:
+def progress_bar(cfg, start: int, *, show: bool = True) -> ProgressBar:
     """A tqdm bar over ``train.steps`` on a terminal; plain lines (:class:`PlainLines`)
     when ``log.progress`` is off (one per evaluation) or stderr is no terminal (also the
     train metrics every :data:`PLAIN_EVERY_S` s); nothing when not ``show``."""

@@ -67,7 +67,7 @@ def uses_key(model) -> bool:
 def tapped_loss_fn(model, grad: str, backward, taps: bool) -> Callable:
     """``((params, taps), x, y, *, key=None) -> (mean loss, metrics)``: :func:`mean_loss_fn`
     with ``backward``'s per-layer policies, and its layers tapped when ``taps``
-    (``train/loop/backward.py``)."""
+    (``train/step/backward.py``)."""
     fn = backward.objective(contract.objective_fn(model, grad), taps)
     return nl.manual_grads(fn) if grad == "manual" else fn
 
@@ -102,7 +102,7 @@ def batch_grads_fn(
     params are differentiated (the frozen ones are constants of the loss: no weight
     gradient of theirs is computed, by autodiff or by the hand rules), and their gradients
     come out as zeros.
-    ``backward`` (a ``train.loop.backward.Backward``): per-layer backward policies, and
+    ``backward`` (a ``train.step.backward.Backward``): per-layer backward policies, and
     with ``by_layer`` each layer's cotangent and gradient norms added to the metrics.
 
     A stateful model runs in train mode inside ``nl.batch_axis(strategy.axis)``, so its

@@ -15,6 +15,47 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..schema import Where, as_list, choice
+
+# auto resolves to one of the others at build time (train/model/gradmode.py); each model's
+# grad_modes are a subset (tested)
+GRAD_MODES = ("auto", "autodiff", "manual", "fused")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The config's ``loss`` section: how gradients are computed and what is minimised."""
+
+    # How gradients are computed: jax.value_and_grad (autodiff), every layer's hand VJP
+    # composed (manual: any model built from layers with hand rules), or a model's own
+    # hand-written pass (fused: models that list it in grad_modes, the mlp). auto: manual
+    # when hand rules cover the model's objective, else autodiff (resolved once, at build).
+    grad: str = choice("auto", GRAD_MODES)
+    # issue 34: per-layer backward policies by layer path glob, applied to the hand rules
+    # (forward unchanged; needs manual gradients): a list of {layers: "blocks/*/attn",
+    # stop: true | scale: S | clip: C | float32: true} (parse_policies below)
+    backward_policies: tuple[dict, ...] = ()
+    # issue 46: under manual (or auto -> manual) each hand rule of yours -- not nnlite's --
+    # is checked against jax.vjp at the step's shapes before step 1, once per code
+    # (train/step/checkgrads.py); false trains it unchecked (the banner says so)
+    check_rules: bool = True
+    # What training minimises: the model's task loss (task: cross-entropy, ...), or dpo
+    # (direct preference optimisation on data.name: chat preference pairs, train/model/dpo.py)
+    name: str = choice("task", ("task", "dpo"))
+    beta: float = 0.1  # dpo: the strength of the pull towards the reference model
+    # dpo: the frozen reference, a Hugging Face directory; null: the model's base (a LoRA
+    # run: its weights without the adapters; else its directory as it was before training)
+    reference: str | None = None
+
+    def check(self, where: Where) -> None:
+        if self.beta <= 0:
+            raise where.bad("loss.beta", f"must be > 0, got {self.beta}")
+        if self.reference is not None and self.name != "dpo":
+            raise where.bad(
+                "loss.reference", f"is the reference of loss.name: dpo, not {self.name}"
+            )
+        parse_policies(self.backward_policies, where.of("loss.backward_policies"))
+
 
 #: The keys of one entry and what each does (the error for an unknown key lists them).
 POLICY_KEYS = {
@@ -80,15 +121,9 @@ def _match(glob: list[str], parts: list[str]) -> bool:
 def parse_policies(raw, where: str) -> tuple[PolicySpec, ...]:
     """The checked entries of ``loss.backward_policies`` (``where``: the file or ``--set``
     that gave them); one ConfigError line for anything else."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, (list, tuple)):
-        raise ConfigError(
-            f"{where}: loss.backward_policies must be a list of {{layers: GLOB, stop/scale/"
-            f"clip/float32: ...}}, got {raw!r}"
-        )
+    form = "{layers: GLOB, stop/scale/clip/float32: ...}"
     out = []
-    for i, entry in enumerate(raw):
+    for i, entry in enumerate(as_list(raw, where, "loss.backward_policies", form)):
         at = f"{where}: loss.backward_policies[{i}]"
         if not isinstance(entry, dict):
             raise ConfigError(f"{at}: expected a mapping like {{layers: 'blocks/*/attn', "

@@ -32,16 +32,81 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, users_code, users_error
-from ..registry import Registry
+from .errors import ConfigError, users_code, users_error
+from .registry import Registry, check_kwargs
+from .schema import Where, as_list, choice
 
 EVENTS = ("on_fit_start", "on_step_end", "on_eval_end", "on_checkpoint", "on_fit_end")
 
 #: Built-in callbacks by ``callbacks: [{name: ...}]``; anything else is ``"module:Class"``.
-CALLBACKS = Registry("built-in callback", {"early_stopping": ".loop.callbacks:EarlyStopping"})
+CALLBACKS = Registry("built-in callback", {"early_stopping": ".callbacks:EarlyStopping"})
+
+
+@dataclass(frozen=True)
+class CallbackConfig:
+    """One entry of ``callbacks:``: a built-in callback's name or a user's
+    ``"module:Class"``; every other key is an argument of its constructor."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    cls: Any = field(default=None, compare=False, repr=False)  # what ``name`` resolved to
+
+    def to_raw(self) -> dict:
+        """Flat, as written: the name and the arguments."""
+        return {"name": self.name, **self.options}
+
+
+def callbacks_section(raw: Any, where: Where) -> tuple[CallbackConfig, ...]:
+    """The config's ``callbacks`` list: each a name or ``{name: ..., constructor
+    arguments}``, resolved (a user's class imported now) and its arguments checked."""
+    src = where.of("callbacks")
+    out = []
+    for i, entry in enumerate(
+        as_list(raw, src, "callbacks", "names or {name: 'module:Class', ...}")
+    ):
+        at = f"{src}: callbacks[{i}]"
+        if isinstance(entry, str):
+            entry = {"name": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise ConfigError(
+                f"{at}: expected a name or a mapping with a 'name' key, got {entry!r}"
+            )
+        options = {k: v for k, v in entry.items() if k != "name"}
+        cls = CALLBACKS.get(entry["name"], f"{at}.name={entry['name']}", where.search)
+        if not callable(cls):
+            raise ConfigError(f"{at}.name={entry['name']} is not a class or factory")
+        check_kwargs(cls, options, f"{at}.name={entry['name']}", f"callbacks[{i}].")
+        out.append(CallbackConfig(entry["name"], options, cls))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class EarlyStoppingConfig:
+    """``train.early_stopping``: an alias of ``callbacks: [{name: early_stopping, ...}]``
+    (the documented spelling), its keys that callback's arguments; the callback's state is
+    checkpointed under the key ``train.early_stopping``."""
+
+    monitor: str = "loss"  # a metric the evaluation logs (loss, accuracy, bits_per_char...)
+    mode: str = choice("min", ("min", "max"))  # min: lower is better; max: higher is better
+    patience: int = 3  # evaluations without an improvement before the run stops
+    min_delta: float = 0.0  # the smallest change that counts as an improvement
+
+    def as_callback(self) -> CallbackConfig:
+        """The ``callbacks:`` entry this alias stands for."""
+        options = {f: getattr(self, f) for f in ("monitor", "mode", "patience", "min_delta")}
+        return CallbackConfig("early_stopping", options, CALLBACKS.get("early_stopping", ""))
+
+    def check(self, where: Where, prefix: str = "train.early_stopping.") -> None:
+        if self.patience < 1:
+            raise where.bad(f"{prefix}patience", f"must be >= 1, got {self.patience}")
+        if self.min_delta < 0:
+            raise where.bad(f"{prefix}min_delta", f"must be >= 0, got {self.min_delta}")
+        if not self.monitor.strip():
+            raise where.bad(f"{prefix}monitor", "must name an evaluation metric, got ''")
 
 
 class Callback:
@@ -150,11 +215,16 @@ class Callbacks:
                     fn(states[key])
 
 
-def build_callbacks(cfg, given: Sequence[Any] = ()) -> Callbacks:
-    """The config's callbacks (constructed with their arguments), then ``given`` objects
-    (``train.fit(callbacks=[...])``)."""
+def build_callbacks(
+    specs: Sequence[CallbackConfig],
+    early_stopping: EarlyStoppingConfig | None = None,
+    given: Sequence[Any] = (),
+) -> Callbacks:
+    """The config's callbacks (``specs``, constructed with their arguments), then ``given``
+    objects (``train.fit(callbacks=[...])``), then ``train.early_stopping``'s (the alias's)
+    callback, under its own key in checkpoints."""
     made, names = [], []
-    for spec in cfg.callbacks:
+    for spec in specs:
         try:
             made.append(spec.cls(**spec.options))
         except Exception as e:
@@ -168,12 +238,12 @@ def build_callbacks(cfg, given: Sequence[Any] = ()) -> Callbacks:
     for cb in given:
         made.append(cb)
         names.append(type(cb).__qualname__)
-    es = cfg.train.early_stopping
-    if es is not None:  # the config key: the built-in callback, its state under its own key
-        made.append(EarlyStopping(es.monitor, es.mode, es.patience, es.min_delta))
+    if early_stopping is not None:  # the alias: the built-in callback, as the list names it
+        spec = early_stopping.as_callback()
+        made.append(spec.cls(**spec.options))
         names.append(EARLY_STOPPING_KEY)
     out = Callbacks(made, names)
-    if es is not None:
+    if early_stopping is not None:
         out.keys[-1] = EARLY_STOPPING_KEY  # whatever other callbacks the run has
     return out
 

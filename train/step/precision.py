@@ -26,9 +26,9 @@ import optax
 
 import nnlite as nl
 
-from ..config import PRECISIONS as PRECISIONS  # the schema names the choices
 from ..errors import ConfigError
 from ..model.contract import accepts
+from .section import PRECISIONS as PRECISIONS  # the schema names the choices
 
 GROWTH_INTERVAL = 2000  # finite float16 steps in a row before the loss scale doubles
 GROWTH_FACTOR = 2.0  # what the scale is multiplied by when it grows, divided by on overflow
