@@ -292,12 +292,9 @@ def test_a_cpu_peak_measured_busy_is_measured_again_and_the_best_kept(tmp_path, 
     assert list(entry.values()) == [{"flops": 18e9, "quiet": True}]
 
 
-def test_flops_of_a_program_whose_client_analyses_no_lowered_program():
+def test_cost_analysis_of_a_program_whose_client_analyses_no_lowered_program():
     # A GPU's CUDA plugin (PJRT C API) gives no Lowered.cost_analysis(): nl.cost_analysis
-    # (bytes accessed; the FLOPs of callers holding only a lowered step) reads the same
-    # module through the CPU client instead.
-    from train.loop.build import step_cost
-
+    # reads the same module through the CPU client instead.
     lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 32)), jnp.ones((32, 16)))
 
     class PluginLowered:
@@ -308,7 +305,7 @@ def test_flops_of_a_program_whose_client_analyses_no_lowered_program():
             return lowered.compiler_ir(dialect)
 
     assert nl.cost_analysis(PluginLowered())["flops"] == 2 * 64 * 32 * 16
-    assert step_cost(PluginLowered())["flops"] == step_cost(lowered)["flops"] == 2 * 64 * 32 * 16
+    assert nl.cost_analysis(lowered)["flops"] == 2 * 64 * 32 * 16
 
 
 def test_step_cost_is_the_traced_calls_count_per_step():

@@ -500,20 +500,14 @@ def device_eval(r: Run, eval_dev) -> tuple:
     return *placed, build_split_eval(model, chunk, r.metrics)
 
 
-def step_cost(program, steps: int = 1) -> dict | None:
-    """``nl.flops`` of one step: the traced call ``program`` (a ``jax.stages.Traced``)
-    counted from its jaxpr, every loop by its trip count (the call's ``steps`` steps, the
-    microbatches of ``train.grad_accum_steps``, scanned blocks, the chunked LM head; a
-    ``shard_map`` body once per device: the total over the devices), divided by ``steps``.
-    None where it cannot be counted.
-
-    A ``Lowered`` program (no jaxpr) gets XLA's cost analysis instead (``nl.cost_analysis``:
-    one device's program, each loop's body counted once), as callers that hold only the
-    lowered step (benchmarks/gpu.py, benchmarks/precision.py) had it."""
+def step_cost(traced, steps: int = 1) -> dict | None:
+    """``nl.flops`` of one step: the traced call (a ``jax.stages.Traced``) counted from its
+    jaxpr, every loop by its trip count (the call's ``steps`` steps, the microbatches of
+    ``train.grad_accum_steps``, scanned blocks, the chunked LM head; a ``shard_map`` body
+    once per device: the total over the devices), divided by ``steps``. None where it
+    cannot be counted."""
     try:
-        if not hasattr(program, "jaxpr"):
-            return nl.cost_analysis(program)
-        cost = nl.flops(program)
+        cost = nl.flops(traced)
     except Exception:  # noqa: BLE001 - a program that cannot be counted: no MFU, no failure
         return None
     per_step = {k: cost[k] / steps for k in ("flops", "matmul_flops", "transcendentals")}

@@ -46,17 +46,13 @@ GPU_PEAKS = {
 _MEASURED: dict[str, float] = {}  # this process's CPU peaks by dtype
 
 
-def step_flops(cost: dict | list | None, copies: int = 1, accum_steps: int = 1) -> float | None:
-    """Model FLOPs of one optimizer step from ``cost`` (``step_cost``'s count of one step,
-    over every device), times ``copies`` and ``accum_steps`` for a count that leaves them
-    out (XLA's cost analysis of one device's program: its loops' bodies once); None if
-    unknown."""
-    if isinstance(cost, list | tuple):  # older JAX's cost analysis: one dict per program
-        cost = cost[0] if cost else None
+def step_flops(cost: dict | None) -> float | None:
+    """Model FLOPs of one optimizer step from ``cost`` (``step_cost``: one step, counted
+    over every device); None if unknown."""
     flops = None if not cost else cost.get("flops")
     if flops is None or not flops > 0:
         return None
-    return float(flops) * copies * accum_steps
+    return float(flops)
 
 
 def gpu_peak(device_kind: str, dtype: str) -> float | None:
