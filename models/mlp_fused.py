@@ -1,4 +1,4 @@
-"""The MLP's gradient modes: autodiff, composed hand VJPs, one fused hand-written pass.
+"""The MLP's gradient modes: autodiff, composed hand rules, one fused hand-written pass.
 
 The model is a chain of Linear layers ``h = act(h @ W + b)`` with no activation after the
 last layer, then mean softmax cross-entropy against integer labels. Parameters are a
@@ -6,7 +6,7 @@ sequence of layers, each a ParamsDict (or dict) with ``W: [in, out]`` and ``b: [
 a ParamsDict that holds such a chain (``ffn`` + ``head``, or ``layers``; see
 ``mlp_layers``). Gradients come back with the same tree structure as the parameters.
 
-``manual`` gradients for any model come from ``nl.manual_grads`` (every layer's hand VJP);
+``manual`` gradients for any model come from ``nl.manual_grads`` (every layer's hand rule);
 the fused pass here is hand-optimised for this one model's shape, which is why it lives
 with the model (``models/mlp.py`` uses it for ``loss.grad=fused``) and uses only nnlite's
 public API.
@@ -372,7 +372,7 @@ def loss_and_grad(
 
     Args:
         mode: ``"autodiff"`` (``jax.value_and_grad``), ``"manual"`` (``value_and_grad``
-            of a loss composed of hand VJPs) or ``"fused"`` (``fused_loss_and_grad``).
+            of a loss composed of hand rules) or ``"fused"`` (``fused_loss_and_grad``).
         params: the layers (see ``mlp_layers``).
         x: ``[batch, in]`` inputs; labels: ``[batch]`` integer class indices.
         activation: a name from ``HAND_ACTIVATIONS`` (autodiff also takes any name in

@@ -5,6 +5,7 @@ import json
 
 import jax
 import numpy as np
+from _common import byte_bpe
 
 import nnlite as nl
 
@@ -22,18 +23,9 @@ TEMPLATE = (
 def make_chat_dir(d, *, template=TEMPLATE, in_config=False, n_layer=2):
     """A tiny ``LlamaLM`` directory ``d`` with tokenizer files and ``template``, saved as
     ``chat_template.jinja`` (or in tokenizer_config.json when ``in_config``)."""
-    import tokenizers
-
     words = ["hi", "hello", "how", "are", "you", "fine", "thanks", "what", "is", "two", "plus"]
     text = " ".join(np.random.default_rng(0).choice(words, 2000))
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator([text], trainer)
+    tok = byte_bpe(text, 300, SPECIALS)
     model = nl.hf.LlamaLM(
         vocab_size=tok.get_vocab_size(), context=64, n_layer=n_layer, n_head=4, n_kv_head=2,
         n_embd=16, hidden=32,

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import fit_config
 from _tolerance import (
     ROUNDINGS_PER_LAYER,
     SAME_PROGRAMS,
@@ -230,14 +231,7 @@ class BNMLP(nl.Module):
 
 
 def fit(tmp_path, npz, *overrides, model=BNMLP, callbacks=()):
-    config = {
-        "name": "bnmlp",
-        "data": {"name": "npz"},
-        "optimizer": {"name": "adam", "learning_rate": 0.01},
-        "train": {"batch_size": 64, "log_every": 1, "eval_every": 5},
-        "checkpoint": {"every": 0},
-        "log": {"dir": str(tmp_path), "progress": False, "plot": False},
-    }
+    config = fit_config("bnmlp", tmp_path)
     return train.fit(
         model,
         config,

@@ -1,11 +1,10 @@
 """Callbacks from a config and from train.fit: their events, the built-in early stopping,
 and bad callback entries; a user's mistakes in a model are one line too."""
 
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from _common import cli_sets, user_module
 
 import train
 from train.__main__ import main
@@ -71,11 +70,8 @@ class Lgamma(nl.Module):
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cbs")
-    (root / "user_callbacks.py").write_text(textwrap.dedent(USER))
-    sys.path.insert(0, str(root))
-    yield root
-    sys.path.remove(str(root))
+    with user_module(tmp_path_factory.mktemp("cbs"), "user_callbacks", USER) as root:
+        yield root
 
 
 def config(tmp_path, *overrides, **sections):
@@ -125,15 +121,8 @@ def test_early_stopping_from_the_config_stops_and_a_rerun_says_so(tmp_path, caps
     # a small MLP, no plot or progress bar: the callback from the config is the point
     over = ["train.steps=400", "train.eval_every=20", "checkpoint.every=0"]
     over += ["model.hidden_sizes=[16]", "log.plot=false", "log.progress=false"]
-    argv = [
-        "--config",
-        "configs/digits_mlp.yaml",
-        "--set",
-        f"log.dir={tmp_path}",
-        "--set",
-        f"callbacks={cbs!r}".replace("'", '"'),
-        *sum((["--set", o] for o in over), []),
-    ]
+    cbs_set = f"callbacks={cbs!r}".replace("'", '"')
+    argv = ["--config", "configs/digits_mlp.yaml", *cli_sets(f"log.dir={tmp_path}", cbs_set, *over)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "stopped early at step 40: early stopping: accuracy has not improved" in out
@@ -168,14 +157,8 @@ def test_an_object_with_no_event_is_refused(tmp_path, user):
 
 
 def test_an_init_returning_a_dict_is_one_line_and_writes_nothing(tmp_path, user, capsys):
-    args = [
-        "--config",
-        "configs/digits_mlp.yaml",
-        "--set",
-        f"log.dir={tmp_path}",
-        "--set",
-        'model={"name": "user_callbacks:DictInit"}',
-    ]
+    model = 'model={"name": "user_callbacks:DictInit"}'
+    args = ["--config", "configs/digits_mlp.yaml", *cli_sets(f"log.dir={tmp_path}", model)]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "DictInit.init returned a dict, expected an nl.ParamsDict" in err
@@ -183,16 +166,9 @@ def test_an_init_returning_a_dict_is_one_line_and_writes_nothing(tmp_path, user,
 
 
 def test_show_grad_without_a_hand_rule_is_one_line(tmp_path, user, capsys):
-    args = [
-        "--config",
-        "configs/digits_mlp.yaml",
-        "--set",
-        f"log.dir={tmp_path}",
-        "--set",
-        'model={"name": "user_callbacks:Lgamma"}',
-        "--show-jaxpr",
-        "grad",
-    ]
+    model = 'model={"name": "user_callbacks:Lgamma"}'
+    args = ["--config", "configs/digits_mlp.yaml", *cli_sets(f"log.dir={tmp_path}", model)]
+    args += ["--show-jaxpr", "grad"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert (

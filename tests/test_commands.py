@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _common import write_files
 from _xla import xla_flags
 
 from train.__main__ import COMMANDS, main, resume_command
@@ -79,10 +80,7 @@ FILES = {
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("own_project")
-    for name, text in FILES.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(textwrap.dedent(text).lstrip())
+    root = write_files(tmp_path_factory.mktemp("own_project"), FILES)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 6)).astype(np.float32)
     np.savez(root / "configs" / "d.npz", x=x, y=(x[:, 0] > 0).astype(np.int32))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import fit_config
 from _tolerance import SAME_PROGRAMS, assert_same_trajectory
 
 import nnlite as nl
@@ -254,14 +255,7 @@ def test_a_stateful_sequential_threads_its_state(key):
 
 
 def fit(tmp_path, npz, *overrides, model):
-    config = {
-        "name": "compose",
-        "data": {"name": "npz"},
-        "optimizer": {"name": "adam", "learning_rate": 0.01},
-        "train": {"batch_size": 64, "log_every": 1, "eval_every": 5},
-        "checkpoint": {"every": 0},
-        "log": {"dir": str(tmp_path), "progress": False, "plot": False},
-    }
+    config = fit_config("compose", tmp_path)
     return train.fit(
         model, config, overrides=[npz, *overrides], resume="fresh", echo=lambda *_: None
     )
@@ -296,14 +290,7 @@ def test_a_stateful_sequential_with_dropout_resumes_exactly(tmp_path, npz, seqbn
     ckpts = sorted((full.run_dir / "checkpoints").iterdir())
     shutil.copytree(full.run_dir, tmp_path / "crashed")
     (tmp_path / "crashed" / "checkpoints" / ckpts[-1].name).unlink()  # died before step 6
-    config = {
-        "name": "crashed",
-        "data": {"name": "npz"},
-        "optimizer": {"name": "adam", "learning_rate": 0.01},
-        "train": {"batch_size": 64, "log_every": 1, "eval_every": 5},
-        "checkpoint": {"every": 0},
-        "log": {"dir": str(tmp_path), "progress": False, "plot": False},
-    }
+    config = fit_config("crashed", tmp_path)
     resumed = train.fit(
         SeqBN, config, overrides=[npz, *common], resume="auto", echo=lambda *_: None
     )

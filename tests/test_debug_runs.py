@@ -7,13 +7,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import textwrap
 import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from _common import user_module
 
 import train
 from train.__main__ import main
@@ -63,11 +63,8 @@ def whole_logits(logits, y):
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
-    root = tmp_path_factory.mktemp("debug_user")
-    (root / "debug_user.py").write_text(textwrap.dedent(USER))
-    sys.path.insert(0, str(root))
-    yield root
-    sys.path.remove(str(root))
+    with user_module(tmp_path_factory.mktemp("debug_user"), "debug_user", USER) as root:
+        yield root
 
 
 def sections(log_dir, **train_keys):

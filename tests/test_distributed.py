@@ -15,6 +15,7 @@ import _inject
 import jax
 import numpy as np
 import safetensors.numpy
+from _common import NPZ_MLP
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from _xla import xla_flags
 
@@ -27,9 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/digits_mlp.yaml"
 # Small and quick to start: an 8-16-4 MLP on a generated npz (no scikit-learn import).
 COMMON = [
-    "name=run",
-    "data.name=npz",
-    "model.hidden_sizes=[16]",
+    *NPZ_MLP,
     "train.batch_size=64",
     "log.progress=false",
     "log.plot=false",

@@ -7,13 +7,12 @@ import json
 import os
 import re
 import signal
-import sys
-import textwrap
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from _common import user_module
 
 from train import faults
 from train.__main__ import main
@@ -76,12 +75,8 @@ USER_LINES = {  # the line of USER (uf_user.py) each of them raises at
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
-    root = tmp_path_factory.mktemp("userfail")
-    (root / "uf_user.py").write_text(textwrap.dedent(USER))
-    sys.path.insert(0, str(root))
-    yield root
-    sys.path.remove(str(root))
-    sys.modules.pop("uf_user", None)
+    with user_module(tmp_path_factory.mktemp("userfail"), "uf_user", USER) as root:
+        yield root
 
 
 def argv(tmp_path, *overrides) -> list[str]:

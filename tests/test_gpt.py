@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import TINY_GPT
 from _tolerance import (
     ROUNDINGS_PER_LAYER,
     SAME_PROGRAMS,
@@ -129,14 +130,9 @@ def tiny_run(tmp_path, *overrides, name="g", resume="fresh", callbacks=()):
             "log.progress=false",
             "log.plot=false",
             f"name={name}",
-            "data.name=text",
+            *TINY_GPT,
             f"data.path={text_file(tmp_path)}",
             "data.eval_windows=16",
-            "model.context=16",
-            "model.n_layer=1",
-            "model.n_head=2",
-            "model.n_embd=16",
-            "train.batch_size=8",
             "train.steps=12",
             "train.steps_per_call=3",  # every call 3 steps: one compiled size
             "train.eval_every=6",

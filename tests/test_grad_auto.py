@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _common import TINY_LM
 from _tolerance import ROUNDINGS_PER_LAYER, SAME_PROGRAMS, assert_close_f32, first_step_grads
 from test_manual_train import CNN_TINY, GPT_TINY, STEPS, TEXT
 
@@ -29,29 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # A user's models in their own file: written the natural way (plain +, jnp.mean), covered
 # by rules; and one with an operation that has none (its line is found below).
-USER_MODELS = '''
+USER_MODELS = f'''
 import jax
 import jax.numpy as jnp
 import nnlite as nl
 
 
-class MeanPoolLM(nl.Module):
-    """Token + position embeddings added, a transformer block, a residual, a linear head."""
+{TINY_LM}
 
-    vocab_size: int
-    context: int
-    width: int = 16
-
-    task = "language_model"
-
-    def init(self, key):
-        k = jax.random.split(key, 4)
-        return nl.ParamsDict(
-            tok=nl.Embedding(self.vocab_size, self.width).init(k[0]),
-            pos=nl.Embedding(self.context, self.width).init(k[1]),
-            block=nl.TransformerBlock(self.width, 2, causal=True).init(k[2]),
-            head=nl.Linear(self.width, self.vocab_size).init(k[3]),
-        )
+class MeanPoolLM(TinyLM):
+    """TinyLM's layers called the natural way: tokens + positions added with +, a residual
+    around the block, mean centring with jnp.mean."""
 
     def __call__(self, params, x, *, key=None):
         h = nl.Embedding(self.vocab_size, self.width)(params.tok, x)

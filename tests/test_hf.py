@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import assert_lm_manual_grads_close, byte_bpe, import_transformers
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from _tolerance import check_rule as check
 
@@ -26,12 +27,7 @@ def tf():
     """transformers and torch, imported with their import-time warnings silenced (the suite
     turns warnings into errors)."""
     reason = "transformers and torch are test-only extras: pip install 'nnlite[hf-test]'"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch = pytest.importorskip("torch", reason=reason)
-        transformers = pytest.importorskip("transformers", reason=reason)
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    transformers, torch = import_transformers(reason)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     return transformers, torch
@@ -205,18 +201,10 @@ def test_sharded_files_load_onto_a_mesh(tf, checkpoint, tmp_path):
 
 
 def test_tokenizer_round_trips_and_exports(tf, tmp_path):
-    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    pytest.importorskip("tokenizers", reason="pip install tokenizers")
     transformers, _ = tf
     text = "the quick brown fox jumps over the lazy dog. " * 20 + "héllo wörld 123"
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=97,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([text], trainer)
+    tok = byte_bpe(text, 97)
     src = tmp_path / "in"
     # GPT-2 with an untied head and another activation (the other GPT-2 variants)
     cfg = _configs(transformers)["gpt2"]
@@ -292,14 +280,7 @@ def test_manual_grads_equal_autodiff_through_gemma2_and_qwen3_options(key):
     params = jax.device_put(jax.tree.map(lambda a: a + np.float32(0.3) * rng.standard_normal(
         a.shape, np.float32), params))  # fmt: skip
     tokens = jnp.asarray(rng.integers(0, 31, (2, 9)), jnp.int32)
-
-    def loss(p):
-        logits = model(p, tokens[:, :-1])
-        return nl.softmax_cross_entropy(logits, tokens[:, 1:], reduction="mean")
-
-    auto = jax.jit(jax.grad(loss))(params)
-    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params)
-    assert_close_f32(hand, auto, ops=ROUNDINGS_PER_LAYER * 6)
+    assert_lm_manual_grads_close(model, params, tokens, ops=ROUNDINGS_PER_LAYER * 6)
 
 
 def test_manual_grads_equal_autodiff_through_a_llama_with_lora(key):
@@ -311,14 +292,7 @@ def test_manual_grads_equal_autodiff_through_a_llama_with_lora(key):
     # compiled for each weight shape)
     params = jax.device_put(jax.tree.map(lambda a: a + np.float32(0.1), jax.device_get(params)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 31, (2, 9)), jnp.int32)
-
-    def loss(p):
-        logits = model(p, tokens[:, :-1])
-        return nl.softmax_cross_entropy(logits, tokens[:, 1:], reduction="mean")
-
-    auto = jax.jit(jax.grad(loss))(params)
-    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params)
-    assert_close_f32(hand, auto, ops=ROUNDINGS_PER_LAYER * 4)
+    assert_lm_manual_grads_close(model, params, tokens, ops=ROUNDINGS_PER_LAYER * 4)
 
 
 # --- LoRA ----------------------------------------------------------------------------------
@@ -548,16 +522,9 @@ def test_pretrained_model_for_a_trainer(tmp_path):
 def _tiny_hf_dir(d):
     """A GPT-2 directory made by nnlite itself, with a BPE tokenizer.json (no transformers
     needed): what a downloaded model directory holds."""
-    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    pytest.importorskip("tokenizers", reason="pip install tokenizers")
     text = " ".join(np.random.default_rng(0).choice(["the", "king", "shall", "love", "o"], 3000))
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=280, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator([text], trainer)
+    tok = byte_bpe(text, 280)
     vocab = tok.get_vocab_size()
     model = nl.hf.GPT2LM(vocab_size=vocab + 3, context=32, n_layer=1, n_head=2, n_embd=16)
     nl.hf.save_pretrained(d, model, jax.jit(model.init)(jax.random.key(0)))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import assert_lm_manual_grads_close
 
 import nnlite as nl
 
@@ -220,7 +221,7 @@ def test_lora_dropout_is_peft_s_and_changes_training_outputs_only(key):
 def test_llama_lora_dropout_and_mlp_targets_train_through_the_hand_rules(key):
     """The mlp glob wraps gate/up/down; dropout draws from the call's key only; the hand
     rules' gradients equal autodiff's with dropout on."""
-    from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
+    from _tolerance import ROUNDINGS_PER_LAYER
 
     model = nl.hf.LlamaLM(vocab_size=30, context=8, n_layer=1, n_head=2, n_embd=8, hidden=12)
     params = jax.jit(model.init)(key)
@@ -242,14 +243,7 @@ def test_llama_lora_dropout_and_mlp_targets_train_through_the_hand_rules(key):
     assert float(jnp.abs(train1 - call(params, tokens, key=k2)).max()) > 1e-4
     base_model, base_params = nl.hf.without_lora(model, params)
     assert not base_model.uses_key
-
-    def loss(p):
-        logits = model(p, tokens[:, :-1], key=k1)
-        return nl.softmax_cross_entropy(logits, tokens[:, 1:], reduction="mean")
-
-    auto = jax.jit(jax.grad(loss))(params)
-    hand = jax.jit(jax.grad(nl.manual_grads(loss)))(params)
-    assert_close_f32(hand, auto, ops=ROUNDINGS_PER_LAYER * 4)
+    hand = assert_lm_manual_grads_close(model, params, tokens, ops=ROUNDINGS_PER_LAYER * 4, key=k1)
     assert float(jnp.abs(hand.blocks[0].mlp.gate.lora_a).max()) > 0
 
 

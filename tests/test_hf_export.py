@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 import test_hf
+from _common import byte_bpe
 
 import nnlite as nl
 
@@ -23,15 +24,8 @@ SAMPLES = ["the king shall", "héllo wörld o", "unseen: ∑ ü"]
 def src(tf, tmp_path_factory):
     """A bfloat16 Llama and its tokenizer, both saved by transformers."""
     transformers, torch = tf
-    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<s>"], show_progress=False,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator([TEXT], trainer)
+    pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    tok = byte_bpe(TEXT, 300, ("<|endoftext|>", "<s>"))
     d = tmp_path_factory.mktemp("src")
     cfg = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size() + 4, max_position_embeddings=32, hidden_size=16,

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from _common import byte_bpe, import_transformers
 
 import nnlite as nl
 import train
@@ -121,21 +122,11 @@ def _llama_dir(path, text):
     reason = (
         "transformers, torch and tokenizers are test-only extras: pip install 'nnlite[hf-test]'"
     )
-    tokenizers = pytest.importorskip("tokenizers", reason=reason)
+    pytest.importorskip("tokenizers", reason=reason)
+    transformers, torch = import_transformers(reason)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch = pytest.importorskip("torch", reason=reason)
-        transformers = pytest.importorskip("transformers", reason=reason)
-        transformers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.set_verbosity_error()
-        tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = tokenizers.decoders.ByteLevel()
-        trainer = tokenizers.trainers.BpeTrainer(
-            vocab_size=270, special_tokens=["<|endoftext|>"], show_progress=False,
-            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        )  # fmt: skip
-        tok.train_from_iterator([text], trainer)
+        tok = byte_bpe(text, 270)
         cfg = transformers.LlamaConfig(
             vocab_size=tok.get_vocab_size(), hidden_size=16, intermediate_size=32,
             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

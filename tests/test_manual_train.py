@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _common import TINY_GPT
 from _tolerance import (
     ROUNDINGS_PER_LAYER,
     SAME_PROGRAMS,
@@ -46,14 +47,9 @@ CNN_TINY = [
 ]
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind\n" * 8
 GPT_TINY = [
-    "data.name=text",
+    *TINY_GPT,
     "data.eval_windows=8",
-    "model.context=16",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.n_embd=16",
     "model.dropout=0.1",  # the same dropout masks in both modes (keys from the step number)
-    "train.batch_size=8",
     "checkpoint.every=0",
 ]
 MODELS = {  # each under SAME_PROGRAMS: a run's first step is a 1-step run's program

@@ -3,13 +3,12 @@ a schedule by import path, any optax GradientTransformation given to train.fit; 
 checkpoints and resumes exactly whatever its pytree, and fsdp shards it."""
 
 import json
-import sys
-import textwrap
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from _common import user_module
 
 from train.config import ConfigError, config_from_dict, read_yaml
 from train.loop.trainer import train
@@ -56,11 +55,8 @@ def own_default(learning_rate: float = 0.5):
 
 @pytest.fixture(scope="module")
 def factories(tmp_path_factory):
-    root = tmp_path_factory.mktemp("opts")
-    (root / "user_optimizers.py").write_text(textwrap.dedent(FACTORIES))
-    sys.path.insert(0, str(root))
-    yield root
-    sys.path.remove(str(root))
+    with user_module(tmp_path_factory.mktemp("opts"), "user_optimizers", FACTORIES) as root:
+        yield root
 
 
 def config(tmp_path, optimizer: dict, *overrides):

@@ -2,8 +2,6 @@
 
 import copy
 import json
-import os
-import subprocess
 import sys
 
 import equinox as eqx
@@ -12,13 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _common import python_c
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnlite as nl
 from nnlite import ParamsDict
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _linear_params(key, n_in=3, n_out=2):
@@ -369,9 +366,7 @@ def test_leaf_str(leaf, expected):
 
 def test_print_from_a_fresh_interpreter():
     code = "from nnlite import ParamsDict; p = ParamsDict(); p.a = 4; p.print()"
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
-    )
+    result = python_c(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "/a: 4\n"
 

@@ -3,7 +3,6 @@ the params' EMA (``train.ema_decay``, ``eval.use_ema``, ``load_run(ema=True)``) 
 grad/update/param norms logged by default -- for a model in the user's own file, under
 ``none`` and ``fsdp``, resumed bit for bit after a crash."""
 
-import sys
 import textwrap
 
 import jax
@@ -12,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 import safetensors.numpy
+from _common import user_module
 
 import nnlite as nl
 import train
@@ -73,10 +73,8 @@ class Crash(train.Callback):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("paramsproj")
-    (root / "paramsnet.py").write_text(textwrap.dedent(USER_MODEL).lstrip())
-    sys.path.insert(0, str(root))
-    yield root
-    sys.path.remove(str(root))
+    with user_module(root, "paramsnet", textwrap.dedent(USER_MODEL).lstrip()):
+        yield root
 
 
 def fit(project, name, crash_at=None, **overrides):

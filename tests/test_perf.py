@@ -2,14 +2,13 @@
 fsdp, MFU in the summary and the metrics, --profile, nl.summary and --summary."""
 
 import json
-import sys
-import textwrap
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import user_module
 
 import nnlite as nl
 import train
@@ -43,14 +42,12 @@ class TwoLayer(nl.Module):
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
     root = tmp_path_factory.mktemp("perf")
-    (root / "perf_user.py").write_text(textwrap.dedent(USER))
     (root / "user.yaml").write_text(
         "model: {name: 'perf_user:TwoLayer'}\ndata: {name: digits}\n"
         "train: {batch_size: 64, steps: 8}\nlog: {progress: false, plot: false}\n"
     )
-    sys.path.insert(0, str(root))
-    yield root
-    sys.path.remove(str(root))
+    with user_module(root, "perf_user", USER):
+        yield root
 
 
 def fit(root, name, steps=30, **sections):

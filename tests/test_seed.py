@@ -9,14 +9,12 @@ typos of the seed's README: ``relu(t1_long)`` (``t1_long`` is never defined: ``t
 
 import contextlib
 import io
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.nn as jnn
 import jax.numpy as jnp
 import numpy as np
+from _common import python_c
 from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from jax import Array as Tensor
 from numpy.random import randn
@@ -63,7 +61,6 @@ from nnlite.vjp import (
     xpyzt,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 Pair = tuple  # the seed's README annotates with Pair[...] and Tensor, defined elsewhere
 
 
@@ -80,9 +77,7 @@ def _close(got, want):
 # -- ParamsDict -----------------------------------------------------------------------------
 def test_readme_usage_line():
     code = "from nnlite import ParamsDict ; p = ParamsDict(); p.a = 4; p.print()"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    out = python_c(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "/a: 4\n"
 

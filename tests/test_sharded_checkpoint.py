@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors
+from _common import NPZ_MLP
 from _sharded_strategy import ShardedParams, use_sharded_strategy
 from _sharded_writer import STEP, full_state
 from _xla import xla_flags
@@ -34,9 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/digits_mlp.yaml"
 # Resumes that change train.steps follow one schedule only if it is constant.
 COMMON = [
-    "name=run",
-    "data.name=npz",
-    "model.hidden_sizes=[16]",
+    *NPZ_MLP,
     "train.batch_size=32",
     "train.log_every=5",
     "train.eval_every=100",

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _common import TINY_GPT
 from _tolerance import (
     ROUNDINGS_PER_LAYER,
     assert_close_f32,
@@ -268,17 +269,7 @@ MODELS = {
     # masks drawn for the global batch, as on one device
     "gpt": (
         "configs/shakespeare_gpt.yaml",
-        [
-            "data.name=text",
-            "data.eval_windows=16",
-            "model.context=16",
-            "model.n_layer=1",
-            "model.n_head=2",
-            "model.n_embd=16",
-            "train.batch_size=8",
-            "optimizer.warmup_steps=2",
-            "model.dropout=0.1",
-        ],
+        [*TINY_GPT, "data.eval_windows=16", "optimizer.warmup_steps=2", "model.dropout=0.1"],
         16,
         # fsdp and tensor at once: both placement rules on the GPT's leaves (fsdp alone and
         # tensor alone: the mlp's)

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _common import cli_sets, quiet_log
 from _tolerance import (
     ROUNDINGS_PER_LAYER,
     SAME_PROGRAMS,
@@ -397,14 +398,7 @@ def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
 
 # (also test_linreg_pmap_config_recovers_the_line, which trained the same config again)
 def test_linreg_pmap_config_recovers_the_line_and_prints_its_learned_params(tmp_path, capsys):
-    base = [
-        "--set",
-        f"log.dir={tmp_path}",
-        "--set",
-        "log.progress=false",
-        "--set",
-        "log.plot=false",
-    ]
+    base = cli_sets(*quiet_log(tmp_path))
     assert main(["--config", str(ROOT / "configs/linreg_pmap.yaml"), *base]) == 0
     out = capsys.readouterr().out
     assert "devices: 8 x cpu (pmap" in out  # devices: all
@@ -422,14 +416,7 @@ def test_compile_cache_is_the_clis_alone(tmp_path, monkeypatch, capsys):
     from train import __main__ as cli
 
     before = jax.config.jax_compilation_cache_dir
-    base = [
-        "--set",
-        f"log.dir={tmp_path}",
-        "--set",
-        "log.progress=false",
-        "--set",
-        "log.plot=false",
-    ]
+    base = cli_sets(*quiet_log(tmp_path))
     monkeypatch.setenv("NNLITE_CACHE", str(tmp_path / "cache"))
     assert (
         main(["--config", str(ROOT / "configs/digits_mlp.yaml"), *base, "--set", "train.steps=2"])

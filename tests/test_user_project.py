@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
+from _common import write_files
 from _xla import xla_flags
 
 import nnlite as nl
@@ -124,11 +125,7 @@ FILES = {
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("userproj")
-    for name, text in FILES.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(textwrap.dedent(text).lstrip())
-    return root
+    return write_files(tmp_path_factory.mktemp("userproj"), FILES)
 
 
 def run(project: Path, *args, devices: int = 1, module: str = "train", **env):

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _common import TINY_LM
 from _xla import xla_flags
 
 import nnlite as nl
@@ -25,7 +26,7 @@ from train.checkpoint.rundir import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODELS_PY = '''
+MODELS_PY = f'''
 import jax
 import jax.numpy as jnp
 import nnlite as nl
@@ -56,30 +57,7 @@ class ResMLP(nl.Module):
         return nl.Linear(self.width, self.num_classes)(params.out, h)
 
 
-class TinyLM(nl.Module):
-    """Token + position embeddings, one causal transformer block, a linear head."""
-
-    vocab_size: int
-    context: int
-    width: int = 16
-
-    task = "language_model"
-
-    def init(self, key):
-        k = jax.random.split(key, 4)
-        return nl.ParamsDict(
-            tok=nl.Embedding(self.vocab_size, self.width).init(k[0]),
-            pos=nl.Embedding(self.context, self.width).init(k[1]),
-            block=nl.TransformerBlock(self.width, 2, causal=True).init(k[2]),
-            head=nl.Linear(self.width, self.vocab_size).init(k[3]),
-        )
-
-    def __call__(self, params, x, *, key=None):
-        tok = nl.Embedding(self.vocab_size, self.width)(params.tok, x)
-        pos = nl.Embedding(self.context, self.width)(params.pos, jnp.arange(x.shape[-1]))
-        h = nl.TransformerBlock(self.width, 2, causal=True)(params.block, nl.add(tok, pos))
-        return nl.Linear(self.width, self.vocab_size)(params.head, h)
-
+{TINY_LM}
 
 class RawLgamma(nl.Module):
     """lax.lgamma has no hand rule: loss.grad=manual must refuse it by name."""

@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--show-jaxpr",
         choices=("loss", "step", "grad"),
         help="print the decompiled loss or train step (nnlite.show_jaxpr), or the backward "
-        "pass as hand VJP calls per layer (grad: nnlite.show_grad), and exit",
+        "pass as hand rule calls per layer (grad: nnlite.show_grad), and exit",
     )
     ap.add_argument(
         "--eject",

@@ -193,7 +193,7 @@ def check_rule(
 
     Args:
         f: the forward function.
-        f_vjp: its hand-derived VJP, ``f_vjp(*args, dret) -> dargs``.
+        f_vjp: its hand rule, ``f_vjp(*args, dret) -> dargs``.
         *args: arguments at which to check (arrays or pytrees of arrays).
         rtol, atol: tolerances; default from ``default_tolerances`` for each cotangent's
             dtype, with ``atol`` scaled by the largest reference magnitude (at least 1).

@@ -308,7 +308,7 @@ def manual_grads(fn: Callable, *, check: bool = True) -> Callable:
     """``fn(params, *args)`` differentiated by hand rules only.
 
     Calls ``fn`` in manual mode: every nnlite layer and loss inside it runs through
-    ``jax.custom_vjp`` with its hand-derived VJP. The first call with given argument types
+    ``jax.custom_vjp`` with its hand rule. The first call with given argument types
     also traces ``fn``; the plain ``jnp`` operations between layers that compute on values
     derived from the params (``tok + pos``, ``jnp.mean(h, axis=-2)``, ``h[:, 0]``,
     ``x.reshape``, ``.astype``, a ``jnp.concatenate``) then run with the library's rule for

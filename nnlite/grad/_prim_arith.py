@@ -1,4 +1,4 @@
-"""Hand VJPs of JAX's arithmetic primitives that are linear: ``add``, ``sub``, ``neg``, and
+"""Hand rules of JAX's arithmetic primitives that are linear: ``add``, ``sub``, ``neg``, and
 ``mul``, ``div``, ``dot_general`` in an operand whose partner is not differentiated.
 """
 
@@ -21,7 +21,7 @@ __all__ = ['add', 'add_vjp', 'div', 'div_vjp', 'dot_general', 'dot_general_vjp',
 def add(x, y):
     """``x + y`` with NumPy broadcasting (size-1 and missing leading axes), in ``x``'s dtype:
     a residual connection, or ``[T, F]`` position embeddings added to every sequence of a
-    ``[B, T, F]`` batch. In manual-gradient mode its hand VJP is ``add_vjp``.
+    ``[B, T, F]`` batch. In manual-gradient mode its hand rule is ``add_vjp``.
 
     Example:
         >>> import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""The hand VJP of ``lax.conv_general_dilated`` in its general form: any dimension
+"""The hand rule of ``lax.conv_general_dilated`` in its general form: any dimension
 numbers (``NCHW``, ``NHWC``, 1-3 spatial axes), strides, explicit padding, input
 (``lhs``) and kernel (``rhs``) dilation, feature groups (depthwise) and batch groups.
 

@@ -1,4 +1,4 @@
-"""Hand VJPs of JAX's indexing primitives: static and dynamic slices and their updates,
+"""Hand rules of JAX's indexing primitives: static and dynamic slices and their updates,
 ``pad``, ``gather``, ``scatter-add``, ``scatter`` (distinct indices) and ``select_n``.
 """
 

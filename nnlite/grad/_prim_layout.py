@@ -1,4 +1,4 @@
-"""Hand VJPs of JAX's layout primitives: broadcast, reshape, transpose, squeeze, flip,
+"""Hand rules of JAX's layout primitives: broadcast, reshape, transpose, squeeze, flip,
 tile, copies and casts, sums, concatenation, splitting and stacking, ``pvary``.
 
 Each rule is named after its primitive and takes the primitive's parameters as keywords

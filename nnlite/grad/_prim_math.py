@@ -1,4 +1,4 @@
-"""Hand VJPs of JAX's elementwise math primitives: ``exp``, ``log``, ``sin``, ``pow``,
+"""Hand rules of JAX's elementwise math primitives: ``exp``, ``log``, ``sin``, ``pow``,
 ``max``, ``clamp``, ``atan2``, ... -- what ``jnp`` and ``jax.nn`` emit for a model's
 ordinary math.
 

@@ -1,4 +1,4 @@
-"""Hand VJPs of JAX's nonlinear reductions and orderings: ``reduce_max``/``reduce_min``
+"""Hand rules of JAX's nonlinear reductions and orderings: ``reduce_max``/``reduce_min``
 (``jnp.max``, the max in ``logsumexp`` and ``softmax``), ``reduce_prod``, the cumulative
 ``cummax``/``cummin``/``cumprod``/``cumlogsumexp``, ``sort`` (with the operands it carries
 along) and ``top_k``.

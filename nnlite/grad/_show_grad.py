@@ -8,7 +8,7 @@ and walked apart and printed once, as the body of a forward ``lax.scan`` that ke
 the copy's VJPs read and of a reverse scan of those VJPs. The jaxpr is then printed as a function: the forward calls, each
 result named after the layer path of the params it uses; the plain ``jnp`` between layers
 as calls of the primitive's library rule (``add``, ``reduce_sum``, ``reshape``, ...); then
-the hand VJPs in reverse order, summing cotangents where a value feeds several calls, and
+the hand rules in reverse order, summing cotangents where a value feeds several calls, and
 finally the ParamsDict of gradients. Values that depend on neither params nor batch
 (causal masks, position indices, dropout keys) print as literals.
 

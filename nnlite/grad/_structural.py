@@ -1,4 +1,4 @@
-"""Hand-derived VJPs of JAX's primitives: the table ``manual_grads`` and ``show_grad`` read.
+"""hand rules of JAX's primitives: the table ``manual_grads`` and ``show_grad`` read.
 
 One pair per primitive, named after it and taking its parameters as keywords:
 ``broadcast_in_dim(x, shape=..., broadcast_dimensions=...)`` and

@@ -1,1 +1,1 @@
-"""Layers and losses, one family per file, each array function beside its hand VJP."""
+"""Layers and losses, one family per file, each array function beside its hand rule."""

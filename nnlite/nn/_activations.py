@@ -1,7 +1,7 @@
 """More activations with hand rules: silu, leaky_relu, elu, softcap.
 
 The first six (relu, gelu, tanh, sigmoid, softplus, identity) live with the batched VJP
-library; these are layer-side additions, each beside its hand-derived VJP and named in
+library; these are layer-side additions, each beside its hand rule and named in
 ``nl.ACTIVATIONS``. Each gives the gradient JAX's own ``jax.nn`` function gives, kinks
 included (leaky_relu passes ``dret`` at 0, elu scales it by ``alpha`` there).
 """

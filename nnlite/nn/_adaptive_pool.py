@@ -111,7 +111,7 @@ def _window_axes(ndim_gathered: int, n: int) -> tuple[int, ...]:
 
 
 def adaptive_avg_pool_vjp(x, dret, *, output_size):
-    """Hand VJP of ``adaptive_avg_pool``: each output's cotangent spread evenly over its
+    """Hand rule of ``adaptive_avg_pool``: each output's cotangent spread evenly over its
     bin (``dret / count`` to every input of the bin; overlapping bins add up)."""
     n = len(output_size)
     w = _window_weights(x.shape, output_size, dret.dtype)
@@ -141,7 +141,7 @@ def _flat_windows(windows: jax.Array, n: int) -> jax.Array:
 
 
 def adaptive_max_pool_vjp(x, dret, *, output_size):
-    """Hand VJP of ``adaptive_max_pool``: each output's cotangent to the (first) maximum of
+    """Hand rule of ``adaptive_max_pool``: each output's cotangent to the (first) maximum of
     its bin; an input that is the maximum of overlapping bins gets their sum."""
     n = len(output_size)
     windows = _gather(x, output_size)

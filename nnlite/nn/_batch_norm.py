@@ -54,7 +54,7 @@ def _train_parts(x, eps, axis_name):
     return mean, var, r, centred * r
 
 
-# --- hand-derived VJPs ----------------------------------------------------------------------
+# --- hand rules ----------------------------------------------------------------------
 # Train mode differentiates through the batch statistics: with xhat = (x - mean) r over the
 # batch (every device's share: the means are pmean'd) and g = dy * scale, dx = r (g - mean(g)
 # - xhat mean(g xhat)), the layer-norm rule over the batch axes instead of the features.
@@ -65,7 +65,7 @@ def _train_parts(x, eps, axis_name):
 def batch_norm_train_vjp(
     x, scale=None, bias=None, dy=None, dmean=None, dvar=None, *, eps=1e-5, axis_name=None
 ):
-    """Hand VJP of ``batch_norm_train``: ``(dx, dscale, dbias)`` (the statistics' cotangents
+    """Hand rule of ``batch_norm_train``: ``(dx, dscale, dbias)`` (the statistics' cotangents
     ``dmean``, ``dvar`` do not flow: the forward stops their gradient)."""
     _, _, r, xhat = _train_parts(x, eps, axis_name)
     g, dscale, dbias = _affine_vjp(xhat.astype(x.dtype), scale, bias, dy)
@@ -90,7 +90,7 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None):
 
 
 def batch_norm_eval_vjp(x, mean, var, scale=None, bias=None, dret=None, *, eps=1e-5):
-    """Hand VJP of ``batch_norm_eval``: ``(dx, dmean, dvar, dscale, dbias)``."""
+    """Hand rule of ``batch_norm_eval``: ``(dx, dmean, dvar, dscale, dbias)``."""
     x32 = x.astype(_stats_dtype(x))
     r = jax.lax.rsqrt(jnp.broadcast_to(var.astype(x32.dtype), x.shape) + eps)
     centred = x32 - jnp.broadcast_to(mean.astype(x32.dtype), x.shape)

@@ -174,7 +174,7 @@ def conv_kernel_grad(x, dret, kernel_size, *, strides, pads, dilation, groups=1)
 
 
 def conv_vjp(x, W, b=None, dret=None, *, strides, padding, dilation, groups=1):
-    """Hand VJP of ``conv``: ``(dx, dW, db)``, each cotangent a convolution itself:
+    """Hand rule of ``conv``: ``(dx, dW, db)``, each cotangent a convolution itself:
     ``dx`` the transposed convolution (``conv_input_grad``), ``dW`` the correlation of
     ``x`` with ``dy`` (``conv_kernel_grad``), ``db`` ``dy`` summed over batch and space."""
     n = W.ndim - 2

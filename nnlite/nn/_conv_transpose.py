@@ -66,7 +66,7 @@ def _adjoint_kernel(W: jax.Array) -> jax.Array:
 
 
 def conv_transpose_vjp(x, W, b=None, dret=None, *, strides, padding, dilation):
-    """Hand VJP of ``conv_transpose``: ``(dx, dW, db)``.
+    """Hand rule of ``conv_transpose``: ``(dx, dW, db)``.
 
     With ``y = conv(., W')^T x`` (``W'`` the adjoint kernel): ``dx = conv(dy, W')``, the
     strided convolution of the cotangent; ``dW' = conv_kernel_grad(dy, x)``, the correlation

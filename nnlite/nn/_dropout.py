@@ -12,7 +12,7 @@ __all__ = ["Dropout", "check_rate", "dropout", "dropout_vjp"]
 
 
 def dropout_vjp(x, key, rate, dret):
-    """Hand VJP of ``dropout``: the same mask (redrawn from the same key) and scale on the
+    """Hand rule of ``dropout``: the same mask (redrawn from the same key) and scale on the
     cotangent; the key and rate get none."""
     return dropout.f(dret, key, rate), None, None
 

@@ -16,7 +16,7 @@ __all__ = ["Embedding", "embed", "embed_attend", "embed_attend_vjp", "embed_vjp"
 
 
 def embed_vjp(W, ids, dret):
-    """Hand VJP of ``embed``: the rows' cotangents scatter-added into the table (ids out of
+    """Hand rule of ``embed``: the rows' cotangents scatter-added into the table (ids out of
     range, whose rows were NaN, add nothing); ``ids`` get none.
 
     Summed in float32 for a 16-bit table, as PyTorch's embedding backward does: a row's
@@ -32,7 +32,7 @@ def embed_vjp(W, ids, dret):
 
 
 def embed_attend_vjp(W, x, dret):
-    """Hand VJP of ``embed_attend``: ``(dW, dx) = (dret^T x, dret W)``, ``dW`` contracted
+    """Hand rule of ``embed_attend``: ``(dW, dx) = (dret^T x, dret W)``, ``dW`` contracted
     over every leading axis in one matmul."""
     d2 = dret.reshape(-1, W.shape[0])
     return d2.T @ x.reshape(-1, W.shape[1]), dret @ W

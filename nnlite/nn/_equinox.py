@@ -184,7 +184,7 @@ class EquinoxLayer(Module):
             kwargs["key"] = key
         if manual_active():
             # No hand rules for a foreign layer: its rule is JAX's autodiff of its call,
-            # for this layer only; the rest of the model keeps its hand VJPs.
+            # for this layer only; the rest of the model keeps its hand rules.
             _say_autodiff_once(self)
             return _equinox_apply(params, x, layer=self, args=args, kwargs=kwargs)
         return self.module(params)(x, *args, **kwargs)
@@ -198,7 +198,7 @@ def _say_autodiff_once(layer: EquinoxLayer) -> None:
     if what not in _told:
         _told.add(what)
         logging.getLogger("nnlite").warning(
-            "nnlite: loss.grad=manual: %s has no hand-derived VJP; JAX autodiff differentiates "
+            "nnlite: loss.grad=manual: %s has no hand rule; JAX autodiff differentiates "
             "this layer (every nnlite layer keeps its hand rules)",
             what,
         )

@@ -28,7 +28,7 @@ __all__ = [
 
 
 def linear_vjp(x: jax.Array, W: jax.Array, b: jax.Array | None, dret: jax.Array):
-    """Hand VJP of ``linear``: ``(dx, dW, db) = (dy W^T, x^T dy, sum dy)``, the weight and
+    """Hand rule of ``linear``: ``(dx, dW, db) = (dy W^T, x^T dy, sum dy)``, the weight and
     bias cotangents contracted over every leading (batch) axis in one matmul."""
     dx = dret @ W.T
     dy2 = dret.reshape(-1, W.shape[1])

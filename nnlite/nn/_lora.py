@@ -45,7 +45,7 @@ ADAPTER_NAMES = ("lora_a", "lora_b")
 
 
 def lora_linear_vjp(x, W, b, A, B, dret, *, scale: float):
-    """Hand VJP of ``lora_linear``: ``dx = dy W^T + s (dy B^T) A^T``, ``dA = s x^T (dy
+    """Hand rule of ``lora_linear``: ``dx = dy W^T + s (dy B^T) A^T``, ``dA = s x^T (dy
     B^T)``, ``dB = s (x A)^T dy``, every leading axis contracted; zeros for the frozen
     ``W`` and ``b``."""
     s = jnp.asarray(scale, dret.dtype)
@@ -71,7 +71,7 @@ def lora_linear(x, W, b, A, B, *, scale: float) -> jax.Array:
 
 
 def lora_linear_dropout_vjp(x, xd, W, b, A, B, dret, *, scale: float):
-    """Hand VJP of ``lora_linear_dropout``: ``dx = dy W^T``, ``dxd = s (dy B^T) A^T``, ``dA =
+    """Hand rule of ``lora_linear_dropout``: ``dx = dy W^T``, ``dxd = s (dy B^T) A^T``, ``dA =
     s xd^T (dy B^T)``, ``dB = s (xd A)^T dy``; zeros for the frozen ``W`` and ``b``."""
     s = jnp.asarray(scale, dret.dtype)
     dy2 = dret.reshape(-1, W.shape[1])

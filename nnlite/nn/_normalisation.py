@@ -40,7 +40,7 @@ def _shifted(scale: jax.Array | None, offset: float) -> jax.Array | None:
     return scale if scale is None or not offset else scale + jnp.asarray(offset, scale.dtype)
 
 
-# --- hand-derived VJPs ----------------------------------------------------------------------
+# --- hand rules ----------------------------------------------------------------------
 # With xhat = (x - mean) * r, r = 1 / sqrt(var + eps), and g = dy * scale (the cotangent
 # of xhat), the input cotangent is r * (g - mean(g) - xhat * mean(g * xhat)) over the
 # normalised axes; RMSNorm drops the centring terms. scale and bias get sum(dy * xhat) and
@@ -70,7 +70,7 @@ def _normalised_vjp(x32, g32, axes, eps, centre):
 
 
 def layer_norm_vjp(x, scale=None, bias=None, dret=None, *, eps: float = 1e-5):
-    """Hand VJP of ``layer_norm``: ``(dx, dscale, dbias)``."""
+    """Hand rule of ``layer_norm``: ``(dx, dscale, dbias)``."""
     y = layer_norm.f(x, None, None, eps=eps)
     g, dscale, dbias = _affine_vjp(y, scale, bias, dret)
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
@@ -79,7 +79,7 @@ def layer_norm_vjp(x, scale=None, bias=None, dret=None, *, eps: float = 1e-5):
 
 
 def rms_norm_vjp(x, scale=None, dret=None, *, eps: float = 1e-6, offset: float = 0.0):
-    """Hand VJP of ``rms_norm``: ``(dx, dscale)``; the offset shifts the factor ``g = dy *
+    """Hand rule of ``rms_norm``: ``(dx, dscale)``; the offset shifts the factor ``g = dy *
     (offset + scale)`` and leaves ``dscale = sum(dy * xhat)`` as it is."""
     y = rms_norm.f(x, None, eps=eps)
     g, dscale, _ = _affine_vjp(y, _shifted(scale, offset), None, dret)
@@ -91,7 +91,7 @@ def rms_norm_vjp(x, scale=None, dret=None, *, eps: float = 1e-6, offset: float =
 def group_norm_vjp(
     x, scale=None, bias=None, dret=None, *, num_groups: int, num_spatial_axes: int, eps=1e-5
 ):
-    """Hand VJP of ``group_norm``: ``(dx, dscale, dbias)``; the layer-norm rule applied to
+    """Hand rule of ``group_norm``: ``(dx, dscale, dbias)``; the layer-norm rule applied to
     the ``[..., groups, C // groups]`` view, reduced over spatial axes and group channels."""
     y = group_norm.f(
         x, None, None, num_groups=num_groups, num_spatial_axes=num_spatial_axes, eps=eps

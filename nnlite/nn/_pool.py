@@ -41,7 +41,7 @@ def _window_args(x, window, strides, padding):
 
 
 def max_pool_vjp(x, dret, *, window, strides, padding):
-    """Hand VJP of ``max_pool``: each window's cotangent goes to its maximum (the first on
+    """Hand rule of ``max_pool``: each window's cotangent goes to its maximum (the first on
     ties), XLA's select-and-scatter."""
     dims, strides_, pads = _window_args(x, window, strides, padding)
     return select_and_scatter_add(dret, x, dims, strides_, pads)
@@ -60,7 +60,7 @@ def _window_sum_vjp(dret, in_shape, dims, strides, pads):
 
 
 def avg_pool_vjp(x, dret, *, window, strides, padding, count_include_pad=True):
-    """Hand VJP of ``avg_pool``: ``dret / count`` spread back over each window."""
+    """Hand rule of ``avg_pool``: ``dret / count`` spread back over each window."""
     dims, strides_, pads = _window_args(x, window, strides, padding)
     if count_include_pad or all(p == (0, 0) for p in pads):
         scaled = dret / jnp.array(math.prod(window), dret.dtype)
@@ -236,7 +236,7 @@ class AvgPool(_Pool):
 
 
 def flatten_vjp(x, dret, *, num_axes):
-    """Hand VJP of ``flatten``: the cotangent reshaped back."""
+    """Hand rule of ``flatten``: the cotangent reshaped back."""
     return dret.reshape(x.shape)
 
 

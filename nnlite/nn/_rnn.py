@@ -86,7 +86,7 @@ def _given(ds: jax.Array, s: jax.Array | None) -> jax.Array | None:
 
 
 def subarray_vjp(y, dret, *, index):
-    """Hand VJP of ``subarray``: the cotangent put back in place, zeros elsewhere."""
+    """Hand rule of ``subarray``: the cotangent put back in place, zeros elsewhere."""
     return jnp.zeros_like(y).at[index].set(dret)
 
 
@@ -145,7 +145,7 @@ def _gru_step_vjp(gx, h, U, b_n, dh_new):
 
 
 def gru_cell_vjp(x, h, W, U, b=None, b_n=None, dret=None):
-    """Hand VJP of ``gru_cell``: ``(dx, dh, dW, dU, db, db_n)``: the recurrent step's rule,
+    """Hand rule of ``gru_cell``: ``(dx, dh, dW, dU, db, db_n)``: the recurrent step's rule,
     then the input projection's (a Linear's) cotangents."""
     H, h_in = U.shape[0], h
     h = _state(h, x, U)
@@ -163,7 +163,7 @@ def gru_cell(x, h, W, U, b=None, b_n=None):
 
 
 def gru_scan_vjp(xs, h0, W, U, b=None, b_n=None, dret=None):
-    """Hand VJP of ``gru_scan``: backpropagation through time, the reverse scan of the
+    """Hand rule of ``gru_scan``: backpropagation through time, the reverse scan of the
     step rule over states recomputed by a forward scan; ``(dxs, dh0, dW, dU, db, db_n)``."""
     H, h0_in = U.shape[0], h0
     h0 = _state(h0, xs[:, 0], U)
@@ -247,7 +247,7 @@ def _stack(h: jax.Array, c: jax.Array) -> jax.Array:
 
 
 def lstm_cell_vjp(x, h, c, W, U, b=None, dret=None):
-    """Hand VJP of ``lstm_cell``: ``(dx, dh, dc, dW, dU, db)``: the recurrent step's rule
+    """Hand rule of ``lstm_cell``: ``(dx, dh, dc, dW, dU, db)``: the recurrent step's rule
     on the stacked cotangent's ``h`` and ``c`` parts, then the input projection's."""
     h_in, c_in = h, c
     h, c = _state(h, x, U), _state(c, x, U)
@@ -266,7 +266,7 @@ def lstm_cell(x, h, c, W, U, b=None):
 
 
 def lstm_scan_vjp(xs, h0, c0, W, U, b=None, dret=None):
-    """Hand VJP of ``lstm_scan``: the reverse scan of the step rule over states recomputed
+    """Hand rule of ``lstm_scan``: the reverse scan of the step rule over states recomputed
     by a forward scan; ``(dxs, dh0, dc0, dW, dU, db)``."""
     h0_in, c0_in = h0, c0
     h0, c0 = _state(h0, xs[:, 0], U), _state(c0, xs[:, 0], U)

@@ -128,7 +128,7 @@ def _stack_bwd(pullbacks, dret):
 
 
 def stack_scan_vjp(params, x, keys=None, dret=None, *, layer: Module):
-    """Hand VJP of ``stack_scan``: the reverse scan of the layer's hand rules (see the
+    """Hand rule of ``stack_scan``: the reverse scan of the layer's hand rules (see the
     module docstring); ``(dparams, dx, None)``, ``dparams`` stacked as ``params``."""
     _, pullbacks = _stack_fwd(params, x, keys, layer)
     dparams, dx = _stack_bwd(pullbacks, dret)

@@ -159,7 +159,7 @@ def _check_supported(r: Run) -> None:
 
 def _step_source(r: Run, params, x, y) -> tuple[str, str]:
     """The loss's source for the script and how the step differentiates it: ``manual``
-    prints the hand VJPs (``value_and_grad``), ``autodiff`` the forward calls (``loss``)
+    prints the hand rules (``value_and_grad``), ``autodiff`` the forward calls (``loss``)
     for ``jax.value_and_grad``, or the loss's decompiled jaxpr when a layer has no rule."""
     keyed = contract.uses_key(r.model)
     objective = contract.objective_fn(r.model, r.grad_mode)

@@ -1,5 +1,5 @@
 """Debugging views of a config: its loss or train step decompiled to Python
-(``--show-jaxpr loss|step``) and its backward pass as hand VJP calls (``grad``)."""
+(``--show-jaxpr loss|step``) and its backward pass as hand rule calls (``grad``)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def model_summary(cfg: Config) -> str:
 
 
 def show_grad(cfg: Config) -> str:
-    """The config's backward pass as Python: each layer's hand VJP call, in reverse order
+    """The config's backward pass as Python: each layer's hand rule call, in reverse order
     (``nnlite.show_grad``), traced on a batch of up to 4 examples; sizes that follow the
     batch print in terms of the input's batch size, so the code runs at any batch."""
     r = build(cfg)

@@ -8,7 +8,7 @@ trace time: the model's code does not change and nothing runs per step in Python
 
 - A policy wraps the matching layer's call in ``nl.backward_policy(layer, ...).around``:
   the same forward, the policy in the backward's hand rules.
-- A *tap* is an identity with a hand VJP (``tap`` / ``tap_vjp``): its cotangent passes
+- A *tap* is an identity with a hand rule (``tap`` / ``tap_vjp``): its cotangent passes
   through unchanged and its second argument, a zero ``[2, 2]`` slot per layer
   differentiated beside the params, receives ``[sum of squares, count of non-finite]`` of
   the cotangent leaving the layer's input (row 0) and arriving at its output (row 1). So

@@ -26,7 +26,7 @@ GRAD_MODES = ("auto", "autodiff", "manual", "fused")
 class LossConfig:
     """The config's ``loss`` section: how gradients are computed and what is minimised."""
 
-    # How gradients are computed: jax.value_and_grad (autodiff), every layer's hand VJP
+    # How gradients are computed: jax.value_and_grad (autodiff), every layer's hand rule
     # composed (manual: any model built from layers with hand rules), or a model's own
     # hand-written pass (fused: models that list it in grad_modes, the mlp). auto: manual
     # when hand rules cover the model's objective, else autodiff (resolved once, at build).

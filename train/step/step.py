@@ -52,7 +52,7 @@ def mean_loss_fn(model, grad: str = "autodiff") -> Callable:
     ``grad``: the model's objective, or its task's (see ``train/model/contract.py``)."""
     objective = contract.objective_fn(model, grad)
     if grad == "manual":
-        # Every nnlite layer and loss inside runs its hand-derived VJP (checked once per
+        # Every nnlite layer and loss inside runs its hand rule (checked once per
         # trace: a layer without rules is refused by name).
         objective = nl.manual_grads(objective)
     return objective
