@@ -243,6 +243,24 @@ def test_summary_of_the_gpt_names_each_block():
     assert table.totals["flops_forward"] is None and table.totals["activation_bytes"] > 0
 
 
+def test_summary_counts_every_block_of_a_scanned_gpt():
+    # nl.flops counts the stack's scan body n_layer times: the same totals as the unrolled
+    # blocks (XLA's cost analysis read one block of the scanned model)
+    from models.gpt import GPT
+
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    totals = [
+        nl.summary(
+            GPT(vocab_size=17, context=8, n_layer=3, n_head=2, n_embd=16, scan_layers=scan,
+                remat="none"),
+            tokens,
+        ).totals
+        for scan in (False, True)
+    ]  # fmt: skip
+    assert totals[1]["flops_forward"] == totals[0]["flops_forward"]
+    assert totals[1]["flops_backward"] == pytest.approx(totals[0]["flops_backward"], rel=1e-3)
+
+
 def test_summary_of_a_stateful_model_runs_it_in_eval_mode():
     from models.resnet import ResNet
 

@@ -293,10 +293,6 @@ class _Counter:
         else:
             self.splats[var] = value
 
-    def custom_call(self, eqn, mask) -> _Count:
-        key = next((k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params), "-")
-        return self.call(eqn, mask, key)
-
     def scan(self, eqn, mask) -> _Count:
         p = eqn.params
         body = _jaxpr_of(p["jaxpr"])
@@ -324,9 +320,7 @@ class _Counter:
 
     def shard_map(self, eqn, mask) -> _Count:
         p = eqn.params
-        keys = ("newly_manual_axes", "manual_axes", "axis_names")
-        axes = p[next((k for k in keys if k in p), "newly_manual_axes")]
-        shape = dict(p["mesh"].shape)
+        axes, shape = p["newly_manual_axes"], dict(p["mesh"].shape)
         total = _Count()
         total.add(self.jaxpr(_jaxpr_of(p["jaxpr"]), mask), math.prod(shape[a] for a in axes))
         return total
@@ -342,11 +336,6 @@ class _Counter:
         window = math.prod(eqn.params["window_dimensions"])
         total = _Count()
         total.add(self.jaxpr(_jaxpr_of(eqn.params["jaxpr"])), _out_size(eqn) * max(0, window - 1))
-        return total
-
-    def pmap(self, eqn, mask) -> _Count:  # older JAX's xla_pmap
-        total = _Count()
-        total.add(self.call(eqn, mask, "call_jaxpr"), int(eqn.params["axis_size"]))
         return total
 
 
@@ -405,21 +394,16 @@ def _trip_count(eqn) -> int | None:
 
 _HIGHER_ORDER: dict[str, Callable] = {
     "jit": _Counter.call,
-    "pjit": _Counter.call,
     "remat2": _Counter.call,
-    "checkpoint": _Counter.call,
     "closed_call": functools.partial(_Counter.call, key="call_jaxpr"),
-    "core_call": functools.partial(_Counter.call, key="call_jaxpr"),
-    "custom_jvp_call": _Counter.custom_call,
-    "custom_vjp_call": _Counter.custom_call,
-    "custom_vjp_call_jaxpr": _Counter.custom_call,
+    "custom_jvp_call": functools.partial(_Counter.call, key="call_jaxpr"),
+    "custom_vjp_call": functools.partial(_Counter.call, key="call_jaxpr"),
     "scan": _Counter.scan,
     "cond": _Counter.cond,
     "while": _Counter.while_,
     "shard_map": _Counter.shard_map,
     "reduce": _Counter.reduce,
     "reduce_window": _Counter.reduce_window,
-    "xla_pmap": _Counter.pmap,
 }
 
 
@@ -552,15 +536,10 @@ _FIRST_ORDER: dict[str, Callable] = {
     "select_and_scatter_add": _select_and_scatter,
     "select_and_gather_add": _select_and_scatter,
     "scatter-add": _scatter_update,
-    "scatter_add": _scatter_update,
     "scatter-mul": _scatter_update,
-    "scatter_mul": _scatter_update,
     "scatter-min": _scatter_update,
-    "scatter_min": _scatter_update,
     "scatter-max": _scatter_update,
-    "scatter_max": _scatter_update,
     "scatter-sub": _scatter_update,
-    "scatter_sub": _scatter_update,
     **{name: _reduction for name in _REDUCTIONS},
     **{name: _per_output for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
     **{name: _random for name in _RANDOM},
