@@ -169,6 +169,33 @@ def test_mfu_in_the_summary_and_the_metrics(user, f32_run):
     assert all(r["flops_per_step"] == s["flops_per_step"] and "mfu" in r for r in train_records)
 
 
+def test_a_scanned_gpts_step_counts_every_block_microbatch_and_step(tmp_path):
+    """flops_per_step is the jaxpr's count of the compiled call (nl.flops), every loop by
+    its trip count: the scanned blocks, the 2 microbatches and the call's 2 steps (XLA's
+    cost analysis counted one block of one microbatch of one step: half the step's FLOPs
+    here, ~1/n_layer of a deep model's)."""
+    from models.gpt import GPT
+
+    (tmp_path / "t.txt").write_text("".join(chr(97 + i * 7 % 26) for i in range(2000)))
+    gpt = {"context": 16, "n_layer": 2, "n_head": 2, "n_embd": 16, "remat": "none"}
+    cfg = {
+        "name": "scanned",
+        "model": {"name": "gpt", "scan_layers": True, **gpt},
+        "data": {"name": "text", "path": str(tmp_path / "t.txt"), "eval_windows": 8},
+        "train": {"batch_size": 8, "steps": 2, "steps_per_call": 2, "grad_accum_steps": 2},
+        "log": {"dir": str(tmp_path), "progress": False, "plot": False},
+    }
+    run = train.fit(None, cfg, echo=lambda *_: None)
+    model = GPT(vocab_size=run.model.vocab_size, **gpt)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)  # the global batch of one step
+    grads = nl.flops(jax.grad(lambda p, t: -model(p, t, labels=t).mean()), params, tokens)
+    n_params = sum(a.size for a in jax.tree.leaves(params))
+    # the gradient of the whole batch, plus the optimizer's few dozen FLOPs per param
+    assert grads["flops"] < run.summary["flops_per_step"] < grads["flops"] + 100 * n_params
+    assert grads["matmul_flops"] > 0.8 * grads["flops"]  # a missing block shows
+
+
 def test_summary_of_a_users_model(user):
     from perf_user import TwoLayer
 
@@ -214,6 +241,24 @@ def test_summary_of_the_gpt_names_each_block():
     params = jax.eval_shape(model.init, jax.random.key(0))
     assert table.totals["params"] == sum(a.size for a in jax.tree.leaves(params))
     assert table.totals["flops_forward"] is None and table.totals["activation_bytes"] > 0
+
+
+def test_summary_counts_every_block_of_a_scanned_gpt():
+    # nl.flops counts the stack's scan body n_layer times: the same totals as the unrolled
+    # blocks (XLA's cost analysis read one block of the scanned model)
+    from models.gpt import GPT
+
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    totals = [
+        nl.summary(
+            GPT(vocab_size=17, context=8, n_layer=3, n_head=2, n_embd=16, scan_layers=scan,
+                remat="none"),
+            tokens,
+        ).totals
+        for scan in (False, True)
+    ]  # fmt: skip
+    assert totals[1]["flops_forward"] == totals[0]["flops_forward"]
+    assert totals[1]["flops_backward"] == pytest.approx(totals[0]["flops_backward"], rel=1e-3)
 
 
 def test_summary_of_a_stateful_model_runs_it_in_eval_mode():
@@ -262,11 +307,9 @@ def test_a_cpu_peak_measured_busy_is_measured_again_and_the_best_kept(tmp_path, 
     assert list(entry.values()) == [{"flops": 18e9, "quiet": True}]
 
 
-def test_flops_of_a_program_whose_client_analyses_no_lowered_program():
-    # A GPU's CUDA plugin (PJRT C API) gives no Lowered.cost_analysis(): the trainer's MFU
-    # and the summary's FLOPs read the same module through the CPU client instead.
-    from train.loop.build import step_cost
-
+def test_cost_analysis_of_a_program_whose_client_analyses_no_lowered_program():
+    # A GPU's CUDA plugin (PJRT C API) gives no Lowered.cost_analysis(): nl.cost_analysis
+    # reads the same module through the CPU client instead.
     lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 32)), jnp.ones((32, 16)))
 
     class PluginLowered:
@@ -276,7 +319,20 @@ def test_flops_of_a_program_whose_client_analyses_no_lowered_program():
         def compiler_ir(self, dialect):
             return lowered.compiler_ir(dialect)
 
-    assert step_cost(PluginLowered())["flops"] == step_cost(lowered)["flops"] == 2 * 64 * 32 * 16
+    assert nl.cost_analysis(PluginLowered())["flops"] == 2 * 64 * 32 * 16
+    assert nl.cost_analysis(lowered)["flops"] == 2 * 64 * 32 * 16
+
+
+def test_step_cost_is_the_traced_calls_count_per_step():
+    from train.loop.build import step_cost
+
+    def call(x, ws):  # 3 steps of 2 products each
+        return jax.lax.scan(lambda h, w: (h @ w @ w, None), x, ws)[0]
+
+    traced = jax.jit(call).trace(jnp.ones((8, 16)), jnp.ones((3, 16, 16)))
+    cost = step_cost(traced, steps=3)
+    assert cost["flops"] == cost["matmul_flops"] == 2 * (2 * 8 * 16 * 16)
+    assert cost["lower_bound"] is False and cost["unknown"] == ()
 
 
 # -- what the machine has, in the banner (train/report/machine.py) ---------------------------

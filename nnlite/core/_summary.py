@@ -3,11 +3,11 @@ Lightning's ``ModelSummary`` or ``nnx.tabulate(compute_flops=True)`` give.
 
 The model is traced once on abstract inputs (``jax.eval_shape``: nothing is computed or
 allocated) while every module call is recorded (path, output shape, the params it was
-given). Each distinct layer call is then lowered and compiled alone, forward and forward +
-backward, and XLA's cost analysis gives its FLOPs; the activation memory it keeps for the
-backward pass is what ``jax.vjp`` holds on to, the layer's params aside (its input
-included). Totals come from the whole model the same way (rows nest, so they do not add
-up). XLA counts a loop's body once (a scanned stack: one layer's FLOPs).
+given). Each distinct layer call is then traced alone, forward and forward + backward, and
+``nl.flops`` counts its FLOPs from the jaxpr (a loop's body times its trip count: a scanned
+stack counts every layer); the activation memory it keeps for the backward pass is what
+``jax.vjp`` holds on to, the layer's params aside (its input included). Totals come from
+the whole model the same way (rows nest, so they do not add up).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compose
-from ._jax_private import current_trace, inner_tracer, lowered_cost_analysis
+from ._flops import flops as count_flops
+from ._jax_private import current_trace, inner_tracer
 
 __all__ = ["Summary", "summary"]
 
@@ -118,13 +119,11 @@ def _size_bytes(tree) -> tuple[int, int]:
 
 
 def _flops(fn, *args) -> float | None:
-    # The lowered program's cost analysis: no compile, and every dot counted.
+    # Counted from the traced program (nl.flops): nothing compiles, loops count whole.
     try:
-        cost = lowered_cost_analysis(jax.jit(fn).lower(*args))
+        return float(count_flops(jax.jit(fn).trace(*args))["flops"])
     except Exception:  # noqa: BLE001 - a layer that cannot run alone shows "-"
         return None
-    flops = (cost or {}).get("flops")
-    return None if flops is None else max(float(flops), 0.0)
 
 
 def _costs(
@@ -172,16 +171,16 @@ def _costs(
                 if hasattr(r, "dtype") and id(r) not in own
             )
         )
-        return out, vjp(cts)  # the output too: else XLA drops a linear layer's forward
+        return out, vjp(cts)  # the output too: else a linear layer's forward is dead code
 
     fwd = _flops(forward, params, arrays) if flops else None
-    # the cotangent is an argument: a constant one would let XLA fold the matmuls away
+    # the cotangent is an argument, as training's is (a constant one of ones could fold)
     try:
         cts = jax.eval_shape(forward, params, arrays)
     except Exception:  # noqa: BLE001
         return fwd, None, None
     cts = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, _ct_dtype(o.dtype)), cts)
-    if not flops:  # the activations only: traced, nothing compiled
+    if not flops:  # the activations only: traced once
         try:
             jax.eval_shape(forward_backward, params, arrays, cts)
         except Exception:  # noqa: BLE001
@@ -210,8 +209,8 @@ def summary(
     output shape, parameter count and bytes, forward and backward FLOPs and the activation
     memory its backward pass keeps; with totals. ``x`` may be an array or a
     ``jax.ShapeDtypeStruct``; ``params`` defaults to ``model.init`` (traced, not run).
-    ``flops=False`` compiles nothing (the FLOP columns show "-"): each distinct layer call
-    compiles twice otherwise (about 0.1-0.2 s each on a CPU).
+    ``flops=False`` leaves the FLOP columns out ("-"): each distinct layer call is traced
+    twice more otherwise, forward and forward + backward (nothing compiles either way).
 
     Example:
         >>> import jax.numpy as jnp, nnlite as nl

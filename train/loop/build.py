@@ -370,7 +370,7 @@ class Prepared:
     Y_test: Any  # a text split: a list of (x, y, valid) chunks, Y_test None: device_eval)
     eval_device: jax.Device
     state0: nl.ParamsDict | None = None  # a stateful model's initial state (host copy)
-    step_cost: dict | None = None  # the compiled step's cost analysis (train/report/perf.py)
+    step_cost: dict | None = None  # nl.flops of one step (step_cost; train/report/perf.py)
 
     @property
     def p_def(self):
@@ -476,7 +476,7 @@ def compile_run(r: Run, nonfinite: str, first_indices: np.ndarray) -> Prepared:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=False)  # the evaluation's compile goes on; its first call waits
-    cost = None if step_job is None else step_cost(step_job.lowered)
+    cost = None if step_job is None else step_cost(step_job.traced, len(first_indices))
     return Prepared(params0, opt0, stepper, evaluate, X, Y, X_test, Y_test, eval_dev, state0, cost)
 
 
@@ -500,13 +500,15 @@ def device_eval(r: Run, eval_dev) -> tuple:
     return *placed, build_split_eval(model, chunk, r.metrics)
 
 
-def step_cost(lowered) -> dict | None:
-    """The step's XLA cost analysis (per device; None where XLA gives none), read from the
-    lowered program: after compilation a GPU's matrix products are library calls (cuBLAS)
-    whose FLOPs the compiled program's analysis leaves out (an H200 run reported 90 of the
-    GPT step's 1160 GFLOP), while before it every dot is counted, on any backend. A GPU's
-    client analyses no lowered program: the CPU client counts it there."""
+def step_cost(traced, steps: int = 1) -> dict | None:
+    """``nl.flops`` of one step: the traced call (a ``jax.stages.Traced``) counted from its
+    jaxpr, every loop by its trip count (the call's ``steps`` steps, the microbatches of
+    ``train.grad_accum_steps``, scanned blocks, the chunked LM head; a ``shard_map`` body
+    once per device: the total over the devices), divided by ``steps``. None where it
+    cannot be counted."""
     try:
-        return nl.cost_analysis(lowered)
-    except Exception:  # noqa: BLE001 - a backend without cost analysis: no MFU, no failure
+        cost = nl.flops(traced)
+    except Exception:  # noqa: BLE001 - a program that cannot be counted: no MFU, no failure
         return None
+    per_step = {k: cost[k] / steps for k in ("flops", "matmul_flops", "transcendentals")}
+    return {**cost, **per_step}

@@ -50,7 +50,7 @@ class CompiledFit:
     -> (p_leaves, o_leaves, s_leaves, metrics)``, ``get_state(leaves)``, ``compiled``: the
     jitted function), ``params0``/``opt0`` (the initial state, host copies), ``X``/``Y``
     (the training split, placed), ``evaluate(params, X_test, Y_test)`` and
-    ``step_cost`` (XLA's cost analysis of the step)."""
+    ``step_cost`` (``nl.flops`` of one step)."""
 
     run: Run
     prepared: Prepared
@@ -77,7 +77,7 @@ class CompiledFit:
         return steps_in_call(self.run.cfg, step, boundaries(self.run.cfg))
 
     def flops_and_peak(self) -> tuple[float | None, float | None]:
-        """The trainer's MFU inputs: model FLOPs per step (from the lowered step) and the
+        """The trainer's MFU inputs: model FLOPs per step (nl.flops of the traced step) and the
         devices' peak FLOP/s in ``train.precision`` (None where unknown)."""
         return _flops_and_peak(self.run, self.prepared)
 

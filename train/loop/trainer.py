@@ -680,15 +680,13 @@ def host_schedule(lr: Callable | None) -> Callable | None:
 
 
 def _flops_and_peak(r: Run, prep: Prepared) -> tuple[float | None, float | None]:
-    """Model FLOPs per step from the lowered step, and the devices' peak FLOP/s. A step
-    mapped over a batch axis (pmap, shard_map) is lowered as one device's program, run by
-    every device; a ``jit`` over sharded arrays (one device, fsdp, tensor) as the global one."""
-    devices = r.strategy.devices
-    copies = 1 if r.strategy.axis is None else len(devices)
-    flops = perf.step_flops(prep.step_cost, copies, r.cfg.train.grad_accum_steps)
+    """Model FLOPs per step counted from the traced step (``step_cost``: every loop by its
+    trip count, a mapped step's body once per device, so the total over the devices), and
+    the devices' peak FLOP/s."""
+    flops = perf.step_flops(prep.step_cost)
     if flops is None:
         return None, None
-    return flops, perf.peak_flops(devices, r.cfg.train.precision)[0]
+    return flops, perf.peak_flops(r.strategy.devices, r.cfg.train.precision)[0]
 
 
 def _quiet(*_args, **_kwargs) -> None:

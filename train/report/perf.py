@@ -1,14 +1,14 @@
 """Model FLOPs, achieved FLOP/s and MFU (model FLOPs utilisation) of a run.
 
-FLOPs per step come from the lowered step's ``cost_analysis()``: the program before XLA
-optimises it, where every matrix product is still a ``dot`` (after compilation a GPU's are
-cuBLAS calls, whose FLOPs the compiled program's analysis leaves out: on an H200 it gave 90
-of the GPT step's 1160 GFLOP). A ``jit`` over sharded arrays is lowered as the global
-program; a step mapped over a batch axis (pmap, shard_map) as one device's, counted once
-per device. XLA counts a loop's body once, so a call of ``train.steps_per_call`` steps (a
-``lax.scan``) reports one step's FLOPs, and the microbatch loop of
-``train.grad_accum_steps`` is multiplied back here; a model that loops inside
-(``scan_layers``) is counted one iteration per loop (its MFU reads low).
+FLOPs per step are counted from the traced step's jaxpr (``nl.flops``, through
+``train.loop.build.step_cost``): every matrix product and convolution exactly, other
+operations as XLA's cost analysis counts them, and every loop by its trip count: the
+``lax.scan`` of a call's ``train.steps_per_call`` steps (divided back to one step), the
+microbatches of ``train.grad_accum_steps``, a scanned layer stack (``scan_layers``), the
+chunked LM head and its loss. A ``jit`` over sharded arrays is the global program; a
+``shard_map`` body counts once per device, so the count is the total over the devices.
+XLA's own cost analysis (``nl.cost_analysis``) counts a loop's body once: a scanned
+12-layer GPT's step read about 12x too few FLOPs, and its MFU as much too low.
 
 The peak: on a GPU the data sheet's dense figure for the compute dtype (:data:`GPU_PEAKS`);
 on a CPU a measured rate: the best of a few 1024x1024 matrix products in that dtype on one
@@ -46,16 +46,13 @@ GPU_PEAKS = {
 _MEASURED: dict[str, float] = {}  # this process's CPU peaks by dtype
 
 
-def step_flops(cost: dict | list | None, copies: int, accum_steps: int = 1) -> float | None:
-    """Model FLOPs of one optimizer step: the lowered step's ``flops`` times the ``copies``
-    that run it (the devices of a mapped step, else 1), times ``accum_steps`` (see the
-    module docstring); None if unknown."""
-    if isinstance(cost, list | tuple):  # older JAX: one dict per program
-        cost = cost[0] if cost else None
+def step_flops(cost: dict | None) -> float | None:
+    """Model FLOPs of one optimizer step from ``cost`` (``step_cost``: one step, counted
+    over every device); None if unknown."""
     flops = None if not cost else cost.get("flops")
     if flops is None or not flops > 0:
         return None
-    return float(flops) * copies * accum_steps
+    return float(flops)
 
 
 def gpu_peak(device_kind: str, dtype: str) -> float | None:

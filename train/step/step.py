@@ -498,13 +498,13 @@ def compile_async(executor: Executor, fn, *args) -> Future:
     dtype, weak type and sharding: abstract ``ShapeDtypeStruct`` arguments must carry the
     sharding the real ones will have) finds the executable in jit's caches; wait for the
     future first, or that call compiles the program a second time. The future's result is
-    the ``Compiled`` executable; its ``lowered`` attribute the ``Lowered`` program (whose
-    cost analysis counts the model's FLOPs before the backend rewrites its dots).
+    the ``Compiled`` executable; its ``lowered`` attribute the ``Lowered`` program, its
+    ``traced`` attribute the ``Traced`` one (whose jaxpr ``nl.flops`` counts).
     """
     traced = fn.trace(*args) if args else fn
     lowered = traced.lower()
     future = executor.submit(lowered.compile)
-    future.lowered = lowered
+    future.lowered, future.traced = lowered, traced
     return future
 
 
