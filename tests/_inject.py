@@ -11,6 +11,9 @@ process a launcher (``--processes N``) starts too.
   STEP or a later one (on process PROCESS only) is followed by one that never finishes,
   handed to the watchdog (``train.faults.Watchdog.watch`` wrapped) and waited for: a stuck
   call on that process and, for its peers, a collective that never completes.
+- :data:`PREPARE_PAUSE_ENV` = seconds: ``nnlite-train prepare`` sleeps after each chunk of
+  its input (the readers ``train.prepare`` calls wrapped) and before it commits ``--out``,
+  so that a test can signal or kill it half-way.
 """
 
 from __future__ import annotations
@@ -23,11 +26,18 @@ from pathlib import Path
 
 PAUSE_ENV = "NNLITE_INJECT_CHECKPOINT_PAUSE_S"
 STUCK_ENV = "NNLITE_INJECT_STUCK_AT_STEP"
+PREPARE_PAUSE_ENV = "NNLITE_INJECT_PREPARE_PAUSE_S"
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
-def env(base: dict | None = None, *, pause: float | None = None, stuck: str | None = None) -> dict:
+def env(
+    base: dict | None = None,
+    *,
+    pause: float | None = None,
+    stuck: str | None = None,
+    prepare_pause: float | None = None,
+) -> dict:
     """``base`` (default: this process's environment) with the repository and tests/ on
     PYTHONPATH (for ``python -m _inject``) and the faults asked for."""
     out = dict(os.environ if base is None else base)
@@ -37,6 +47,8 @@ def env(base: dict | None = None, *, pause: float | None = None, stuck: str | No
         out[PAUSE_ENV] = str(pause)
     if stuck is not None:
         out[STUCK_ENV] = stuck
+    if prepare_pause is not None:
+        out[PREPARE_PAUSE_ENV] = str(prepare_pause)
     return out
 
 
@@ -134,6 +146,51 @@ def stick_at(step: int, process: int | None = None) -> None:
     faults.Watchdog.watch = stuck_watch
 
 
+def pause_prepare(seconds: float) -> None:
+    """``train.prepare`` sleeps after each chunk of its input that it encodes or trains a
+    BPE tokenizer on (its readers wrapped: they sleep once the token writer exists or
+    while the tokenizer trains), and before it commits its staging directory to ``--out``."""
+    from train import prepare
+
+    busy = {"writing": False, "training": 0}
+
+    def paused(read):
+        def chunks(*args, **kwargs):
+            for chunk in read(*args, **kwargs):
+                yield chunk
+                if busy["writing"] or busy["training"]:
+                    time.sleep(seconds)
+
+        return chunks
+
+    for name in ("read_text", "read_blocks", "bpe_pieces"):
+        setattr(prepare, name, paused(getattr(prepare, name)))
+
+    class Writer(prepare.TokenWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            busy["writing"] = True
+
+    prepare.TokenWriter = Writer
+    train_bpe = prepare.train_bpe
+
+    def training(*args, **kwargs):
+        busy["training"] += 1
+        try:
+            return train_bpe(*args, **kwargs)
+        finally:
+            busy["training"] -= 1
+
+    prepare.train_bpe = training
+    commit = prepare.staging.commit
+
+    def late_commit(*args, **kwargs):
+        time.sleep(seconds)
+        return commit(*args, **kwargs)
+
+    prepare.staging.commit = late_commit
+
+
 def from_env() -> None:
     """Apply the faults the environment names, and have a launcher start its processes
     through this module so that they get them too."""
@@ -142,6 +199,8 @@ def from_env() -> None:
     launch.TRAINER = "_inject"
     if os.environ.get(PAUSE_ENV):
         pause_writes(float(os.environ[PAUSE_ENV]))
+    if os.environ.get(PREPARE_PAUSE_ENV):
+        pause_prepare(float(os.environ[PREPARE_PAUSE_ENV]))
     if os.environ.get(STUCK_ENV):
         at, _, proc = os.environ[STUCK_ENV].partition(":")
         stick_at(int(at), int(proc) if proc else None)

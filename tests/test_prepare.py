@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import _inject
 import numpy as np
 import pytest
 
@@ -373,11 +374,10 @@ def start_paused(tmp_path, out, *options, ready=has_tokens) -> tuple[subprocess.
     src.mkdir(exist_ok=True)
     for i in range(3):
         (src / f"{i}.txt").write_text(make_text(200, seed=i))
-    env = {**os.environ, prepare.TEST_PAUSE_ENV: "30"}
-    argv = ["--input", src, "--out", out, *options]
+    argv = ["prepare", "--input", src, "--out", out, *options]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "train.prepare", *map(str, argv)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "_inject", *map(str, argv)],
+        cwd=ROOT, env=_inject.env(prepare_pause=30), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

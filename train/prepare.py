@@ -74,7 +74,6 @@ COPY_BYTES = 8 << 20  # block size when moving a file's validation tail out of t
 
 # Test hook, never set in normal runs: seconds to sleep after each chunk written (and before
 # the final rename), so tests can interrupt a run halfway.
-TEST_PAUSE_ENV = "NNLITE_TEST_PREPARE_PAUSE_S"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -249,12 +248,6 @@ def _say(msg: str) -> None:
     print(f"nnlite prepare: {msg}", file=sys.stderr, flush=True)
 
 
-def _pause() -> None:
-    s = float(os.environ.get(TEST_PAUSE_ENV) or 0)
-    if s:
-        time.sleep(s)
-
-
 def _bar(total: int, desc: str):
     from tqdm import tqdm
 
@@ -315,7 +308,6 @@ def encode_char(sources, tok, counts, val_fraction, writer, where) -> dict:
                     val = val[~bad]
                 writer.write("val", val)
                 pos += len(ids)
-                _pause()
     return {
         "count": sum(dropped.values()),
         "chars": "".join(map(chr, sorted(dropped))),
@@ -332,7 +324,6 @@ def encode_byte(sources, val_fraction, writer, where) -> None:
                 writer.write("train", ids[:cut])
                 writer.write("val", ids[cut:])
                 pos += len(ids)
-                _pause()
 
 
 def train_bpe(sources, vocab_size, sample_mb, where) -> tuple[BPETokenizer, dict]:
@@ -349,7 +340,6 @@ def train_bpe(sources, vocab_size, sample_mb, where) -> tuple[BPETokenizer, dict
                     if i % every == 0:
                         used[0] += sum(len(p) for p in pieces)
                         yield pieces
-                        _pause()
                     i += 1
 
     tok = BPETokenizer.train(texts(), vocab_size)
@@ -370,7 +360,6 @@ def encode_bpe(sources, tok, val_fraction, writer, where) -> None:
                     for ids in tok.encode_batch(pieces[i : i + BPE_BATCH_PIECES]):
                         writer.write("train", ids)
                         n += len(ids)
-                _pause()
             writer.move_tail(n - _n_train(n, val_fraction))
             if _n_train(n, val_fraction):
                 writer.write("train", eot)
@@ -469,7 +458,6 @@ def main(argv: list[str] | None = None) -> int:
         for p in removed:
             _say(f"removed {p}, left by an interrupted run")
         meta = prepare(args, work, sources)
-        _pause()
         staging.commit(work, out, args.force)
         work = None
     except ConfigError as e:
