@@ -111,8 +111,8 @@ from .nn._pool import MaxPool as MaxPool
 from .nn._rnn import RNN as RNN
 from .nn._rnn import GRUCell as GRUCell
 from .nn._rnn import LSTMCell as LSTMCell
-from .nn._rope_scaling import rope_frequencies as rope_frequencies
 from .nn._rotary import RotaryEmbedding as RotaryEmbedding
+from .nn._rotary import rope_frequencies as rope_frequencies
 from .nn._segments import segment_mask as segment_mask
 from .nn._segments import segment_positions as segment_positions
 from .nn._stack import REMAT_POLICIES as REMAT_POLICIES

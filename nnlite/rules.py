@@ -65,7 +65,6 @@ from .nn import (  # noqa: F401
     _ops,
     _pool,
     _rnn,
-    _rope_scaling,
     _rotary,
     _stack,
     _swiglu,

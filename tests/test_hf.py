@@ -15,7 +15,7 @@ from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 from _tolerance import check_rule as check
 
 import nnlite as nl
-from nnlite.nn import _activations, _gqa, _lora, _normalisation, _rope_scaling, _swiglu
+from nnlite.nn import _activations, _gqa, _lora, _normalisation, _rotary, _swiglu
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -238,11 +238,11 @@ def test_grouped_attention_rule(rand, kv):
 
 
 def test_rope_swiglu_lora_rules(rand):
-    freq, factor = _rope_scaling.rope_frequencies(
+    freq, factor = _rotary.rope_frequencies(
         6, 100.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
     )
     assert factor > 1  # yarn scales cos and sin
-    check(_rope_scaling.rope, rand(2, 5, 3, 6), jnp.arange(5)[:, None], inv_freq=freq,
+    check(_rotary.rope, rand(2, 5, 3, 6), jnp.arange(5)[:, None], inv_freq=freq,
           attention_factor=factor)  # fmt: skip
     check(_swiglu.swiglu, rand(3, 7), rand(3, 7))
     check(_lora.lora_linear, rand(2, 3, 5), rand(5, 4), rand(4), rand(5, 2), rand(2, 4), scale=2.0)

@@ -26,7 +26,7 @@ from ._attention import causal_mask
 from ._linear import Linear
 from ._lora import LoRA, adapter_axes, split_key, wrap
 from ._normalisation import RMSNorm
-from ._rope_scaling import rope, rope_frequencies
+from ._rotary import rope, rope_frequencies
 
 __all__ = ["GroupedQueryAttention", "grouped_attention", "grouped_attention_vjp"]
 
