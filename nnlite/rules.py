@@ -56,7 +56,6 @@ from .nn import (  # noqa: F401
     _conv_transpose,
     _dropout,
     _embedding,
-    _gqa,
     _linear,
     _lm_head,
     _lora,

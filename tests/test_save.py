@@ -262,7 +262,7 @@ def _cut(keep):
     [
         (b"", r"not a safetensors file: 0 bytes \(empty or truncated\)"),
         (b"hello world, plain text" * 3, r"file \(text: its first 8 bytes give a header of"),
-        (b"\x05\x00\x00\x00\x00\x00\x00\x00{oops", r"not a safetensors file \(its header is not JSON"),
+        (b"\x05\x00\x00\x00\x00\x00\x00\x00{oops", r"file \(its header is not JSON"),
         (b"\x02\x00\x00\x00\x00\x00\x00\x00[]", r"file \(its header is not a JSON object\)"),
         (np.savez, r"not a safetensors file \(a zip archive"),
         (_cut(lambda n: n - 1), r"truncated: \d+ bytes, its header describes \d+ \(download"),

@@ -48,15 +48,14 @@ def _cos_sin(x, positions, base, inv_freq, attention_factor):
     need its precision)."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
     half = x.shape[-1] // 2
-    if inv_freq is None:
-        freq = base ** (-jnp.arange(half, dtype=acc) * (2.0 / x.shape[-1]))
-    elif len(inv_freq) != half:
+    if inv_freq is None:  # plain RoPE's table, as rope_frequencies computes it
+        inv_freq = _frequencies(x.shape[-1], float(base), (), None)[0]
+    if len(inv_freq) != half:
         raise ValueError(
             f"rope: {len(inv_freq)} frequencies for a last axis of {x.shape[-1]} (expected "
             f"{half}, one per feature pair)"
         )
-    else:
-        freq = jnp.asarray(np.asarray(inv_freq, np.float32), acc)
+    freq = jnp.asarray(np.asarray(inv_freq, np.float32), acc)
     lead = x.ndim - 1
     pos = positions.reshape((1,) * (lead - positions.ndim) + positions.shape).astype(acc)
     angles = pos[..., None] * freq.reshape((1,) * lead + (half,))
@@ -270,19 +269,21 @@ class RotaryEmbedding(Module):
             stays hashable; empty: plain RoPE.
         max_position_embeddings: the model's context (YaRN's default original context).
 
-    ``__call__(params, x, *, offset=0, positions=None)``: same shape and dtype as ``x``.
+    ``__call__(x, *, offset=0, positions=None)``: same shape and dtype as ``x``.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> rope = RotaryEmbedding(8, seq_axis=-3)
         >>> q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))  # [B, T, heads, D]
         >>> rope_jit = jax.jit(rope)  # offset may be traced (a cached decoder's position)
-        >>> rope_jit(rope.init(None), q).shape
+        >>> rope_jit(q).shape
         (2, 5, 4, 8)
-        >>> last = rope_jit(ParamsDict(), q[:, 4:], offset=4)  # the 5th token alone, at position 4
-        >>> bool(jnp.allclose(last, rope_jit(ParamsDict(), q)[:, 4:], atol=1e-6))
+        >>> last = rope_jit(q[:, 4:], offset=4)  # the 5th token alone, at position 4
+        >>> bool(jnp.allclose(last, rope_jit(q)[:, 4:], atol=1e-6))
         True
     """
+
+    has_params = False  # called as rope(x), or rope(ParamsDict(), x) as before
 
     features: int
     base: float = 10000.0
@@ -307,11 +308,8 @@ class RotaryEmbedding(Module):
         self.frequencies  # validates the scaling  # noqa: B018
 
     @property
-    def frequencies(self) -> tuple[tuple[float, ...] | None, float]:
-        """``(inv_freq, attention_factor)``: ``(None, 1.0)`` without a scaling (``rope``
-        derives plain RoPE's frequencies from ``base``)."""
-        if not self.scaling:
-            return None, 1.0
+    def frequencies(self) -> tuple[tuple[float, ...], float]:
+        """``(inv_freq, attention_factor)`` (``rope_frequencies`` of the fields)."""
         return _frequencies(
             self.features, float(self.base), self.scaling, self.max_position_embeddings
         )
@@ -326,7 +324,6 @@ class RotaryEmbedding(Module):
 
     def __call__(
         self,
-        params: ParamsDict,
         x: jax.Array,
         *,
         offset: Any = 0,

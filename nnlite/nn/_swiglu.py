@@ -110,7 +110,11 @@ class SwiGLU(Module):
                     f"SwiGLU: lora names {name!r}, not a projection of this layer; valid: "
                     "gate, up, down"
                 )
-        self.down  # validates w_init and the dtypes  # noqa: B018
+
+    def setup(self):
+        self.gate = self._linear("gate", self.features, self.hidden)
+        self.up = self._linear("up", self.features, self.hidden)
+        self.down = self._linear("down", self.hidden, self.features)
 
     def _linear(self, name: str, n_in: int, n_out: int) -> Linear | LoRA:
         lin = Linear(
@@ -124,19 +128,8 @@ class SwiGLU(Module):
         return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha, self.lora_dropout)
 
     @property
-    def gate(self):
-        return self._linear("gate", self.features, self.hidden)
-
-    @property
-    def up(self):
-        return self._linear("up", self.features, self.hidden)
-
-    @property
-    def down(self):
-        return self._linear("down", self.hidden, self.features)
-
-    @property
     def children(self) -> dict[str, Linear | LoRA]:
+        """The projections by param name."""
         return {"gate": self.gate, "up": self.up, "down": self.down}
 
     def param_axes(self) -> ParamsDict:
@@ -147,23 +140,14 @@ class SwiGLU(Module):
             down=adapter_axes(self.down, "mlp", "embed"),
         )
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        kg, ku, kd = jax.random.split(key, 3)
-        return ParamsDict(gate=self.gate.init(kg), up=self.up.init(ku), down=self.down.init(kd))
+    def _call(self, params: ParamsDict, name: str, x: jax.Array, key) -> jax.Array:
+        layer, p = self.children[name], self.child(params, name)  # (a missing child: its path)
+        with self.params_scope(f"/{name}"):  # a key only for LoRA dropout in training
+            return layer(p, x) if key is None else layer(p, x, key=key)
 
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.features)
-        h, keys = {}, dict(zip(("gate", "up", "down"), split_key(key, 3), strict=True))
-
-        def call(name, p, x):  # a key only for LoRA dropout in training
-            layer = self.children[name]
-            return layer(p, x) if keys[name] is None else layer(p, x, key=keys[name])
-
-        for name in ("gate", "up"):
-            p = self.child(params, name)
-            with self.params_scope(f"/{name}"):
-                h[name] = call(name, p, x)
-        p = self.child(params, "down")
-        with self.params_scope("/down"):
-            gated = _GATES[self.activation](h["gate"], h["up"])
-            return call("down", p, gated.astype(jnp.result_type(h["up"])))
+        k_gate, k_up, k_down = split_key(key, 3)
+        gate, up = self._call(params, "gate", x, k_gate), self._call(params, "up", x, k_up)
+        gated = _GATES[self.activation](gate, up).astype(jnp.result_type(up))
+        return self._call(params, "down", gated, k_down)
