@@ -29,9 +29,10 @@ from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ._dropout import check_rate, dropout
 from ._linear import Linear
-from ._lora import LoRA, adapter_axes, split_key, wrap
+from ._lora import LoRA, adapter_axes, split_key
 from ._normalisation import RMSNorm
 from ._rotary import RotaryEmbedding
+from ._swiglu import project, projection
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -359,15 +360,7 @@ class MultiHeadAttention(Module):
             )
 
     def _linear(self, name: str, n_in: int, n_out: int, bias: bool | None) -> Linear | LoRA:
-        lin = Linear(
-            n_in,
-            n_out,
-            use_bias=self.use_bias if bias is None else bias,
-            w_init=self.w_init,
-            param_dtype=self.param_dtype,
-            dtype=self.dtype,
-        )
-        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha, self.lora_dropout)
+        return projection(self, name, n_in, n_out, self.use_bias if bias is None else bias)
 
     @property
     def kv_heads(self) -> int:
@@ -433,10 +426,7 @@ class MultiHeadAttention(Module):
         return p
 
     def _project(self, params: ParamsDict, name: str, x: jax.Array, key=None) -> jax.Array:
-        layer = self.children[name]
-        p = self.child(params, name)
-        with self.params_scope(f"/{name}"):
-            return layer(p, x) if key is None else layer(p, x, key=key)
+        return project(self, params, name, x, key)
 
     def qkv(
         self,

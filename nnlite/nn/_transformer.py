@@ -14,87 +14,16 @@ from ..core._compose import derived_param_axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ._attention import MultiHeadAttention
-from ._dropout import dropout
-from ._linear import Linear
-from ._lora import LoRA, adapter_axes, split_key, wrap
+from ._lora import split_key
 from ._names import get_activation
 from ._normalisation import LayerNorm, RMSNorm
 from ._ops import add
-from ._swiglu import SwiGLU
+from ._swiglu import MLP, SwiGLU
 
 __all__ = ["NORMS", "TransformerBlock"]
 
 #: The block's ``norm`` kinds: ``"layer"`` (LayerNorm, GPT-2), ``"rms"`` (RMSNorm, Llama).
 NORMS = ("layer", "rms")
-
-
-class _MLP(Module):
-    """The plain MLP: ``fc`` (``features -> hidden``), activation, ``proj`` (``hidden ->
-    features``), dropout (as nanoGPT). Params ``/fc/{W,b}``, ``/proj/{W,b}``; ``lora`` names
-    the projections wrapped in ``nl.LoRA`` (``"fc"``, ``"proj"``)."""
-
-    features: int
-    hidden: int
-    activation: str = "gelu"
-    dropout_rate: float = 0.0
-    use_bias: bool = True
-    w_init: str = "lecun_normal"
-    param_dtype: str = "float32"
-    dtype: str | None = None
-    lora: tuple[str, ...] = ()
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in self.lora:
-            if name not in ("fc", "proj"):
-                raise ValueError(
-                    f"_MLP: lora names {name!r}, not a projection of this layer; valid: fc, proj"
-                )
-
-    def setup(self):
-        self.fc = self._linear("fc", self.features, self.hidden)
-        self.proj = self._linear("proj", self.hidden, self.features)
-
-    def _linear(self, name: str, n_in: int, n_out: int) -> Linear | LoRA:
-        lin = Linear(
-            n_in,
-            n_out,
-            use_bias=self.use_bias,
-            w_init=self.w_init,
-            param_dtype=self.param_dtype,
-            dtype=self.dtype,
-        )
-        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha, self.lora_dropout)
-
-    @property
-    def uses_key(self) -> bool:
-        """A key turns dropout on: the MLP's, or a LoRA adapter's."""
-        return self.dropout_rate > 0 or super().uses_key
-
-    @property
-    def children(self) -> dict[str, Linear | LoRA]:
-        """The projections by param name."""
-        return {"fc": self.fc, "proj": self.proj}
-
-    def param_axes(self) -> ParamsDict:
-        """Megatron's MLP: ``fc`` column-parallel, ``proj`` row-parallel."""
-        return ParamsDict(
-            fc=adapter_axes(self.fc, "embed", "mlp"), proj=adapter_axes(self.proj, "mlp", "embed")
-        )
-
-    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
-        lora_keys = self.lora and self.lora_dropout > 0
-        k_fc, k_proj = split_key(key if lora_keys else None, 2)  # LoRA dropout in training
-        p_fc, p_proj = self.child(params, "fc"), self.child(params, "proj")
-        with self.params_scope("/fc"):
-            h = self.fc(p_fc, x, key=k_fc)
-        h = get_activation(self.activation)(h)
-        with self.params_scope("/proj"):
-            y = self.proj(p_proj, h, key=k_proj)
-        return dropout(y, key, self.dropout_rate)
 
 
 class TransformerBlock(Module):
@@ -290,7 +219,7 @@ class TransformerBlock(Module):
                 **self._dtypes,
             )
         else:
-            self.mlp = _MLP(
+            self.mlp = MLP(
                 self.features,
                 self.hidden,
                 self.activation,
