@@ -27,6 +27,7 @@ from ..core._mode import manual_active
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
+from ..grad._rule_table import register
 from ._dropout import check_rate, dropout
 from ._linear import Linear
 from ._lora import LoRA, adapter_axes, split_key
@@ -161,8 +162,9 @@ def dot_product_attention(
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
 
 
-# the name of the grouped-query form (nl.rules.grouped_attention): the same function
+# The grouped-query form's older name: the same rule, listed under both names in nl.rules.
 grouped_attention, grouped_attention_vjp = dot_product_attention, dot_product_attention_vjp
+register(dot_product_attention, dot_product_attention_vjp, "grouped_attention")
 
 
 def slot_vjp(y, dret, *, start, size):

@@ -27,6 +27,7 @@ import numpy as np
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
+from ..grad._rule_table import register
 
 __all__ = [
     "ROPE_SCALING_KINDS",
@@ -125,7 +126,9 @@ def rope(
     return _rotate(x, *_cos_sin(x, positions, base, inv_freq, attention_factor))
 
 
-rotary, rotary_vjp = rope, rope_vjp  # the names of the plain rotation (nl.rules.rotary)
+# The plain rotation's older name: the same rule, listed under both names in nl.rules.
+rotary, rotary_vjp = rope, rope_vjp
+register(rope, rope_vjp, "rotary")
 
 
 def _get(scaling: Mapping, key: str, where: str) -> Any:
