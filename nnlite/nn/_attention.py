@@ -232,7 +232,8 @@ class MultiHeadAttention(Module):
             soft cap is on, in manual-gradient mode, and for float16).
         param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
         rotary, rope_theta, rope_scaling, max_position_embeddings: rotary embeddings
-            (``rope_theta``: the wavelength scale; the last is YaRN's original context).
+            (``rope_theta``: the wavelength scale, ``rotary_base`` its older name; the last
+            is YaRN's original context).
         fused_qkv: one ``qkv`` projection instead of ``q``, ``k``, ``v``.
         qk_norm, norm_eps, norm_offset: RMSNorm of each head of q and k (``/q_norm``,
             ``/k_norm``), its epsilon and ``scale_offset``.
@@ -297,8 +298,12 @@ class MultiHeadAttention(Module):
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
+    rotary_base: float | None = None  # rope_theta's older name, kept working
 
     def __post_init__(self):
+        if self.rotary_base is not None:  # one field holds the value: rope_theta
+            object.__setattr__(self, "rope_theta", self.rotary_base)
+            object.__setattr__(self, "rotary_base", None)
         if isinstance(self.rope_scaling, dict) or self.rope_scaling is None:
             scaling = tuple(sorted((self.rope_scaling or {}).items()))
             object.__setattr__(self, "rope_scaling", scaling)
