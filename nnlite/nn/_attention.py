@@ -99,7 +99,7 @@ def _logits(q, k, mask, scale, softcap):
 def dot_product_attention_vjp(
     q, k, v, mask, dret, *, scale=None, softcap=None, key=None, dropout_rate=0.0
 ):
-    """Hand VJP of ``dot_product_attention``: ``(dq, dk, dv, None)``.
+    """Hand rule of ``dot_product_attention``: ``(dq, dk, dv, None)``.
 
     With ``s = q k^T * scale`` (capped, masked), ``p = softmax(s)``, ``p' = dropout(p)``
     and ``o = p' v``: ``dv = p'^T do``, ``dp' = do v^T``, ``dp`` = the same dropout mask and
@@ -168,7 +168,7 @@ register(dot_product_attention, dot_product_attention_vjp, "grouped_attention")
 
 
 def slot_vjp(y, dret, *, start, size):
-    """Hand VJP of ``slot``: the cotangent placed back in its heads, zeros elsewhere."""
+    """Hand rule of ``slot``: the cotangent placed back in its heads, zeros elsewhere."""
     return jnp.zeros_like(y).at[..., start : start + size, :].set(dret)
 
 

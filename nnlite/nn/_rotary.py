@@ -8,7 +8,7 @@ unless a long-context checkpoint stretches the frequencies (its ``rope_scaling``
 Llama 3, YaRN), which :func:`rope_frequencies` computes once from the config, in float32 as
 Hugging Face ``transformers`` does, so the angles agree to the bit where the arithmetic is
 the same; YaRN also scales ``cos`` and ``sin`` by an "attention factor". A rotation is
-orthogonal, so the VJP is the inverse rotation of the cotangent. Queries and keys rotated
+orthogonal, so its rule turns the cotangent back by the inverse rotation. Queries and keys rotated
 this way give attention scores that depend on positions only through ``p_q - p_k``, and a
 key rotated once at its absolute position can sit in a key/value cache.
 """
@@ -90,7 +90,7 @@ def _check(x: Any, positions: Any) -> None:
 
 
 def rope_vjp(x, positions, dret, *, base=10000.0, inv_freq=None, attention_factor=1.0):
-    """Hand VJP of ``rope``: a (scaled) rotation's transpose is the inverse rotation with the
+    """Hand rule of ``rope``: a (scaled) rotation's transpose is the inverse rotation with the
     same scale, so the cotangent is turned back by the angles and scaled again; ``None``
     for the integer positions."""
     cos, sin = _cos_sin(x, positions, base, inv_freq, attention_factor)

@@ -44,7 +44,7 @@ def project(owner: Module, params, name: str, x: jax.Array, key=None) -> jax.Arr
 
 
 def swiglu_vjp(gate, up, dret):
-    """Hand VJP of ``swiglu``: ``d gate = dy * up * silu'(gate)``, ``d up = dy * silu(gate)``,
+    """Hand rule of ``swiglu``: ``d gate = dy * up * silu'(gate)``, ``d up = dy * silu(gate)``,
     with ``silu'(g) = s (1 + g (1 - s))`` and ``s = sigmoid(g)``."""
     s = jax.nn.sigmoid(gate)
     return dret * up * s * (1 + gate * (1 - s)), dret * gate * s
@@ -63,7 +63,7 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def geglu_vjp(gate, up, dret):
-    """Hand VJP of ``geglu``: ``d gate = dy * up * gelu'(gate)``, ``d up = dy * gelu(gate)``
+    """Hand rule of ``geglu``: ``d gate = dy * up * gelu'(gate)``, ``d up = dy * gelu(gate)``
     (GELU's tanh form and its derivative, as ``nl.rules.gelu``)."""
     return dret * up * gelu_grad(gate), dret * jax.nn.gelu(gate, approximate=True)
 
