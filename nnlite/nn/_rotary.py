@@ -8,9 +8,9 @@ unless a long-context checkpoint stretches the frequencies (its ``rope_scaling``
 Llama 3, YaRN), which :func:`rope_frequencies` computes once from the config, in float32 as
 Hugging Face ``transformers`` does, so the angles agree to the bit where the arithmetic is
 the same; YaRN also scales ``cos`` and ``sin`` by an "attention factor". A rotation is
-orthogonal, so its rule turns the cotangent back by the inverse rotation. Queries and keys rotated
-this way give attention scores that depend on positions only through ``p_q - p_k``, and a
-key rotated once at its absolute position can sit in a key/value cache.
+orthogonal, so its rule turns the cotangent back by the inverse rotation. Queries and keys
+rotated this way give attention scores that depend on positions only through ``p_q - p_k``,
+and a key rotated once at its absolute position can sit in a key/value cache.
 """
 
 from __future__ import annotations
