@@ -65,6 +65,10 @@ from .nn._activations import leaky_relu as leaky_relu
 from .nn._activations import silu as silu
 from .nn._adaptive_pool import AdaptiveAvgPool as AdaptiveAvgPool
 from .nn._adaptive_pool import AdaptiveMaxPool as AdaptiveMaxPool
+
+# Pretrained decoders (issue 33): grouped-query attention, SwiGLU, the Llama block, LoRA;
+# nl.hf (loaded on first use: it is the only part that reads tokenizers/config files).
+from .nn._attention import GroupedQueryAttention as GroupedQueryAttention
 from .nn._attention import MultiHeadAttention as MultiHeadAttention
 from .nn._batch_norm import BatchNorm as BatchNorm
 from .nn._conv import Conv as Conv
@@ -73,10 +77,6 @@ from .nn._dropout import Dropout as Dropout
 from .nn._embedding import Embedding as Embedding
 from .nn._equinox import EquinoxLayer as EquinoxLayer
 from .nn._equinox import from_equinox as from_equinox
-
-# Pretrained decoders (issue 33): grouped-query attention, SwiGLU, the Llama block, LoRA;
-# nl.hf (loaded on first use: it is the only part that reads tokenizers/config files).
-from .nn._gqa import GroupedQueryAttention as GroupedQueryAttention
 from .nn._linear import FFN as FFN
 from .nn._linear import Activation as Activation
 from .nn._linear import Linear as Linear
@@ -111,8 +111,8 @@ from .nn._pool import MaxPool as MaxPool
 from .nn._rnn import RNN as RNN
 from .nn._rnn import GRUCell as GRUCell
 from .nn._rnn import LSTMCell as LSTMCell
-from .nn._rope_scaling import rope_frequencies as rope_frequencies
 from .nn._rotary import RotaryEmbedding as RotaryEmbedding
+from .nn._rotary import rope_frequencies as rope_frequencies
 from .nn._segments import segment_mask as segment_mask
 from .nn._segments import segment_positions as segment_positions
 from .nn._stack import REMAT_POLICIES as REMAT_POLICIES

@@ -270,3 +270,56 @@ def test_bad_inputs_masks_and_params():
     msg = f"TransformerBlock({F}, {H}): params /attn/qkv/W has shape ({F}, {2 * F}), expected ({F}, {3 * F})"
     with pytest.raises(ValueError, match=re.escape(msg)):
         block(bp, x)
+
+
+# -- one attention, one rotary embedding, one block ------------------------------------------
+def test_one_attention_rule_groups_caps_and_drops():
+    """dot_product_attention is grouped_attention: kv heads shared by groups of query heads
+    (the same as multi-head attention over kv heads repeated per group), with a scale, a
+    soft cap and dropout at once; its hand rule agrees with jax.vjp."""
+    from _tolerance import check_rule
+
+    assert nl.rules.grouped_attention is nl.rules.dot_product_attention
+    assert nl.rules.rotary is nl.rules.rope
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+               [(2, 5, 4, 3), (2, 6, 2, 3), (2, 6, 2, 3)])  # fmt: skip
+    attn = nl.rules.dot_product_attention
+    mask = nl.nn._attention.causal_mask(5, 6, window=3)[None, None]
+    repeated = attn(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), mask)
+    np.testing.assert_allclose(attn(q, k, v, mask), repeated, rtol=1e-6, atol=1e-6)
+    kw = {"scale": 0.7, "softcap": 0.8, "key": jax.random.key(1), "dropout_rate": 0.25}
+    check_rule(attn, q, k, v, mask, **kw)
+
+
+def test_one_block_is_every_family_member():
+    """LlamaBlock and nl.hf's GPT-2 block are TransformerBlock configurations: the same
+    class, the same params and outputs as the fields spelled out."""
+    llama = nl.LlamaBlock(8, 2, num_kv_heads=1, hidden=12, qk_norm=True, post_norms=True)
+    spelled = TransformerBlock(8, 2, activation="silu", use_bias=False, eps=1e-6, rotary=True,
+                               norm="rms", gated=True, fused_qkv=False, num_kv_heads=1,
+                               hidden=12, qk_norm=True, post_norms=True)  # fmt: skip
+    assert isinstance(llama, TransformerBlock) and nl.hf.GPT2Block is TransformerBlock
+    p = _random_params(llama)
+    assert jax.tree.structure(p) == jax.tree.structure(_random_params(spelled))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 8)), jnp.float32)
+    np.testing.assert_array_equal(llama(p, x), spelled(p, x))
+    assert sorted(p.attn) == ["k", "k_norm", "out", "q", "q_norm", "v"]
+    assert sorted(p.mlp) == ["down", "gate", "up"] and "post_ln2" in p
+    with pytest.raises(ValueError, match=r"lora names 'mlp/fc', not a projection of the block"):
+        nl.LlamaBlock(8, 2, lora=("mlp/fc",))
+    with pytest.raises(ValueError, match=r"norm 'batch' is not one of layer, rms"):
+        TransformerBlock(8, 2, norm="batch")
+
+
+def test_one_rotary_embedding_takes_its_scaling():
+    """RotaryEmbedding's scaling is a parameter: linear scaling by 2 at position 2p is the
+    plain rotation at p; an unsupported kind is refused by name."""
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 6)), jnp.float32)
+    linear = nl.RotaryEmbedding(6, 100.0, scaling={"rope_type": "linear", "factor": 2.0})
+    plain = nl.RotaryEmbedding(6, 100.0)
+    np.testing.assert_allclose(
+        linear(x, positions=2 * jnp.arange(4)), plain(x), rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(ValueError, match="rope_scaling kind 'dynamic' is not supported"):
+        nl.RotaryEmbedding(6, scaling={"rope_type": "dynamic", "factor": 2.0})

@@ -16,7 +16,7 @@ from _chat_dir import make_chat_dir
 from _tolerance import check_rule
 
 import nnlite as nl
-from nnlite.nn import _gqa
+from nnlite.nn import _attention
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,7 +191,7 @@ def test_segment_mask_rule_and_model_gradients(chat_dir):
     k, v = k[:, :, :2], v[:, :, :2]
     seg = jnp.array([[1, 1, 1, 2, 2, 0], [1, 2, 2, 2, 3, 3]])
     mask = jnp.logical_and(nl.segment_mask(seg), nl.nn._attention.causal_mask(6, 6)[None, None])
-    check_rule(_gqa.grouped_attention, q, k, v, mask)  # hand rule == jax.vjp, masked
+    check_rule(_attention.grouped_attention, q, k, v, mask)  # hand rule == jax.vjp, masked
     assert nl.segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 0, 1]]
     model = nl.hf.load_pretrained(chat_dir)[0]
     params = jax.jit(model.init)(jax.random.key(1))

@@ -223,7 +223,7 @@ def test_attention(rand, heads):
             rule_case(attn, q, k, v, None),
             rule_case(attn, q, k, v, causal),  # masked positions
             rule_case(attn, q, k, v, padded, key=jax.random.key(1), dropout_rate=0.25),
-            rule_case(_attention.slot, rand(2, 5, 3, heads, 4), index=1),
+            rule_case(_attention.slot, rand(2, 5, 3 * heads, 4), start=heads, size=heads),
         ]
     )
 

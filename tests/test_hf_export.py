@@ -59,8 +59,8 @@ def _check_export(tf, src, out):
         assert ours.decode(ours.encode(s, add_special_tokens=False)) == s
     assert ours.eos_token == "<|endoftext|>"
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    header = nl.hf._safetensors._File(out / "model.safetensors", ValueError).header
-    assert {v["dtype"] for v in header.values()} == {"BF16"}
+    entries = nl.hf._safetensors.open_file(out / "model.safetensors", ValueError).entries
+    assert {dtype.name for dtype, *_ in entries.values()} == {"bfloat16"}
 
 
 def test_export_writes_the_tokenizer_and_keeps_bfloat16(tf, src, tmp_path):

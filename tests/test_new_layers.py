@@ -758,7 +758,7 @@ def test_show_grad_prints_the_new_rules(key):
 
     x, t = jax.device_put(_np(2, 5, 2)), jnp.zeros((2, 4, 2))
     src = nl.show_grad(loss, p, x, t)
-    for rule in ("lstm_scan_vjp(", "gru_scan_vjp(", "rotary_vjp(", "conv_transpose_vjp("):
+    for rule in ("lstm_scan_vjp(", "gru_scan_vjp(", "rope_vjp(", "conv_transpose_vjp("):
         assert rule in src
     namespace: dict = {}
     exec(src, namespace)  # noqa: S102 -- the point: the printed code runs

@@ -219,75 +219,158 @@ def _fsync_dir(directory: Path) -> None:
 
 
 # -- reading ----------------------------------------------------------------------------------
-class _File:
-    """An open safetensors file: its metadata and each tensor's dtype, shape and offset;
-    tensors are read one at a time, so a part of a file costs only that part."""
+def _foreign(head: bytes) -> str:
+    """What a file that is not safetensors looks like, from its first bytes."""
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (a PyTorch .bin/.pt checkpoint?)"
+    if head[:1] == b"\x80":
+        return "a pickle (a PyTorch .bin checkpoint?)"
+    if head.startswith(b"version https://git-lfs"):
+        return "a Git LFS pointer (the weights were not downloaded: git lfs pull)"
+    if head.startswith((b"{", b"<", b"#")) or head.isascii():
+        return "text"
+    return "not safetensors"
 
-    def __init__(self, path: Path, f: BinaryIO):
-        self.path = path
-        self.f = f
-        size = os.fstat(f.fileno()).st_size
-        bad = f"checkpoint {path}: not a safetensors file"
-        if size < 8:
-            raise CheckpointCorruptError(f"{bad} ({size} bytes)")
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > size - 8:
-            raise CheckpointCorruptError(
-                f"{bad}, or truncated: its first 8 bytes give a header of {n} bytes, and the "
-                f"file has {size}"
-            )
-        self.start = 8 + n
+
+class SafetensorsFile:
+    """One safetensors file, the one reader of nnlite's checkpoints (``nl.load``) and of
+    Hugging Face weights (``nl.hf``): its metadata, and each tensor's dtype, shape and byte
+    range, checked against the file when it is opened, so a truncated, empty or foreign
+    file is one error naming it (``where``: ``"checkpoint <path>"`` or ``<path>``, of class
+    ``error``) before any tensor is read. Tensors are views of a memory map, read from disk
+    only where sliced (:meth:`tensor`), or copies checked against the checksums ``nl.save``
+    wrote (:meth:`read`).
+
+    ``keys`` maps each tensor's key to its name in the header: files written before
+    ``nl.save`` dropped the leading ``/`` (``/layers[0]/W``) read as ``layers[0]/W``."""
+
+    def __init__(
+        self,
+        path: Path,
+        f: BinaryIO | None = None,
+        *,
+        error: type[Exception] = CheckpointCorruptError,
+        where: str | None = None,
+    ):
+        self.path, self.error = Path(path), error
+        self.where = f"checkpoint {path}" if where is None else where
         try:
-            header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError("the header is not a JSON object")
-            meta = header.pop("__metadata__", None) or {}
-            if not isinstance(meta, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-            ):
-                raise ValueError("__metadata__ is not a str -> str object")
-            self.entries = {k: _entry(k, info) for k, info in header.items()}
-            sums = json.loads(meta[CHECKSUMS]) if CHECKSUMS in meta else None
-            if sums is not None and (not isinstance(sums, dict) or set(sums) != set(self.entries)):
-                raise ValueError(f"its {CHECKSUMS!r} do not list its tensors")
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointCorruptError(f"{bad} (bad header: {e})") from None
+            if f is None:
+                with open(path, "rb") as opened:
+                    header, size = self._header(opened)
+            else:
+                header, size = self._header(f)
+        except OSError as e:
+            raise error(f"{self.where}: cannot read ({e.strerror or e})") from None
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+        ):
+            raise error(
+                f"{self.where}: not a safetensors file (its __metadata__ is not str -> str)"
+            )
         self.meta: dict[str, str] = meta
-        self.sums: dict[str, str] | None = sums
+        self.entries = {k: self._entry(k, info) for k, info in header.items()}
         end = max((e[3] for e in self.entries.values()), default=0)
         if self.start + end > size:
-            raise CheckpointCorruptError(
-                f"checkpoint {path}: truncated: its header describes {end} bytes of tensors, "
-                f"the file holds {size - self.start}"
+            raise error(
+                f"{self.where}: truncated: {size} bytes, its header describes "
+                f"{self.start + end} (download or copy it again)"
             )
+        self.sums = self._checksums()
         if meta.get("format") == _FORMAT and meta.get("format_version") != _FORMAT_VERSION:
             raise CheckpointError(
-                f"checkpoint {path}: format_version {meta.get('format_version')!r} of a newer "
+                f"{self.where}: format_version {meta.get('format_version')!r} of a newer "
                 f"nnlite; this one reads format_version {_FORMAT_VERSION!r}; upgrade nnlite"
             )
-        # Keys of files written before the leading "/" was dropped (see the module doc).
         self.keys: dict[str, str] = {}
         for raw in self.entries:
             key = raw[1:] if raw.startswith("/") and raw != _ROOT else raw
             if key in self.keys:
-                raise CheckpointError(f"checkpoint {path}: {raw!r} and {self.keys[key]!r} clash")
+                raise error(f"{self.where}: {raw!r} and {self.keys[key]!r} clash")
             self.keys[key] = raw
+        self._map: np.memmap | None = None
+
+    def _header(self, f: BinaryIO) -> tuple[dict, int]:
+        """The JSON header of the open file ``f`` and the file's size; sets ``start``."""
+        size, where, error = os.fstat(f.fileno()).st_size, self.where, self.error
+        head = f.read(8)
+        if len(head) < 8:
+            raise error(f"{where}: not a safetensors file: {size} bytes (empty or truncated)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100_000_000:  # no header is that long: another kind of file
+            raise error(
+                f"{where}: not a safetensors file ({_foreign(head)}: its first 8 bytes give a "
+                f"header of {n} bytes)"
+            )
+        if n > size - 8:
+            raise error(
+                f"{where}: truncated: {size} bytes, shorter than its {n}-byte header "
+                "(download or copy it again)"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise error(f"{where}: not a safetensors file (its header is not JSON: {e})") from None
+        if not isinstance(header, dict):
+            raise error(f"{where}: not a safetensors file (its header is not a JSON object)")
+        self.start = 8 + n
+        return header, size
+
+    def _entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        """``(dtype, shape, begin, end)`` of a header entry, checked."""
+        try:
+            dtype = np.dtype(_DTYPES[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise self.error(
+                f"{self.where}: tensor {name!r} has a bad header entry {info!r} (dtypes: "
+                f"{', '.join(_DTYPES)})"
+            ) from None
+        need = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != need:
+            raise self.error(
+                f"{self.where}: tensor {name!r} ({info['dtype']} {list(shape)}) needs {need} "
+                f"bytes, its header gives bytes {begin}..{end}"
+            )
+        return dtype, shape, begin, end
+
+    def _checksums(self) -> dict[str, str] | None:
+        if CHECKSUMS not in self.meta:
+            return None
+        try:
+            sums = json.loads(self.meta[CHECKSUMS])
+        except ValueError:
+            sums = None
+        if not isinstance(sums, dict) or set(sums) != set(self.entries):
+            raise self.error(f"{self.where}: its {CHECKSUMS!r} metadata do not list its tensors")
+        return sums
+
+    def names(self) -> list[str]:
+        """The tensors' names, as in the header."""
+        return list(self.entries)
 
     def spec(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
         dtype, shape, _, _ = self.entries[self.keys[key]]
         return shape, dtype
 
+    def tensor(self, name: str) -> np.ndarray:
+        """Tensor ``name`` (as in the header) as a view of the memory-mapped file: read from
+        disk only where it is used."""
+        dtype, shape, begin, end = self.entries[name]
+        if self._map is None:
+            self._map = np.memmap(self.path, np.uint8, "r")
+        return self._map[self.start + begin : self.start + end].view(dtype).reshape(shape)
+
     def read(self, key: str, region: tuple | None = None) -> np.ndarray:
-        """Tensor ``key``, or its ``region`` (a tuple of slices, as a sharding's index)."""
+        """Tensor ``key``, or its ``region`` (a tuple of slices, as a sharding's index): a
+        copy, checked against its checksum when the file has them."""
         raw = self.keys[key]
-        dtype, shape, start, end = self.entries[raw]
-        out = np.empty(shape, dtype)
-        self.f.seek(self.start + start)
-        if self.f.readinto(out.reshape(-1).view(np.uint8)) != end - start:
-            raise CheckpointCorruptError(f"checkpoint {self.path}: truncated while reading {key!r}")
+        out = np.array(self.tensor(raw))
         if self.sums is not None and checksum(out) != self.sums[raw]:
             raise CheckpointCorruptError(
-                f"checkpoint {self.path}: {key!r} does not match its checksum (the file was "
+                f"{self.where}: {key!r} does not match its checksum (the file was "
                 "damaged after it was written)"
             )
         return out if region is None else np.asarray(out[region])
@@ -298,19 +381,10 @@ class _File:
             self.read(key)
 
     def close(self) -> None:
-        self.f.close()
+        self._map = None  # the views still alive keep their own reference to the map
 
 
-def _entry(key: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
-    if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
-        raise ValueError(f"tensor {key!r}: no known dtype")
-    dtype = np.dtype(_DTYPES[info["dtype"]])
-    shape = tuple(int(d) for d in info["shape"])
-    start, end = (int(x) for x in info["data_offsets"])
-    count = int(np.prod(shape, dtype=np.int64))
-    if min(shape, default=0) < 0 or not 0 <= start <= end or end - start != dtype.itemsize * count:
-        raise ValueError(f"tensor {key!r}: data offsets do not match its shape")
-    return dtype, shape, start, end
+_File = SafetensorsFile  # the name the sharded reader imports
 
 
 #: The reader of a checkpoint directory: ``_sharded.ShardedFile`` registers itself here (the
@@ -332,10 +406,9 @@ def _checkpoint(path: Path):
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {path}: no such file") from None
         try:
-            file = _File(path, f)
-        except BaseException:
-            f.close()
-            raise
+            file = SafetensorsFile(path, f)
+        finally:
+            f.close()  # the tensors are read through a memory map
     try:
         yield file
     finally:

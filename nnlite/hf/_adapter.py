@@ -25,7 +25,7 @@ from ._config import read_json
 from ._convert import family_of, hf_name
 from ._gpt2 import GPT2LM
 from ._models import LlamaLM
-from ._safetensors import _File, _write_one
+from ._safetensors import _write_one, open_file
 
 __all__ = ["AdapterError", "load_adapter", "read_adapter", "save_adapter"]
 
@@ -173,12 +173,12 @@ def read_adapter(directory: str | os.PathLike, model: Any) -> dict[str, Any]:
     # nnlite scales by alpha / rank; rsLoRA by lora_alpha / sqrt(r)
     alpha = cfg["lora_alpha"] * (math.sqrt(r) if cfg.get("use_rslora") else 1.0)
     paths = {name: p for p, name in module_names(dec).items()}
-    file = _File(d / WEIGHTS, AdapterError) if (d / WEIGHTS).is_file() else None
+    file = open_file(d / WEIGHTS, AdapterError) if (d / WEIGHTS).is_file() else None
     if file is None:
         raise AdapterError(f"{d}: no {WEIGHTS} beside {CONFIG}")
     found: dict[str, dict[str, np.ndarray]] = {}
     try:
-        for key in list(file.header):
+        for key in file.names():
             m = _KEY.fullmatch(key)
             if m is None or m.group(1) not in paths:
                 known = sorted({n.rsplit(".", 1)[-1] for n in paths})

@@ -364,26 +364,25 @@ class LlamaLM(_Decoder):
         return RMSNorm(self.n_embd, self.eps, scale_offset=self.norm_offset)
 
     def block_at(self, i: int) -> LlamaBlock:
+        scale = self.query_pre_attn_scalar
         return LlamaBlock(
             self.n_embd,
             self.n_head,
-            self.n_kv_head,
-            self.hidden,
-            self.head_dim,
-            self.eps,
-            self.rope_theta,
-            self.rope_scaling,
-            self.context,
-            self.qkv_bias,
-            self.out_bias,
-            self.mlp_bias,
+            num_kv_heads=self.n_kv_head,
+            hidden=self.hidden,
+            head_dim=self.head_dim,
+            eps=self.eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.context,
+            qkv_bias=self.qkv_bias,
+            out_bias=self.out_bias,
+            mlp_bias=self.mlp_bias,
             activation=self.activation,
             norm_offset=self.norm_offset,
             qk_norm=self.qk_norm,
             post_norms=self.post_norms,
-            attn_scale=(
-                None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
-            ),
+            attn_scale=None if scale is None else scale**-0.5,
             attn_softcap=self.attn_softcap,
             window=self.window_at(i),
             lora=self._block_lora(i),

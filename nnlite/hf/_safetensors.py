@@ -1,8 +1,9 @@
 """Safetensors files of a Hugging Face model directory, read lazily and written in shards.
 
-A reader parses each file's JSON header and memory-maps the file: a tensor is a numpy view
-of the mapped bytes, read from disk only when (and where) it is sliced, so loading a model
-holds at most the tensor being placed in host memory, not the checkpoint. A sharded
+Each file is read by nnlite's one safetensors reader (``nl.load``'s, ``SafetensorsFile``): its
+JSON header checked against the file, the file memory-mapped, a tensor a numpy view of the
+mapped bytes read from disk only when (and where) it is sliced, so loading a model holds at
+most the tensor being placed in host memory, not the checkpoint. A sharded
 checkpoint (``model.safetensors.index.json`` naming ``model-0000i-of-0000n.safetensors``
 files) is read file by file.
 """
@@ -16,114 +17,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["SafetensorsDir", "write_safetensors"]
+from ..core._save import _DTYPES, SafetensorsFile
 
-_DTYPES = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
-    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64,
-    "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64,
-}  # fmt: skip
+__all__ = ["SafetensorsDir", "open_file", "write_safetensors"]
+
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def _foreign(head: bytes) -> str:
-    """What a file that is not safetensors looks like, from its first bytes."""
-    if head.startswith(b"PK\x03\x04"):
-        return "a zip archive (a PyTorch .bin/.pt checkpoint?)"
-    if head[:1] == b"\x80":
-        return "a pickle (a PyTorch .bin checkpoint?)"
-    if head.startswith(b"version https://git-lfs"):
-        return "a Git LFS pointer (the weights were not downloaded: git lfs pull)"
-    if head.startswith((b"{", b"<", b"#")) or head.isascii():
-        return "text"
-    return "not safetensors"
-
-
-class _File:
-    """One safetensors file: its header, and its tensors as views of a memory map.
-
-    The header is checked against the file when it is opened (every tensor's dtype, shape
-    and byte range, and the file long enough to hold them), so a truncated, empty or
-    foreign file is one error naming it before any tensor is read."""
-
-    def __init__(self, path: Path, error: type[Exception]):
-        self.path = path
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise error(
-                        f"{path}: not a safetensors file: {size} bytes (empty or truncated)"
-                    )
-                (n,) = struct.unpack("<Q", head)
-                if n > 100_000_000:  # no header is that long: another kind of file
-                    raise error(
-                        f"{path}: not a safetensors file ({_foreign(head)}: its first 8 "
-                        f"bytes give a header of {n} bytes)"
-                    )
-                if n > size - 8:
-                    raise error(
-                        f"{path}: truncated: {size} bytes, shorter than its {n}-byte header "
-                        "(download or copy it again)"
-                    )
-                header = json.loads(f.read(n))
-        except OSError as e:
-            raise error(f"{path}: cannot read ({e.strerror or e})") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise error(f"{path}: not a safetensors file (its header is not JSON: {e})") from None
-        if not isinstance(header, dict):
-            raise error(f"{path}: not a safetensors file (its header is not a JSON object)")
-        header.pop("__metadata__", None)
-        self.header, self.start = header, 8 + n
-        self._check(size, error)
-        self._map: np.memmap | None = None
-
-    def _check(self, size: int, error: type[Exception]) -> None:
-        end = 0
-        for name, info in self.header.items():
-            try:
-                dtype = np.dtype(_DTYPES[info["dtype"]])
-                shape = [int(d) for d in info["shape"]]
-                begin, stop = (int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise error(
-                    f"{self.path}: tensor {name!r} has a bad header entry {info!r} (dtypes: "
-                    f"{', '.join(_DTYPES)})"
-                ) from None
-            need = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-            if stop - begin != need or begin < 0:
-                raise error(
-                    f"{self.path}: tensor {name!r} ({info['dtype']} {shape}) needs {need} bytes, "
-                    f"its header gives bytes {begin}..{stop}"
-                )
-            end = max(end, stop)
-        if self.start + end > size:
-            raise error(
-                f"{self.path}: truncated: {size} bytes, its header describes "
-                f"{self.start + end} (download or copy it again)"
-            )
-
-    def tensor(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        dtype = np.dtype(_DTYPES[info["dtype"]])
-        begin, end = info["data_offsets"]
-        if self._map is None:
-            self._map = np.memmap(self.path, np.uint8, "r")
-        raw = self._map[self.start + begin : self.start + end]
-        return raw.view(dtype).reshape(info["shape"])
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.header[name]["shape"])
-
-    def close(self) -> None:
-        self._map = None  # the views still alive keep their own reference to the map
+def open_file(path: Path, error: type[Exception]) -> SafetensorsFile:
+    """``path`` read by nnlite's one safetensors reader, its errors ``error``s naming it."""
+    return SafetensorsFile(path, error=error, where=str(path))
 
 
 class SafetensorsDir:
@@ -139,8 +47,8 @@ class SafetensorsDir:
         if (d / INDEX).is_file():
             self.where = self._index(d / INDEX, error)
         elif (d / SINGLE).is_file():
-            f = _File(d / SINGLE, error)
-            self.where = dict.fromkeys(f.header, str(d / SINGLE))
+            f = open_file(d / SINGLE, error)
+            self.where = dict.fromkeys(f.entries, str(d / SINGLE))
         else:
             pickled = sorted(p.name for p in d.glob("*.bin")) if d.is_dir() else []
             hint = (
@@ -150,7 +58,7 @@ class SafetensorsDir:
                 else ""
             )
             raise error(f"{d}: no {SINGLE} nor {INDEX}{hint}")
-        self._open: dict[str, _File] = {}
+        self._open: dict[str, SafetensorsFile] = {}
 
     @staticmethod
     def _index(path: Path, error: type[Exception]) -> dict[str, str]:
@@ -181,12 +89,12 @@ class SafetensorsDir:
     def file_of(self, name: str) -> str:
         return self.where[name]
 
-    def _file(self, name: str) -> _File:
+    def _file(self, name: str) -> SafetensorsFile:
         path = self.where[name]
         f = self._open.get(path)
         if f is None:
-            f = self._open[path] = _File(Path(path), self.error)
-        if name not in f.header:
+            f = self._open[path] = open_file(Path(path), self.error)
+        if name not in f.entries:
             raise self.error(f"{path}: the index names {name!r} in this file, it is not there")
         return f
 
@@ -195,7 +103,7 @@ class SafetensorsDir:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, from its file's header (nothing read)."""
-        return self._file(name).shape(name)
+        return self._file(name).entries[name][1]
 
     def check(self) -> None:
         """Open every file's header (each checked against its file): a broken shard is an

@@ -1,8 +1,16 @@
-"""Multi-head attention: ``dot_product_attention`` with its hand rule, and the layer.
+"""Attention: ``dot_product_attention`` with its hand rule, and the one attention layer.
 
-``MultiHeadAttention`` exposes its three stages as public methods, ``qkv``, ``attend`` and
-``project``, so a decoder with a key/value cache can call them one at a time (project the
-new token, write its k/v into the cache, attend over the cache with ``q_offset``).
+``num_heads`` query heads share ``num_kv_heads`` key/value heads in groups of ``num_heads //
+num_kv_heads`` (grouped-query attention, Ainslie et al. 2023: query head ``h`` reads kv head
+``h // group``, the layout of Llama, Mistral and Qwen2 in Hugging Face ``transformers``);
+``num_kv_heads == num_heads`` is ordinary multi-head attention (Vaswani et al. 2017), 1 is
+multi-query attention. ``MultiHeadAttention`` is the layer; ``GroupedQueryAttention`` is the
+same layer with the defaults of a pretrained decoder's (separate q/k/v projections, rotary
+embeddings, causal, no biases).
+
+The layer exposes its three stages as public methods, ``qkv``, ``attend`` and ``project``,
+and a key/value-cache step, ``decode``: a decoder projects the new token, writes its k/v into
+the cache and attends over the cache with ``q_offset``.
 """
 
 from __future__ import annotations
@@ -14,24 +22,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._axes import param_axes
 from ..core._mode import manual_active
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
+from ..grad._rule_table import register
 from ._dropout import check_rate, dropout
-from ._linear import Linear, linear_axes, linear_like
+from ._linear import Linear
+from ._lora import LoRA, adapter_axes, split_key
+from ._normalisation import RMSNorm
 from ._rotary import RotaryEmbedding
+from ._swiglu import project, projection
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "GroupedQueryAttention",
     "MultiHeadAttention",
     "causal_mask",
     "dot_product_attention",
+    "dot_product_attention_vjp",
+    "grouped_attention",
+    "grouped_attention_vjp",
 ]
 
 # None and "xla": jax.nn.dot_product_attention's XLA path; "cudnn": its fused GPU kernel
-# (fp16/bf16 on NVIDIA GPUs only); "plain": the einsum-softmax-einsum below (always used
-# when attention dropout is active, which jax.nn.dot_product_attention does not support).
+# (fp16/bf16 on NVIDIA GPUs only); "plain": dot_product_attention below (always used when
+# attention dropout or a soft cap is active, which jax.nn.dot_product_attention lacks).
 IMPLEMENTATIONS = (None, "xla", "cudnn", "plain")
 
 
@@ -58,32 +75,58 @@ def causal_mask(t_q: int, t_k: int, q_offset: Any = None, window: int | None = N
 _BIG_NEGATIVE = -0.7 * np.finfo(np.float32).max
 
 
-def dot_product_attention_vjp(q, k, v, mask, dret, *, key=None, dropout_rate=0.0):
-    """Hand VJP of ``dot_product_attention``: ``(dq, dk, dv, None)``.
-
-    With ``s = q k^T * scale`` (masked), ``p = softmax(s)``, ``p' = dropout(p)`` and
-    ``o = p' v``: ``dv = p'^T do``, ``dp' = do v^T``, ``dp`` = the same dropout mask and
-    scale on ``dp'``, ``ds = p * (dp - sum(p * dp))`` (softmax's rule) zeroed where masked,
-    then ``dq = ds k * scale`` and ``dk = ds^T q * scale``.
-    """
-    acc = jnp.promote_types(q.dtype, jnp.float32)
-    scale = jnp.asarray(1.0 / math.sqrt(q.shape[-1]), acc)
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=acc) * scale
+def _logits(q, k, mask, scale, softcap):
+    """Float32 logits ``[B, KV, G, T, S]`` of ``q: [B, T, H, D]`` against ``k: [B, S, KV,
+    D]`` (``G = H // KV``, 1 for multi-head attention), scaled, soft-capped and masked; the
+    mask in that layout; and ``tanh(logits / softcap)`` (None without a cap), which the
+    rule's chain factor needs."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    acc = jnp.promote_types(q.dtype, jnp.float32)  # float32 logits, float64 stays float64
+    qg = q.reshape(b, t, kv, h // kv, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc)
+    logits = logits * jnp.asarray(1.0 / math.sqrt(d) if scale is None else scale, acc)
+    tanh = None
+    if softcap is not None:  # Gemma 2: cap * tanh(logits / cap), before the mask
+        tanh = jnp.tanh(logits / jnp.asarray(softcap, acc))
+        logits = tanh * jnp.asarray(softcap, acc)
     if mask is not None:
-        mask = jnp.broadcast_to(mask, logits.shape)
+        mask = jnp.broadcast_to(mask, (b, h, t, k.shape[1])).reshape(logits.shape)
         logits = jnp.where(mask, logits, jnp.asarray(_BIG_NEGATIVE, acc))
+    return logits, mask, tanh
+
+
+def dot_product_attention_vjp(
+    q, k, v, mask, dret, *, scale=None, softcap=None, key=None, dropout_rate=0.0
+):
+    """Hand rule of ``dot_product_attention``: ``(dq, dk, dv, None)``.
+
+    With ``s = q k^T * scale`` (capped, masked), ``p = softmax(s)``, ``p' = dropout(p)``
+    and ``o = p' v``: ``dv = p'^T do``, ``dp' = do v^T``, ``dp`` = the same dropout mask and
+    scale on ``dp'``, ``ds = p * (dp - sum(p * dp))`` (softmax's rule) zeroed where masked,
+    through the cap's ``1 - tanh^2`` and scaled, then ``dq = ds k`` and ``dk = ds^T q``, each
+    kv head's cotangents summed over the query heads of its group.
+    """
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    logits, mask, tanh = _logits(q, k, mask, scale, softcap)
+    acc = logits.dtype
     probs = jax.nn.softmax(logits, axis=-1)
     dropped = dropout(probs.astype(v.dtype), key, dropout_rate)
-    dv = jnp.einsum("bnts,btnh->bsnh", dropped, dret)
-    d_dropped = jnp.einsum("btnh,bsnh->bnts", dret, v, preferred_element_type=acc)
-    d_probs = dropout(d_dropped, key, dropout_rate)
-    d_logits = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
+    dog = dret.reshape(b, t, kv, h // kv, d)
+    dv = jnp.einsum("bkgts,btkgd->bskd", dropped, dog)
+    d_dropped = jnp.einsum("btkgd,bskd->bkgts", dog, v, preferred_element_type=acc)
+    dp = dropout(d_dropped, key, dropout_rate)  # the same mask and scale
+    ds = probs * (dp - jnp.sum(probs * dp, axis=-1, keepdims=True))
     if mask is not None:
-        d_logits = jnp.where(mask, d_logits, jnp.zeros((), acc))
-    d_logits = d_logits * scale
-    dq = jnp.einsum("bnts,bsnh->btnh", d_logits, k.astype(acc)).astype(q.dtype)
-    dk = jnp.einsum("bnts,btnh->bsnh", d_logits, q.astype(acc)).astype(k.dtype)
-    return dq, dk, dv, None
+        ds = jnp.where(mask, ds, jnp.zeros((), acc))
+    if tanh is not None:
+        ds = ds * (1 - tanh * tanh)
+    ds = ds * jnp.asarray(1.0 / math.sqrt(d) if scale is None else scale, acc)
+    dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(acc)).reshape(q.shape).astype(q.dtype)
+    qg = q.reshape(b, t, kv, h // kv, d).astype(acc)
+    dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg).astype(k.dtype)
+    return dq, dk, dv.astype(v.dtype), None
 
 
 @hand_rule(dot_product_attention_vjp)
@@ -93,84 +136,120 @@ def dot_product_attention(
     v: jax.Array,
     mask: jax.Array | None = None,
     *,
+    scale: float | None = None,
+    softcap: float | None = None,
     key: jax.Array | None = None,
     dropout_rate: float = 0.0,
 ) -> jax.Array:
-    """``softmax(q k^T / sqrt(head_dim)) v`` for ``q: [B, Tq, H, D]``, ``k, v: [B, Tk, H, D]``
-    and a boolean ``mask`` broadcastable to ``[B, H, Tq, Tk]`` (True = attend), with
-    dropout on the attention weights when ``key`` is given. Logits and softmax in float32,
-    masked logits set to a large negative number: the same arithmetic as
-    ``jax.nn.dot_product_attention``'s XLA path, so the two agree."""
-    acc = jnp.promote_types(q.dtype, jnp.float32)  # float32 logits, float64 stays float64
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=acc)
-    logits = logits * jnp.asarray(scale, acc)
-    if mask is not None:
-        big_negative = jnp.asarray(_BIG_NEGATIVE, acc)
-        logits = jnp.where(jnp.broadcast_to(mask, logits.shape), logits, big_negative)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    probs = dropout(probs, key, dropout_rate)
-    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+    """``softmax(q k^T * scale) v`` for ``q: [B, T, H, D]`` and ``k, v: [B, S, KV, D]``
+    (``KV`` divides ``H``; query head ``h`` reads kv head ``h // (H // KV)``), ``mask``
+    boolean broadcastable to ``[B, H, T, S]`` (True = attend), with dropout on the
+    attention weights when ``key`` is given. ``scale`` defaults to ``1 / sqrt(D)``;
+    ``softcap`` caps the scaled logits at ``softcap * tanh(logits / softcap)`` (Gemma 2's).
+    Logits and softmax in float32, masked logits set to a large negative number: the same
+    arithmetic as ``jax.nn.dot_product_attention``'s XLA path, so the two agree.
+    ``grouped_attention`` is the same function.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> q = jnp.ones((1, 2, 4, 8)); kv = jnp.ones((1, 3, 2, 8))
+        >>> jax.jit(dot_product_attention)(q, kv, kv).shape
+        (1, 2, 4, 8)
+    """
+    b, t, h, d = q.shape
+    logits, _, _ = _logits(q, k, mask, scale, softcap)
+    probs = dropout(jax.nn.softmax(logits, axis=-1).astype(v.dtype), key, dropout_rate)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
 
 
-def slot_vjp(y, dret, *, index):
-    """Hand VJP of ``slot``: the cotangent placed back in its slot, zeros elsewhere."""
-    return jnp.zeros_like(y).at[..., index, :, :].set(dret)
+# The grouped-query form's older name: the same rule, listed under both names in nl.rules.
+grouped_attention, grouped_attention_vjp = dot_product_attention, dot_product_attention_vjp
+register(dot_product_attention, dot_product_attention_vjp, "grouped_attention")
+
+
+def slot_vjp(y, dret, *, start, size):
+    """Hand rule of ``slot``: the cotangent placed back in its heads, zeros elsewhere."""
+    return jnp.zeros_like(y).at[..., start : start + size, :].set(dret)
 
 
 @hand_rule(slot_vjp)
-def slot(y: jax.Array, *, index: int) -> jax.Array:
-    """``y[..., index, :, :]``: one of the stacked q, k, v of ``[..., T, 3, heads, head_dim]``."""
-    return y[..., index, :, :]
+def slot(y: jax.Array, *, start: int, size: int) -> jax.Array:
+    """Heads ``start .. start + size - 1`` of ``y: [..., heads, head_dim]``: the q, k or v
+    of a fused projection's ``[..., T, num_heads + 2 * num_kv_heads, head_dim]``."""
+    return y[..., start : start + size, :]
 
 
 class MultiHeadAttention(Module):
-    """Multi-head scaled dot-product attention (Vaswani et al. 2017) with fused q/k/v
-    projections, as nanoGPT's ``CausalSelfAttention`` (Flax ``nn.MultiHeadDotProductAttention``,
-    Equinox ``eqx.nn.MultiheadAttention``, both with separate q/k/v weights).
+    """Scaled dot-product attention with ``num_heads`` query heads and ``num_kv_heads``
+    key/value heads (``None``: as many, multi-head attention; fewer: grouped-query attention,
+    as Llama 2/3, Mistral, Qwen2), fused or separate q/k/v projections, optional rotary
+    embeddings, and LoRA adapters on chosen projections (nanoGPT's ``CausalSelfAttention``
+    with the defaults; Flax ``nn.MultiHeadDotProductAttention`` and Equinox
+    ``eqx.nn.MultiheadAttention`` have separate q/k/v weights and no kv groups).
 
-    ``qkv`` projects ``x`` to queries, keys and values (``W: [features, 3 * features]``,
-    columns ``[q | k | v]``, each split into ``num_heads`` contiguous heads of ``head_dim =
-    features // num_heads``); ``attend`` computes ``softmax(q k^T / sqrt(head_dim)) v`` per
-    head; ``project`` merges the heads and applies the output ``Linear``.
+    Projections: ``q: features -> num_heads * head_dim``, ``k``, ``v: features ->
+    num_kv_heads * head_dim``, ``out: num_heads * head_dim -> features``; with ``fused_qkv``
+    (the default; GPT-2's ``c_attn``) one ``qkv`` projection whose columns are ``[q | k |
+    v]``. Heads are contiguous blocks of ``head_dim`` columns. ``qkv`` projects and splits
+    the heads, ``attend`` computes ``softmax(q k^T * scale) v`` per head, ``project``
+    merges the heads and applies the output projection.
 
     Masks: ``mask`` is boolean, True where a query may attend to a key, broadcastable
     (numpy rules) to ``[..., num_heads, T_q, T_k]`` where ``...`` are the input's batch
     axes; e.g. a key-padding mask ``valid: [B, T]`` is passed as ``valid[:, None, None, :]``.
     With ``causal=True`` query ``i`` also sees only keys ``j <= i + q_offset`` (see
-    ``attend``). A query that may see no key gets the mean of all values (finite, not NaN).
+    ``attend``), and with a sliding ``window`` only its ``window`` latest keys (Mistral's
+    and Gemma 2's ``sliding_window``), in prefill and the cached decode step alike. A query
+    that may see no key gets the mean of all values (finite, not NaN).
 
     Dropout (``dropout_rate``, as nanoGPT): on the attention weights and on the output
-    projection, each with its own half of ``key`` (``jax.random.split``); ``key=None`` is
-    inference.
+    projection, each with its own half of ``key``; ``key=None`` is inference.
 
     Rotary position embeddings (``rotary=True``): ``qkv`` rotates q and k by their
-    positions (``RotaryEmbedding``), ``0 .. T - 1`` or, for a decoder with a key/value
-    cache, ``offset ..`` (``qkv(params, x, offset=pos)``): cached keys are stored rotated
-    at their absolute positions. No params are added; the default (``False``) adds no
-    position information, as before.
+    positions (``nl.RotaryEmbedding`` with ``rope_theta`` and a Hugging Face
+    ``rope_scaling`` dict: ``linear``, ``llama3``, ``yarn``), ``0 .. T - 1``, or ``offset
+    ..`` for a decoder with a key/value cache (cached keys are stored rotated at their
+    absolute positions), or per-row ``positions``. No params are added.
 
-    Initialisers: ``W`` by ``w_init`` (LeCun normal, as Flax), ``b`` zeros.
+    Optional, as pretrained decoders have them: an RMSNorm over each head's features of q
+    and of k before the rotation (``qk_norm``, Qwen3's), another logit scale than ``1 /
+    sqrt(head_dim)`` (``scale``, Gemma 2's ``query_pre_attn_scalar ** -0.5``) and soft-capped
+    logits (``softcap``, Gemma 2's ``attn_logit_softcapping``).
 
     Args:
-        features: model width (last axis of ``x``); a multiple of ``num_heads``.
-        num_heads: number of heads.
+        features: model width (last axis of ``x``).
+        num_heads: query heads.
+        num_kv_heads: key/value heads, dividing ``num_heads`` (None: ``num_heads``).
+        head_dim: features per head (None: ``features // num_heads``, which must divide).
         causal: apply the causal mask.
-        use_bias: biases in the q/k/v and output projections.
+        use_bias: biases in the projections (``qkv_bias``, ``out_bias``: each set apart,
+            None: ``use_bias``; Qwen2 has q/k/v biases only).
         dropout_rate: dropout probability, ``0 <= rate < 1``.
-        w_init: initializer of the projection weights.
-        rotary: rotate q and k by position (RoPE); ``head_dim`` must be even.
-        rotary_base: RoPE's wavelength scale (``RotaryEmbedding.base``).
+        w_init: initializer of the projection weights (LeCun normal, as Flax); biases zeros.
         implementation: ``None``/``"xla"``/``"cudnn"`` pass to
             ``jax.nn.dot_product_attention`` (``"cudnn"``: fused GPU kernel, fp16/bf16);
-            ``"plain"`` uses the einsum path (also used whenever attention dropout is on).
+            ``"plain"`` uses ``dot_product_attention`` (also whenever attention dropout or a
+            soft cap is on, in manual-gradient mode, and for float16).
         param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
+        rotary, rope_theta, rope_scaling, max_position_embeddings: rotary embeddings
+            (``rope_theta``: the wavelength scale, ``rotary_base`` its older name; the last
+            is YaRN's original context).
+        fused_qkv: one ``qkv`` projection instead of ``q``, ``k``, ``v``.
+        qk_norm, norm_eps, norm_offset: RMSNorm of each head of q and k (``/q_norm``,
+            ``/k_norm``), its epsilon and ``scale_offset``.
+        scale: the logits' factor (None: ``1 / sqrt(head_dim)``).
+        softcap: cap the logits at ``softcap * tanh(logits / softcap)`` (None: no cap).
+        window: sliding-window size, with ``causal`` (None: every earlier key).
+        lora: names of the projections wrapped in ``nl.LoRA`` (``"q"``, ``"k"``, ``"v"``,
+            ``"qkv"``, ``"out"``), with ``lora_rank``, ``lora_alpha`` and ``lora_dropout``
+            (dropout on each adapter's input when called with a ``key``).
 
-    Params: ``/qkv/W: [features, 3 * features]``, ``/qkv/b``, ``/out/W: [features,
-    features]``, ``/out/b``.
+    Params: ``/qkv`` (or ``/q``, ``/k``, ``/v``) and ``/out``, each a ``Linear``'s (``W``,
+    ``b``) or a ``LoRA``'s (also ``lora_a``, ``lora_b``); ``/q_norm/scale``,
+    ``/k_norm/scale`` ``[head_dim]`` with ``qk_norm``.
 
-    ``__call__(params, x, *, mask=None, key=None)``: ``x: [..., T, features]`` ->
-    ``[..., T, features]``.
+    ``__call__(params, x, *, mask=None, positions=None, key=None)``: ``x: [..., T,
+    features]`` -> ``[..., T, features]``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -193,6 +272,8 @@ class MultiHeadAttention(Module):
 
     features: int
     num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
     causal: bool = False
     use_bias: bool = True
     dropout_rate: float = 0.0
@@ -201,84 +282,198 @@ class MultiHeadAttention(Module):
     param_dtype: str = "float32"
     dtype: str | None = None
     rotary: bool = False
-    rotary_base: float = 10000.0
+    rope_theta: float = 10000.0
+    rope_scaling: Any = ()
+    max_position_embeddings: int | None = None
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
+    fused_qkv: bool = True
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+    lora: tuple[str, ...] = ()
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    rotary_base: float | None = None  # rope_theta's older name, kept working
+
+    def __post_init__(self):
+        if self.rotary_base is not None:  # one field holds the value: rope_theta
+            object.__setattr__(self, "rope_theta", self.rotary_base)
+            object.__setattr__(self, "rotary_base", None)
+        if isinstance(self.rope_scaling, dict) or self.rope_scaling is None:
+            scaling = tuple(sorted((self.rope_scaling or {}).items()))
+            object.__setattr__(self, "rope_scaling", scaling)
+        super().__post_init__()
+        name = type(self).__name__
+        self._check_positive_ints("features", "num_heads", "kv_heads")
+        if self.head_dim is None:
+            if self.features % self.num_heads:
+                raise ValueError(
+                    f"{name}: features={self.features} must be a multiple of "
+                    f"num_heads={self.num_heads} (or give head_dim)"
+                )
+            object.__setattr__(self, "head_dim", self.features // self.num_heads)
+        self._check_positive_ints("head_dim")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"{name}: num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads}"
+            )
+        check_rate(name, "dropout_rate", self.dropout_rate)
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"{name}: unknown implementation {self.implementation!r}; valid: "
+                + ", ".join(map(repr, IMPLEMENTATIONS))
+            )
+        names = ("qkv", "out") if self.fused_qkv else ("q", "k", "v", "out")
+        for lora in self.lora:
+            if lora not in names:
+                raise ValueError(
+                    f"{name}: lora names {lora!r}, not a projection of this layer; valid: "
+                    f"{', '.join(names)}"
+                )
+        if self.window is not None:
+            self._check_positive_ints("window")
+            if not self.causal:
+                raise ValueError(f"{name}: a sliding window needs causal=True")
+        for field in ("scale", "softcap"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name}: {field} must be a number > 0 or None, got {value!r}")
+        if self.rotary and self.head_dim % 2:
+            raise ValueError(
+                f"{name}: rotary=True needs an even head_dim, got features={self.features} // "
+                f"num_heads={self.num_heads} = {self.head_dim}"
+            )
+
+    def setup(self):
+        h, kv, d = self.num_heads, self.kv_heads, self.head_dim
+        if self.fused_qkv:
+            self.qkv_ = self._linear("qkv", self.features, (h + 2 * kv) * d, self.qkv_bias)
+        else:
+            self.q = self._linear("q", self.features, h * d, self.qkv_bias)
+            self.k = self._linear("k", self.features, kv * d, self.qkv_bias)
+            self.v = self._linear("v", self.features, kv * d, self.qkv_bias)
+        self.out = self._linear("out", h * d, self.features, self.out_bias)
+        if self.qk_norm:
+            self.q_norm = self.head_norm
+            self.k_norm = self.head_norm
+        if self.rotary:
+            self.rotary_embedding = RotaryEmbedding(
+                d, self.rope_theta, -3, self.rope_scaling, self.max_position_embeddings
+            )
+
+    def _linear(self, name: str, n_in: int, n_out: int, bias: bool | None) -> Linear | LoRA:
+        return projection(self, name, n_in, n_out, self.use_bias if bias is None else bias)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def dim(self) -> int:
+        """``head_dim`` (the name older code reads)."""
+        return self.head_dim
 
     @property
     def uses_key(self) -> bool:
-        """A key turns dropout on: only when ``dropout_rate > 0``."""
-        return self.dropout_rate > 0
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._check_positive_ints("features", "num_heads")
-        if self.features % self.num_heads:
-            raise ValueError(
-                f"MultiHeadAttention: features={self.features} must be a multiple of "
-                f"num_heads={self.num_heads}"
-            )
-        check_rate("MultiHeadAttention", "dropout_rate", self.dropout_rate)
-        if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"MultiHeadAttention: unknown implementation {self.implementation!r}; valid: "
-                + ", ".join(map(repr, IMPLEMENTATIONS))
-            )
-        self.qkv_linear  # validates w_init and the dtypes  # noqa: B018
-        if self.rotary and self.head_dim % 2:
-            raise ValueError(
-                f"MultiHeadAttention: rotary=True needs an even head_dim, got features="
-                f"{self.features} // num_heads={self.num_heads} = {self.head_dim}"
-            )
-        if self.rotary:
-            self.rotary_embedding  # validates rotary_base  # noqa: B018
+        """A key turns dropout on: attention dropout, or a LoRA adapter's."""
+        return self.dropout_rate > 0 or super().uses_key
 
     @property
-    def head_dim(self) -> int:
-        return self.features // self.num_heads
-
-    @property
-    def rotary_embedding(self) -> RotaryEmbedding:
-        """The rotation ``qkv`` applies to q and k when ``rotary``: over ``head_dim``, the
-        positions along the T axis of ``[..., T, num_heads, head_dim]``."""
-        return RotaryEmbedding(self.head_dim, self.rotary_base, seq_axis=-3)
-
-    @property
-    def qkv_linear(self) -> Linear:
-        """The fused q/k/v projection, ``features -> 3 * features``."""
-        return linear_like(self, self.features, 3 * self.features)
-
-    @property
-    def out_linear(self) -> Linear:
-        """The output projection, ``features -> features``."""
-        return linear_like(self, self.features, self.features)
-
-    def param_axes(self) -> ParamsDict:
-        """Megatron's attention: ``qkv`` column-parallel (``W: ("embed", "qkv")``), ``out``
-        row-parallel (``W: ("heads", "embed")``), so a tensor axis splits the heads."""
-        return ParamsDict(
-            qkv=linear_axes(self.qkv_linear, "embed", "qkv"),
-            out=linear_axes(self.out_linear, "heads", "embed"),
+    def head_norm(self) -> RMSNorm:
+        """The RMSNorm of one head's features (``/q_norm`` and ``/k_norm`` with ``qk_norm``)."""
+        return RMSNorm(
+            self.head_dim,
+            self.norm_eps,
+            scale_offset=self.norm_offset,
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
         )
 
+    @property
+    def qkv_linear(self) -> Linear | LoRA:
+        """The fused q/k/v projection (``fused_qkv``)."""
+        return self.qkv_
+
+    @property
+    def out_linear(self) -> Linear | LoRA:
+        """The output projection."""
+        return self.out
+
+    @property
+    def children(self) -> dict[str, Linear | LoRA]:
+        """The projections by param name."""
+        if self.fused_qkv:
+            return {"qkv": self.qkv_, "out": self.out}
+        return {"q": self.q, "k": self.k, "v": self.v, "out": self.out}
+
+    def param_axes(self) -> ParamsDict:
+        """Megatron's attention: q/k/v column-parallel (``W: ("embed", "qkv")``), ``out``
+        row-parallel (``W: ("heads", "embed")``), so a tensor axis splits the heads."""
+        p = ParamsDict()
+        for name, layer in self.children.items():
+            axes = ("heads", "embed") if name == "out" else ("embed", "qkv")
+            p[name] = adapter_axes(layer, *axes)
+        if self.qk_norm:
+            p.q_norm = p.k_norm = param_axes(self.head_norm)
+        return p
+
     def init(self, key: jax.Array) -> ParamsDict:
-        k_qkv, k_out = jax.random.split(key)
-        return ParamsDict(qkv=self.qkv_linear.init(k_qkv), out=self.out_linear.init(k_out))
+        """The projections' params, one key each (the norms take none)."""
+        keys = jax.random.split(key, len(self.children))
+        p = ParamsDict(
+            {n: c.init(k) for (n, c), k in zip(self.children.items(), keys, strict=True)}
+        )
+        if self.qk_norm:
+            p.q_norm, p.k_norm = self.q_norm.init(key), self.k_norm.init(key)
+        return p
+
+    def _project(self, params: ParamsDict, name: str, x: jax.Array, key=None) -> jax.Array:
+        return project(self, params, name, x, key)
 
     def qkv(
-        self, params: ParamsDict, x: jax.Array, *, offset: Any = 0
+        self,
+        params: ParamsDict,
+        x: jax.Array,
+        *,
+        offset: Any = 0,
+        positions: Any = None,
+        key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries, keys and values of ``x: [..., T, features]``, each
-        ``[..., T, num_heads, head_dim]``; with ``rotary``, q and k rotated at positions
-        ``offset .. offset + T - 1`` (``offset``: where ``x`` starts in the sequence, an
-        int that may be traced; a cached decoder passes the new token's position)."""
+        """``q: [..., T, num_heads, head_dim]``, ``k, v: [..., T, num_kv_heads, head_dim]``
+        of ``x: [..., T, features]``; with ``rotary``, q and k rotated at positions
+        ``offset ..`` (an int that may be traced: where ``x`` starts in the sequence; a
+        cached decoder passes the new token's position), or at ``positions: [..., T]``
+        (integers: per row of a left-padded batch, restarting per packed document; unused
+        without ``rotary``).
+        ``key``: LoRA dropout on the projections."""
         self.check_input(x, self.features, min_rank=2)
-        p_qkv = self.child(params, "qkv")
-        with self.params_scope("/qkv"):
-            y = self.qkv_linear(p_qkv, x)
-        y = y.reshape(*x.shape[:-1], 3, self.num_heads, self.head_dim)
-        q, k, v = slot(y, index=0), slot(y, index=1), slot(y, index=2)
+        lead, h, kv, d = x.shape[:-1], self.num_heads, self.kv_heads, self.head_dim
+        if self.fused_qkv:
+            y = self._project(params, "qkv", x, key).reshape(*lead, h + 2 * kv, d)
+            q, k = slot(y, start=0, size=h), slot(y, start=h, size=kv)
+            v = slot(y, start=h + kv, size=kv)
+        else:  # a key (training with LoRA dropout) is one per projection
+            keys = split_key(key, 3)
+            q, k, v = (self._project(params, n, x, kn) for n, kn in zip("qkv", keys, strict=True))
+            q, k, v = q.reshape(*lead, h, d), k.reshape(*lead, kv, d), v.reshape(*lead, kv, d)
+        if self.qk_norm:
+            p_q, p_k = self.child(params, "q_norm"), self.child(params, "k_norm")
+            with self.params_scope("/q_norm"):
+                q = self.q_norm(p_q, q)
+            with self.params_scope("/k_norm"):
+                k = self.k_norm(p_k, k)
         if self.rotary:
             rope = self.rotary_embedding
-            q, k = rope(ParamsDict(), q, offset=offset), rope(ParamsDict(), k, offset=offset)
+            if positions is None:
+                pos = rope.positions(x.shape[-2], offset)  # [T, 1]
+            else:
+                pos = jnp.asarray(positions, jnp.int32)[..., None]  # [..., T, 1]
+            q, k = rope(q, positions=pos), rope(k, positions=pos)
         return q, k, v
 
     def attend(
@@ -291,30 +486,31 @@ class MultiHeadAttention(Module):
         key: jax.Array | None = None,
         q_offset: Any = None,
     ) -> jax.Array:
-        """``softmax(q k^T / sqrt(head_dim)) v`` per head, with this module's causal mask and
-        attention dropout.
+        """``softmax(q k^T * scale) v`` per head, with this layer's causal mask, window, cap
+        and attention dropout.
 
         Args:
             q: ``[..., T_q, num_heads, head_dim]``.
-            k, v: ``[..., T_k, num_heads, head_dim]`` (same batch axes as ``q``).
+            k, v: ``[..., T_k, num_kv_heads, head_dim]`` (same batch axes as ``q``).
             mask: boolean, True = attend, broadcastable to ``[..., num_heads, T_q, T_k]``.
             key: dropout key for the attention weights (``None``: no dropout).
             q_offset: causal alignment, the position of ``q``'s first row among the keys:
-                query ``i`` sees keys ``j <= i + q_offset``. Default ``T_k - T_q``, which
-                aligns the last query with the last key (the usual case, and decoding with a
-                cache that holds exactly the past keys). With a fixed-size cache of length
-                ``T_k`` filled up to position ``n`` and one new query at position ``n``,
-                pass ``q_offset=n`` (may be traced): it also hides the unfilled slots.
+                query ``i`` sees keys ``j <= i + q_offset`` (and with ``window`` only
+                ``j > i + q_offset - window``). Default ``T_k - T_q``, which aligns the
+                last query with the last key (the usual case, and decoding with a cache that
+                holds exactly the past keys). With a fixed-size cache of length ``T_k``
+                filled up to position ``n`` and new queries from position ``n``, pass
+                ``q_offset=n`` (may be traced): it also hides the unfilled slots.
 
         Returns:
             ``[..., T_q, num_heads, head_dim]``.
         """
-        head = (self.num_heads, self.head_dim)
-        if q.ndim < 3 or q.shape[-2:] != head or k.shape[-2:] != head or v.shape != k.shape:
+        h, kv, d = self.num_heads, self.kv_heads, self.head_dim
+        if q.ndim < 3 or q.shape[-2:] != (h, d) or k.shape[-2:] != (kv, d) or v.shape != k.shape:
             raise ValueError(
-                f"{self._short_repr()}.attend: expected q [..., T_q, {self.num_heads}, "
-                f"{self.head_dim}] and k, v [..., T_k, {self.num_heads}, {self.head_dim}], got "
-                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+                f"{self._short_repr()}.attend: expected q [..., T_q, {h}, {d}] and k, v "
+                f"[..., T_k, {kv}, {d}], got q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                f"{tuple(v.shape)}"
             )
         batch = q.shape[:-3]
         if k.shape[:-3] != batch:
@@ -323,26 +519,28 @@ class MultiHeadAttention(Module):
                 f"{tuple(q.shape)} and k {tuple(k.shape)}"
             )
         t_q, t_k = q.shape[-3], k.shape[-3]
-        full = (*batch, self.num_heads, t_q, t_k)
+        full = (*batch, h, t_q, t_k)
         if mask is not None:
             mask = self._check_mask(mask, full)
         if self.causal:
-            c = causal_mask(t_q, t_k, q_offset)
-            c = jnp.broadcast_to(c, full)
+            c = jnp.broadcast_to(causal_mask(t_q, t_k, q_offset, self.window), full)
             mask = c if mask is None else jnp.logical_and(mask, c)
         b = math.prod(batch)
         q4, k4, v4 = (a.reshape(b, *a.shape[-3:]) for a in (q, k, v))
-        m4 = None if mask is None else jnp.broadcast_to(mask, full).reshape(b, *full[-3:])
+        m4 = None if mask is None else mask.reshape(b, *full[-3:])
         dropping = key is not None and self.dropout_rate > 0
-        # Manual-gradient mode: the plain path, whose hand VJP is dot_product_attention_vjp.
-        # float16 too: jax.nn's XLA path asks for the F16_F16_F32 dot algorithm, which
-        # XLA:CPU refuses (train.precision=float16 under autodiff).
-        f16 = q4.dtype == jnp.float16
-        if dropping or self.implementation == "plain" or manual_active() or f16:
-            out = dot_product_attention(q4, k4, v4, m4, key=key, dropout_rate=self.dropout_rate)
-        else:
+        # The plain path where jax.nn's has no equivalent (dropout, a cap), in manual-gradient
+        # mode (its rule is dot_product_attention_vjp), and for float16: jax.nn's XLA path
+        # asks for the F16_F16_F32 dot algorithm, which XLA:CPU refuses.
+        plain = self.implementation == "plain" or self.softcap is not None
+        if plain or dropping or manual_active() or q4.dtype == jnp.float16:
+            out = dot_product_attention(
+                q4, k4, v4, m4, scale=self.scale, softcap=self.softcap, key=key,
+                dropout_rate=self.dropout_rate,
+            )  # fmt: skip
+        else:  # jax.nn groups kv heads itself (its XLA path: the same arithmetic)
             out = jax.nn.dot_product_attention(
-                q4, k4, v4, mask=m4, implementation=self.implementation
+                q4, k4, v4, mask=m4, scale=self.scale, implementation=self.implementation
             )
         return out.reshape(*batch, *out.shape[-3:])
 
@@ -366,17 +564,47 @@ class MultiHeadAttention(Module):
             )
         return jnp.broadcast_to(mask, full)
 
-    def project(self, params: ParamsDict, o: jax.Array) -> jax.Array:
+    def project(self, params: ParamsDict, o: jax.Array, key: jax.Array | None = None):
         """Merge the heads of ``o: [..., T, num_heads, head_dim]`` and apply the output
-        projection: ``[..., T, features]``."""
+        projection: ``[..., T, features]`` (``key``: LoRA dropout)."""
         if o.ndim < 3 or o.shape[-2:] != (self.num_heads, self.head_dim):
             raise ValueError(
                 f"{self._short_repr()}.project: expected [..., T, {self.num_heads}, "
                 f"{self.head_dim}], got shape {tuple(o.shape)}"
             )
-        p_out = self.child(params, "out")
-        with self.params_scope("/out"):
-            return self.out_linear(p_out, o.reshape(*o.shape[:-2], self.features))
+        o = o.reshape(*o.shape[:-2], self.num_heads * self.head_dim)
+        return self._project(params, "out", o, key)
+
+    def empty_cache(self, batch: int, length: int, dtype: Any = jnp.float32):
+        """Zeroed ``(k, v)`` caches, each ``[batch, length, num_kv_heads, head_dim]``."""
+        shape = (batch, length, self.kv_heads, self.head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    def decode(
+        self,
+        params: ParamsDict,
+        x: jax.Array,
+        cache: tuple[jax.Array, jax.Array],
+        pos: Any,
+        *,
+        mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """``x: [B, T, features]`` at cache slots ``pos .. pos + T - 1`` (``pos`` may be
+        traced) against a fixed-size ``cache`` holding slots ``< pos``: the attention output
+        and the cache with these slots' keys and values written in. Inference only.
+
+        A left-padded batch passes ``mask: [B, S]`` (boolean over the cache's ``S`` slots:
+        False for padding, which no query sees) and ``positions: [B, T]`` (each row's
+        rotary positions; default: the slots)."""
+        ck, cv = cache
+        q, k, v = self.qkv(params, x, offset=pos, positions=positions)
+        at = (0, pos, 0, 0)
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), at)
+        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), at)
+        keys = None if mask is None else mask[:, None, None, :]
+        o = self.attend(q, ck.astype(q.dtype), cv.astype(q.dtype), mask=keys, q_offset=pos)
+        return self.project(params, o), (ck, cv)
 
     def __call__(
         self,
@@ -384,9 +612,48 @@ class MultiHeadAttention(Module):
         x: jax.Array,
         *,
         mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
         key: jax.Array | None = None,
     ) -> jax.Array:
-        k_attn, k_out = (None, None) if key is None else jax.random.split(key)
-        q, k, v = self.qkv(params, x)
-        o = self.attend(q, k, v, mask=mask, key=k_attn)
-        return dropout(self.project(params, o), k_out, self.dropout_rate)
+        """Self-attention of ``x [..., T, features]``; ``mask`` boolean broadcastable to
+        ``[..., num_heads, T, T]`` (with the causal mask), ``positions [..., T]`` the rotary
+        positions (default ``0 .. T-1``)."""
+        if positions is not None and not self.rotary:
+            raise ValueError(
+                f"{self._short_repr()}: positions rotate q and k; this layer has rotary=False"
+            )
+        k_in, k_out = split_key(key, 2)
+        q, k, v = self.qkv(params, x, positions=positions, key=self._lora_key(k_in, "q"))
+        o = self.attend(q, k, v, mask=mask, key=k_in)
+        y = self.project(params, o, self._lora_key(k_out, "out"))
+        return dropout(y, k_out, self.dropout_rate)
+
+    def _lora_key(self, key: jax.Array | None, which: str) -> jax.Array | None:
+        """The key of the LoRA dropout on the projections ``which`` names (``"q"``: the
+        input projections), drawn apart from the attention dropout's; None without one."""
+        names = ("out",) if which == "out" else ("q", "k", "v", "qkv")
+        if key is None or not any(n in self.lora for n in names) or not self.lora_dropout:
+            return None
+        return jax.random.fold_in(key, 1) if self.dropout_rate > 0 else key
+
+
+class GroupedQueryAttention(MultiHeadAttention):
+    """``MultiHeadAttention`` with the defaults of a pretrained decoder's attention (Llama,
+    Mistral, Qwen2): separate ``q``, ``k``, ``v`` projections, rotary embeddings, causal, no
+    biases; ``num_kv_heads`` key/value heads shared by the query heads in groups. Every
+    field, method and param name is ``MultiHeadAttention``'s.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> attn = GroupedQueryAttention(16, num_heads=4, num_kv_heads=2)
+        >>> p = jax.jit(attn.init)(jax.random.key(0))
+        >>> [(k, v.shape) for k, v in p.items()]
+        [('/q/W', (16, 16)), ('/k/W', (16, 8)), ('/v/W', (16, 8)), ('/out/W', (16, 16))]
+        >>> jax.jit(attn)(p, jnp.ones((2, 5, 16))).shape
+        (2, 5, 16)
+    """
+
+    causal: bool = True
+    use_bias: bool = False
+    rotary: bool = True
+    fused_qkv: bool = False

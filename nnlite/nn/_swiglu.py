@@ -1,6 +1,8 @@
-"""The gated MLPs (Shazeer 2020): SwiGLU (Llama, Mistral, Qwen) ``down(silu(gate(x)) *
-up(x))`` and GeGLU (Gemma) with GELU's tanh form in silu's place, with the gating products'
-hand rules."""
+"""The MLPs of the transformer block: the plain one, ``proj(act(fc(x)))`` (GPT-2), and the
+gated ones (Shazeer 2020), SwiGLU (Llama, Mistral, Qwen) ``down(silu(gate(x)) * up(x))`` and
+GeGLU (Gemma) with GELU's tanh form in silu's place, with the gating products' hand rules;
+and the projections inside a bigger layer (these and the attention's), LoRA-wrapped where
+its ``lora`` names them."""
 
 from __future__ import annotations
 
@@ -11,14 +13,38 @@ from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ..grad._small_rules import gelu_grad
+from ._dropout import dropout
 from ._linear import Linear
 from ._lora import LoRA, adapter_axes, split_key, wrap
+from ._names import get_activation
 
-__all__ = ["SwiGLU", "geglu", "geglu_vjp", "swiglu", "swiglu_vjp"]
+__all__ = ["MLP", "SwiGLU", "geglu", "geglu_vjp", "projection", "swiglu", "swiglu_vjp"]
+
+
+def projection(owner: Module, name: str, n_in: int, n_out: int, use_bias: bool) -> Linear | LoRA:
+    """The projection ``name`` of a bigger layer (an MLP's, the attention's): a ``Linear``
+    with ``owner``'s ``w_init`` and dtypes, in ``nl.LoRA`` when ``owner.lora`` names it."""
+    lin = Linear(
+        n_in,
+        n_out,
+        use_bias=use_bias,
+        w_init=owner.w_init,
+        param_dtype=owner.param_dtype,
+        dtype=owner.dtype,
+    )
+    return wrap(lin, name in owner.lora, owner.lora_rank, owner.lora_alpha, owner.lora_dropout)
+
+
+def project(owner: Module, params, name: str, x: jax.Array, key=None) -> jax.Array:
+    """``owner``'s projection ``name`` on ``x`` (a ``key``: LoRA dropout in training); a
+    params mismatch is reported with its path inside ``owner``."""
+    layer, p = owner.children[name], owner.child(params, name)
+    with owner.params_scope(f"/{name}"):
+        return layer(p, x) if key is None else layer(p, x, key=key)
 
 
 def swiglu_vjp(gate, up, dret):
-    """Hand VJP of ``swiglu``: ``d gate = dy * up * silu'(gate)``, ``d up = dy * silu(gate)``,
+    """Hand rule of ``swiglu``: ``d gate = dy * up * silu'(gate)``, ``d up = dy * silu(gate)``,
     with ``silu'(g) = s (1 + g (1 - s))`` and ``s = sigmoid(g)``."""
     s = jax.nn.sigmoid(gate)
     return dret * up * s * (1 + gate * (1 - s)), dret * gate * s
@@ -37,7 +63,7 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def geglu_vjp(gate, up, dret):
-    """Hand VJP of ``geglu``: ``d gate = dy * up * gelu'(gate)``, ``d up = dy * gelu(gate)``
+    """Hand rule of ``geglu``: ``d gate = dy * up * gelu'(gate)``, ``d up = dy * gelu(gate)``
     (GELU's tanh form and its derivative, as ``nl.rules.gelu``)."""
     return dret * up * gelu_grad(gate), dret * jax.nn.gelu(gate, approximate=True)
 
@@ -52,6 +78,59 @@ def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
         [0.0, 1.9546]
     """
     return jax.nn.gelu(gate, approximate=True) * up
+
+
+class MLP(Module):
+    """The plain MLP: ``fc`` (``features -> hidden``), activation, ``proj`` (``hidden ->
+    features``), dropout (as nanoGPT). Params ``/fc/{W,b}``, ``/proj/{W,b}``; ``lora`` names
+    the projections wrapped in ``nl.LoRA`` (``"fc"``, ``"proj"``)."""
+
+    features: int
+    hidden: int
+    activation: str = "gelu"
+    dropout_rate: float = 0.0
+    use_bias: bool = True
+    w_init: str = "lecun_normal"
+    param_dtype: str = "float32"
+    dtype: str | None = None
+    lora: tuple[str, ...] = ()
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in self.lora:
+            if name not in ("fc", "proj"):
+                raise ValueError(
+                    f"MLP: lora names {name!r}, not a projection of this layer; valid: fc, proj"
+                )
+
+    def setup(self):
+        self.fc = projection(self, "fc", self.features, self.hidden, self.use_bias)
+        self.proj = projection(self, "proj", self.hidden, self.features, self.use_bias)
+
+    @property
+    def uses_key(self) -> bool:
+        """A key turns dropout on: the MLP's, or a LoRA adapter's."""
+        return self.dropout_rate > 0 or super().uses_key
+
+    @property
+    def children(self) -> dict[str, Linear | LoRA]:
+        """The projections by param name."""
+        return {"fc": self.fc, "proj": self.proj}
+
+    def param_axes(self) -> ParamsDict:
+        """Megatron's MLP: ``fc`` column-parallel, ``proj`` row-parallel."""
+        return ParamsDict(
+            fc=adapter_axes(self.fc, "embed", "mlp"), proj=adapter_axes(self.proj, "mlp", "embed")
+        )
+
+    def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
+        lora_keys = self.lora and self.lora_dropout > 0
+        k_fc, k_proj = split_key(key if lora_keys else None, 2)  # LoRA dropout in training
+        h = get_activation(self.activation)(project(self, params, "fc", x, k_fc))
+        return dropout(project(self, params, "proj", h, k_proj), key, self.dropout_rate)
 
 
 #: ``activation`` -> the gating product: silu is SwiGLU, gelu (tanh form) GeGLU.
@@ -110,33 +189,15 @@ class SwiGLU(Module):
                     f"SwiGLU: lora names {name!r}, not a projection of this layer; valid: "
                     "gate, up, down"
                 )
-        self.down  # validates w_init and the dtypes  # noqa: B018
 
-    def _linear(self, name: str, n_in: int, n_out: int) -> Linear | LoRA:
-        lin = Linear(
-            n_in,
-            n_out,
-            use_bias=self.use_bias,
-            w_init=self.w_init,
-            param_dtype=self.param_dtype,
-            dtype=self.dtype,
-        )
-        return wrap(lin, name in self.lora, self.lora_rank, self.lora_alpha, self.lora_dropout)
-
-    @property
-    def gate(self):
-        return self._linear("gate", self.features, self.hidden)
-
-    @property
-    def up(self):
-        return self._linear("up", self.features, self.hidden)
-
-    @property
-    def down(self):
-        return self._linear("down", self.hidden, self.features)
+    def setup(self):
+        self.gate = projection(self, "gate", self.features, self.hidden, self.use_bias)
+        self.up = projection(self, "up", self.features, self.hidden, self.use_bias)
+        self.down = projection(self, "down", self.hidden, self.features, self.use_bias)
 
     @property
     def children(self) -> dict[str, Linear | LoRA]:
+        """The projections by param name."""
         return {"gate": self.gate, "up": self.up, "down": self.down}
 
     def param_axes(self) -> ParamsDict:
@@ -147,23 +208,9 @@ class SwiGLU(Module):
             down=adapter_axes(self.down, "mlp", "embed"),
         )
 
-    def init(self, key: jax.Array) -> ParamsDict:
-        kg, ku, kd = jax.random.split(key, 3)
-        return ParamsDict(gate=self.gate.init(kg), up=self.up.init(ku), down=self.down.init(kd))
-
     def __call__(self, params: ParamsDict, x: jax.Array, *, key: jax.Array | None = None):
         self.check_input(x, self.features)
-        h, keys = {}, dict(zip(("gate", "up", "down"), split_key(key, 3), strict=True))
-
-        def call(name, p, x):  # a key only for LoRA dropout in training
-            layer = self.children[name]
-            return layer(p, x) if keys[name] is None else layer(p, x, key=keys[name])
-
-        for name in ("gate", "up"):
-            p = self.child(params, name)
-            with self.params_scope(f"/{name}"):
-                h[name] = call(name, p, x)
-        p = self.child(params, "down")
-        with self.params_scope("/down"):
-            gated = _GATES[self.activation](h["gate"], h["up"])
-            return call("down", p, gated.astype(jnp.result_type(h["up"])))
+        k_gate, k_up, k_down = split_key(key, 3)
+        gate, up = project(self, params, "gate", x, k_gate), project(self, params, "up", x, k_up)
+        gated = _GATES[self.activation](gate, up).astype(jnp.result_type(up))
+        return project(self, params, "down", gated, k_down)
