@@ -62,16 +62,6 @@ def _label(args, paths: dict[int, str], rule: str, counts: dict[str, int]) -> st
     return f"{rule}#{counts[rule]}"
 
 
-def _roundings(want, got, dtype) -> float:
-    want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
-    if want.size == 0:
-        return 0.0
-    eps = float(jnp.finfo(dtype).eps)
-    scale = max(1.0, float(np.max(np.abs(want))))
-    err = np.abs(got - want)
-    return float("inf") if np.isnan(err).any() else float(np.max(err)) / (eps * scale)
-
-
 def check_rules(
     loss_fn: Callable,
     params: Any,

@@ -31,7 +31,6 @@ The contract (also in ``docs/gradients.md`` and ``nl.hand_rule``'s docstring)::
 
 from __future__ import annotations
 
-import builtins
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -220,7 +219,3 @@ def check_rule_signature(f: Callable, f_vjp: Callable) -> None:
 
 def _name(f: Callable) -> str:
     return getattr(f, "__name__", None) or type(f).__name__
-
-
-def count_cotangents(args: Sequence[Any]) -> int:
-    return builtins.sum(has_cotangent(a) for a in args)

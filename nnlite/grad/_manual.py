@@ -296,10 +296,6 @@ def _refused(refusal: Refusal) -> ManualGradError:
     )
 
 
-def _is_python_scalar(a: Any) -> bool:
-    return isinstance(a, (bool, int, float, str)) or a is None
-
-
 def _arrayish(a: Any) -> bool:
     return hasattr(a, "shape") and hasattr(a, "dtype")
 

@@ -132,19 +132,6 @@ def linear_axes(layer: Linear, in_name: str | None, out_name: str | None) -> Par
     return p
 
 
-def linear_like(owner: Module, in_features: int, out_features: int) -> Linear:
-    """A ``Linear`` with ``owner``'s ``use_bias``, ``w_init``, ``param_dtype`` and
-    ``dtype``: the projections inside a bigger layer (attention, a transformer's MLP)."""
-    return Linear(
-        in_features,
-        out_features,
-        use_bias=owner.use_bias,
-        w_init=owner.w_init,
-        param_dtype=owner.param_dtype,
-        dtype=owner.dtype,
-    )
-
-
 class Activation(Module):
     """An activation function as a parameter-free module, for ``Sequential`` (Equinox:
     ``eqx.nn.Lambda``).
