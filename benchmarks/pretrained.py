@@ -120,7 +120,10 @@ class LlamaBench:
         import jax
         import torch
 
-        forward, params, x, ref, tx = jax.jit(self.model), self.params, self.x, self.ref, self.tx
+        import nnlite as nl
+
+        forward = jax.jit(self.model, compiler_options=nl.compiler_options())
+        params, x, ref, tx = self.params, self.x, self.ref, self.tx
 
         def torch_forward():
             with torch.no_grad():
@@ -140,8 +143,14 @@ class LlamaBench:
         model, x, y, tx, ty = self.model, self.x, self.y, self.tx, self.ty
         opt = optax.adamw(1e-4, weight_decay=0.01)
 
-        def xent(logits):
-            return nl.softmax_cross_entropy(logits, y, reduction="mean")
+        # the trainer's language-model loss: the labels' mean negative log-probability, the
+        # head in chunks (token_log_probs), never all [4, 256, 49152] logits; the programs
+        # compiled with nnlite's options and the state donated, as the trainer's step is
+        def xent(m, p):
+            return -m.token_log_probs(p, x, y).mean()
+
+        def jit(f):
+            return jax.jit(f, donate_argnums=(0, 1), compiler_options=nl.compiler_options())
 
         def torch_step(module, optim):
             def step():
@@ -165,13 +174,14 @@ class LlamaBench:
         cases = {}
         if "full" in which:
 
-            @jax.jit
+            @jit
             def full_step(p, s):
-                g = jax.grad(lambda p: xent(model(p, x)))(p)
+                g = jax.grad(lambda p: xent(model, p))(p)
                 u, s = opt.update(g, s, p)
                 return optax.apply_updates(p, u), s
 
-            cases["nnlite full"] = nnlite_step(full_step, self.params, opt.init(self.params))
+            params = jax.tree.map(jax.numpy.copy, self.params)  # the step donates its own
+            cases["nnlite full"] = nnlite_step(full_step, params, opt.init(params))
             torch_opt = torch.optim.AdamW(self.ref.parameters(), 1e-4, weight_decay=0.01)
             cases["torch full"] = torch_step(self.ref, torch_opt)
         if "lora" in which:
@@ -181,9 +191,9 @@ class LlamaBench:
             # the frozen base is an argument, not closed over: a closed-over array is a
             # constant of the program, which XLA folds at compile time (it spent over a
             # second transposing the 135M model's f32[49152,576] token table)
-            @jax.jit
+            @jit
             def lora_step(a, s, frozen):
-                g = jax.grad(lambda a: xent(lmodel(nl.lora_join(a, frozen), x)))(a)
+                g = jax.grad(lambda a: xent(lmodel, nl.lora_join(a, frozen)))(a)
                 u, s = opt.update(g, s, a)
                 return optax.apply_updates(a, u), s
 
@@ -214,8 +224,10 @@ class LlamaBench:
         import jax.numpy as jnp
         import torch
 
+        import nnlite as nl
+
         n, prompt, params, ref = new_tokens, self.tokens[:1, :16], self.params, self.ref
-        gen = jax.jit(self.model.generate, static_argnums=2)
+        gen = jax.jit(self.model.generate, static_argnums=2, compiler_options=nl.compiler_options())
 
         def torch_gen():
             with torch.no_grad():

@@ -10,6 +10,7 @@ from _tolerance import ROUNDINGS_PER_LAYER, assert_close_f32
 
 import nnlite as nl
 from nnlite import MultiHeadAttention, TransformerBlock
+from nnlite.nn import _attention as _blocks
 
 F, H = 8, 2
 
@@ -323,3 +324,53 @@ def test_one_rotary_embedding_takes_its_scaling():
     )
     with pytest.raises(ValueError, match="rope_scaling kind 'dynamic' is not supported"):
         nl.RotaryEmbedding(6, scaling={"rope_type": "dynamic", "factor": 2.0})
+
+
+@pytest.mark.parametrize(
+    "t_q, t_k, q_offset, window",
+    [(256, 256, None, None), (300, 300, None, None), (300, 310, None, 50), (260, 400, 7, None)],
+)
+def test_causal_blocks_cover_exactly_the_visible_keys(t_q, t_k, q_offset, window):
+    # every query in one block, and each block's key range holds every key its queries may
+    # see (nothing visible is cut off) and starts and ends at a visible key
+    blocks = _blocks.causal_blocks(t_q, t_k, q_offset, window)
+    assert blocks is not None and len(blocks) == -(-t_q // _blocks.CAUSAL_BLOCK)
+    visible = np.asarray(_blocks.causal_mask(t_q, t_k, q_offset, window))
+    assert [lo for lo, *_ in blocks] == list(range(0, t_q, _blocks.CAUSAL_BLOCK))
+    assert blocks[-1][1] == t_q
+    for lo, hi, k_lo, k_hi, offset in blocks:
+        seen = visible[lo:hi]
+        assert not seen[:, :k_lo].any() and not seen[:, k_hi:].any()
+        assert seen[:, k_lo].any() and seen[:, k_hi - 1].any()
+        assert np.array_equal(seen[:, k_lo:k_hi], np.asarray(_blocks.causal_mask(
+            hi - lo, k_hi - k_lo, offset, window)))  # fmt: skip
+
+
+def test_causal_blocks_only_where_they_pay(monkeypatch):
+    assert _blocks.causal_blocks(255, 255) is None  # under two blocks of queries
+    assert _blocks.causal_blocks(256, 255) is None  # a query would see no key
+    assert _blocks.causal_blocks(256, 300, jnp.int32(3)) is None  # a traced offset
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert _blocks.causal_blocks(512, 512) is None  # one fused kernel there
+
+
+@pytest.mark.parametrize(
+    "kv, window, implementation", [(4, None, None), (2, None, "plain"), (1, 70, None)]
+)
+def test_blocked_causal_attention_equals_one_dense_block(monkeypatch, kv, window, implementation):
+    layer = MultiHeadAttention(
+        32, 4, num_kv_heads=kv, causal=True, window=window, implementation=implementation
+    )
+    params = _random_params(layer)
+    x = jax.random.normal(jax.random.key(1), (2, 300, 32))
+
+    def loss(p, x):
+        return jnp.sum(jnp.sin(layer(p, x)))
+
+    assert _blocks.causal_blocks(300, 300, None, window) is not None
+    blocked = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+    manual = jax.jit(jax.value_and_grad(nl.manual_grads(loss, check=False)))(params, x)
+    monkeypatch.setattr(_blocks, "CAUSAL_BLOCK", 10**6)  # one dense block
+    dense = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+    assert_close_f32(blocked, dense, ops=128)  # sums over other lengths: other orders
+    assert_close_f32(manual, (dense[0], dense[1][0]), ops=256)  # the hand rule: other sums

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._compile import compiler_options
+
 __all__ = ["bucket", "generate", "generate_stream", "sample_logits"]
 
 #: The shortest prompt bucket: prompts of 1..8 tokens share one program.
@@ -165,7 +167,17 @@ def _step(model, params, state, opts, width, top_k, top_p) -> dict:
 _STATIC = ("model", "n_tokens", "top_k", "top_p")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+def _jitted(fn, static: tuple[str, ...] = _STATIC):
+    """``fn`` jitted with nnlite's compiler options for the default backend, which is known
+    only at the first call (not at import)."""
+    return _jit_for(fn, static, jax.default_backend())
+
+
+@functools.cache
+def _jit_for(fn, static, backend):
+    return jax.jit(fn, static_argnames=static, compiler_options=compiler_options(backend))
+
+
 def _run(model, params, prompt, mask, opts, *, n_tokens, top_k, top_p):
     """The whole generation as one program: prefill, then a ``while_loop`` until
     ``n_tokens`` are made or every row has stopped."""
@@ -181,12 +193,10 @@ def _run(model, params, prompt, mask, opts, *, n_tokens, top_k, top_p):
     return state["buf"]
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def _first(model, params, prompt, mask, opts, *, n_tokens, top_k, top_p):
     return _prefill(model, params, prompt, mask, opts, n_tokens, top_k, top_p)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "width"))
 def _next(model, params, state, opts, *, width, n_tokens, top_k, top_p):
     return _step(model, params, state, opts, width, top_k, top_p)
 
@@ -311,7 +321,7 @@ def generate(
     )  # fmt: skip
     if n_tokens == 0:
         return prompt[:, prompt.shape[1] - p_len :]
-    out = _run(model, params, prompt, mask, opts, **static)
+    out = _jitted(_run)(model, params, prompt, mask, opts, **static)
     return out[:, prompt.shape[1] - p_len :]
 
 
@@ -340,9 +350,11 @@ def generate_stream(
     if n_tokens == 0:
         return
     width = prompt.shape[1]
-    state = _first(model, params, prompt, mask, opts, **static)
+    state = _jitted(_first)(model, params, prompt, mask, opts, **static)
     for i in range(1, n_tokens + 1):
         yield np.asarray(state["last"])
         if i == n_tokens or bool(np.all(np.asarray(state["done"]))):
             return
-        state = _next(model, params, state, opts, width=width, **static)
+        state = _jitted(_next, (*_STATIC, "width"))(
+            model, params, state, opts, width=width, **static
+        )

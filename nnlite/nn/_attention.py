@@ -39,6 +39,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "GroupedQueryAttention",
     "MultiHeadAttention",
+    "causal_blocks",
     "causal_mask",
     "dot_product_attention",
     "dot_product_attention_vjp",
@@ -73,6 +74,37 @@ def causal_mask(t_q: int, t_k: int, q_offset: Any = None, window: int | None = N
 
 
 _BIG_NEGATIVE = -0.7 * np.finfo(np.float32).max
+
+# Causal attention on the CPU in query blocks of CAUSAL_BLOCK rows, each against only the keys
+# it can see: the products and the softmax skip the masked upper triangle (a GPT 6x6x384 at
+# context 256: the attention's forward and backward in 297 ms a layer instead of 652 on
+# 2 cores). Not on accelerators, where one fused kernel (cuDNN's) is the faster route.
+CAUSAL_BLOCK = 128
+
+
+def causal_blocks(t_q: int, t_k: int, q_offset: Any = None, window: int | None = None):
+    """The query blocks of causal attention, each with the key range it sees: a list of
+    ``(lo, hi, k_lo, k_hi, offset)`` (queries ``lo:hi`` see keys ``k_lo:k_hi``, ``offset``
+    the first query's position among those keys), or None where one dense block is the
+    better program: not on the CPU, fewer than two blocks of ``CAUSAL_BLOCK`` queries, a
+    traced ``q_offset``, or queries that see no key at all (``q_offset < 0``).
+
+    Example (on the CPU):
+        >>> causal_blocks(256, 256)
+        [(0, 128, 0, 128, 0), (128, 256, 0, 256, 128)]
+    """
+    offset = t_k - t_q if q_offset is None else q_offset
+    if not isinstance(offset, int | np.integer) or offset < 0 or t_q < 2 * CAUSAL_BLOCK:
+        return None
+    if jax.default_backend() != "cpu":
+        return None
+    blocks = []
+    for lo in range(0, t_q, CAUSAL_BLOCK):
+        hi = min(t_q, lo + CAUSAL_BLOCK)
+        k_hi = min(t_k, hi + int(offset))
+        k_lo = 0 if window is None else max(0, lo + int(offset) - window + 1)
+        blocks.append((lo, hi, k_lo, k_hi, lo + int(offset) - k_lo))
+    return blocks
 
 
 # The three products of attention in the grouped layout ``[B, KV, G, T, S]``; with one query
@@ -549,27 +581,48 @@ class MultiHeadAttention(Module):
         full = (*batch, h, t_q, t_k)
         if mask is not None:
             mask = self._check_mask(mask, full)
+        b = math.prod(batch)
+        q4, k4, v4 = (a.reshape(b, *a.shape[-3:]) for a in (q, k, v))
+        dropping = key is not None and self.dropout_rate > 0
+        blocks = None
+        if self.causal and mask is None and not dropping and self.implementation != "cudnn":
+            blocks = causal_blocks(t_q, t_k, q_offset, self.window)
+        if blocks is not None:  # only the key blocks each query block can see
+            out = jnp.concatenate(
+                [
+                    self._dense(
+                        q4[:, lo:hi],
+                        k4[:, k_lo:k_hi],
+                        v4[:, k_lo:k_hi],
+                        causal_mask(hi - lo, k_hi - k_lo, offset, self.window)[None, None],
+                    )
+                    for lo, hi, k_lo, k_hi, offset in blocks
+                ],
+                axis=1,
+            )
+            return out.reshape(*batch, *out.shape[-3:])
         if self.causal:
             c = jnp.broadcast_to(causal_mask(t_q, t_k, q_offset, self.window), full)
             mask = c if mask is None else jnp.logical_and(mask, c)
-        b = math.prod(batch)
-        q4, k4, v4 = (a.reshape(b, *a.shape[-3:]) for a in (q, k, v))
         m4 = None if mask is None else mask.reshape(b, *full[-3:])
-        dropping = key is not None and self.dropout_rate > 0
+        out = self._dense(q4, k4, v4, m4, key, dropping)
+        return out.reshape(*batch, *out.shape[-3:])
+
+    def _dense(self, q4, k4, v4, m4, key=None, dropping=False) -> jax.Array:
+        """Attention of ``q4: [B, T, H, D]`` over all of ``k4, v4``, ``m4`` the mask."""
         # The plain path where jax.nn's has no equivalent (dropout, a cap), in manual-gradient
         # mode (its rule is dot_product_attention_vjp), and for float16: jax.nn's XLA path
         # asks for the F16_F16_F32 dot algorithm, which XLA:CPU refuses.
         plain = self.implementation == "plain" or self.softcap is not None
         if plain or dropping or manual_active() or q4.dtype == jnp.float16:
-            out = dot_product_attention(
+            return dot_product_attention(
                 q4, k4, v4, m4, scale=self.scale, softcap=self.softcap, key=key,
                 dropout_rate=self.dropout_rate,
             )  # fmt: skip
-        else:  # jax.nn groups kv heads itself (its XLA path: the same arithmetic)
-            out = jax.nn.dot_product_attention(
-                q4, k4, v4, mask=m4, scale=self.scale, implementation=self.implementation
-            )
-        return out.reshape(*batch, *out.shape[-3:])
+        # jax.nn groups kv heads itself (its XLA path: the same arithmetic)
+        return jax.nn.dot_product_attention(
+            q4, k4, v4, mask=m4, scale=self.scale, implementation=self.implementation
+        )
 
     def _check_mask(self, mask: Any, full: tuple[int, ...]) -> jax.Array:
         shape = tuple(getattr(mask, "shape", ()))

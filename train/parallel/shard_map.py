@@ -12,6 +12,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import nnlite as nl
+
 from .base import place_by_batch
 from .data_parallel import AXIS, DataParallel
 
@@ -46,7 +48,7 @@ class ShardMap(DataParallel):
             in_specs=(P(), P(), P(), P(), batch_spec),
             out_specs=(P(), P(), P()),
         )
-        return jax.jit(sharded, donate_argnums=(0, 1))
+        return jax.jit(sharded, donate_argnums=(0, 1), compiler_options=nl.compiler_options())
 
     def put_state(self, leaves):
         return [jax.device_put(v, self.replicated) for v in leaves]
