@@ -117,12 +117,11 @@ class LlamaBench:
         self.tx, self.ty = torch.tensor(self.tokens[:, :-1]), torch.tensor(self.tokens[:, 1:])
 
     def forward_cases(self) -> dict:
-        import jax
         import torch
 
         import nnlite as nl
 
-        forward = jax.jit(self.model, compiler_options=nl.compiler_options())
+        forward = nl.jit(self.model)
         params, x, ref, tx = self.params, self.x, self.ref, self.tx
 
         def torch_forward():
@@ -150,7 +149,7 @@ class LlamaBench:
             return -m.token_log_probs(p, x, y).mean()
 
         def jit(f):
-            return jax.jit(f, donate_argnums=(0, 1), compiler_options=nl.compiler_options())
+            return nl.jit(f, donate_argnums=(0, 1))
 
         def torch_step(module, optim):
             def step():
@@ -227,7 +226,7 @@ class LlamaBench:
         import nnlite as nl
 
         n, prompt, params, ref = new_tokens, self.tokens[:1, :16], self.params, self.ref
-        gen = jax.jit(self.model.generate, static_argnums=2, compiler_options=nl.compiler_options())
+        gen = nl.jit(self.model.generate, static_argnums=2)
 
         def torch_gen():
             with torch.no_grad():

@@ -12,6 +12,7 @@ from .core._axes import param_axes as param_axes
 from .core._batch_axis import batch_axis as batch_axis
 from .core._batch_axis import current_batch_axis as current_batch_axis
 from .core._compile import compiler_options as compiler_options
+from .core._compile import jit as jit
 from .core._flops import flops as flops
 from .core._jax_private import lowered_cost_analysis as cost_analysis
 
@@ -244,6 +245,7 @@ __all__ = [
     "check_manual",
     "check_rules",
     "compiler_options",
+    "jit",
     "cost_analysis",
     "flops",
     "current_batch_axis",

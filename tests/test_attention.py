@@ -328,15 +328,22 @@ def test_one_rotary_embedding_takes_its_scaling():
 
 @pytest.mark.parametrize(
     "t_q, t_k, q_offset, window",
-    [(256, 256, None, None), (300, 300, None, None), (300, 310, None, 50), (260, 400, 7, None)],
+    [
+        (256, 256, None, None),
+        (300, 300, None, None),
+        (300, 310, None, 50),
+        (260, 400, 7, None),
+        (2000, 2000, None, None),
+    ],  # fmt: skip
 )
 def test_causal_blocks_cover_exactly_the_visible_keys(t_q, t_k, q_offset, window):
     # every query in one block, and each block's key range holds every key its queries may
     # see (nothing visible is cut off) and starts and ends at a visible key
     blocks = _blocks.causal_blocks(t_q, t_k, q_offset, window)
-    assert blocks is not None and len(blocks) == -(-t_q // _blocks.CAUSAL_BLOCK)
+    size = max(_blocks.CAUSAL_BLOCK, -(-t_q // _blocks.MAX_BLOCKS))
+    assert blocks is not None and len(blocks) == -(-t_q // size) <= _blocks.MAX_BLOCKS
     visible = np.asarray(_blocks.causal_mask(t_q, t_k, q_offset, window))
-    assert [lo for lo, *_ in blocks] == list(range(0, t_q, _blocks.CAUSAL_BLOCK))
+    assert [lo for lo, *_ in blocks] == list(range(0, t_q, size))
     assert blocks[-1][1] == t_q
     for lo, hi, k_lo, k_hi, offset in blocks:
         seen = visible[lo:hi]
@@ -347,7 +354,7 @@ def test_causal_blocks_cover_exactly_the_visible_keys(t_q, t_k, q_offset, window
 
 
 def test_causal_blocks_only_where_they_pay(monkeypatch):
-    assert _blocks.causal_blocks(255, 255) is None  # under two blocks of queries
+    assert _blocks.causal_blocks(2 * _blocks.CAUSAL_BLOCK - 1, 255) is None  # under two blocks
     assert _blocks.causal_blocks(256, 255) is None  # a query would see no key
     assert _blocks.causal_blocks(256, 300, jnp.int32(3)) is None  # a traced offset
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

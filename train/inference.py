@@ -255,12 +255,11 @@ def _apply(model: Model):
     """The jitted inference call of ``model`` (models are hashable: one per model, so
     predicting again, or in batches, compiles nothing new)."""
     if is_stateful(model):
-        return jax.jit(
+        return nl.jit(
             lambda params, x, state: eval_call(model, params, x, state),
-            compiler_options=nl.compiler_options(),
         )
     # chat rows: segment ids
-    return jax.jit(lambda params, x: call(model, params, x), compiler_options=nl.compiler_options())
+    return nl.jit(lambda params, x: call(model, params, x))
 
 
 def eval_call(model: Model, params, x, state):
@@ -349,10 +348,9 @@ def generator(
     ``repetition_penalty`` need the model's own generate to take them (nl.hf models)."""
     if _state_args(model, state):
         bound = _Bound(model, functools.partial(eval_call, model, state=state))
-        return jax.jit(
+        return nl.jit(
             lambda p, *a: generate_by_windows(bound, p, *a),
             static_argnums=(2, 5),
-            compiler_options=nl.compiler_options(),
         )
     fn = getattr(model, "generate", None)
     extra = {"top_p": top_p, "repetition_penalty": repetition_penalty}
@@ -368,7 +366,7 @@ def generator(
         fn = functools.partial(fn, **extra)
     if fn is None:
         fn = lambda *args: generate_by_windows(model, *args)  # noqa: E731
-    return jax.jit(fn, static_argnums=(2, 5), compiler_options=nl.compiler_options())
+    return nl.jit(fn, static_argnums=(2, 5))
 
 
 def generate_by_windows(model, params, prompt, n_tokens: int, key, temperature, top_k):

@@ -11,11 +11,16 @@ choice wins). Elsewhere the options are XLA's defaults.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
-__all__ = ["compiler_options"]
+from ._jax_private import at_top_level
+
+__all__ = ["compiler_options", "jit"]
 
 # XLA:CPU's option naming the kinds of op YNNPACK may take; empty: none.
 _YNN = "xla_cpu_experimental_ynn_fusion_type"
@@ -28,7 +33,7 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
     elsewhere none. An option the process's ``XLA_FLAGS`` already sets is left out, so
     ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot`` brings YNNPACK back.
 
-    Pass them to your own programs for the same speed::
+    Pass them to your own programs for the same speed (:func:`jit` does)::
 
         step = jax.jit(train_step, compiler_options=nl.compiler_options())
 
@@ -43,3 +48,33 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
         return {}
     flags = os.environ.get("XLA_FLAGS", "")
     return {k: v for k, v in CPU_OPTIONS.items() if f"--{k}" not in flags}
+
+
+class jit:  # noqa: N801 -- used as jax.jit is
+    """``jax.jit(fun, **jit_kwargs)`` compiled with :func:`compiler_options`.
+
+    JAX takes ``compiler_options`` only on a top-level ``jax.jit``; called under another
+    trace (inside your own ``jax.jit``, ``jax.make_jaxpr``, ``jax.grad``) this is the same
+    ``jax.jit`` without them, and the outer program's options apply. Its ``lower``,
+    ``trace``, ``eval_shape`` are the top-level function's.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> double = jit(lambda x: 2 * x)
+        >>> double(jnp.ones(2)), jax.jit(lambda x: double(x) + 1)(jnp.ones(2))
+        (Array([2., 2.], dtype=float32), Array([3., 3.], dtype=float32))
+    """
+
+    def __init__(self, fun: Callable, **jit_kwargs: Any):
+        options = {**compiler_options(), **(jit_kwargs.pop("compiler_options", None) or {})}
+        self._nested = jax.jit(fun, **jit_kwargs)
+        self._top = jax.jit(fun, compiler_options=options, **jit_kwargs) if options else None
+        functools.update_wrapper(self, fun)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._top is not None and at_top_level():
+            return self._top(*args, **kwargs)
+        return self._nested(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._top or self._nested, name)

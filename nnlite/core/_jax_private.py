@@ -21,6 +21,7 @@ from jax._src.mesh import use_abstract_mesh
 from jax.extend.core import ClosedJaxpr
 
 __all__ = [
+    "at_top_level",
     "bind_equation",
     "current_trace",
     "lowered_cost_analysis",
@@ -256,6 +257,14 @@ def of_current_trace(tree: Any) -> bool:
         for x in jax.tree.leaves(tree)
         if isinstance(x, core.Tracer)
     )
+
+
+def at_top_level() -> bool:
+    """Whether no trace is running (JAX's ``trace_state_clean``): a ``jax.jit`` called here
+    compiles a program of its own, and only such a one may carry ``compiler_options``."""
+    from jax._src import core
+
+    return core.trace_state_clean()
 
 
 def current_trace() -> Any:

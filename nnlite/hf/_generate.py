@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core._compile import compiler_options
+from ..core._compile import jit
 
 __all__ = ["bucket", "generate", "generate_stream", "sample_logits"]
 
@@ -175,7 +175,7 @@ def _jitted(fn, static: tuple[str, ...] = _STATIC):
 
 @functools.cache
 def _jit_for(fn, static, backend):
-    return jax.jit(fn, static_argnames=static, compiler_options=compiler_options(backend))
+    return jit(fn, static_argnames=static)
 
 
 def _run(model, params, prompt, mask, opts, *, n_tokens, top_k, top_p):

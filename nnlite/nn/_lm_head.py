@@ -19,7 +19,13 @@ from ..core._mode import is_frozen, manual_active
 from ..grad._custom_vjp import _varying, plug
 from ..grad._manual import hand_rule
 
-__all__ = ["CHUNK_ELEMENTS", "CHUNK_MIN_TOKENS", "chunked_log_probs", "chunked_log_probs_vjp", "label_log_probs"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "CHUNK_MIN_TOKENS",
+    "chunked_log_probs",
+    "chunked_log_probs_vjp",
+    "label_log_probs",
+]
 
 #: Logits per chunk when ``chunk`` is not given: 4M elements (16 MB in float32), but never
 #: fewer than CHUNK_MIN_TOKENS tokens.

@@ -162,8 +162,8 @@ def train_step(params, opt_state, x, y, step):
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-# nnlite.compiler_options(): on the CPU, XLA's own GEMM (faster than its YNNPACK fusions)
-train_step = jax.jit(train_step, donate_argnums=(0, 1), compiler_options=nnlite.compiler_options())
+# nnlite.jit: jax.jit with nnlite.compiler_options() (on the CPU, XLA's own GEMM)
+train_step = nnlite.jit(train_step, donate_argnums=(0, 1))
 
 
 {_LOOP}"""

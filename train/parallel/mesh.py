@@ -201,11 +201,10 @@ class Sharded(Strategy):
                 (jax.tree.leaves(o_tree), self.replicated),
                 self.replicated,
             )
-        return jax.jit(
+        return nl.jit(
             multi_step,
             out_shardings=out,
             donate_argnums=(0, 1),
-            compiler_options=nl.compiler_options(),
         )
 
     def _put(self, value, sharding):

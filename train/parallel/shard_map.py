@@ -48,7 +48,7 @@ class ShardMap(DataParallel):
             in_specs=(P(), P(), P(), P(), batch_spec),
             out_specs=(P(), P(), P()),
         )
-        return jax.jit(sharded, donate_argnums=(0, 1), compiler_options=nl.compiler_options())
+        return nl.jit(sharded, donate_argnums=(0, 1))
 
     def put_state(self, leaves):
         return [jax.device_put(v, self.replicated) for v in leaves]

@@ -29,7 +29,7 @@ class Single(Strategy):
         return self.devices[0]
 
     def compile(self, multi_step, *, keyed):
-        return jax.jit(multi_step, donate_argnums=(0, 1), compiler_options=nl.compiler_options())
+        return nl.jit(multi_step, donate_argnums=(0, 1))
 
     def put_state(self, leaves):
         return [jax.device_put(v, self.device) for v in leaves]

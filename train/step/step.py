@@ -28,7 +28,6 @@ a log/eval/checkpoint boundary, so they cost no host sync.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -548,7 +547,7 @@ def build_split_eval(model, chunk: int, metrics=()) -> Callable:
     activations at once. A stateful model's is ``(params, X, Y, state)``, in eval mode.
     ``metrics``: ``(name, function)`` pairs of ``eval.metrics`` (train/model/metrics.py)."""
 
-    @functools.partial(jax.jit, compiler_options=nl.compiler_options())
+    @nl.jit
     def evaluate(params, X, Y, *state):
         n = X.shape[0]
         full = n - n % chunk
@@ -576,7 +575,7 @@ def build_chunk_eval(model, metrics=()) -> Callable:
     streamed split is evaluated a chunk at a time, its means summed up on the host. A
     stateful model's is ``(params, x, y, n, state)``, in eval mode."""
 
-    @functools.partial(jax.jit, compiler_options=nl.compiler_options())
+    @nl.jit
     def sums(params, x, y, n, *state):
         loss, values = user_metrics.per_example(model, params, x, y, *state, metrics=metrics)
         values = {"loss": loss, **values}
