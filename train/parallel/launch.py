@@ -224,6 +224,11 @@ def _supervise(procs, processes: int, log_dir: Path, echo, signalled, fresh_line
     # All exited between polls: a process killed by a signal is the cause, the rest followed
     # (its peers may have been seen failing first, while it was not yet reaped).
     killed = [(j, c) for j, c in enumerate(codes) if c is not None and c < 0]
+    # ... except an abort after process 0 stopped with a documented status: JAX's client
+    # aborts a process whose coordinator (process 0) has gone, so that death followed
+    said_first = first_exit is not None and first_exit[0] == 0 and first_exit[1] in _AGREED
+    if said_first and all(c == -signal.SIGABRT for _, c in killed):
+        killed = []
     if first_exit is not None and first_exit[1] >= 0 and killed:
         first_exit = (*killed[0], first_exit[2])
     if len(signalled) > 1:  # it came while the processes were being stopped or reaped
