@@ -177,6 +177,8 @@ SMOKE = {
         "precision",
         ["--tiny", "--train-steps", "0", "--grad", "autodiff"],
     ),
+    # the GPT row only: each row is a fresh process with its HLO dumped
+    "python -m benchmarks.op_profile": ("op_profile", ["--tiny", "--rows", "gpt_large"]),
     # with one XLA flag set: the matmul in a fresh process
     "python -m benchmarks.real_size": (
         "real_size",
@@ -379,3 +381,23 @@ def test_compile_fit_refuses_bad_tokens_in_one_line(kwargs, message):
     kwargs = {k: v if k == "data" else np.asarray(v) for k, v in kwargs.items()}
     with pytest.raises(train.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         train.compile_fit(None, None, **kwargs)
+
+
+# -- benchmarks.op_profile: trace events joined with the optimised HLO ------------------------
+def test_op_profile_names_each_ops_family_from_the_optimised_hlo():
+    import jax.numpy as jnp
+
+    from benchmarks.op_profile import classify, parse_hlo
+
+    def f(a, b, q, k):
+        return jnp.tanh(a @ b).sum() + jnp.einsum("bhtd,bhsd->bhts", q, k).sum()
+
+    a, q = jnp.ones((64, 32)), jnp.ones((2, 3, 8, 4))
+    text = jax.jit(f).lower(a, a.T, q, q).compile().as_text()
+    comps, inst = parse_hlo(text)
+    kinds = {classify(name, comps, inst) for name in inst if inst[name][1] in ("fusion", "dot")}
+    families = {family for family, _ in kinds}
+    assert "GEMMs" in families and "attention: batched products" in families, kinds
+    gemm = next(what for family, what in kinds if family == "GEMMs")
+    assert "[64,32] x [32,64]" in gemm and "-> [64,64]" in gemm and gemm.endswith("forward")
+    assert classify("no_such_op", comps, inst) == ("other", "no_such_op")
