@@ -63,7 +63,17 @@ class jit:  # noqa: N801 -- used as jax.jit is
         >>> double = jit(lambda x: 2 * x)
         >>> double(jnp.ones(2)), jax.jit(lambda x: double(x) + 1)(jnp.ones(2))
         (Array([2., 2.], dtype=float32), Array([3., 3.], dtype=float32))
+        >>> @jit(static_argnames="n")
+        ... def power(x, n):
+        ...     return x**n
+        >>> power(jnp.full(2, 3.0), n=2).tolist()
+        [9.0, 9.0]
     """
+
+    def __new__(cls, fun: Callable | None = None, **jit_kwargs: Any):
+        if fun is None:  # @nl.jit(static_argnames=...): a decorator
+            return functools.partial(cls, **jit_kwargs)
+        return super().__new__(cls)
 
     def __init__(self, fun: Callable, **jit_kwargs: Any):
         options = {**compiler_options(), **(jit_kwargs.pop("compiler_options", None) or {})}
