@@ -389,8 +389,8 @@ def test_op_profile_names_each_ops_family_from_the_optimised_hlo():
 
     from benchmarks.op_profile import classify, parse_hlo
 
-    def f(a, b, q, k):
-        return jnp.tanh(a @ b).sum() + jnp.einsum("bhtd,bhsd->bhts", q, k).sum()
+    def f(a, b, q, k):  # two outputs: XLA folds a sum of a product into another product
+        return jnp.tanh(a @ b), jnp.einsum("bhtd,bhsd->bhts", q, k)
 
     a, q = jnp.ones((64, 32)), jnp.ones((2, 3, 8, 4))
     text = jax.jit(f).lower(a, a.T, q, q).compile().as_text()
@@ -398,6 +398,8 @@ def test_op_profile_names_each_ops_family_from_the_optimised_hlo():
     kinds = {classify(name, comps, inst) for name in inst if inst[name][1] in ("fusion", "dot")}
     families = {family for family, _ in kinds}
     assert "GEMMs" in families and "attention: batched products" in families, kinds
-    gemm = next(what for family, what in kinds if family == "GEMMs")
-    assert "[64,32] x [32,64]" in gemm and "-> [64,64]" in gemm and gemm.endswith("forward")
+    gemms = [what for family, what in kinds if family == "GEMMs"]
+    assert any(
+        "[64,32] x [32,64]" in g and "-> [64,64]" in g and g.endswith("forward") for g in gemms
+    ), gemms
     assert classify("no_such_op", comps, inst) == ("other", "no_such_op")
