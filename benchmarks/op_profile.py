@@ -16,8 +16,8 @@ the CPU), ``xla`` with XLA's defaults (YNNPACK's dot fusions). Eigen's dot thunk
 asynchronously, so their events hold only the launch: under ``nnlite`` the GEMMs' time
 lands in the "outside events" line (the step's wall time less the events'); ``xla``'s
 profile attributes every op. Rows: ``gpt_large`` (GPT 6x6x384, context 256, batch 64, the
-trainer's step) and ``llama_full`` (a SmolLM-135M-shaped Llama, 4x256 tokens, the full
-fine-tuning step of ``benchmarks.pretrained``). ``--tiny``: both at a tiny size (a smoke
+trainer's step), ``llama_full`` and ``llama_lora`` (a SmolLM-135M-shaped Llama, 4x256
+tokens, the full fine-tuning and the LoRA steps of ``benchmarks.pretrained``). ``--tiny``: both at a tiny size (a smoke
 run; times mean nothing). Results: ``benchmarks/results/op_profile-latest.json``.
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from . import _harness as h
 
-ROWS = ("gpt_large", "llama_full")
+ROWS = ("gpt_large", "llama_full", "llama_lora")
 _DATA_MOVEMENT = {
     "parameter", "transpose", "copy", "bitcast", "reshape", "broadcast", "slice",
     "concatenate", "pad", "dynamic-slice", "dynamic-update-slice",
@@ -152,7 +152,8 @@ def _build(row: str, tiny: bool):
     from .pretrained import LlamaBench
 
     bench = LlamaBench("tiny" if tiny else "smollm", 2 if tiny else 4, 16 if tiny else 256)
-    return bench.step_cases(("full",))["nnlite full"]
+    which = row.removeprefix("llama_")
+    return bench.step_cases((which,))[f"nnlite {which}"]
 
 
 def child(row: str, tiny: bool, options: str, top: int) -> dict:
