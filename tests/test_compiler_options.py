@@ -41,6 +41,26 @@ def test_jit_works_nested_under_every_transformation():
     np.testing.assert_allclose(jax.vmap(f)(a[None], a[None])[0], want, rtol=1e-6)
 
 
+def test_jit_takes_jax_jits_arguments_and_decorates_methods():
+    @nl.jit(static_argnames="n")
+    def power(x, n):
+        return x**n
+
+    assert power(jnp.full(3, 2.0), n=3).tolist() == [8.0, 8.0, 8.0]
+
+    class Scaled:
+        def __init__(self, by):
+            self.by = by
+
+        @nl.jit(static_argnums=0)  # self static, as with jax.jit
+        def __call__(self, x):
+            return self.by * x
+
+    assert Scaled(2.0)(jnp.ones(2)).tolist() == [2.0, 2.0]
+    donated = nl.jit(lambda x: x + 1, donate_argnums=0)
+    assert donated(jnp.zeros(2)).tolist() == [1.0, 1.0]
+
+
 def test_the_trainers_step_is_compiled_with_the_options():
     from train.parallel.single import Single
 

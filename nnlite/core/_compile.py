@@ -86,5 +86,8 @@ class jit:  # noqa: N801 -- used as jax.jit is
             return self._top(*args, **kwargs)
         return self._nested(*args, **kwargs)
 
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # a method, as jax.jit's are
+        return self if obj is None else functools.partial(self, obj)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._top or self._nested, name)
