@@ -87,13 +87,13 @@ def test_prompt_lengths_share_a_program_and_stream_equals_generate(tmp_path):
     key = jax.random.key(1)
     ids = np.random.default_rng(0).integers(0, 40, (1, 30))
     first = np.asarray(model.generate(params, ids[:, :9], 6, key, 0.7, top_k=5))
-    programs = _generate._jitted(_generate._run)._cache_size()
+    programs = _generate._run._cache_size()
     for n in (10, 13, 16):  # the same bucket (16): nothing compiles
         out = model.generate(params, ids[:, :n], 6, key, 0.7, top_k=5)
         assert out.shape == (1, n + 6)
-    assert _generate._jitted(_generate._run)._cache_size() == programs
+    assert _generate._run._cache_size() == programs
     model.generate(params, ids[:, :17], 6, key, 0.7, top_k=5)  # the next bucket (32)
-    assert _generate._jitted(_generate._run)._cache_size() == programs + 1
+    assert _generate._run._cache_size() == programs + 1
     # streamed: the same tokens, one step at a time, sampled (temperature 0.7, top-k)
     streamed = list(nl.hf.generate_stream(model, params, ids[:, :9], 6, key, 0.7, top_k=5))
     np.testing.assert_array_equal(np.stack(streamed, axis=1), first[:, 9:])

@@ -255,11 +255,8 @@ def _apply(model: Model):
     """The jitted inference call of ``model`` (models are hashable: one per model, so
     predicting again, or in batches, compiles nothing new)."""
     if is_stateful(model):
-        return nl.jit(
-            lambda params, x, state: eval_call(model, params, x, state),
-        )
-    # chat rows: segment ids
-    return nl.jit(lambda params, x: call(model, params, x))
+        return nl.jit(lambda params, x, state: eval_call(model, params, x, state))
+    return nl.jit(lambda params, x: call(model, params, x))  # chat rows: segment ids
 
 
 def eval_call(model: Model, params, x, state):
@@ -348,10 +345,7 @@ def generator(
     ``repetition_penalty`` need the model's own generate to take them (nl.hf models)."""
     if _state_args(model, state):
         bound = _Bound(model, functools.partial(eval_call, model, state=state))
-        return nl.jit(
-            lambda p, *a: generate_by_windows(bound, p, *a),
-            static_argnums=(2, 5),
-        )
+        return nl.jit(lambda p, *a: generate_by_windows(bound, p, *a), static_argnums=(2, 5))
     fn = getattr(model, "generate", None)
     extra = {"top_p": top_p, "repetition_penalty": repetition_penalty}
     extra = {k: v for k, v in extra.items() if v is not None}

@@ -56,7 +56,9 @@ class jit:  # noqa: N801 -- used as jax.jit is
     JAX takes ``compiler_options`` only on a top-level ``jax.jit``; called under another
     trace (inside your own ``jax.jit``, ``jax.make_jaxpr``, ``jax.grad``) this is the same
     ``jax.jit`` without them, and the outer program's options apply. Its ``lower``,
-    ``trace``, ``eval_shape`` are the top-level function's.
+    ``trace``, ``eval_shape`` are the top-level function's. The options are read at the
+    first top-level use, when the backend is known, so ``nl.jit`` may decorate a function
+    at import time as ``jax.jit`` does.
 
     Example:
         >>> import jax.numpy as jnp
@@ -76,18 +78,23 @@ class jit:  # noqa: N801 -- used as jax.jit is
         return super().__new__(cls)
 
     def __init__(self, fun: Callable, **jit_kwargs: Any):
-        options = {**compiler_options(), **(jit_kwargs.pop("compiler_options", None) or {})}
+        self._given = jit_kwargs.pop("compiler_options", None) or {}
+        self._jit_kwargs = jit_kwargs
         self._nested = jax.jit(fun, **jit_kwargs)
-        self._top = jax.jit(fun, compiler_options=options, **jit_kwargs) if options else None
         functools.update_wrapper(self, fun)
 
+    @functools.cached_property
+    def _top(self) -> Any:
+        options = {**compiler_options(), **self._given}
+        if not options:
+            return self._nested
+        return jax.jit(self.__wrapped__, compiler_options=options, **self._jit_kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._top is not None and at_top_level():
-            return self._top(*args, **kwargs)
-        return self._nested(*args, **kwargs)
+        return (self._top if at_top_level() else self._nested)(*args, **kwargs)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:  # a method, as jax.jit's are
         return self if obj is None else functools.partial(self, obj)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._top or self._nested, name)
+        return getattr(self._top, name)

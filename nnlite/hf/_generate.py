@@ -167,17 +167,7 @@ def _step(model, params, state, opts, width, top_k, top_p) -> dict:
 _STATIC = ("model", "n_tokens", "top_k", "top_p")
 
 
-def _jitted(fn, static: tuple[str, ...] = _STATIC):
-    """``fn`` jitted with nnlite's compiler options for the default backend, which is known
-    only at the first call (not at import)."""
-    return _jit_for(fn, static, jax.default_backend())
-
-
-@functools.cache
-def _jit_for(fn, static, backend):
-    return jit(fn, static_argnames=static)
-
-
+@functools.partial(jit, static_argnames=_STATIC)
 def _run(model, params, prompt, mask, opts, *, n_tokens, top_k, top_p):
     """The whole generation as one program: prefill, then a ``while_loop`` until
     ``n_tokens`` are made or every row has stopped."""
@@ -193,10 +183,12 @@ def _run(model, params, prompt, mask, opts, *, n_tokens, top_k, top_p):
     return state["buf"]
 
 
+@functools.partial(jit, static_argnames=_STATIC)
 def _first(model, params, prompt, mask, opts, *, n_tokens, top_k, top_p):
     return _prefill(model, params, prompt, mask, opts, n_tokens, top_k, top_p)
 
 
+@functools.partial(jit, static_argnames=(*_STATIC, "width"))
 def _next(model, params, state, opts, *, width, n_tokens, top_k, top_p):
     return _step(model, params, state, opts, width, top_k, top_p)
 
@@ -321,7 +313,7 @@ def generate(
     )  # fmt: skip
     if n_tokens == 0:
         return prompt[:, prompt.shape[1] - p_len :]
-    out = _jitted(_run)(model, params, prompt, mask, opts, **static)
+    out = _run(model, params, prompt, mask, opts, **static)
     return out[:, prompt.shape[1] - p_len :]
 
 
@@ -350,11 +342,9 @@ def generate_stream(
     if n_tokens == 0:
         return
     width = prompt.shape[1]
-    state = _jitted(_first)(model, params, prompt, mask, opts, **static)
+    state = _first(model, params, prompt, mask, opts, **static)
     for i in range(1, n_tokens + 1):
         yield np.asarray(state["last"])
         if i == n_tokens or bool(np.all(np.asarray(state["done"]))):
             return
-        state = _jitted(_next, (*_STATIC, "width"))(
-            model, params, state, opts, width=width, **static
-        )
+        state = _next(model, params, state, opts, width=width, **static)

@@ -102,13 +102,12 @@ def causal_blocks(t_q: int, t_k: int, q_offset: Any = None, window: int | None =
         return None
     if jax.default_backend() != "cpu":
         return None
-    size = max(CAUSAL_BLOCK, -(-t_q // MAX_BLOCKS))
+    offset, size = int(offset), max(CAUSAL_BLOCK, -(-t_q // MAX_BLOCKS))
     blocks = []
     for lo in range(0, t_q, size):
         hi = min(t_q, lo + size)
-        k_hi = min(t_k, hi + int(offset))
-        k_lo = 0 if window is None else max(0, lo + int(offset) - window + 1)
-        blocks.append((lo, hi, k_lo, k_hi, lo + int(offset) - k_lo))
+        k_lo = 0 if window is None else max(0, lo + offset - window + 1)
+        blocks.append((lo, hi, k_lo, min(t_k, hi + offset), lo + offset - k_lo))
     return blocks
 
 
@@ -588,8 +587,8 @@ class MultiHeadAttention(Module):
             mask = self._check_mask(mask, full)
         b = math.prod(batch)
         q4, k4, v4 = (a.reshape(b, *a.shape[-3:]) for a in (q, k, v))
-        dropping = key is not None and self.dropout_rate > 0
         blocks = None
+        dropping = key is not None and self.dropout_rate > 0
         if self.causal and mask is None and not dropping and self.implementation != "cudnn":
             blocks = causal_blocks(t_q, t_k, q_offset, self.window)
         if blocks is not None:  # only the key blocks each query block can see
@@ -611,12 +610,14 @@ class MultiHeadAttention(Module):
             c = jnp.broadcast_to(causal_mask(t_q, t_k, q_offset, self.window), full)
             mask = c if mask is None else jnp.logical_and(mask, c)
         m4 = None if mask is None else mask.reshape(b, *full[-3:])
-        out = self._dense(q4, k4, v4, m4, key, dropping)
+        out = self._dense(q4, k4, v4, m4, key)
         return out.reshape(*batch, *out.shape[-3:])
 
-    def _dense(self, q4, k4, v4, m4, key=None, dropping=False, plain=False) -> jax.Array:
-        """Attention of ``q4: [B, T, H, D]`` over all of ``k4, v4``, ``m4`` the mask;
-        ``plain``: through ``dot_product_attention`` whatever the implementation."""
+    def _dense(self, q4, k4, v4, m4, key=None, plain=False) -> jax.Array:
+        """Attention of ``q4: [B, T, H, D]`` over all of ``k4, v4``, ``m4`` the mask, with
+        dropout when ``key`` is given; ``plain``: through ``dot_product_attention`` whatever
+        the implementation."""
+        dropping = key is not None and self.dropout_rate > 0
         # The plain path where jax.nn's has no equivalent (dropout, a cap), in manual-gradient
         # mode (its rule is dot_product_attention_vjp), and for float16: jax.nn's XLA path
         # asks for the F16_F16_F32 dot algorithm, which XLA:CPU refuses.

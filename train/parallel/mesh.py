@@ -201,11 +201,7 @@ class Sharded(Strategy):
                 (jax.tree.leaves(o_tree), self.replicated),
                 self.replicated,
             )
-        return nl.jit(
-            multi_step,
-            out_shardings=out,
-            donate_argnums=(0, 1),
-        )
+        return nl.jit(multi_step, out_shardings=out, donate_argnums=(0, 1))
 
     def _put(self, value, sharding):
         if isinstance(value, jax.Array):
