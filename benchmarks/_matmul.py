@@ -35,16 +35,18 @@ FLAG_SETS = {
 
 
 def matmul_cases(dtype: str, n: int, peer: bool = True, reps: int = MATMUL_REPS) -> dict:
-    """``reps`` n x n matmuls in ``dtype``: jitted by XLA (``nnlite``) and, with
-    ``peer`` and torch installed, ``torch.mm`` (``theirs``)."""
-    import jax
+    """``reps`` n x n matmuls in ``dtype``: compiled by XLA as nnlite compiles its programs
+    (``nl.jit``: on the CPU XLA's own dot, not YNNPACK's; ``nnlite``) and, with ``peer`` and
+    torch installed, ``torch.mm`` (``theirs``)."""
     import jax.numpy as jnp
     import numpy as np
+
+    import nnlite as nl
 
     rng = np.random.default_rng(0)
     a32, b32 = (rng.normal(size=(n, n)).astype(np.float32) for _ in range(2))
     a, b = jnp.asarray(a32, dtype), jnp.asarray(b32, dtype)
-    mm = jax.jit(lambda a, b: a @ b)
+    mm = nl.jit(lambda a, b: a @ b)
 
     def ours():
         for _ in range(reps):
@@ -92,10 +94,12 @@ def matmul_child(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
+    import nnlite as nl
+
     n, out = spec["n"], {}
     for dtype in spec["dtypes"]:
         x = jax.ShapeDtypeStruct((n, n), getattr(jnp, dtype))
-        hlo = jax.jit(lambda a, b: a @ b).lower(x, x).compile().as_text()
+        hlo = nl.jit(lambda a, b: a @ b).lower(x, x).compile().as_text()
         ours = matmul_cases(dtype, n, peer=False)["nnlite"]
         t = h.median(h.time_interleaved({"xla": ours}, rounds=spec["rounds"])["xla"])
         out[dtype] = {

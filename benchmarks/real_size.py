@@ -57,8 +57,8 @@ ROWS = {
     "llama_lora": "same: LoRA step, rank 8 on q, v (vs peft)",
     "llama_forward": "same: forward (vs transformers)",
     "llama_generate": "same: greedy generation with the cache, 64 tokens (vs transformers)",
-    "matmul_f32": "one 2048x2048 matmul, float32 (XLA vs torch.mm)",
-    "matmul_bf16": "one 2048x2048 matmul, bfloat16 (XLA vs torch.mm)",
+    "matmul_f32": "one 2048x2048 matmul, float32 (nl.jit's XLA vs torch.mm)",
+    "matmul_bf16": "one 2048x2048 matmul, bfloat16 (nl.jit's XLA vs torch.mm)",
 }
 # the matmul rows' dtypes
 MATMUL_ROWS = {"matmul_f32": "float32", "matmul_bf16": "bfloat16"}
