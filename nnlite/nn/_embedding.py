@@ -10,6 +10,7 @@ from ..core._axes import Axes
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
+from ._linear import rows_matmul
 from ._names import get_initializer
 
 __all__ = ["Embedding", "embed", "embed_attend", "embed_attend_vjp", "embed_vjp"]
@@ -53,7 +54,7 @@ def embed(W: jax.Array, ids: jax.Array) -> jax.Array:
 @hand_rule(embed_attend_vjp)
 def embed_attend(W: jax.Array, x: jax.Array) -> jax.Array:
     """``x @ W.T``: scores of ``x: [..., features]`` against every row of ``W``."""
-    return x @ W.T
+    return rows_matmul(x, W.T)  # dW a 2-D product (see rows_matmul)
 
 
 class Embedding(Module):

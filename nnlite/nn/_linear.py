@@ -24,7 +24,19 @@ __all__ = [
     "linear",
     "linear_axes",
     "linear_vjp",
+    "rows_matmul",
 ]
+
+
+def rows_matmul(x: jax.Array, W: jax.Array) -> jax.Array:
+    """``x @ W`` for ``x: [..., in]``, ``W: [in, out]``, as one 2-D product over the rows
+    ``x.reshape(-1, in)``. The same numbers as ``x @ W``; what changes is autodiff's
+    transpose: ``dW`` becomes ``x2^T dy2``, a 2-D product, where through a 3-D ``x`` it
+    contracts two axes at once, which XLA:CPU lowered by writing ``dy`` transposed in the
+    fusion that produced it (the 135M Llama's ``jax.grad`` step: 7.49 -> 6.25 s)."""
+    if x.ndim <= 2:
+        return x @ W
+    return (x.reshape(-1, x.shape[-1]) @ W).reshape(*x.shape[:-1], W.shape[-1])
 
 
 def linear_vjp(x: jax.Array, W: jax.Array, b: jax.Array | None, dret: jax.Array):
@@ -40,7 +52,7 @@ def linear_vjp(x: jax.Array, W: jax.Array, b: jax.Array | None, dret: jax.Array)
 @hand_rule(linear_vjp)
 def linear(x: jax.Array, W: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """``x @ W + b`` for ``x: [..., in]``, ``W: [in, out]``, ``b: [out]`` (or None)."""
-    y = x @ W
+    y = rows_matmul(x, W)
     if b is None:
         return y
     # Broadcast explicitly: y + b is a rank promotion, an error under the strict

@@ -24,7 +24,7 @@ from ..core._params import ParamsDict
 from ..core._select import matches
 from ..grad._manual import hand_rule
 from ._dropout import check_rate, dropout
-from ._linear import Linear, linear_axes
+from ._linear import Linear, linear_axes, rows_matmul
 
 __all__ = [
     "ADAPTER_NAMES",
@@ -64,7 +64,7 @@ def lora_linear(x, W, b, A, B, *, scale: float) -> jax.Array:
     """``x W + b + scale (x A) B`` for ``x: [..., in]``, ``W: [in, out]``, ``b: [out]`` or
     None, ``A: [in, rank]``, ``B: [rank, out]``; ``W`` and ``b`` are frozen (no gradient)."""
     W = jax.lax.stop_gradient(W)
-    y = x @ W + ((x @ A) * jnp.asarray(scale, x.dtype)) @ B
+    y = rows_matmul(x, W) + rows_matmul(rows_matmul(x, A) * jnp.asarray(scale, x.dtype), B)
     if b is None:
         return y
     return y + jnp.broadcast_to(jax.lax.stop_gradient(b), y.shape)
@@ -88,7 +88,7 @@ def lora_linear_dropout(x, xd, W, b, A, B, *, scale: float) -> jax.Array:
     """``x W + b + scale (xd A) B``: ``lora_linear`` whose adapter branch reads ``xd`` (``x``
     after dropout, as peft's ``lora_dropout``) while the frozen base reads ``x``."""
     W = jax.lax.stop_gradient(W)
-    y = x @ W + ((xd @ A) * jnp.asarray(scale, x.dtype)) @ B
+    y = rows_matmul(x, W) + rows_matmul(rows_matmul(xd, A) * jnp.asarray(scale, x.dtype), B)
     if b is None:
         return y
     return y + jnp.broadcast_to(jax.lax.stop_gradient(b), y.shape)

@@ -31,6 +31,7 @@ from jax import lax
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
+from ._linear import rows_matmul
 from ._names import get_initializer
 
 __all__ = [
@@ -167,7 +168,7 @@ def gru_scan_vjp(xs, h0, W, U, b=None, b_n=None, dret=None):
     step rule over states recomputed by a forward scan; ``(dxs, dh0, dW, dU, db, db_n)``."""
     H, h0_in = U.shape[0], h0
     h0 = _state(h0, xs[:, 0], U)
-    gx = _time_major(_bias(xs @ W, b))  # [T, B, 3H]
+    gx = _time_major(_bias(rows_matmul(xs, W), b))  # [T, B, 3H]
 
     def forward(h, g):
         return _gru_step(g, h, U, b_n), h  # emit the state *before* the step
@@ -194,7 +195,7 @@ def gru_scan(xs, h0, W, U, b=None, b_n=None):
     every step's state ``[B, T, H]``. The input projection is one matmul for all steps;
     the scan does the recurrent part."""
     h0 = _state(h0, xs[:, 0], U)
-    gx = _time_major(_bias(xs @ W, b))
+    gx = _time_major(_bias(rows_matmul(xs, W), b))
 
     def step(h, g):
         h = _gru_step(g, h, U, b_n)
@@ -270,7 +271,7 @@ def lstm_scan_vjp(xs, h0, c0, W, U, b=None, dret=None):
     by a forward scan; ``(dxs, dh0, dc0, dW, dU, db)``."""
     h0_in, c0_in = h0, c0
     h0, c0 = _state(h0, xs[:, 0], U), _state(c0, xs[:, 0], U)
-    gx = _time_major(_bias(xs @ W, b))  # [T, B, 4H]
+    gx = _time_major(_bias(rows_matmul(xs, W), b))  # [T, B, 4H]
 
     def forward(hc, g):
         return _lstm_step(g, *hc, U), hc
@@ -296,7 +297,7 @@ def lstm_scan(xs, h0, c0, W, U, b=None):
     """The LSTM over a sequence: ``xs: [B, T, in]``, ``h0, c0: [B, H]`` (``None``: zeros)
     -> every step's ``h`` and ``c`` stacked, ``[B, T, 2, H]``."""
     h0, c0 = _state(h0, xs[:, 0], U), _state(c0, xs[:, 0], U)
-    gx = _time_major(_bias(xs @ W, b))
+    gx = _time_major(_bias(rows_matmul(xs, W), b))
 
     def step(hc, g):
         hc = _lstm_step(g, *hc, U)
