@@ -24,7 +24,6 @@ __all__ = [
     "linear",
     "linear_axes",
     "linear_vjp",
-    "rows_matmul",
 ]
 
 
