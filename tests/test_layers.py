@@ -3,6 +3,7 @@
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -81,6 +82,77 @@ def test_linear_computes_x_at_W_plus_b(key):
     x = jnp.arange(6.0).reshape(2, 3)
     expected = np.asarray(x) @ np.asarray(p.W) + np.array([1.0, -1.0])
     np.testing.assert_allclose(layer(p, x), expected, rtol=1e-6)
+
+
+def _dots(jaxpr):
+    """Every dot_general in a closed jaxpr, nested calls included."""
+    out = []
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _dots(jax.extend.core.ClosedJaxpr(sub, []))
+    return out
+
+
+@pytest.mark.parametrize("lead", [(), (5,), (2, 5), (2, 3, 5)])
+def test_linear_multiplies_the_rows_as_one_2d_product(lead, key):
+    """Any leading axes: the values of x @ W + b, and under jax.grad every product is 2-D
+    (dW = x2^T dy2), never a contraction over two axes at once, which XLA:CPU lowered by
+    writing the cotangent transposed."""
+    layer = Linear(4, 3)
+    p = layer.init(key)
+    x = jax.random.normal(jax.random.key(1), (*lead, 4))
+    want = np.asarray(x) @ np.asarray(p.W) + np.asarray(p.b)
+    np.testing.assert_allclose(layer(p, x), want, rtol=1e-5, atol=1e-6)
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(layer(p, x)))
+
+    g = jax.grad(loss)(p, x)
+    x2 = np.asarray(x).reshape(-1, 4)
+    dy = 1 - np.tanh(x2 @ np.asarray(p.W) + np.asarray(p.b)) ** 2
+    np.testing.assert_allclose(g.W, x2.T @ dy, rtol=1e-4, atol=1e-5)
+    dots = _dots(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(p, x))
+    assert len(dots) == 3  # forward, dx, dW
+    for eqn in dots:
+        assert all(v.aval.ndim <= 2 for v in eqn.invars), eqn
+
+
+@pytest.mark.parametrize("which", ["lora", "lora_dropout", "tied_head"])
+def test_lora_and_the_tied_head_multiply_the_rows_too(which, key):
+    """LoRA's products and the tied head ``x @ E^T`` on a 3-D input: under jax.grad every
+    product is 2-D, and the gradients are those of the plain formula."""
+    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+    if which == "tied_head":
+        layer = nl.Embedding(6, 4)
+        p = layer.init(key)
+
+        def loss(p, x):
+            return jnp.sum(jnp.tanh(layer.attend(p, x)))
+
+        def plain(p, x):
+            return jnp.sum(jnp.tanh(jnp.einsum("btd,vd->btv", x, p.W)))
+    else:
+        layer = nl.LoRA(Linear(4, 3), rank=2, dropout=0.5 if which == "lora_dropout" else 0.0)
+        p = layer.init(key)
+        p.lora_b = jnp.ones_like(p.lora_b)
+        k = jax.random.key(2) if which == "lora_dropout" else None
+
+        def loss(p, x):
+            return jnp.sum(jnp.tanh(layer(p, x, key=k)))
+
+        def plain(p, x):
+            xd = x if k is None else nl.nn._dropout.dropout(x, k, 0.5)
+            W, b = jax.lax.stop_gradient((p.W, p.b))  # the base is frozen
+            y = jnp.einsum("bti,io->bto", x, W) + b[None, None]
+            return jnp.sum(jnp.tanh(y + layer.scale * (xd @ p.lora_a) @ p.lora_b))
+
+    got, want = jax.grad(loss, argnums=(0, 1))(p, x), jax.grad(plain, argnums=(0, 1))(p, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    for eqn in _dots(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(p, x)):
+        assert all(v.aval.ndim <= 2 for v in eqn.invars), eqn
 
 
 def test_ffn_params_and_forward(key, capsys):
