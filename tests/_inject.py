@@ -10,7 +10,9 @@ process a launcher (``--processes N``) starts too.
 - :data:`STUCK_ENV` = ``STEP`` or ``STEP:PROCESS``: the first compiled call that runs step
   STEP or a later one (on process PROCESS only) is followed by one that never finishes,
   handed to the watchdog (``train.faults.Watchdog.watch`` wrapped) and waited for: a stuck
-  call on that process and, for its peers, a collective that never completes.
+  call on that process and, for its peers, a collective that never completes. With
+  :data:`STUCK_MARK_ENV` = a path, that process creates the file once it is stuck, so a
+  test can act after the step is stuck, not before (:func:`wait_for_file`).
 - :data:`PREPARE_PAUSE_ENV` = seconds: ``nnlite-train prepare`` sleeps after each chunk of
   its input (the readers ``train.prepare`` calls wrapped) and before it commits ``--out``,
   so that a test can signal or kill it half-way.
@@ -26,6 +28,7 @@ from pathlib import Path
 
 PAUSE_ENV = "NNLITE_INJECT_CHECKPOINT_PAUSE_S"
 STUCK_ENV = "NNLITE_INJECT_STUCK_AT_STEP"
+STUCK_MARK_ENV = "NNLITE_INJECT_STUCK_MARK"
 PREPARE_PAUSE_ENV = "NNLITE_INJECT_PREPARE_PAUSE_S"
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -36,6 +39,7 @@ def env(
     *,
     pause: float | None = None,
     stuck: str | None = None,
+    stuck_mark: Path | None = None,
     prepare_pause: float | None = None,
 ) -> dict:
     """``base`` (default: this process's environment) with the repository and tests/ on
@@ -47,6 +51,8 @@ def env(
         out[PAUSE_ENV] = str(pause)
     if stuck is not None:
         out[STUCK_ENV] = stuck
+    if stuck_mark is not None:
+        out[STUCK_MARK_ENV] = str(stuck_mark)
     if prepare_pause is not None:
         out[PREPARE_PAUSE_ENV] = str(prepare_pause)
     return out
@@ -126,6 +132,15 @@ class StuckCall:
         return self
 
 
+def wait_for_file(path: Path, proc, timeout: float = 60.0) -> None:
+    """Until ``path`` exists (bounded), while ``proc`` runs."""
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before {path.name} appeared"
+        assert time.monotonic() - t0 < timeout, f"{path.name} did not appear in {timeout} s"
+        time.sleep(0.05)
+
+
 def stick_at(step: int, process: int | None = None) -> None:
     """The loop of this process gets stuck at ``step`` (module docstring, :data:`STUCK_ENV`)."""
     import jax
@@ -141,6 +156,8 @@ def stick_at(step: int, process: int | None = None) -> None:
             return
         stuck.append(StuckCall())
         watch(self, first, stuck[0])
+        if os.environ.get(STUCK_MARK_ENV):
+            Path(os.environ[STUCK_MARK_ENV]).touch()
         stuck[0].block_until_ready()  # as at any sync point: never returns
 
     faults.Watchdog.watch = stuck_watch

@@ -391,13 +391,16 @@ def test_launcher_second_ctrl_c_names_itself_not_its_sigkill(tmp_path):
             "2",
         ],
         cwd=ROOT,
-        env=_inject.env(env_with_devices(2), stuck="25:1"),
+        env=_inject.env(env_with_devices(2), stuck="25:1", stuck_mark=tmp_path / "stuck"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         wait_for_progress(tmp_path / "run" / "metrics.jsonl", launcher, lines=2)
+        # only once the step is stuck: a SIGTERM that came before it would be honoured at
+        # the next step's sync point (a clean exit 3 before the second Ctrl-C)
+        _inject.wait_for_file(tmp_path / "stuck", launcher)
         launcher.send_signal(signal.SIGINT)
         time.sleep(1.0)
         launcher.send_signal(signal.SIGINT)
