@@ -12,7 +12,7 @@ process a launcher (``--processes N``) starts too.
   handed to the watchdog (``train.faults.Watchdog.watch`` wrapped) and waited for: a stuck
   call on that process and, for its peers, a collective that never completes. With
   :data:`STUCK_MARK_ENV` = a path, that process creates the file once it is stuck, so a
-  test can act after the step is stuck, not before (:func:`wait_for_file`).
+  test can act after the step is stuck, not before.
 - :data:`PREPARE_PAUSE_ENV` = seconds: ``nnlite-train prepare`` sleeps after each chunk of
   its input (the readers ``train.prepare`` calls wrapped) and before it commits ``--out``,
   so that a test can signal or kill it half-way.
@@ -130,15 +130,6 @@ class StuckCall:
     def block_until_ready(self):
         self._thread.join()
         return self
-
-
-def wait_for_file(path: Path, proc, timeout: float = 60.0) -> None:
-    """Until ``path`` exists (bounded), while ``proc`` runs."""
-    t0 = time.monotonic()
-    while not path.exists():
-        assert proc.poll() is None, f"the run ended before {path.name} appeared"
-        assert time.monotonic() - t0 < timeout, f"{path.name} did not appear in {timeout} s"
-        time.sleep(0.05)
 
 
 def stick_at(step: int, process: int | None = None) -> None:

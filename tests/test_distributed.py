@@ -90,14 +90,22 @@ def first_step_grads_saved(run_dir: Path) -> dict:
     return {k: np.asarray(v, np.float64) / (1 - 0.9) for k, v in mu.items()}
 
 
-def wait_for_progress(metrics: Path, proc, timeout=60.0, lines=1) -> None:
+def wait_until(ready, proc, what: str, timeout=60.0) -> None:
+    """Until ``ready()`` (bounded by ``timeout``), while ``proc`` runs."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
+        if ready():
             return
-        assert proc.poll() is None, "the run ended before it made progress"
+        assert proc.poll() is None, f"the run ended before {what}"
         time.sleep(0.05)
-    raise AssertionError("no progress in metrics.jsonl")
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def wait_for_progress(metrics: Path, proc, timeout=60.0, lines=1) -> None:
+    def ready():
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= lines
+
+    wait_until(ready, proc, "it made progress (metrics.jsonl)", timeout)
 
 
 def children(pid: int) -> dict[int, int]:
@@ -400,7 +408,7 @@ def test_launcher_second_ctrl_c_names_itself_not_its_sigkill(tmp_path):
         wait_for_progress(tmp_path / "run" / "metrics.jsonl", launcher, lines=2)
         # only once the step is stuck: a SIGTERM that came before it would be honoured at
         # the next step's sync point (a clean exit 3 before the second Ctrl-C)
-        _inject.wait_for_file(tmp_path / "stuck", launcher)
+        wait_until((tmp_path / "stuck").exists, launcher, "process 1 was stuck")
         launcher.send_signal(signal.SIGINT)
         time.sleep(1.0)
         launcher.send_signal(signal.SIGINT)

@@ -32,7 +32,8 @@ def rows_matmul(x: jax.Array, W: jax.Array) -> jax.Array:
     ``x.reshape(-1, in)``. The same numbers as ``x @ W``; what changes is autodiff's
     transpose: ``dW`` becomes ``x2^T dy2``, a 2-D product, where through a 3-D ``x`` it
     contracts two axes at once, which XLA:CPU lowered by writing ``dy`` transposed in the
-    fusion that produced it (the 135M Llama's ``jax.grad`` step: 7.49 -> 6.25 s)."""
+    fusion that produced it (the 135M Llama's ``jax.grad`` step: 7.34 -> 6.53 s,
+    benchmarks/README.md)."""
     if x.ndim <= 2:
         return x @ W
     return (x.reshape(-1, x.shape[-1]) @ W).reshape(*x.shape[:-1], W.shape[-1])
