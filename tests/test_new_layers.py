@@ -360,6 +360,35 @@ def test_rotary_scores_depend_on_relative_positions_only():
     np.testing.assert_allclose(scores(0), scores(37), rtol=1e-4, atol=1e-4)
 
 
+def test_rotary_static_positions_are_constant_tables_traced_ones_are_computed():
+    """A static offset rotates by cos and sin tables built at trace time (constants: no
+    cosine in the compiled program, with autodiff or with the hand rules); a traced offset
+    computes them. Both give the same rotation and the same gradient."""
+    rope = nl.RotaryEmbedding(8)
+    x, w = jax.device_put(_np(2, 5, 8)), _np(1, 5, 8, seed=1)
+    pos = rope.positions(5, 4)
+    assert isinstance(pos, np.ndarray) and pos.tolist() == [4, 5, 6, 7, 8]
+
+    def static(x):
+        return jnp.sum(rope(nl.ParamsDict(), x, offset=4) * w)
+
+    def traced(x, offset):
+        return jnp.sum(rope(nl.ParamsDict(), x, offset=offset) * w)
+
+    offset = jnp.asarray(4)
+    np.testing.assert_allclose(jax.jit(static)(x), jax.jit(traced)(x, offset), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(static))(x), jax.jit(jax.grad(traced))(x, offset), rtol=1e-5, atol=1e-5
+    )
+    manual = nl.manual_grads(lambda p, x: static(x), check=False)
+    hand = jax.jit(jax.grad(manual, argnums=1))
+    np.testing.assert_allclose(hand(nl.ParamsDict(), x), jax.grad(static)(x), rtol=1e-5, atol=1e-5)
+    for program, args in ((jax.jit(jax.grad(static)), (x,)), (hand, (nl.ParamsDict(), x))):
+        text = program.lower(*args).as_text()
+        assert "cosine" not in text and "sine" not in text
+    assert "cosine" in jax.jit(jax.grad(traced)).lower(x, offset).as_text()
+
+
 # -- every layer: shape, dtype, jit, grad, vmap -----------------------------------------------
 
 LAYERS = {

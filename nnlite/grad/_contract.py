@@ -82,6 +82,12 @@ def is_hyperparameter(a: Any) -> bool:
     )
 
 
+def is_constant(a: Any) -> bool:
+    """A numpy integer or boolean array (rotary's static positions): known at trace time and
+    without a cotangent, so a hand rule's call closes over it, as over a hyperparameter."""
+    return isinstance(a, np.ndarray | np.generic) and not np.issubdtype(a.dtype, np.inexact)
+
+
 def _leaf_has_cotangent(leaf: Any) -> bool:
     # JAX's typed literals (a float subclass with a dtype: a weakly typed scalar that was
     # traced) are values, not hyperparameters: only the plain Python types are closed over

@@ -39,7 +39,7 @@ from ..core._mode import (
     manual_tape,
     note_rule,
 )
-from ._contract import check_rule_signature, cotangents, is_hyperparameter
+from ._contract import check_rule_signature, cotangents, is_constant, is_hyperparameter
 from ._custom_vjp import plug
 from ._interpret import Evaluator, Refusal, analyse, refusal_message, refusal_place
 from ._rule_table import register
@@ -160,8 +160,10 @@ def _plugged_call(f: Callable, f_vjp: Callable, who: str, args: tuple, static: d
     """``f(*args, **static)`` through ``jax.custom_vjp`` with the rule ``f_vjp``: the arrays
     differentiated, Python scalars closed over, arrays among ``static`` (a dropout key)
     passed along without a cotangent, frozen params without one either."""
-    # Python scalars (a dropout rate) are hyperparameters too: closed over, not traced.
-    dyn_idx = [i for i, a in enumerate(args) if not is_hyperparameter(a)]
+    # Python scalars (a dropout rate) are hyperparameters too: closed over, not traced; so
+    # are numpy integer arrays (rotary's static positions), which have no cotangent: f and
+    # its rule see the same constants as outside manual mode.
+    dyn_idx = [i for i, a in enumerate(args) if not is_hyperparameter(a) and not is_constant(a)]
     # Arrays among the hyperparameters (a dropout key) enter the custom_vjp as arguments
     # without a cotangent rather than closed over: a traced loss is then self-contained,
     # and manual_grads can evaluate its jaxpr in another trace.

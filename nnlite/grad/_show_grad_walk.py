@@ -24,7 +24,7 @@ from jax.extend.core import Literal
 
 from ..core._jax_private import bind_equation, tracer_var
 from ..core._mode import manual_scope
-from ._contract import is_hyperparameter
+from ._contract import is_constant, is_hyperparameter
 from ._interpret import HAND, NESTED, Refusal, _layer, classify, inner, refusal_message
 from ._manual import ManualGradError
 from ._prim_layout import stop_gradient as _stop_gradient
@@ -384,6 +384,9 @@ class _Walk:
         for a, b in zip(args, b_args, strict=True):
             if is_hyperparameter(a):
                 node_args.append(("py", a, b))
+            elif is_constant(a):  # closed over by the rule's call: a printed constant
+                aval = jax.core.ShapedArray(a.shape, a.dtype)
+                node_args.append(_Val(aval, aval, const=True, compute=lambda a=a: a))
             elif _arrayish(a):
                 node_args.append(next(operands))
             else:

@@ -56,11 +56,20 @@ def _cos_sin(x, positions, base, inv_freq, attention_factor):
             f"rope: {len(inv_freq)} frequencies for a last axis of {x.shape[-1]} (expected "
             f"{half}, one per feature pair)"
         )
-    freq = jnp.asarray(np.asarray(inv_freq, np.float32), acc)
     lead = x.ndim - 1
+    # cos and sin at the positions' own shape (``[1, T, 1, D/2]`` against ``[B, T, H, D]``),
+    # broadcast only where they multiply x. Static positions (numpy: a layer's ``0 .. T-1``)
+    # give tables built here, constants of the program: XLA:CPU fuses the cos and sin of
+    # traced positions into each consumer and evaluates them once per element of q and k.
+    freq = np.asarray(inv_freq, np.float32).reshape((1,) * lead + (half,))
+    if isinstance(positions, np.ndarray):
+        pos = positions.reshape((1,) * (lead - positions.ndim) + positions.shape)
+        angles = pos[..., None].astype(acc) * freq.astype(acc)
+        f = float(attention_factor)
+        return (jnp.asarray(np.cos(angles.astype(np.float64)) * f, acc),
+                jnp.asarray(np.sin(angles.astype(np.float64)) * f, acc))  # fmt: skip
     pos = positions.reshape((1,) * (lead - positions.ndim) + positions.shape).astype(acc)
-    angles = pos[..., None] * freq.reshape((1,) * lead + (half,))
-    angles = jnp.broadcast_to(angles, x.shape[:-1] + (half,))
+    angles = pos[..., None] * jnp.asarray(freq, acc)
     if attention_factor == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     factor = jnp.asarray(attention_factor, acc)
@@ -68,9 +77,15 @@ def _cos_sin(x, positions, base, inv_freq, attention_factor):
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``[x1 cos - x2 sin, x2 cos + x1 sin]`` of the halves ``x1, x2`` of ``x: [..., D]``.
+    Written over a pair axis, ``[..., 2, D/2]`` times its own reverse, not as two halves
+    joined again: XLA:CPU runs a concatenating fusion 3-4 times slower (30 rotations of
+    ``[4, 256, 9, 64]``: 65 ms against 20 ms)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(cos.dtype), x[..., half:].astype(cos.dtype)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    pairs = x.reshape(*x.shape[:-1], 2, half).astype(cos.dtype)
+    signed_sin = jnp.stack([-sin, sin], axis=-2)  # at cos's (small) shape
+    y = pairs * cos[..., None, :] + jnp.flip(pairs, axis=-2) * signed_sin
+    return y.reshape(x.shape).astype(x.dtype)
 
 
 def _check(x: Any, positions: Any) -> None:
@@ -320,10 +335,15 @@ class RotaryEmbedding(Module):
     def init(self, key: jax.Array) -> ParamsDict:
         return ParamsDict()
 
-    def positions(self, length: int, offset: Any = 0) -> jax.Array:
-        """``offset + arange(length)`` laid out along ``seq_axis`` (``[T, 1, ...]``)."""
+    def positions(self, length: int, offset: Any = 0) -> jax.Array | np.ndarray:
+        """``offset + arange(length)`` laid out along ``seq_axis`` (``[T, 1, ...]``): a numpy
+        array for a Python ``offset`` (the rotation's cos and sin are then constants of the
+        compiled program), a traced one otherwise."""
+        shape = (length,) + (1,) * (-self.seq_axis - 2)
+        if isinstance(offset, int | np.integer):  # static: numpy, so cos and sin are too
+            return np.arange(offset, offset + length, dtype=np.int32).reshape(shape)
         p = jnp.arange(length, dtype=jnp.int32) + jnp.asarray(offset, jnp.int32)
-        return p.reshape((length,) + (1,) * (-self.seq_axis - 2))
+        return p.reshape(shape)
 
     def __call__(
         self,
