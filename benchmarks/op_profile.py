@@ -17,7 +17,8 @@ asynchronously, so their events hold only the launch: under ``nnlite`` the GEMMs
 lands in the "outside events" line (the step's wall time less the events'); ``xla``'s
 profile attributes every op. Rows: ``gpt_large`` (GPT 6x6x384, context 256, batch 64, the
 trainer's step), ``llama_full`` and ``llama_lora`` (a SmolLM-135M-shaped Llama, 4x256
-tokens, the full fine-tuning and the LoRA steps of ``benchmarks.pretrained``). ``--tiny``: both at a tiny size (a smoke
+tokens, the full fine-tuning and the LoRA steps of ``benchmarks.pretrained``), ``llama_forward``
+(its forward pass, all logits). ``--tiny``: both at a tiny size (a smoke
 run; times mean nothing). Results: ``benchmarks/results/op_profile-latest.json``.
 """
 
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from . import _harness as h
 
-ROWS = ("gpt_large", "llama_full", "llama_lora")
+ROWS = ("gpt_large", "llama_full", "llama_lora", "llama_forward")
 _DATA_MOVEMENT = {
     "parameter", "transpose", "copy", "bitcast", "reshape", "broadcast", "slice",
     "concatenate", "pad", "dynamic-slice", "dynamic-update-slice",
@@ -153,6 +154,8 @@ def _build(row: str, tiny: bool):
 
     bench = LlamaBench("tiny" if tiny else "smollm", 2 if tiny else 4, 16 if tiny else 256)
     which = row.removeprefix("llama_")
+    if which == "forward":
+        return bench.forward_cases()["nnlite"]
     return bench.step_cases((which,))[f"nnlite {which}"]
 
 
