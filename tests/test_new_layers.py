@@ -360,7 +360,7 @@ def test_rotary_scores_depend_on_relative_positions_only():
     np.testing.assert_allclose(scores(0), scores(37), rtol=1e-4, atol=1e-4)
 
 
-def test_rotary_static_positions_are_constant_tables_traced_ones_are_computed():
+def test_rotary_static_positions_are_constant_tables_traced_ones_are_computed(monkeypatch):
     """A static offset rotates by cos and sin tables built at trace time (constants: no
     cosine in the compiled program, with autodiff or with the hand rules); a traced offset
     computes them. Both give the same rotation and the same gradient."""
@@ -387,6 +387,11 @@ def test_rotary_static_positions_are_constant_tables_traced_ones_are_computed():
         text = program.lower(*args).as_text()
         assert "cosine" not in text and "sine" not in text
     assert "cosine" in jax.jit(jax.grad(traced)).lower(x, offset).as_text()
+    # past MAX_TABLE entries static positions are computed in the program too, the same
+    monkeypatch.setattr(nl.nn._rotary, "MAX_TABLE", 4)
+    long = jax.jit(lambda x: static(x))  # a new function: jax's trace cache keeps the old one
+    assert "cosine" in long.lower(x).as_text()
+    np.testing.assert_allclose(long(x), jax.jit(traced)(x, offset), rtol=1e-5, atol=1e-5)
 
 
 # -- every layer: shape, dtype, jit, grad, vmap -----------------------------------------------

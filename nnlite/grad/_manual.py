@@ -81,7 +81,9 @@ def hand_rule(f_vjp: Callable) -> Callable[[Callable], Callable]:
       (zeros where nothing flows back, never ``None``); ``f``'s keyword-only arguments
       come as keywords.
     * A float array (or a pytree holding one) has a cotangent; Python scalars are
-      hyperparameters and integer/bool arrays are not differentiable: they have none.
+      hyperparameters and integer/bool arrays are not differentiable: they have none. A
+      numpy integer/bool array (known at trace time) is closed over as a constant, so
+      ``f`` and the rule see the numpy array itself, as outside manual mode.
     * ``dargs``: one cotangent per argument (a tuple; for one argument the bare ``dx`` or
       ``(dx,)``), or the cotangents of the arguments that have one only, in order (the
       seed's ``index_vjp(x, i, dret) -> dx``). Each has its argument's shape; ``None``

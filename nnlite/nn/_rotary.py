@@ -62,18 +62,37 @@ def _cos_sin(x, positions, base, inv_freq, attention_factor):
     # give tables built here, constants of the program: XLA:CPU fuses the cos and sin of
     # traced positions into each consumer and evaluates them once per element of q and k.
     freq = np.asarray(inv_freq, np.float32).reshape((1,) * lead + (half,))
-    if isinstance(positions, np.ndarray):
-        pos = positions.reshape((1,) * (lead - positions.ndim) + positions.shape)
-        angles = pos[..., None].astype(acc) * freq.astype(acc)
-        f = float(attention_factor)
-        return (jnp.asarray(np.cos(angles.astype(np.float64)) * f, acc),
-                jnp.asarray(np.sin(angles.astype(np.float64)) * f, acc))  # fmt: skip
-    pos = positions.reshape((1,) * (lead - positions.ndim) + positions.shape).astype(acc)
+    if isinstance(positions, np.ndarray) and positions.size * half <= MAX_TABLE:
+        tables = _tables(positions.tobytes(), positions.dtype.str, positions.shape,
+                         tuple(inv_freq), attention_factor, lead, np.dtype(acc).name)  # fmt: skip
+        return jnp.asarray(tables[0]), jnp.asarray(tables[1])
+    pos = jnp.asarray(positions)
+    pos = pos.reshape((1,) * (lead - pos.ndim) + pos.shape).astype(acc)
     angles = pos[..., None] * jnp.asarray(freq, acc)
     if attention_factor == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     factor = jnp.asarray(attention_factor, acc)
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
+
+
+#: The most ``cos`` (and ``sin``) entries built at trace time as constants (1 MB in float32:
+#: 8192 positions of a 64-wide head); longer tables are computed in the program.
+MAX_TABLE = 1 << 18
+
+
+@functools.lru_cache(maxsize=32)
+def _tables(positions: bytes, kind: str, shape: tuple, inv_freq: tuple, factor, lead, dtype):
+    """The ``(cos, sin)`` numpy tables of static positions (``positions`` their bytes, of
+    numpy dtype ``kind``). Cached: every layer of a model gets the same two arrays, which a
+    traced program then holds once."""
+    pos = np.frombuffer(positions, np.dtype(kind)).reshape(shape)
+    pos = pos.reshape((1,) * (lead - pos.ndim) + pos.shape)
+    freq = np.asarray(inv_freq, np.float32).astype(dtype)
+    angles = (pos[..., None].astype(dtype) * freq.reshape((1,) * lead + (-1,))).astype(np.float64)
+    tables = (np.cos(angles) * factor).astype(dtype), (np.sin(angles) * factor).astype(dtype)
+    for t in tables:
+        t.flags.writeable = False  # shared by every caller
+    return tables
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
