@@ -120,3 +120,22 @@ def test_stop_ids_default_to_the_directory(tmp_path):
     np.testing.assert_array_equal(out[0, k + 1 :], other)  # the pad id: the first stop id
     again = m.generate(weights, np.array([[1, 2, 3]]), 10, jax.random.key(0), 0.0, stop_ids=())
     np.testing.assert_array_equal(again, free)
+
+
+def test_sample_logits_traced_temperature_zero_is_argmax_without_the_draw():
+    """A traced temperature: 0 gives each row's argmax and the program runs no draw (the
+    random numbers sit in the branch not taken); > 0 gives jax.random.categorical's draw
+    of the scaled logits, as before."""
+    import jax.numpy as jnp
+
+    logits = jax.random.normal(jax.random.key(0), (3, 50))
+    key = jax.random.key(1)
+    f = jax.jit(lambda t: nl.hf.sample_logits(logits, key, t))
+    np.testing.assert_array_equal(f(jnp.float32(0)), jnp.argmax(logits, -1))
+    want = jax.random.categorical(key, logits / 0.7, axis=-1)
+    np.testing.assert_array_equal(f(jnp.float32(0.7)), want)
+    eqns = jax.make_jaxpr(lambda t: nl.hf.sample_logits(logits, key, t))(0.0).jaxpr.eqns
+    cond = [e for e in eqns if e.primitive.name == "cond"]
+    branches = [str(b) for b in cond[0].params["branches"]]  # (false, true): (draw, argmax)
+    assert "random_bits" in branches[0] and "random" not in branches[1]
+    assert not any("random" in e.primitive.name for e in eqns)

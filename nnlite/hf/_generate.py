@@ -57,25 +57,35 @@ def sample_logits(
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
-    t = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
-    scaled = logits / t
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
-        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    if top_p is not None and top_p < 1:
-        order = jnp.argsort(-scaled, axis=-1)
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        drop_sorted = before >= top_p
-        drop = (
-            jnp.zeros_like(drop_sorted)
-            .at[jnp.arange(scaled.shape[0])[:, None], order]
-            .set(drop_sorted)
-        )
-        scaled = jnp.where(drop, -jnp.inf, scaled)
-    drawn = jax.random.categorical(key, scaled, axis=-1)
-    return jnp.where(jnp.asarray(temperature) == 0, greedy, drawn)
+    if isinstance(temperature, int | float) and temperature == 0:
+        return greedy
+    temperature = jnp.asarray(temperature)
+
+    def draw():
+        t = jnp.maximum(temperature.astype(jnp.float32), 1e-6)
+        scaled = logits / t
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
+            scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+        if top_p is not None and top_p < 1:
+            order = jnp.argsort(-scaled, axis=-1)
+            sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+            probs = jax.nn.softmax(sorted_logits, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+            drop_sorted = before >= top_p
+            drop = (
+                jnp.zeros_like(drop_sorted)
+                .at[jnp.arange(scaled.shape[0])[:, None], order]
+                .set(drop_sorted)
+            )
+            scaled = jnp.where(drop, -jnp.inf, scaled)
+        drawn = jax.random.categorical(key, scaled, axis=-1).astype(greedy.dtype)
+        return jnp.where(temperature == 0, greedy, drawn)
+
+    # A traced temperature of 0 (greedy) skips the draw at run time: its random numbers,
+    # their logs over the vocabulary and top_p's sort (the 135M Llama's greedy decoding:
+    # 1.3 ms of each 43 ms token).
+    return jax.lax.cond(jnp.all(temperature == 0), lambda: greedy, draw)
 
 
 def bucket(length: int) -> int:
