@@ -17,9 +17,9 @@ asynchronously, so their events hold only the launch: under ``nnlite`` the GEMMs
 lands in the "outside events" line (the step's wall time less the events'); ``xla``'s
 profile attributes every op. Rows: ``gpt_large`` (GPT 6x6x384, context 256, batch 64, the
 trainer's step), ``llama_full`` and ``llama_lora`` (a SmolLM-135M-shaped Llama, 4x256
-tokens, the full fine-tuning and the LoRA steps of ``benchmarks.pretrained``), ``llama_forward``
-(its forward pass, all logits). ``--tiny``: both at a tiny size (a smoke
-run; times mean nothing). Results: ``benchmarks/results/op_profile-latest.json``.
+tokens, the full fine-tuning and the LoRA steps of ``benchmarks.pretrained``) and
+``llama_forward`` (its forward pass, all logits). ``--tiny``: every row at a tiny size (a
+smoke run; times mean nothing). Results: ``benchmarks/results/op_profile-latest.json``.
 """
 
 from __future__ import annotations

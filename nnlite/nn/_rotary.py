@@ -61,14 +61,14 @@ def _cos_sin(x, positions, base, inv_freq, attention_factor):
     # broadcast only where they multiply x. Static positions (numpy: a layer's ``0 .. T-1``)
     # give tables built here, constants of the program: XLA:CPU fuses the cos and sin of
     # traced positions into each consumer and evaluates them once per element of q and k.
-    freq = np.asarray(inv_freq, np.float32).reshape((1,) * lead + (half,))
     if isinstance(positions, np.ndarray) and positions.size * half <= MAX_TABLE:
         tables = _tables(positions.tobytes(), positions.dtype.str, positions.shape,
                          tuple(inv_freq), attention_factor, lead, np.dtype(acc).name)  # fmt: skip
         return jnp.asarray(tables[0]), jnp.asarray(tables[1])
+    freq = jnp.asarray(np.asarray(inv_freq, np.float32), acc).reshape((1,) * lead + (half,))
     pos = jnp.asarray(positions)
     pos = pos.reshape((1,) * (lead - pos.ndim) + pos.shape).astype(acc)
-    angles = pos[..., None] * jnp.asarray(freq, acc)
+    angles = pos[..., None] * freq
     if attention_factor == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     factor = jnp.asarray(attention_factor, acc)
