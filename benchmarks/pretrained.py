@@ -1,7 +1,7 @@
 """Pretrained models (nl.hf) against PyTorch ``transformers`` on a SmolLM-135M-shaped Llama.
 
     python -m benchmarks.pretrained [--size smollm|tiny] [--batch 4] [--seq 256]
-                                    [--new-tokens 64] [--rounds 3]
+                                    [--new-tokens 64] [--rounds 3] [--lora-base]
 
 A random-weight Llama made locally by ``transformers`` (``--size smollm``: 30 layers, 576
 wide, 9 heads, 3 KV heads, MLP 1536, vocabulary 49152, tied head: SmolLM-135M's shape;
@@ -17,6 +17,10 @@ as the CPU has, which is what XLA uses):
   when ``peft`` is installed, PyTorch + peft LoRA with the same targets;
 - sampling: greedy new tokens/s with the key/value cache, ``model.generate`` (one compiled
   program) against ``transformers``' ``generate``.
+
+``--lora-base`` measures instead the trainer's LoRA step with the frozen base stored in
+float32 and in bfloat16 (``model.param_dtype``), computed in float32 and in bfloat16: its
+time and the compiled step's memory (params, temporaries).
 
 Results go to ``benchmarks/results/pretrained-latest.json``.
 """
@@ -101,7 +105,7 @@ class LlamaBench:
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        self.cfg = transformers.LlamaConfig(**SIZES[size])
+        self.size, self.cfg = size, transformers.LlamaConfig(**SIZES[size])
         self.dir = tempfile.mkdtemp(prefix="nnlite-bench-hf-")
         torch.manual_seed(0)
         self.ref = transformers.AutoModelForCausalLM.from_config(self.cfg)
@@ -217,6 +221,52 @@ class LlamaBench:
         trained = [p for p in peft_model.parameters() if p.requires_grad]
         return peft_model, torch.optim.AdamW(trained, 1e-4, weight_decay=0.01)
 
+    def lora_base_cases(self) -> tuple[dict, dict]:
+        """The trainer's LoRA model (``nl.hf.Pretrained``: rank 8 on q and v, the loss by
+        ``token_log_probs``, AdamW, the adapters and their state donated) with its frozen
+        base stored in float32 and in bfloat16 (``model.param_dtype``), each computed in
+        float32 and under ``train.precision: bfloat16``'s policy: ``({name: step}, {name:
+        (params MB, temporaries MB)})``, the sizes from the compiled step's memory analysis
+        (the params: the program's arguments, adapters and optimizer state included)."""
+        import jax
+        import optax
+
+        import nnlite as nl
+        from train.step.precision import Policy
+
+        x, y = self.x, self.y
+        opt = optax.adamw(1e-4, weight_decay=0.01)
+        lora = {"rank": 8, "alpha": 16, "targets": LORA_TARGETS}
+        cases, memory = {}, {}
+        for stored in ("float32", "bfloat16"):
+            model = nl.hf.Pretrained(self.dir, lora=lora, param_dtype=stored)
+            adapters, frozen = nl.lora_split(jax.jit(model.init)(jax.random.key(0)))
+            for compute in ("float32", "bfloat16"):
+                m = model if compute == "float32" else Policy(model, compute)
+
+                def step(a, s, frozen, m=m):
+                    g = jax.grad(lambda a: -m.token_log_probs(nl.lora_join(a, frozen), x, y).mean())(a)  # fmt: skip
+                    u, s = opt.update(g, s, a)
+                    return optax.apply_updates(a, u), s
+
+                a = jax.tree.map(jax.numpy.copy, adapters)
+                state = (a, opt.init(a))
+                compiled = nl.jit(step, donate_argnums=(0, 1)).lower(*state, frozen).compile()
+                name = f"base {stored}, compute {compute}"
+                info = compiled.memory_analysis()
+                memory[name] = (
+                    info.argument_size_in_bytes / 2**20,
+                    info.temp_size_in_bytes / 2**20,
+                )
+                box = [state]
+
+                def go(compiled=compiled, box=box, frozen=frozen):
+                    box[0] = compiled(*box[0], frozen)
+                    jax.block_until_ready(box[0])
+
+                cases[name] = go
+        return cases, memory
+
     def sample_cases(self, new_tokens: int) -> dict:
         """Greedy sampling of ``new_tokens`` after a 16-token prompt, with the cache."""
         import jax
@@ -246,8 +296,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="--size tiny --rounds 1: a smoke run")
+    ap.add_argument(
+        "--lora-base",
+        action="store_true",
+        help="only the LoRA step with the frozen base in float32 and in bfloat16 "
+        "(model.param_dtype): time and the compiled step's memory",
+    )
     ap.add_argument("--load-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.size, args.rounds, args.new_tokens = "tiny", 1, 4
     if args.load_child:
         load_child(*args.load_child)
         return 0
@@ -258,6 +317,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(os.cpu_count() or 1)
     bench = LlamaBench(args.size, args.batch, args.seq)
+    if args.lora_base:
+        return _lora_base(bench, args.rounds, args.batch * args.seq)
     rows, results = [], {"size": args.size, "config": SIZES[args.size]}
     loads = {w: _child(bench.dir, w) for w in ("nnlite", "transformers")}
     results["import"] = loads
@@ -282,6 +343,24 @@ def main(argv=None) -> int:
     print(h.table(rows, ["what", "time / rate", "note"]))
     results["machine"] = h.machine_info()
     print("wrote", h.write_json(f"pretrained-{args.size}", results))
+    return 0
+
+
+def _lora_base(bench, rounds: int, tokens: int) -> int:
+    """``--lora-base``: the table of :meth:`LlamaBench.lora_base_cases`."""
+    from . import _harness as h
+
+    cases, memory = bench.lora_base_cases()
+    times = h.time_interleaved(cases, rounds=rounds, warmup=1)
+    rows, results = [], {"size": bench.size, "lora_base": {}}
+    for name, (params_mb, temp_mb) in memory.items():
+        v = h.median(times[name])
+        results["lora_base"][name] = {"seconds": v, "params_mb": params_mb, "temp_mb": temp_mb}
+        rows.append((f"LoRA step, {name}", h.fmt_time(v), f"{tokens / v:,.0f} tokens/s",
+                     f"{params_mb:,.1f} MB", f"{temp_mb:,.1f} MB"))  # fmt: skip
+    print(h.table(rows, ["what", "time", "rate", "params", "temporaries"]))
+    results["machine"] = h.machine_info()
+    print("wrote", h.write_json(f"pretrained-lora-base-{bench.size}", results))
     return 0
 
 

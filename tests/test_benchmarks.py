@@ -179,6 +179,7 @@ SMOKE = {
     ),
     # the GPT row only: each row is a fresh process with its HLO dumped
     "python -m benchmarks.op_profile": ("op_profile", ["--tiny", "--rows", "gpt_large"]),
+    "python -m benchmarks.pretrained --lora-base": ("pretrained", ["--tiny", "--lora-base"]),
     # with one XLA flag set: the matmul in a fresh process
     "python -m benchmarks.real_size": (
         "real_size",

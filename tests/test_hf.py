@@ -518,6 +518,49 @@ def test_pretrained_model_for_a_trainer(tmp_path):
         nl.hf.Pretrained(tmp_path, lora={"lora_dropout": 0.1, "targets": ["*"]})
 
 
+def test_pretrained_base_kept_in_bfloat16(tmp_path):
+    """Pretrained(param_dtype="bfloat16"): the frozen base is stored in bfloat16 (half its
+    bytes), the adapters in float32, and the model computes in float32 from the stored
+    weights: its logits, the adapters' gradients (autodiff and the hand rules), greedy
+    tokens and the merged export are the float32 model's on the same rounded weights."""
+    base = nl.hf.LlamaLM(vocab_size=40, context=16, n_layer=2, n_head=2, n_embd=8, hidden=16)
+    nl.hf.save_pretrained(tmp_path, base, jax.jit(base.init)(jax.random.key(3)))
+    lora = {"rank": 2, "targets": ["*/attn/q", "*/mlp/up"]}
+    m16 = nl.hf.Pretrained(tmp_path, lora=lora, param_dtype="bfloat16")
+    m32 = nl.hf.Pretrained(tmp_path, lora=lora)
+    adapters, frozen = nl.lora_split(jax.jit(m16.init)(jax.random.key(0)))
+    assert {str(a.dtype) for a in frozen.values()} == {"bfloat16"}
+    assert {str(a.dtype) for a in adapters.values()} == {"float32"}
+    frozen32 = nl.lora_split(jax.jit(m32.init)(jax.random.key(0)))[1]
+    assert 2 * sum(a.nbytes for a in frozen.values()) == sum(a.nbytes for a in frozen32.values())
+    rounded = {k: v.astype(jnp.float32) for k, v in frozen.items()}
+    p16, p32 = nl.lora_join(adapters, frozen), nl.lora_join(adapters, rounded)
+    tokens = np.arange(12).reshape(2, 6) % 40
+    assert_close_f32(jax.jit(m16)(p16, tokens), jax.jit(m32)(p32, tokens), ops=4)
+
+    def loss(m, manual):
+        def f(a, fr):
+            return -m.token_log_probs(nl.lora_join(a, fr), tokens[:, :-1], tokens[:, 1:]).mean()
+
+        return nl.manual_grads(f) if manual else f
+
+    for manual in (False, True):
+        g16 = jax.jit(jax.grad(loss(m16, manual)))(adapters, frozen)
+        g32 = jax.jit(jax.grad(loss(m32, manual)))(adapters, rounded)
+        for k in g16:
+            assert_close_f32(g16[k], g32[k], ops=8)
+    greedy = [m.generate(p, tokens[:1], 4, jax.random.key(0), temperature=0)
+              for m, p in ((m16, p16), (m32, p32))]  # fmt: skip
+    np.testing.assert_array_equal(*greedy)
+    m2, p2 = nl.hf.load_pretrained(m16.export(tmp_path / "out", p16))
+    assert_close_f32(jax.jit(m2)(p2, tokens), jax.jit(m32)(p32, tokens), ops=24)
+    with pytest.raises(ValueError, match="param_dtype='bfloat16' keeps the frozen base of a "
+                       "LoRA run in that dtype, but this model has no lora"):  # fmt: skip
+        nl.hf.Pretrained(tmp_path, param_dtype="bfloat16")
+    with pytest.raises(ValueError, match="param_dtype='int8': expected one of float32, bf"):
+        nl.hf.Pretrained(tmp_path, lora=lora, param_dtype="int8")
+
+
 # --- the trainer: model.name "hf:DIR", model.lora, prepare --tokenizer hf:DIR, sampling ---
 def _tiny_hf_dir(d):
     """A GPT-2 directory made by nnlite itself, with a BPE tokenizer.json (no transformers
@@ -595,6 +638,58 @@ def test_trainer_fine_tunes_a_pretrained_directory_with_lora(tmp_path, capsys):
     m2, p2 = nl.hf.load_pretrained(out)
     tokens = np.arange(10).reshape(1, 10)
     assert_close_f32(jax.jit(m2)(p2, tokens), jax.jit(loaded.model)(loaded.params, tokens), ops=24)
+
+
+def test_trainer_keeps_a_lora_base_in_bfloat16(tmp_path, capsys):
+    """model.param_dtype: bfloat16 with model.lora: the run's base is stored in bfloat16 and
+    stays what the directory holds (rounded), the adapters train in float32, the run
+    resumes (the base read again in bfloat16) and samples; without lora, exit 2."""
+    import yaml
+
+    from train import prepare, sample
+    from train.__main__ import main
+    from train.config import config_from_dict
+    from train.inference import load_run
+    from train.loop.trainer import train as train_run
+
+    src = tmp_path / "gpt2"
+    (tmp_path / "t.txt").write_text(_tiny_hf_dir(src))
+    args = ["--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "tok")]
+    assert prepare.main([*args, "--tokenizer", f"hf:{src}"]) == 0
+    raw = {
+        "name": "bf16base",
+        "model": {"name": f"hf:{src}", "param_dtype": "bfloat16",
+                  "lora": {"rank": 2, "alpha": 4, "targets": ["*/attn/qkv"]}},
+        "data": {"name": "tokens", "path": str(tmp_path / "tok"), "context": 16,
+                 "eval_windows": 4},
+        "optimizer": {"name": "adamw", "learning_rate": 0.01, "weight_decay": 0.1},
+        "train": {"batch_size": 4, "steps": 2, "eval_every": 2, "log_every": 2},
+        "checkpoint": {"every": 2},
+        "log": {"dir": str(tmp_path / "runs"), "progress": False, "plot": False},
+    }  # fmt: skip
+    train_run(config_from_dict(raw), resume="fresh", echo=lambda s: None)
+    raw["train"]["steps"] = 4
+    r = train_run(config_from_dict(raw), resume="require", echo=lambda s: None)
+    assert r.step == 4 and r.grad_mode == "manual"
+    trained = r.params.to_flat()
+    for path, w in nl.hf.load_pretrained(src)[1].to_flat().items():
+        got = trained[path]
+        assert got.dtype == jnp.bfloat16, path
+        np.testing.assert_array_equal(got, w.astype(jnp.bfloat16))
+    assert r.params.blocks[0].attn.qkv.lora_b.dtype == jnp.float32
+    assert float(jnp.abs(r.params.blocks[0].attn.qkv.lora_b).max()) > 0
+    assert load_run(r.run_dir).params.wte.W.dtype == jnp.bfloat16
+    capsys.readouterr()
+    assert sample.main(["--run", str(r.run_dir), "--prompt", "the king", "--tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("the king")
+
+    del raw["model"]["lora"]
+    raw["name"] = "full"
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(tmp_path / "full.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "param_dtype='bfloat16' keeps the frozen base" in err
+    assert not (tmp_path / "runs" / "full").exists()
 
 
 def test_trainer_fine_tunes_a_gemma2_directory(tf, checkpoint, tmp_path):

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..core._module import Module
 from ..core._params import ParamsDict
+from ..core._precision import precision_dtype
 from ..nn._dropout import check_rate
 from ..nn._lora import freeze_base, lora_mask
 from ._adapter import read_adapter
@@ -37,6 +38,7 @@ from ._tokenizer import stop_ids as read_stop_ids
 __all__ = ["Pretrained"]
 
 _LORA_KEYS = ("rank", "alpha", "targets", "dropout", "path")
+_STORED = ("float32", "bfloat16", "float16")  # the dtypes a frozen base may be kept in
 
 
 def _base(path: str, ignore_keys: tuple) -> GPT2LM | LlamaLM:
@@ -162,6 +164,11 @@ class Pretrained(Module):
         vocab_size: the data's vocabulary size, at most the model's (a trainer fills it).
         context: the training window, at most the model's positions (a trainer fills it).
         ignore_keys: config keys to pass over (see ``load_pretrained``).
+        param_dtype: the dtype the frozen base weights are kept in: ``"float32"`` (the
+            default), or with ``lora`` ``"bfloat16"`` / ``"float16"``, which halves the
+            base's memory. The adapters stay float32. The model computes in float32 from
+            the stored weights (each cast up inside the compiled program), or in the run's
+            ``train.precision``.
 
     Example:
         >>> import tempfile, jax, nnlite as nl
@@ -179,12 +186,23 @@ class Pretrained(Module):
     vocab_size: int | None = None
     context: int | None = None
     ignore_keys: tuple[str, ...] = ()
+    param_dtype: str = "float32"
 
     task = "language_model"
 
     def __post_init__(self):
         object.__setattr__(self, "lora", _lora_pairs(self.lora))
         object.__setattr__(self, "path", str(self.path))
+        if not isinstance(self.param_dtype, str) or self.param_dtype not in _STORED:
+            raise ValueError(
+                f"param_dtype={self.param_dtype!r}: expected one of {', '.join(_STORED)}"
+            )
+        if self.param_dtype != "float32" and not self.lora:
+            raise ValueError(
+                f"param_dtype={self.param_dtype!r} keeps the frozen base of a LoRA run in "
+                "that dtype, but this model has no lora: full fine-tuning updates every "
+                "weight, so they stay float32 (for a lower compute dtype: train.precision)"
+            )
         super().__post_init__()
         model = self.model  # reads config.json: refuses what it cannot build
         if self.vocab_size is not None and not 0 < self.vocab_size <= model.vocab_size:
@@ -224,12 +242,12 @@ class Pretrained(Module):
         return self.model.context
 
     def init(self, key: jax.Array) -> ParamsDict:
-        """The directory's weights (float32), each read by a host callback, plus fresh LoRA
-        adapters from ``key``."""
+        """The directory's weights (in ``param_dtype``), each read by a host callback, plus
+        fresh LoRA adapters (float32) from ``key``."""
         base = self.base
         family = family_of(base)
         like = jax.eval_shape(base.init, jax.random.key(0))
-        path = self.path
+        path, stored = self.path, jnp.dtype(self.param_dtype)
 
         def read(name: str, transposed: bool, shape: tuple):
             def host():
@@ -237,9 +255,9 @@ class Pretrained(Module):
                 a = np.asarray(a.T if transposed else a, np.float32)
                 if a.shape != shape:
                     raise ValueError(f"{path}: tensor {name!r} has shape {a.shape}, not {shape}")
-                return a
+                return a.astype(stored)
 
-            return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32))
+            return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, stored))
 
         names = set(SafetensorsDir(path, ValueError).names())
         flat = {}
@@ -271,6 +289,16 @@ class Pretrained(Module):
     def param_axes(self) -> ParamsDict:
         return self.model.param_axes()
 
+    def computed(self, params: ParamsDict) -> ParamsDict:
+        """``params`` as the model computes with them: a base kept in a lower
+        ``param_dtype`` cast up to float32. Unchanged in ``nl.precision``'s scope (a run's
+        ``train.precision``), whose policy has cast every param to its compute dtype
+        already."""
+        low = jnp.dtype(self.param_dtype)
+        if low == jnp.float32 or precision_dtype() is not None:
+            return params
+        return jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == low else a, params)
+
     def trainable(self, params):
         """Which params training updates: with ``lora`` the adapters only (``nl.lora_mask``;
         the trainer then neither differentiates nor keeps optimizer state for the rest),
@@ -290,7 +318,7 @@ class Pretrained(Module):
         segment_ids: jax.Array | None = None,
         key: jax.Array | None = None,
     ):
-        return self.model(params, tokens, segment_ids=segment_ids, key=key)
+        return self.model(self.computed(params), tokens, segment_ids=segment_ids, key=key)
 
     def token_log_probs(
         self, params: ParamsDict, tokens, labels, *, segment_ids=None, key=None, chunk=None
@@ -299,7 +327,7 @@ class Pretrained(Module):
         ``token_log_probs``; ``segment_ids``: packed documents): what the trainer's loss
         differentiates."""
         return self.model.token_log_probs(
-            params, tokens, labels, segment_ids=segment_ids, key=key, chunk=chunk
+            self.computed(params), tokens, labels, segment_ids=segment_ids, key=key, chunk=chunk
         )
 
     # -- checkpoints of a LoRA run: the adapters, and the base named by path and hash ---------
@@ -328,7 +356,7 @@ class Pretrained(Module):
             )
 
     def decode_step(self, params, cache, tokens, pos, **kw):
-        return self.model.decode_step(params, cache, tokens, pos, **kw)
+        return self.model.decode_step(self.computed(params), cache, tokens, pos, **kw)
 
     def empty_cache(self, batch: int, length: int, dtype: Any = jnp.float32):
         return self.model.empty_cache(batch, length, dtype)
@@ -344,12 +372,13 @@ class Pretrained(Module):
         """``prompt [batch, P]`` and ``n_tokens`` sampled tokens (``nl.hf.generate``),
         stopping at the directory's end-of-text ids unless ``stop_ids`` says otherwise."""
         kw.setdefault("stop_ids", self.stop_ids)
-        model = self.model  # the decoder's own programs: shared with load_pretrained's
+        model, params = self.model, self.computed(params)  # load_pretrained's programs
         return generate(model, params, prompt, n_tokens, key, temperature, top_k, top_p, **kw)
 
     def generate_stream(self, params, prompt, n_tokens: int, key, *args, **kw):
         """``nl.hf.generate_stream``: the new tokens ``[batch]`` of each step as they come."""
         kw.setdefault("stop_ids", self.stop_ids)
+        params = self.computed(params)
         return generate_stream(self.model, params, prompt, n_tokens, key, *args, **kw)
 
     def export(self, directory, params: ParamsDict, tokenizer: Any = None, **kwargs):
@@ -358,4 +387,4 @@ class Pretrained(Module):
         from ._convert import save_pretrained
 
         kwargs.setdefault("source", self.path)
-        return save_pretrained(directory, self.model, params, tokenizer, **kwargs)
+        return save_pretrained(directory, self.model, self.computed(params), tokenizer, **kwargs)
