@@ -147,19 +147,24 @@ def test_trainer_programs_of_the_shipped_gpt_hold_no_param(tmp_path):
         assert param_constants(traced, params, opt) == [], name
 
 
-def test_trainer_programs_of_a_pretrained_model_with_a_peft_adapter_hold_no_param(tmp_path):
-    """``model.name: hf:DIR`` with ``lora.path`` (a peft adapter): the base weights and the
-    adapter's are read by host callbacks, never held as constants, by init, the step, the
-    evaluation, prediction and generation."""
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_trainer_programs_of_a_pretrained_model_with_a_peft_adapter_hold_no_param(
+    tmp_path, param_dtype
+):
+    """``model.name: hf:DIR`` with ``lora.path`` (a peft adapter), its base stored in
+    ``param_dtype``: the base weights and the adapter's are read by host callbacks, never
+    held as constants, by init, the step, the evaluation, prediction and generation."""
     base = _llama(tie_head=True)
     nl.hf.save_pretrained(tmp_path / "base", base, jax.jit(base.init)(jax.random.key(0)))
     lora = base.with_lora(["*/attn/q"], rank=2)
     lp = jax.jit(lora.init)(jax.random.key(1))
     lp.blocks[0].attn.q.lora_b = jnp.full_like(lp.blocks[0].attn.q.lora_b, 0.5)
     nl.hf.save_adapter(tmp_path / "adapter", lora, lp)
-    model = {"name": f"hf:{tmp_path / 'base'}", "lora": {"path": str(tmp_path / "adapter")}}
+    model = {"name": f"hf:{tmp_path / 'base'}", "lora": {"path": str(tmp_path / "adapter")},
+             "param_dtype": param_dtype}  # fmt: skip
     _, params, opt, programs = _trainer_programs(_config(tmp_path, model))
     np.testing.assert_array_equal(params.blocks[0].attn.q.lora_b, 0.5)  # the adapter's
+    assert params.blocks[0].attn.q.W.dtype == param_dtype
     for name, traced in programs.items():
         assert param_constants(traced, params, opt) == [], name
 
