@@ -371,6 +371,27 @@ def test_dpo_loss_equals_a_direct_computation(chat_dir, tmp_path, lora):
     np.testing.assert_allclose(float(same), np.log(2), rtol=1e-5)
 
 
+def test_dpo_with_a_lora_base_kept_in_bfloat16(chat_dir, tmp_path):
+    """A LoRA policy whose base is stored in bfloat16 (model.param_dtype): DPO's reference,
+    that base without the adapters, is cast up as the policy's is, so the loss is the
+    float32 model's on the same rounded weights."""
+    from train.model.dpo import DPO
+
+    _triples(tmp_path / "p.jsonl")
+    data = _data(tmp_path / "p.jsonl", chat_dir, test_fraction=0.3)
+    lora = {"rank": 2, "targets": ["*/attn/[qv]"]}
+    m16 = nl.hf.Pretrained(str(chat_dir), lora=lora, param_dtype="bfloat16")
+    m32 = nl.hf.Pretrained(str(chat_dir), lora=lora)
+    adapters, frozen = nl.lora_split(jax.jit(m16.init)(jax.random.key(0)))
+    adapters = {k: v + 0.3 for k, v in adapters.items()}  # the policy moved from its base
+    rounded = {k: v.astype(np.float32) for k, v in frozen.items()}
+    x, y = data.x, data.y
+    loss16, _ = jax.jit(DPO(m16, beta=0.5).objective)(nl.lora_join(adapters, frozen), x, y)
+    loss32, _ = jax.jit(DPO(m32, beta=0.5).objective)(nl.lora_join(adapters, rounded), x, y)
+    assert abs(float(loss32) - np.log(2)) > 1e-3  # the policy differs from the reference
+    np.testing.assert_allclose(float(loss16), float(loss32), rtol=1e-5)
+
+
 def test_dpo_run_logs_rewards_and_refuses_mismatched_data(chat_dir, tmp_path, capsys):
     from train.errors import ConfigError
 

@@ -111,7 +111,10 @@ class DPO:
             path = getattr(self.model, "path", None)
         if path is None:  # a LoRA run: the same base weights, the adapters left out
             base = getattr(self.model, "base", self.model)
-            return self._logits(base, _without_adapters(params), x)
+            frozen = _without_adapters(params)
+            if callable(getattr(self.model, "computed", None)):  # a base kept in bfloat16
+                frozen = self.model.computed(frozen)
+            return self._logits(base, frozen, x)
         model, ref = _directory(str(path))
         return self._logits(model, ref, x)
 
