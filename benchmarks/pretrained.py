@@ -88,6 +88,39 @@ def _child(directory: str, which: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _adapter_step(loss, opt):
+    """The compiled LoRA step of ``loss(params)``: gradients and ``opt`` (an optax
+    optimizer) on the adapters only, the adapters and their state donated. The frozen base
+    is an argument, not closed over: a closed-over array is a constant of the program,
+    which XLA folds at compile time (it spent over a second transposing the 135M model's
+    f32[49152,576] token table)."""
+    import jax
+    import optax
+
+    import nnlite as nl
+
+    def step(a, s, frozen):
+        g = jax.grad(lambda a: loss(nl.lora_join(a, frozen)))(a)
+        u, s = opt.update(g, s, a)
+        return optax.apply_updates(a, u), s
+
+    return nl.jit(step, donate_argnums=(0, 1))
+
+
+def _stepping(step, *state, frozen=()):
+    """A case that runs ``step(*state, *frozen)`` once and blocks, carrying the (donated)
+    state from call to call."""
+    import jax
+
+    box = [state]
+
+    def go():
+        box[0] = step(*box[0], *frozen)
+        jax.block_until_ready(box[0])
+
+    return go
+
+
 class LlamaBench:
     """The Llama of ``size`` (a :data:`SIZES` name) made by ``transformers`` with random
     weights, saved and loaded by ``nl.hf``, and the cases that time both libraries on
@@ -165,15 +198,6 @@ class LlamaBench:
 
             return step
 
-        def nnlite_step(step, *state, frozen=()):
-            box = [state]
-
-            def go():
-                box[0] = step(*box[0], *frozen)
-                jax.block_until_ready(box[0])
-
-            return go
-
         cases = {}
         if "full" in which:
 
@@ -184,23 +208,14 @@ class LlamaBench:
                 return optax.apply_updates(p, u), s
 
             params = jax.tree.map(jax.numpy.copy, self.params)  # the step donates its own
-            cases["nnlite full"] = nnlite_step(full_step, params, opt.init(params))
+            cases["nnlite full"] = _stepping(full_step, params, opt.init(params))
             torch_opt = torch.optim.AdamW(self.ref.parameters(), 1e-4, weight_decay=0.01)
             cases["torch full"] = torch_step(self.ref, torch_opt)
         if "lora" in which:
             lmodel, lparams = nl.hf.add_lora(model, self.params, LORA_TARGETS, jax.random.key(0))
             adapters, frozen = nl.lora_split(lparams)
-
-            # the frozen base is an argument, not closed over: a closed-over array is a
-            # constant of the program, which XLA folds at compile time (it spent over a
-            # second transposing the 135M model's f32[49152,576] token table)
-            @jit
-            def lora_step(a, s, frozen):
-                g = jax.grad(lambda a: xent(lmodel, nl.lora_join(a, frozen)))(a)
-                u, s = opt.update(g, s, a)
-                return optax.apply_updates(a, u), s
-
-            cases["nnlite lora"] = nnlite_step(
+            lora_step = _adapter_step(lambda p: xent(lmodel, p), opt)
+            cases["nnlite lora"] = _stepping(
                 lora_step, adapters, opt.init(adapters), frozen=(frozen,)
             )
             try:
@@ -243,28 +258,17 @@ class LlamaBench:
             adapters, frozen = nl.lora_split(jax.jit(model.init)(jax.random.key(0)))
             for compute in ("float32", "bfloat16"):
                 m = model if compute == "float32" else Policy(model, compute)
-
-                def step(a, s, frozen, m=m):
-                    g = jax.grad(lambda a: -m.token_log_probs(nl.lora_join(a, frozen), x, y).mean())(a)  # fmt: skip
-                    u, s = opt.update(g, s, a)
-                    return optax.apply_updates(a, u), s
-
+                step = _adapter_step(lambda p, m=m: -m.token_log_probs(p, x, y).mean(), opt)
                 a = jax.tree.map(jax.numpy.copy, adapters)
                 state = (a, opt.init(a))
-                compiled = nl.jit(step, donate_argnums=(0, 1)).lower(*state, frozen).compile()
+                compiled = step.lower(*state, frozen).compile()
                 name = f"base {stored}, compute {compute}"
                 info = compiled.memory_analysis()
                 memory[name] = (
                     info.argument_size_in_bytes / 2**20,
                     info.temp_size_in_bytes / 2**20,
                 )
-                box = [state]
-
-                def go(compiled=compiled, box=box, frozen=frozen):
-                    box[0] = compiled(*box[0], frozen)
-                    jax.block_until_ready(box[0])
-
-                cases[name] = go
+                cases[name] = _stepping(compiled, *state, frozen=(frozen,))
         return cases, memory
 
     def sample_cases(self, new_tokens: int) -> dict:

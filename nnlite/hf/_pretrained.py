@@ -255,7 +255,7 @@ class Pretrained(Module):
                 a = np.asarray(a.T if transposed else a, np.float32)
                 if a.shape != shape:
                     raise ValueError(f"{path}: tensor {name!r} has shape {a.shape}, not {shape}")
-                return a.astype(stored)
+                return a.astype(stored, copy=False)  # float32: no second copy
 
             return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, stored))
 
