@@ -172,15 +172,15 @@ def child(row: str, tiny: bool, options: str, top: int) -> dict:
     t0 = time.perf_counter()
     step()
     wall = time.perf_counter() - t0
-    trace_dir = tempfile.mkdtemp(prefix="nnlite-op-profile-")
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    step()
-    jax.profiler.stop_trace()
-    path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
-    events = [
-        e for e in json.load(gzip.open(path))["traceEvents"]
-        if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})
-    ]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="nnlite-op-profile-") as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        step()
+        jax.profiler.stop_trace()
+        path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
+        events = [
+            e for e in json.load(gzip.open(path))["traceEvents"]
+            if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})
+        ]  # fmt: skip
     modules = collections.Counter(e["args"].get("hlo_module") for e in events)
     module = modules.most_common(1)[0][0]  # the step: the program with the most events
     dumps = glob.glob(
@@ -192,18 +192,19 @@ def child(row: str, tiny: bool, options: str, top: int) -> dict:
 
 def run_row(row: str, tiny: bool, options: str, top: int) -> dict:
     """:func:`child` in a fresh process whose XLA_FLAGS dump the optimised HLO."""
-    dump = tempfile.mkdtemp(prefix="nnlite-op-profile-hlo-")
-    env = {**os.environ, "NNLITE_OP_PROFILE_DUMP": dump}
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
     code = (
         "import json, sys; from benchmarks.op_profile import child; "
         f"print('OP_PROFILE ' + json.dumps(child({row!r}, {tiny}, {options!r}, {top})))"
     )
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-        timeout=3600,
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="nnlite-op-profile-hlo-") as dump:
+        env = {**os.environ, "NNLITE_OP_PROFILE_DUMP": dump}
+        flags = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+        env["XLA_FLAGS"] = flags
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+            timeout=3600,
+        )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("OP_PROFILE ")]
     if proc.returncode or not lines:
         raise SystemExit(f"op_profile {row}: the child failed:\n{proc.stderr[-3000:]}")

@@ -28,9 +28,11 @@ Results go to ``benchmarks/results/pretrained-latest.json``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,6 +142,7 @@ class LlamaBench:
         transformers.utils.logging.disable_progress_bar()
         self.size, self.cfg = size, transformers.LlamaConfig(**SIZES[size])
         self.dir = tempfile.mkdtemp(prefix="nnlite-bench-hf-")
+        atexit.register(shutil.rmtree, self.dir, ignore_errors=True)  # 540 MB at smollm
         torch.manual_seed(0)
         self.ref = transformers.AutoModelForCausalLM.from_config(self.cfg)
         self.ref.save_pretrained(self.dir)
