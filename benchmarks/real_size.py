@@ -7,7 +7,8 @@ issue #43's table measured side by side in one run.
 Rows (``--rows``, default all; :data:`ROWS`): the GPT 6x6x384 training step (context 256,
 batch 64, ``loss.grad: auto`` as the trainer resolves it) and the baby GPT 4x4x128, each
 against nanoGPT's PyTorch model (``benchmarks/_gpt_impls.py``, the same weights, data and
-AdamW; the two reach the same loss before timing); a SmolLM-135M-shaped Llama (random
+AdamW; the two reach the same loss before timing); one of that GPT's attention layers,
+forward and backward, against PyTorch's fused ``scaled_dot_product_attention``; a SmolLM-135M-shaped Llama (random
 weights made by ``transformers``; ``benchmarks/pretrained.py``) at 4x256 tokens: full
 fine-tuning step with AdamW against ``transformers``, LoRA step (rank 8 on q and v) against
 ``peft``, forward tokens/s, greedy generation with the cache; one 2048x2048 matmul in
@@ -52,6 +53,8 @@ from ._matmul import (
 ROWS = {
     "gpt_large": "GPT 6x6x384, ctx 256, batch 64: training step, loss.grad auto (vs PyTorch)",
     "gpt_baby": "baby GPT 4x4x128, ctx 64, batch 12: training step (vs PyTorch)",
+    "attention": "one GPT 6x6x384 layer's causal attention, [64,256,6,64]: forward and "
+    "backward (MultiHeadAttention.attend vs torch's scaled_dot_product_attention)",
     "llama_full": "SmolLM-135M-shaped Llama, 4x256 tokens: full fine-tuning step, AdamW "
     "(vs transformers)",
     "llama_lora": "same: LoRA step, rank 8 on q, v (vs peft)",
@@ -92,12 +95,15 @@ def machine(threads: int) -> dict:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             versions[mod] = "not installed"
+    import nnlite as nl
+
     return {
         "cpu": model or info.get("model name") or "unknown",
         "isa": {f: f in flags for f in ISA_FLAGS},
         "threads": threads,
         "load_before": _load(),
         "versions": versions,
+        "attention": nl.flash_info(),
     }
 
 
@@ -113,7 +119,8 @@ def machine_line(m: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     return (
         f"machine: {m['cpu']}; {isa}; threads {m['threads']} (XLA's pool and "
-        f"torch.set_num_threads); load average {m['load_before']} before; {versions}"
+        f"torch.set_num_threads); load average {m['load_before']} before; {versions}; "
+        f"CPU attention: {m['attention']}"
     )
 
 
@@ -157,6 +164,50 @@ def _gpt_pair(row: str, spec, k: int) -> tuple:
     if not abs(a - b) <= 1e-4 * abs(b):
         raise SystemExit(f"{row}: loss after {k} steps: {ours.name} {a!r}, PyTorch {b!r}")
     return ours, theirs
+
+
+def attention_row(tiny: bool, rounds: int) -> dict:
+    """One layer's causal attention, forward and backward: ``MultiHeadAttention.attend``
+    under ``nl.jit`` (the fused CPU kernel where it is built: ``nl.flash_info()``) against
+    ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's fused CPU kernel), on
+    the same q, k, v and output cotangent, checked equal first."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    import nnlite as nl
+
+    b, t, heads, d = (2, 80, 2, 16) if tiny else (64, 256, 6, 64)
+    att = nl.MultiHeadAttention(heads * d, heads, causal=True)
+    rng = np.random.default_rng(0)
+    q, k, v, w = (rng.standard_normal((b, t, heads, d), dtype=np.float32) for _ in range(4))
+
+    def loss(q, k, v, w):
+        return jnp.sum(att.attend(q, k, v) * w)
+
+    grad = nl.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    args = [jnp.asarray(x) for x in (q, k, v, w)]
+    tq, tk, tv = (torch.tensor(x.transpose(0, 2, 1, 3)).requires_grad_() for x in (q, k, v))
+    tw = torch.tensor(w.transpose(0, 2, 1, 3))
+
+    def ours():
+        return jax.block_until_ready(grad(*args))
+
+    def theirs():
+        for x in (tq, tk, tv):
+            x.grad = None
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        (out * tw).sum().backward()
+        return tq.grad, tk.grad, tv.grad
+
+    for a, g in zip(ours(), theirs(), strict=True):
+        g = g.numpy().transpose(0, 2, 1, 3)
+        if not np.allclose(a, g, rtol=1e-3, atol=1e-3 * float(np.abs(g).max())):
+            raise SystemExit("attention: nnlite's and PyTorch's gradients differ")
+    samples = h.time_interleaved({"nnlite": ours, "theirs": theirs}, rounds=rounds, warmup=1)
+    flops = 4 * b * heads * t * (t + 1) / 2 * d * 3.5  # causal: forward 2 products, backward 5
+    return _row(samples, "torch SDPA", 1, "call", flops, "FLOP")
 
 
 def llama_row(row: str, bench, tiny: bool, rounds: int) -> dict | None:
@@ -261,6 +312,8 @@ def run_rows(args) -> dict:
         t0 = time.perf_counter()
         if row.startswith("gpt_"):
             results[row] = gpt_row(row, args.tiny, rounds, built)
+        elif row == "attention":
+            results[row] = attention_row(args.tiny, rounds)
         elif row.startswith("llama_"):
             if bench is None:
                 from .pretrained import LlamaBench

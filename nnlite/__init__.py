@@ -79,6 +79,10 @@ from .nn._dropout import Dropout as Dropout
 from .nn._embedding import Embedding as Embedding
 from .nn._equinox import EquinoxLayer as EquinoxLayer
 from .nn._equinox import from_equinox as from_equinox
+from .nn._flash import flash_attention as flash_attention
+from .nn._flash import flash_attention_bwd as flash_attention_bwd
+from .nn._flash import flash_attention_fwd as flash_attention_fwd
+from .nn._flash import flash_info as flash_info
 from .nn._linear import FFN as FFN
 from .nn._linear import Activation as Activation
 from .nn._linear import Linear as Linear
@@ -245,6 +249,10 @@ __all__ = [
     "check_manual",
     "check_rules",
     "compiler_options",
+    "flash_attention",
+    "flash_attention_bwd",
+    "flash_attention_fwd",
+    "flash_info",
     "jit",
     "cost_analysis",
     "flops",

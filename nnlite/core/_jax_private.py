@@ -22,6 +22,9 @@ from jax.extend.core import ClosedJaxpr
 
 __all__ = [
     "at_top_level",
+    "match_varying",
+    "partitioned_lowering",
+    "result_aval",
     "bind_equation",
     "current_trace",
     "lowered_cost_analysis",
@@ -305,3 +308,43 @@ def lowered_cost_analysis(lowered) -> dict | None:
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else None
     return cost
+
+
+def result_aval(name: str, avals, shape, dtype):
+    """The abstract value of a primitive's result computed from ``avals`` (nnlite's fused
+    attention): inside ``shard_map`` it varies along the manual axes its operands do
+    (which must agree: :func:`match_varying`), and it carries the current mesh's sharding."""
+    from jax._src import core
+
+    core.standard_vma_rule(name, *avals)
+    return core.ShapedArray(
+        shape,
+        dtype,
+        sharding=core.get_cur_mesh_sharding(),
+        manual_axis_type=avals[0].manual_axis_type,
+    )
+
+
+def match_varying(*xs):
+    """``xs`` made to vary along the same manual axes (``pvary`` where one does not), as JAX's
+    own binary primitives are before they bind."""
+    from jax._src import core
+
+    return core.auto_insert_reshard(*xs)
+
+
+def partitioned_lowering(ctx) -> bool:
+    """Whether ``ctx`` (a lowering rule's context) lowers a program that XLA will partition
+    over several devices (``jit`` with shardings, a ``shard_map`` body with automatic axes):
+    an opaque custom call there would be replicated, so a rule lowers to XLA ops instead.
+    A single device, and a ``shard_map`` body manual along every axis, are not."""
+    from jax._src import sharding_impls as si
+
+    axis = ctx.module_context.axis_context
+    if isinstance(axis, si.SPMDAxisContext):
+        return set(axis.mesh.axis_names) != set(axis.manual_axes)
+    if isinstance(axis, si.ShardingContext):
+        return axis.num_devices > 1
+    if isinstance(axis, si.ReplicaAxisContext):
+        return False
+    return not isinstance(axis, si.SingleDeviceAxisContext)

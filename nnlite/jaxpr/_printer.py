@@ -56,6 +56,7 @@ _IMPORTS = {
     "lax": "from jax import lax",
     "prims": "from jax.extend.core import primitives as prims",
     "P": "from jax.sharding import PartitionSpec as P",
+    "nnlite": "import nnlite",  # nnlite's own primitives (its fused attention)
 }
 _RESERVED = set(keyword.kwlist) | set(dir(builtins)) | set(_IMPORTS) | {"carry", "xs", "res", "ct"}
 CONSTS_DICT = "LARGE_CONSTS"
@@ -312,7 +313,7 @@ class Printer:
 
     def _note(self, expr) -> None:
         s = flat(expr)
-        for mod in ("jnp", "np", "lax", "prims", "jax"):
+        for mod in ("jnp", "np", "lax", "prims", "jax", "nnlite"):
             if re.search(rf"(?<![\w.]){mod}\.", s):
                 self.used.add(mod)
         if re.search(r"(?<![\w.])P\(", s):

@@ -419,4 +419,10 @@ RULES["random_wrap"] = _random_wrap
 RULES["random_unwrap"] = _random_unwrap
 
 
+# nnlite's own primitives: the fused CPU attention (nnlite/nn/_flash.py)
+for _name in ("fwd", "bwd"):
+    RULES[f"nnlite_attention_{_name}"] = _kw_rule(
+        f"nnlite.flash_attention_{_name}", ("scale", "causal", "offset", "window")
+    )
+
 register(rules=RULES)

@@ -29,6 +29,7 @@ from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
 from ..grad._rule_table import register
 from ._dropout import check_rate, dropout
+from ._flash import flash_attention, usable
 from ._linear import Linear
 from ._lora import LoRA, adapter_axes, split_key
 from ._normalisation import RMSNorm
@@ -589,6 +590,12 @@ class MultiHeadAttention(Module):
         q4, k4, v4 = (a.reshape(b, *a.shape[-3:]) for a in (q, k, v))
         blocks = None
         dropping = key is not None and self.dropout_rate > 0
+        if self._fused(q4, k4, v4, mask, dropping, q_offset):  # one kernel: _flash.py
+            out = flash_attention(
+                q4, k4, v4, scale=self.scale, causal=self.causal, q_offset=q_offset,
+                window=self.window,
+            )  # fmt: skip
+            return out.reshape(*batch, *out.shape[-3:])
         if self.causal and mask is None and not dropping and self.implementation != "cudnn":
             blocks = causal_blocks(t_q, t_k, q_offset, self.window)
         if blocks is not None:  # only the key blocks each query block can see
@@ -612,6 +619,15 @@ class MultiHeadAttention(Module):
         m4 = None if mask is None else mask.reshape(b, *full[-3:])
         out = self._dense(q4, k4, v4, m4, key)
         return out.reshape(*batch, *out.shape[-3:])
+
+    def _fused(self, q4, k4, v4, mask, dropping: bool, q_offset: Any) -> bool:
+        """Whether ``attend`` runs as one fused kernel (``nl.nn.flash_attention``): the
+        default implementation on the CPU, float32, no mask, attention dropout or cap."""
+        if self.implementation is not None or mask is not None or dropping:
+            return False
+        if self.softcap is not None:
+            return False
+        return usable(q4, k4, v4, causal=self.causal, q_offset=q_offset)
 
     def _dense(self, q4, k4, v4, m4, key=None, plain=False) -> jax.Array:
         """Attention of ``q4: [B, T, H, D]`` over all of ``k4, v4``, ``m4`` the mask, with
