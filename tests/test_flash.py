@@ -208,3 +208,15 @@ def test_without_the_kernel_the_layer_runs_on_xla(tmp_path, how):
     assert ("NNLITE_CPU_ATTENTION=xla" in info) if how == "env" else ("no-such-compiler" in info)
     assert path == "xla ops"
     assert np.isfinite(float(grad))
+
+
+def test_flops_count_the_pairs_each_query_sees():
+    q, k, v, _ = _qkv(2, 8, 8, 2, 1, 16)
+    pairs = 2 * 2 * (8 * 9 // 2)  # batch x heads x the causal triangle
+    fwd = nl.flops(lambda q: nl.flash_attention(q, k, v, causal=True), q)
+    assert fwd["unknown"] == () and fwd["matmul_flops"] == 2 * 2 * pairs * 16
+    assert fwd["transcendentals"] == pairs
+    both = nl.flops(jax.grad(lambda q: nl.flash_attention(q, k, v, causal=True).sum()), q)
+    assert both["unknown"] == () and both["matmul_flops"] == (2 + 5) * 2 * pairs * 16
+    windowed = nl.flops(lambda q: nl.flash_attention(q, k, v, causal=True, window=2), q)
+    assert windowed["transcendentals"] == 2 * 2 * (1 + 2 * 7)

@@ -415,6 +415,21 @@ def _dot(eqn) -> _Count:
     return _Count(n, n)
 
 
+def _attention(eqn, products: int, elementwise: int) -> _Count:
+    """nnlite's fused CPU attention (``nnlite_attention_fwd``/``_bwd``): ``products``
+    ``[T, D] x [D, S]``-sized products over the (query, key) pairs each query sees, 2 FLOPs
+    per multiply-add, and per pair ``elementwise`` FLOPs and one exp."""
+    b, t, h, d = eqn.invars[0].aval.shape
+    s = eqn.invars[1].aval.shape[1]
+    p = eqn.params
+    rows = np.arange(t)
+    hi = np.minimum(s, rows + p["offset"] + 1) if p["causal"] else np.full(t, s)
+    lo = np.maximum(0, rows + p["offset"] - p["window"] + 1) if p["window"] > 0 else 0
+    pairs = b * h * int(np.maximum(hi - lo, 0).sum())
+    matmul = products * 2 * pairs * d
+    return _Count(matmul + elementwise * pairs, matmul, pairs)
+
+
 def _ragged_dot(eqn) -> _Count:
     # each row of lhs [m, k] meets one group's [k, n]: a dense [m, k] x [k, n] product
     lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
@@ -524,6 +539,9 @@ def _random(eqn) -> _Count:
 
 _FIRST_ORDER: dict[str, Callable] = {
     "dot_general": _dot,
+    # forward: q k^T and p v; backward: q k^T again, do v^T, p^T do, ds^T q and ds k
+    "nnlite_attention_fwd": functools.partial(_attention, products=2, elementwise=4),
+    "nnlite_attention_bwd": functools.partial(_attention, products=5, elementwise=4),
     "ragged_dot_general": _ragged_dot,
     "conv_general_dilated": _conv,
     "integer_pow": _integer_pow,
