@@ -1,0 +1,167 @@
+"""The fused CPU attention kernel against XLA's attention, in one process.
+
+    python -m benchmarks.attention [--rows ROW,...] [--rounds 5] [--tiny]
+
+Each row builds the same program twice, once with ``MultiHeadAttention`` taking
+``nl.flash_attention`` (the fused kernel, ``nnlite/nn/_flash.py``) and once taking XLA's
+ops (the query blocks of ``nnlite/nn/_attention.py``), traces and compiles each under its
+setting, checks that both give the same result, then times them interleaved (medians of
+``--rounds``). Rows (:data:`ROWS`): one GPT 6x6x384 layer's attention (``attend``, forward
+and backward), that GPT's training step (the trainer's, ``loss.grad: auto``), and a
+SmolLM-135M-shaped Llama's full fine-tuning step and forward at 4x256 tokens.
+``--tiny``: tiny sizes, one round (a smoke run). Results go to
+``benchmarks/results/attention-latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from . import _harness as h
+
+ROWS = {
+    "layer": "one GPT 6x6x384 layer's causal attention [64,256,6,64]: attend, forward+backward",
+    "gpt_large": "GPT 6x6x384, ctx 256, batch 64: the trainer's training step",
+    "llama_full": "SmolLM-135M-shaped Llama, 4x256 tokens: full fine-tuning step",
+    "llama_forward": "same: forward",
+}
+
+
+def _variants(make):
+    """``{"fused": fn, "xla": fn}``: ``make()`` built, traced and run once under each."""
+    from nnlite.nn import _attention
+
+    usable = _attention.usable
+    out = {}
+    for name, rule in (("fused", usable), ("xla", lambda *a, **k: False)):
+        _attention.usable = rule
+        try:
+            fn = make()
+            out[name] = (fn, fn())
+        finally:
+            _attention.usable = usable
+    return out
+
+
+def _same(results: dict, rtol: float) -> None:
+    import jax
+    import numpy as np
+
+    a, b = (jax.tree.leaves(results[k]) for k in ("fused", "xla"))
+    for x, y in zip(a, b, strict=True):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        if not np.allclose(x, y, rtol=rtol, atol=rtol * float(np.abs(y).max() or 1)):
+            raise SystemExit("the fused kernel's result differs from XLA's attention")
+
+
+def layer_case(tiny: bool):
+    import jax
+    import jax.numpy as jnp
+
+    import nnlite as nl
+
+    b, t, heads, d = (2, 80, 2, 16) if tiny else (64, 256, 6, 64)
+    att = nl.MultiHeadAttention(heads * d, heads, causal=True)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, w = (jax.random.normal(x, (b, t, heads, d)) for x in keys)
+
+    def make():
+        grad = nl.jit(jax.grad(lambda q, k, v: jnp.sum(att.attend(q, k, v) * w), (0, 1, 2)))
+        return lambda: jax.block_until_ready(grad(q, k, v))
+
+    return make, 1, 1e-4
+
+
+def gpt_case(tiny: bool):
+    import jax
+
+    from ._gpt_impls import GPT_SPECS, GPT_TINY, NnliteGPT, init_weights, make_data, optimizer
+
+    spec = GPT_TINY if tiny else GPT_SPECS["gpt_large"]
+    weights, (X, idx) = init_weights(spec), make_data(spec, 10)
+
+    def make():
+        model = NnliteGPT(spec, weights, X, None, idx, optimizer(), steps_per_call=2, grad="auto")
+
+        def run():  # two steps from the same weights and windows: the loss after them
+            with jax.numpy_rank_promotion("allow"):
+                return model.run(2)
+
+        return run
+
+    return make, 2, 1e-4
+
+
+def llama_case(tiny: bool, kind: str, bench):
+    def make():
+        if kind == "forward":
+            return bench.forward_cases()["nnlite"]
+        cases = bench.step_cases((kind,))
+        return cases[next(k for k in cases if k.startswith("nnlite"))]
+
+    return make, 1, 1e-4 if kind == "forward" else None
+
+
+def run(args) -> dict:
+    results, bench = {}, None
+    rounds = 1 if args.tiny else args.rounds
+    for row in (r for r in ROWS if r in args.rows):
+        t0 = time.perf_counter()
+        if row == "layer":
+            make, per, rtol = layer_case(args.tiny)
+        elif row == "gpt_large":
+            make, per, rtol = gpt_case(args.tiny)
+        else:
+            if bench is None:
+                from .pretrained import LlamaBench
+
+                bench = LlamaBench("tiny", 2, 16) if args.tiny else LlamaBench("smollm", 4, 256)
+            make, per, rtol = llama_case(args.tiny, row.removeprefix("llama_"), bench)
+        built = _variants(make)
+        if rtol is not None:
+            _same({k: v[1] for k, v in built.items()}, rtol)
+        samples = h.time_interleaved(
+            {k: v[0] for k, v in built.items()}, rounds=rounds, warmup=0 if per > 1 else 1
+        )
+        med = {k: h.median(v) / per for k, v in samples.items()}
+        results[row] = {"seconds": med, "samples_s": samples, "ratio": med["fused"] / med["xla"]}
+        print(f"  {row}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.attention", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per row (>= 3)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes, one round: a smoke run")
+    args = ap.parse_args(argv)
+    args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = [r for r in args.rows if r not in ROWS]
+    if bad or not args.rows:
+        ap.error(f"--rows: unknown {bad or 'empty list'}; choose from {', '.join(ROWS)}")
+    if not args.tiny and args.rounds < 3:
+        ap.error(f"--rounds {args.rounds}: medians need at least 3 rounds")
+    import nnlite as nl
+
+    info = h.machine_info()
+    print(f"machine: {info['cpu']}, {info['affinity']} cores; CPU attention: {nl.flash_info()}")
+    if not nl.flash_info().startswith("fused"):
+        raise SystemExit(f"no fused kernel in this process: {nl.flash_info()}")
+    results = run(args)
+    rows = [
+        [row, ROWS[row], h.fmt_time(r["seconds"]["xla"]), h.fmt_time(r["seconds"]["fused"]),
+         f"{r['ratio']:.2f}x"]
+        for row, r in results.items()
+    ]  # fmt: skip
+    header = ["row", "work", "XLA's attention", "fused kernel", "fused / XLA"]
+    print("\n" + h.table(rows, header))
+    h.write_json("attention-tiny" if args.tiny else "attention", {"machine": info, "rows": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
