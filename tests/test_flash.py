@@ -30,10 +30,19 @@ def _qkv(b, t, s, h, kv, d, seed=0):
     return q, k, v, w
 
 
-def _reference(q, k, v, causal, offset, window, scale=None):
+def _reference(q, k, v, causal, offset, window, scale=None, mask=None):
     t, s = q.shape[1], k.shape[1]
-    mask = _attention.causal_mask(t, s, offset, window)[None, None] if causal else None
-    return _attention.dot_product_attention(q, k, v, mask, scale=scale)
+    full = _attention.causal_mask(t, s, offset, window)[None, None] if causal else None
+    if mask is not None:
+        full = mask if full is None else full & mask
+    return _attention.dot_product_attention(q, k, v, full, scale=scale)
+
+
+def _key_padding(b, s, seed=1):
+    """``[B, 1, 1, S]``: random padding, the first row padded everywhere (its queries see
+    no key: the mean of the values)."""
+    valid = jax.random.uniform(jax.random.key(seed), (b, s)) > 0.3
+    return valid.at[0].set(False)[:, None, None, :]
 
 
 CASES = [  # b, t, s, h, kv, d, causal, q_offset, window
@@ -46,18 +55,29 @@ CASES = [  # b, t, s, h, kv, d, causal, q_offset, window
 ]
 
 
+MASKS = {  # name -> mask of (b, t, s, h)
+    "none": lambda b, t, s, h: None,
+    "key-padding": lambda b, t, s, h: _key_padding(b, s),
+    "per-query": lambda b, t, s, h: jax.random.uniform(jax.random.key(2), (b, 1, t, s)) > 0.4,
+    "per-head": lambda b, t, s, h: jax.random.uniform(jax.random.key(3), (1, h, t, s)) > 0.4,
+}
+
+
+@pytest.mark.parametrize("masking", list(MASKS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_equals_dot_product_attention(case):
+def test_equals_dot_product_attention(case, masking):
     b, t, s, h, kv, d, causal, q_offset, window = case
     q, k, v, w = _qkv(b, t, s, h, kv, d)
     offset = s - t if q_offset is None else q_offset
+    mask = MASKS[masking](b, t, s, h)
 
     def fused(q, k, v):
-        o = nl.flash_attention(q, k, v, causal=causal, q_offset=q_offset, window=window)
+        o = nl.flash_attention(q, k, v, causal=causal, q_offset=q_offset, window=window,
+                               mask=mask)  # fmt: skip
         return jnp.sum(o * w), o
 
     def plain(q, k, v):
-        o = _reference(q, k, v, causal, offset, window)
+        o = _reference(q, k, v, causal, offset, window, mask=mask)
         return jnp.sum(o * w), o
 
     (_, o), g = jax.jit(jax.value_and_grad(fused, (0, 1, 2), has_aux=True))(q, k, v)
@@ -103,9 +123,11 @@ def test_layer_takes_the_kernel_where_it_applies():
     g_manual = jax.jit(jax.grad(nl.manual_grads(loss(mha))))(p, x)
     for a, b in zip(jax.tree.leaves(g_manual), jax.tree.leaves(g_plain), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    # not where it does not apply: a mask, bfloat16, a soft cap, attention dropout
-    valid = jnp.ones((2, 70), bool)[:, None, None, :]
-    assert not uses_kernel(mha, p, x, mask=valid)
+    # with a mask (here key padding, a row padded everywhere), the same as without the kernel
+    valid = _key_padding(2, 70)
+    assert uses_kernel(mha, p, x, mask=valid)
+    np.testing.assert_allclose(mha(p, x, mask=valid), plain(p, x, mask=valid), rtol=1e-5, atol=1e-6)
+    # not where it does not apply: bfloat16, a soft cap, attention dropout
     half = nl.MultiHeadAttention(64, num_heads=4, causal=True, dtype="bfloat16")
     assert not uses_kernel(half, p, x)
     capped = nl.MultiHeadAttention(64, num_heads=4, causal=True, softcap=30.0)
@@ -130,6 +152,12 @@ def test_vmap_folds_into_the_batch():
     # a k/v shared by every mapped query (in_axes None)
     o = jax.vmap(lambda q: nl.flash_attention(q, k, v, causal=True))(qs)
     np.testing.assert_allclose(o[1], nl.flash_attention(qs[1], k, v, causal=True), rtol=1e-6)
+    # masks: mapped (one per mapped example), and shared with a batch axis of its own
+    masks = jnp.stack([_key_padding(3, 40, seed) for seed in (1, 2)])
+    o = jax.vmap(lambda q, m: nl.flash_attention(q, k, v, mask=m))(qs, masks)
+    np.testing.assert_allclose(o[1], nl.flash_attention(qs[1], k, v, mask=masks[1]), rtol=1e-6)
+    o = jax.vmap(lambda q: nl.flash_attention(q, k, v, mask=masks[0]))(qs)
+    np.testing.assert_allclose(o[1], nl.flash_attention(qs[1], k, v, mask=masks[0]), rtol=1e-6)
 
 
 def test_partitioned_programs_use_xla_ops_and_shard_map_the_kernel():
@@ -138,8 +166,10 @@ def test_partitioned_programs_use_xla_ops_and_shard_map_the_kernel():
     shard = NamedSharding(mesh, P("data"))
     qs, ks, vs, ws = (jax.device_put(a, shard) for a in (q, k, v, w))
 
+    valid = _key_padding(8, 40)
+
     def loss(q, k, v, w):
-        return jnp.sum(nl.flash_attention(q, k, v, causal=True) * w)
+        return jnp.sum(nl.flash_attention(q, k, v, causal=True, mask=valid) * w)
 
     grad = jax.jit(jax.grad(loss, (0, 1, 2)))
     text = grad.lower(qs, ks, vs, ws).as_text()
@@ -147,13 +177,20 @@ def test_partitioned_programs_use_xla_ops_and_shard_map_the_kernel():
     want = jax.grad(loss, (0, 1, 2))(q, k, v, w)
     for a, b in zip(grad(qs, ks, vs, ws), want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
     # inside shard_map each device runs the kernel on its own share
+    def local(q, k, v, w, valid):
+        o = nl.flash_attention(q, k, v, causal=True, mask=valid)
+        return jnp.sum(o * w)
+
     sm = jax.jit(
-        jax.shard_map(jax.grad(loss, (0, 1, 2)), mesh=mesh, in_specs=P("data"),
-                      out_specs=P("data"))
-    )  # fmt: skip
-    assert "nnlite_attention_bwd" in sm.lower(qs, ks, vs, ws).as_text()
-    for a, b in zip(sm(qs, ks, vs, ws), want, strict=True):
+        jax.shard_map(
+            jax.grad(local, (0, 1, 2)), mesh=mesh, in_specs=P("data"), out_specs=P("data")
+        )
+    )
+    vs_ = jax.device_put(valid, shard)
+    assert "nnlite_attention_bwd" in sm.lower(qs, ks, vs, ws, vs_).as_text()
+    for a, b in zip(sm(qs, ks, vs, ws, vs_), want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -180,6 +217,8 @@ def test_bad_inputs_name_the_values():
         nl.flash_attention(q, k, v, causal=True, q_offset=-3)
     with pytest.raises(ValueError, match="window=4 needs causal=True"):
         nl.flash_attention(q, k, v, window=4)
+    with pytest.raises(ValueError, match=r"mask must be boolean and broadcast to \[B, H, T, S\]"):
+        nl.flash_attention(q, k, v, mask=jnp.ones((1, 3, 8, 8), bool))
 
 
 _FALLBACK = """

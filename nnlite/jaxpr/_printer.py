@@ -53,10 +53,10 @@ _IMPORTS = {
     "jax": "import jax",
     "jnp": "import jax.numpy as jnp",
     "np": "import numpy as np",
+    "nnlite": "import nnlite",  # nnlite's own primitives (its fused attention)
     "lax": "from jax import lax",
     "prims": "from jax.extend.core import primitives as prims",
     "P": "from jax.sharding import PartitionSpec as P",
-    "nnlite": "import nnlite",  # nnlite's own primitives (its fused attention)
 }
 _RESERVED = set(keyword.kwlist) | set(dir(builtins)) | set(_IMPORTS) | {"carry", "xs", "res", "ct"}
 CONSTS_DICT = "LARGE_CONSTS"

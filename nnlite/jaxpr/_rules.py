@@ -422,7 +422,7 @@ RULES["random_unwrap"] = _random_unwrap
 # nnlite's own primitives: the fused CPU attention (nnlite/nn/_flash.py)
 for _name in ("fwd", "bwd"):
     RULES[f"nnlite_attention_{_name}"] = _kw_rule(
-        f"nnlite.flash_attention_{_name}", ("scale", "causal", "offset", "window")
+        f"nnlite.flash_attention_{_name}", ("scale", "causal", "offset", "window", "masked")
     )
 
 register(rules=RULES)

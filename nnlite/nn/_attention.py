@@ -243,6 +243,18 @@ def slot(y: jax.Array, *, start: int, size: int) -> jax.Array:
     return y[..., start : start + size, :]
 
 
+def _batch_mask(mask: Any, full: tuple[int, ...]) -> jax.Array:
+    """A mask broadcastable to ``full = (*batch, H, T, S)`` as ``[B, H', T', S']`` with its
+    batch axes folded into one (1 where it broadcasts over all of them), and its last three
+    axes left unbroadcast: the fused kernel reads a broadcast axis without copying it."""
+    m = jnp.asarray(mask)
+    m = m.reshape((1,) * (len(full) - m.ndim) + m.shape)
+    batch = full[:-3]
+    if all(n == 1 for n in m.shape[:-3]):
+        return m.reshape(1, *m.shape[-3:])
+    return jnp.broadcast_to(m, (*batch, *m.shape[-3:])).reshape(-1, *m.shape[-3:])
+
+
 class MultiHeadAttention(Module):
     """Scaled dot-product attention with ``num_heads`` query heads and ``num_kv_heads``
     key/value heads (``None``: as many, multi-head attention; fewer: grouped-query attention,
@@ -584,16 +596,17 @@ class MultiHeadAttention(Module):
             )
         t_q, t_k = q.shape[-3], k.shape[-3]
         full = (*batch, h, t_q, t_k)
+        given = mask
         if mask is not None:
             mask = self._check_mask(mask, full)
         b = math.prod(batch)
         q4, k4, v4 = (a.reshape(b, *a.shape[-3:]) for a in (q, k, v))
         blocks = None
         dropping = key is not None and self.dropout_rate > 0
-        if self._fused(q4, k4, v4, mask, dropping, q_offset):  # one kernel: _flash.py
+        if self._fused(q4, k4, v4, dropping, q_offset):  # one kernel: _flash.py
             out = flash_attention(
                 q4, k4, v4, scale=self.scale, causal=self.causal, q_offset=q_offset,
-                window=self.window,
+                window=self.window, mask=None if given is None else _batch_mask(given, full),
             )  # fmt: skip
             return out.reshape(*batch, *out.shape[-3:])
         if self.causal and mask is None and not dropping and self.implementation != "cudnn":
@@ -620,10 +633,10 @@ class MultiHeadAttention(Module):
         out = self._dense(q4, k4, v4, m4, key)
         return out.reshape(*batch, *out.shape[-3:])
 
-    def _fused(self, q4, k4, v4, mask, dropping: bool, q_offset: Any) -> bool:
-        """Whether ``attend`` runs as one fused kernel (``nl.nn.flash_attention``): the
-        default implementation on the CPU, float32, no mask, attention dropout or cap."""
-        if self.implementation is not None or mask is not None or dropping:
+    def _fused(self, q4, k4, v4, dropping: bool, q_offset: Any) -> bool:
+        """Whether ``attend`` runs as one fused kernel (``nl.flash_attention``): the default
+        implementation on the CPU, float32, no attention dropout or cap."""
+        if self.implementation is not None or dropping:
             return False
         if self.softcap is not None:
             return False

@@ -3,14 +3,16 @@
 // so the [T, S] probabilities never reach memory. nnlite compiles this file at first use
 // (nnlite/nn/_flash.py) and registers two XLA FFI handlers:
 //
-//   nnlite_attention_fwd(q, k, v) -> (o, lse)
-//   nnlite_attention_bwd(q, k, v, o, lse, do) -> (dq, dk, dv)
+//   nnlite_attention_fwd(q, k, v, mask) -> (o, lse)
+//   nnlite_attention_bwd(q, k, v, mask, o, lse, do) -> (dq, dk, dv)
 //
 // q, o, do: [B, T, H, D]; k, v: [B, S, KV, D] (KV divides H: query head h reads kv head
 // h / (H / KV)); lse: [B, H, T], the log of each query's softmax denominator, which the
 // backward reads instead of recomputing the forward. float32, row-major, D a multiple of 16.
-// Attributes: scale; causal (query i sees keys j <= i + offset); window (> 0: also
-// j > i + offset - window).
+// mask: boolean [Bm, Hm, Tm, Sm], each axis 1 (broadcast) or B, H, T, S: True where a query
+// may see a key (read only where the attribute masked is true). A query that sees no key
+// gets the mean of every value, as XLA's attention gives it. Attributes: scale; causal
+// (query i sees keys j <= i + offset); window (> 0: also j > i + offset - window); masked.
 //
 // Work is cut into (batch, head) units run on XLA's own thread pool; the caller takes units
 // too. The products are one register-blocked kernel (C += A B, A read element by element,
@@ -144,6 +146,14 @@ struct Shape {
   float scale;
   bool causal;
   int64_t offset, window;
+  // An optional boolean mask [Bm, Hm, Tm, Sm] (each 1 or the full size: broadcast), True
+  // where a query may see a key, on top of the causal one; null: none.
+  const bool* mask = nullptr;
+  int64_t mb = 0, mh = 0, mt = 0, ms = 0;  // its strides (0 along a broadcast axis)
+  // The mask's row for (b, h, t): element j at row[j * ms]; null without a mask.
+  const bool* MaskRow(int64_t b, int64_t h, int64_t t) const {
+    return mask == nullptr ? nullptr : mask + b * mb + h * mh + t * mt;
+  }
   // Keys [lo, hi) that query t can see.
   int64_t KeyLo(int64_t t) const {
     return causal && window > 0 ? std::max<int64_t>(0, t + offset - window + 1) : 0;
@@ -241,9 +251,17 @@ void ForwardUnit(const Shape& s, const float* q, const float* k, const float* v,
           continue;
         }
         if (a > 0 || z < kBlock) MaskRow(si, a, z);
+        if (const bool* row = s.MaskRow(b, h, t0 + i)) {
+          for (int64_t j = 0; j < kBlock && j0 + j < s.S; ++j)
+            if (!row[(j0 + j) * s.ms]) si[j] = kNegInf;
+        }
         vf mv = splat(m[i]);
         for (int j = 0; j < kBlock; j += 16) mv = VMax(mv, load(si + j));
         const float mx = Max(mv);
+        if (mx == kNegInf) {  // every key of this block is masked
+          std::fill(si, si + kBlock, 0.0f);
+          continue;
+        }
         const float corr = Exp(m[i] - mx);
         vf sum{};
         for (int j = 0; j < kBlock; j += 16) {
@@ -262,9 +280,21 @@ void ForwardUnit(const Shape& s, const float* q, const float* k, const float* v,
     }
     for (int64_t i = 0; i < rows; ++i) {
       float* out = o + ((b * s.T + t0 + i) * s.H + h) * D;
-      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-      for (int64_t d = 0; d < D; ++d) out[d] = ob[i * D + d] * inv;
-      lse[(b * s.H + h) * s.T + t0 + i] = l[i] > 0.0f ? m[i] + std::log(l[i]) : kNegInf;
+      if (l[i] > 0.0f) {
+        const float inv = 1.0f / l[i];
+        for (int64_t d = 0; d < D; ++d) out[d] = ob[i * D + d] * inv;
+        lse[(b * s.H + h) * s.T + t0 + i] = m[i] + std::log(l[i]);
+        continue;
+      }
+      // A query that sees no key: the mean of every value (XLA's attention gives every
+      // masked logit one large negative value, so its softmax is uniform), lse -inf.
+      std::fill(out, out + D, 0.0f);
+      for (int64_t t = 0; t < s.S; ++t) {
+        const float* r = Row(v, b, t, kvh, s.S, s.KV, D);
+        for (int64_t d = 0; d < D; ++d) out[d] += r[d];
+      }
+      for (int64_t d = 0; d < D; ++d) out[d] /= static_cast<float>(s.S);
+      lse[(b * s.H + h) * s.T + t0 + i] = kNegInf;
     }
   }
 }
@@ -288,6 +318,8 @@ void BackwardUnit(const Shape& s, const float* q, const float* k, const float* v
   float* dqb = Buffer(10, kBlock * D);
   float* delta = Buffer(11, kBlock);
   float* lrow = Buffer(12, kBlock);
+  float* empty = Buffer(13, D);  // the sum of the cotangents of queries that see no key
+  std::fill(empty, empty + D, 0.0f);
   const int64_t need = s.causal ? std::min(s.S, s.T - 1 + s.offset + 1) : s.S;
   GatherTransposed(k, b, kvh, s.S, s.KV, D, need, Sp, kb, kt);
   GatherTransposed(v, b, kvh, s.S, s.KV, D, need, Sp, vr, vt);
@@ -308,6 +340,8 @@ void BackwardUnit(const Shape& s, const float* q, const float* k, const float* v
         }
         delta[i] = dl;
         lrow[i] = lse[(b * s.H + h) * s.T + t0 + i];
+        if (lrow[i] == kNegInf)  // sees no key: its output is the mean of every value
+          for (int64_t d = 0; d < D; ++d) empty[d] += dr[d];
       }
       std::fill(dqb, dqb + rows * D, 0.0f);
       const int64_t lo = s.KeyLo(t0), hi = s.KeyHi(t0 + rows - 1);
@@ -326,6 +360,10 @@ void BackwardUnit(const Shape& s, const float* q, const float* k, const float* v
             continue;
           }
           if (a > 0 || z < kBlock) MaskRow(si, a, z);
+          if (const bool* row = s.MaskRow(b, h, t0 + i)) {
+            for (int64_t j = 0; j < kBlock && j0 + j < s.S; ++j)
+              if (!row[(j0 + j) * s.ms]) si[j] = kNegInf;
+          }
           for (int j = 0; j < kBlock; j += 16) {
             const vf p = Exp(load(si + j) * s.scale - lrow[i]);
             store(si + j, p);                                    // p
@@ -348,7 +386,7 @@ void BackwardUnit(const Shape& s, const float* q, const float* k, const float* v
     float* vo = dv + ((b * s.S + t) * s.KV + kvh) * D;
     for (int64_t d = 0; d < D; ++d) {
       ko[d] = t < need ? dkb[t * D + d] * s.scale : 0.0f;
-      vo[d] = t < need ? dvb[t * D + d] : 0.0f;
+      vo[d] = (t < need ? dvb[t * D + d] : 0.0f) + empty[d] / static_cast<float>(s.S);
     }
   }
 }
@@ -362,18 +400,41 @@ ffi::Error Check(const Shape& s) {
   return ffi::Error::Success();
 }
 
-Shape MakeShape(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, float scale, bool causal,
-                int64_t offset, int64_t window) {
+Shape MakeShape(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                ffi::Buffer<ffi::PRED>& mask, float scale, bool causal, int64_t offset,
+                int64_t window, bool masked) {
   auto qd = q.dimensions(), kd = k.dimensions();
-  return Shape{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], scale, causal, offset, window};
+  Shape s{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], scale, causal, offset, window};
+  if (masked) {
+    auto md = mask.dimensions();
+    s.mask = mask.typed_data();
+    s.ms = md[3] == 1 ? 0 : 1;
+    s.mt = md[2] == 1 ? 0 : md[3];
+    s.mh = md[1] == 1 ? 0 : md[2] * md[3];
+    s.mb = md[0] == 1 ? 0 : md[1] * md[2] * md[3];
+  }
+  return s;
+}
+
+ffi::Error CheckMask(const Shape& s, ffi::Buffer<ffi::PRED>& mask, bool masked) {
+  if (!masked) return ffi::Error::Success();
+  auto md = mask.dimensions();
+  const int64_t full[4] = {s.B, s.H, s.T, s.S};
+  if (md.size() != 4)
+    return ffi::Error::InvalidArgument("nnlite_attention: the mask must have 4 axes");
+  for (int i = 0; i < 4; ++i)
+    if (md[i] != 1 && md[i] != full[i])
+      return ffi::Error::InvalidArgument("nnlite_attention: the mask does not broadcast");
+  return ffi::Error::Success();
 }
 
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
-                   ffi::ResultBuffer<ffi::F32> lse, float scale, bool causal, int64_t offset,
-                   int64_t window) {
-  const Shape s = MakeShape(q, k, scale, causal, offset, window);
+                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
+                   ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse, float scale,
+                   bool causal, int64_t offset, int64_t window, bool masked) {
+  const Shape s = MakeShape(q, k, mask, scale, causal, offset, window, masked);
   if (auto e = Check(s); e.failure()) return e;
+  if (auto e = CheckMask(s, mask, masked); e.failure()) return e;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = o->typed_data(), *lp = lse->typed_data();
   ParallelFor(pool, s.B * s.H, [&](int64_t u) { ForwardUnit(s, qp, kp, vp, op, lp, u / s.H, u % s.H); });
@@ -381,12 +442,14 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
+                    ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
                     ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
                     ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale,
-                    bool causal, int64_t offset, int64_t window) {
-  const Shape s = MakeShape(q, k, scale, causal, offset, window);
+                    bool causal, int64_t offset, int64_t window, bool masked) {
+  const Shape s = MakeShape(q, k, mask, scale, causal, offset, window, masked);
   if (auto e = Check(s); e.failure()) return e;
+  if (auto e = CheckMask(s, mask, masked); e.failure()) return e;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const float *op = o.typed_data(), *lp = lse.typed_data(), *dp = dout.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
@@ -404,12 +467,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NnliteAttentionFwd, Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal")
                                   .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("window"));
+                                  .Attr<int64_t>("window")
+                                  .Attr<bool>("masked"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NnliteAttentionBwd, Backward,
                               ffi::Ffi::Bind()
@@ -417,6 +482,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NnliteAttentionBwd, Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -426,4 +492,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NnliteAttentionBwd, Backward,
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal")
                                   .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("window"));
+                                  .Attr<int64_t>("window")
+                                  .Attr<bool>("masked"));

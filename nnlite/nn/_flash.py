@@ -156,15 +156,26 @@ def flash_info() -> str:
 # ---------------------------------------------------------------------------- reference
 
 
-def _visible(t: int, s: int, causal: bool, offset: int, window: int) -> jax.Array | None:
-    """``[t, s]``: True where query ``i`` sees key ``j`` (None: every key)."""
-    if not causal:
-        return None
-    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
-    seen = j <= i + offset
-    if window > 0:
-        seen &= j > i + offset - window
-    return jnp.asarray(seen)
+def _visible(q, k, mask, causal: bool, offset: int, window: int, masked: bool):
+    """``[B, KV, G, T, S]`` (or broadcastable to it): True where query ``i`` sees key ``j``
+    (None: every key)."""
+    b, t, h, _ = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    seen = None
+    if causal:
+        i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+        c = j <= i + offset
+        if window > 0:
+            c &= j > i + offset - window
+        seen = jnp.asarray(c)[None, None, None]
+    if masked:  # [Bm, Hm, Tm, Sm] -> [Bm, KV or 1, G or 1, Tm, Sm]
+        m = (
+            mask.reshape(mask.shape[0], kv, h // kv, *mask.shape[2:])
+            if mask.shape[1] > 1
+            else (mask[:, :, None])
+        )
+        seen = m if seen is None else seen & m
+    return seen
 
 
 def _grouped(q, k):
@@ -173,38 +184,41 @@ def _grouped(q, k):
     return q.reshape(b, t, kv, h // kv, d)
 
 
-def _probs(q, k, lse, scale, causal, offset, window):
-    """``p = exp(s - lse)`` in the grouped layout ``[B, KV, G, T, S]``."""
-    b, t, h, _ = q.shape
-    s = jnp.einsum("btkgd,bskd->bkgts", _grouped(q, k), k) * scale
-    seen = _visible(t, k.shape[1], causal, offset, window)
-    lse = lse.reshape(b, k.shape[2], h // k.shape[2], t)[..., None]
-    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0))
-    return p if seen is None else jnp.where(seen, p, 0.0)
-
-
-def _reference_fwd(q, k, v, *, scale, causal, offset, window):
+def _reference_fwd(q, k, v, mask, *, scale, causal, offset, window, masked):
     """The forward kernel's arithmetic in XLA ops: ``(o, lse)``."""
     b, t, h, d = q.shape
     s = jnp.einsum("btkgd,bskd->bkgts", _grouped(q, k), k) * scale
-    seen = _visible(t, k.shape[1], causal, offset, window)
+    seen = _visible(q, k, mask, causal, offset, window, masked)
     if seen is not None:
         s = jnp.where(seen, s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    p = _probs(s, lse)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, h, d)
     return o, lse.reshape(b, h, t)
 
 
-def _reference_bwd(q, k, v, o, lse, do, *, scale, causal, offset, window):
+def _probs(s, lse):
+    """``softmax`` from the logits and their ``lse``; uniform where a query sees no key."""
+    empty = jnp.isneginf(lse)[..., None]
+    p = jnp.exp(s - jnp.where(empty, 0.0, lse[..., None]))
+    return jnp.where(empty, 1.0 / s.shape[-1], p)
+
+
+def _reference_bwd(q, k, v, mask, o, lse, do, *, scale, causal, offset, window, masked):
     """The backward kernel's arithmetic in XLA ops: ``(dq, dk, dv)``."""
     b, t, h, d = q.shape
-    p = _probs(q, k, lse, scale, causal, offset, window)
+    kv = k.shape[2]
+    s = jnp.einsum("btkgd,bskd->bkgts", _grouped(q, k), k) * scale
+    seen = _visible(q, k, mask, causal, offset, window, masked)
+    if seen is not None:
+        s = jnp.where(seen, s, -jnp.inf)
+    lse = lse.reshape(b, kv, h // kv, t)
+    p = _probs(s, lse)
     dog = _grouped(do, k)
     dv = jnp.einsum("bkgts,btkgd->bskd", p, dog)
     dp = jnp.einsum("btkgd,bskd->bkgts", dog, v)
     delta = jnp.einsum("btkgd,btkgd->bkgt", dog, _grouped(o, k))[..., None]
-    ds = p * (dp - delta) * scale
+    ds = jnp.where(jnp.isneginf(lse)[..., None], 0.0, p * (dp - delta)) * scale
     dq = jnp.einsum("bkgts,bskd->btkgd", ds, k).reshape(b, t, h, d)
     dk = jnp.einsum("bkgts,btkgd->bskd", ds, _grouped(q, k))
     return dq, dk, dv
@@ -231,18 +245,34 @@ def _check(q, k, v, name):
         )
 
 
-def _fwd_abstract(q, k, v, **params):
+def _check_mask(q, k, mask, name):
+    full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    if (
+        mask.dtype != jnp.bool_
+        or mask.ndim != 4
+        or any(m not in (1, f) for m, f in zip(mask.shape, full, strict=True))
+    ):
+        raise ValueError(
+            f"{name}: mask must be boolean [B, H, T, S] = {list(full)} with axes of size 1 "
+            f"where it broadcasts, got {mask.dtype}{list(mask.shape)}"
+        )
+
+
+def _fwd_abstract(q, k, v, mask, **params):
     _check(q, k, v, FWD)
+    _check_mask(q, k, mask, FWD)
     b, t, h, _ = q.shape
+    avals = (q, k, v, mask)
     return [
-        _jax_private.result_aval(FWD, (q, k, v), q.shape, q.dtype),
-        _jax_private.result_aval(FWD, (q, k, v), (b, h, t), q.dtype),
+        _jax_private.result_aval(FWD, avals, q.shape, q.dtype),
+        _jax_private.result_aval(FWD, avals, (b, h, t), q.dtype),
     ]
 
 
-def _bwd_abstract(q, k, v, o, lse, do, **params):
+def _bwd_abstract(q, k, v, mask, o, lse, do, **params):
     _check(q, k, v, BWD)
-    avals = (q, k, v, o, lse, do)
+    _check_mask(q, k, mask, BWD)
+    avals = (q, k, v, mask, o, lse, do)
     return [_jax_private.result_aval(BWD, avals, x.shape, x.dtype) for x in (q, k, v)]
 
 
@@ -259,10 +289,10 @@ fwd_p.def_impl(lambda *xs, **p: _eager(fwd_p, tuple(sorted(p.items())))(*xs))
 bwd_p.def_impl(lambda *xs, **p: _eager(bwd_p, tuple(sorted(p.items())))(*xs))
 
 
-def _attrs(scale, causal, offset, window) -> dict[str, Any]:
+def _attrs(scale, causal, offset, window, masked) -> dict[str, Any]:
     return dict(
         scale=np.float32(scale), causal=bool(causal), offset=np.int64(offset),
-        window=np.int64(window),
+        window=np.int64(window), masked=bool(masked),
     )  # fmt: skip
 
 
@@ -270,10 +300,10 @@ def _lowering(prim_name: str, reference):
     ffi = jax.ffi.ffi_lowering(prim_name)
     ref = mlir.lower_fun(reference, multiple_results=True)
 
-    def lower_cpu(ctx, *args, scale, causal, offset, window):
+    def lower_cpu(ctx, *args, **params):
         if _jax_private.partitioned_lowering(ctx) or not _library()[0]:
-            return ref(ctx, *args, scale=scale, causal=causal, offset=offset, window=window)
-        return ffi(ctx, *args, **_attrs(scale, causal, offset, window))
+            return ref(ctx, *args, **params)
+        return ffi(ctx, *args, **_attrs(**params))
 
     return ref, lower_cpu
 
@@ -285,13 +315,21 @@ for _prim, _reference in ((fwd_p, _reference_fwd), (bwd_p, _reference_bwd)):
 
 
 def _batch(prim: Primitive):
-    """vmap: the mapped axis folded into the batch axis ``B`` of every operand."""
+    """vmap: the mapped axis folded into the batch axis ``B`` of every operand (the mask's
+    too, where it does not broadcast along ``B`` already)."""
 
     def rule(args, dims, **params):
         n = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+        q, dq = args[0], dims[0]
+        b = q.shape[1] if dq == 0 else q.shape[0]  # q's own batch axis
         flat = []
-        for x, d in zip(args, dims, strict=True):
+        for i, (x, d) in enumerate(zip(args, dims, strict=True)):
+            if i == 3 and d is None and x.shape[0] == 1:  # a mask shared by everything
+                flat.append(x)
+                continue
             x = jnp.broadcast_to(x, (n, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+            if i == 3:  # the mask's own B axis may be 1
+                x = jnp.broadcast_to(x, (n, b, *x.shape[2:]))
             flat.append(x.reshape(n * x.shape[1], *x.shape[2:]))
         outs = prim.bind(*flat, **params)
         return [y.reshape(n, -1, *y.shape[1:]) for y in outs], [0] * len(outs)
@@ -306,39 +344,49 @@ batching.primitive_batchers[bwd_p] = _batch(bwd_p)
 # ---------------------------------------------------------------------------- the function
 
 
-def flash_attention_fwd(q, k, v, *, scale: float, causal: bool = False, offset: int = 0,
-                        window: int = 0):  # fmt: skip
+_NO_MASK = np.ones((1, 1, 1, 1), bool)
+
+
+def flash_attention_fwd(q, k, v, mask=None, *, scale: float, causal: bool = False,
+                        offset: int = 0, window: int = 0, masked: bool | None = None):  # fmt: skip
     """``(o, lse)``: the fused forward of ``flash_attention`` (``lse: [B, H, T]``, the log of
-    each query's softmax denominator, ``-inf`` where it sees no key)."""
-    q, k, v = _jax_private.match_varying(q, k, v)
-    return tuple(fwd_p.bind(q, k, v, scale=float(scale), causal=bool(causal),
-                            offset=int(offset), window=int(window)))  # fmt: skip
+    each query's softmax denominator, ``-inf`` where it sees no key). ``mask``: boolean
+    ``[B, H, T, S]``, each axis 1 where it broadcasts; ``masked``: whether to read it
+    (default: whether one was given)."""
+    masked = mask is not None if masked is None else bool(masked)
+    mask = jnp.asarray(_NO_MASK if mask is None else mask)
+    q, k, v, mask = _jax_private.match_varying(q, k, v, mask)
+    return tuple(fwd_p.bind(q, k, v, mask, scale=float(scale), causal=bool(causal),
+                            offset=int(offset), window=int(window), masked=masked))  # fmt: skip
 
 
-def flash_attention_bwd(q, k, v, o, lse, do, *, scale: float, causal: bool = False,
-                        offset: int = 0, window: int = 0):  # fmt: skip
+def flash_attention_bwd(q, k, v, mask, o, lse, do, *, scale: float, causal: bool = False,
+                        offset: int = 0, window: int = 0, masked: bool | None = None):  # fmt: skip
     """``(dq, dk, dv)``: the fused backward of ``flash_attention``, from the forward's ``o``
-    and ``lse`` and the output's cotangent ``do``."""
-    args = _jax_private.match_varying(q, k, v, o, lse, do)
+    and ``lse`` and the output's cotangent ``do`` (``mask`` and ``masked`` as the forward's)."""
+    masked = mask is not None if masked is None else bool(masked)
+    mask = jnp.asarray(_NO_MASK if mask is None else mask)
+    args = _jax_private.match_varying(q, k, v, mask, o, lse, do)
     return tuple(bwd_p.bind(*args, scale=float(scale), causal=bool(causal),
-                            offset=int(offset), window=int(window)))  # fmt: skip
+                            offset=int(offset), window=int(window), masked=masked))  # fmt: skip
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, scale, causal, offset, window):
-    return flash_attention_fwd(q, k, v, scale=scale, causal=causal, offset=offset,
-                               window=window)[0]  # fmt: skip
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _flash(q, k, v, mask, scale, causal, offset, window, masked):
+    return flash_attention_fwd(q, k, v, mask, scale=scale, causal=causal, offset=offset,
+                               window=window, masked=masked)[0]  # fmt: skip
 
 
-def _flash_fwd(q, k, v, scale, causal, offset, window):
-    o, lse = flash_attention_fwd(q, k, v, scale=scale, causal=causal, offset=offset,
-                                 window=window)  # fmt: skip
-    return o, (q, k, v, o, lse)
+def _flash_fwd(q, k, v, mask, scale, causal, offset, window, masked):
+    o, lse = flash_attention_fwd(q, k, v, mask, scale=scale, causal=causal, offset=offset,
+                                 window=window, masked=masked)  # fmt: skip
+    return o, (q, k, v, mask, o, lse)
 
 
-def _flash_bwd(scale, causal, offset, window, res, do):
-    return flash_attention_bwd(*res, do, scale=scale, causal=causal, offset=offset,
-                               window=window)  # fmt: skip
+def _flash_bwd(scale, causal, offset, window, masked, res, do):
+    dq, dk, dv = flash_attention_bwd(*res, do, scale=scale, causal=causal, offset=offset,
+                                     window=window, masked=masked)  # fmt: skip
+    return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -353,10 +401,15 @@ def flash_attention(
     causal: bool = False,
     q_offset: int | None = None,
     window: int | None = None,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     """``softmax(q k^T * scale) v`` for ``q: [B, T, H, D]`` and ``k, v: [B, S, KV, D]``
     (``KV`` divides ``H``: query head ``h`` reads kv head ``h // (H // KV)``), fused: on the
     CPU one kernel call forward and one backward, the probabilities never in memory.
+
+    ``mask``: boolean, broadcastable to ``[B, H, T, S]`` (True = attend; a key-padding mask
+    ``valid: [B, S]`` is ``valid[:, None, None, :]``), on top of the causal mask; a query
+    that sees no key gets the mean of all values (as ``dot_product_attention``).
 
     ``causal``: query ``i`` sees keys ``j <= i + q_offset`` (default ``S - T``, the last
     query aligned with the last key), and with ``window`` only the ``window`` latest of
@@ -377,7 +430,24 @@ def flash_attention(
     if window is not None and (not causal or window < 1):
         raise ValueError(f"flash_attention: window={window!r} needs causal=True and >= 1")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _flash(q, k, v, scale, bool(causal), offset if causal else 0, window or 0)
+    m = _NO_MASK if mask is None else _mask4(jnp.asarray(mask), q, k)
+    return _flash(q, k, v, m, scale, bool(causal), offset if causal else 0, window or 0,
+                  mask is not None)  # fmt: skip
+
+
+def _mask4(mask, q, k):
+    """``mask`` (broadcastable to ``[B, H, T, S]``) as 4 axes, each 1 or full."""
+    full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    try:
+        ok = mask.dtype == jnp.bool_ and np.broadcast_shapes(mask.shape, full) == full
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"flash_attention: mask must be boolean and broadcast to [B, H, T, S] = "
+            f"{list(full)}, got {mask.dtype}{list(mask.shape)}"
+        )
+    return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
 
 
 def usable(q, k, v, *, causal: bool, q_offset: Any) -> bool:
