@@ -2,6 +2,7 @@
 dot_product_attention, in every layout the layer hands it, and the ways around it (off the
 CPU, partitioned programs, no compiler)."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -259,3 +260,43 @@ def test_flops_count_the_pairs_each_query_sees():
     assert both["unknown"] == () and both["matmul_flops"] == (2 + 5) * 2 * pairs * 16
     windowed = nl.flops(lambda q: nl.flash_attention(q, k, v, causal=True, window=2), q)
     assert windowed["transcendentals"] == 2 * 2 * (1 + 2 * 7)
+
+
+def test_the_rule_is_listed_and_matches_jax_vjp_and_other_dtypes_use_xla_ops():
+    f, f_vjp = nl.rules.RULES["fused_attention"]
+    q, k, v, _ = _qkv(2, 20, 20, 2, 1, 16)
+    mask = _key_padding(2, 20)
+    kw = dict(scale=0.25, causal=True, offset=0, window=0, masked=True)
+    nl.rules.check_rule(functools.partial(f, **kw), functools.partial(f_vjp, **kw), q, k, v, mask)
+    # float64 (and bfloat16) are not the kernel's: the same primitives run as XLA ops
+    with jax.enable_x64(True):
+        q64, k64, v64 = (a.astype(jnp.float64) for a in (q, k, v))
+        text = jax.jit(lambda q: nl.flash_attention(q, k64, v64, causal=True)).lower(q64).as_text()
+        assert "nnlite_attention" not in text
+        np.testing.assert_allclose(
+            nl.flash_attention(q64, k64, v64, causal=True),
+            _reference(q64, k64, v64, True, 0, None),
+            rtol=1e-12,
+        )
+
+
+def test_show_grad_prints_the_fused_rule_and_its_code_runs():
+    mha = nl.MultiHeadAttention(32, num_heads=2, causal=True)
+    p = mha.init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 9, 32))
+    valid = _key_padding(2, 9)
+
+    def loss(p, x):
+        return jnp.sum(jnp.sin(mha(p, x, mask=valid)))
+
+    src = nl.show_grad(loss, p, x)
+    assert "fused_attention(" in src and "fused_attention_vjp(" in src
+    namespace = {}
+    exec(src, namespace)
+    got = jax.jit(namespace["grad"])(p, x)
+    want = jax.grad(loss)(p, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # check_manual lists it as nnlite's own rule (the trainer checks users' rules only)
+    rules = nl.check_manual(loss, p, x)
+    assert any(getattr(r, "__name__", "") == "fused_attention" for r in rules)

@@ -47,10 +47,14 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from ..core import _jax_private
+from ..core._mode import manual_active, manual_tape, note_rule
+from ..grad._manual import hand_rule
 
 __all__ = [
     "ENV",
     "flash_attention",
+    "fused_attention",
+    "fused_attention_vjp",
     "flash_attention_bwd",
     "flash_attention_fwd",
     "flash_info",
@@ -301,7 +305,9 @@ def _lowering(prim_name: str, reference):
     ref = mlir.lower_fun(reference, multiple_results=True)
 
     def lower_cpu(ctx, *args, **params):
-        if _jax_private.partitioned_lowering(ctx) or not _library()[0]:
+        floats = [a.dtype for a in ctx.avals_in if a.dtype != jnp.bool_]
+        kernel = all(d == jnp.float32 for d in floats) and _library()[0]
+        if not kernel or _jax_private.partitioned_lowering(ctx):  # the kernel is float32
             return ref(ctx, *args, **params)
         return ffi(ctx, *args, **_attrs(**params))
 
@@ -392,6 +398,37 @@ def _flash_bwd(scale, causal, offset, window, masked, res, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def fused_attention_vjp(q, k, v, mask, dret, *, scale, causal, offset, window, masked):
+    """Hand rule of ``fused_attention``: the forward kernel again for ``o`` and ``lse``,
+    then the backward kernel; no cotangent for the mask. (A compiled step does not run the
+    forward twice: ``fused_attention`` keeps the forward's ``o`` and ``lse``.)"""
+    static = dict(scale=scale, causal=causal, offset=offset, window=window, masked=masked)
+    o, lse = flash_attention_fwd(q, k, v, mask, **static)
+    dq, dk, dv = flash_attention_bwd(q, k, v, mask, o, lse, dret, **static)
+    return dq, dk, dv, None
+
+
+@hand_rule(fused_attention_vjp)
+def fused_attention(q, k, v, mask, *, scale, causal, offset, window, masked):
+    """``flash_attention`` with its arguments resolved (``mask`` 4-D, ``masked`` whether
+    to read it): the function ``nnlite.rules`` lists, with ``fused_attention_vjp``."""
+    return _flash(q, k, v, mask, scale, causal, offset, window, masked)
+
+
+def _fused(q, k, v, mask, **static):
+    """``fused_attention``; in manual mode too through ``_flash``'s own ``custom_vjp`` (its
+    backward reuses the forward's ``o`` and ``lse``), the call recorded as the hand rule's
+    for ``check_manual`` and ``show_grad`` (which print ``fused_attention_vjp``)."""
+    if not manual_active():
+        return _flash(q, k, v, mask, *static.values())
+    note_rule(fused_attention)
+    out = _flash(q, k, v, mask, *static.values())
+    tape = manual_tape()
+    if tape is not None:
+        tape.append((fused_attention, (q, k, v, mask), static, out))
+    return out
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -430,9 +467,9 @@ def flash_attention(
     if window is not None and (not causal or window < 1):
         raise ValueError(f"flash_attention: window={window!r} needs causal=True and >= 1")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    m = _NO_MASK if mask is None else _mask4(jnp.asarray(mask), q, k)
-    return _flash(q, k, v, m, scale, bool(causal), offset if causal else 0, window or 0,
-                  mask is not None)  # fmt: skip
+    m = jnp.asarray(_NO_MASK) if mask is None else _mask4(jnp.asarray(mask), q, k)
+    return _fused(q, k, v, m, scale=scale, causal=bool(causal), offset=offset if causal else 0,
+                  window=window or 0, masked=mask is not None)  # fmt: skip
 
 
 def _mask4(mask, q, k):
