@@ -28,6 +28,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -159,6 +160,8 @@ struct Shape {
     return causal && window > 0 ? std::max<int64_t>(0, t + offset - window + 1) : 0;
   }
   int64_t KeyHi(int64_t t) const { return causal ? std::min(S, t + offset + 1) : S; }
+  // Keys [0, Needed()) that some query sees: the ones a unit gathers.
+  int64_t Needed() const { return KeyHi(T - 1); }
 };
 
 // Run work(unit) for unit in [0, units) on the pool's threads and the caller's.
@@ -184,6 +187,17 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t units, const std::function<void(
   run();
   std::unique_lock<std::mutex> lock(job->mu);
   job->cv.wait(lock, [&] { return job->left.load() == 0; });
+}
+
+// -inf at the logits si[0, kBlock) of query t against keys j0.. that it may not see: outside
+// [a, z) (causal, window) or masked.
+void Hide(const Shape& s, float* si, int64_t a, int64_t z, int64_t b, int64_t h, int64_t t,
+          int64_t j0) {
+  if (a > 0 || z < kBlock) MaskRow(si, a, z);
+  if (const bool* row = s.MaskRow(b, h, t)) {
+    for (int64_t j = 0; j < kBlock && j0 + j < s.S; ++j)
+      if (!row[(j0 + j) * s.ms]) si[j] = kNegInf;
+  }
 }
 
 // Round up to a whole number of key blocks.
@@ -228,7 +242,7 @@ void ForwardUnit(const Shape& s, const float* q, const float* k, const float* v,
   float* ob = Buffer(5, kBlock * D);
   float* m = Buffer(6, kBlock);
   float* l = Buffer(7, kBlock);
-  const int64_t need = s.causal ? std::min(s.S, s.T - 1 + s.offset + 1) : s.S;
+  const int64_t need = s.Needed();
   GatherTransposed(k, b, kvh, s.S, s.KV, D, need, Sp, kr, kt);
   GatherRows(v, b, kvh, s.S, s.KV, D, need, Sp, vb);
   for (int64_t t0 = 0; t0 < s.T; t0 += kBlock) {
@@ -250,11 +264,7 @@ void ForwardUnit(const Shape& s, const float* q, const float* k, const float* v,
           std::fill(si, si + kBlock, 0.0f);
           continue;
         }
-        if (a > 0 || z < kBlock) MaskRow(si, a, z);
-        if (const bool* row = s.MaskRow(b, h, t0 + i)) {
-          for (int64_t j = 0; j < kBlock && j0 + j < s.S; ++j)
-            if (!row[(j0 + j) * s.ms]) si[j] = kNegInf;
-        }
+        Hide(s, si, a, z, b, h, t0 + i, j0);
         vf mv = splat(m[i]);
         for (int j = 0; j < kBlock; j += 16) mv = VMax(mv, load(si + j));
         const float mx = Max(mv);
@@ -320,7 +330,7 @@ void BackwardUnit(const Shape& s, const float* q, const float* k, const float* v
   float* lrow = Buffer(12, kBlock);
   float* empty = Buffer(13, D);  // the sum of the cotangents of queries that see no key
   std::fill(empty, empty + D, 0.0f);
-  const int64_t need = s.causal ? std::min(s.S, s.T - 1 + s.offset + 1) : s.S;
+  const int64_t need = s.Needed();
   GatherTransposed(k, b, kvh, s.S, s.KV, D, need, Sp, kb, kt);
   GatherTransposed(v, b, kvh, s.S, s.KV, D, need, Sp, vr, vt);
   std::fill(dkb, dkb + Sp * D, 0.0f);
@@ -359,11 +369,7 @@ void BackwardUnit(const Shape& s, const float* q, const float* k, const float* v
             std::fill(dpi, dpi + kBlock, 0.0f);
             continue;
           }
-          if (a > 0 || z < kBlock) MaskRow(si, a, z);
-          if (const bool* row = s.MaskRow(b, h, t0 + i)) {
-            for (int64_t j = 0; j < kBlock && j0 + j < s.S; ++j)
-              if (!row[(j0 + j) * s.ms]) si[j] = kNegInf;
-          }
+          Hide(s, si, a, z, b, h, t0 + i, j0);
           for (int j = 0; j < kBlock; j += 16) {
             const vf p = Exp(load(si + j) * s.scale - lrow[i]);
             store(si + j, p);                                    // p
@@ -428,28 +434,36 @@ ffi::Error CheckMask(const Shape& s, ffi::Buffer<ffi::PRED>& mask, bool masked) 
   return ffi::Error::Success();
 }
 
-ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
+// The shape, the mask's strides and the checks both handlers start with.
+ffi::Error Prepare(Shape& s, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                   ffi::Buffer<ffi::PRED>& mask, float scale, bool causal, int64_t offset,
+                   int64_t window, bool masked) {
+  s = MakeShape(q, k, mask, scale, causal, offset, window, masked);
+  if (auto e = Check(s); e.failure()) return e;
+  return CheckMask(s, mask, masked);
+}
+
+using F32 = ffi::Buffer<ffi::F32>;
+
+ffi::Error Forward(ffi::ThreadPool pool, F32 q, F32 k, F32 v, ffi::Buffer<ffi::PRED> mask,
                    ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse, float scale,
                    bool causal, int64_t offset, int64_t window, bool masked) {
-  const Shape s = MakeShape(q, k, mask, scale, causal, offset, window, masked);
-  if (auto e = Check(s); e.failure()) return e;
-  if (auto e = CheckMask(s, mask, masked); e.failure()) return e;
+  Shape s;
+  if (auto e = Prepare(s, q, k, mask, scale, causal, offset, window, masked); e.failure())
+    return e;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = o->typed_data(), *lp = lse->typed_data();
   ParallelFor(pool, s.B * s.H, [&](int64_t u) { ForwardUnit(s, qp, kp, vp, op, lp, u / s.H, u % s.H); });
   return ffi::Error::Success();
 }
 
-ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
-                    ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
+ffi::Error Backward(ffi::ThreadPool pool, F32 q, F32 k, F32 v, ffi::Buffer<ffi::PRED> mask,
+                    F32 o, F32 lse, F32 dout, ffi::ResultBuffer<ffi::F32> dq,
                     ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale,
                     bool causal, int64_t offset, int64_t window, bool masked) {
-  const Shape s = MakeShape(q, k, mask, scale, causal, offset, window, masked);
-  if (auto e = Check(s); e.failure()) return e;
-  if (auto e = CheckMask(s, mask, masked); e.failure()) return e;
+  Shape s;
+  if (auto e = Prepare(s, q, k, mask, scale, causal, offset, window, masked); e.failure())
+    return e;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const float *op = o.typed_data(), *lp = lse.typed_data(), *dp = dout.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
@@ -459,38 +473,27 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// What both handlers bind first: XLA's thread pool, q, k, v and the mask.
+auto Operands() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<ffi::Buffer<ffi::PRED>>();
+}
+
+// ... and last: the attributes.
+template <typename Binding>
+auto Attributes(Binding b) {
+  return std::move(b)
+      .template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<int64_t>("offset")
+      .template Attr<int64_t>("window")
+      .template Attr<bool>("masked");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NnliteAttentionFwd, Forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("window")
-                                  .Attr<bool>("masked"));
+                              Attributes(Operands().Ret<F32>().Ret<F32>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NnliteAttentionBwd, Backward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("window")
-                                  .Attr<bool>("masked"));
+                              Attributes(Operands().Arg<F32>().Arg<F32>().Arg<F32>()
+                                             .Ret<F32>().Ret<F32>().Ret<F32>()));
