@@ -8,8 +8,9 @@ Rows (``--rows``, default all; :data:`ROWS`): the GPT 6x6x384 training step (con
 batch 64, ``loss.grad: auto`` as the trainer resolves it) and the baby GPT 4x4x128, each
 against nanoGPT's PyTorch model (``benchmarks/_gpt_impls.py``, the same weights, data and
 AdamW; the two reach the same loss before timing); one of that GPT's attention layers,
-forward and backward, against PyTorch's fused ``scaled_dot_product_attention``; a SmolLM-135M-shaped Llama (random
-weights made by ``transformers``; ``benchmarks/pretrained.py``) at 4x256 tokens: full
+forward and backward, against PyTorch's fused ``scaled_dot_product_attention``; a
+SmolLM-135M-shaped Llama (random weights made by ``transformers``;
+``benchmarks/pretrained.py``) at 4x256 tokens: full
 fine-tuning step with AdamW against ``transformers``, LoRA step (rank 8 on q and v) against
 ``peft``, forward tokens/s, greedy generation with the cache; one 2048x2048 matmul in
 float32 and in bfloat16, XLA against ``torch.mm``.

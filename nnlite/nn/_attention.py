@@ -48,7 +48,8 @@ __all__ = [
     "grouped_attention_vjp",
 ]
 
-# None and "xla": jax.nn.dot_product_attention's XLA path; "cudnn": its fused GPU kernel
+# None: on the CPU nnlite's fused kernel where it applies (nl.flash_attention, _flash.py),
+# else as "xla": jax.nn.dot_product_attention's XLA path; "cudnn": its fused GPU kernel
 # (fp16/bf16 on NVIDIA GPUs only); "plain": dot_product_attention below (always used when
 # attention dropout or a soft cap is active, which jax.nn.dot_product_attention lacks).
 IMPLEMENTATIONS = (None, "xla", "cudnn", "plain")
@@ -302,8 +303,10 @@ class MultiHeadAttention(Module):
             None: ``use_bias``; Qwen2 has q/k/v biases only).
         dropout_rate: dropout probability, ``0 <= rate < 1``.
         w_init: initializer of the projection weights (LeCun normal, as Flax); biases zeros.
-        implementation: ``None``/``"xla"``/``"cudnn"`` pass to
-            ``jax.nn.dot_product_attention`` (``"cudnn"``: fused GPU kernel, fp16/bf16);
+        implementation: ``None``: on the CPU the fused kernel ``nl.flash_attention``
+            where it applies (float32, no attention dropout or cap), else as ``"xla"``;
+            ``"xla"``/``"cudnn"`` pass to ``jax.nn.dot_product_attention`` (``"cudnn"``:
+            fused GPU kernel, fp16/bf16);
             ``"plain"`` uses ``dot_product_attention`` (also whenever attention dropout or a
             soft cap is on, in manual-gradient mode, and for float16).
         param_dtype, dtype: parameter and compute dtypes (``dtype=None``: promote).
