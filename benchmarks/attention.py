@@ -56,20 +56,41 @@ def _same(results: dict, rtol: float) -> None:
             raise SystemExit("the fused kernel's result differs from XLA's attention")
 
 
-def layer_case(tiny: bool):
+def layer_problem(tiny: bool):
+    """One GPT 6x6x384 layer's causal attention (``[64, 256, 6, 64]``; tiny: ``[2, 80, 2,
+    16]``): ``(layer, [q, k, v, w])``, ``w`` the output's cotangent, float32 numpy arrays
+    (``benchmarks.real_size`` hands the same ones to PyTorch)."""
+    import numpy as np
+
+    import nnlite as nl
+
+    b, t, heads, d = (2, 80, 2, 16) if tiny else (64, 256, 6, 64)
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((b, t, heads, d), dtype=np.float32) for _ in range(4)]
+    return nl.MultiHeadAttention(heads * d, heads, causal=True), arrays
+
+
+def layer_grad(att):
+    """``(q, k, v, w) -> (dq, dk, dv)`` of ``sum(att.attend(q, k, v) * w)``, compiled with
+    ``nl.jit`` (``w`` an argument: a closed-over array would be a constant XLA folds)."""
     import jax
     import jax.numpy as jnp
 
     import nnlite as nl
 
-    b, t, heads, d = (2, 80, 2, 16) if tiny else (64, 256, 6, 64)
-    att = nl.MultiHeadAttention(heads * d, heads, causal=True)
-    keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, w = (jax.random.normal(x, (b, t, heads, d)) for x in keys)
+    return nl.jit(jax.grad(lambda q, k, v, w: jnp.sum(att.attend(q, k, v) * w), (0, 1, 2)))
+
+
+def layer_case(tiny: bool):
+    import jax
+    import jax.numpy as jnp
+
+    att, arrays = layer_problem(tiny)
+    args = [jnp.asarray(a) for a in arrays]
 
     def make():
-        grad = nl.jit(jax.grad(lambda q, k, v: jnp.sum(att.attend(q, k, v) * w), (0, 1, 2)))
-        return lambda: jax.block_until_ready(grad(q, k, v))
+        grad = layer_grad(att)
+        return lambda: jax.block_until_ready(grad(*args))
 
     return make, 1, 1e-4
 

@@ -177,17 +177,11 @@ def attention_row(tiny: bool, rounds: int) -> dict:
     import numpy as np
     import torch
 
-    import nnlite as nl
+    from .attention import layer_grad, layer_problem
 
-    b, t, heads, d = (2, 80, 2, 16) if tiny else (64, 256, 6, 64)
-    att = nl.MultiHeadAttention(heads * d, heads, causal=True)
-    rng = np.random.default_rng(0)
-    q, k, v, w = (rng.standard_normal((b, t, heads, d), dtype=np.float32) for _ in range(4))
-
-    def loss(q, k, v, w):
-        return jnp.sum(att.attend(q, k, v) * w)
-
-    grad = nl.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    att, (q, k, v, w) = layer_problem(tiny)
+    b, t, heads, d = q.shape
+    grad = layer_grad(att)
     args = [jnp.asarray(x) for x in (q, k, v, w)]
     tq, tk, tv = (torch.tensor(x.transpose(0, 2, 1, 3)).requires_grad_() for x in (q, k, v))
     tw = torch.tensor(w.transpose(0, 2, 1, 3))

@@ -188,13 +188,17 @@ def _grouped(q, k):
     return q.reshape(b, t, kv, h // kv, d)
 
 
+def _logits(q, k, mask, scale, causal, offset, window, masked):
+    """Scaled logits ``[B, KV, G, T, S]``, ``-inf`` where a query may not see a key."""
+    s = jnp.einsum("btkgd,bskd->bkgts", _grouped(q, k), k) * scale
+    seen = _visible(q, k, mask, causal, offset, window, masked)
+    return s if seen is None else jnp.where(seen, s, -jnp.inf)
+
+
 def _reference_fwd(q, k, v, mask, *, scale, causal, offset, window, masked):
     """The forward kernel's arithmetic in XLA ops: ``(o, lse)``."""
     b, t, h, d = q.shape
-    s = jnp.einsum("btkgd,bskd->bkgts", _grouped(q, k), k) * scale
-    seen = _visible(q, k, mask, causal, offset, window, masked)
-    if seen is not None:
-        s = jnp.where(seen, s, -jnp.inf)
+    s = _logits(q, k, mask, scale, causal, offset, window, masked)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = _probs(s, lse)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, h, d)
@@ -212,10 +216,7 @@ def _reference_bwd(q, k, v, mask, o, lse, do, *, scale, causal, offset, window, 
     """The backward kernel's arithmetic in XLA ops: ``(dq, dk, dv)``."""
     b, t, h, d = q.shape
     kv = k.shape[2]
-    s = jnp.einsum("btkgd,bskd->bkgts", _grouped(q, k), k) * scale
-    seen = _visible(q, k, mask, causal, offset, window, masked)
-    if seen is not None:
-        s = jnp.where(seen, s, -jnp.inf)
+    s = _logits(q, k, mask, scale, causal, offset, window, masked)
     lse = lse.reshape(b, kv, h // kv, t)
     p = _probs(s, lse)
     dog = _grouped(do, k)
@@ -353,28 +354,31 @@ batching.primitive_batchers[bwd_p] = _batch(bwd_p)
 _NO_MASK = np.ones((1, 1, 1, 1), bool)
 
 
+def _bind(prim: Primitive, q, k, v, mask, *rest, scale, causal, offset, window, masked):
+    """``prim`` on ``(q, k, v, mask, *rest)``, the placeholder mask where none is given."""
+    masked = mask is not None if masked is None else bool(masked)
+    mask = jnp.asarray(_NO_MASK if mask is None else mask)
+    args = _jax_private.match_varying(q, k, v, mask, *rest)
+    return tuple(prim.bind(*args, scale=float(scale), causal=bool(causal), offset=int(offset),
+                           window=int(window), masked=masked))  # fmt: skip
+
+
 def flash_attention_fwd(q, k, v, mask=None, *, scale: float, causal: bool = False,
                         offset: int = 0, window: int = 0, masked: bool | None = None):  # fmt: skip
     """``(o, lse)``: the fused forward of ``flash_attention`` (``lse: [B, H, T]``, the log of
     each query's softmax denominator, ``-inf`` where it sees no key). ``mask``: boolean
     ``[B, H, T, S]``, each axis 1 where it broadcasts; ``masked``: whether to read it
     (default: whether one was given)."""
-    masked = mask is not None if masked is None else bool(masked)
-    mask = jnp.asarray(_NO_MASK if mask is None else mask)
-    q, k, v, mask = _jax_private.match_varying(q, k, v, mask)
-    return tuple(fwd_p.bind(q, k, v, mask, scale=float(scale), causal=bool(causal),
-                            offset=int(offset), window=int(window), masked=masked))  # fmt: skip
+    return _bind(fwd_p, q, k, v, mask, scale=scale, causal=causal, offset=offset,
+                 window=window, masked=masked)  # fmt: skip
 
 
 def flash_attention_bwd(q, k, v, mask, o, lse, do, *, scale: float, causal: bool = False,
                         offset: int = 0, window: int = 0, masked: bool | None = None):  # fmt: skip
     """``(dq, dk, dv)``: the fused backward of ``flash_attention``, from the forward's ``o``
     and ``lse`` and the output's cotangent ``do`` (``mask`` and ``masked`` as the forward's)."""
-    masked = mask is not None if masked is None else bool(masked)
-    mask = jnp.asarray(_NO_MASK if mask is None else mask)
-    args = _jax_private.match_varying(q, k, v, mask, o, lse, do)
-    return tuple(bwd_p.bind(*args, scale=float(scale), causal=bool(causal),
-                            offset=int(offset), window=int(window), masked=masked))  # fmt: skip
+    return _bind(bwd_p, q, k, v, mask, o, lse, do, scale=scale, causal=causal, offset=offset,
+                 window=window, masked=masked)  # fmt: skip
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -420,9 +424,9 @@ def _fused(q, k, v, mask, **static):
     backward reuses the forward's ``o`` and ``lse``), the call recorded as the hand rule's
     for ``check_manual`` and ``show_grad`` (which print ``fused_attention_vjp``)."""
     if not manual_active():
-        return _flash(q, k, v, mask, *static.values())
+        return _flash(q, k, v, mask, **static)
     note_rule(fused_attention)
-    out = _flash(q, k, v, mask, *static.values())
+    out = _flash(q, k, v, mask, **static)
     tape = manual_tape()
     if tape is not None:
         tape.append((fused_attention, (q, k, v, mask), static, out))
