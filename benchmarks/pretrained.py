@@ -161,7 +161,10 @@ class LlamaBench:
 
         import nnlite as nl
 
-        forward = nl.jit(self.model)
+        model = self.model
+        # a closure of its own: jit's cache is keyed by the function, so each caller's
+        # settings at its first call (benchmarks.kernels' A/B) are the ones traced
+        forward = nl.jit(lambda p, x: model(p, x))
         params, x, ref, tx = self.params, self.x, self.ref, self.tx
 
         def torch_forward():

@@ -105,6 +105,7 @@ def machine(threads: int) -> dict:
         "load_before": _load(),
         "versions": versions,
         "attention": nl.flash_info(),
+        "gemm": nl.gemm_info(),
     }
 
 
@@ -121,7 +122,7 @@ def machine_line(m: dict) -> str:
     return (
         f"machine: {m['cpu']}; {isa}; threads {m['threads']} (XLA's pool and "
         f"torch.set_num_threads); load average {m['load_before']} before; {versions}; "
-        f"CPU attention: {m['attention']}"
+        f"CPU attention: {m['attention']}; CPU GEMM: {m.get('gemm', 'not recorded')}"
     )
 
 
@@ -177,7 +178,7 @@ def attention_row(tiny: bool, rounds: int) -> dict:
     import numpy as np
     import torch
 
-    from .attention import layer_grad, layer_problem
+    from .kernels import layer_grad, layer_problem
 
     att, (q, k, v, w) = layer_problem(tiny)
     b, t, heads, d = q.shape

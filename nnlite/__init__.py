@@ -14,6 +14,8 @@ from .core._batch_axis import current_batch_axis as current_batch_axis
 from .core._compile import compiler_options as compiler_options
 from .core._compile import jit as jit
 from .core._flops import flops as flops
+from .core._gemm import gemm_info as gemm_info
+from .core._gemm import matmul as matmul
 from .core._jax_private import lowered_cost_analysis as cost_analysis
 
 # issue 34 (gradtrain helper): a trace-time hook around each layer call (per-layer backward
@@ -253,6 +255,8 @@ __all__ = [
     "flash_attention_bwd",
     "flash_attention_fwd",
     "flash_info",
+    "gemm_info",
+    "matmul",
     "jit",
     "cost_analysis",
     "flops",

@@ -181,7 +181,7 @@ SMOKE = {
     "python -m benchmarks.op_profile": ("op_profile", ["--tiny", "--rows", "gpt_large"]),
     "python -m benchmarks.pretrained --lora-base": ("pretrained", ["--tiny", "--lora-base"]),
     # the GPT layer's attention: the steps are the other rows' models, smoked above
-    "python -m benchmarks.attention": ("attention", ["--tiny", "--rows", "layer"]),
+    "python -m benchmarks.kernels": ("kernels", ["--tiny", "--rows", "layer"]),
     # with one XLA flag set: the matmul in a fresh process
     "python -m benchmarks.real_size": (
         "real_size",

@@ -430,6 +430,13 @@ def _attention(eqn, products: int, elementwise: int) -> _Count:
     return _Count(matmul + elementwise * pairs, matmul, pairs)
 
 
+def _gemm(eqn) -> _Count:
+    """nnlite's MKL product (``nnlite_gemm``): ``2 m k n`` per batch element."""
+    a = eqn.invars[0].aval.shape
+    n = 2 * _out_size(eqn) * (a[-2] if eqn.params["transpose_a"] else a[-1])
+    return _Count(n, n)
+
+
 def _ragged_dot(eqn) -> _Count:
     # each row of lhs [m, k] meets one group's [k, n]: a dense [m, k] x [k, n] product
     lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
@@ -542,6 +549,7 @@ _FIRST_ORDER: dict[str, Callable] = {
     # forward: q k^T and p v; backward: q k^T again, do v^T, p^T do, ds^T q and ds k
     "nnlite_attention_fwd": functools.partial(_attention, products=2, elementwise=4),
     "nnlite_attention_bwd": functools.partial(_attention, products=5, elementwise=4),
+    "nnlite_gemm": _gemm,
     "ragged_dot_general": _ragged_dot,
     "conv_general_dilated": _conv,
     "integer_pow": _integer_pow,

@@ -419,10 +419,12 @@ RULES["random_wrap"] = _random_wrap
 RULES["random_unwrap"] = _random_unwrap
 
 
-# nnlite's own primitives: the fused CPU attention (nnlite/nn/_flash.py)
+# nnlite's own primitives: the fused CPU attention (nnlite/nn/_flash.py) and the MKL GEMM
+# (nnlite/core/_gemm.py; nnlite.matmul binds it again where it applies, else XLA's dot)
 for _name in ("fwd", "bwd"):
     RULES[f"nnlite_attention_{_name}"] = _kw_rule(
         f"nnlite.flash_attention_{_name}", ("scale", "causal", "offset", "window", "masked")
     )
+RULES["nnlite_gemm"] = _kw_rule("nnlite.matmul", ("transpose_a", "transpose_b"))
 
 register(rules=RULES)

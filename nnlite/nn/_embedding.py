@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._axes import Axes
+from ..core._gemm import matmul
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
@@ -36,7 +37,7 @@ def embed_attend_vjp(W, x, dret):
     """Hand rule of ``embed_attend``: ``(dW, dx) = (dret^T x, dret W)``, ``dW`` contracted
     over every leading axis in one matmul."""
     d2 = dret.reshape(-1, W.shape[0])
-    return d2.T @ x.reshape(-1, W.shape[1]), dret @ W
+    return matmul(d2, x.reshape(-1, W.shape[1]), transpose_a=True), rows_matmul(dret, W)
 
 
 @hand_rule(embed_vjp)
@@ -54,7 +55,7 @@ def embed(W: jax.Array, ids: jax.Array) -> jax.Array:
 @hand_rule(embed_attend_vjp)
 def embed_attend(W: jax.Array, x: jax.Array) -> jax.Array:
     """``x @ W.T``: scores of ``x: [..., features]`` against every row of ``W``."""
-    return rows_matmul(x, W.T)  # dW a 2-D product (see rows_matmul)
+    return rows_matmul(x, W, transpose_w=True)  # dW a 2-D product (see rows_matmul)
 
 
 class Embedding(Module):

@@ -19,18 +19,16 @@
 // B by rows of 16 floats), written with GCC vector extensions so that it compiles to the
 // machine's widest vectors.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <utility>
 #include <vector>
 
+#include "_pool.h"  // nnlite/core: ParallelFor
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -164,30 +162,7 @@ struct Shape {
   int64_t Needed() const { return KeyHi(T - 1); }
 };
 
-// Run work(unit) for unit in [0, units) on the pool's threads and the caller's.
-void ParallelFor(ffi::ThreadPool& pool, int64_t units, const std::function<void(int64_t)>& work) {
-  struct Job {
-    std::atomic<int64_t> next{0}, left{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto job = std::make_shared<Job>();
-  job->left = units;
-  auto run = [job, units, &work] {
-    for (int64_t u; (u = job->next.fetch_add(1)) < units;) {
-      work(u);
-      if (job->left.fetch_sub(1) == 1) {
-        std::lock_guard<std::mutex> lock(job->mu);
-        job->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), units) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([run] { run(); });
-  run();
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->left.load() == 0; });
-}
+using nnlite::ParallelFor;
 
 // -inf at the logits si[0, kBlock) of query t against keys j0.. that it may not see: outside
 // [a, z) (causal, window) or masked.

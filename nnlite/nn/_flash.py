@@ -27,16 +27,9 @@ the CPU, no explicit mask, no attention dropout or soft cap, causal with a stati
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import math
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +39,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from ..core import _jax_private
+from ..core import _jax_private, _native
 from ..core._mode import manual_active, manual_tape, note_rule
 from ..grad._manual import hand_rule
 
@@ -64,65 +57,9 @@ __all__ = [
 ENV = "NNLITE_CPU_ATTENTION"  # "fused" (the default) or "xla"
 FWD, BWD = "nnlite_attention_fwd", "nnlite_attention_bwd"
 _SOURCE = Path(__file__).with_name("_flash.cc")
-_COMPILE_TIMEOUT_S = 300
-_LOADED: list = []  # the handlers' library must outlive every program that calls it
 
 
 # ---------------------------------------------------------------------------- the library
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("NNLITE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "nnlite"
-
-
-def _cpu_key() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [x for x in text.splitlines() if x.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _build() -> Path:
-    """The handlers' shared library, compiled once per source, jaxlib and CPU."""
-    import jaxlib
-
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source
-        + f"|{jaxlib.__version__}|{sys.platform}|{platform.machine()}|".encode()
-        + _cpu_key().encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"attention-{key}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler ($CXX, c++ or g++) on the PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
-    try:
-        done = subprocess.run(
-            [*cmd, "-I", jax.ffi.include_dir(), "-x", "c++", "-", "-o", tmp],
-            input=source,
-            capture_output=True,
-            timeout=_COMPILE_TIMEOUT_S,
-            check=False,
-        )
-        if done.returncode != 0:
-            lines = done.stderr.decode(errors="replace").strip().splitlines() or ["?"]
-            first = next((x for x in lines if "error" in x), lines[0])
-            raise RuntimeError(f"{compiler} failed on {_SOURCE.name}: {first}")
-        os.replace(tmp, target)  # atomic: a process compiling beside this one is unharmed
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 @functools.cache
@@ -134,13 +71,11 @@ def _library() -> tuple[bool, str]:
     if choice != "fused":
         raise ValueError(f"{ENV}={choice!r}: expected 'fused' or 'xla'")
     try:
-        path = _build()
-        lib = ctypes.CDLL(str(path))
-        jax.ffi.register_ffi_target(FWD, jax.ffi.pycapsule(lib.NnliteAttentionFwd), platform="cpu")
-        jax.ffi.register_ffi_target(BWD, jax.ffi.pycapsule(lib.NnliteAttentionBwd), platform="cpu")
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+        _, path = _native.load(
+            "attention", _SOURCE, {FWD: "NnliteAttentionFwd", BWD: "NnliteAttentionBwd"}
+        )
+    except _native.BUILD_ERRORS as e:
         return False, f"{type(e).__name__}: {e}"
-    _LOADED.append(lib)
     return True, f"nnlite's fused kernel ({path.name})"
 
 

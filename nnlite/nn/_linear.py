@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core._axes import Axes
+from ..core._gemm import matmul
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
@@ -27,24 +28,24 @@ __all__ = [
 ]
 
 
-def rows_matmul(x: jax.Array, W: jax.Array) -> jax.Array:
-    """``x @ W`` for ``x: [..., in]``, ``W: [in, out]``, as one 2-D product over the rows
-    ``x.reshape(-1, in)``. The same numbers as ``x @ W``; what changes is autodiff's
-    transpose: ``dW`` becomes ``x2^T dy2``, a 2-D product, where through a 3-D ``x`` it
-    contracts two axes at once, which XLA:CPU lowered by writing ``dy`` transposed in the
-    fusion that produced it (the 135M Llama's ``jax.grad`` step: 7.34 -> 6.53 s,
-    benchmarks/README.md)."""
-    if x.ndim <= 2:
-        return x @ W
-    return (x.reshape(-1, x.shape[-1]) @ W).reshape(*x.shape[:-1], W.shape[-1])
+def rows_matmul(x: jax.Array, W: jax.Array, *, transpose_w: bool = False) -> jax.Array:
+    """``x @ W`` (``x @ W.T`` where ``transpose_w``) for ``x: [..., in]``, as one 2-D product
+    over the rows ``x.reshape(-1, in)``, through ``nl.matmul`` (MKL on the CPU where it is
+    installed). The same numbers as ``x @ W``; what changes is autodiff's transpose: ``dW``
+    becomes ``x2^T dy2``, a 2-D product, where through a 3-D ``x`` it contracts two axes at
+    once, which XLA:CPU lowered by writing ``dy`` transposed in the fusion that produced it
+    (the 135M Llama's ``jax.grad`` step: 7.34 -> 6.53 s, benchmarks/README.md)."""
+    if x.ndim < 2:
+        return x @ (W.T if transpose_w else W)
+    return matmul(x, W, transpose_b=transpose_w)
 
 
 def linear_vjp(x: jax.Array, W: jax.Array, b: jax.Array | None, dret: jax.Array):
     """Hand rule of ``linear``: ``(dx, dW, db) = (dy W^T, x^T dy, sum dy)``, the weight and
     bias cotangents contracted over every leading (batch) axis in one matmul."""
-    dx = dret @ W.T
+    dx = rows_matmul(dret, W, transpose_w=True)
     dy2 = dret.reshape(-1, W.shape[1])
-    dW = x.reshape(-1, W.shape[0]).T @ dy2
+    dW = matmul(x.reshape(-1, W.shape[0]), dy2, transpose_a=True)
     db = None if b is None else jnp.sum(dy2, axis=0)
     return dx, dW, db
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..core._gemm import matmul
 from ..core._mode import is_frozen, manual_active
 from ..grad._custom_vjp import _varying, plug
 from ..grad._manual import hand_rule
@@ -54,8 +55,7 @@ def _split(a: jax.Array, rows: int) -> jax.Array:
 def _logits(h: jax.Array, w: jax.Array, vocab_axis: int, softcap) -> tuple:
     """One chunk's float32 logits ``[rows, vocab]`` (soft-capped when ``softcap``) and the
     capped logits over the cap, ``tanh`` (None without a cap: its derivative needs it)."""
-    dims = (((1,), (1 if vocab_axis == 0 else 0,)), ((), ()))
-    z = jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32)
+    z = matmul(h, w, transpose_b=vocab_axis == 0, preferred_element_type=jnp.float32)
     if softcap is None:
         return z, None
     t = jnp.tanh(z / softcap)
@@ -96,12 +96,12 @@ def _backward(h, w, labels, vocab_axis, chunk, softcap, dret):
         if t is not None:
             g = g * (1 - t * t)  # through cap * tanh(a / cap)
         gc = g.astype(w.dtype)
+        f32 = jnp.float32
+        dh = matmul(gc, w, transpose_b=vocab_axis != 0, preferred_element_type=f32)
         if vocab_axis == 0:  # w [vocab, d]: z = h @ w.T
-            dh = jnp.dot(gc, w, preferred_element_type=jnp.float32)
-            dw = dw + jnp.dot(gc.T, hc, preferred_element_type=jnp.float32)
+            dw = dw + matmul(gc, hc, transpose_a=True, preferred_element_type=f32)
         else:  # w [d, vocab]: z = h @ w
-            dh = jnp.dot(gc, w.T, preferred_element_type=jnp.float32)
-            dw = dw + jnp.dot(hc.T, gc, preferred_element_type=jnp.float32)
+            dw = dw + matmul(hc, gc, transpose_a=True, preferred_element_type=f32)
         return dw, dh.astype(h.dtype)
 
     dw0 = jnp.zeros(w.shape, jnp.float32)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core._axes import Axes
+from ..core._gemm import matmul
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..core._select import matches
@@ -51,10 +52,11 @@ def lora_linear_vjp(x, W, b, A, B, dret, *, scale: float):
     s = jnp.asarray(scale, dret.dtype)
     dy2 = dret.reshape(-1, W.shape[1])
     x2 = x.reshape(-1, W.shape[0])
-    dxa = (dy2 @ B.T) * s  # [N, rank]
-    dx = (dy2 @ W.T + dxa @ A.T).reshape(x.shape)
-    dA = x2.T @ dxa
-    dB = ((x2 @ A) * s).T @ dy2
+    dxa = rows_matmul(dy2, B, transpose_w=True) * s  # [N, rank]
+    dx = rows_matmul(dy2, W, transpose_w=True) + rows_matmul(dxa, A, transpose_w=True)
+    dA = matmul(x2, dxa, transpose_a=True)
+    dB = matmul(rows_matmul(x2, A) * s, dy2, transpose_a=True)
+    dx = dx.reshape(x.shape)
     db = None if b is None else jnp.zeros_like(b)
     return dx, jnp.zeros_like(W), db, dA, dB
 
@@ -76,11 +78,13 @@ def lora_linear_dropout_vjp(x, xd, W, b, A, B, dret, *, scale: float):
     s = jnp.asarray(scale, dret.dtype)
     dy2 = dret.reshape(-1, W.shape[1])
     xd2 = xd.reshape(-1, W.shape[0])
-    dxa = (dy2 @ B.T) * s  # [N, rank]
-    dx = (dy2 @ W.T).reshape(x.shape)
-    dxd = (dxa @ A.T).reshape(xd.shape)
+    dxa = rows_matmul(dy2, B, transpose_w=True) * s  # [N, rank]
+    dx = rows_matmul(dy2, W, transpose_w=True).reshape(x.shape)
+    dxd = rows_matmul(dxa, A, transpose_w=True).reshape(xd.shape)
     db = None if b is None else jnp.zeros_like(b)
-    return dx, dxd, jnp.zeros_like(W), db, xd2.T @ dxa, ((xd2 @ A) * s).T @ dy2
+    dA = matmul(xd2, dxa, transpose_a=True)
+    dB = matmul(rows_matmul(xd2, A) * s, dy2, transpose_a=True)
+    return dx, dxd, jnp.zeros_like(W), db, dA, dB
 
 
 @hand_rule(lora_linear_dropout_vjp)

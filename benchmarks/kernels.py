@@ -1,21 +1,27 @@
-"""The fused CPU attention kernel against XLA's attention, in one process.
+"""nnlite's native CPU kernels against XLA's own ops, in one process.
 
-    python -m benchmarks.attention [--rows ROW,...] [--rounds 5] [--tiny]
+    python -m benchmarks.kernels [--kernel attention|gemm] [--rows ROW,...] [--rounds 5] [--tiny]
 
-Each row builds the same program twice, once with ``MultiHeadAttention`` taking
-``nl.flash_attention`` (the fused kernel, ``nnlite/nn/_flash.py``) and once taking XLA's
-ops (the query blocks of ``nnlite/nn/_attention.py``), traces and compiles each under its
-setting, checks that both give the same result, then times them interleaved (medians of
-``--rounds``). Rows (:data:`ROWS`): one GPT 6x6x384 layer's attention (``attend``, forward
-and backward), that GPT's training step (the trainer's, ``loss.grad: auto``), and a
-SmolLM-135M-shaped Llama's full fine-tuning step and forward at 4x256 tokens.
-``--tiny``: tiny sizes, one round (a smoke run). Results go to
-``benchmarks/results/attention-latest.json``.
+Each row builds the same program twice, once with the kernel and once without, traces and
+compiles each under its setting, checks that both give the same result, then times them
+interleaved (medians of ``--rounds``). ``--kernel`` (:data:`KERNELS`):
+
+* ``attention``: ``MultiHeadAttention`` taking ``nl.flash_attention`` (the fused kernel,
+  ``nnlite/nn/_flash.py``) or XLA's ops (the query blocks of ``nnlite/nn/_attention.py``);
+* ``gemm``: nnlite's products (``nl.matmul``: ``Linear``, LoRA, the tied and chunked heads)
+  on Intel MKL's GEMM (``nnlite/core/_gemm.py``) or on XLA's dot.
+
+Rows (:data:`ROWS`): one GPT 6x6x384 layer's attention (``attend``, forward and backward),
+that GPT's training step (the trainer's, ``loss.grad: auto``), and a SmolLM-135M-shaped
+Llama's full fine-tuning step, LoRA step and forward at 4x256 tokens. ``--tiny``: tiny
+sizes, one round (a smoke run). Results go to
+``benchmarks/results/kernels-<kernel>-latest.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -25,23 +31,52 @@ ROWS = {
     "layer": "one GPT 6x6x384 layer's causal attention [64,256,6,64]: attend, forward+backward",
     "gpt_large": "GPT 6x6x384, ctx 256, batch 64: the trainer's training step",
     "llama_full": "SmolLM-135M-shaped Llama, 4x256 tokens: full fine-tuning step",
+    "llama_lora": "same: LoRA step (rank 8 on q, v)",
     "llama_forward": "same: forward",
 }
 
 
-def _variants(make):
-    """``{"fused": fn, "xla": fn}``: ``make()`` built, traced and run once under each."""
+@contextlib.contextmanager
+def _attention_off():
     from nnlite.nn import _attention
 
     usable = _attention.usable
+    _attention.usable = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        _attention.usable = usable
+
+
+def _gemm_off():
+    from nnlite.core import _gemm
+
+    return _gemm.forced(False)
+
+
+def _info(kernel: str) -> str:
+    import nnlite as nl
+
+    return nl.flash_info() if kernel == "attention" else nl.gemm_info()
+
+
+# kernel: (its column's name, a context in which XLA's ops are traced instead, the prefix
+# of its info line when it runs)
+KERNELS = {
+    "attention": ("fused kernel", _attention_off, "fused"),
+    "gemm": ("MKL", _gemm_off, "MKL"),
+}
+
+
+def _variants(make, kernel: str):
+    """``{"kernel": (fn, result), "xla": (fn, result)}``: ``make()`` built, traced and run
+    once with the kernel and once under ``KERNELS[kernel]``'s XLA context."""
+    off = KERNELS[kernel][1]
     out = {}
-    for name, rule in (("fused", usable), ("xla", lambda *a, **k: False)):
-        _attention.usable = rule
-        try:
+    for name, context in (("kernel", contextlib.nullcontext), ("xla", off)):
+        with context():
             fn = make()
             out[name] = (fn, fn())
-        finally:
-            _attention.usable = usable
     return out
 
 
@@ -49,11 +84,11 @@ def _same(results: dict, rtol: float) -> None:
     import jax
     import numpy as np
 
-    a, b = (jax.tree.leaves(results[k]) for k in ("fused", "xla"))
+    a, b = (jax.tree.leaves(results[k]) for k in ("kernel", "xla"))
     for x, y in zip(a, b, strict=True):
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         if not np.allclose(x, y, rtol=rtol, atol=rtol * float(np.abs(y).max() or 1)):
-            raise SystemExit("the fused kernel's result differs from XLA's attention")
+            raise SystemExit("the kernel's result differs from XLA's ops'")
 
 
 def layer_problem(tiny: bool):
@@ -140,22 +175,23 @@ def run(args) -> dict:
 
                 bench = LlamaBench("tiny", 2, 16) if args.tiny else LlamaBench("smollm", 4, 256)
             make, per, rtol = llama_case(args.tiny, row.removeprefix("llama_"), bench)
-        built = _variants(make)
+        built = _variants(make, args.kernel)
         if rtol is not None:
             _same({k: v[1] for k, v in built.items()}, rtol)
         samples = h.time_interleaved(
             {k: v[0] for k, v in built.items()}, rounds=rounds, warmup=0 if per > 1 else 1
         )
         med = {k: h.median(v) / per for k, v in samples.items()}
-        results[row] = {"seconds": med, "samples_s": samples, "ratio": med["fused"] / med["xla"]}
+        results[row] = {"seconds": med, "samples_s": samples, "ratio": med["kernel"] / med["xla"]}
         print(f"  {row}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return results
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.attention", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0]
     )
+    ap.add_argument("--kernel", default="attention", choices=list(KERNELS), help="which kernel")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per row (>= 3)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes, one round: a smoke run")
@@ -166,21 +202,21 @@ def main(argv=None) -> int:
         ap.error(f"--rows: unknown {bad or 'empty list'}; choose from {', '.join(ROWS)}")
     if not args.tiny and args.rounds < 3:
         ap.error(f"--rounds {args.rounds}: medians need at least 3 rounds")
-    import nnlite as nl
-
-    info = h.machine_info()
-    print(f"machine: {info['cpu']}, {info['affinity']} cores; CPU attention: {nl.flash_info()}")
-    if not nl.flash_info().startswith("fused"):
-        raise SystemExit(f"no fused kernel in this process: {nl.flash_info()}")
+    name, _, runs = KERNELS[args.kernel]
+    info, line = h.machine_info(), _info(args.kernel)
+    print(f"machine: {info['cpu']}, {info['affinity']} cores; CPU {args.kernel}: {line}")
+    if not line.startswith(runs):
+        raise SystemExit(f"no {name} in this process: {line}")
     results = run(args)
     rows = [
-        [row, ROWS[row], h.fmt_time(r["seconds"]["xla"]), h.fmt_time(r["seconds"]["fused"]),
+        [row, ROWS[row], h.fmt_time(r["seconds"]["xla"]), h.fmt_time(r["seconds"]["kernel"]),
          f"{r['ratio']:.2f}x"]
         for row, r in results.items()
     ]  # fmt: skip
-    header = ["row", "work", "XLA's attention", "fused kernel", "fused / XLA"]
+    header = ["row", "work", "XLA's ops", name, f"{name} / XLA"]
     print("\n" + h.table(rows, header))
-    h.write_json("attention-tiny" if args.tiny else "attention", {"machine": info, "rows": results})
+    stem = f"kernels-{args.kernel}" + ("-tiny" if args.tiny else "")
+    h.write_json(stem, {"machine": info, "kernel": args.kernel, "rows": results})
     return 0
 
 

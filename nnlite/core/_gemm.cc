@@ -1,0 +1,153 @@
+// nnlite's CPU matrix product: an XLA FFI handler around a BLAS's cblas_sgemm/cblas_dgemm
+// (Intel MKL's, from the `mkl` package: nnlite/core/_gemm.py finds it, sets its sequential
+// threading layer and hands the two function pointers here once, so no pointer is baked
+// into a compiled program).
+//
+//   nnlite_gemm(a, b) -> c,  c[..., m, n] = op(a)[..., m, k] @ op(b)[..., k, n]
+//
+// Row-major float32 or float64; op(x) = x^T (its last two axes swapped) where the attribute
+// transpose_a / transpose_b is set; the leading (batch) axes of a and b are the result's
+// or 1 (broadcast). A product is cut into pieces (its batch elements, else blocks of rows or
+// of columns) that run single-threaded on XLA's own thread pool (_pool.h); where the BLAS
+// could not be made single-threaded, one call on the BLAS's own threads.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "_pool.h"  // nnlite/core: ParallelFor
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum { kRowMajor = 101, kNoTrans = 111, kTrans = 112 };
+
+template <typename T>
+using cblas_gemm = void(int, int, int, int, int, int, T, const T*, int, const T*, int, T, T*,
+                        int);
+
+cblas_gemm<float>* g_sgemm = nullptr;
+cblas_gemm<double>* g_dgemm = nullptr;
+bool g_split = false;  // whether each call runs on one thread (then nnlite cuts products)
+
+// Below this many multiply-adds a piece, cutting a product costs more than it gains.
+constexpr int64_t kMinPieceMacs = int64_t(1) << 21;
+
+template <typename T>
+struct Product {
+  cblas_gemm<T>* gemm;
+  const T *A, *B;
+  T* C;
+  std::vector<int64_t> ad, bd, cd;  // dimensions of a, b, c
+  int64_t m, n, k, split;
+  bool ta, tb;
+
+  // Piece p: batch element p / split, its block p % split of rows (m >= n) or columns.
+  void Piece(int64_t p) const {
+    const size_t r = cd.size();
+    const int64_t i = p / split, s = p % split;
+    int64_t rem = i, ai = 0, bi = 0, astride = 1, bstride = 1;
+    for (size_t d = r - 2; d-- > 0;) {  // batch element i's matrices in A and B
+      const int64_t idx = rem % cd[d];
+      rem /= cd[d];
+      if (ad[d] != 1) ai += idx * astride;
+      if (bd[d] != 1) bi += idx * bstride;
+      astride *= ad[d];
+      bstride *= bd[d];
+    }
+    const int64_t lda = ad[r - 1], ldb = bd[r - 1];
+    const T* a = A + ai * ad[r - 2] * lda;
+    const T* b = B + bi * bd[r - 2] * ldb;
+    T* c = C + i * m * n;
+    int64_t rows = m, cols = n;
+    if (m >= n) {  // rows [r0, r1) of c: rows of op(a)
+      const int64_t r0 = m * s / split, r1 = m * (s + 1) / split;
+      a += ta ? r0 : r0 * lda;
+      c += r0 * n;
+      rows = r1 - r0;
+    } else {  // columns [c0, c1) of c: columns of op(b)
+      const int64_t c0 = n * s / split, c1 = n * (s + 1) / split;
+      b += tb ? c0 * ldb : c0;
+      c += c0;
+      cols = c1 - c0;
+    }
+    if (rows == 0 || cols == 0) return;
+    if (k == 0) {  // a BLAS may leave c alone when k is 0: the product is zeros
+      for (int64_t x = 0; x < rows; ++x) std::fill(c + x * n, c + x * n + cols, T(0));
+      return;
+    }
+    gemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(rows), int(cols),
+         int(k), T(1), a, int(lda), b, int(ldb), T(0), c, int(n));
+  }
+};
+
+template <typename T>
+ffi::Error Run(cblas_gemm<T>* gemm, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
+               ffi::Result<ffi::AnyBuffer> c, bool ta, bool tb) {
+  if (gemm == nullptr) return ffi::Error::Internal("nnlite_gemm: no BLAS was set");
+  auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
+  const size_t r = cd.size();
+  if (r < 2 || ad.size() != r || bd.size() != r)
+    return ffi::Error::InvalidArgument("nnlite_gemm: operands and result differ in rank");
+  Product<T> job;
+  job.m = cd[r - 2], job.n = cd[r - 1], job.k = ta ? ad[r - 2] : ad[r - 1];
+  if ((ta ? ad[r - 1] : ad[r - 2]) != job.m || (tb ? bd[r - 1] : bd[r - 2]) != job.k ||
+      (tb ? bd[r - 2] : bd[r - 1]) != job.n)
+    return ffi::Error::InvalidArgument("nnlite_gemm: operand shapes do not multiply");
+  for (int64_t x : {job.m, job.n, job.k, ad[r - 1], bd[r - 1]})
+    if (x > INT32_MAX) return ffi::Error::InvalidArgument("nnlite_gemm: a dimension over 2^31 - 1");
+  int64_t batch = 1;
+  for (size_t d = 0; d + 2 < r; ++d) {
+    if ((ad[d] != cd[d] && ad[d] != 1) || (bd[d] != cd[d] && bd[d] != 1))
+      return ffi::Error::InvalidArgument("nnlite_gemm: batch axes do not broadcast");
+    batch *= cd[d];
+  }
+  if (batch == 0 || job.m == 0 || job.n == 0) return ffi::Error::Success();
+  job.gemm = gemm, job.ta = ta, job.tb = tb;
+  job.A = static_cast<const T*>(a.untyped_data());
+  job.B = static_cast<const T*>(b.untyped_data());
+  job.C = static_cast<T*>(c->untyped_data());
+  job.ad.assign(ad.begin(), ad.end());
+  job.bd.assign(bd.begin(), bd.end());
+  job.cd.assign(cd.begin(), cd.end());
+  const int64_t threads = g_split ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  const int64_t macs = job.m * job.n * std::max<int64_t>(job.k, 1);
+  job.split = 1;
+  if (batch < threads)
+    job.split = std::max<int64_t>(
+        1, std::min({threads, std::max(job.m, job.n), macs / kMinPieceMacs}));
+  nnlite::ParallelFor(pool, batch * job.split, threads, [&](int64_t p) { job.Piece(p); });
+  return ffi::Error::Success();
+}
+
+ffi::Error Gemm(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
+  if (a.element_type() != c->element_type() || b.element_type() != c->element_type())
+    return ffi::Error::InvalidArgument("nnlite_gemm: operands and result differ in dtype");
+  switch (c->element_type()) {
+    case ffi::F32:
+      return Run<float>(g_sgemm, pool, a, b, c, transpose_a, transpose_b);
+    case ffi::F64:
+      return Run<double>(g_dgemm, pool, a, b, c, transpose_a, transpose_b);
+    default:
+      return ffi::Error::InvalidArgument("nnlite_gemm: float32 or float64 only");
+  }
+}
+
+}  // namespace
+
+extern "C" void nnlite_gemm_set_blas(void* sgemm, void* dgemm, int split) {
+  g_sgemm = reinterpret_cast<cblas_gemm<float>*>(sgemm);
+  g_dgemm = reinterpret_cast<cblas_gemm<double>*>(dgemm);
+  g_split = split != 0;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NnliteGemm, Gemm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b"));

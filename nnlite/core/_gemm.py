@@ -1,0 +1,326 @@
+"""``matmul``: nnlite's matrix product, on Intel MKL's GEMM where MKL is installed.
+
+On the CPU, XLA (jaxlib 0.10) multiplies matrices with its own GEMM, which at a
+transformer's shapes runs at 0.5-1.0x the rate of MKL, the GEMM PyTorch calls: on a 2-core
+Xeon with AVX-512, a GPT 6x6x384's `[16384,384] x [384,1152]` at 146 GFLOP/s against MKL's
+314, a 135M Llama's tied head at 213 against 293 (``benchmarks/README.md``). MKL ships on
+the package registry (``pip install "nnlite[mkl]"``, the ``mkl`` wheel's ``libmkl_rt``), so
+where it is installed nnlite's layers multiply through it:
+
+* on the CPU, a float32 or float64 product of at least ``MIN_FLOPS`` binds the primitive
+  ``nnlite_gemm``, which lowers to an XLA FFI call (``_gemm.cc``, compiled at first use by
+  ``_native``) of MKL's ``cblas_sgemm``/``cblas_dgemm``. MKL runs single-threaded (its
+  sequential layer) and the handler cuts each product into pieces on XLA's own threads, so
+  MKL's threads and XLA's never contend for the cores;
+* elsewhere (a GPU, bfloat16, a small product, MKL or a compiler absent,
+  ``NNLITE_CPU_GEMM=xla``) it is ``jax.lax.dot_general``: the jaxpr XLA alone would see.
+
+The primitive is a first-class JAX op: its JVP and transpose are two more ``nnlite_gemm``
+products (``jax.grad`` and the layers' hand rules both run on MKL), it batches under
+``jax.vmap``, and in a program XLA partitions over several devices (``fsdp``, ``tensor``:
+a custom call there would be replicated) it lowers to ``dot_general``; inside a manual
+``shard_map`` body (one device's share) it stays an MKL call. ``nl.gemm_info()`` says which
+GEMM this process runs and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import importlib.metadata
+import math
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _jax_private, _native
+
+__all__ = ["ENV", "MIN_FLOPS", "gemm_info", "gemm_p", "matmul"]
+
+TARGET = "nnlite_gemm"
+ENV = "NNLITE_CPU_GEMM"  # "auto" (the default: MKL where installed), "mkl" or "xla"
+CHOICES = ("auto", "mkl", "xla")
+# Below this many FLOPs a product stays XLA's: it may fuse into its neighbours, and the
+# call's fixed cost is no longer small against the product.
+MIN_FLOPS = 2 * 64**3
+_SOURCE = Path(__file__).with_name("_gemm.cc")
+_SEQUENTIAL = 1  # MKL_THREADING_SEQUENTIAL
+
+
+# ---------------------------------------------------------------------------- the library
+
+
+def _mkl_candidates() -> list[str]:
+    """Where ``libmkl_rt`` may be: the ``mkl`` wheel's files, this environment's ``lib``
+    folder (where the wheel puts it), then the system's loader path."""
+    found = []
+    try:
+        for f in importlib.metadata.files("mkl") or ():
+            if f.name.startswith("libmkl_rt.so"):
+                found.append(str(f.locate()))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        lib = Path(prefix) / "lib"
+        found += sorted(str(p) for p in lib.glob("libmkl_rt.so*") if p.exists())
+    system = ctypes.util.find_library("mkl_rt")
+    return list(dict.fromkeys([*found, *([system] if system else [])]))
+
+
+def _load_mkl() -> tuple[ctypes.CDLL, bool]:
+    """``libmkl_rt`` loaded, and whether its calls run single-threaded (its sequential
+    layer; another part of the process may have chosen MKL's threads first)."""
+    errors = []
+    for path in _mkl_candidates():
+        try:
+            mkl = ctypes.CDLL(path)
+            mkl.MKL_Set_Threading_Layer.restype = ctypes.c_int
+            layer = mkl.MKL_Set_Threading_Layer(_SEQUENTIAL)
+            mkl.cblas_sgemm, mkl.cblas_dgemm  # noqa: B018 (both must exist)
+        except (OSError, AttributeError) as e:
+            errors.append(f"{path}: {e}")
+            continue
+        return mkl, layer == _SEQUENTIAL
+    raise OSError(
+        "no Intel MKL (libmkl_rt) found"
+        + (f" ({'; '.join(errors)})" if errors else ": pip install 'nnlite[mkl]'")
+    )
+
+
+@functools.cache
+def _library() -> tuple[bool, str]:
+    """Load MKL, compile (once) and register the handler: ``(True, what)`` or ``(False, why)``."""
+    choice = os.environ.get(ENV, "auto")
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
+    if choice == "xla":
+        return False, f"{ENV}=xla"
+    try:
+        mkl, sequential = _load_mkl()
+        lib, _ = _native.load("gemm", _SOURCE, {TARGET: "NnliteGemm"})
+        lib.nnlite_gemm_set_blas.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        address = ctypes.cast(mkl.cblas_sgemm, ctypes.c_void_p).value
+        daddress = ctypes.cast(mkl.cblas_dgemm, ctypes.c_void_p).value
+        lib.nnlite_gemm_set_blas(address, daddress, int(sequential))
+    except _native.BUILD_ERRORS as e:
+        if choice == "mkl":
+            raise RuntimeError(f"{ENV}=mkl, but {type(e).__name__}: {e}") from None
+        return False, f"{type(e).__name__}: {e}"
+    _native.keep(mkl)
+    threads = "in pieces on XLA's threads" if sequential else "on MKL's own threads"
+    return True, f"Intel MKL's cblas_sgemm/cblas_dgemm through {TARGET}, {threads}"
+
+
+_FORCED: list[bool] = []  # set by ``forced``: the route traced products take
+
+
+@contextlib.contextmanager
+def forced(mkl: bool):
+    """Products traced inside take MKL (``True``, where it loads) or XLA's dot (``False``),
+    whatever ``NNLITE_CPU_GEMM`` says: the benchmarks' in-process A/B. A function that
+    ``jax.jit`` traced before keeps the program it traced then (jit's cache is keyed by the
+    function): wrap it in a fresh one."""
+    _FORCED.append(mkl)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def _on() -> bool:
+    if _FORCED and not _FORCED[-1]:
+        return False
+    return jax.default_backend() == "cpu" and _library()[0]
+
+
+def gemm_info() -> str:
+    """Which GEMM nnlite's layers run on this process's default backend, and why.
+
+    Example:
+        >>> gemm_info().startswith(("MKL:", "XLA:"))
+        True
+    """
+    if jax.default_backend() != "cpu":
+        return f"XLA: {jax.default_backend()} backend"
+    ok, what = _library()
+    return f"MKL: {what}" if ok else f"XLA: {what}"
+
+
+# ---------------------------------------------------------------------------- the primitive
+
+gemm_p = Primitive(TARGET)
+
+
+def _dims(shape_a, shape_b, transpose_a: bool, transpose_b: bool):
+    """``(batch, m, k, n)`` of ``op(a) @ op(b)``, or a ValueError naming the shapes."""
+    if len(shape_a) != len(shape_b) or len(shape_a) < 2:
+        raise ValueError(f"{TARGET}: operands of equal rank >= 2, got {shape_a} and {shape_b}")
+    m, k = shape_a[-2:][:: -1 if transpose_a else 1]
+    k2, n = shape_b[-2:][:: -1 if transpose_b else 1]
+    batch = []
+    for x, y in zip(shape_a[:-2], shape_b[:-2], strict=True):
+        if x != y and 1 not in (x, y):
+            raise ValueError(f"{TARGET}: batch axes of {shape_a} and {shape_b} do not broadcast")
+        batch.append(max(x, y))
+    if k != k2:
+        raise ValueError(
+            f"{TARGET}: contracted sizes differ ({k} and {k2}) in {shape_a} x {shape_b} "
+            f"(transpose_a={transpose_a}, transpose_b={transpose_b})"
+        )
+    return tuple(batch), m, k, n
+
+
+def _abstract_eval(a, b, *, transpose_a, transpose_b):
+    if a.dtype != b.dtype:
+        raise TypeError(f"{TARGET}: operands of one dtype, got {a.dtype} and {b.dtype}")
+    batch, m, _, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
+    return _jax_private.result_aval(TARGET, (a, b), (*batch, m, n), a.dtype)
+
+
+@functools.cache
+def _eager(transpose_a: bool, transpose_b: bool):
+    return jax.jit(functools.partial(gemm_p.bind, transpose_a=transpose_a, transpose_b=transpose_b))
+
+
+gemm_p.def_abstract_eval(_abstract_eval)
+gemm_p.def_impl(lambda a, b, **p: _eager(**p)(a, b))
+
+
+def _bind(a, b, transpose_a: bool, transpose_b: bool):
+    a, b = _jax_private.match_varying(a, b)
+    return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
+
+
+def _unbroadcast(x, shape):
+    """Sum ``x`` over the batch axes that ``shape`` broadcast (size 1 there)."""
+    axes = tuple(i for i, (s, t) in enumerate(zip(shape[:-2], x.shape[:-2])) if s == 1 != t)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _transpose_a(ct, a, b, *, transpose_a, transpose_b):
+    if transpose_a:  # a: [..., k, m]; d a = op(b) ct^T
+        out = _bind(b, ct, transpose_b, True)
+    else:  # d a = ct op(b)^T
+        out = _bind(ct, b, False, not transpose_b)
+    return _unbroadcast(out, a.aval.shape)
+
+
+def _transpose_b(ct, a, b, *, transpose_a, transpose_b):
+    if transpose_b:  # b: [..., n, k]; d b = ct^T op(a)
+        out = _bind(ct, a, True, transpose_a)
+    else:  # d b = op(a)^T ct
+        out = _bind(a, ct, not transpose_a, False)
+    return _unbroadcast(out, b.aval.shape)
+
+
+ad.defbilinear(gemm_p, _transpose_a, _transpose_b)
+
+
+def _batch(args, dims, *, transpose_a, transpose_b):
+    a, b = (x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True))
+    if dims[1] is None and not transpose_a and b.ndim == 2:
+        # One weight for every example: the examples are more rows of one product.
+        rows = a.reshape(-1, a.shape[-1])
+        out = _bind(rows, b, False, transpose_b)
+        return out.reshape(*a.shape[:-1], out.shape[-1]), 0
+    a = a if dims[0] is not None else a[None]
+    b = b if dims[1] is not None else b[None]
+    return _bind(a, b, transpose_a, transpose_b), 0
+
+
+batching.primitive_batchers[gemm_p] = _batch
+
+
+def _op(x, transpose: bool):
+    return jnp.swapaxes(x, -1, -2) if transpose else x
+
+
+def _dot(a, b, *, transpose_a, transpose_b, preferred_element_type=None):
+    """``op(a) @ op(b)`` as ``jnp.matmul`` (XLA folds the transposes into its dot): the
+    product where MKL is not taken, and the primitive's lowering where it may not be."""
+    return jnp.matmul(
+        _op(a, transpose_a), _op(b, transpose_b), preferred_element_type=preferred_element_type
+    )
+
+
+_lower_dot = mlir.lower_fun(_dot, multiple_results=False)
+_lower_mkl = jax.ffi.ffi_lowering(TARGET)
+
+
+def _lower_cpu(ctx, a, b, *, transpose_a, transpose_b):
+    if _jax_private.partitioned_lowering(ctx) or not _library()[0]:
+        return _lower_dot(ctx, a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    return _lower_mkl(ctx, a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+mlir.register_lowering(gemm_p, _lower_dot)
+mlir.register_lowering(gemm_p, _lower_cpu, platform="cpu")
+
+
+# ---------------------------------------------------------------------------- the function
+
+
+def _worthy(a, b, flops: int, preferred) -> bool:
+    dtype = jnp.result_type(a)
+    return (
+        flops >= MIN_FLOPS
+        and dtype == jnp.result_type(b)
+        and (preferred is None or jnp.dtype(preferred) == dtype)
+        and dtype in (jnp.float32, jnp.float64)
+        and _on()
+    )
+
+
+def matmul(
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    preferred_element_type=None,
+) -> jax.Array:
+    """``op(a) @ op(b)`` with ``op(x) = x^T`` (its last two axes swapped) where ``transpose_x``.
+
+    ``b`` 2-D: ``a: [..., m, k]`` (any leading axes, folded into the rows unless
+    ``transpose_a``). Otherwise ``a`` and ``b`` have one rank and leading (batch) axes that
+    are equal or 1. ``preferred_element_type`` as ``jnp.matmul``'s (MKL only where it is the
+    operands' dtype). On the CPU with MKL installed, a float32/float64 product of at least
+    ``MIN_FLOPS`` runs on MKL (``nl.gemm_info()``); anywhere else this is
+    ``jax.lax.dot_general``. Differentiable (both modes), batchable, and usable inside
+    ``jax.jit`` and ``shard_map``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((5, 4))
+        >>> matmul(x, w, transpose_b=True).shape
+        (2, 3, 5)
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul: operands of 2 or more axes, got {a.shape} and {b.shape}")
+    if b.ndim == 2 and a.ndim != 2 and not transpose_a:
+        lead = a.shape[:-1]
+        out = matmul(
+            a.reshape(-1, a.shape[-1]),
+            b,
+            transpose_b=transpose_b,
+            preferred_element_type=preferred_element_type,
+        )
+        return out.reshape(*lead, out.shape[-1])
+    batch, m, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
+    if _worthy(a, b, 2 * math.prod(batch) * m * k * n, preferred_element_type):
+        return _bind(a, b, transpose_a, transpose_b)
+    return _dot(
+        a,
+        b,
+        transpose_a=transpose_a,
+        transpose_b=transpose_b,
+        preferred_element_type=preferred_element_type,
+    )

@@ -1,0 +1,104 @@
+"""nnlite's native CPU kernels: C++ sources compiled at first use into a cached library.
+
+Two kernels ship as source (the fused attention, ``nnlite/nn/_flash.cc``; the BLAS GEMM
+call, ``nnlite/core/_gemm.cc``). Each is compiled once with the system's C++ compiler
+(``$CXX``, ``c++`` or ``g++``) into ``$NNLITE_CACHE`` (else ``~/.cache/nnlite``), keyed by
+its source, the headers it includes from this folder, jaxlib's version and the CPU (the
+code is built with ``-march=native``). ``_pool.h`` is the one parallel loop both run on
+XLA's own thread pool. A missing compiler or a failed build is an error the caller turns
+into "not available" (each kernel's ``*_info()`` says why) and XLA's ops run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+__all__ = ["BUILD_ERRORS", "cache_dir", "keep", "load"]
+
+HEADERS = (Path(__file__).with_name("_pool.h"),)
+COMPILE_TIMEOUT_S = 300
+# What a failed build or load raises: the callers fall back to XLA's ops on these.
+BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError, AttributeError)
+_LOADED: list = []  # a library must outlive every compiled program that calls it
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("NNLITE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "nnlite"
+
+
+def _cpu_key() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [x for x in text.splitlines() if x.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(stem: str, source: Path) -> Path:
+    """``source``'s shared library, compiled once per source, headers, jaxlib and CPU."""
+    import jaxlib
+
+    text = source.read_bytes()
+    key = hashlib.sha256(
+        text
+        + b"".join(h.read_bytes() for h in HEADERS)
+        + f"|{jaxlib.__version__}|{sys.platform}|{platform.machine()}|".encode()
+        + _cpu_key().encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{stem}-{key}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler ($CXX, c++ or g++) on the PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    includes = ["-I", jax.ffi.include_dir(), "-I", str(HEADERS[0].parent)]
+    try:
+        done = subprocess.run(
+            [*cmd, *includes, "-x", "c++", "-", "-o", tmp],
+            input=text,
+            capture_output=True,
+            timeout=COMPILE_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            lines = done.stderr.decode(errors="replace").strip().splitlines() or ["?"]
+            first = next((x for x in lines if "error" in x), lines[0])
+            raise RuntimeError(f"{compiler} failed on {source.name}: {first}")
+        os.replace(tmp, target)  # atomic: a process compiling beside this one is unharmed
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def keep(lib) -> None:
+    """Keep ``lib`` (a library a kernel calls into) loaded for the process's lifetime."""
+    _LOADED.append(lib)
+
+
+def load(stem: str, source: Path, handlers: dict[str, str]) -> tuple[ctypes.CDLL, Path]:
+    """Build (once) and load ``source``, and register each ``{target: symbol}`` handler as
+    an XLA FFI target on the CPU. Raises one of ``BUILD_ERRORS`` where it cannot."""
+    path = _build(stem, source)
+    lib = ctypes.CDLL(str(path))
+    for target, symbol in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    _LOADED.append(lib)
+    return lib, path
