@@ -42,7 +42,7 @@ BATCHES = [((), ()), ((3,), (3,)), ((1,), (3,)), ((2, 3), (2, 1))]
 @pytest.mark.parametrize("ta,tb", LAYOUTS)
 @pytest.mark.parametrize("batch_a,batch_b", BATCHES)
 def test_equals_numpy_in_every_layout_and_its_gradients_equal_xlas(ta, tb, batch_a, batch_b):
-    a, b = _pair(70, 90, 130, ta, tb, batch_a, batch_b)
+    a, b = _pair(100, 150, 160, ta, tb, batch_a, batch_b)
 
     def f(a, b):
         return nl.matmul(a, b, transpose_a=ta, transpose_b=tb)
@@ -70,7 +70,7 @@ def test_leading_axes_fold_into_rows_forward_mode_and_float64():
     _, tangent = jax.jvp(lambda a: nl.matmul(a, b, transpose_b=True), (a,), (da,))
     np.testing.assert_allclose(tangent, da @ b.T, rtol=1e-4, atol=1e-4)
     with jax.enable_x64(True):
-        a64, b64 = (np.asarray(x, np.float64) for x in _pair(70, 90, 130, True, False))
+        a64, b64 = (np.asarray(x, np.float64) for x in _pair(100, 150, 160, True, False))
         assert _uses_mkl(lambda a, b: nl.matmul(a, b, transpose_a=True), a64, b64)
         out = nl.matmul(a64, b64, transpose_a=True)
         assert out.dtype == jnp.float64
@@ -78,9 +78,9 @@ def test_leading_axes_fold_into_rows_forward_mode_and_float64():
 
 
 def test_small_products_other_dtypes_and_empty_shapes_take_xlas_dot():
-    a, b = _pair(8, 8, 8, False, False)  # below MIN_FLOPS: XLA may fuse it
+    a, b = _pair(64, 64, 64, False, False)  # below MIN_FLOPS: XLA may fuse it
     assert not _uses_mkl(nl.matmul, a, b)
-    a, b = _pair(70, 90, 130, False, False)
+    a, b = _pair(100, 150, 160, False, False)
     a16, b16 = (jnp.asarray(x, jnp.bfloat16) for x in (a, b))
     assert not _uses_mkl(nl.matmul, a16, b16)
     assert nl.matmul(a16, b16).dtype == jnp.bfloat16
@@ -95,7 +95,7 @@ def test_small_products_other_dtypes_and_empty_shapes_take_xlas_dot():
 
 
 def test_vmap_folds_into_rows_or_the_batch():
-    a, b = _pair(50, 64, 80, False, False, batch_a=(4,))
+    a, b = _pair(100, 64, 160, False, False, batch_a=(4,))
     out = jax.vmap(lambda a: nl.matmul(a, b))(a)
     np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
     bs = np.stack([b, 2 * b, -b, b])
@@ -104,10 +104,10 @@ def test_vmap_folds_into_rows_or_the_batch():
 
 
 def test_the_layers_products_run_on_mkl_in_both_gradient_modes():
-    layer = nl.Linear(96, 128)
+    layer = nl.Linear(128, 256)
     p = layer.init(jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (4, 32, 96))
-    w = jax.random.normal(jax.random.key(3), (4, 32, 128))
+    x = jax.random.normal(jax.random.key(1), (4, 32, 128))
+    w = jax.random.normal(jax.random.key(3), (4, 32, 256))
 
     def loss(p, x):
         return jnp.sum(layer(p, x) * w)
@@ -120,7 +120,7 @@ def test_the_layers_products_run_on_mkl_in_both_gradient_modes():
         for leaf, ref in zip(jax.tree.leaves(g), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(leaf, ref, rtol=1e-4, atol=1e-4)
     # the tied head: x @ E^T as one product with E read transposed in place
-    emb = nl.Embedding(300, 96)
+    emb = nl.Embedding(300, 128)
     pe = emb.init(jax.random.key(2))
     text = jax.jit(emb.attend).lower(pe, x).as_text()
     assert "nnlite_gemm" in text and "transpose(" not in text
@@ -128,7 +128,7 @@ def test_the_layers_products_run_on_mkl_in_both_gradient_modes():
 
 def test_partitioned_programs_use_xlas_dot_and_shard_map_keeps_mkl():
     mesh = jax.make_mesh((8,), ("data",))
-    a, b = _pair(64, 96, 128, False, False, batch_a=(8,))
+    a, b = _pair(128, 96, 256, False, False, batch_a=(8,))
     shard = NamedSharding(mesh, P("data"))
     a_s = jax.device_put(a, shard)
 
@@ -147,7 +147,7 @@ def test_partitioned_programs_use_xlas_dot_and_shard_map_keeps_mkl():
 
 
 def test_show_jaxpr_prints_the_call_and_flops_count_it():
-    a, b = _pair(70, 90, 130, True, False)
+    a, b = _pair(100, 150, 160, True, False)
 
     def f(a, b):
         return jnp.sum(nl.matmul(a, b, transpose_a=True) ** 2)
@@ -160,7 +160,7 @@ def test_show_jaxpr_prints_the_call_and_flops_count_it():
     ours = nl.flops(jax.grad(f, (0, 1)), a, b)
     assert (
         ours["unknown"] == ()
-        and ours["matmul_flops"] == xla["matmul_flops"] == 3 * 2 * 70 * 90 * 130
+        and ours["matmul_flops"] == xla["matmul_flops"] == 3 * 2 * 100 * 150 * 160
     )
 
 
@@ -177,7 +177,7 @@ _FALLBACK = """
 import jax, jax.numpy as jnp, nnlite as nl
 print(nl.gemm_info())
 layer = nl.Linear(128, 256)
-p = layer.init(jax.random.key(0)); x = jnp.ones((64, 128))
+p = layer.init(jax.random.key(0)); x = jnp.ones((128, 128))
 print("mkl" if "nnlite_gemm" in jax.jit(layer).lower(p, x).as_text() else "xla")
 print(float(jax.grad(lambda p: layer(p, x).sum())(p).W.sum()))
 """
@@ -211,4 +211,4 @@ def test_without_mkl_the_layers_run_on_xla(tmp_path, how):
     assert info.startswith("XLA: ")
     assert ("NNLITE_CPU_GEMM=xla" in info) if how == "env" else ("no Intel MKL" in info)
     assert path == "xla"
-    assert float(grad) == 64 * 128 * 256  # d sum(x W + b) / dW = x^T 1: 64 in each entry
+    assert float(grad) == 128 * 128 * 256  # d sum(x W + b) / dW = x^T 1: 128 in each entry
