@@ -357,3 +357,23 @@ def test_the_launchers_processes_run_its_own_package():
     for package in ("train", "nnlite.train"):
         launch = importlib.import_module(f"{package}.parallel.launch")
         assert launch.TRAINER == package
+
+
+@pytest.mark.parametrize(
+    "env,value,expected",
+    [
+        ("NNLITE_CPU_GEMM", "blas", "expected one of auto, mkl, xla"),
+        ("NNLITE_CPU_ATTENTION", "bogus", "expected one of fused, xla"),
+    ],
+)
+def test_a_bad_kernel_switch_is_one_line_before_anything_runs(
+    env, value, expected, tmp_path, monkeypatch, capsys
+):
+    # the digits MLP reaches neither kernel: the switch is still checked, not ignored
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(env, value)
+    config = Path(__file__).parents[1] / "configs" / "digits_mlp.yaml"
+    assert main(["--config", str(config), "--set", "train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {env}={value!r}: {expected}\n"
+    assert not (tmp_path / "runs").exists()

@@ -212,3 +212,15 @@ def test_without_mkl_the_layers_run_on_xla(tmp_path, how):
     assert ("NNLITE_CPU_GEMM=xla" in info) if how == "env" else ("no Intel MKL" in info)
     assert path == "xla"
     assert float(grad) == 128 * 128 * 256  # d sum(x W + b) / dW = x^T 1: 128 in each entry
+
+
+def test_a_bad_setting_is_an_error_even_where_no_product_takes_mkl(monkeypatch):
+    monkeypatch.setenv(_gemm.ENV, "fast")
+    _gemm._choice.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"NNLITE_CPU_GEMM='fast': expected one of"):
+            nl.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32))
+    finally:
+        monkeypatch.undo()
+        _gemm._choice.cache_clear()
+    assert nl.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32)).shape == (2, 2)

@@ -307,6 +307,7 @@ def main(
     saved = {s: signal.signal(s, _interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = _load(args, session, standalone)
+        _check_kernel_settings()
         timings.lap("config")
         status = _act(cfg, args, argv, compile_cache)
         if status is not None:
@@ -346,6 +347,17 @@ def _load(args, session: _Session, standalone: bool):
             raise ConfigError(f"--profile {e}") from None
         args.overrides.append(f"log.profile='{args.profile}'")  # quoted: YAML reads 1:2 as 62
     return load_config(args.config, args.overrides)
+
+
+def _check_kernel_settings() -> None:
+    """``NNLITE_CPU_ATTENTION`` and ``NNLITE_CPU_GEMM`` checked before anything runs: a bad
+    value is an error even where the model never reaches that kernel."""
+    from nnlite.core._native import check_settings  # start-up: JAX, imported by the config
+
+    try:
+        check_settings()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _act(cfg, args, argv: list[str], compile_cache: bool) -> int | None:

@@ -31,7 +31,6 @@ import ctypes.util
 import functools
 import importlib.metadata
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -96,12 +95,20 @@ def _load_mkl() -> tuple[ctypes.CDLL, bool]:
     )
 
 
+_native.SETTINGS[ENV] = CHOICES
+
+
+@functools.cache
+def _choice() -> str:
+    """``NNLITE_CPU_GEMM``, checked (every ``matmul`` reads it, so a bad value is an error
+    even where no product is large enough to take MKL)."""
+    return _native.setting(ENV)
+
+
 @functools.cache
 def _library() -> tuple[bool, str]:
     """Load MKL, compile (once) and register the handler: ``(True, what)`` or ``(False, why)``."""
-    choice = os.environ.get(ENV, "auto")
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
+    choice = _choice()
     if choice == "xla":
         return False, f"{ENV}=xla"
     try:
@@ -317,6 +324,7 @@ def matmul(
         )
         return out.reshape(*lead, out.shape[-1])
     batch, m, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
+    _choice()
     if _worthy(a, b, 2 * math.prod(batch) * m * k * n, preferred_element_type):
         return _bind(a, b, transpose_a, transpose_b)
     return _dot(

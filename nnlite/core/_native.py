@@ -23,13 +23,33 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["BUILD_ERRORS", "cache_dir", "keep", "load"]
+__all__ = ["BUILD_ERRORS", "SETTINGS", "cache_dir", "check_settings", "keep", "load", "setting"]
 
 HEADERS = (Path(__file__).with_name("_pool.h"),)
 COMPILE_TIMEOUT_S = 300
 # What a failed build or load raises: the callers fall back to XLA's ops on these.
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError, AttributeError)
 _LOADED: list = []  # a library must outlive every compiled program that calls it
+# Each kernel's environment switch and the values it takes, the default first
+# (NNLITE_CPU_ATTENTION, NNLITE_CPU_GEMM): registered by the kernels' modules.
+SETTINGS: dict[str, tuple[str, ...]] = {}
+
+
+def setting(env: str) -> str:
+    """``$env`` (a registered switch), or its default; a ValueError naming the value and
+    the accepted ones where it is none of them."""
+    choices = SETTINGS[env]
+    value = os.environ.get(env, choices[0])
+    if value not in choices:
+        raise ValueError(f"{env}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def check_settings() -> None:
+    """Every kernel switch checked at once (the trainer does at start-up, so a bad value is
+    an error even in a run whose model never reaches that kernel)."""
+    for env in SETTINGS:
+        setting(env)
 
 
 def cache_dir() -> Path:

@@ -7,8 +7,8 @@ computes ``softmax(q k^T * scale) v`` in blocks of 64 keys with an online softma
 (FlashAttention, Dao et al. 2022; the backward of FlashAttention-2), the probabilities never
 leaving the cache:
 
-* ``_flash.cc`` holds two XLA FFI handlers, compiled here at first use with the system's
-  C++ compiler (``$CXX``, ``c++`` or ``g++``; ``-O3 -march=native``) into
+* ``_flash.cc`` holds two XLA FFI handlers, compiled at first use (``core/_native.py``)
+  with the system's C++ compiler (``$CXX``, ``c++`` or ``g++``; ``-O3 -march=native``) into
   ``$NNLITE_CACHE`` (else ``~/.cache/nnlite``), keyed by the source, jaxlib and the CPU;
 * two JAX primitives, ``nnlite_attention_fwd`` (``o`` and the softmax's log-denominator
   ``lse``) and ``nnlite_attention_bwd``, lower to those calls on the CPU; off the CPU, in a
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +56,7 @@ __all__ = [
 ENV = "NNLITE_CPU_ATTENTION"  # "fused" (the default) or "xla"
 FWD, BWD = "nnlite_attention_fwd", "nnlite_attention_bwd"
 _SOURCE = Path(__file__).with_name("_flash.cc")
+_native.SETTINGS[ENV] = ("fused", "xla")
 
 
 # ---------------------------------------------------------------------------- the library
@@ -65,11 +65,8 @@ _SOURCE = Path(__file__).with_name("_flash.cc")
 @functools.cache
 def _library() -> tuple[bool, str]:
     """Compile (once), load and register the handlers: ``(True, what)`` or ``(False, why)``."""
-    choice = os.environ.get(ENV, "fused")
-    if choice == "xla":
+    if _native.setting(ENV) == "xla":
         return False, f"{ENV}=xla"
-    if choice != "fused":
-        raise ValueError(f"{ENV}={choice!r}: expected 'fused' or 'xla'")
     try:
         _, path = _native.load(
             "attention", _SOURCE, {FWD: "NnliteAttentionFwd", BWD: "NnliteAttentionBwd"}
