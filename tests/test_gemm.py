@@ -81,12 +81,11 @@ def test_small_products_other_dtypes_and_empty_shapes_take_xlas_dot():
     a, b = _pair(64, 64, 64, False, False)  # below MIN_FLOPS: XLA may fuse it
     assert not _uses_mkl(nl.matmul, a, b)
     a, b = _pair(100, 150, 160, False, False)
-    a16, b16 = (jnp.asarray(x, jnp.bfloat16) for x in (a, b))
+    a16, b16 = (jnp.asarray(x, jnp.float16) for x in (a, b))
     assert not _uses_mkl(nl.matmul, a16, b16)
-    assert nl.matmul(a16, b16).dtype == jnp.bfloat16
-    pref = jax.jit(lambda a, b: nl.matmul(a, b, preferred_element_type=jnp.float32))
-    assert "nnlite_gemm" not in pref.lower(a16, b16).as_text()
-    assert pref(a16, b16).dtype == jnp.float32
+    assert nl.matmul(a16, b16).dtype == jnp.float16
+    mixed = jax.jit(lambda a, b: nl.matmul(a, b))  # operands of two dtypes: XLA's dot
+    assert "nnlite_gemm" not in mixed.lower(a, jnp.asarray(b, jnp.bfloat16)).as_text()
     # an empty contraction is zeros, an empty batch an empty result
     z = nl.matmul(np.ones((300, 0), np.float32), np.ones((0, 900), np.float32))
     assert z.shape == (300, 900) and not np.any(z)
@@ -224,3 +223,36 @@ def test_a_bad_setting_is_an_error_even_where_no_product_takes_mkl(monkeypatch):
         monkeypatch.undo()
         _gemm._choice.cache_clear()
     assert nl.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32)).shape == (2, 2)
+
+
+def test_bfloat16_operands_take_mkls_bf16_gemm_as_xlas_dot_computes_them():
+    a, b = _pair(100, 150, 160, False, True)
+    a16, b16 = (jnp.asarray(x, jnp.bfloat16) for x in (a, b))
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((100, 160)), jnp.bfloat16)
+    for pref in (None, jnp.float32):
+
+        def f(a, b, pref=pref):
+            return nl.matmul(a, b, transpose_b=True, preferred_element_type=pref)
+
+        def loss(a, b, f=f):
+            return jnp.sum((f(a, b) * w).astype(jnp.float32))
+
+        assert _uses_mkl(f, a16, b16)
+        got, grads = f(a16, b16), jax.grad(loss, (0, 1))(a16, b16)
+        with _gemm.forced(False):
+            want, ref = f(a16, b16), jax.grad(loss, (0, 1))(a16, b16)
+        assert got.dtype == want.dtype == (pref or jnp.bfloat16)
+        # both are the float32 product of the bfloat16 values (summed in another order),
+        # rounded the same way: equal to float32 rounding, then within one bfloat16 step
+        tol = 1e-5 if pref else 2**-7
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=1e-3
+        )
+        for x, y in zip(grads, ref, strict=True):
+            assert x.dtype == y.dtype == jnp.bfloat16
+            np.testing.assert_allclose(
+                np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-2, atol=0.1
+            )
+    src = nl.show_jaxpr(jax.grad(loss, (0, 1)), a16, b16)
+    assert "preferred_element_type=jnp.float32" in src
+    nl.roundtrip(jax.grad(loss, (0, 1)), a16, b16)

@@ -5,7 +5,8 @@
 //
 //   nnlite_gemm(a, b) -> c,  c[..., m, n] = op(a)[..., m, k] @ op(b)[..., k, n]
 //
-// Row-major float32 or float64; op(x) = x^T (its last two axes swapped) where the attribute
+// Row-major float32 or float64, or bfloat16 operands with a float32 result (MKL's
+// cblas_gemm_bf16bf16f32: AMX or AVX512-BF16 where the CPU has them); op(x) = x^T (its last two axes swapped) where the attribute
 // transpose_a / transpose_b is set; the leading (batch) axes of a and b are the result's
 // or 1 (broadcast). A product is cut into pieces (its batch elements, else blocks of rows or
 // of columns) that run single-threaded on XLA's own thread pool (_pool.h); where the BLAS
@@ -23,22 +24,24 @@ namespace {
 
 enum { kRowMajor = 101, kNoTrans = 111, kTrans = 112 };
 
-template <typename T>
-using cblas_gemm = void(int, int, int, int, int, int, T, const T*, int, const T*, int, T, T*,
+// cblas_?gemm with operands of type I and a result of type O (alpha and beta: O)
+template <typename I, typename O>
+using cblas_gemm = void(int, int, int, int, int, int, O, const I*, int, const I*, int, O, O*,
                         int);
 
-cblas_gemm<float>* g_sgemm = nullptr;
-cblas_gemm<double>* g_dgemm = nullptr;
+cblas_gemm<float, float>* g_sgemm = nullptr;
+cblas_gemm<double, double>* g_dgemm = nullptr;
+cblas_gemm<uint16_t, float>* g_bgemm = nullptr;  // bfloat16 operands (MKL_BF16), float32 result
 bool g_split = false;  // whether each call runs on one thread (then nnlite cuts products)
 
 // Below this many multiply-adds a piece, cutting a product costs more than it gains.
 constexpr int64_t kMinPieceMacs = int64_t(1) << 21;
 
-template <typename T>
+template <typename I, typename O>
 struct Product {
-  cblas_gemm<T>* gemm;
-  const T *A, *B;
-  T* C;
+  cblas_gemm<I, O>* gemm;
+  const I *A, *B;
+  O* C;
   std::vector<int64_t> ad, bd, cd;  // dimensions of a, b, c
   int64_t m, n, k, split;
   bool ta, tb;
@@ -57,9 +60,9 @@ struct Product {
       bstride *= bd[d];
     }
     const int64_t lda = ad[r - 1], ldb = bd[r - 1];
-    const T* a = A + ai * ad[r - 2] * lda;
-    const T* b = B + bi * bd[r - 2] * ldb;
-    T* c = C + i * m * n;
+    const I* a = A + ai * ad[r - 2] * lda;
+    const I* b = B + bi * bd[r - 2] * ldb;
+    O* c = C + i * m * n;
     int64_t rows = m, cols = n;
     if (m >= n) {  // rows [r0, r1) of c: rows of op(a)
       const int64_t r0 = m * s / split, r1 = m * (s + 1) / split;
@@ -74,23 +77,23 @@ struct Product {
     }
     if (rows == 0 || cols == 0) return;
     if (k == 0) {  // a BLAS may leave c alone when k is 0: the product is zeros
-      for (int64_t x = 0; x < rows; ++x) std::fill(c + x * n, c + x * n + cols, T(0));
+      for (int64_t x = 0; x < rows; ++x) std::fill(c + x * n, c + x * n + cols, O(0));
       return;
     }
     gemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(rows), int(cols),
-         int(k), T(1), a, int(lda), b, int(ldb), T(0), c, int(n));
+         int(k), O(1), a, int(lda), b, int(ldb), O(0), c, int(n));
   }
 };
 
-template <typename T>
-ffi::Error Run(cblas_gemm<T>* gemm, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
+template <typename I, typename O>
+ffi::Error Run(cblas_gemm<I, O>* gemm, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
                ffi::Result<ffi::AnyBuffer> c, bool ta, bool tb) {
   if (gemm == nullptr) return ffi::Error::Internal("nnlite_gemm: no BLAS was set");
   auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
   const size_t r = cd.size();
   if (r < 2 || ad.size() != r || bd.size() != r)
     return ffi::Error::InvalidArgument("nnlite_gemm: operands and result differ in rank");
-  Product<T> job;
+  Product<I, O> job;
   job.m = cd[r - 2], job.n = cd[r - 1], job.k = ta ? ad[r - 2] : ad[r - 1];
   if ((ta ? ad[r - 1] : ad[r - 2]) != job.m || (tb ? bd[r - 1] : bd[r - 2]) != job.k ||
       (tb ? bd[r - 2] : bd[r - 1]) != job.n)
@@ -105,9 +108,9 @@ ffi::Error Run(cblas_gemm<T>* gemm, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi:
   }
   if (batch == 0 || job.m == 0 || job.n == 0) return ffi::Error::Success();
   job.gemm = gemm, job.ta = ta, job.tb = tb;
-  job.A = static_cast<const T*>(a.untyped_data());
-  job.B = static_cast<const T*>(b.untyped_data());
-  job.C = static_cast<T*>(c->untyped_data());
+  job.A = static_cast<const I*>(a.untyped_data());
+  job.B = static_cast<const I*>(b.untyped_data());
+  job.C = static_cast<O*>(c->untyped_data());
   job.ad.assign(ad.begin(), ad.end());
   job.bd.assign(bd.begin(), bd.end());
   job.cd.assign(cd.begin(), cd.end());
@@ -123,23 +126,25 @@ ffi::Error Run(cblas_gemm<T>* gemm, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi:
 
 ffi::Error Gemm(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
                 ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
-  if (a.element_type() != c->element_type() || b.element_type() != c->element_type())
-    return ffi::Error::InvalidArgument("nnlite_gemm: operands and result differ in dtype");
-  switch (c->element_type()) {
-    case ffi::F32:
-      return Run<float>(g_sgemm, pool, a, b, c, transpose_a, transpose_b);
-    case ffi::F64:
-      return Run<double>(g_dgemm, pool, a, b, c, transpose_a, transpose_b);
-    default:
-      return ffi::Error::InvalidArgument("nnlite_gemm: float32 or float64 only");
-  }
+  const auto in = a.element_type(), out = c->element_type();
+  if (b.element_type() != in)
+    return ffi::Error::InvalidArgument("nnlite_gemm: operands differ in dtype");
+  if (in == ffi::F32 && out == ffi::F32)
+    return Run(g_sgemm, pool, a, b, c, transpose_a, transpose_b);
+  if (in == ffi::F64 && out == ffi::F64)
+    return Run(g_dgemm, pool, a, b, c, transpose_a, transpose_b);
+  if (in == ffi::BF16 && out == ffi::F32)
+    return Run(g_bgemm, pool, a, b, c, transpose_a, transpose_b);
+  return ffi::Error::InvalidArgument(
+      "nnlite_gemm: float32 or float64, or bfloat16 operands with a float32 result");
 }
 
 }  // namespace
 
-extern "C" void nnlite_gemm_set_blas(void* sgemm, void* dgemm, int split) {
-  g_sgemm = reinterpret_cast<cblas_gemm<float>*>(sgemm);
-  g_dgemm = reinterpret_cast<cblas_gemm<double>*>(dgemm);
+extern "C" void nnlite_gemm_set_blas(void* sgemm, void* dgemm, void* bgemm, int split) {
+  g_sgemm = reinterpret_cast<cblas_gemm<float, float>*>(sgemm);
+  g_dgemm = reinterpret_cast<cblas_gemm<double, double>*>(dgemm);
+  g_bgemm = reinterpret_cast<cblas_gemm<uint16_t, float>*>(bgemm);
   g_split = split != 0;
 }
 

@@ -7,12 +7,14 @@ Xeon with AVX-512, a GPT 6x6x384's `[16384,384] x [384,1152]` at 146 GFLOP/s aga
 the package registry (``pip install "nnlite[mkl]"``, the ``mkl`` wheel's ``libmkl_rt``), so
 where it is installed nnlite's layers multiply through it:
 
-* on the CPU, a float32 or float64 product of at least ``MIN_FLOPS`` binds the primitive
-  ``nnlite_gemm``, which lowers to an XLA FFI call (``_gemm.cc``, compiled at first use by
-  ``_native``) of MKL's ``cblas_sgemm``/``cblas_dgemm``. MKL runs single-threaded (its
+* on the CPU, a float32, float64 or bfloat16 product of at least ``MIN_FLOPS`` binds the
+  primitive ``nnlite_gemm``, which lowers to an XLA FFI call (``_gemm.cc``, compiled at
+  first use by ``_native``) of MKL's ``cblas_sgemm``/``cblas_dgemm``, or for bfloat16
+  operands ``cblas_gemm_bf16bf16f32`` (a float32 result, as XLA's CPU dot computes it;
+  MKL runs it on AMX or AVX512-BF16 where the CPU has them). MKL runs single-threaded (its
   sequential layer) and the handler cuts each product into pieces on XLA's own threads, so
   MKL's threads and XLA's never contend for the cores;
-* elsewhere (a GPU, bfloat16, a small product, MKL or a compiler absent,
+* elsewhere (a GPU, float16, a small product, MKL or a compiler absent,
   ``NNLITE_CPU_GEMM=xla``) it is ``jax.lax.dot_general``: the jaxpr XLA alone would see.
 
 The primitive is a first-class JAX op: its JVP and transpose are two more ``nnlite_gemm``
@@ -84,7 +86,7 @@ def _load_mkl() -> tuple[ctypes.CDLL, bool]:
             mkl = ctypes.CDLL(path)
             mkl.MKL_Set_Threading_Layer.restype = ctypes.c_int
             layer = mkl.MKL_Set_Threading_Layer(_SEQUENTIAL)
-            mkl.cblas_sgemm, mkl.cblas_dgemm  # noqa: B018 (both must exist)
+            mkl.cblas_sgemm, mkl.cblas_dgemm, mkl.cblas_gemm_bf16bf16f32  # noqa: B018 (all exist)
         except (OSError, AttributeError) as e:
             errors.append(f"{path}: {e}")
             continue
@@ -114,17 +116,17 @@ def _library() -> tuple[bool, str]:
     try:
         mkl, sequential = _load_mkl()
         lib, _ = _native.load("gemm", _SOURCE, {TARGET: "NnliteGemm"})
-        lib.nnlite_gemm_set_blas.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        address = ctypes.cast(mkl.cblas_sgemm, ctypes.c_void_p).value
-        daddress = ctypes.cast(mkl.cblas_dgemm, ctypes.c_void_p).value
-        lib.nnlite_gemm_set_blas(address, daddress, int(sequential))
+        lib.nnlite_gemm_set_blas.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int]
+        gemms = (mkl.cblas_sgemm, mkl.cblas_dgemm, mkl.cblas_gemm_bf16bf16f32)
+        lib.nnlite_gemm_set_blas(*(ctypes.cast(f, ctypes.c_void_p).value for f in gemms),
+                                 int(sequential))  # fmt: skip
     except _native.BUILD_ERRORS as e:
         if choice == "mkl":
             raise RuntimeError(f"{ENV}=mkl, but {type(e).__name__}: {e}") from None
         return False, f"{type(e).__name__}: {e}"
     _native.keep(mkl)
     threads = "in pieces on XLA's threads" if sequential else "on MKL's own threads"
-    return True, f"Intel MKL's cblas_sgemm/cblas_dgemm through {TARGET}, {threads}"
+    return True, f"Intel MKL (sgemm, dgemm, gemm_bf16bf16f32) through {TARGET}, {threads}"
 
 
 _FORCED: list[bool] = []  # set by ``forced``: the route traced products take
@@ -186,11 +188,17 @@ def _dims(shape_a, shape_b, transpose_a: bool, transpose_b: bool):
     return tuple(batch), m, k, n
 
 
+def _result_dtype(dtype):
+    """The product's dtype: float32 for bfloat16 operands (MKL accumulates and writes it in
+    float32, as XLA's CPU dot does), else the operands'."""
+    return jnp.dtype(jnp.float32) if dtype == jnp.bfloat16 else jnp.dtype(dtype)
+
+
 def _abstract_eval(a, b, *, transpose_a, transpose_b):
     if a.dtype != b.dtype:
         raise TypeError(f"{TARGET}: operands of one dtype, got {a.dtype} and {b.dtype}")
     batch, m, _, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
-    return _jax_private.result_aval(TARGET, (a, b), (*batch, m, n), a.dtype)
+    return _jax_private.result_aval(TARGET, (a, b), (*batch, m, n), _result_dtype(a.dtype))
 
 
 @functools.cache
@@ -214,19 +222,23 @@ def _unbroadcast(x, shape):
 
 
 def _transpose_a(ct, a, b, *, transpose_a, transpose_b):
+    dtype = a.aval.dtype  # bfloat16 operands: the float32 cotangent rounded to theirs
+    ct = ct.astype(dtype)
     if transpose_a:  # a: [..., k, m]; d a = op(b) ct^T
         out = _bind(b, ct, transpose_b, True)
     else:  # d a = ct op(b)^T
         out = _bind(ct, b, False, not transpose_b)
-    return _unbroadcast(out, a.aval.shape)
+    return _unbroadcast(out, a.aval.shape).astype(dtype)
 
 
 def _transpose_b(ct, a, b, *, transpose_a, transpose_b):
+    dtype = b.aval.dtype
+    ct = ct.astype(dtype)
     if transpose_b:  # b: [..., n, k]; d b = ct^T op(a)
         out = _bind(ct, a, True, transpose_a)
     else:  # d b = op(a)^T ct
         out = _bind(a, ct, not transpose_a, False)
-    return _unbroadcast(out, b.aval.shape)
+    return _unbroadcast(out, b.aval.shape).astype(dtype)
 
 
 ad.defbilinear(gemm_p, _transpose_a, _transpose_b)
@@ -259,7 +271,14 @@ def _dot(a, b, *, transpose_a, transpose_b, preferred_element_type=None):
     )
 
 
-_lower_dot = mlir.lower_fun(_dot, multiple_results=False)
+def _dot_prim(a, b, *, transpose_a, transpose_b):
+    """The primitive's arithmetic in XLA's dot (its result dtype: ``_result_dtype``)."""
+    out = _result_dtype(a.dtype)
+    pref = out if out != a.dtype else None
+    return _dot(a, b, transpose_a=transpose_a, transpose_b=transpose_b, preferred_element_type=pref)
+
+
+_lower_dot = mlir.lower_fun(_dot_prim, multiple_results=False)
 _lower_mkl = jax.ffi.ffi_lowering(TARGET)
 
 
@@ -278,13 +297,13 @@ mlir.register_lowering(gemm_p, _lower_cpu, platform="cpu")
 
 def _worthy(a, b, flops: int, preferred) -> bool:
     dtype = jnp.result_type(a)
-    return (
-        flops >= MIN_FLOPS
-        and dtype == jnp.result_type(b)
-        and (preferred is None or jnp.dtype(preferred) == dtype)
-        and dtype in (jnp.float32, jnp.float64)
-        and _on()
-    )
+    if dtype == jnp.bfloat16:  # MKL's product is float32: rounded back where none is asked
+        kept = preferred is None or jnp.dtype(preferred) in (jnp.float32, jnp.bfloat16)
+    else:
+        kept = dtype in (jnp.float32, jnp.float64) and (
+            preferred is None or jnp.dtype(preferred) == dtype
+        )
+    return flops >= MIN_FLOPS and dtype == jnp.result_type(b) and kept and _on()
 
 
 def matmul(
@@ -299,10 +318,10 @@ def matmul(
 
     ``b`` 2-D: ``a: [..., m, k]`` (any leading axes, folded into the rows unless
     ``transpose_a``). Otherwise ``a`` and ``b`` have one rank and leading (batch) axes that
-    are equal or 1. ``preferred_element_type`` as ``jnp.matmul``'s (MKL only where it is the
-    operands' dtype). On the CPU with MKL installed, a float32/float64 product of at least
-    ``MIN_FLOPS`` runs on MKL (``nl.gemm_info()``); anywhere else this is
-    ``jax.lax.dot_general``. Differentiable (both modes), batchable, and usable inside
+    are equal or 1. ``preferred_element_type`` as ``jnp.matmul``'s (MKL where it is the
+    operands' dtype, or float32 for bfloat16 operands). On the CPU with MKL installed, a
+    float32, float64 or bfloat16 product of at least ``MIN_FLOPS`` runs on MKL
+    (``nl.gemm_info()``); anywhere else this is ``jax.lax.dot_general``. Differentiable (both modes), batchable, and usable inside
     ``jax.jit`` and ``shard_map``.
 
     Example:
@@ -326,7 +345,8 @@ def matmul(
     batch, m, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
     _choice()
     if _worthy(a, b, 2 * math.prod(batch) * m * k * n, preferred_element_type):
-        return _bind(a, b, transpose_a, transpose_b)
+        out = _bind(a, b, transpose_a, transpose_b)
+        return out.astype(preferred_element_type or a.dtype)
     return _dot(
         a,
         b,

@@ -425,6 +425,18 @@ for _name in ("fwd", "bwd"):
     RULES[f"nnlite_attention_{_name}"] = _kw_rule(
         f"nnlite.flash_attention_{_name}", ("scale", "causal", "offset", "window", "masked")
     )
-RULES["nnlite_gemm"] = _kw_rule("nnlite.matmul", ("transpose_a", "transpose_b"))
+
+
+def _nnlite_gemm(eqn, args, _mesh):
+    # bfloat16 operands give a float32 product: nnlite.matmul says so by its
+    # preferred_element_type (it would round to the operands' dtype otherwise)
+    kw = [(k, pyval(eqn.params[k], k)) for k in ("transpose_a", "transpose_b")]
+    out = eqn.outvars[0].aval.dtype
+    if out != eqn.invars[0].aval.dtype:
+        kw.append(("preferred_element_type", dtype_expr(out)))
+    return Call("nnlite.matmul", args, kw)
+
+
+RULES["nnlite_gemm"] = _nnlite_gemm
 
 register(rules=RULES)
