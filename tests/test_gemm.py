@@ -225,7 +225,11 @@ def test_a_bad_setting_is_an_error_even_where_no_product_takes_mkl(monkeypatch):
     assert nl.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32)).shape == (2, 2)
 
 
-def test_bfloat16_operands_take_mkls_bf16_gemm_as_xlas_dot_computes_them():
+@pytest.mark.parametrize("bf16_cpu", [True, False])
+def test_bfloat16_operands_take_mkl_as_xlas_dot_computes_them(bf16_cpu, monkeypatch):
+    # a CPU with bfloat16 arithmetic: MKL's bfloat16 GEMM; without: the operands widened to
+    # float32 first (on any CPU MKL's bfloat16 GEMM runs, emulated where it must)
+    monkeypatch.setattr(_gemm, "_bf16_arithmetic", lambda: bf16_cpu)
     a, b = _pair(100, 150, 160, False, True)
     a16, b16 = (jnp.asarray(x, jnp.bfloat16) for x in (a, b))
     w = jnp.asarray(np.random.default_rng(2).standard_normal((100, 160)), jnp.bfloat16)
@@ -238,6 +242,10 @@ def test_bfloat16_operands_take_mkls_bf16_gemm_as_xlas_dot_computes_them():
             return jnp.sum((f(a, b) * w).astype(jnp.float32))
 
         assert _uses_mkl(f, a16, b16)
+        text = jax.jit(lambda a, b, f=f: f(a, b)).lower(a16, b16).as_text()
+        assert (
+            "tensor<100x150xbf16>, tensor<160x150xbf16>) -> tensor<100x160xf32>" in text
+        ) == bf16_cpu
         got, grads = f(a16, b16), jax.grad(loss, (0, 1))(a16, b16)
         with _gemm.forced(False):
             want, ref = f(a16, b16), jax.grad(loss, (0, 1))(a16, b16)
@@ -254,5 +262,5 @@ def test_bfloat16_operands_take_mkls_bf16_gemm_as_xlas_dot_computes_them():
                 np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-2, atol=0.1
             )
     src = nl.show_jaxpr(jax.grad(loss, (0, 1)), a16, b16)
-    assert "preferred_element_type=jnp.float32" in src
+    assert ("preferred_element_type=jnp.float32" in src) == bf16_cpu
     nl.roundtrip(jax.grad(loss, (0, 1)), a16, b16)

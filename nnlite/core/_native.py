@@ -23,7 +23,16 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["BUILD_ERRORS", "SETTINGS", "cache_dir", "check_settings", "keep", "load", "setting"]
+__all__ = [
+    "BUILD_ERRORS",
+    "SETTINGS",
+    "cache_dir",
+    "check_settings",
+    "cpu_flags",
+    "keep",
+    "load",
+    "setting",
+]
 
 HEADERS = (Path(__file__).with_name("_pool.h"),)
 COMPILE_TIMEOUT_S = 300
@@ -55,6 +64,17 @@ def check_settings() -> None:
 def cache_dir() -> Path:
     root = os.environ.get("NNLITE_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "nnlite"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty where there
+    is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 def _cpu_key() -> str:
