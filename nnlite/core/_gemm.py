@@ -170,10 +170,7 @@ def gemm_info() -> str:
         >>> gemm_info().startswith(("MKL:", "XLA:"))
         True
     """
-    if jax.default_backend() != "cpu":
-        return f"XLA: {jax.default_backend()} backend"
-    ok, what = _library()
-    return f"MKL: {what}" if ok else f"XLA: {what}"
+    return _native.info("MKL", _library)
 
 
 # ---------------------------------------------------------------------------- the primitive

@@ -29,6 +29,7 @@ __all__ = [
     "cache_dir",
     "check_settings",
     "cpu_flags",
+    "info",
     "keep",
     "load",
     "setting",
@@ -126,6 +127,15 @@ def _build(stem: str, source: Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def info(name: str, library) -> str:
+    """``"<name>: what"`` where ``library()`` (a kernel's ``(loaded, what or why)``) loaded on
+    this process's CPU backend, else ``"XLA: why"``: the kernels' ``*_info()``."""
+    if jax.default_backend() != "cpu":
+        return f"XLA: {jax.default_backend()} backend"
+    ok, what = library()
+    return f"{name}: {what}" if ok else f"XLA: {what}"
 
 
 def keep(lib) -> None:

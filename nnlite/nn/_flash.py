@@ -83,10 +83,7 @@ def flash_info() -> str:
         >>> flash_info().startswith(("fused:", "XLA:"))
         True
     """
-    if jax.default_backend() != "cpu":
-        return f"XLA: {jax.default_backend()} backend"
-    ok, what = _library()
-    return f"fused: {what}" if ok else f"XLA: {what}"
+    return _native.info("fused", _library)
 
 
 # ---------------------------------------------------------------------------- reference
