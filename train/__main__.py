@@ -236,8 +236,9 @@ def compile_cache_dir(setting: str | None) -> Path | None:
     if setting is None:
         return None
     if setting == "auto":
-        root = os.environ.get("NNLITE_CACHE") or Path.home() / ".cache" / "nnlite"
-        return Path(root).expanduser() / "jax"
+        from .data.text.corpus import cache_dir  # start-up: the standard library only
+
+        return cache_dir() / "jax"
     return Path(setting).expanduser()
 
 

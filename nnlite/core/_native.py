@@ -63,8 +63,10 @@ def check_settings() -> None:
 
 
 def cache_dir() -> Path:
+    """``$NNLITE_CACHE``, else ``~/.cache/nnlite`` (the trainer's cache folder too:
+    ``train/data/text/corpus.py``)."""
     root = os.environ.get("NNLITE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "nnlite"
+    return (Path(root) if root else Path.home() / ".cache" / "nnlite").expanduser()
 
 
 def cpu_flags() -> frozenset[str]:

@@ -66,8 +66,9 @@ def gpu_peak(device_kind: str, dtype: str) -> float | None:
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("NNLITE_CACHE") or Path.home() / ".cache" / "nnlite"
-    return Path(root) / "peak_flops.json"
+    from ..data.text.corpus import cache_dir
+
+    return cache_dir() / "peak_flops.json"
 
 
 def _machine_key(dtype: str) -> str:

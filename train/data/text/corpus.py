@@ -65,8 +65,10 @@ SHAKESPEARE = Source(
 
 
 def cache_dir() -> Path:
-    """Where corpora are cached: ``$NNLITE_CACHE`` or ``~/.cache/nnlite``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "nnlite")
+    """The trainer's cache directory (corpora, data sets, checked rules, the measured peak
+    FLOP/s, JAX's compilation cache): ``$NNLITE_CACHE`` or ``~/.cache/nnlite``. (The
+    library's native kernels use the same folder: ``nnlite/core/_native.py``.)"""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "nnlite").expanduser()
 
 
 def _say(msg: str) -> None:
