@@ -36,45 +36,25 @@ ROWS = {
 }
 
 
-@contextlib.contextmanager
-def _attention_off():
-    from nnlite.nn import _attention
-
-    usable = _attention.usable
-    _attention.usable = lambda *a, **k: False
-    try:
-        yield
-    finally:
-        _attention.usable = usable
-
-
-def _gemm_off():
-    from nnlite.core import _gemm
-
-    return _gemm.forced(False)
-
-
-def _info(kernel: str) -> str:
-    import nnlite as nl
-
-    return nl.flash_info() if kernel == "attention" else nl.gemm_info()
-
-
-# kernel: (its column's name, a context in which XLA's ops are traced instead, the prefix
-# of its info line when it runs)
+# kernel: (its column's name, its switch (the environment variable ``nnlite.core._native``
+# knows it by), the prefix of its info line when it runs, the info line's function's name)
 KERNELS = {
-    "attention": ("fused kernel", _attention_off, "fused"),
-    "gemm": ("MKL", _gemm_off, "MKL"),
+    "attention": ("fused kernel", "NNLITE_CPU_ATTENTION", "fused", "flash_info"),
+    "gemm": ("MKL", "NNLITE_CPU_GEMM", "MKL", "gemm_info"),
 }
 
 
 def _variants(make, kernel: str):
     """``{"kernel": (fn, result), "xla": (fn, result)}``: ``make()`` built, traced and run
-    once with the kernel and once under ``KERNELS[kernel]``'s XLA context."""
-    off = KERNELS[kernel][1]
+    once with the kernel and once with it held off (``_native.off``: XLA's ops)."""
+    from nnlite.core import _native
+
     out = {}
-    for name, context in (("kernel", contextlib.nullcontext), ("xla", off)):
-        with context():
+    for name, context in (
+        ("kernel", contextlib.nullcontext()),
+        ("xla", _native.off(KERNELS[kernel][1])),
+    ):
+        with context:
             fn = make()
             out[name] = (fn, fn())
     return out
@@ -202,8 +182,10 @@ def main(argv=None) -> int:
         ap.error(f"--rows: unknown {bad or 'empty list'}; choose from {', '.join(ROWS)}")
     if not args.tiny and args.rounds < 3:
         ap.error(f"--rounds {args.rounds}: medians need at least 3 rounds")
-    name, _, runs = KERNELS[args.kernel]
-    info, line = h.machine_info(), _info(args.kernel)
+    import nnlite as nl
+
+    name, _, runs, info_fn = KERNELS[args.kernel]
+    info, line = h.machine_info(), getattr(nl, info_fn)()
     print(f"machine: {info['cpu']}, {info['affinity']} cores; CPU {args.kernel}: {line}")
     if not line.startswith(runs):
         raise SystemExit(f"no {name} in this process: {line}")

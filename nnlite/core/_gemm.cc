@@ -1,16 +1,16 @@
-// nnlite's CPU matrix product: an XLA FFI handler around a BLAS's cblas_sgemm/cblas_dgemm
-// (Intel MKL's, from the `mkl` package: nnlite/core/_gemm.py finds it, sets its sequential
-// threading layer and hands the two function pointers here once, so no pointer is baked
-// into a compiled program).
+// nnlite's CPU matrix product: an XLA FFI handler around Intel MKL's cblas_sgemm,
+// cblas_dgemm and cblas_gemm_bf16bf16f32 (nnlite/core/_gemm.py finds MKL, sets its
+// sequential threading layer and hands the three function pointers here once, so no
+// pointer is baked into a compiled program).
 //
 //   nnlite_gemm(a, b) -> c,  c[..., m, n] = op(a)[..., m, k] @ op(b)[..., k, n]
 //
-// Row-major float32 or float64, or bfloat16 operands with a float32 result (MKL's
-// cblas_gemm_bf16bf16f32: AMX or AVX512-BF16 where the CPU has them); op(x) = x^T (its last two axes swapped) where the attribute
-// transpose_a / transpose_b is set; the leading (batch) axes of a and b are the result's
-// or 1 (broadcast). A product is cut into pieces (its batch elements, else blocks of rows or
-// of columns) that run single-threaded on XLA's own thread pool (_pool.h); where the BLAS
-// could not be made single-threaded, one call on the BLAS's own threads.
+// Row-major float32 or float64, or bfloat16 operands with a float32 result; op(x) = x^T
+// (its last two axes swapped) where the attribute transpose_a / transpose_b is set; the
+// leading (batch) axes of a and b are the result's or 1 (broadcast). A product is cut into
+// pieces (its batch elements, else blocks of rows or of columns) that run single-threaded
+// on XLA's own thread pool (_pool.h); where MKL could not be made single-threaded, one call
+// on MKL's own threads.
 #include <algorithm>
 #include <cstdint>
 #include <vector>

@@ -55,11 +55,6 @@ CHOICES = ("auto", "mkl", "xla")
 MIN_FLOPS = 2 * 128**3
 _SOURCE = Path(__file__).with_name("_gemm.cc")
 _SEQUENTIAL = 1  # MKL_THREADING_SEQUENTIAL
-# The CPU flags of bfloat16 arithmetic: with one, MKL's bfloat16 GEMM runs on it; without,
-# a bfloat16 product is the float32 GEMM of its operands widened (the same numbers:
-# MKL's bfloat16 GEMM widens them too, more slowly: a 135M Llama's bfloat16 forward took
-# 1.87 s that way against 1.65 s widened, 2.07 s on XLA's dot).
-BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 # ---------------------------------------------------------------------------- the library
@@ -137,30 +132,22 @@ def _library() -> tuple[bool, str]:
 
 @functools.cache
 def _bf16_arithmetic() -> bool:
-    """Whether this CPU computes in bfloat16 (AVX512-BF16 or AMX)."""
-    return bool(_native.cpu_flags() & BF16_FLAGS)
+    """Whether this CPU computes in bfloat16 (AVX512-BF16 or AMX). With it, MKL's bfloat16
+    GEMM runs on that hardware; without, a bfloat16 product is the float32 GEMM of its
+    operands widened (the same numbers: MKL's bfloat16 GEMM widens them too, more slowly: a
+    135M Llama's bfloat16 forward took 1.87 s that way against 1.65 s widened, 2.07 s on
+    XLA's dot)."""
+    return bool(_native.cpu_flags() & _native.BF16_FLAGS)
 
 
-_FORCED: list[bool] = []  # set by ``forced``: the route traced products take
-
-
-@contextlib.contextmanager
 def forced(mkl: bool):
-    """Products traced inside take MKL (``True``, where it loads) or XLA's dot (``False``),
-    whatever ``NNLITE_CPU_GEMM`` says: the benchmarks' in-process A/B. A function that
-    ``jax.jit`` traced before keeps the program it traced then (jit's cache is keyed by the
-    function): wrap it in a fresh one."""
-    _FORCED.append(mkl)
-    try:
-        yield
-    finally:
-        _FORCED.pop()
+    """A context: products traced inside take XLA's dot (``mkl=False``: ``_native.off``), or
+    the route ``NNLITE_CPU_GEMM`` and this machine give (``True``)."""
+    return contextlib.nullcontext() if mkl else _native.off(ENV)
 
 
 def _on() -> bool:
-    if _FORCED and not _FORCED[-1]:
-        return False
-    return jax.default_backend() == "cpu" and _library()[0]
+    return not _native.held_off(ENV) and jax.default_backend() == "cpu" and _library()[0]
 
 
 def gemm_info() -> str:

@@ -1,7 +1,7 @@
 """nnlite's native CPU kernels: C++ sources compiled at first use into a cached library.
 
-Two kernels ship as source (the fused attention, ``nnlite/nn/_flash.cc``; the BLAS GEMM
-call, ``nnlite/core/_gemm.cc``). Each is compiled once with the system's C++ compiler
+Two kernels ship as source (the fused attention, ``nnlite/nn/_flash.cc``; the call of
+MKL's GEMM, ``nnlite/core/_gemm.cc``). Each is compiled once with the system's C++ compiler
 (``$CXX``, ``c++`` or ``g++``) into ``$NNLITE_CACHE`` (else ``~/.cache/nnlite``), keyed by
 its source, the headers it includes from this folder, jaxlib's version and the CPU (the
 code is built with ``-march=native``). ``_pool.h`` is the one parallel loop both run on
@@ -11,7 +11,9 @@ into "not available" (each kernel's ``*_info()`` says why) and XLA's ops run ins
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -24,14 +26,18 @@ from pathlib import Path
 import jax
 
 __all__ = [
+    "BF16_FLAGS",
     "BUILD_ERRORS",
     "SETTINGS",
     "cache_dir",
     "check_settings",
     "cpu_flags",
+    "held_off",
     "info",
     "keep",
     "load",
+    "off",
+    "parse_cpu_flags",
     "setting",
 ]
 
@@ -55,6 +61,31 @@ def setting(env: str) -> str:
     return value
 
 
+_OFF: list[str] = []  # the switches ``off`` holds off (process-wide, while it is held)
+
+
+@contextlib.contextmanager
+def off(env: str):
+    """Programs traced inside run without the kernel switched by ``env`` (XLA's ops
+    instead), whatever ``$env`` says: the benchmarks' and tests' in-process A/B. A function
+    that ``jax.jit`` traced before keeps the program it traced then (jit's cache is keyed by
+    the function): wrap it in a fresh one."""
+    if env not in SETTINGS:
+        raise ValueError(
+            f"no native kernel is switched by {env!r}: expected one of {list(SETTINGS)}"
+        )
+    _OFF.append(env)
+    try:
+        yield
+    finally:
+        _OFF.remove(env)
+
+
+def held_off(env: str) -> bool:
+    """Whether an enclosing :func:`off` holds the kernel switched by ``env`` off."""
+    return env in _OFF
+
+
 def check_settings() -> None:
     """Every kernel switch checked at once (the trainer does at start-up, so a bad value is
     an error even in a run whose model never reaches that kernel)."""
@@ -69,22 +100,38 @@ def cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "nnlite").expanduser()
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty where there
-    is none)."""
+#: The /proc/cpuinfo flags that give a CPU bfloat16 dot products in hardware.
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str] | None:
+    """The first processor's ``flags`` in a /proc/cpuinfo text; None when it has none
+    (not an x86 Linux text)."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            return frozenset(value.split())
+    return None
+
+
+@functools.cache
+def _cpuinfo() -> str | None:
+    """/proc/cpuinfo's text, read once; None where there is none."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+        return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (empty where /proc/cpuinfo has none)."""
+    return parse_cpu_flags(_cpuinfo() or "") or frozenset()
 
 
 def _cpu_key() -> str:
     """What ``-march=native`` compiles for: the CPU's model and flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    text = _cpuinfo()
+    if text is None:
         return platform.processor()
     lines = [x for x in text.splitlines() if x.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines)))

@@ -160,6 +160,13 @@ struct Shape {
   int64_t KeyHi(int64_t t) const { return causal ? std::min(S, t + offset + 1) : S; }
   // Keys [0, Needed()) that some query sees: the ones a unit gathers.
   int64_t Needed() const { return KeyHi(T - 1); }
+  // The block of keys j0 .. j0 + kBlock: [a, z) of its offsets that query t can see
+  // (z <= a: none).
+  std::pair<int64_t, int64_t> Visible(int64_t t, int64_t j0) const {
+    return {std::max<int64_t>(KeyLo(t) - j0, 0), std::min<int64_t>(KeyHi(t) - j0, kBlock)};
+  }
+  // Where (b, h, t)'s log-denominator is in lse [B, H, T].
+  int64_t Lse(int64_t b, int64_t h, int64_t t) const { return (b * H + h) * T + t; }
 };
 
 using nnlite::ParallelFor;
@@ -233,8 +240,7 @@ void ForwardUnit(const Shape& s, const float* q, const float* k, const float* v,
       Gemm(rows, kBlock, D, qb, D, 1, kt + j0, Sp, sb, kBlock, false);
       for (int64_t i = 0; i < rows; ++i) {
         float* si = sb + i * kBlock;
-        const int64_t a = std::max<int64_t>(s.KeyLo(t0 + i) - j0, 0);
-        const int64_t z = std::min<int64_t>(s.KeyHi(t0 + i) - j0, kBlock);
+        const auto [a, z] = s.Visible(t0 + i, j0);
         if (z <= a) {  // nothing visible in this block
           std::fill(si, si + kBlock, 0.0f);
           continue;
@@ -268,7 +274,7 @@ void ForwardUnit(const Shape& s, const float* q, const float* k, const float* v,
       if (l[i] > 0.0f) {
         const float inv = 1.0f / l[i];
         for (int64_t d = 0; d < D; ++d) out[d] = ob[i * D + d] * inv;
-        lse[(b * s.H + h) * s.T + t0 + i] = m[i] + std::log(l[i]);
+        lse[s.Lse(b, h, t0 + i)] = m[i] + std::log(l[i]);
         continue;
       }
       // A query that sees no key: the mean of every value (XLA's attention gives every
@@ -279,7 +285,7 @@ void ForwardUnit(const Shape& s, const float* q, const float* k, const float* v,
         for (int64_t d = 0; d < D; ++d) out[d] += r[d];
       }
       for (int64_t d = 0; d < D; ++d) out[d] /= static_cast<float>(s.S);
-      lse[(b * s.H + h) * s.T + t0 + i] = kNegInf;
+      lse[s.Lse(b, h, t0 + i)] = kNegInf;
     }
   }
 }
@@ -324,7 +330,7 @@ void BackwardUnit(const Shape& s, const float* q, const float* k, const float* v
           dl += dr[d] * orow[d];
         }
         delta[i] = dl;
-        lrow[i] = lse[(b * s.H + h) * s.T + t0 + i];
+        lrow[i] = lse[s.Lse(b, h, t0 + i)];
         if (lrow[i] == kNegInf)  // sees no key: its output is the mean of every value
           for (int64_t d = 0; d < D; ++d) empty[d] += dr[d];
       }
@@ -337,8 +343,7 @@ void BackwardUnit(const Shape& s, const float* q, const float* k, const float* v
         for (int64_t i = 0; i < rows; ++i) {
           float* si = sb + i * kBlock;
           float* dpi = dpb + i * kBlock;
-          const int64_t a = std::max<int64_t>(s.KeyLo(t0 + i) - j0, 0);
-          const int64_t z = std::min<int64_t>(s.KeyHi(t0 + i) - j0, kBlock);
+          const auto [a, z] = s.Visible(t0 + i, j0);
           if (lrow[i] == kNegInf || z <= a) {
             std::fill(si, si + kBlock, 0.0f);
             std::fill(dpi, dpi + kBlock, 0.0f);

@@ -432,4 +432,4 @@ def usable(q, k, v, *, causal: bool, q_offset: Any) -> bool:
         offset = k.shape[1] - q.shape[1] if q_offset is None else q_offset
         if not isinstance(offset, int | np.integer) or offset < 0:
             return False
-    return jax.default_backend() == "cpu" and _library()[0]
+    return not _native.held_off(ENV) and jax.default_backend() == "cpu" and _library()[0]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nnlite.core._native import BF16_FLAGS
+from nnlite.core._native import parse_cpu_flags as cpu_flags
+
 # /proc/cpuinfo flag -> what the banner calls it, in the order it lists them: the vector
 # and matrix extensions XLA's and PyTorch's CPU GEMMs choose their kernels by
 ISA = (
@@ -18,24 +21,12 @@ ISA = (
     ("avx512_bf16", "AVX512-BF16"),
     ("amx_bf16", "AMX"),
 )
-#: The flags that give a CPU bfloat16 dot products in hardware.
-BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 BF16_EMULATED = (
     "note: train.precision bfloat16 on a CPU without AVX512-BF16 or AMX: XLA computes "
     "bfloat16 matmuls in float32 here (a convert around each dot), so it is not "
     "faster than float32 on this machine"
 )
-
-
-def cpu_flags(cpuinfo: str) -> frozenset[str] | None:
-    """The first processor's ``flags`` in a /proc/cpuinfo text; None when it has none
-    (not an x86 Linux text)."""
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "flags":
-            return frozenset(value.split())
-    return None
 
 
 def cpu_model(cpuinfo: str) -> str | None:
