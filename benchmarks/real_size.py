@@ -2,7 +2,8 @@
 issue #43's table measured side by side in one run.
 
     python -m benchmarks.real_size [--rows ROW,...] [--rounds 3] [--threads N]
-                                   [--flags [--flag-sets NAME,...]] [--tiny]
+                                   [--flags [--flag-sets NAME,...]]
+                                   [--host-memory keep|release] [--tiny]
 
 Rows (``--rows``, default all; :data:`ROWS`): the GPT 6x6x384 training step (context 256,
 batch 64, ``loss.grad: auto`` as the trainer resolves it) and the baby GPT 4x4x128, each
@@ -26,6 +27,10 @@ average after: on a machine whose load exceeds its cores the figures are not evi
 ``--flags``: the matmul rows again under each of :data:`FLAG_SETS` (XLA_FLAGS; XLA reads
 them once per process, so each set runs in a fresh process) with what XLA made of the dot
 (the optimised HLO's library fusions and custom calls, and the dot's element type).
+``--host-memory``: ``keep`` (default) calls ``nnlite.keep_host_memory`` first thing, as
+``nnlite-train`` does: glibc keeps freed host memory for reuse, for both libraries in the
+process alike; ``release`` leaves glibc's defaults (each step faults its large temporaries
+in again).
 ``--tiny``: every row at a tiny size, one round: a smoke run (times mean nothing).
 Results go to ``benchmarks/results/real_size-latest.json``.
 """
@@ -122,7 +127,8 @@ def machine_line(m: dict) -> str:
     return (
         f"machine: {m['cpu']}; {isa}; threads {m['threads']} (XLA's pool and "
         f"torch.set_num_threads); load average {m['load_before']} before; {versions}; "
-        f"CPU attention: {m['attention']}; CPU GEMM: {m.get('gemm', 'not recorded')}"
+        f"CPU attention: {m['attention']}; CPU GEMM: {m.get('gemm', 'not recorded')}; "
+        f"host memory: {m.get('host_memory', 'not recorded')} (both libraries)"
     )
 
 
@@ -275,6 +281,13 @@ def parse(argv) -> argparse.Namespace:
         default=",".join(FLAG_SETS),
         help=f"with --flags: comma-separated: {', '.join(FLAG_SETS)}",
     )
+    ap.add_argument(
+        "--host-memory",
+        choices=("keep", "release"),
+        default="keep",
+        help="keep: freed host memory kept for reuse (nnlite.keep_host_memory, as "
+        "nnlite-train does), for both libraries alike; release: glibc's defaults",
+    )
     ap.add_argument("--tiny", action="store_true", help="tiny sizes, one round: a smoke run")
     ap.add_argument("--matmul-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -327,12 +340,16 @@ def main(argv=None) -> int:
     if args.matmul_child:
         print(json.dumps(matmul_child(json.loads(args.matmul_child))))
         return 0
+    import nnlite as nl
+
+    # before torch's threads and JAX's backend start (in-process callers: too late, so no)
+    kept = args.host_memory == "keep" and nl.keep_host_memory(warn=False)
     try:
         import torch
     except ImportError:
         raise SystemExit("benchmarks.real_size compares with PyTorch: pip install torch") from None
     torch.set_num_threads(args.threads)
-    info = machine(args.threads)
+    info = {**machine(args.threads), "host_memory": "kept" if kept else "released"}
     print(machine_line(info), flush=True)
     if args.tiny:
         print("--tiny: every row at a tiny size, one round: a smoke run, its figures mean nothing")

@@ -16,6 +16,7 @@ from .core._compile import jit as jit
 from .core._flops import flops as flops
 from .core._gemm import gemm_info as gemm_info
 from .core._gemm import matmul as matmul
+from .core._host_memory import keep_host_memory as keep_host_memory
 from .core._jax_private import lowered_cost_analysis as cost_analysis
 
 # issue 34 (gradtrain helper): a trace-time hook around each layer call (per-layer backward
@@ -257,6 +258,7 @@ __all__ = [
     "flash_info",
     "gemm_info",
     "matmul",
+    "keep_host_memory",
     "jit",
     "cost_analysis",
     "flops",

@@ -248,6 +248,7 @@ def test_real_size_prints_every_row_the_machine_and_finite_ratios(tmp_path, monk
     lines = capsys.readouterr().out.splitlines()
     machine = lines[0]
     assert machine.startswith("machine: ") and "threads " in machine, machine
+    assert "host memory: " in machine, machine  # kept or not (in-process: JAX started)
     for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "jaxlib", "torch"):
         assert f"{flag} " in machine, (flag, machine)
     result = json.loads((tmp_path / "real_size-tiny-latest.json").read_text())

@@ -167,6 +167,8 @@ def test_a_preempted_run_resumes_with_the_command_it_prints(commands):
     assert code == 3 and "preempted by SIGTERM" in err, err
     assert printed == ["nnlite-train", "--config", "configs/c.yaml"], err
     assert resumed == 0 and "resuming at step" in out, out
+    if sys.platform.startswith("linux"):  # nnlite-train keeps freed host memory (glibc)
+        assert "host memory: freed blocks kept for the next step" in out, out
 
 
 def test_every_command_runs_from_the_projects_directory(project, commands):
@@ -364,6 +366,7 @@ def test_the_launchers_processes_run_its_own_package():
     [
         ("NNLITE_CPU_GEMM", "blas", "expected one of auto, mkl, xla"),
         ("NNLITE_CPU_ATTENTION", "bogus", "expected one of fused, xla"),
+        ("NNLITE_CPU_MEMORY", "fast", "expected one of keep, release"),
     ],
 )
 def test_a_bad_kernel_switch_is_one_line_before_anything_runs(

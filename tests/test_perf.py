@@ -379,9 +379,13 @@ def test_machine_lines_say_when_bfloat16_is_emulated():
         "cpu: Intel(R) Xeon(R) Processor (AVX2, AVX-512)",
         machine.BF16_EMULATED,
     ]
+    assert machine.machine_lines(cpu, "float32", SKYLAKE, kept=True) == [
+        "cpu: Intel(R) Xeon(R) Processor (AVX2, AVX-512)",
+        machine.HOST_MEMORY_KEPT,
+    ]
     assert machine.machine_lines(cpu, "bfloat16", "") == []  # no /proc/cpuinfo
     gpu = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
-    assert machine.machine_lines(gpu, "bfloat16", SKYLAKE) == ["gpu: NVIDIA H200"]
+    assert machine.machine_lines(gpu, "bfloat16", SKYLAKE, kept=True) == ["gpu: NVIDIA H200"]
 
 
 def test_the_banner_names_the_cpu_and_the_emulated_bfloat16(user, monkeypatch):

@@ -309,6 +309,10 @@ def main(
     try:
         cfg = _load(args, session, standalone)
         _check_kernel_settings()
+        if standalone:  # before JAX's backend starts; see nnlite/core/_host_memory.py
+            from nnlite import keep_host_memory  # start-up: JAX, imported by the config
+
+            keep_host_memory(warn=False)
         timings.lap("config")
         status = _act(cfg, args, argv, compile_cache)
         if status is not None:
@@ -351,8 +355,8 @@ def _load(args, session: _Session, standalone: bool):
 
 
 def _check_kernel_settings() -> None:
-    """``NNLITE_CPU_ATTENTION`` and ``NNLITE_CPU_GEMM`` checked before anything runs: a bad
-    value is an error even where the model never reaches that kernel."""
+    """``NNLITE_CPU_ATTENTION``, ``NNLITE_CPU_GEMM`` and ``NNLITE_CPU_MEMORY`` checked before
+    anything runs: a bad value is an error even where the model never reaches that kernel."""
     from nnlite.core._native import check_settings  # start-up: JAX, imported by the config
 
     try:

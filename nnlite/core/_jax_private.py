@@ -22,6 +22,7 @@ from jax.extend.core import ClosedJaxpr
 
 __all__ = [
     "at_top_level",
+    "backend_started",
     "match_varying",
     "partitioned_lowering",
     "result_aval",
@@ -268,6 +269,21 @@ def at_top_level() -> bool:
     from jax._src import core
 
     return core.trace_state_clean()
+
+
+def backend_started() -> bool:
+    """Whether JAX has started a backend in this process (``xla_bridge._backends``, filled
+    by the first computation or ``jax.devices()``). A JAX without that dict: a RuntimeError
+    naming it, not a guess."""
+    from jax._src import xla_bridge
+
+    backends = getattr(xla_bridge, "_backends", None)
+    if not isinstance(backends, dict):
+        raise RuntimeError(
+            "nnlite reads jax._src.xla_bridge._backends (a dict) to tell whether JAX's "
+            f"backend has started; this JAX {jax.__version__} has {type(backends).__name__}"
+        )
+    return bool(backends)
 
 
 def current_trace() -> Any:

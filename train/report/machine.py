@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nnlite.core._host_memory import kept as host_memory_kept
 from nnlite.core._native import BF16_FLAGS
 from nnlite.core._native import parse_cpu_flags as cpu_flags
 
@@ -62,11 +63,20 @@ def read_cpuinfo() -> str:
         return ""
 
 
-def machine_lines(device, precision: str = "float32", cpuinfo: str | None = None) -> list[str]:
+HOST_MEMORY_KEPT = (
+    "host memory: freed blocks kept for the next step (NNLITE_CPU_MEMORY=release returns them)"
+)
+
+
+def machine_lines(
+    device, precision: str = "float32", cpuinfo: str | None = None, kept: bool | None = None
+) -> list[str]:
     """The banner's lines about the machine for a run on ``device`` (a jax Device) in
-    ``precision``: ``cpu: MODEL (ISA)`` and, for bfloat16 on a CPU without bfloat16
-    hardware, :data:`BF16_EMULATED`; on an accelerator, its platform and device kind.
-    ``cpuinfo``: a /proc/cpuinfo text (default: this machine's)."""
+    ``precision``: ``cpu: MODEL (ISA)``, for bfloat16 on a CPU without bfloat16 hardware
+    :data:`BF16_EMULATED`, and :data:`HOST_MEMORY_KEPT` where the process keeps freed host
+    memory (``nnlite.keep_host_memory``); on an accelerator, its platform and device kind.
+    ``cpuinfo``: a /proc/cpuinfo text (default: this machine's); ``kept``: default, whether
+    this process keeps it."""
     if device.platform != "cpu":
         return [f"{device.platform}: {getattr(device, 'device_kind', device.platform)}"]
     text = read_cpuinfo() if cpuinfo is None else cpuinfo
@@ -76,4 +86,6 @@ def machine_lines(device, precision: str = "float32", cpuinfo: str | None = None
     lines = [f"cpu: {cpu}"]
     if precision == "bfloat16" and not cpu_flags(text) & BF16_FLAGS:
         lines.append(BF16_EMULATED)
+    if host_memory_kept() if kept is None else kept:
+        lines.append(HOST_MEMORY_KEPT)
     return lines
