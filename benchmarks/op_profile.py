@@ -89,7 +89,8 @@ def _dot(line: str, inst: dict) -> tuple[str, str]:
 def classify(name: str, comps: dict, inst: dict) -> tuple[str, str]:
     """``(family, kind)`` of the HLO instruction ``name``."""
     if name not in inst:
-        return "other", name
+        family = "attention kernels" if name.startswith("nnlite_attention") else "other"
+        return family, re.sub(r"\.\d+$", "", name)
     shape, op, line = inst[name]
     scope = re.search(r'op_name="([^"]*)"', line)
     side = "backward" if scope and "transpose(" in scope.group(1) else "forward"
@@ -113,6 +114,14 @@ def classify(name: str, comps: dict, inst: dict) -> tuple[str, str]:
         return family, f"{what} -> [{_dims(shape)}], {side}"
     if op in ("copy", "transpose"):
         return "copies and transposes", f"{op} [{_dims(shape)}]"
+    target = re.search(r'custom_call_target="([^"]*)"', line)
+    if op == "custom-call" and target:  # nnlite's native kernels
+        if target.group(1) == "nnlite_gemm":
+            layouts = line.partition("operand_layout_constraints=")[2].partition("}}")[0]
+            dims = re.findall(r"\w+\[([\d,]*)\]", layouts)
+            return "GEMMs", f"MKL [{'] x ['.join(dims)}] -> [{_dims(shape)}], {side}"
+        if target.group(1).startswith("nnlite_attention"):
+            return "attention kernels", target.group(1)
     return "other", f"{op} [{_dims(shape)}]"
 
 
@@ -192,8 +201,9 @@ def child(row: str, tiny: bool, options: str, top: int) -> dict:
 
 def run_row(row: str, tiny: bool, options: str, top: int) -> dict:
     """:func:`child` in a fresh process whose XLA_FLAGS dump the optimised HLO."""
-    code = (
-        "import json, sys; from benchmarks.op_profile import child; "
+    code = (  # freed host memory kept for reuse first, as nnlite-train does
+        "import json, sys, nnlite; nnlite.keep_host_memory(); "
+        "from benchmarks.op_profile import child; "
         f"print('OP_PROFILE ' + json.dumps(child({row!r}, {tiny}, {options!r}, {top})))"
     )
     root = Path(__file__).resolve().parents[1]

@@ -391,6 +391,7 @@ def test_compile_fit_refuses_bad_tokens_in_one_line(kwargs, message):
 def test_op_profile_names_each_ops_family_from_the_optimised_hlo():
     import jax.numpy as jnp
 
+    import nnlite as nl
     from benchmarks.op_profile import classify, parse_hlo
 
     def f(a, b, q, k):  # two outputs: XLA folds a sum of a product into another product
@@ -407,3 +408,11 @@ def test_op_profile_names_each_ops_family_from_the_optimised_hlo():
         "[64,32] x [32,64]" in g and "-> [64,64]" in g and g.endswith("forward") for g in gemms
     ), gemms
     assert classify("no_such_op", comps, inst) == ("other", "no_such_op")
+    if nl.gemm_info().startswith("MKL"):  # nnlite's products: custom calls, named GEMMs
+        m = jnp.ones((256, 128))
+        text = nl.jit(lambda a, b: nl.matmul(a, b, transpose_b=True)).lower(m, m).compile()
+        comps, inst = parse_hlo(text.as_text())
+        (call,) = [n for n in inst if 'custom_call_target="nnlite_gemm"' in inst[n][2]]
+        assert classify(call, comps, inst) == (
+            "GEMMs", "MKL [256,128] x [256,128] -> [256,256], forward"
+        )  # fmt: skip
