@@ -201,8 +201,9 @@ def child(row: str, tiny: bool, options: str, top: int) -> dict:
 
 def run_row(row: str, tiny: bool, options: str, top: int) -> dict:
     """:func:`child` in a fresh process whose XLA_FLAGS dump the optimised HLO."""
-    code = (  # freed host memory kept for reuse first, as nnlite-train does
-        "import json, sys, nnlite; nnlite.keep_host_memory(); "
+    code = (  # NNLITE_CPU_MEMORY=keep: freed host memory kept, as nnlite-train does
+        "import json, sys; from nnlite.core._host_memory import keep_if_asked; "
+        "keep_if_asked(); "
         "from benchmarks.op_profile import child; "
         f"print('OP_PROFILE ' + json.dumps(child({row!r}, {tiny}, {options!r}, {top})))"
     )

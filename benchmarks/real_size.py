@@ -27,10 +27,10 @@ average after: on a machine whose load exceeds its cores the figures are not evi
 ``--flags``: the matmul rows again under each of :data:`FLAG_SETS` (XLA_FLAGS; XLA reads
 them once per process, so each set runs in a fresh process) with what XLA made of the dot
 (the optimised HLO's library fusions and custom calls, and the dot's element type).
-``--host-memory``: ``keep`` (default) calls ``nnlite.keep_host_memory`` first thing, as
-``nnlite-train`` does: glibc keeps freed host memory for reuse, for both libraries in the
-process alike; ``release`` leaves glibc's defaults (each step faults its large temporaries
-in again).
+``--host-memory``: ``release`` (default) leaves glibc's defaults, as both libraries ship
+(each step faults its large temporaries in again); ``keep`` calls
+``nnlite.keep_host_memory`` first thing (``NNLITE_CPU_MEMORY=keep`` for ``nnlite-train``):
+glibc keeps freed host memory for reuse, for both libraries in the process alike.
 ``--tiny``: every row at a tiny size, one round: a smoke run (times mean nothing).
 Results go to ``benchmarks/results/real_size-latest.json``.
 """
@@ -284,9 +284,9 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument(
         "--host-memory",
         choices=("keep", "release"),
-        default="keep",
-        help="keep: freed host memory kept for reuse (nnlite.keep_host_memory, as "
-        "nnlite-train does), for both libraries alike; release: glibc's defaults",
+        default="release",
+        help="release: glibc's defaults, as both libraries ship; keep: freed host memory "
+        "kept for reuse (nnlite.keep_host_memory, NNLITE_CPU_MEMORY=keep), both alike",
     )
     ap.add_argument("--tiny", action="store_true", help="tiny sizes, one round: a smoke run")
     ap.add_argument("--matmul-child", help=argparse.SUPPRESS)

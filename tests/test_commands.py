@@ -152,7 +152,7 @@ def commands(project):
     first = shell(project, ["nnlite-train", "--config", "configs/c.yaml"], TERM_AT="4")
     hint = next((ln for ln in first.stderr.splitlines() if "resume with: " in ln), "")
     printed = shlex.split(hint.split("resume with: ")[-1]) if hint else ["(none)"]
-    resumed = shell(project, printed)
+    resumed = shell(project, printed, NNLITE_CPU_MEMORY="keep")  # its banner says so
     driven = shell(project, [sys.executable, "-c", DRIVER, json.dumps(DRIVEN)])
     assert driven.returncode == 0, driven.stderr[-3000:]
     runs = [
@@ -167,7 +167,7 @@ def test_a_preempted_run_resumes_with_the_command_it_prints(commands):
     assert code == 3 and "preempted by SIGTERM" in err, err
     assert printed == ["nnlite-train", "--config", "configs/c.yaml"], err
     assert resumed == 0 and "resuming at step" in out, out
-    if sys.platform.startswith("linux"):  # nnlite-train keeps freed host memory (glibc)
+    if sys.platform.startswith("linux"):  # NNLITE_CPU_MEMORY=keep: freed memory kept (glibc)
         assert "host memory: freed blocks kept for the next step" in out, out
 
 
@@ -366,7 +366,7 @@ def test_the_launchers_processes_run_its_own_package():
     [
         ("NNLITE_CPU_GEMM", "blas", "expected one of auto, mkl, xla"),
         ("NNLITE_CPU_ATTENTION", "bogus", "expected one of fused, xla"),
-        ("NNLITE_CPU_MEMORY", "fast", "expected one of keep, release"),
+        ("NNLITE_CPU_MEMORY", "fast", "expected one of auto, keep, release"),
     ],
 )
 def test_a_bad_kernel_switch_is_one_line_before_anything_runs(

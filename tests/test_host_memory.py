@@ -1,6 +1,7 @@
 """nnlite.keep_host_memory: freed host memory kept for the next run of a CPU program (glibc),
 so a program whose temporaries exceed malloc's mmap limits does not fault all its pages in
-again at every run; NNLITE_CPU_MEMORY=release, the late call and a bad value."""
+again at every run; NNLITE_CPU_MEMORY (auto: a script's call keeps, release: nothing
+does), the late call and a bad value."""
 
 import json
 import os
@@ -52,7 +53,7 @@ def _median(xs: list) -> int:
 
 
 def test_kept_memory_is_not_faulted_in_again_at_each_run():
-    kept, released = _faults("keep"), _faults("release")
+    kept, released = _faults("auto"), _faults("release")
     temp_pages = 4096 * 4096 * 4 // os.sysconf("SC_PAGE_SIZE")
     assert kept["kept"] and not released["kept"]
     # glibc's defaults: each run maps its temporaries afresh and touches every page again
@@ -73,5 +74,5 @@ def test_a_late_call_says_so_and_changes_nothing(monkeypatch):
 
 def test_a_bad_setting_names_the_value(monkeypatch):
     monkeypatch.setenv(_host_memory.ENV, "fast")
-    with pytest.raises(ValueError, match=r"NNLITE_CPU_MEMORY='fast': expected one of keep"):
+    with pytest.raises(ValueError, match=r"NNLITE_CPU_MEMORY='fast': expected one of auto"):
         nl.keep_host_memory()

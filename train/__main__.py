@@ -309,10 +309,10 @@ def main(
     try:
         cfg = _load(args, session, standalone)
         _check_kernel_settings()
-        if standalone:  # before JAX's backend starts; see nnlite/core/_host_memory.py
-            from nnlite import keep_host_memory  # start-up: JAX, imported by the config
+        if standalone:  # NNLITE_CPU_MEMORY=keep, before JAX's backend starts
+            from nnlite.core._host_memory import keep_if_asked  # start-up: JAX, as above
 
-            keep_host_memory(warn=False)
+            keep_if_asked()
         timings.lap("config")
         status = _act(cfg, args, argv, compile_cache)
         if status is not None:

@@ -1,18 +1,22 @@
 """Host memory kept for reuse between a CPU program's runs (glibc's malloc tuned once).
 
 XLA:CPU allocates each run's temporaries as one block and frees it when the run ends: 1.4 GB
-for a 135M Llama's LoRA step at 4 x 256 tokens, 2.6 GB for the 6x6x384 GPT's step. glibc
+for a 135M Llama's LoRA step at 4 x 256 tokens, 2.5 GB for the 6x6x384 GPT's step. glibc
 serves a block that large with ``mmap`` and gives it back to the kernel at ``free``, so
 every step first-touches all of it again: 350,000 minor page faults for the LoRA step,
-650,000 for the GPT step, each page zeroed by the kernel. Measured on 2 cores of an Intel
-Xeon (benchmarks/README.md, session 17), keeping the memory makes those steps 10-15% faster.
+650,000 for the GPT step, each page zeroed by the kernel.
 
 :func:`keep_host_memory` tells glibc to keep freed memory for reuse: one arena for every
 thread (``M_ARENA_MAX``: a thread's own arena cannot hold a block over 64 MB, so it would
 ``mmap`` it anyway), no ``mmap`` for large blocks (``M_MMAP_MAX``) and no trimming of the
-heap's top (``M_TRIM_THRESHOLD``). The price: the process's resident memory stays at its
-peak. ``nnlite-train`` calls it before JAX starts its backend; ``NNLITE_CPU_MEMORY=release``
-leaves glibc's defaults alone.
+heap (``M_TRIM_THRESHOLD``). Measured on 2 cores of an Intel Xeon (benchmarks/README.md,
+session 17) it made those steps 5-20% faster. The price is resident memory: the process
+keeps its peak, and where a run's temporaries are allocated before the last run's are
+freed, or small blocks split a freed one, the heap grows by another block before it
+settles (the LoRA step: 4.3 GB resident against a 4.1 GB peak; the GPT step: 10.7 GB
+against 5.9 GB). So it is a choice, not a default: ``NNLITE_CPU_MEMORY=keep`` makes
+``nnlite-train`` call it before JAX starts; ``release`` makes it do nothing anywhere;
+``auto`` (the default) leaves glibc alone unless a script calls it.
 
 It has to run before JAX's backend starts (the first computation, ``jax.devices()``): by then
 XLA's threads have their own arenas, which a later call cannot take back.
@@ -27,10 +31,10 @@ import warnings
 from ._jax_private import backend_started
 from ._native import SETTINGS, setting
 
-__all__ = ["ENV", "keep_host_memory", "kept"]
+__all__ = ["ENV", "keep_host_memory", "kept", "keep_if_asked"]
 
 ENV = "NNLITE_CPU_MEMORY"
-SETTINGS[ENV] = ("keep", "release")
+SETTINGS[ENV] = ("auto", "keep", "release")
 
 # mallopt(3) parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -61,7 +65,7 @@ def keep_host_memory(*, warn: bool = True) -> bool:
     True when it took effect (now or before). False, and nothing changed, where
     ``NNLITE_CPU_MEMORY=release``, where the C library is not glibc, or where JAX's backend
     has started already (with a warning, unless ``warn=False``). A value of
-    ``NNLITE_CPU_MEMORY`` other than ``keep``/``release`` is a ValueError."""
+    ``NNLITE_CPU_MEMORY`` other than ``auto``/``keep``/``release`` is a ValueError."""
     global _KEPT
     if setting(ENV) == "release":
         return False
@@ -83,6 +87,12 @@ def keep_host_memory(*, warn: bool = True) -> bool:
             raise RuntimeError(f"glibc's mallopt({param}, {value}) failed")
     _KEPT = True
     return True
+
+
+def keep_if_asked() -> bool:
+    """:func:`keep_host_memory` where ``NNLITE_CPU_MEMORY=keep`` (``nnlite-train`` and the
+    benchmarks call it first thing); whether the memory is kept."""
+    return setting(ENV) == "keep" and keep_host_memory(warn=False)
 
 
 def kept() -> bool:

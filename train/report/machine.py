@@ -64,7 +64,8 @@ def read_cpuinfo() -> str:
 
 
 HOST_MEMORY_KEPT = (
-    "host memory: freed blocks kept for the next step (NNLITE_CPU_MEMORY=release returns them)"
+    "host memory: freed blocks kept for the next step (NNLITE_CPU_MEMORY=keep; "
+    "resident memory stays at its peak)"
 )
 
 
