@@ -118,6 +118,14 @@ def test_the_layers_products_run_on_mkl_in_both_gradient_modes():
     for g in (jax.grad(loss)(p, x), jax.grad(nl.manual_grads(loss))(p, x)):
         for leaf, ref in zip(jax.tree.leaves(g), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(leaf, ref, rtol=1e-4, atol=1e-4)
+    # the hand rule's bias cotangent is the last row of [x, 1]^T dy (out > in): one product
+    manual = str(jax.make_jaxpr(jax.grad(nl.manual_grads(loss)))(p, x))
+    assert "concatenate" in manual and manual.count("nnlite_gemm") == 3, manual
+    narrow = nl.Linear(256, 128)  # out < in: x^T dy, and the rows of dy summed apart
+    pn = narrow.init(jax.random.key(4))
+    xn = jax.random.normal(jax.random.key(5), (4, 32, 256))
+    text = str(jax.make_jaxpr(jax.grad(nl.manual_grads(lambda p: jnp.sum(narrow(p, xn)))))(pn))
+    assert "concatenate" not in text and "reduce_sum" in text
     # the tied head: x @ E^T as one product with E read transposed in place
     emb = nl.Embedding(300, 128)
     pe = emb.init(jax.random.key(2))

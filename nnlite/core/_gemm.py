@@ -43,7 +43,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _jax_private, _native
 
-__all__ = ["ENV", "MIN_FLOPS", "gemm_info", "gemm_p", "matmul"]
+__all__ = ["ENV", "MIN_FLOPS", "gemm_info", "gemm_p", "matmul", "on_mkl"]
 
 TARGET = "nnlite_gemm"
 ENV = "NNLITE_CPU_GEMM"  # "auto" (the default: MKL where installed), "mkl" or "xla"
@@ -300,6 +300,13 @@ def _worthy(a, b, flops: int, preferred) -> bool:
             preferred is None or jnp.dtype(preferred) == dtype
         )
     return flops >= MIN_FLOPS and dtype == jnp.result_type(b) and kept and _on()
+
+
+def on_mkl(a: jax.Array, b: jax.Array, *, transpose_a=False, transpose_b=False) -> bool:
+    """Whether :func:`matmul` of these operands (no ``preferred_element_type``) binds
+    ``nnlite_gemm`` here: MKL on the CPU, unless the program is one XLA partitions."""
+    batch, m, k, n = _dims(jnp.shape(a), jnp.shape(b), transpose_a, transpose_b)
+    return _worthy(a, b, 2 * math.prod(batch) * m * k * n, None)
 
 
 def matmul(

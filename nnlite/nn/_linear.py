@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core._axes import Axes
-from ..core._gemm import matmul
+from ..core._gemm import matmul, on_mkl
 from ..core._module import Module
 from ..core._params import ParamsDict
 from ..grad._manual import hand_rule
@@ -45,9 +45,27 @@ def linear_vjp(x: jax.Array, W: jax.Array, b: jax.Array | None, dret: jax.Array)
     bias cotangents contracted over every leading (batch) axis in one matmul."""
     dx = rows_matmul(dret, W, transpose_w=True)
     dy2 = dret.reshape(-1, W.shape[1])
-    dW = matmul(x.reshape(-1, W.shape[0]), dy2, transpose_a=True)
-    db = None if b is None else jnp.sum(dy2, axis=0)
-    return dx, dW, db
+    x2 = x.reshape(-1, W.shape[0])
+    if b is None:
+        return dx, matmul(x2, dy2, transpose_a=True), None
+    dW, db = weight_and_bias_grads(x2, dy2)
+    return dx, dW, db.astype(b.dtype)
+
+
+def weight_and_bias_grads(x2: jax.Array, dy2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x2^T dy2, sum(dy2, rows))`` for ``x2: [rows, in]``, ``dy2: [rows, out]``.
+
+    Where MKL runs the product and ``out > in``, both come from one product: ``[x2, 1]^T
+    dy2``, ``x2`` with a column of ones appended, whose last row is the bias's. Its price
+    is a copy of ``x2``; what it saves is XLA's separate reduction over the rows of the
+    wider ``dy2``, which XLA:CPU runs beside the products that read the same ``dy2``,
+    slowing them (the 6x6x384 GPT's MLP: its two backward products and the reduction took
+    252 ms a layer, PyTorch's 140; benchmarks/README.md, session 17)."""
+    if dy2.shape[1] > x2.shape[1] and on_mkl(x2, dy2, transpose_a=True):
+        ones = jnp.ones((x2.shape[0], 1), x2.dtype)
+        both = matmul(jnp.concatenate([x2, ones], axis=1), dy2, transpose_a=True)
+        return both[:-1], both[-1]
+    return matmul(x2, dy2, transpose_a=True), jnp.sum(dy2, axis=0)
 
 
 @hand_rule(linear_vjp)
