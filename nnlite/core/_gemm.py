@@ -304,7 +304,8 @@ def _worthy(a, b, flops: int, preferred) -> bool:
 
 def on_mkl(a: jax.Array, b: jax.Array, *, transpose_a=False, transpose_b=False) -> bool:
     """Whether :func:`matmul` of these operands (no ``preferred_element_type``) binds
-    ``nnlite_gemm`` here: MKL on the CPU, unless the program is one XLA partitions."""
+    ``nnlite_gemm`` here: MKL on the CPU (in a program XLA partitions, it lowers to XLA's
+    dot all the same)."""
     batch, m, k, n = _dims(jnp.shape(a), jnp.shape(b), transpose_a, transpose_b)
     return _worthy(a, b, 2 * math.prod(batch) * m * k * n, None)
 
