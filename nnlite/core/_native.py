@@ -32,6 +32,7 @@ __all__ = [
     "cache_dir",
     "check_settings",
     "cpu_flags",
+    "cpuinfo_text",
     "held_off",
     "info",
     "keep",
@@ -115,23 +116,23 @@ def parse_cpu_flags(cpuinfo: str) -> frozenset[str] | None:
 
 
 @functools.cache
-def _cpuinfo() -> str | None:
-    """/proc/cpuinfo's text, read once; None where there is none."""
+def cpuinfo_text() -> str:
+    """/proc/cpuinfo's text, read once; '' where there is none (macOS, Windows)."""
     try:
         return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return None
+        return ""
 
 
 def cpu_flags() -> frozenset[str]:
     """This machine's CPU feature flags (empty where /proc/cpuinfo has none)."""
-    return parse_cpu_flags(_cpuinfo() or "") or frozenset()
+    return parse_cpu_flags(cpuinfo_text()) or frozenset()
 
 
 def _cpu_key() -> str:
     """What ``-march=native`` compiles for: the CPU's model and flags."""
-    text = _cpuinfo()
-    if text is None:
+    text = cpuinfo_text()
+    if not text:
         return platform.processor()
     lines = [x for x in text.splitlines() if x.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines)))

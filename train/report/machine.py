@@ -8,10 +8,8 @@ benchmarks/README.md, "XLA:CPU flags and the bfloat16 matmul").
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from nnlite.core._host_memory import kept as host_memory_kept
-from nnlite.core._native import BF16_FLAGS
+from nnlite.core._native import BF16_FLAGS, cpuinfo_text
 from nnlite.core._native import parse_cpu_flags as cpu_flags
 
 # /proc/cpuinfo flag -> what the banner calls it, in the order it lists them: the vector
@@ -56,11 +54,9 @@ def describe_cpu(cpuinfo: str) -> str | None:
 
 
 def read_cpuinfo() -> str:
-    """/proc/cpuinfo's text; '' where there is none (macOS, Windows)."""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
+    """/proc/cpuinfo's text; '' where there is none (macOS, Windows). Read once, with
+    nnlite's kernels (``nnlite.core._native.cpuinfo_text``)."""
+    return cpuinfo_text()
 
 
 HOST_MEMORY_KEPT = (
