@@ -30,11 +30,11 @@ SCRIPT = textwrap.dedent(
     x = jax.random.normal(jax.random.key(0), (4096, 64))
     f = jax.jit(lambda x: jnp.tanh(x @ x.T) @ x)
     faults = []
-    for _ in range(10):
+    for _ in range(24):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         f(x).block_until_ready()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(json.dumps({"kept": kept, "faults": faults[1:]}))
+    print(json.dumps({"kept": kept, "faults": faults[12:]}))
     """
 )
 
@@ -58,8 +58,9 @@ def test_kept_memory_is_not_faulted_in_again_at_each_run():
     assert kept["kept"] and not released["kept"]
     # glibc's defaults: each run maps its temporaries afresh and touches every page again
     assert _median(released["faults"]) > temp_pages // 2, released
-    # kept: the runs reuse the memory the first ones had (the heap grows once or twice
-    # where a run's temporaries are allocated before the last run's are freed)
+    # kept: once settled (the last 12 of 24 runs), the runs reuse the memory the first
+    # ones had; before that the heap grows a few times (three under the suite's load),
+    # where a run's temporaries are allocated before the last run's are freed
     assert _median(kept["faults"]) < temp_pages // 20, kept
 
 
