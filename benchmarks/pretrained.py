@@ -1,7 +1,7 @@
 """Pretrained models (nl.hf) against PyTorch ``transformers`` on a SmolLM-135M-shaped Llama.
 
     python -m benchmarks.pretrained [--size smollm|tiny] [--batch 4] [--seq 256]
-                                    [--new-tokens 64] [--rounds 3] [--lora-base]
+                                    [--new-tokens 64] [--rounds 3] [--precision]
 
 A random-weight Llama made locally by ``transformers`` (``--size smollm``: 30 layers, 576
 wide, 9 heads, 3 KV heads, MLP 1536, vocabulary 49152, tied head: SmolLM-135M's shape;
@@ -18,9 +18,11 @@ as the CPU has, which is what XLA uses):
 - sampling: greedy new tokens/s with the key/value cache, ``model.generate`` (one compiled
   program) against ``transformers``' ``generate``.
 
-``--lora-base`` measures instead the trainer's LoRA step with the frozen base stored in
-float32 and in bfloat16 (``model.param_dtype``), computed in float32 and in bfloat16: its
-time and the compiled step's memory (params, temporaries).
+``--precision`` (also ``--lora-base``) measures instead float32 against bfloat16 compute
+(``train.precision: bfloat16``'s policy): the full fine-tuning step (float32 params and
+AdamW), and the trainer's LoRA step with the frozen base stored in float32 and in bfloat16
+(``model.param_dtype``), each computed in float32 and in bfloat16: their times and the
+compiled steps' memory (params, temporaries).
 
 Results go to ``benchmarks/results/pretrained-latest.json``.
 """
@@ -105,6 +107,22 @@ def _adapter_step(loss, opt):
         g = jax.grad(lambda a: loss(nl.lora_join(a, frozen)))(a)
         u, s = opt.update(g, s, a)
         return optax.apply_updates(a, u), s
+
+    return nl.jit(step, donate_argnums=(0, 1))
+
+
+def _full_step(loss, opt):
+    """The compiled full fine-tuning step of ``loss(params)``: gradients and ``opt`` on
+    every param, params and optimizer state donated (as the trainer's step)."""
+    import jax
+    import optax
+
+    import nnlite as nl
+
+    def step(p, s):
+        g = jax.grad(loss)(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
 
     return nl.jit(step, donate_argnums=(0, 1))
 
@@ -242,8 +260,9 @@ class LlamaBench:
         trained = [p for p in peft_model.parameters() if p.requires_grad]
         return peft_model, torch.optim.AdamW(trained, 1e-4, weight_decay=0.01)
 
-    def lora_base_cases(self) -> tuple[dict, dict]:
-        """The trainer's LoRA model (``nl.hf.Pretrained``: rank 8 on q and v, the loss by
+    def precision_cases(self) -> tuple[dict, dict]:
+        """The full fine-tuning step (float32 params, AdamW) computed in float32 and under
+        ``train.precision: bfloat16``'s policy; and the trainer's LoRA model (``nl.hf.Pretrained``: rank 8 on q and v, the loss by
         ``token_log_probs``, AdamW, the adapters and their state donated) with its frozen
         base stored in float32 and in bfloat16 (``model.param_dtype``), each computed in
         float32 and under ``train.precision: bfloat16``'s policy: ``({name: step}, {name:
@@ -259,6 +278,18 @@ class LlamaBench:
         opt = optax.adamw(1e-4, weight_decay=0.01)
         lora = {"rank": 8, "alpha": 16, "targets": LORA_TARGETS}
         cases, memory = {}, {}
+
+        def add(name, step, *state, frozen=()):
+            compiled = step.lower(*state, *frozen).compile()
+            info = compiled.memory_analysis()
+            memory[name] = (info.argument_size_in_bytes / 2**20, info.temp_size_in_bytes / 2**20)
+            cases[name] = _stepping(compiled, *state, frozen=frozen)
+
+        for compute in ("float32", "bfloat16"):  # full fine-tuning: float32 params, AdamW
+            m = self.model if compute == "float32" else Policy(self.model, compute)
+            step = _full_step(lambda p, m=m: -m.token_log_probs(p, x, y).mean(), opt)
+            params = jax.tree.map(jax.numpy.copy, self.params)
+            add(f"full step, compute {compute}", step, params, opt.init(params))
         for stored in ("float32", "bfloat16"):
             model = nl.hf.Pretrained(self.dir, lora=lora, param_dtype=stored)
             adapters, frozen = nl.lora_split(jax.jit(model.init)(jax.random.key(0)))
@@ -266,15 +297,8 @@ class LlamaBench:
                 m = model if compute == "float32" else Policy(model, compute)
                 step = _adapter_step(lambda p, m=m: -m.token_log_probs(p, x, y).mean(), opt)
                 a = jax.tree.map(jax.numpy.copy, adapters)
-                state = (a, opt.init(a))
-                compiled = step.lower(*state, frozen).compile()
-                name = f"base {stored}, compute {compute}"
-                info = compiled.memory_analysis()
-                memory[name] = (
-                    info.argument_size_in_bytes / 2**20,
-                    info.temp_size_in_bytes / 2**20,
-                )
-                cases[name] = _stepping(compiled, *state, frozen=(frozen,))
+                name = f"LoRA step, base {stored}, compute {compute}"
+                add(name, step, a, opt.init(a), frozen=(frozen,))
         return cases, memory
 
     def sample_cases(self, new_tokens: int) -> dict:
@@ -308,10 +332,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="--size tiny --rounds 1: a smoke run")
     ap.add_argument(
+        "--precision",
         "--lora-base",
+        dest="precision",
         action="store_true",
-        help="only the LoRA step with the frozen base in float32 and in bfloat16 "
-        "(model.param_dtype): time and the compiled step's memory",
+        help="only float32 against bfloat16 compute: the full step, and the LoRA step with "
+        "its frozen base in float32 and in bfloat16 (model.param_dtype): time and the "
+        "compiled step's memory",
     )
     ap.add_argument("--load-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -327,8 +354,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(os.cpu_count() or 1)
     bench = LlamaBench(args.size, args.batch, args.seq)
-    if args.lora_base:
-        return _lora_base(bench, args.rounds, args.batch * args.seq)
+    if args.precision:
+        return _precision(bench, args.rounds, args.batch * args.seq)
     rows, results = [], {"size": args.size, "config": SIZES[args.size]}
     loads = {w: _child(bench.dir, w) for w in ("nnlite", "transformers")}
     results["import"] = loads
@@ -356,21 +383,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def _lora_base(bench, rounds: int, tokens: int) -> int:
-    """``--lora-base``: the table of :meth:`LlamaBench.lora_base_cases`."""
+def _precision(bench, rounds: int, tokens: int) -> int:
+    """``--precision``: the table of :meth:`LlamaBench.precision_cases`."""
     from . import _harness as h
 
-    cases, memory = bench.lora_base_cases()
+    cases, memory = bench.precision_cases()
     times = h.time_interleaved(cases, rounds=rounds, warmup=1)
-    rows, results = [], {"size": bench.size, "lora_base": {}}
+    rows, results = [], {"size": bench.size, "precision": {}}
     for name, (params_mb, temp_mb) in memory.items():
         v = h.median(times[name])
-        results["lora_base"][name] = {"seconds": v, "params_mb": params_mb, "temp_mb": temp_mb}
-        rows.append((f"LoRA step, {name}", h.fmt_time(v), f"{tokens / v:,.0f} tokens/s",
+        results["precision"][name] = {"seconds": v, "params_mb": params_mb, "temp_mb": temp_mb}
+        rows.append((name, h.fmt_time(v), f"{tokens / v:,.0f} tokens/s",
                      f"{params_mb:,.1f} MB", f"{temp_mb:,.1f} MB"))  # fmt: skip
     print(h.table(rows, ["what", "time", "rate", "params", "temporaries"]))
     results["machine"] = h.machine_info()
-    print("wrote", h.write_json(f"pretrained-lora-base-{bench.size}", results))
+    print("wrote", h.write_json(f"pretrained-precision-{bench.size}", results))
     return 0
 
 

@@ -179,7 +179,7 @@ SMOKE = {
     ),
     # the GPT row only: each row is a fresh process with its HLO dumped
     "python -m benchmarks.op_profile": ("op_profile", ["--tiny", "--rows", "gpt_large"]),
-    "python -m benchmarks.pretrained --lora-base": ("pretrained", ["--tiny", "--lora-base"]),
+    "python -m benchmarks.pretrained --precision": ("pretrained", ["--tiny", "--precision"]),
     # the GPT layer's attention: the steps are the other rows' models, smoked above
     "python -m benchmarks.kernels": ("kernels", ["--tiny", "--rows", "layer"]),
     # with one XLA flag set: the matmul in a fresh process

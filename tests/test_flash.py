@@ -128,9 +128,25 @@ def test_layer_takes_the_kernel_where_it_applies():
     valid = _key_padding(2, 70)
     assert uses_kernel(mha, p, x, mask=valid)
     np.testing.assert_allclose(mha(p, x, mask=valid), plain(p, x, mask=valid), rtol=1e-5, atol=1e-6)
-    # not where it does not apply: bfloat16, a soft cap, attention dropout
-    half = nl.MultiHeadAttention(64, num_heads=4, causal=True, dtype="bfloat16")
-    assert not uses_kernel(half, p, x)
+    # bfloat16 and float16: widened into the float32 kernel, the output rounded back; the
+    # same as XLA's attention in that dtype to its rounding, gradients too (both modes)
+    for dtype in ("bfloat16", "float16"):
+        half = nl.MultiHeadAttention(64, num_heads=4, causal=True, dtype=dtype)
+        plain_half = nl.MultiHeadAttention(
+            64, num_heads=4, causal=True, dtype=dtype, implementation="plain"
+        )
+        assert uses_kernel(half, p, x) and not uses_kernel(plain_half, p, x)
+        out, want = half(p, x), plain_half(p, x)
+        assert out.dtype == want.dtype == jnp.dtype(dtype)
+        tol = dict(rtol=0.05, atol=0.02)  # a few steps of bfloat16's 8 bits
+        np.testing.assert_allclose(np.float32(out), np.float32(want), **tol)
+        g_half = jax.grad(loss(half))(p, x)
+        g_manual = jax.jit(jax.grad(nl.manual_grads(loss(half))))(p, x)
+        for a, b, c in zip(*map(jax.tree.leaves, (g_half, g_manual, g_plain)), strict=True):
+            scale = float(jnp.abs(c).max())  # sums over 140 tokens of rounded products
+            np.testing.assert_allclose(a, c, rtol=0.05, atol=0.03 * scale)
+            np.testing.assert_allclose(b, c, rtol=0.05, atol=0.03 * scale)
+    # not where it does not apply: a soft cap, attention dropout
     capped = nl.MultiHeadAttention(64, num_heads=4, causal=True, softcap=30.0)
     assert not uses_kernel(capped, p, x)
     dropping = nl.MultiHeadAttention(64, num_heads=4, causal=True, dropout_rate=0.1)

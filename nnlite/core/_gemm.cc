@@ -11,8 +11,17 @@
 // pieces (its batch elements, else blocks of rows or of columns) that run single-threaded
 // on XLA's own thread pool (_pool.h); where MKL could not be made single-threaded, one call
 // on MKL's own threads.
+//
+// bfloat16 operands go to MKL's bfloat16 GEMM where it was handed one (a CPU with
+// AVX512-BF16 or AMX). Otherwise each piece is widened to float32 block by block (at most
+// kBlockRows x kBlockK of op(a) and kBlockK x kBlockCols of op(b) at a time, in this
+// thread's scratch, which stays in cache) for MKL's sgemm, the blocks along k summed into
+// the result: the same numbers as the float32 product of the widened operands, without
+// writing them out whole.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "_pool.h"  // nnlite/core: ParallelFor
@@ -31,15 +40,65 @@ using cblas_gemm = void(int, int, int, int, int, int, O, const I*, int, const I*
 
 cblas_gemm<float, float>* g_sgemm = nullptr;
 cblas_gemm<double, double>* g_dgemm = nullptr;
-cblas_gemm<uint16_t, float>* g_bgemm = nullptr;  // bfloat16 operands (MKL_BF16), float32 result
+cblas_gemm<uint16_t, float>* g_bgemm = nullptr;  // bfloat16 operands (MKL_BF16), float32
+                                                 // result; null: widened for g_sgemm
 bool g_split = false;  // whether each call runs on one thread (then nnlite cuts products)
 
 // Below this many multiply-adds a piece, cutting a product costs more than it gains.
 constexpr int64_t kMinPieceMacs = int64_t(1) << 21;
+// The largest blocks of a widened bfloat16 product (float32 scratch: 4 + 8 MB a thread).
+constexpr int64_t kBlockRows = 1024, kBlockK = 1024, kBlockCols = 2048;
+
+// dst[rows, cols] = src[rows, cols] (row stride ld) widened from bfloat16 to float32
+void Widen(const uint16_t* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* s = src + r * ld;
+    float* d = dst + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t bits = uint32_t(s[c]) << 16;
+      std::memcpy(d + c, &bits, sizeof bits);
+    }
+  }
+}
+
+// How many blocks of at most `most` n takes (the blocks then split n evenly).
+inline int64_t Blocks(int64_t n, int64_t most) { return (n + most - 1) / most; }
+
+// c[rows, cols] (row stride ldc) = op(a) op(b) over k, bfloat16 operands widened in blocks
+// for sgemm (a, b point at the piece's first row of op(a) and column of op(b)).
+void WidenedGemm(cblas_gemm<float, float>* sgemm, bool ta, bool tb, int64_t rows, int64_t cols,
+                 int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                 float* c, int64_t ldc) {
+  thread_local std::vector<float> sa, sb;
+  const int64_t nm = Blocks(rows, kBlockRows), nn = Blocks(cols, kBlockCols),
+                nk = Blocks(k, kBlockK);
+  const int64_t bm = (rows + nm - 1) / nm, bn = (cols + nn - 1) / nn, bk = (k + nk - 1) / nk;
+  if (int64_t(sa.size()) < bm * bk) sa.resize(bm * bk);
+  if (int64_t(sb.size()) < bk * bn) sb.resize(bk * bn);
+  for (int64_t i0 = 0; i0 < rows; i0 += bm) {
+    const int64_t mi = std::min(bm, rows - i0);
+    for (int64_t j0 = 0; j0 < cols; j0 += bn) {
+      const int64_t nj = std::min(bn, cols - j0);
+      for (int64_t p0 = 0; p0 < k; p0 += bk) {
+        const int64_t kp = std::min(bk, k - p0);
+        // op(a)[i0 : i0 + mi, p0 : p0 + kp] and op(b)[p0 : p0 + kp, j0 : j0 + nj], each
+        // kept in its stored orientation (sgemm transposes as it reads)
+        if (ta) Widen(a + p0 * lda + i0, lda, kp, mi, sa.data());
+        else Widen(a + i0 * lda + p0, lda, mi, kp, sa.data());
+        if (tb) Widen(b + j0 * ldb + p0, ldb, nj, kp, sb.data());
+        else Widen(b + p0 * ldb + j0, ldb, kp, nj, sb.data());
+        sgemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(mi), int(nj),
+              int(kp), 1.0f, sa.data(), int(ta ? mi : kp), sb.data(), int(tb ? kp : nj),
+              p0 ? 1.0f : 0.0f, c + i0 * ldc + j0, int(ldc));
+      }
+    }
+  }
+}
 
 template <typename I, typename O>
 struct Product {
-  cblas_gemm<I, O>* gemm;
+  cblas_gemm<I, O>* gemm;           // null for bfloat16 widened to `widened`
+  cblas_gemm<float, float>* widened;
   const I *A, *B;
   O* C;
   std::vector<int64_t> ad, bd, cd;  // dimensions of a, b, c
@@ -80,6 +139,9 @@ struct Product {
       for (int64_t x = 0; x < rows; ++x) std::fill(c + x * n, c + x * n + cols, O(0));
       return;
     }
+    if constexpr (std::is_same_v<I, uint16_t>) {
+      if (gemm == nullptr) return WidenedGemm(widened, ta, tb, rows, cols, k, a, lda, b, ldb, c, n);
+    }
     gemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(rows), int(cols),
          int(k), O(1), a, int(lda), b, int(ldb), O(0), c, int(n));
   }
@@ -88,7 +150,8 @@ struct Product {
 template <typename I, typename O>
 ffi::Error Run(cblas_gemm<I, O>* gemm, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
                ffi::Result<ffi::AnyBuffer> c, bool ta, bool tb) {
-  if (gemm == nullptr) return ffi::Error::Internal("nnlite_gemm: no BLAS was set");
+  if (gemm == nullptr && (!std::is_same_v<I, uint16_t> || g_sgemm == nullptr))
+    return ffi::Error::Internal("nnlite_gemm: no BLAS was set");
   auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
   const size_t r = cd.size();
   if (r < 2 || ad.size() != r || bd.size() != r)
@@ -107,7 +170,7 @@ ffi::Error Run(cblas_gemm<I, O>* gemm, ffi::ThreadPool pool, ffi::AnyBuffer a, f
     batch *= cd[d];
   }
   if (batch == 0 || job.m == 0 || job.n == 0) return ffi::Error::Success();
-  job.gemm = gemm, job.ta = ta, job.tb = tb;
+  job.gemm = gemm, job.widened = g_sgemm, job.ta = ta, job.tb = tb;
   job.A = static_cast<const I*>(a.untyped_data());
   job.B = static_cast<const I*>(b.untyped_data());
   job.C = static_cast<O*>(c->untyped_data());

@@ -11,7 +11,8 @@ where it is installed nnlite's layers multiply through it:
   primitive ``nnlite_gemm``, which lowers to an XLA FFI call (``_gemm.cc``, compiled at
   first use by ``_native``) of MKL's ``cblas_sgemm``/``cblas_dgemm``, or for bfloat16
   operands ``cblas_gemm_bf16bf16f32`` (a float32 result, as XLA's CPU dot computes it;
-  MKL runs it on AMX or AVX512-BF16 where the CPU has them). MKL runs single-threaded (its
+  MKL runs it on AMX or AVX512-BF16 where the CPU has them; elsewhere the handler widens
+  the operands to float32 block by block for sgemm, never whole). MKL runs single-threaded (its
   sequential layer) and the handler cuts each product into pieces on XLA's own threads, so
   MKL's threads and XLA's never contend for the cores;
 * elsewhere (a GPU, float16, a small product, MKL or a compiler absent,
@@ -117,26 +118,38 @@ def _library() -> tuple[bool, str]:
         mkl, sequential = _load_mkl()
         lib, _ = _native.load("gemm", _SOURCE, {TARGET: "NnliteGemm"})
         lib.nnlite_gemm_set_blas.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int]
-        gemms = (mkl.cblas_sgemm, mkl.cblas_dgemm, mkl.cblas_gemm_bf16bf16f32)
-        lib.nnlite_gemm_set_blas(*(ctypes.cast(f, ctypes.c_void_p).value for f in gemms),
-                                 int(sequential))  # fmt: skip
+        _HANDED.update(lib=lib, mkl=mkl, sequential=sequential)
+        hand_blas(bf16_gemm=_bf16_arithmetic())
     except _native.BUILD_ERRORS as e:
         if choice == "mkl":
             raise RuntimeError(f"{ENV}=mkl, but {type(e).__name__}: {e}") from None
         return False, f"{type(e).__name__}: {e}"
     _native.keep(mkl)
     threads = "in pieces on XLA's threads" if sequential else "on MKL's own threads"
-    bf16 = "gemm_bf16bf16f32" if _bf16_arithmetic() else "bfloat16 widened to sgemm"
+    bf16 = "gemm_bf16bf16f32" if _bf16_arithmetic() else "bfloat16 widened in blocks for sgemm"
     return True, f"Intel MKL (sgemm, dgemm, {bf16}) through {TARGET}, {threads}"
+
+
+_HANDED: dict = {}  # the handler's library, MKL and its threading, once loaded
+
+
+def hand_blas(*, bf16_gemm: bool) -> None:
+    """Hand MKL's GEMMs to the loaded handler: bfloat16 products on MKL's bfloat16 GEMM
+    (``bf16_gemm``: what a CPU with bfloat16 arithmetic gets) or widened in blocks for sgemm
+    (what others get; the tests switch between the two on one machine)."""
+    mkl = _HANDED["mkl"]
+    gemms = (mkl.cblas_sgemm, mkl.cblas_dgemm, mkl.cblas_gemm_bf16bf16f32 if bf16_gemm else None)
+    pointers = [None if f is None else ctypes.cast(f, ctypes.c_void_p).value for f in gemms]
+    _HANDED["lib"].nnlite_gemm_set_blas(*pointers, int(_HANDED["sequential"]))
 
 
 @functools.cache
 def _bf16_arithmetic() -> bool:
     """Whether this CPU computes in bfloat16 (AVX512-BF16 or AMX). With it, MKL's bfloat16
-    GEMM runs on that hardware; without, a bfloat16 product is the float32 GEMM of its
-    operands widened (the same numbers: MKL's bfloat16 GEMM widens them too, more slowly: a
-    135M Llama's bfloat16 forward took 1.87 s that way against 1.65 s widened, 2.07 s on
-    XLA's dot)."""
+    GEMM runs on that hardware; without, the handler widens a bfloat16 product's operands
+    block by block in cache for MKL's sgemm (the same numbers: MKL's bfloat16 GEMM widens
+    them too, more slowly: a 135M Llama's bfloat16 forward took 1.87 s that way against
+    1.65 s with the operands widened whole by XLA, 2.07 s on XLA's dot)."""
     return bool(_native.cpu_flags() & _native.BF16_FLAGS)
 
 
@@ -349,11 +362,8 @@ def matmul(
     batch, m, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
     _choice()
     if _worthy(a, b, 2 * math.prod(batch) * m * k * n, preferred_element_type):
-        dtype = a.dtype
-        if dtype == jnp.bfloat16 and not _bf16_arithmetic():
-            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
         out = _bind(a, b, transpose_a, transpose_b)
-        return out.astype(preferred_element_type or dtype)
+        return out.astype(preferred_element_type or a.dtype)
     return _dot(
         a,
         b,

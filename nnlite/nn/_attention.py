@@ -638,7 +638,8 @@ class MultiHeadAttention(Module):
 
     def _fused(self, q4, k4, v4, dropping: bool, q_offset: Any) -> bool:
         """Whether ``attend`` runs as one fused kernel (``nl.flash_attention``): the default
-        implementation on the CPU, float32, no attention dropout or cap."""
+        implementation on the CPU, float32 (or half precision, widened), no attention dropout
+        or cap."""
         if self.implementation is not None or dropping or self.softcap is not None:
             return False
         return usable(q4, k4, v4, causal=self.causal, q_offset=q_offset)
