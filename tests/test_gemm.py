@@ -242,6 +242,27 @@ def bf16_gemm():
 
 
 @pytest.mark.parametrize("native", [True, False])
+def test_a_bfloat16_result_is_rounded_in_the_handler_as_xla_rounds(native, bf16_gemm):
+    # bfloat16 operands, a bfloat16 result: the handler rounds its float32 product (to
+    # nearest even, NaN and infinities kept) instead of writing it out for XLA to convert;
+    # bit for bit what rounding the float32 product after gives
+    bf16_gemm(native)
+    a, b = _pair(1100, 300, 2100, False, False, seed=3)
+    a[5, :] = np.nan
+    a[7, 0], b[0, 9] = np.inf, 1.0
+    a16, b16 = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
+    rounded = jax.jit(nl.matmul)
+    wide = jax.jit(lambda a, b: nl.matmul(a, b, preferred_element_type=jnp.float32))
+    text = rounded.lower(a16, b16).compile().as_text()
+    call = next(ln for ln in text.splitlines() if 'custom_call_target="nnlite_gemm"' in ln)
+    assert "bf16[1100,2100]" in call.split("=")[1] and "convert" not in text
+    got, want = rounded(a16, b16), wide(a16, b16).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    assert np.isnan(np.float32(got[5])).all() and np.isinf(np.float32(got[7, 9]))
+
+
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize(
     "shape",
     [(100, 150, 160, False, True), (70, 2100, 4300, True, False), (2100, 1100, 150, False, True)],

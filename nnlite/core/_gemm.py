@@ -197,31 +197,43 @@ def _dims(shape_a, shape_b, transpose_a: bool, transpose_b: bool):
     return tuple(batch), m, k, n
 
 
-def _result_dtype(dtype):
-    """The product's dtype: float32 for bfloat16 operands (MKL accumulates and writes it in
-    float32, as XLA's CPU dot does), else the operands'."""
-    return jnp.dtype(jnp.float32) if dtype == jnp.bfloat16 else jnp.dtype(dtype)
+def _result_dtype(dtype, rounded: bool):
+    """The product's dtype: for bfloat16 operands float32 (MKL accumulates and writes it in
+    float32, as XLA's CPU dot does), or that rounded to bfloat16 in the handler where
+    ``rounded``; else the operands'."""
+    wide = dtype == jnp.bfloat16 and not rounded
+    return jnp.dtype(jnp.float32) if wide else jnp.dtype(dtype)
 
 
-def _abstract_eval(a, b, *, transpose_a, transpose_b):
+def _abstract_eval(a, b, *, transpose_a, transpose_b, rounded):
     if a.dtype != b.dtype:
         raise TypeError(f"{TARGET}: operands of one dtype, got {a.dtype} and {b.dtype}")
     batch, m, _, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
-    return _jax_private.result_aval(TARGET, (a, b), (*batch, m, n), _result_dtype(a.dtype))
+    out = _result_dtype(a.dtype, rounded)
+    return _jax_private.result_aval(TARGET, (a, b), (*batch, m, n), out)
 
 
 @functools.cache
-def _eager(transpose_a: bool, transpose_b: bool):
-    return jax.jit(functools.partial(gemm_p.bind, transpose_a=transpose_a, transpose_b=transpose_b))
+def _eager(transpose_a: bool, transpose_b: bool, rounded: bool):
+    return jax.jit(
+        functools.partial(
+            gemm_p.bind, transpose_a=transpose_a, transpose_b=transpose_b, rounded=rounded
+        )
+    )
 
 
 gemm_p.def_abstract_eval(_abstract_eval)
 gemm_p.def_impl(lambda a, b, **p: _eager(**p)(a, b))
 
 
-def _bind(a, b, transpose_a: bool, transpose_b: bool):
+def _bind(a, b, transpose_a: bool, transpose_b: bool, rounded: bool = False):
+    """``gemm_p``; ``rounded``: bfloat16 operands' float32 product rounded to bfloat16 by
+    the handler (the same numbers as rounding it after, without writing it in float32)."""
     a, b = _jax_private.match_varying(a, b)
-    return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
+    rounded = bool(rounded) and jnp.result_type(a) == jnp.bfloat16
+    return gemm_p.bind(
+        a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), rounded=rounded
+    )
 
 
 def _unbroadcast(x, shape):
@@ -230,39 +242,48 @@ def _unbroadcast(x, shape):
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _transpose_a(ct, a, b, *, transpose_a, transpose_b):
-    dtype = a.aval.dtype  # bfloat16 operands: the float32 cotangent rounded to theirs
+def _summed(shape, ct_shape) -> bool:
+    """Whether an operand of ``shape`` broadcast batch axes that its cotangent sums over."""
+    return any(s == 1 != t for s, t in zip(shape[:-2], ct_shape[:-2]))
+
+
+def _transpose_a(ct, a, b, *, transpose_a, transpose_b, rounded):
+    # bfloat16 operands: the float32 cotangent rounded to theirs (by the handler, unless
+    # broadcast batch axes are summed after: that sum is float32's)
+    dtype = a.aval.dtype
     ct = ct.astype(dtype)
+    rounded = not _summed(a.aval.shape, ct.shape)
     if transpose_a:  # a: [..., k, m]; d a = op(b) ct^T
-        out = _bind(b, ct, transpose_b, True)
+        out = _bind(b, ct, transpose_b, True, rounded)
     else:  # d a = ct op(b)^T
-        out = _bind(ct, b, False, not transpose_b)
+        out = _bind(ct, b, False, not transpose_b, rounded)
     return _unbroadcast(out, a.aval.shape).astype(dtype)
 
 
-def _transpose_b(ct, a, b, *, transpose_a, transpose_b):
+def _transpose_b(ct, a, b, *, transpose_a, transpose_b, rounded):
     dtype = b.aval.dtype
     ct = ct.astype(dtype)
+    rounded = not _summed(b.aval.shape, ct.shape)
     if transpose_b:  # b: [..., n, k]; d b = ct^T op(a)
-        out = _bind(ct, a, True, transpose_a)
+        out = _bind(ct, a, True, transpose_a, rounded)
     else:  # d b = op(a)^T ct
-        out = _bind(a, ct, not transpose_a, False)
+        out = _bind(a, ct, not transpose_a, False, rounded)
     return _unbroadcast(out, b.aval.shape).astype(dtype)
 
 
 ad.defbilinear(gemm_p, _transpose_a, _transpose_b)
 
 
-def _batch(args, dims, *, transpose_a, transpose_b):
+def _batch(args, dims, *, transpose_a, transpose_b, rounded):
     a, b = (x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True))
     if dims[1] is None and not transpose_a and b.ndim == 2:
         # One weight for every example: the examples are more rows of one product.
         rows = a.reshape(-1, a.shape[-1])
-        out = _bind(rows, b, False, transpose_b)
+        out = _bind(rows, b, False, transpose_b, rounded)
         return out.reshape(*a.shape[:-1], out.shape[-1]), 0
     a = a if dims[0] is not None else a[None]
     b = b if dims[1] is not None else b[None]
-    return _bind(a, b, transpose_a, transpose_b), 0
+    return _bind(a, b, transpose_a, transpose_b, rounded), 0
 
 
 batching.primitive_batchers[gemm_p] = _batch
@@ -280,9 +301,9 @@ def _dot(a, b, *, transpose_a, transpose_b, preferred_element_type=None):
     )
 
 
-def _dot_prim(a, b, *, transpose_a, transpose_b):
+def _dot_prim(a, b, *, transpose_a, transpose_b, rounded):
     """The primitive's arithmetic in XLA's dot (its result dtype: ``_result_dtype``)."""
-    out = _result_dtype(a.dtype)
+    out = _result_dtype(a.dtype, rounded)
     pref = out if out != a.dtype else None
     return _dot(a, b, transpose_a=transpose_a, transpose_b=transpose_b, preferred_element_type=pref)
 
@@ -291,9 +312,12 @@ _lower_dot = mlir.lower_fun(_dot_prim, multiple_results=False)
 _lower_mkl = jax.ffi.ffi_lowering(TARGET)
 
 
-def _lower_cpu(ctx, a, b, *, transpose_a, transpose_b):
+def _lower_cpu(ctx, a, b, *, transpose_a, transpose_b, rounded):
     if _jax_private.partitioned_lowering(ctx) or not _library()[0]:
-        return _lower_dot(ctx, a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+        return _lower_dot(
+            ctx, a, b, transpose_a=transpose_a, transpose_b=transpose_b, rounded=rounded
+        )
+    # the result's dtype (float32 or bfloat16) says whether the handler rounds
     return _lower_mkl(ctx, a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
@@ -362,8 +386,9 @@ def matmul(
     batch, m, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
     _choice()
     if _worthy(a, b, 2 * math.prod(batch) * m * k * n, preferred_element_type):
-        out = _bind(a, b, transpose_a, transpose_b)
-        return out.astype(preferred_element_type or a.dtype)
+        want = jnp.dtype(preferred_element_type or a.dtype)
+        out = _bind(a, b, transpose_a, transpose_b, rounded=want == jnp.bfloat16)
+        return out.astype(want)
     return _dot(
         a,
         b,
