@@ -22,9 +22,9 @@ ISA = (
 )
 
 BF16_EMULATED = (
-    "note: train.precision bfloat16 on a CPU without AVX512-BF16 or AMX: XLA computes "
-    "bfloat16 matmuls in float32 here (a convert around each dot), so it is not "
-    "faster than float32 on this machine"
+    "note: train.precision bfloat16 on a CPU without AVX512-BF16 or AMX: its matrix "
+    "products run in float32 here (the operands widened), so it saves activation memory, "
+    "not time, on this machine"
 )
 
 
