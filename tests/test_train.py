@@ -376,6 +376,9 @@ def test_prepare_compiles_the_first_step_and_the_eval_ahead(tmp_path, strategy):
     p_leaves = st.put_state(jax.tree.leaves(prep.params0))
     o_leaves = st.put_state(jax.tree.leaves(prep.opt0))
     idx = st.put_indices(first)
+    # the evaluation may still be compiling on prepare's thread (its first call waits for
+    # it): let that finish, or its event would reach the listener below from that thread
+    prep.evaluate.wait()
     compiled = []
 
     def on_event(event, duration, **kwargs):

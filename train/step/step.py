@@ -518,10 +518,14 @@ class AfterCompile:
     def __init__(self, fn, job: Future):
         self.__wrapped__, self._job = fn, job
 
-    def __call__(self, *args):
+    def wait(self) -> None:
+        """Block until the compile is done (raising its error, if any)."""
         if self._job is not None:
             self._job.result()
             self._job = None
+
+    def __call__(self, *args):
+        self.wait()
         return self.__wrapped__(*args)
 
 
