@@ -262,10 +262,11 @@ class LlamaBench:
 
     def precision_cases(self) -> tuple[dict, dict]:
         """The full fine-tuning step (float32 params, AdamW) computed in float32 and under
-        ``train.precision: bfloat16``'s policy; and the trainer's LoRA model (``nl.hf.Pretrained``: rank 8 on q and v, the loss by
-        ``token_log_probs``, AdamW, the adapters and their state donated) with its frozen
-        base stored in float32 and in bfloat16 (``model.param_dtype``), each computed in
-        float32 and under ``train.precision: bfloat16``'s policy: ``({name: step}, {name:
+        ``train.precision: bfloat16``'s policy; and the trainer's LoRA model
+        (``nl.hf.Pretrained``: rank 8 on q and v, the loss by ``token_log_probs``, AdamW, the
+        adapters and their state donated) with its frozen base stored in float32 and in
+        bfloat16 (``model.param_dtype``), each computed in float32 and under
+        ``train.precision: bfloat16``'s policy: ``({name: step}, {name:
         (params MB, temporaries MB)})``, the sizes from the compiled step's memory analysis
         (the params: the program's arguments, adapters and optimizer state included)."""
         import jax
