@@ -92,39 +92,31 @@ def _child(directory: str, which: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _adapter_step(loss, opt):
-    """The compiled LoRA step of ``loss(params)``: gradients and ``opt`` (an optax
-    optimizer) on the adapters only, the adapters and their state donated. The frozen base
-    is an argument, not closed over: a closed-over array is a constant of the program,
-    which XLA folds at compile time (it spent over a second transposing the 135M model's
-    f32[49152,576] token table)."""
-    import jax
-    import optax
-
-    import nnlite as nl
-
-    def step(a, s, frozen):
-        g = jax.grad(lambda a: loss(nl.lora_join(a, frozen)))(a)
-        u, s = opt.update(g, s, a)
-        return optax.apply_updates(a, u), s
-
-    return nl.jit(step, donate_argnums=(0, 1))
-
-
 def _full_step(loss, opt):
-    """The compiled full fine-tuning step of ``loss(params)``: gradients and ``opt`` on
-    every param, params and optimizer state donated (as the trainer's step)."""
+    """The compiled step of ``loss(params, *rest)``: gradients and ``opt`` (an optax
+    optimizer) on ``params``, params and optimizer state donated (as the trainer's step);
+    ``rest``, arguments passed through undifferentiated."""
     import jax
     import optax
 
     import nnlite as nl
 
-    def step(p, s):
-        g = jax.grad(loss)(p)
+    def step(p, s, *rest):
+        g = jax.grad(loss)(p, *rest)
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s
 
     return nl.jit(step, donate_argnums=(0, 1))
+
+
+def _adapter_step(loss, opt):
+    """The compiled LoRA step of ``loss(params)``: :func:`_full_step` on the adapters only,
+    called as ``step(adapters, state, frozen)``. The frozen base is an argument, not closed
+    over: a closed-over array is a constant of the program, which XLA folds at compile time
+    (it spent over a second transposing the 135M model's f32[49152,576] token table)."""
+    import nnlite as nl
+
+    return _full_step(lambda a, frozen: loss(nl.lora_join(a, frozen)), opt)
 
 
 def _stepping(step, *state, frozen=()):
@@ -209,9 +201,6 @@ class LlamaBench:
         def xent(m, p):
             return -m.token_log_probs(p, x, y).mean()
 
-        def jit(f):
-            return nl.jit(f, donate_argnums=(0, 1))
-
         def torch_step(module, optim):
             def step():
                 logits = module(input_ids=tx).logits
@@ -224,13 +213,7 @@ class LlamaBench:
 
         cases = {}
         if "full" in which:
-
-            @jit
-            def full_step(p, s):
-                g = jax.grad(lambda p: xent(model, p))(p)
-                u, s = opt.update(g, s, p)
-                return optax.apply_updates(p, u), s
-
+            full_step = _full_step(lambda p: xent(model, p), opt)
             params = jax.tree.map(jax.numpy.copy, self.params)  # the step donates its own
             cases["nnlite full"] = _stepping(full_step, params, opt.init(params))
             torch_opt = torch.optim.AdamW(self.ref.parameters(), 1e-4, weight_decay=0.01)

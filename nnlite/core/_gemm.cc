@@ -187,7 +187,8 @@ struct Product {
 template <typename I, typename O>
 ffi::Error Run(cblas_gemm<I, O>* gemm, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
                ffi::Result<ffi::AnyBuffer> c, bool ta, bool tb) {
-  if (gemm == nullptr && !(std::is_same_v<I, uint16_t> && (g_bgemm || g_sgemm)))
+  // bfloat16 products need sgemm (MKL's bfloat16 GEMM, where handed one, comes with it)
+  if ((std::is_same_v<I, uint16_t> ? (void*)g_sgemm : (void*)gemm) == nullptr)
     return ffi::Error::Internal("nnlite_gemm: no BLAS was set");
   auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
   const size_t r = cd.size();

@@ -249,25 +249,28 @@ def _summed(shape, ct_shape) -> bool:
 
 def _transpose_a(ct, a, b, *, transpose_a, transpose_b, rounded):
     # bfloat16 operands: the float32 cotangent rounded to theirs (by the handler, unless
-    # broadcast batch axes are summed after: that sum is float32's)
+    # broadcast batch axes are summed after: that sum is float32's). The primal's own
+    # `rounded` says nothing about its cotangents.
+    del rounded
     dtype = a.aval.dtype
     ct = ct.astype(dtype)
-    rounded = not _summed(a.aval.shape, ct.shape)
+    narrow = not _summed(a.aval.shape, ct.shape)
     if transpose_a:  # a: [..., k, m]; d a = op(b) ct^T
-        out = _bind(b, ct, transpose_b, True, rounded)
+        out = _bind(b, ct, transpose_b, True, narrow)
     else:  # d a = ct op(b)^T
-        out = _bind(ct, b, False, not transpose_b, rounded)
+        out = _bind(ct, b, False, not transpose_b, narrow)
     return _unbroadcast(out, a.aval.shape).astype(dtype)
 
 
 def _transpose_b(ct, a, b, *, transpose_a, transpose_b, rounded):
+    del rounded  # as _transpose_a
     dtype = b.aval.dtype
     ct = ct.astype(dtype)
-    rounded = not _summed(b.aval.shape, ct.shape)
+    narrow = not _summed(b.aval.shape, ct.shape)
     if transpose_b:  # b: [..., n, k]; d b = ct^T op(a)
-        out = _bind(ct, a, True, transpose_a, rounded)
+        out = _bind(ct, a, True, transpose_a, narrow)
     else:  # d b = op(a)^T ct
-        out = _bind(a, ct, not transpose_a, False, rounded)
+        out = _bind(a, ct, not transpose_a, False, narrow)
     return _unbroadcast(out, b.aval.shape).astype(dtype)
 
 

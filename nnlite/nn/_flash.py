@@ -25,8 +25,8 @@ their products, and a CPU without bfloat16 arithmetic has nothing faster to offe
 attention in bfloat16 took a 135M Llama's LoRA step about 0.6 s more than this).
 
 ``MultiHeadAttention`` takes this path by itself where it applies (``usable``): float32,
-bfloat16 or float16 on the CPU, no explicit mask, no attention dropout or soft cap, causal with a static offset
-(or not causal), ``head_dim`` a multiple of 16. ``NNLITE_CPU_ATTENTION=xla`` turns it off;
+bfloat16 or float16 on the CPU, no explicit mask, no attention dropout or soft cap, causal
+with a static offset (or not causal), ``head_dim`` a multiple of 16. ``NNLITE_CPU_ATTENTION=xla`` turns it off;
 ``flash_info()`` says which attention this process runs and why.
 """
 
